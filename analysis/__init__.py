@@ -1,0 +1,1 @@
+"""Ledger, peaks, budgets and plots, from any event log (simulated or measured)."""

@@ -1,0 +1,1 @@
+"""Describers: model config + training setup in, operation graph out (never memory totals)."""

@@ -1,0 +1,282 @@
+"""Replay a forward tape the way torch's autograd does, and emit the simulator's ops.
+
+Memory in torch is freed when the last reference goes. Here each tensor has a count of the reasons it
+is still alive, and is freed at the end of the op that drops the last one:
+
+- forward use: released by the last forward op that reads it (or by its producer if nothing reads it);
+- saved for backward: one per saving op, released when that op's backward node has run;
+- held by the caller (logits, the batch): released when the micro-batch's backward ends;
+- activation checkpointing: a region's inputs are held until the region's backward is done; inside a
+  region nothing is saved in the forward pass, and the region is recomputed (with saves) right before
+  its backward.
+
+Gradients flow in reverse: a backward node allocates the gradients of its inputs (an add hands its
+grad_output on unchanged), frees the gradients of its outputs, and releases its saved tensors.
+A parameter's gradient becomes `.grad` when it is its first contribution in the step; later
+contributions (more micro-batches, tied weights, `set_to_none=False`) are temporaries accumulated in
+place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..simulator.events import Block, Category, Phase
+from .config import dtype_bytes
+from .tape import Tape, TapeOp, TensorSpec
+
+
+@dataclass
+class GradState:
+    """Which parameters hold a `.grad` block right now (persists across micro-batches and steps)."""
+
+    blocks: dict[str, Block] = field(default_factory=dict)
+    persistent: bool = False  # fp32 main-grad buffers allocated at load: every contribution is a temporary
+
+
+class _Storage:
+    """An activation gradient's memory, shared by the tensors an add hands it to."""
+
+    def __init__(self, block: Block, refs: int = 1) -> None:
+        self.block = block
+        self.refs = refs
+
+
+class MicroBatchReplay:
+    """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py)."""
+
+    def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState) -> None:
+        self.b = builder
+        self.tape = tape
+        self.step = step
+        self.mb = micro_batch
+        self.grads = grads
+        self.trainable = builder.trainable
+        self.specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
+        for op in tape.ops:
+            for o in op.outputs:
+                self.specs[o.name] = o
+        self.live: dict[str, Block] = {}
+        self.reasons: dict[str, int] = {}
+        self.grad_of: dict[str, _Storage] = {}
+        self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
+        self._contributed: set[str] = set()
+        self._plan()
+
+    # -- planning: what requires grad, what is saved, last uses, regions ---------------------------
+    def _plan(self) -> None:
+        ops = self.tape.ops
+        rg: dict[str, bool] = {t.name: False for t in self.tape.inputs}
+        self.needs_backward: list[bool] = []
+        for op in ops:
+            trainable_param = any(p in self.trainable for p in op.params)
+            upstream = any(rg.get(i, False) for i in op.inputs)
+            for o in op.outputs:
+                rg[o.name] = o.requires_grad and (trainable_param or upstream)
+            self.needs_backward.append(any(rg[o.name] for o in op.outputs))
+        self.rg = rg
+        self.saves: list[tuple[str, ...]] = []
+        for i, op in enumerate(ops):
+            saves = op.saves if self.needs_backward[i] else ()
+            if op.kind == "linear" and not any(p in self.trainable for p in op.params):
+                saves = tuple(s for s in saves if s not in op.inputs)  # input only feeds the weight grad
+            self.saves.append(saves)
+        self.last_use: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            for name in op.inputs:
+                self.last_use[name] = i
+        self.regions: dict[int, list[int]] = {}
+        for i, op in enumerate(ops):
+            if op.region is not None:
+                self.regions.setdefault(op.region, []).append(i)
+        self.region_inputs: dict[int, list[str]] = {}
+        for r, idxs in self.regions.items():
+            inside = {o.name for i in idxs for o in ops[i].outputs}
+            seen: list[str] = []
+            for i in idxs:
+                for name in ops[i].inputs:
+                    if name not in inside and name not in seen:
+                        seen.append(name)
+            self.region_inputs[r] = seen
+        # tensors that outlive their forward use in the first pass (recomputed ones always do)
+        self.kept_in_forward: set[str] = {s for i, saves in enumerate(self.saves) if ops[i].region is None
+                                          for s in saves}
+        self.kept_in_forward |= {n for names in self.region_inputs.values() for n in names}
+        self.kept_in_recompute: set[str] = {s for saves in self.saves for s in saves}
+
+    def _effective_saves(self, i: int, recomputing: bool) -> tuple[str, ...]:
+        op = self.tape.ops[i]
+        if op.region is not None and not recomputing:
+            return ()
+        return self.saves[i]
+
+    # -- blocks --------------------------------------------------------------------------------------
+    def _new_block(self, spec: TensorSpec, category: Category, name: str | None = None) -> Block:
+        return self.b.block(name or spec.name, spec.nbytes, category, spec.dtype, spec.shape)
+
+    def _hold(self, name: str, n: int = 1) -> None:
+        self.reasons[name] = self.reasons.get(name, 0) + n
+
+    def _release(self, name: str, frees: list[int]) -> None:
+        self.reasons[name] -= 1
+        if self.reasons[name] == 0 and name in self.live:
+            frees.append(self.live.pop(name).id)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self) -> None:
+        b = self.b
+        allocs = []
+        for t in self.tape.inputs:
+            blk = self._new_block(t, Category.INPUT)
+            self.live[t.name] = blk
+            allocs.append(blk)
+            self._hold(t.name)  # the caller holds the batch until backward ends
+        b.op("batch.load", Phase.FORWARD, self.step, self.mb, allocs, [])
+        for name in self.tape.held:
+            self._hold(name)
+        for r, names in self.region_inputs.items():
+            for name in names:
+                self._hold(name)
+        for i, op in enumerate(self.tape.ops):
+            self._run_forward(i, op, recomputing=False, uses=self.last_use)
+
+    def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int]) -> None:
+        allocs, frees = [], []
+        saves = self._effective_saves(i, recomputing)
+        kept = self.kept_in_recompute if recomputing else self.kept_in_forward
+        for o in op.outputs:
+            category = Category.ACTIVATION if (o.name in kept or o.name in self.tape.held) else Category.TEMPORARY
+            blk = self._new_block(o, category)
+            self.live[o.name] = blk
+            allocs.append(blk)
+            self._hold(o.name)  # forward use, released below at its last use
+        for s in saves:
+            self._hold(s)
+        for p in op.casts:  # autocast's 16-bit weight copy, saved for backward when there is one
+            cast = self.b.block(f"{p}.autocast_copy", self.b.param_numel[p] * dtype_bytes(self.b.setup.compute_dtype),
+                                Category.ACTIVATION if saves else Category.TEMPORARY,
+                                self.b.setup.compute_dtype, self.b.param_shape[p])
+            allocs.append(cast)
+            if saves:
+                self.live[cast.name] = cast
+                self._hold(cast.name)
+                saves = saves + (cast.name,)
+            else:
+                frees.append(cast.id)
+        self.saved_at[i] = saves
+        workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape) for w in op.workspace]
+        allocs += workspace
+        frees += [w.id for w in workspace]
+        for name in op.inputs:
+            if uses.get(name) == i:
+                self._release(name, frees)
+        for o in op.outputs:
+            if o.name not in uses:
+                self._release(o.name, frees)
+        bytes_moved = sum(a.nbytes for a in allocs) + sum(self.specs[n].nbytes for n in op.inputs)
+        self.b.op(op.name + (".recompute" if recomputing else ""), Phase.BACKWARD if recomputing else Phase.FORWARD,
+                  self.step, self.mb, allocs, frees, flops=op.flops, bytes_moved=bytes_moved, recompute=recomputing)
+
+    # -- backward -----------------------------------------------------------------------------------
+    def backward(self) -> None:
+        ops = self.tape.ops
+        region_done: set[int] = set()
+        for i in range(len(ops) - 1, -1, -1):
+            op = ops[i]
+            if op.region is not None and op.region not in region_done:
+                region_done.add(op.region)
+                self._recompute(op.region)
+            if self.needs_backward[i]:
+                self._run_backward(i, op)
+            if op.region is not None and i == self.regions[op.region][0]:
+                frees: list[int] = []
+                for name in self.region_inputs[op.region]:
+                    self._release(name, frees)
+                if frees:
+                    self.b.op(f"checkpoint.region{op.region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+        frees = []
+        for name in self.tape.held:
+            self._release(name, frees)
+        for t in self.tape.inputs:
+            self._release(t.name, frees)
+        self.b.op("batch.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+
+    def _recompute(self, region: int) -> None:
+        idxs = self.regions[region]
+        last_saving = max((i for i in idxs if self.saves[i] and self.needs_backward[i]), default=None)
+        if last_saving is None:
+            return
+        todo = [i for i in idxs if i <= last_saving]
+        uses: dict[str, int] = {}
+        for i in todo:
+            for name in self.tape.ops[i].inputs:
+                uses[name] = i
+        # region inputs are still live (held by the region); recomputed inputs get a forward-use reason
+        for name in list(uses):
+            if name in self.live and not any(name == o.name for i in todo for o in self.tape.ops[i].outputs):
+                self._hold(name)
+        for i in todo:
+            self._run_forward(i, self.tape.ops[i], recomputing=True, uses=uses)
+
+    def _param_grad(self, p: str, allocs: list, frees: list) -> None:
+        if p not in self.trainable:
+            return
+        b = self.b
+        nbytes = b.grad_bytes(p)
+        if self.grads.persistent or p in self.grads.blocks or p in self._contributed:
+            contrib = b.grad_contribution_bytes(p)
+            tmp = b.block(f"{p}.grad_contribution", contrib, Category.TEMPORARY, b.contribution_dtype, b.param_shape[p])
+            allocs.append(tmp)
+            frees.append(tmp.id)
+        else:
+            blk = b.block(f"{p}.grad", nbytes, Category.GRADIENT, b.setup.grad_dtype, b.param_shape[p],
+                          shard=b.grad_shard)
+            self.grads.blocks[p] = blk
+            allocs.append(blk)
+        self._contributed.add(p)
+
+    def _run_backward(self, i: int, op: TapeOp) -> None:
+        allocs, frees = [], []
+        out0 = op.outputs[0]
+        grad_out = self.grad_of.get(out0.name)
+        for name in op.inputs:
+            if not self.rg.get(name):
+                continue
+            spec = self.specs[name]
+            if op.passthrough and grad_out is not None and spec.shape == out0.shape:
+                if name in self.grad_of:
+                    continue  # accumulated in place into the existing gradient
+                grad_out.refs += 1
+                self.grad_of[name] = grad_out
+                continue
+            blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+            allocs.append(blk)
+            if name in self.grad_of:
+                frees.append(blk.id)  # summed into the gradient already there
+            else:
+                self.grad_of[name] = _Storage(blk)
+        for p in op.params:
+            self._param_grad(p, allocs, frees)
+        workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape) for w in op.bwd_workspace]
+        allocs += workspace
+        frees += [w.id for w in workspace]
+        for o in op.outputs:
+            storage = self.grad_of.pop(o.name, None)
+            if storage is not None:
+                storage.refs -= 1
+                if storage.refs == 0:
+                    frees.append(storage.block.id)
+        for s in self.saved_at.get(i, ()):
+            self._release(s, frees)
+        bytes_moved = 2 * sum(a.nbytes for a in allocs)
+        self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
+                  flops=2 * op.flops, bytes_moved=bytes_moved)
+
+    def run(self) -> None:
+        self.forward()
+        self.backward()
+
+
+def param_bytes(numel: int, dtype: str, shard: int = 1) -> int:
+    """Bytes of one rank's shard of a tensor: ceil(numel / shard) elements (uneven shards are padded)."""
+    return -(-numel // shard) * dtype_bytes(dtype)

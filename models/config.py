@@ -1,0 +1,207 @@
+"""Configs: what the model is and how it is trained. Frozen dataclasses, validated on creation.
+
+A describer reads a model config (`TransformerConfig` or `MLPConfig`) and a `TrainingSetup` and
+produces an op graph. Every invalid value raises `ConfigError` naming the field and what is allowed,
+so the CLI can turn it into a clear message (exit 2) instead of a traceback or a wrong number.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
+DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                 "uint8": "int8", "long": "int64"}
+
+
+class ConfigError(ValueError):
+    """A bad input value: `field` names it, the message says what is allowed."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def dtype_name(value: str, field_name: str = "dtype") -> str:
+    name = DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
+    if name not in DTYPE_BYTES:
+        raise ConfigError(field_name, f"unknown dtype {value!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    return name
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype_name(dtype)]
+
+
+def _positive_int(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(name, f"must be a positive integer, got {value!r}")
+
+
+def _choice(obj, name: str, allowed) -> None:
+    value = getattr(obj, name)
+    if value not in allowed:
+        raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(map(str, allowed))}")
+
+
+FAMILIES = ("gpt2", "llama")
+ATTENTION = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only transformer. `family` fixes the block layout:
+
+    gpt2: learned positions, LayerNorm with bias, GELU MLP, biases on linears, tied embeddings.
+    llama: rotary positions (no parameters), RMSNorm, gated SiLU MLP, no biases, GQA.
+    """
+
+    name: str
+    family: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    max_seq_len: int
+    n_kv_head: int | None = None  # None: = n_head (multi-head attention)
+    d_ff: int | None = None  # None: 4 * d_model
+    tied_embeddings: bool | None = None  # None: family default
+    bias: bool | None = None  # None: family default
+    dropout: float = 0.0
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        _choice(self, "family", FAMILIES)
+        _choice(self, "attention", ATTENTION)
+        _positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
+        if self.n_kv_head is not None:
+            _positive_int(self, "n_kv_head")
+        if self.d_ff is not None:
+            _positive_int(self, "d_ff")
+        if self.d_model % self.n_head:
+            raise ConfigError("n_head", f"n_head={self.n_head} must divide d_model={self.d_model}")
+        if self.n_head % self.kv_heads:
+            raise ConfigError("n_kv_head", f"n_kv_head={self.kv_heads} must divide n_head={self.n_head}")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.d_model if self.d_ff is None else self.d_ff
+
+    @property
+    def tied(self) -> bool:
+        return (self.family == "gpt2") if self.tied_embeddings is None else self.tied_embeddings
+
+    @property
+    def has_bias(self) -> bool:
+        return (self.family == "gpt2") if self.bias is None else self.bias
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """A stack of Linear layers with an activation between them, and a loss over the last layer."""
+
+    name: str
+    d_in: int
+    hidden: tuple[int, ...]
+    d_out: int
+    bias: bool = True
+    activation: str = "relu"
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "d_in", "d_out")
+        if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in self.hidden):
+            raise ConfigError("hidden", f"must be a non-empty list of positive integers, got {self.hidden!r}")
+        _choice(self, "activation", ("relu", "gelu"))
+
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
+OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
+CHECKPOINTING = ("none", "full")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the model is trained.
+
+    precision:
+      fp32           everything fp32.
+      bf16-mixed     16-bit parameters and gradients, fp32 master weights and optimizer states
+      fp16-mixed     (DeepSpeed / Megatron style; `fp32_grads` keeps gradients in fp32).
+      bf16-autocast  torch.autocast: fp32 parameters, gradients and states, 16-bit activations and
+      fp16-autocast  16-bit weight copies cached for the forward pass.
+      bf16           pure bf16: parameters, gradients and states all bf16.
+    """
+
+    micro_batch: int = 1
+    seq_len: int = 1024
+    grad_accum: int = 1
+    steps: int = 2
+    precision: str = "fp32"
+    fp32_grads: bool = False
+    optimizer: str = "adamw"
+    optimizer_impl: str = "foreach"
+    set_to_none: bool = True
+    frozen: tuple[str, ...] = ()  # fnmatch patterns over parameter names
+    world_size: int = 1
+    zero_stage: int = 0
+    checkpointing: str = "none"
+    logits_held: bool = True  # the caller keeps `logits` alive until backward ends
+
+    def __post_init__(self) -> None:
+        _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
+        _choice(self, "precision", PRECISIONS)
+        _choice(self, "optimizer", OPTIMIZERS)
+        _choice(self, "optimizer_impl", OPTIMIZER_IMPLS)
+        _choice(self, "checkpointing", CHECKPOINTING)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError("zero_stage", f"unknown value {self.zero_stage!r}; allowed: 0, 1, 2, 3")
+        if self.fp32_grads and not self.precision.endswith("-mixed"):
+            raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
+
+    @property
+    def param_dtype(self) -> str:
+        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype of activations."""
+        return {"fp32": "fp32"}.get(self.precision, self.precision[:4])
+
+    @property
+    def grad_dtype(self) -> str:
+        return "fp32" if self.fp32_grads else self.param_dtype
+
+    @property
+    def master_dtype(self) -> str | None:
+        """fp32 master weights exist only in the mixed-precision modes."""
+        return "fp32" if self.precision.endswith("-mixed") else None
+
+    @property
+    def state_dtype(self) -> str:
+        return "fp32" if self.precision != "bf16" else "bf16"
+
+    @property
+    def effective_batch(self) -> int:
+        """B_eff = micro-batch x accumulation x data-parallel world size."""
+        return self.micro_batch * self.grad_accum * self.world_size
+
+
+__all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
+           "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING"]

@@ -1,0 +1,61 @@
+"""The cost model: how long an op takes, from its FLOPs and the bytes it moves (a roofline).
+
+duration = max(flops / (peak FLOP/s x efficiency), bytes / (bandwidth x efficiency)) + launch latency.
+
+Device figures are vendor peak numbers (dense, no sparsity) and the efficiencies are assumptions,
+labelled as such in every report: durations set the order and overlap of events in time, never the
+byte counts, so a wrong assumption here moves a timeline sideways, not a peak up or down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    memory_bytes: int
+    flops: dict[str, float]  # peak dense FLOP/s by compute dtype
+    bandwidth: float  # memory bytes/s
+    host_link: float  # host<->device bytes/s
+    is_cpu: bool = False
+    flops_efficiency: float = 0.5  # assumption: fraction of peak a training kernel reaches
+    bandwidth_efficiency: float = 0.7  # assumption
+    launch_latency: float = 5e-6  # assumption, seconds per op
+
+    def assumptions(self) -> list[str]:
+        peaks = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
+        return [f"{self.name}: vendor peak {peaks}; memory {self.bandwidth / 1e12:g} TB/s; host link "
+                f"{self.host_link / 1e9:g} GB/s (assumed, not measured)",
+                f"efficiency assumed {self.flops_efficiency:.0%} of peak FLOP/s, {self.bandwidth_efficiency:.0%} "
+                f"of bandwidth, {self.launch_latency * 1e6:g} us per op"]
+
+    def duration(self, flops: int, bytes_moved: int, dtype: str) -> float:
+        peak = self.flops.get(dtype, self.flops["fp32"])
+        compute = flops / (peak * self.flops_efficiency)
+        memory = bytes_moved / (self.bandwidth * self.bandwidth_efficiency)
+        return max(compute, memory) + self.launch_latency
+
+
+GiB = 2**30
+DEVICES = {
+    "A100-80GB": DeviceProfile("A100-80GB", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+                               bandwidth=2.039e12, host_link=25e9),
+    "H100-80GB": DeviceProfile("H100-80GB", 80 * GiB, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
+                               bandwidth=3.35e12, host_link=50e9),
+    "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
+                                                           "fp16": 989.4e12}, bandwidth=4.8e12, host_link=50e9),
+    "cpu": DeviceProfile("cpu", 24 * GiB, {"fp32": 0.1e12, "bf16": 0.05e12, "fp16": 0.02e12}, bandwidth=20e9,
+                         host_link=20e9, is_cpu=True, flops_efficiency=1.0, bandwidth_efficiency=1.0,
+                         launch_latency=2e-6),
+}
+
+
+def device_profile(name: str) -> DeviceProfile:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ConfigError("device", f"unknown device {name!r}; allowed: {', '.join(DEVICES)}") from None

@@ -1,0 +1,79 @@
+"""Named model configs, and HF `config.json` files read into the same `TransformerConfig`.
+
+Figures are the published architectures (layer count, widths, heads, vocabulary); weights are never
+downloaded: describers need shapes only, and reference torch models are built with random weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import ConfigError, MLPConfig, TransformerConfig
+
+PRESETS: dict[str, TransformerConfig | MLPConfig] = {
+    "tiny": TransformerConfig(name="tiny", family="gpt2", n_layer=2, d_model=64, n_head=4, vocab_size=256,
+                              max_seq_len=64, attention="eager"),
+    "tiny-llama": TransformerConfig(name="tiny-llama", family="llama", n_layer=2, d_model=64, n_head=4,
+                                    n_kv_head=2, d_ff=176, vocab_size=256, max_seq_len=64),
+    "tiny-mlp": MLPConfig(name="tiny-mlp", d_in=512, hidden=(512, 512), d_out=512),
+    "gpt2": TransformerConfig(name="gpt2", family="gpt2", n_layer=12, d_model=768, n_head=12,
+                              vocab_size=50257, max_seq_len=1024),
+    "gpt2-medium": TransformerConfig(name="gpt2-medium", family="gpt2", n_layer=24, d_model=1024, n_head=16,
+                                     vocab_size=50257, max_seq_len=1024),
+    "llama-3-8b": TransformerConfig(name="llama-3-8b", family="llama", n_layer=32, d_model=4096, n_head=32,
+                                    n_kv_head=8, d_ff=14336, vocab_size=128256, max_seq_len=8192),
+    "llama-3-70b": TransformerConfig(name="llama-3-70b", family="llama", n_layer=80, d_model=8192, n_head=64,
+                                     n_kv_head=8, d_ff=28672, vocab_size=128256, max_seq_len=8192),
+    "mistral-7b": TransformerConfig(name="mistral-7b", family="llama", n_layer=32, d_model=4096, n_head=32,
+                                    n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768),
+}
+
+
+def preset(name: str) -> TransformerConfig | MLPConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError("preset", f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+
+
+def _get(cfg: dict, *keys: str, default=None):
+    for k in keys:
+        if k in cfg and cfg[k] is not None:
+            return cfg[k]
+    return default
+
+
+def from_hf_config(data: dict, name: str = "hf") -> TransformerConfig:
+    """Read a HF transformers config dict (GPT-2, Llama, Mistral, Qwen2-style) into a TransformerConfig."""
+    model_type = data.get("model_type")
+    if model_type == "gpt2":
+        return TransformerConfig(
+            name=name, family="gpt2", n_layer=_get(data, "n_layer"), d_model=_get(data, "n_embd"),
+            n_head=_get(data, "n_head"), vocab_size=_get(data, "vocab_size"),
+            max_seq_len=_get(data, "n_positions", "n_ctx"), d_ff=_get(data, "n_inner"),
+            dropout=float(_get(data, "resid_pdrop", default=0.0)), attention="eager",
+            tied_embeddings=bool(_get(data, "tie_word_embeddings", default=True)))
+    if model_type in ("llama", "mistral", "qwen2"):
+        return TransformerConfig(
+            name=name, family="llama", n_layer=_get(data, "num_hidden_layers"), d_model=_get(data, "hidden_size"),
+            n_head=_get(data, "num_attention_heads"), n_kv_head=_get(data, "num_key_value_heads"),
+            d_ff=_get(data, "intermediate_size"), vocab_size=_get(data, "vocab_size"),
+            max_seq_len=_get(data, "max_position_embeddings", default=4096),
+            tied_embeddings=bool(_get(data, "tie_word_embeddings", default=False)),
+            bias=bool(_get(data, "attention_bias", default=False)) or None,
+            dropout=float(_get(data, "attention_dropout", default=0.0)))
+    raise ConfigError("model_type", f"unsupported HF model_type {model_type!r}; allowed: gpt2, llama, mistral, qwen2")
+
+
+def load_hf_config(path: str | Path) -> TransformerConfig:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("hf_config", f"file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError("hf_config", f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("hf_config", f"{path} must hold a JSON object")
+    return from_hf_config(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")

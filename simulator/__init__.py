@@ -1,0 +1,1 @@
+"""The SimPy engine and the event schema: op graph in, exact allocate/free event log out."""

@@ -1,0 +1,151 @@
+"""The event schema: the one contract between describers, simulator, traces and analysis.
+
+A training run, simulated or measured, is a list of `Event`s. Each event allocates or frees one
+`Block` of memory: a tensor (or a slice of one) with an exact byte count, a category that says what
+the memory is for, and where it lives (rank, pool). Every event also says when it happened (time,
+and the phase / step / micro-batch of the training loop) and which stream and operation caused it.
+
+A simulator run and a measured torch trace are the same kind of object (`EventLog`), so the analysis
+layer never needs to know which one it is looking at.
+
+Categories live in one enum and are decided in one place per producer (the describer for simulated
+runs, the tracker for measured ones), in the spirit of `torch/profiler/_memory_profiler.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+
+class Category(str, enum.Enum):
+    """What a block of memory is for."""
+
+    PARAMETER = "parameter"
+    GRADIENT = "gradient"
+    MASTER_PARAMETER = "master_parameter"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATION = "activation"  # saved for backward
+    TEMPORARY = "temporary"
+    INPUT = "input"  # the batch: token ids, labels
+    BUFFER = "buffer"  # registered module buffers (masks, rotary tables)
+    ALL_GATHER_BUFFER = "all_gather_buffer"
+    REDUCE_SCATTER_BUCKET = "reduce_scatter_bucket"
+    CHECKPOINT_STAGING = "checkpoint_staging"
+    UNKNOWN = "unknown"  # measured traces only: a block no rule could label
+
+
+class OptimizerState(str, enum.Enum):
+    """The named optimizer states (Category.OPTIMIZER_STATE blocks carry one)."""
+
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+    MAX_EXP_AVG_SQ = "max_exp_avg_sq"
+    MOMENTUM_BUFFER = "momentum_buffer"
+    STEP = "step"
+    QUANT_STATE = "quantization_state"  # 8-bit optimizers: per-block absmax scales
+
+
+class Phase(str, enum.Enum):
+    LOAD = "load"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    ZERO_GRAD = "zero_grad"
+    CHECKPOINT = "checkpoint"
+
+
+class Action(str, enum.Enum):
+    ALLOC = "alloc"
+    FREE = "free"
+
+
+class Pool(str, enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Stream(str, enum.Enum):
+    COMPUTE = "compute"
+    COMMUNICATION = "communication"
+    HOST = "host"
+
+
+@dataclass(frozen=True)
+class Block:
+    """One allocation: exact bytes (a Python int), what it is for and where it lives.
+
+    `name` is the tensor's path (`layers.3.attn.c_attn.weight`, `layers.3.attn.softmax_out`),
+    `shard_factor` the number of ranks one full tensor is divided across (1 = not sharded).
+    """
+
+    id: int
+    nbytes: int
+    category: Category
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    state: OptimizerState | None = None
+    shard_factor: int = 1
+    rank: int = 0
+    pool: Pool = Pool.DEVICE
+
+    @property
+    def module(self) -> str:
+        """The module path: the tensor name without its last component."""
+        return self.name.rpartition(".")[0]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One allocate or free of one block, at one moment of the training loop.
+
+    `seq` orders events totally (ties in `time` are broken by it); `step` counts optimizer steps from
+    1 (0 = load, before the first step); `micro_batch` is the index within gradient accumulation, or
+    -1 outside forward/backward.
+    """
+
+    seq: int
+    time: float
+    action: Action
+    block: Block
+    phase: Phase
+    step: int
+    micro_batch: int
+    stream: Stream
+    op: str
+
+    @property
+    def delta(self) -> int:
+        return self.block.nbytes if self.action is Action.ALLOC else -self.block.nbytes
+
+
+@dataclass(frozen=True)
+class OOMRecord:
+    """The first allocation that did not fit a pool's capacity, with what was live when it failed."""
+
+    event: Event
+    capacity: int
+    live_bytes: int  # bytes in that pool before the failing allocation
+    live_by_category: dict[Category, int]
+    largest_live: tuple[Block, ...]
+
+
+@dataclass
+class EventLog:
+    """A whole run: events in order, plus where they came from (simulated or measured)."""
+
+    events: list[Event]
+    source: str  # "simulator", "torch-dispatch-tracker", "torch-profiler", "cuda-snapshot"
+    metadata: dict = field(default_factory=dict)
+    ooms: list[OOMRecord] = field(default_factory=list)
+    op_names: list[str] = field(default_factory=list)
+
+    def blocks(self) -> dict[int, Block]:
+        return {e.block.id: e.block for e in self.events}
+
+    def pools(self) -> list[tuple[int, Pool]]:
+        """Every (rank, pool) that appears, in a stable order."""
+        return sorted({(e.block.rank, e.block.pool) for e in self.events}, key=lambda rp: (rp[0], rp[1].value))

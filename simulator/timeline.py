@@ -1,0 +1,89 @@
+"""Occupancy timelines: bytes live after each event, per category, for one (rank, pool).
+
+Built from any `EventLog` (simulated or measured). Python ints decide the peak exactly; the numpy
+arrays are for plotting and vector maths (int64, or object dtype if a total would not fit int64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .events import Action, Category, Event, EventLog, Pool
+
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class PeakPoint:
+    """The moment a pool's occupancy is highest: the event right after which it was reached."""
+
+    bytes: int
+    event: Event | None  # None for an empty log
+    live_by_category: dict[Category, int]
+
+
+@dataclass
+class Timeline:
+    rank: int
+    pool: Pool
+    events: list[Event]  # only this pool's events, in order
+    times: np.ndarray  # seconds
+    total: np.ndarray  # bytes live after each event
+    by_category: dict[Category, np.ndarray]
+
+    def peak(self, where=None) -> PeakPoint:
+        """Highest occupancy over the events for which `where(event)` holds (all by default).
+
+        Ties go to the earliest event: the first moment the peak is reached.
+        """
+        best, best_i = -1, -1
+        running = 0
+        for i, e in enumerate(self.events):
+            running += e.delta
+            if (where is None or where(e)) and running > best:
+                best, best_i = running, i
+        if best_i < 0:
+            return PeakPoint(bytes=0, event=None, live_by_category={})
+        return PeakPoint(bytes=best, event=self.events[best_i], live_by_category=self.live_at(best_i))
+
+    def live_at(self, index: int) -> dict[Category, int]:
+        """Bytes live by category right after event `index` (exact ints)."""
+        live: dict[Category, int] = {}
+        for e in self.events[: index + 1]:
+            live[e.block.category] = live.get(e.block.category, 0) + e.delta
+        return {c: b for c, b in live.items() if b}
+
+    def live_blocks_at(self, index: int) -> list:
+        live = {}
+        for e in self.events[: index + 1]:
+            if e.action is Action.ALLOC:
+                live[e.block.id] = e.block
+            else:
+                live.pop(e.block.id, None)
+        return list(live.values())
+
+
+def _array(values: list[int]) -> np.ndarray:
+    if values and (max(values) > INT64_MAX or min(values) < -INT64_MAX):
+        return np.array(values, dtype=object)
+    return np.array(values, dtype=np.int64)
+
+
+def timeline(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE) -> Timeline:
+    events = [e for e in log.events if e.block.rank == rank and e.block.pool is pool]
+    categories = sorted({e.block.category for e in events}, key=lambda c: list(Category).index(c))
+    running = {c: 0 for c in categories}
+    columns: dict[Category, list[int]] = {c: [] for c in categories}
+    totals: list[int] = []
+    total = 0
+    for e in events:
+        running[e.block.category] += e.delta
+        total += e.delta
+        totals.append(total)
+        for c in categories:
+            columns[c].append(running[c])
+    return Timeline(rank=rank, pool=pool, events=events,
+                    times=np.array([e.time for e in events], dtype=float),
+                    total=_array(totals), by_category={c: _array(v) for c, v in columns.items()})

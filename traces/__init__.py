@@ -1,0 +1,1 @@
+"""Real torch memory traces, captured or loaded into the event schema."""
