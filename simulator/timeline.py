@@ -22,6 +22,7 @@ class PeakPoint:
     bytes: int
     event: Event | None  # None for an empty log
     live_by_category: dict[Category, int]
+    index: int = -1  # position in the timeline's events
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Timeline:
                 best, best_i = running, i
         if best_i < 0:
             return PeakPoint(bytes=0, event=None, live_by_category={})
-        return PeakPoint(bytes=best, event=self.events[best_i], live_by_category=self.live_at(best_i))
+        return PeakPoint(bytes=best, event=self.events[best_i], live_by_category=self.live_at(best_i), index=best_i)
 
     def live_at(self, index: int) -> dict[Category, int]:
         """Bytes live by category right after event `index` (exact ints)."""

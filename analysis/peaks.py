@@ -1,0 +1,49 @@
+"""Peaks: the true peak of a run, the first-step and steady-state (step >= 2) peaks, and headroom.
+
+A peak is the highest occupancy of one (rank, pool) reached right after an event; it carries that
+event (so the op, phase and step that caused it) and the live bytes by category at that moment.
+The steady-state peak is what every step after the first needs; the first step can be higher because
+optimizer states are created lazily inside it, so "first > steady" is a transient worth naming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from ..simulator.events import EventLog, Pool
+from ..simulator.timeline import PeakPoint, Timeline, timeline
+
+
+@dataclass(frozen=True)
+class Peaks:
+    rank: int
+    pool: Pool
+    peak: PeakPoint
+    first_step: PeakPoint
+    steady: PeakPoint | None  # None when the run has a single step
+    headroom: float
+
+    @property
+    def capacity_needed(self) -> int:
+        """peak x (1 + headroom), rounded up to a whole byte (exact integer arithmetic)."""
+        return with_headroom(self.peak.bytes, self.headroom)
+
+    @property
+    def transient(self) -> int:
+        """How far the true peak is above the steady-state peak (0 when the steady state is the peak)."""
+        return self.peak.bytes - self.steady.bytes if self.steady else 0
+
+
+def with_headroom(nbytes: int, headroom: float) -> int:
+    """nbytes x (1 + headroom), rounded up, in exact integer arithmetic (headroom to 1e-6)."""
+    ratio = Fraction(1 + headroom).limit_denominator(10**6)
+    return -(-nbytes * ratio.numerator // ratio.denominator)
+
+
+def peaks(log: EventLog | Timeline, rank: int = 0, pool: Pool = Pool.DEVICE, headroom: float = 0.0) -> Peaks:
+    tl = log if isinstance(log, Timeline) else timeline(log, rank, pool)
+    steps = {e.step for e in tl.events}
+    steady = tl.peak(lambda e: e.step >= 2) if any(s >= 2 for s in steps) else None
+    return Peaks(rank=tl.rank, pool=tl.pool, peak=tl.peak(), first_step=tl.peak(lambda e: e.step <= 1),
+                 steady=steady, headroom=headroom)

@@ -1,0 +1,56 @@
+"""PNG plot of a run: stacked occupancy by category over time, phase bands, the peak marked."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ..simulator.events import Phase  # noqa: E402
+from ..simulator.timeline import Timeline  # noqa: E402
+from .units import UNITS  # noqa: E402
+
+PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e8f1fb", Phase.BACKWARD: "#fbeee6",
+                 Phase.OPTIMIZER: "#eaf7e6", Phase.ZERO_GRAD: "#f3e8f7", Phase.CHECKPOINT: "#fff6cc"}
+
+
+def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -> None:
+    """Write the plot to `path` atomically. The x axis is the event index (simulated or measured
+    time can be zero-length between events; the index keeps every allocation visible)."""
+    scale = UNITS[unit]
+    x = np.arange(len(tl.events))
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
+    start = 0
+    for i in range(1, len(tl.events) + 1):
+        if i == len(tl.events) or tl.events[i].phase is not tl.events[start].phase:
+            ax.axvspan(start, i, color=PHASE_COLOURS[tl.events[start].phase], lw=0)
+            start = i
+    cats = list(tl.by_category)
+    ys = [np.asarray(tl.by_category[c], dtype=float) / scale for c in cats]
+    if ys:
+        ax.stackplot(x, *ys, labels=[c.value for c in cats], step="post")
+        peak_i = int(np.argmax(np.asarray(tl.total, dtype=float)))
+        peak = float(tl.total[peak_i]) / scale
+        ax.axvline(peak_i, color="black", lw=0.8, ls="--")
+        ax.annotate(f"peak {peak:.4g} {unit}\n{tl.events[peak_i].op}", (peak_i, peak), textcoords="offset points",
+                    xytext=(5, -25), fontsize=8)
+    ax.set_xlabel("event (phases shaded: load grey, forward blue, backward orange, optimizer green)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=7, ncol=2)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".png.tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", metadata={"Software": None})
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)

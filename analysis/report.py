@@ -1,0 +1,139 @@
+"""The report of one run: peaks, ledger at the peak, FLOPs, assumptions; as JSON and as text.
+
+`summarize(log)` works on any event log. The JSON keys `ledger`, `peak`, `steady_peak`,
+`first_step_peak` and `events` are a stable contract read by other tools; add keys, never rename.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..simulator.events import EventLog, Pool
+from ..simulator.timeline import PeakPoint, timeline
+from .ledger import LedgerRow, ledger_at
+from .peaks import Peaks, peaks
+from .units import format_bytes
+
+REPORT_VERSION = 1
+
+
+@dataclass
+class Report:
+    name: str
+    log: EventLog
+    peaks: Peaks
+    ledger: list[LedgerRow]
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def steps(self) -> int:
+        return self.metadata.get("setup", {}).get("steps", 1)
+
+
+def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int = 0,
+              pool: Pool = Pool.DEVICE) -> Report:
+    tl = timeline(log, rank, pool)
+    pk = peaks(tl, headroom=headroom)
+    rows = ledger_at(tl, pk.peak.index) if pk.peak.event is not None else []
+    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata))
+
+
+def training_flops(n_params: int, tokens_per_step: int) -> int:
+    """6ND: forward + backward FLOPs of a dense model per optimizer step (an approximation)."""
+    return 6 * n_params * tokens_per_step
+
+
+def _peak_json(p: PeakPoint | None) -> dict | None:
+    if p is None:
+        return None
+    e = p.event
+    return {"bytes": p.bytes, "unit": "B", "op": e.op if e else None, "phase": e.phase.value if e else None,
+            "step": e.step if e else None, "micro_batch": e.micro_batch if e else None,
+            "time_s": e.time if e else None,
+            "live_by_category": {c.value: b for c, b in p.live_by_category.items()}}
+
+
+def report_json(r: Report) -> dict:
+    md = r.metadata
+    setup = md.get("setup", {})
+    out = {
+        "version": REPORT_VERSION,
+        "scenario": r.name,
+        "model": md.get("model"),
+        "device": md.get("device"),
+        "setup": setup,
+        "n_params": md.get("n_params"),
+        "n_trainable": md.get("n_trainable"),
+        "rank": r.peaks.rank,
+        "pool": r.peaks.pool.value,
+        "peak": _peak_json(r.peaks.peak),
+        "first_step_peak": _peak_json(r.peaks.first_step),
+        "steady_peak": _peak_json(r.peaks.steady),
+        "transient_bytes": r.peaks.transient,
+        "headroom": r.peaks.headroom,
+        "capacity_needed": r.peaks.capacity_needed,
+        "ledger": [row.as_json() for row in r.ledger],
+        "events": len(r.log.events),
+        "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
+                  "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes}
+                 for o in r.log.ooms],
+        "assumptions": md.get("assumptions", []),
+    }
+    if setup:
+        b_eff = setup["micro_batch"] * setup["grad_accum"] * setup["world_size"]
+        tokens = b_eff * setup["seq_len"]
+        out["effective_batch"] = b_eff
+        out["tokens_per_step"] = tokens
+        out["training_flops_per_step"] = {
+            "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
+            "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
+        if r.log.events:
+            out["simulated_time_per_step_s"] = r.log.events[-1].time / setup["steps"]
+    return out
+
+
+def render_text(r: Report, unit: str = "GiB") -> str:
+    """A plain-text report (monospace table), sizes labelled with their unit."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    md, pk = r.metadata, r.peaks
+    lines = [f"peakledger: {r.name}  ({md.get('model')} on {md.get('device')}, rank {pk.rank} {pk.pool.value} memory)"]
+    setup = md.get("setup", {})
+    if setup:
+        b_eff = setup["micro_batch"] * setup["grad_accum"] * setup["world_size"]
+        lines.append(f"  {md.get('n_params'):,} parameters ({md.get('n_trainable'):,} trainable); precision "
+                     f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
+                     f"ZeRO-{setup['zero_stage']} x {setup['world_size']}, checkpointing {setup['checkpointing']}")
+        lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
+                     f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {setup['steps']} steps")
+        tokens = b_eff * setup["seq_len"]
+        flops = training_flops(md.get("n_trainable") or 0, tokens)
+        lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
+    lines.append("")
+    e = pk.peak.event
+    if e is not None:
+        lines.append(f"true peak        {f(pk.peak.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
+                     + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") + ")")
+        lines.append(f"first-step peak  {f(pk.first_step.bytes):>14}  at {pk.first_step.event.op}")
+        if pk.steady is not None and pk.steady.event is not None:
+            lines.append(f"steady peak      {f(pk.steady.bytes):>14}  at {pk.steady.event.op} (steps >= 2)")
+            if pk.first_step.bytes > pk.steady.bytes:
+                lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state")
+        if pk.headroom:
+            lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
+    lines.append("")
+    lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
+    lines.append(f"  {'row':<34}{'size':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}")
+    for row in r.ledger:
+        lines.append(f"  {row.row:<34}{f(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
+                     f"{row.tensors:>9}{row.share:>8.1%}")
+    lines.append(f"  {'total':<34}{f(sum(x.bytes for x in r.ledger)):>14}")
+    for o in r.log.ooms:
+        lines.append("")
+        lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): {o.event.block.name} "
+                     f"needs {f(o.event.block.nbytes)} with {f(o.live_bytes)} live of {f(o.capacity)}")
+    if md.get("assumptions"):
+        lines.append("")
+        lines.append("assumptions (timing only; bytes do not depend on them):")
+        lines += [f"  - {a}" for a in md["assumptions"]]
+    lines.append(f"{len(r.log.events):,} events")
+    return "\n".join(lines)

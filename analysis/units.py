@@ -1,0 +1,60 @@
+"""Byte counts for people: parse budgets ("80GiB", "80GB", "85899345920") and print sizes.
+
+Inside, bytes are exact Python ints. Outside, every size says its unit: GiB (2^30) or GB (10^9),
+with significant digits that do not fake precision (4 by default).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..models.config import ConfigError
+
+UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BUDGET = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | int, field: str = "budget") -> int:
+    """'80GiB' -> 85899345920, '80GB' -> 80000000000, '123' -> 123. Fractions round down to whole bytes."""
+    if isinstance(text, bool):
+        raise ConfigError(field, f"expected a size like 80GiB, 80GB or plain bytes, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(field, f"must not be negative, got {text}")
+        return text
+    m = _BUDGET.match(str(text))
+    units = {u.lower(): v for u, v in UNITS.items()}
+    if not m or m.group(2).lower() not in units and m.group(2) != "":
+        raise ConfigError(field, f"cannot read {text!r}; use a number with a unit ({', '.join(UNITS)}), "
+                                 "e.g. 80GiB, 80GB, or plain bytes")
+    number, unit = m.group(1), m.group(2)
+    scale = units[unit.lower()] if unit else 1
+    whole, _, frac = number.partition(".")
+    value = int(whole) * scale + (int(frac) * scale) // 10 ** len(frac) if frac else int(whole) * scale
+    return value
+
+
+_SMALLER = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "KiB": "B", "TB": "GB", "GB": "MB", "MB": "KB", "KB": "B"}
+
+
+def format_bytes(n: int, unit: str = "GiB", digits: int = 4) -> str:
+    """'1.234 GiB'. `unit` is GiB or GB (or any unit in UNITS); 'auto' picks a binary unit by size."""
+    if unit == "auto":
+        unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if abs(n) >= UNITS[u]), "B")
+    if unit == "B":
+        return f"{n:,} B"
+    smaller = _SMALLER.get(unit)
+    if smaller and n and abs(n) < UNITS[unit] // 1000:
+        return format_bytes(n, smaller, digits)
+    value = n / UNITS[unit]
+    return f"{_significant(value, digits)} {unit}"
+
+
+def _significant(value: float, digits: int) -> str:
+    if value == 0:
+        return "0"
+    text = f"{value:.{digits}g}"
+    if "e" in text:
+        return f"{value:.{max(digits - 1, 0)}e}"
+    return text

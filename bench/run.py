@@ -1,0 +1,68 @@
+"""Benchmarks: simulation speed (one llama-3-70b step) and a max-batch search. Writes bench/RESULTS.md.
+
+    python bench/run.py
+
+Targets (from the foundation issue): one 70B step simulated in under 1 s; a max-batch search in
+under 5 s. Times are wall-clock on whatever machine runs this; the machine is printed with them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+from peakledger import build_scenario, max_micro_batch
+from peakledger.analysis.units import format_bytes, parse_bytes
+from peakledger.models.training import describe
+from peakledger.simulator.engine import simulate
+
+
+def best_of(n, fn):
+    times, result = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), result
+
+
+def main() -> None:
+    lines = ["# peakledger benchmarks", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
+             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py`.", ""]
+    lines += ["## One training step of llama-3-70b (bf16-mixed AdamW, micro-batch 1, seq 4096, 1 rank)", "",
+              "| stage | seconds | ops | events | events/s |", "|---|---|---|---|---|"]
+    s70 = build_scenario({"preset": "llama-3-70b"}, {"micro_batch": 1, "seq_len": 4096, "steps": 1})
+    t_desc, graph = best_of(3, lambda: describe(s70.model, s70.setup, s70.device))
+    t_sim, log = best_of(3, lambda: simulate(graph))
+    n = len(log.events)
+    lines.append(f"| describe (op graph) | {t_desc:.3f} | {len(graph):,} | | |")
+    lines.append(f"| simulate (SimPy) | {t_sim:.3f} | {len(graph):,} | {n:,} | {n / t_sim:,.0f} |")
+    total = t_desc + t_sim
+    lines.append(f"| total | {total:.3f} | | | {n / total:,.0f} |")
+    lines += ["", f"Target: under 1 s. {'Met' if total < 1 else 'NOT met'} ({total:.3f} s).", ""]
+    lines += ["## Max micro-batch search (2 steps each probe, exact bisection)", "",
+              "| scenario | budget | answer | seconds | target |", "|---|---|---|---|---|"]
+    for preset, seq, budget in [("gpt2", 1024, "80GiB"), ("llama-3-8b", 8192, "80GiB"), ("llama-3-70b", 4096, "80GiB")]:
+        sc = build_scenario({"preset": preset}, {"seq_len": seq, "micro_batch": 1},
+                            {"device": "H100-80GB"})
+        if preset == "llama-3-70b":
+            sc = replace(sc, setup=replace(sc.setup, world_size=64, zero_stage=3))
+        t, best = best_of(1, lambda: max_micro_batch(sc, parse_bytes(budget)))
+        lines.append(f"| {preset} seq {seq}{' ZeRO-3 x64' if preset == 'llama-3-70b' else ''} | {budget} | {best} | "
+                     f"{t:.2f} | {'met' if t < 5 else 'NOT met'} (< 5 s) |")
+    text = "\n".join(lines) + "\n"
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out))
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, out)
+    sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()

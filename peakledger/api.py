@@ -1,0 +1,55 @@
+"""The public API: simulate a scenario, find the largest micro-batch, compare scenarios."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .analysis.maxbatch import max_fitting
+from .analysis.peaks import with_headroom
+from .analysis.report import Report, summarize
+from .models.training import describe
+from .scenario import Scenario
+from .simulator.engine import simulate
+from .simulator.events import Category, Pool
+from .simulator.timeline import timeline
+
+STATE_CATEGORIES = (Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+
+
+def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
+    """Describe, simulate and summarize one scenario (rank 0, device pool)."""
+    graph = describe(scenario.model, scenario.setup, scenario.device)
+    capacities = {(0, Pool.DEVICE): budget} if budget is not None else None
+    log = simulate(graph, capacities, stop_on_oom=stop_on_oom)
+    return summarize(log, name=scenario.name, headroom=scenario.headroom)
+
+
+def fixed_state_peak(scenario: Scenario) -> int:
+    """Highest bytes of parameters + master weights + gradients + optimizer states at any moment."""
+    graph = describe(scenario.model, dataclasses.replace(scenario.setup, micro_batch=1), scenario.device)
+    tl = timeline(simulate(graph))
+    best = 0
+    running = 0
+    for e in tl.events:
+        if e.block.category in STATE_CATEGORIES:
+            running += e.delta
+            best = max(best, running)
+    return best
+
+
+def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> int:
+    """Largest micro-batch whose simulated peak x (1 + headroom) fits `budget`; 0 if only the fixed
+    state fits, -1 if not even that."""
+    cache: dict[int, int] = {}
+
+    def need(b: int) -> int:
+        if b not in cache:
+            if b == 0:
+                peak = fixed_state_peak(scenario)
+                cache[b] = with_headroom(peak, scenario.headroom)
+            else:
+                cache[b] = run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=b)))\
+                    .peaks.capacity_needed
+        return cache[b]
+
+    return max_fitting(need, budget, limit)

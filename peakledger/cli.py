@@ -1,0 +1,229 @@
+"""The `peakledger` command.
+
+    peakledger simulate [--preset gpt2 | --hf-config config.json | --scenario file.toml] [flags] [--json] [--plot F]
+    peakledger max-batch --budget 80GiB [same model/training flags]
+    peakledger compare [--case "name: key=value key=value" ...] [same flags for the base scenario]
+
+Bad input exits 2 with one line naming the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from . import api
+from .analysis.plot import plot_timeline
+from .analysis.report import render_text, report_json
+from .analysis.units import format_bytes, parse_bytes
+from .models.config import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, ConfigError, TransformerConfig
+from .models.costs import DEVICES
+from .models.presets import PRESETS
+from .scenario import build_scenario, load_toml
+from .simulator.timeline import timeline
+
+MODEL_FLAGS = {f.name for f in fields(TransformerConfig)} - {"name"}
+TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
+                  "world_size", "zero_stage", "checkpointing"]
+DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
+                 "bf16-adamw: precision=bf16-mixed optimizer=adamw",
+                 "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
+
+
+def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
+    g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
+    g.add_argument("--hf-config", help="a HF transformers config.json")
+    for name, kind in [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
+                       ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
+                       ("attention", str)]:
+        g.add_argument("--" + name.replace("_", "-"), type=kind, dest=f"model_{name}", help=argparse.SUPPRESS)
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch", type=int)
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--grad-accum", type=int)
+    t.add_argument("--steps", type=int, help="default 2, so the steady state is visible")
+    t.add_argument("--precision", help=", ".join(PRECISIONS))
+    t.add_argument("--fp32-grads", action="store_true", default=None, help="mixed precision: fp32 gradients")
+    t.add_argument("--optimizer", help=", ".join(OPTIMIZERS))
+    t.add_argument("--optimizer-impl", help=", ".join(OPTIMIZER_IMPLS))
+    t.add_argument("--no-set-to-none", dest="set_to_none", action="store_false", default=None,
+                   help="zero_grad(set_to_none=False): gradients stay allocated between steps")
+    t.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters matching a glob")
+    t.add_argument("--world-size", type=int)
+    t.add_argument("--zero-stage", type=int)
+    t.add_argument("--checkpointing", help=", ".join(CHECKPOINTING))
+    r = p.add_argument_group("run")
+    r.add_argument("--device", help=", ".join(DEVICES))
+    r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
+    r.add_argument("--unit", default="GiB", choices=["GiB", "GB", "MiB", "MB"], help="print sizes in this unit")
+
+
+def _scenario_from_args(args, overrides: dict | None = None):
+    data = load_toml(args.scenario) if args.scenario else {}
+    model = dict(data.get("model", {}))
+    training = dict(data.get("training", {}))
+    run = dict(data.get("run", {}))
+    if args.preset and args.hf_config:
+        raise ConfigError("preset", "give either --preset or --hf-config, not both")
+    if args.preset or args.hf_config:
+        model.pop("preset", None)
+        model.pop("hf_config", None)
+        model["preset" if args.preset else "hf_config"] = args.preset or args.hf_config
+    for name in MODEL_FLAGS:
+        value = getattr(args, f"model_{name}", None)
+        if value is not None:
+            model[name] = value
+    for name in TRAINING_FLAGS + ["fp32_grads", "set_to_none"]:
+        value = getattr(args, name, None)
+        if value is not None:
+            training[name] = value
+    if args.freeze:
+        training["frozen"] = tuple(args.freeze)
+    for name in ("device", "headroom"):
+        if getattr(args, name) is not None:
+            run[name] = getattr(args, name)
+    scenario = build_scenario(model, training, run, name=data.get("name"))
+    return scenario.with_changes(**overrides) if overrides else scenario
+
+
+def _parse_case(text: str) -> tuple[str, dict]:
+    name, sep, rest = text.partition(":")
+    if not sep or not name.strip():
+        raise ConfigError("case", f"expected 'name: key=value ...', got {text!r}")
+    changes = {}
+    for item in rest.split():
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError("case", f"expected key=value in {text!r}, got {item!r}")
+        changes[key] = _literal(value)
+    return name.strip(), changes
+
+
+def _literal(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def _write_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def cmd_simulate(args) -> int:
+    scenario = _scenario_from_args(args)
+    budget = parse_bytes(args.budget) if args.budget else None
+    report = api.run(scenario, budget=budget)
+    if args.plot:
+        plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
+    if args.json:
+        _write_json(report_json(report))
+    else:
+        print(render_text(report, args.unit))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_max_batch(args) -> int:
+    scenario = _scenario_from_args(args)
+    budget = parse_bytes(args.budget)
+    best = api.max_micro_batch(scenario, budget)
+    fixed = api.fixed_state_peak(scenario)
+    result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
+              "headroom": scenario.headroom, "scenario": scenario.name}
+    if best > 0:
+        import dataclasses
+        at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
+        result["peak_at_max"] = at.peaks.peak.bytes
+        result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.world_size
+    if args.json:
+        _write_json(result)
+        return 0
+    u = args.unit
+    print(f"{scenario.name}: budget {format_bytes(budget, u)}, fixed state {format_bytes(fixed, u)}")
+    if best < 0:
+        print("max micro-batch: -1 (even parameters, gradients and optimizer states do not fit)")
+    elif best == 0:
+        print("max micro-batch: 0 (the fixed state fits, but not one sample of activations)")
+    else:
+        print(f"max micro-batch: {best} (peak {format_bytes(result['peak_at_max'], u)}; B_eff "
+              f"{result['effective_batch_at_max']} with accumulation {scenario.setup.grad_accum})")
+    return 0
+
+
+def cmd_compare(args) -> int:
+    base = _scenario_from_args(args)
+    cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
+    results = []
+    for name, changes in cases:
+        scenario = base.with_changes(name=name, **changes)
+        results.append((name, api.run(scenario)))
+    if args.json:
+        _write_json({"cases": [report_json(r) for _, r in results]})
+        return 0
+    u = args.unit
+    rows = ["peak", "first-step peak", "steady peak"]
+    all_rows = []
+    for _, r in results:
+        for row in r.ledger:
+            if row.row not in all_rows:
+                all_rows.append(row.row)
+    width = max(14, *(len(n) + 2 for n, _ in results))
+    print(f"{'':<30}" + "".join(f"{n:>{width}}" for n, _ in results))
+    for label in rows:
+        vals = []
+        for _, r in results:
+            p = {"peak": r.peaks.peak, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
+            vals.append(format_bytes(p.bytes, u) if p else "-")
+        print(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
+    print(f"{'at the peak:':<30}")
+    for row_name in all_rows:
+        vals = []
+        for _, r in results:
+            match = [x for x in r.ledger if x.row == row_name]
+            vals.append(format_bytes(match[0].bytes, u) if match else "-")
+        print(f"  {row_name:<28}" + "".join(f"{v:>{width}}" for v in vals))
+    print(f"{'peak op':<30}" + "".join(f"{(r.peaks.peak.event.op[-width + 2:]):>{width}}" for _, r in results))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="peakledger", description="Where the memory of a training step goes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("simulate", help="simulate a scenario and print the ledger and peaks")
+    _add_scenario_flags(s)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category")
+    s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
+    s.set_defaults(func=cmd_simulate)
+    m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
+    _add_scenario_flags(m)
+    m.add_argument("--budget", required=True, help="80GiB, 80GB or plain bytes")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_max_batch)
+    c = sub.add_parser("compare", help="several scenarios side by side")
+    _add_scenario_flags(c)
+    c.add_argument("--case", action="append", help="'name: key=value ...' changes to the base scenario")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"peakledger: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""A scenario: one model, one training setup, one device. From flags, a TOML file, or both.
+
+TOML layout (every key optional; flags given on the command line override the file):
+
+    [model]
+    preset = "gpt2"          # or hf_config = "path/to/config.json"
+    n_layer = 6              # any TransformerConfig / MLPConfig field overrides the preset
+
+    [training]               # any TrainingSetup field
+    micro_batch = 8
+    seq_len = 1024
+    precision = "bf16-mixed"
+
+    [run]
+    device = "H100-80GB"
+    headroom = 0.1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .models.costs import DEVICES
+from .models.presets import PRESETS, load_hf_config, preset
+
+ModelConfig = TransformerConfig | MLPConfig
+DEFAULT_PRESET = "gpt2"
+DEFAULT_SETUP = dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", optimizer="adamw")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    model: ModelConfig
+    setup: TrainingSetup
+    device: str = "H100-80GB"
+    headroom: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
+        if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
+            raise ConfigError("headroom", f"must be a number >= 0 (0.1 = 10%), got {self.headroom!r}")
+
+    def with_changes(self, **changes) -> "Scenario":
+        """Change setup fields, model fields or run fields by name (for comparisons and sweeps)."""
+        setup_keys = {f.name for f in fields(TrainingSetup)}
+        model_keys = {f.name for f in fields(type(self.model))}
+        setup = {k: v for k, v in changes.items() if k in setup_keys}
+        model = {k: v for k, v in changes.items() if k in model_keys and k not in setup_keys and k != "name"}
+        run = {k: v for k, v in changes.items() if k in ("device", "headroom", "name")}
+        unknown = set(changes) - set(setup) - set(model) - set(run)
+        if unknown:
+            allowed = sorted(setup_keys | model_keys | {"device", "headroom", "name"})
+            raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
+        return dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
+
+
+def _replace(obj, changes: dict):
+    if not changes:
+        return obj
+    try:
+        return dataclasses.replace(obj, **changes)
+    except TypeError as e:
+        raise ConfigError(next(iter(changes)), str(e)) from None
+
+
+def _tuples(table: dict) -> dict:
+    """TOML gives lists; the configs are frozen and hold tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+
+
+def load_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError("scenario", f"file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("scenario", f"{path} is not valid TOML: {e}") from None
+    unknown = set(data) - {"model", "training", "run", "name"}
+    if unknown:
+        raise ConfigError(sorted(unknown)[0], "unknown table in scenario file; allowed: [model], [training], [run], name")
+    return data
+
+
+def build_scenario(model_table: dict | None = None, training: dict | None = None, run: dict | None = None,
+                   name: str | None = None) -> Scenario:
+    model_table = dict(model_table or {})
+    training = _tuples(training or {})
+    run = dict(run or {})
+    hf = model_table.pop("hf_config", None)
+    preset_name = model_table.pop("preset", None)
+    if hf and preset_name:
+        raise ConfigError("preset", "give either preset or hf_config, not both")
+    if hf:
+        base = load_hf_config(hf)
+    elif preset_name or not model_table:
+        base = preset(preset_name or DEFAULT_PRESET)
+    else:
+        base = None
+    model_keys = {f.name for f in fields(type(base) if base else TransformerConfig)}
+    for key in model_table:
+        if key not in model_keys:
+            raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}")
+    model_table = _tuples(model_table)
+    if base is None:
+        try:
+            model = TransformerConfig(**{"name": "custom", **model_table})
+        except TypeError as e:
+            raise ConfigError("model", f"a model without preset needs every TransformerConfig field: {e}") from None
+    else:
+        model = _replace(base, model_table)
+    setup_keys = {f.name for f in fields(TrainingSetup)}
+    for key in training:
+        if key not in setup_keys:
+            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+    defaults = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
+    setup = TrainingSetup(**{**defaults, **training})
+    for key in run:
+        if key not in ("device", "headroom"):
+            raise ConfigError(key, "unknown run field; allowed: device, headroom")
+    return Scenario(name=name or model.name, model=model, setup=setup, **run)
+
+
+__all__ = ["Scenario", "build_scenario", "load_toml", "PRESETS"]

@@ -1,0 +1,39 @@
+from peakledger.analysis.maxbatch import max_fitting
+from peakledger.analysis.units import format_bytes, parse_bytes
+
+
+def linear(fixed, per_sample):
+    return lambda b: fixed + per_sample * b
+
+
+def test_max_batch_examples():
+    assert max_fitting(linear(100, 30), 200) == 3
+    assert max_fitting(linear(100, 30), 100) == 0
+    assert max_fitting(linear(100, 30), 99) == -1
+
+
+def test_limits_near_2_to_the_63():
+    big = 2**63
+    assert max_fitting(linear(0, 1), big - 1, limit=big) == big - 1
+    assert max_fitting(linear(1, 1), big, limit=big) == big - 1
+    assert max_fitting(linear(0, 1), 2**70, limit=big) == big
+    assert max_fitting(linear(5, 2**40), 5 + 3 * 2**40) == 3
+
+
+def test_max_batch_against_brute_force():
+    for fixed in (0, 7, 100):
+        for per in (1, 3, 30):
+            for budget in range(0, 400, 13):
+                f = linear(fixed, per)
+                brute = max([b for b in range(0, 500) if f(b) <= budget], default=-1)
+                assert max_fitting(f, budget, limit=10**6) == brute
+
+
+def test_budget_strings():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("1.5GiB") == 3 * 2**29
+    assert parse_bytes("12345") == 12345
+    assert format_bytes(80 * 2**30) == "80 GiB"
+    assert format_bytes(80 * 10**9, "GB") == "80 GB"
+    assert format_bytes(2**20, "GiB") == "1 MiB"
