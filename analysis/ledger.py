@@ -7,7 +7,7 @@ is never only a total: the point is to see which row to attack.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..simulator.events import Block, Category
 from ..simulator.timeline import Timeline
@@ -26,11 +26,12 @@ class LedgerRow:
     shard_factor: int | str  # an int, or "1..8" when the row mixes factors
     tensors: int
     share: float  # of the ledger's total
+    max_bytes: int = 0  # the row's own highest value over the whole run (not necessarily at the peak)
 
     def as_json(self) -> dict:
         return {"row": self.row, "category": self.category.value, "bytes": self.bytes, "unit": "B",
                 "dtype": self.dtype, "shard_factor": self.shard_factor, "tensors": self.tensors,
-                "share": round(self.share, 6)}
+                "share": round(self.share, 6), "max_bytes": self.max_bytes}
 
 
 def row_name(block: Block) -> str:
@@ -57,4 +58,22 @@ def ledger(blocks: list[Block]) -> list[LedgerRow]:
 
 
 def ledger_at(tl: Timeline, event_index: int) -> list[LedgerRow]:
-    return ledger(tl.live_blocks_at(event_index))
+    """The ledger of what is live right after `event_index`, with every row the run ever had
+    (0 bytes at that moment if none) and each row's own maximum over the run."""
+    rows = {r.row: r for r in ledger(tl.live_blocks_at(event_index))}
+    running: dict[str, int] = {}
+    highest: dict[str, int] = {}
+    first_block: dict[str, Block] = {}
+    for e in tl.events:
+        name = row_name(e.block)
+        running[name] = running.get(name, 0) + e.delta
+        highest[name] = max(highest.get(name, 0), running[name])
+        first_block.setdefault(name, e.block)
+    out = []
+    for name, top in highest.items():
+        b = first_block[name]
+        row = rows.get(name) or LedgerRow(row=name, category=b.category, bytes=0, dtype=b.dtype,
+                                          shard_factor=b.shard_factor, tensors=0, share=0.0)
+        out.append(replace(row, max_bytes=top))
+    out.sort(key=lambda r: (ROW_ORDER.index(r.category), r.row))
+    return out

@@ -20,15 +20,15 @@ PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e8f1fb", Phase.BACKWARD
 
 
 def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -> None:
-    """Write the plot to `path` atomically. The x axis is the event index (simulated or measured
-    time can be zero-length between events; the index keeps every allocation visible)."""
+    """Write the plot to `path` atomically. The x axis is time in seconds (simulated or measured)."""
     scale = UNITS[unit]
-    x = np.arange(len(tl.events))
+    x = np.asarray(tl.times, dtype=float)
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
     start = 0
     for i in range(1, len(tl.events) + 1):
         if i == len(tl.events) or tl.events[i].phase is not tl.events[start].phase:
-            ax.axvspan(start, i, color=PHASE_COLOURS[tl.events[start].phase], lw=0)
+            end = x[i] if i < len(x) else x[-1]
+            ax.axvspan(x[start], end, color=PHASE_COLOURS[tl.events[start].phase], lw=0)
             start = i
     cats = list(tl.by_category)
     ys = [np.asarray(tl.by_category[c], dtype=float) / scale for c in cats]
@@ -36,10 +36,10 @@ def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -
         ax.stackplot(x, *ys, labels=[c.value for c in cats], step="post")
         peak_i = int(np.argmax(np.asarray(tl.total, dtype=float)))
         peak = float(tl.total[peak_i]) / scale
-        ax.axvline(peak_i, color="black", lw=0.8, ls="--")
-        ax.annotate(f"peak {peak:.4g} {unit}\n{tl.events[peak_i].op}", (peak_i, peak), textcoords="offset points",
+        ax.axvline(x[peak_i], color="black", lw=0.8, ls="--")
+        ax.annotate(f"peak {peak:.4g} {unit}\n{tl.events[peak_i].op}", (x[peak_i], peak), textcoords="offset points",
                     xytext=(5, -25), fontsize=8)
-    ax.set_xlabel("event (phases shaded: load grey, forward blue, backward orange, optimizer green)")
+    ax.set_xlabel("time (s; phases shaded: load grey, forward blue, backward orange, optimizer green)")
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=7, ncol=2)

@@ -122,11 +122,12 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
-    lines.append(f"  {'row':<34}{'size':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}")
+    lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"
+                 f"{'row max':>14}")
     for row in r.ledger:
-        lines.append(f"  {row.row:<34}{f(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
-                     f"{row.tensors:>9}{row.share:>8.1%}")
-    lines.append(f"  {'total':<34}{f(sum(x.bytes for x in r.ledger)):>14}")
+        lines.append(f"  {row.row:<30}{f(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
+                     f"{row.tensors:>9}{row.share:>8.1%}{f(row.max_bytes):>14}")
+    lines.append(f"  {'total':<30}{f(sum(x.bytes for x in r.ledger)):>14}")
     for o in r.log.ooms:
         lines.append("")
         lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): {o.event.block.name} "

@@ -130,7 +130,7 @@ class MicroBatchReplay:
             blk = self._new_block(t, Category.INPUT)
             self.live[t.name] = blk
             allocs.append(blk)
-            self._hold(t.name)  # the caller holds the batch until backward ends
+            self._hold(t.name, 2 if t.name in self.last_use else 1)  # the caller's reference + forward use
         b.op("batch.load", Phase.FORWARD, self.step, self.mb, allocs, [])
         for name in self.tape.held:
             self._hold(name)

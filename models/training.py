@@ -57,6 +57,7 @@ class GraphBuilder:
         self.rank = rank
         self.graph = OpGraph()
         self._next_block = 0
+        self._last_on_stream: dict[Stream, int] = {}
         self.trainable = trainable_params(tape, setup.frozen)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
@@ -78,7 +79,9 @@ class GraphBuilder:
         op = Op(id=len(self.graph), name=name, stream=stream, phase=phase, step=step, micro_batch=micro_batch,
                 duration=duration, rank=self.rank, allocs=tuple(allocs), frees=tuple(frees), flops=flops,
                 recompute=recompute)
-        return self.graph.add(op)
+        previous = self._last_on_stream.get(stream)
+        self._last_on_stream[stream] = op.id
+        return self.graph.add(op, after=() if previous is None else (previous,))
 
     def grad_bytes(self, p: str) -> int:
         return param_bytes(self.param_numel[p], self.setup.grad_dtype, self.grad_shard)

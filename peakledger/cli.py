@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into head & co.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ def test_run_invariants(case):
             live[e.block.id] = e.block
         else:
             del live[e.block.id]
+    # the caller holds the batch until its backward is over
+    assert all(e.op == "batch.release" for e in log.events
+               if e.action is Action.FREE and e.block.category is Category.INPUT)
     allowed_at_end = PERSISTENT | ({Category.GRADIENT} if (not setup.set_to_none or setup.fp32_grads) else set())
     assert {b.category for b in live.values()} <= allowed_at_end
     report = summarize(log)
