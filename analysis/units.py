@@ -45,7 +45,7 @@ def format_bytes(n: int, unit: str = "GiB", digits: int = 4) -> str:
     if unit == "B":
         return f"{n:,} B"
     smaller = _SMALLER.get(unit)
-    if smaller and n and abs(n) < UNITS[unit] // 1000:
+    if smaller and n and abs(n) < UNITS[unit] // 100:
         return format_bytes(n, smaller, digits)
     value = n / UNITS[unit]
     return f"{_significant(value, digits)} {unit}"

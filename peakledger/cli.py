@@ -15,6 +15,7 @@ import sys
 from dataclasses import fields
 
 from . import api
+from .analysis.ledger import ROW_ORDER
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
@@ -170,11 +171,8 @@ def cmd_compare(args) -> int:
         return 0
     u = args.unit
     rows = ["peak", "first-step peak", "steady peak"]
-    all_rows = []
-    for _, r in results:
-        for row in r.ledger:
-            if row.row not in all_rows:
-                all_rows.append(row.row)
+    all_rows = sorted({row.row: row.category for _, r in results for row in r.ledger}.items(),
+                      key=lambda item: (ROW_ORDER.index(item[1]), item[0]))
     width = max(14, *(len(n) + 2 for n, _ in results))
     print(f"{'':<30}" + "".join(f"{n:>{width}}" for n, _ in results))
     for label in rows:
@@ -183,14 +181,17 @@ def cmd_compare(args) -> int:
             p = {"peak": r.peaks.peak, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
             vals.append(format_bytes(p.bytes, u) if p else "-")
         print(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
-    print(f"{'at the peak:':<30}")
-    for row_name in all_rows:
+    print("at the peak:")
+    for row_name, _ in all_rows:
         vals = []
         for _, r in results:
             match = [x for x in r.ledger if x.row == row_name]
             vals.append(format_bytes(match[0].bytes, u) if match else "-")
         print(f"  {row_name:<28}" + "".join(f"{v:>{width}}" for v in vals))
-    print(f"{'peak op':<30}" + "".join(f"{(r.peaks.peak.event.op[-width + 2:]):>{width}}" for _, r in results))
+    print("peak reached at:")
+    for name, r in results:
+        e = r.peaks.peak.event
+        print(f"  {name}: {e.op} ({e.phase.value}, step {e.step})")
     return 0
 
 
