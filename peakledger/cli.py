@@ -15,6 +15,7 @@ import sys
 from dataclasses import fields
 
 from . import api
+from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
@@ -123,6 +124,10 @@ def cmd_simulate(args) -> int:
     report = api.run(scenario, budget=budget)
     if args.plot:
         plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
+    if args.export_snapshot:
+        write_snapshot(report.log, args.export_snapshot)
+    if args.export_chrome:
+        write_chrome_trace(report.log, args.export_chrome)
     if args.json:
         _write_json(report_json(report))
     else:
@@ -203,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category")
     s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
+    s.add_argument("--export-snapshot", metavar="FILE",
+                   help="write a CUDA-snapshot pickle (open with torch/cuda/_memory_viz.py or pytorch.org/memory_viz)")
+    s.add_argument("--export-chrome", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
     s.set_defaults(func=cmd_simulate)
     m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
     _add_scenario_flags(m)

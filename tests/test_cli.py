@@ -109,3 +109,9 @@ def test_plot_is_written(tmp_path, capsys):
     path = tmp_path / "t.png"
     assert run_cli(capsys, "simulate", *TINY, "--plot", str(path))[0] == 0
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_exports_from_the_cli(tmp_path, capsys):
+    snap, chrome = tmp_path / "s.pickle", tmp_path / "c.json"
+    assert run_cli(capsys, "simulate", *TINY, "--export-snapshot", str(snap), "--export-chrome", str(chrome))[0] == 0
+    assert snap.stat().st_size > 0 and chrome.stat().st_size > 0
