@@ -121,7 +121,7 @@ def _write_json(obj) -> None:
 def cmd_simulate(args) -> int:
     scenario = _scenario_from_args(args)
     budget = parse_bytes(args.budget) if args.budget else None
-    report = api.run(scenario, budget=budget)
+    report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
     if args.plot:
         plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
     if args.export_snapshot:
@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category")
     s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
+    s.add_argument("--stop-at-oom", action="store_true", help="with --budget: end the run at the first OOM")
     s.add_argument("--export-snapshot", metavar="FILE",
                    help="write a CUDA-snapshot pickle (open with torch/cuda/_memory_viz.py or pytorch.org/memory_viz)")
     s.add_argument("--export-chrome", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
