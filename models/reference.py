@@ -1,0 +1,347 @@
+"""Plain-torch reference models, built from the same config objects the describers read.
+
+They exist to measure: run a real CPU training step on them (see `traces/tracker.py`) and compare the
+bytes with what `models.training.describe` + `simulator.engine.simulate` predict. Weights are random
+(nothing is downloaded); only shapes, dtypes and the order of ops matter for memory.
+
+- `GPT(cfg)` for family "gpt2" is nanoGPT's model: parameter names and registration order are exactly
+  `models.transformer.transformer_params(cfg)` (the tied `lm_head.weight` is `transformer.wte.weight`,
+  and `named_parameters()` lists it once). `cfg.attention` picks nanoGPT's two paths:
+  "sdpa" calls `F.scaled_dot_product_attention(..., is_causal=True)` and has no mask buffer;
+  "eager" is nanoGPT's manual attention with its causal mask as a registered buffer `bias` of shape
+  (1, 1, max_seq_len, max_seq_len), fp32, one per layer (nanoGPT registers it only when flash
+  attention is unavailable, i.e. exactly on the eager path). We register it `persistent=False`: that
+  keeps it out of `state_dict()` only; it is memory all the same (max_seq_len**2 * 4 bytes per layer),
+  and the tracker labels it Category.BUFFER. The describer does not list this buffer.
+- `GPT(cfg)` for family "llama" is a small Llama (HF names: `model.embed_tokens`,
+  `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`, `input_layernorm`,
+  `post_attention_layernorm`, `model.norm`, `lm_head`): `nn.RMSNorm`, rotary positions with HF's
+  rotate_half formulation (cos/sin computed once per forward from a non-persistent `inv_freq` buffer),
+  grouped-query attention (`enable_gqa` for SDPA, `repeat_interleave` of k/v for eager) and a SwiGLU
+  MLP. The eager path builds its (T, T) bool causal mask on the fly, once per forward.
+- `MLP(cfg)`: `layers` is an `nn.Sequential(Linear, act, Linear, act, ..., Linear)` so parameters are
+  `layers.{2i}.weight/bias` as in `models.transformer.mlp_params`; the loss is `F.mse_loss` against a
+  target (torch's fused MSE, not the describer's sub/pow/mean decomposition).
+
+Every model's `forward(inputs, targets)` returns `(output, loss)` like nanoGPT (`loss` is None without
+targets). Dropout is `nn.Dropout(cfg.dropout)` where nanoGPT has it; GELU is exact (`nn.GELU()`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- GPT-2 (nanoGPT) --------------------------------------------------------------------------------
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.d_model = cfg.d_model
+        kv = self.n_kv * self.head_dim
+        self.c_attn = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv, bias=cfg.has_bias)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.has_bias)
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout
+        self.flash = cfg.attention == "sdpa"
+        if not self.flash:
+            L = cfg.max_seq_len
+            self.register_buffer("bias", torch.tril(torch.ones(L, L)).view(1, 1, L, L), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        kv = self.n_kv * self.head_dim
+        q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.flash:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        else:
+            if self.n_kv != self.n_head:
+                k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+                v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.d_model, cfg.ffn, bias=cfg.has_bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=cfg.has_bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.has_bias)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+# -- Llama ------------------------------------------------------------------------------------------
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        kv = self.n_kv * self.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.has_bias)
+        self.k_proj = nn.Linear(cfg.d_model, kv, bias=cfg.has_bias)
+        self.v_proj = nn.Linear(cfg.d_model, kv, bias=cfg.has_bias)
+        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+        self.sdpa = cfg.attention == "sdpa"
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor | None):
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                               is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        else:
+            if self.n_kv != self.n_head:
+                k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+                v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            att = att.masked_fill(~causal, float("-inf"))
+            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+            att = F.dropout(att, p=self.dropout, training=self.training)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.o_proj(y)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        # registration order = transformer_params order: attention, MLP, then the two norms
+        self.self_attn = LlamaAttention(cfg)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+
+    def forward(self, x, cos, sin, causal):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, causal)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
+        hd = cfg.head_dim
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.eager = cfg.attention == "eager"
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.embed_tokens(idx)
+        pos = torch.arange(T, device=idx.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril() if self.eager else None
+        for layer in self.layers:
+            x = layer(x, cos, sin, causal)
+        return self.norm(x)
+
+
+# -- the model --------------------------------------------------------------------------------------
+
+class GPT(nn.Module):
+    """nanoGPT's GPT for family "gpt2", a small Llama for family "llama"; `forward(idx, targets)`."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.family == "gpt2":
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
+                wpe=nn.Embedding(cfg.max_seq_len, cfg.d_model),
+                drop=nn.Dropout(cfg.dropout),
+                h=nn.ModuleList(GPT2Block(cfg) for _ in range(cfg.n_layer)),
+                ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.has_bias),
+            ))
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.tied:
+                self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
+        else:
+            self.model = LlamaModel(cfg)
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        b, t = idx.size()
+        if t > self.cfg.max_seq_len:
+            raise ConfigError("seq_len", f"{t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
+        if self.cfg.family == "gpt2":
+            pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+            for block in self.transformer.h:
+                x = block(x)
+            x = self.transformer.ln_f(x)
+        else:
+            x = self.model(idx)
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+class MLP(nn.Module):
+    """`layers` = Sequential(Linear, act, ..., Linear); `forward(x, target)` -> (output, MSE loss)."""
+
+    def __init__(self, cfg: MLPConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dims = (cfg.d_in, *cfg.hidden, cfg.d_out)
+        mods: list[nn.Module] = []
+        for i in range(len(dims) - 1):
+            mods.append(nn.Linear(dims[i], dims[i + 1], bias=cfg.bias))
+            if i < len(dims) - 2:
+                mods.append(nn.ReLU() if cfg.activation == "relu" else nn.GELU())
+        self.layers = nn.Sequential(*mods)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None):
+        out = self.layers(x)
+        return out, (F.mse_loss(out, target) if target is not None else None)
+
+
+def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
+    """The reference model for `cfg`, seeded, in training mode, in `setup`'s parameter dtype.
+
+    Supported precisions: "fp32" and pure "bf16" (mixed and autocast modes are not modelled here).
+    """
+    if setup is not None and setup.precision not in ("fp32", "bf16"):
+        raise NotImplementedError(f"reference models run fp32 or bf16 only, not {setup.precision!r}")
+    torch.manual_seed(seed)
+    model = GPT(cfg) if isinstance(cfg, TransformerConfig) else MLP(cfg)
+    if setup is not None and setup.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    return model.train()
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """Set requires_grad=False on parameters whose name matches any fnmatch pattern; the trainable names."""
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError("frozen", f"pattern {pattern!r} matches no parameter (names look like {names[0]!r})")
+    trainable = []
+    for n, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(n, pat) for pat in patterns):
+            p.requires_grad_(False)
+        else:
+            trainable.append(n)
+    return trainable
+
+
+def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The torch.optim optimizer for `setup.optimizer` / `setup.optimizer_impl`, over the trainable params.
+
+    sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
+    Adam(amsgrad=True). optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False,
+    "fused" -> fused=True. `setup.frozen` patterns freeze parameters first (requires_grad=False).
+    """
+    freeze(model, setup.frozen)
+    params = [p for p in model.parameters() if p.requires_grad]
+    impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
+    flags = impl[setup.optimizer_impl]
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
+    if setup.optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    if setup.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, **flags)
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **flags)
+    if setup.optimizer == "amsgrad":
+        return torch.optim.Adam(params, lr=lr, amsgrad=True, **flags)
+    raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
+
+
+def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
+               n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` (default `setup.grad_accum`) deterministic micro-batches of (inputs, targets).
+
+    Transformers: int64 token ids and next-token targets, (micro_batch, seq_len). MLPs: (micro_batch,
+    d_in) inputs and (micro_batch, d_out) targets in the parameter dtype.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(setup.grad_accum if n is None else n):
+        if isinstance(cfg, TransformerConfig):
+            if setup.seq_len > cfg.max_seq_len:
+                raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+            tokens = torch.randint(0, cfg.vocab_size, (setup.micro_batch, setup.seq_len + 1), generator=g)
+            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+        else:
+            dt = TORCH_DTYPES[setup.param_dtype]
+            out.append((torch.randn(setup.micro_batch, cfg.d_in, generator=g).to(dt),
+                        torch.randn(setup.micro_batch, cfg.d_out, generator=g).to(dt)))
+    return out
+
+
+__all__ = ["GPT", "MLP", "build_model", "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]
