@@ -144,7 +144,15 @@ class MicroBatchReplay:
         allocs, frees = [], []
         saves = self._effective_saves(i, recomputing)
         kept = self.kept_in_recompute if recomputing else self.kept_in_forward
+        duplicates = set()
         for o in op.outputs:
+            if recomputing and o.name in self.live:
+                # still alive from the first pass (held by the caller): the recomputed copy is dropped at once
+                dup = self._new_block(o, Category.TEMPORARY, name=f"{o.name}.recomputed")
+                allocs.append(dup)
+                frees.append(dup.id)
+                duplicates.add(o.name)
+                continue
             category = Category.ACTIVATION if (o.name in kept or o.name in self.tape.held) else Category.TEMPORARY
             blk = self._new_block(o, category)
             self.live[o.name] = blk
@@ -171,7 +179,7 @@ class MicroBatchReplay:
             if uses.get(name) == i:
                 self._release(name, frees)
         for o in op.outputs:
-            if o.name not in uses:
+            if o.name not in uses and o.name not in duplicates:
                 self._release(o.name, frees)
         bytes_moved = sum(a.nbytes for a in allocs) + sum(self.specs[n].nbytes for n in op.inputs)
         self.b.op(op.name + (".recompute" if recomputing else ""), Phase.BACKWARD if recomputing else Phase.FORWARD,

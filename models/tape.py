@@ -76,6 +76,7 @@ class Tape:
     params: list[ParamSpec]
     ops: list[TapeOp] = field(default_factory=list)
     inputs: list[TensorSpec] = field(default_factory=list)  # the batch, allocated before the forward
+    buffers: list[TensorSpec] = field(default_factory=list)  # registered module buffers, allocated at load
     held: tuple[str, ...] = ()  # tensors the caller keeps until backward ends (logits, loss)
     loss: str = "loss"
 

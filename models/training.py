@@ -116,7 +116,8 @@ def _load(b: GraphBuilder, grads: GradState) -> None:
     s = b.setup
     params = [b.block(p.name, param_bytes(p.numel, s.param_dtype, b.param_shard), Category.PARAMETER, s.param_dtype,
                       p.shape, shard=b.param_shard) for p in b.tape.params]
-    b.op("load.parameters", Phase.LOAD, 0, -1, params, [], bytes_moved=sum(x.nbytes for x in params))
+    buffers = [b.block(t.name, t.nbytes, Category.BUFFER, t.dtype, t.shape) for t in b.tape.buffers]
+    b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
     trainable = [p for p in b.tape.params if p.name in b.trainable]
     if s.master_dtype:
         master = [b.block(f"{p.name}.master", param_bytes(p.numel, "fp32", b.state_shard), Category.MASTER_PARAMETER,

@@ -6,7 +6,7 @@ activation with its shape and dtype. What each op saves follows torch's autograd
 
 - Linear saves its input (the weight is a parameter, not new memory); bias adds nothing.
 - LayerNorm saves input, mean and rstd (fp32, one per row); RMSNorm (fused) saves input and rstd.
-- GELU / SiLU save their input; an elementwise product saves both factors; residual adds save nothing.
+- GELU / SiLU save their input, ReLU its output; an elementwise product saves both factors; residual adds save nothing.
 - Dropout (p > 0) saves a bool mask and its output feeds the next op.
 - Eager attention (nanoGPT): q and k are copied contiguous for the batched matmul and saved, the
   B*heads*T*T scores are masked, the softmax output is saved (plus the dropout mask and output), v is
@@ -69,10 +69,15 @@ class _Writer:
         return y
 
     def rmsnorm(self, name: str, x: TensorSpec):
+        """torch's composite RMSNorm (nn.RMSNorm on CPU, HF's LlamaRMSNorm): x * rsqrt(mean(x^2) + eps)
+        keeps x and rstd for its backward, and the normalised x for the multiply by the weight."""
         B, T, D = x.shape
-        y, rstd = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, self.fp32_op_dtype()),
-                                                 self.t(f"{name}.rstd", (B, T, 1), "fp32", False)],
-                          saves=(x.name, f"{name}.rstd"), params=(f"{name}.weight",), flops=6 * B * T * D)
+        dt = self.fp32_op_dtype()
+        y, rstd, normed = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
+                                                         self.t(f"{name}.rstd", (B, T, 1), "fp32", False),
+                                                         self.t(f"{name}.normed", x.shape, dt, False)],
+                                  saves=(x.name, f"{name}.rstd", f"{name}.normed"), params=(f"{name}.weight",),
+                                  flops=6 * B * T * D)
         return y
 
     def dropout(self, name: str, x: TensorSpec, p: float):
@@ -88,9 +93,10 @@ class _Writer:
         (y,) = self.op(name, "add", [a, b], [self.t(name, a.shape, dt)], passthrough=True)
         return y
 
-    def pointwise(self, name: str, kind: str, x: TensorSpec, saves_input: bool = True):
-        (y,) = self.op(name, kind, [x], [self.t(f"{name}.out", x.shape, x.dtype)],
-                       saves=(x.name,) if saves_input else ())
+    def pointwise(self, name: str, kind: str, x: TensorSpec):
+        """Activation functions. ReLU's backward needs only its result; GELU and SiLU need the input."""
+        out = f"{name}.out"
+        (y,) = self.op(name, kind, [x], [self.t(out, x.shape, x.dtype)], saves=(out,) if kind == "relu" else (x.name,))
         return y
 
 
@@ -140,6 +146,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup) -> Tape:
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
     gpt2 = cfg.family == "gpt2"
+    tape.buffers = _buffers(cfg)
     wte = "transformer.wte" if gpt2 else "model.embed_tokens"
     emb_dt = w.fp32_op_dtype() if setup.precision.endswith("-autocast") else setup.param_dtype
     (x,) = w.op(wte, "embedding", [idx], [w.t(f"{wte}.out", (B, T, cfg.d_model), emb_dt)],
@@ -149,10 +156,16 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup) -> Tape:
         (pe,) = w.op("transformer.wpe", "embedding", [pos], [w.t("transformer.wpe.out", (T, cfg.d_model), emb_dt)],
                      saves=(pos.name,), params=("transformer.wpe.weight",))
         x = w.add("transformer.emb_add", x, pe)
+    else:
+        hd = cfg.head_dim
+        rope = w.op("model.rotary_emb", "rotary_tables", [],
+                    [w.t("model.rotary_emb.cos", (T, hd), requires_grad=False),
+                     w.t("model.rotary_emb.sin", (T, hd), requires_grad=False)],
+                    workspace=(w.t("model.rotary_emb.freqs", (T, hd), "fp32", False),))
     x = w.dropout("transformer.drop", x, cfg.dropout)
     for i in range(cfg.n_layer):
         w.region = i if setup.checkpointing == "full" else None
-        x = _gpt2_block(w, cfg, f"transformer.h.{i}", x) if gpt2 else _llama_block(w, cfg, f"model.layers.{i}", x)
+        x = _gpt2_block(w, cfg, f"transformer.h.{i}", x) if gpt2 else _llama_block(w, cfg, f"model.layers.{i}", x, rope)
     w.region = None
     x = w.layernorm("transformer.ln_f", x, cfg.has_bias) if gpt2 else w.rmsnorm("model.norm", x)
     head_weight = f"{wte}.weight" if cfg.tied else "lm_head.weight"
@@ -227,15 +240,28 @@ def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> Te
     return w.add(f"{h}.mlp_residual", x, m)
 
 
-def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> TensorSpec:
+def _buffers(cfg: TransformerConfig) -> list[TensorSpec]:
+    """Registered module buffers: nanoGPT's causal mask per layer (eager attention only), Llama's
+    rotary inv_freq."""
+    if cfg.family == "gpt2":
+        if cfg.attention != "eager":
+            return []
+        L = cfg.max_seq_len
+        return [TensorSpec(f"transformer.h.{i}.attn.bias", (1, 1, L, L), "fp32", False) for i in range(cfg.n_layer)]
+    return [TensorSpec("model.rotary_emb.inv_freq", (cfg.head_dim // 2,), "fp32", False)]
+
+
+def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope) -> TensorSpec:
     kv = cfg.kv_heads * cfg.head_dim
     B, T = x.shape[0], x.shape[1]
     a = w.rmsnorm(f"{h}.input_layernorm", x)
     q = w.linear(f"{h}.self_attn.q_proj", a, cfg.d_model, cfg.has_bias)
     k = w.linear(f"{h}.self_attn.k_proj", a, kv, cfg.has_bias)
     v = w.linear(f"{h}.self_attn.v_proj", a, kv, cfg.has_bias)
-    q_rot, k_rot = w.op(f"{h}.self_attn.rotary", "rotary", [q, k],
+    cos, sin = rope
+    q_rot, k_rot = w.op(f"{h}.self_attn.rotary", "rotary", [q, k, cos, sin],
                         [w.t(f"{h}.self_attn.q_rot", q.shape), w.t(f"{h}.self_attn.k_rot", k.shape)],
+                        saves=(cos.name, sin.name),
                         workspace=(w.t(f"{h}.self_attn.rotate_half", q.shape, requires_grad=False),),
                         bwd_workspace=(w.t(f"{h}.self_attn.rotate_half_grad", q.shape, requires_grad=False),),
                         flops=6 * B * T * (cfg.d_model + kv))
@@ -263,7 +289,8 @@ def mlp_params(cfg: MLPConfig) -> list[ParamSpec]:
 
 
 def mlp_tape(cfg: MLPConfig, setup: TrainingSetup) -> Tape:
-    """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in), MSE loss."""
+    """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in); F.mse_loss, a
+    fused kernel that keeps its input and target for backward."""
     B = setup.micro_batch
     tape = Tape(params=mlp_params(cfg))
     w = _Writer(tape, setup)
@@ -278,8 +305,7 @@ def mlp_tape(cfg: MLPConfig, setup: TrainingSetup) -> Tape:
         if i < len(dims) - 2:
             h = w.pointwise(f"layers.{2 * i + 1}", cfg.activation, h)
     w.region = None
-    (diff,) = w.op("loss.sub", "sub", [h, y_true], [w.t("loss.diff", h.shape, h.dtype)])
-    (sq,) = w.op("loss.pow", "pow", [diff], [w.t("loss.sq", h.shape, h.dtype)], saves=(diff.name,))
-    w.op("loss.mean", "mean", [sq], [w.t("loss", (), h.dtype)])
-    tape.held = ()
+    w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", (), h.dtype)], saves=(h.name, y_true.name),
+         workspace=(w.t("loss.mse.diff", h.shape, h.dtype, False),))
+    tape.held = (h.name,) if setup.logits_held else ()
     return tape

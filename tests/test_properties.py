@@ -13,7 +13,7 @@ from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category
 from peakledger.simulator.timeline import timeline
 
-PERSISTENT = {Category.PARAMETER, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE}
+PERSISTENT = {Category.PARAMETER, Category.BUFFER, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE}
 
 
 @st.composite

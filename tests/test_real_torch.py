@@ -255,3 +255,31 @@ def test_tracker_peak_matches_profiler_and_hooks_do_not_change_it():
     assert tracked == no_hooks
     # the profiler also sees a few tiny scalars dispatch never does (12 B here): allow under 64 B
     assert 0 <= profiled - tracked < 64
+
+
+# --- whole-run peaks: simulated vs measured on real CPU training steps --------------------------
+SCALAR_SLACK = 16  # 4-byte scalars the describer leaves out (loss grad seed, nll total_weight copies)
+
+
+def _phase_peak(log, phase, step):
+    running = best = 0
+    for e in log.events:
+        running += e.delta
+        if e.phase is phase and e.step == step:
+            best = max(best, running)
+    return best
+
+
+@pytest.mark.parametrize("name, attention", [("tiny", "eager"), ("tiny", "sdpa"), ("tiny-llama", "eager"),
+                                             ("tiny-llama", "sdpa"), ("tiny-mlp", None)])
+def test_simulated_peaks_match_measured_training_run(name, attention):
+    cfg = preset(name)
+    if attention:
+        cfg = dataclasses.replace(cfg, attention=attention)
+    setup = TrainingSetup(micro_batch=64 if name == "tiny-mlp" else 2, seq_len=1 if name == "tiny-mlp" else 32,
+                          steps=2)
+    model = build_model(cfg, setup)
+    measured = run_training_steps(model, make_optimizer(model, setup), make_batch(cfg, setup), steps=2)
+    simulated = simulate(describe(cfg, setup, "cpu"))
+    assert abs(peak(simulated)[0] - peak(measured)[0]) <= SCALAR_SLACK
+    assert abs(_phase_peak(simulated, Phase.FORWARD, 1) - _phase_peak(measured, Phase.FORWARD, 1)) <= SCALAR_SLACK
