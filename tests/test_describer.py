@@ -108,3 +108,18 @@ def test_presets_all_describe():
 
 def test_effective_batch():
     assert TrainingSetup(micro_batch=4, grad_accum=8, world_size=16).effective_batch == 512
+
+
+def test_hf_config_files_read_into_the_same_describer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from peakledger.models.presets import load_hf_config
+    path = tmp_path / "config.json"
+    path.write_text(transformers.GPT2Config().to_json_string())
+    cfg = load_hf_config(path)
+    assert [(p.name, p.shape) for p in transformer_params(cfg)] == \
+        [(p.name, p.shape) for p in transformer_params(preset("gpt2"))]
+    llama = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    path.write_text(llama.to_json_string())
+    assert sum(p.numel for p in transformer_params(load_hf_config(path))) == \
+        sum(p.numel for p in transformer_params(preset("llama-3-8b")))
