@@ -43,6 +43,27 @@ def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=7, ncol=2)
+    _save(fig, path)
+
+
+def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str = "", unit: str = "MiB") -> None:
+    """Measured and predicted total occupancy, each over its own event index scaled to 0..1 (a real run
+    and a simulation have different clocks; phases line up by order, not by seconds)."""
+    scale = UNITS[unit]
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
+    for tl, label, style in ((measured, "measured (torch)", "-"), (predicted, "predicted (simulator)", "--")):
+        n = max(len(tl.events) - 1, 1)
+        ax.step(np.arange(len(tl.events)) / n, np.asarray(tl.total, dtype=float) / scale, style, where="post",
+                label=f"{label}, peak {float(max(tl.total, default=0)) / scale:.4g} {unit}")
+    ax.set_xlabel("progress through the run (event index, normalised)")
+    ax.set_ylabel(f"live memory ({unit})")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    _save(fig, path)
+
+
+def _save(fig, path: str) -> None:
+    """Write atomically: a temporary file beside the target, then rename."""
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".png.tmp")

@@ -53,3 +53,32 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> in
         return cache[b]
 
     return max_fitting(need, budget, limit)
+
+
+VALIDATABLE_PRECISIONS = ("fp32", "bf16")
+
+
+def validate(scenario: Scenario):
+    """Run the scenario for real on CPU (reference torch model, exact allocation tracker), simulate the
+    same scenario on the "cpu" device profile, and compare the two event logs."""
+    from .analysis.validate import compare_logs
+    from .models.config import ConfigError
+    from .models.reference import build_model, make_batch, make_optimizer
+    from .traces.tracker import run_training_steps
+
+    setup = scenario.setup
+    if setup.precision not in VALIDATABLE_PRECISIONS:
+        raise ConfigError("precision", f"validate runs {', '.join(VALIDATABLE_PRECISIONS)} on CPU; got "
+                                       f"{setup.precision!r}")
+    if setup.world_size != 1 or setup.zero_stage != 0 or setup.checkpointing != "none":
+        raise ConfigError("world_size", "validate runs one process without ZeRO or checkpointing for now")
+    if setup.optimizer == "adam-8bit":
+        raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); validate sgd, sgd-momentum, adam, "
+                                       "adamw or amsgrad")
+    model = build_model(scenario.model, setup)
+    optimizer = make_optimizer(model, setup)
+    batches = make_batch(scenario.model, setup)
+    measured = run_training_steps(model, optimizer, batches, steps=setup.steps, grad_accum=setup.grad_accum,
+                                  set_to_none=setup.set_to_none)
+    simulated = simulate(describe(scenario.model, setup, "cpu"))
+    return compare_logs(measured, simulated, name=scenario.name), measured, simulated

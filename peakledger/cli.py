@@ -17,7 +17,8 @@ from dataclasses import fields
 from . import api
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
-from .analysis.plot import plot_timeline
+from .analysis.plot import plot_overlay, plot_timeline
+from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
 from .models.config import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, ConfigError, TransformerConfig
@@ -200,6 +201,31 @@ def cmd_compare(args) -> int:
     return 0
 
 
+VALIDATE_DEFAULTS = {"preset": "tiny", "precision": "fp32", "micro_batch": 2, "seq_len": 32}
+
+
+def cmd_validate(args) -> int:
+    if not (args.scenario or args.preset or args.hf_config):
+        args.preset = VALIDATE_DEFAULTS["preset"]
+        for key in ("precision", "micro_batch", "seq_len"):
+            if getattr(args, key) is None:
+                setattr(args, key, VALIDATE_DEFAULTS[key])
+    scenario = _scenario_from_args(args)
+    result, measured, simulated = api.validate(scenario)
+    if args.plot:
+        plot_overlay(timeline(measured), timeline(simulated), args.plot, title=f"{scenario.name}: measured vs predicted")
+    if args.json:
+        _write_json(validation_json(result))
+    else:
+        print(render_validation(result, args.unit if args.unit != "GiB" else "MiB"))
+    if args.tolerance is not None:
+        ok = result.passes(args.tolerance)
+        print(f"peak error {result.overall.error:+.3%} {'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}",
+              file=sys.stderr)
+        return 0 if ok else 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="peakledger", description="Where the memory of a training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--case", action="append", help="'name: key=value ...' changes to the base scenario")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare)
+    v = sub.add_parser("validate", help="run the scenario for real on CPU and hold the simulation against it")
+    _add_scenario_flags(v)
+    v.add_argument("--tolerance", type=float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
+    v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_validate)
     return parser
 
 

@@ -115,3 +115,25 @@ def test_exports_from_the_cli(tmp_path, capsys):
     snap, chrome = tmp_path / "s.pickle", tmp_path / "c.json"
     assert run_cli(capsys, "simulate", *TINY, "--export-snapshot", str(snap), "--export-chrome", str(chrome))[0] == 0
     assert snap.stat().st_size > 0 and chrome.stat().st_size > 0
+
+
+def test_validate_default_tiny_gpt_passes_at_one_percent(capsys):
+    code, out, err = run_cli(capsys, "validate", "--tolerance", "0.01", "--json")
+    data = json.loads(out)
+    assert code == 0 and "within" in err
+    assert data["peak"]["measured"] > 0 and abs(data["peak"]["error"]) <= 0.01
+    assert set(data["phases"]) >= {"forward step 1", "backward step 1", "optimizer step 1", "forward step 2"}
+
+
+def test_validate_names_the_tensor_behind_a_gap_and_fails_a_tight_tolerance(capsys):
+    code, out, err = run_cli(capsys, "validate", "--preset", "tiny-mlp", "--micro-batch", "64", "--precision", "fp32",
+                             "--optimizer-impl", "fused", "--tolerance", "0.0001", "--json")
+    data = json.loads(out)
+    assert code == 1 and "OUTSIDE" in err
+    gap = data["peak"]["predicted"] - data["peak"]["measured"]
+    assert gap != 0 and any(u["side"] == "measured only" and u["bytes"] >= abs(gap) // 2 for u in data["unexplained"])
+
+
+def test_validate_refuses_what_it_cannot_run(capsys):
+    code, _, err = run_cli(capsys, "validate", "--precision", "bf16-mixed")
+    assert code == 2 and "precision" in err

@@ -1,0 +1,130 @@
+"""Hold a simulated run against a measured one (both are `EventLog`s) and say where they differ.
+
+Aligned by phase and step: the peak of each (phase, step) on both sides, the overall, first-step and
+steady peaks, bytes by category at each side's peak, and the largest unexplained differences: at the
+worst-matching phase peak, the live blocks of one side that have no block of the same category and
+size on the other side, largest first, with their tensor names. That is where an assumption of the
+describer (what an op saves, which temporaries it makes) disagrees with torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..simulator.events import Block, Category, EventLog, Phase, Pool
+from ..simulator.timeline import timeline
+from .units import format_bytes
+
+
+@dataclass(frozen=True)
+class PeakPair:
+    label: str
+    measured: int
+    predicted: int
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured if self.measured else 0.0
+
+
+@dataclass
+class Validation:
+    name: str
+    overall: PeakPair
+    first_step: PeakPair
+    steady: PeakPair | None
+    phases: list[PeakPair]
+    categories_at_peak: dict[str, tuple[int, int]]
+    unexplained: list[tuple[str, Block]] = field(default_factory=list)  # ("measured only"/"predicted only", block)
+    worst_phase: str = ""
+
+    def passes(self, tolerance: float) -> bool:
+        return abs(self.overall.error) <= tolerance
+
+
+def _phase_peaks(tl) -> dict[tuple[Phase, int], tuple[int, int]]:
+    """(phase, step) -> (peak bytes, event index)."""
+    out: dict[tuple[Phase, int], tuple[int, int]] = {}
+    running = 0
+    for i, e in enumerate(tl.events):
+        running += e.delta
+        key = (e.phase, e.step)
+        if key not in out or running > out[key][0]:
+            out[key] = (running, i)
+    return out
+
+
+def _unmatched(a: list[Block], b: list[Block]) -> list[Block]:
+    """Blocks of `a` with no partner of the same category and size in `b` (multiset difference)."""
+    left = Counter((x.category, x.nbytes) for x in b)
+    out = []
+    for x in sorted(a, key=lambda x: -x.nbytes):
+        key = (x.category, x.nbytes)
+        if left[key]:
+            left[key] -= 1
+        else:
+            out.append(x)
+    return out
+
+
+def compare_logs(measured: EventLog, simulated: EventLog, name: str = "", rank: int = 0,
+                 pool: Pool = Pool.DEVICE) -> Validation:
+    mt, st = timeline(measured, rank, pool), timeline(simulated, rank, pool)
+    mp, sp = mt.peak(), st.peak()
+    first = PeakPair("first step", mt.peak(lambda e: e.step <= 1).bytes, st.peak(lambda e: e.step <= 1).bytes)
+    has_steady = any(e.step >= 2 for e in mt.events) and any(e.step >= 2 for e in st.events)
+    steady = PeakPair("steady (steps >= 2)", mt.peak(lambda e: e.step >= 2).bytes,
+                      st.peak(lambda e: e.step >= 2).bytes) if has_steady else None
+    mph, sph = _phase_peaks(mt), _phase_peaks(st)
+    order = [k for k in sorted(set(mph) | set(sph), key=lambda k: (k[1], list(Phase).index(k[0])))]
+    phases = [PeakPair(f"{ph.value} step {step}", mph.get((ph, step), (0, -1))[0], sph.get((ph, step), (0, -1))[0])
+              for ph, step in order]
+    cats = {}
+    for c in Category:
+        m, s = mp.live_by_category.get(c, 0), sp.live_by_category.get(c, 0)
+        if m or s:
+            cats[c.value] = (m, s)
+    worst = max(((k, abs(sph.get(k, (0, -1))[0] - mph.get(k, (0, -1))[0])) for k in order if k in mph and k in sph),
+                key=lambda kv: kv[1], default=(None, 0))[0]
+    unexplained: list[tuple[str, Block]] = []
+    worst_label = ""
+    if worst is not None:
+        worst_label = f"{worst[0].value} step {worst[1]}"
+        m_live = mt.live_blocks_at(mph[worst][1])
+        s_live = st.live_blocks_at(sph[worst][1])
+        unexplained = [("measured only", b) for b in _unmatched(m_live, s_live)[:8]] + \
+                      [("predicted only", b) for b in _unmatched(s_live, m_live)[:8]]
+        unexplained.sort(key=lambda sb: -sb[1].nbytes)
+    return Validation(name=name, overall=PeakPair("overall", mp.bytes, sp.bytes), first_step=first, steady=steady,
+                      phases=phases, categories_at_peak=cats, unexplained=unexplained[:10], worst_phase=worst_label)
+
+
+def validation_json(v: Validation) -> dict:
+    pair = lambda p: None if p is None else {"measured": p.measured, "predicted": p.predicted,  # noqa: E731
+                                             "error": round(p.error, 6)}
+    return {"scenario": v.name, "peak": pair(v.overall), "first_step_peak": pair(v.first_step),
+            "steady_peak": pair(v.steady), "phases": {p.label: pair(p) for p in v.phases},
+            "categories_at_peak": {c: {"measured": m, "predicted": s} for c, (m, s) in v.categories_at_peak.items()},
+            "unexplained": [{"side": side, "tensor": b.name, "category": b.category.value, "bytes": b.nbytes}
+                            for side, b in v.unexplained], "worst_phase": v.worst_phase}
+
+
+def render_validation(v: Validation, unit: str = "MiB") -> str:
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    lines = [f"validate {v.name}: measured (real torch run on CPU) vs predicted (simulator)", "",
+             f"  {'':<26}{'measured':>14}{'predicted':>14}{'error':>9}{'bytes':>14}"]
+    rows = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + v.phases
+    for i, p in enumerate(rows):
+        if i == (3 if v.steady else 2):
+            lines.append("  by phase:")
+        lines.append(f"  {p.label:<26}{f(p.measured):>14}{f(p.predicted):>14}{p.error:>+9.2%}"
+                     f"{p.predicted - p.measured:>+14,}")
+    lines += ["", "  at each side's overall peak, by category:"]
+    for c, (m, s) in v.categories_at_peak.items():
+        lines.append(f"  {c:<26}{f(m):>14}{f(s):>14}{'':>9}{s - m:>+14,}")
+    if v.unexplained:
+        lines += ["", f"  largest unexplained blocks at the {v.worst_phase} peak (no same-size twin on the other side):"]
+        for side, b in v.unexplained:
+            lines.append(f"  {side:<16}{b.category.value:<14}{b.nbytes:>12,} B  {b.name}")
+    return "\n".join(lines)
