@@ -80,9 +80,8 @@ def report_json(r: Report) -> dict:
         "assumptions": md.get("assumptions", []),
     }
     if setup:
-        b_eff = setup["micro_batch"] * setup["grad_accum"] * setup["world_size"]
-        tokens = b_eff * setup["seq_len"]
-        out["effective_batch"] = b_eff
+        tokens = md["tokens_per_step"]
+        out["effective_batch"] = md["effective_batch"]
         out["tokens_per_step"] = tokens
         out["training_flops_per_step"] = {
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
@@ -99,14 +98,13 @@ def render_text(r: Report, unit: str = "GiB") -> str:
     lines = [f"peakledger: {r.name}  ({md.get('model')} on {md.get('device')}, rank {pk.rank} {pk.pool.value} memory)"]
     setup = md.get("setup", {})
     if setup:
-        b_eff = setup["micro_batch"] * setup["grad_accum"] * setup["world_size"]
+        b_eff = md["effective_batch"]
         lines.append(f"  {md.get('n_params'):,} parameters ({md.get('n_trainable'):,} trainable); precision "
                      f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
                      f"ZeRO-{setup['zero_stage']} x {setup['world_size']}, checkpointing {setup['checkpointing']}")
         lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
                      f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {setup['steps']} steps")
-        tokens = b_eff * setup["seq_len"]
-        flops = training_flops(md.get("n_trainable") or 0, tokens)
+        flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
         lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
     lines.append("")
     e = pk.peak.event

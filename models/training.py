@@ -107,6 +107,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "model": model.name, "setup": asdict(setup), "device": profile.name,
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
         "forward_flops_per_microbatch": forward_flops,
+        "effective_batch": setup.effective_batch,
+        "tokens_per_step": setup.effective_batch * setup.seq_len,
         "assumptions": profile.assumptions(),
     }
     return b.graph
