@@ -8,7 +8,8 @@ is still alive, and is freed at the end of the op that drops the last one:
 - held by the caller (logits, the batch): released when the micro-batch's backward ends;
 - activation checkpointing: a region's inputs are held until the region's backward is done; inside a
   region nothing is saved in the forward pass, and the region is recomputed (with saves) right before
-  its backward.
+  its backward, up to its last saving op (torch's non-reentrant checkpoint stops once everything saved
+  is saved again; an op that saves only its inputs is not run at all).
 
 Gradients flow in reverse: a backward node allocates the gradients of its inputs (an add hands its
 grad_output on unchanged), frees the gradients of its outputs, and releases its saved tensors.
@@ -140,12 +141,14 @@ class MicroBatchReplay:
         for i, op in enumerate(self.tape.ops):
             self._run_forward(i, op, recomputing=False, uses=self.last_use)
 
-    def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int]) -> None:
+    def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int],
+                     skip_outputs: bool = False) -> None:
         allocs, frees = [], []
         saves = self._effective_saves(i, recomputing)
         kept = self.kept_in_recompute if recomputing else self.kept_in_forward
         duplicates = set()
-        for o in op.outputs:
+        outputs = () if skip_outputs else op.outputs
+        for o in outputs:
             if recomputing and o.name in self.live:
                 # still alive from the first pass (held by the caller): the recomputed copy is dropped at once
                 dup = self._new_block(o, Category.TEMPORARY, name=f"{o.name}.recomputed")
@@ -172,13 +175,14 @@ class MicroBatchReplay:
             else:
                 frees.append(cast.id)
         self.saved_at[i] = saves
-        workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape) for w in op.workspace]
+        workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape)
+                     for w in (() if skip_outputs else op.workspace)]
         allocs += workspace
         frees += [w.id for w in workspace]
-        for name in op.inputs:
+        for name in dict.fromkeys(op.inputs):  # one forward-use reason per tensor, however often it is read
             if uses.get(name) == i:
                 self._release(name, frees)
-        for o in op.outputs:
+        for o in outputs:
             if o.name not in uses and o.name not in duplicates:
                 self._release(o.name, frees)
         bytes_moved = sum(a.nbytes for a in allocs) + sum(self.specs[n].nbytes for n in op.inputs)
@@ -223,8 +227,14 @@ class MicroBatchReplay:
         for name in list(uses):
             if name in self.live and not any(name == o.name for i in todo for o in self.tape.ops[i].outputs):
                 self._hold(name)
+        # torch's non-reentrant checkpoint stops recomputing once every tensor saved in the first pass is
+        # saved again; an op that saves only its inputs saves them before it runs, so when the last saving
+        # op is one, its own outputs are never recomputed
+        last = self.tape.ops[last_saving]
+        early_stop = not set(self.saves[last_saving]) & {o.name for o in last.outputs}
         for i in todo:
-            self._run_forward(i, self.tape.ops[i], recomputing=True, uses=uses)
+            self._run_forward(i, self.tape.ops[i], recomputing=True, uses=uses,
+                              skip_outputs=early_stop and i == last_saving)
 
     def _param_grad(self, p: str, allocs: list, frees: list) -> None:
         if p not in self.trainable:
@@ -251,7 +261,8 @@ class MicroBatchReplay:
             if not self.rg.get(name):
                 continue
             spec = self.specs[name]
-            if op.passthrough and grad_out is not None and spec.shape == out0.shape:
+            if op.passthrough and grad_out is not None and spec.shape == out0.shape and spec.dtype == out0.dtype:
+                # (a mixed-dtype add casts grad_output for its 16-bit input: a new tensor, below)
                 if name in self.grad_of:
                     continue  # accumulated in place into the existing gradient
                 grad_out.refs += 1
@@ -263,8 +274,16 @@ class MicroBatchReplay:
                 frees.append(blk.id)  # summed into the gradient already there
             else:
                 self.grad_of[name] = _Storage(blk)
+        cast_grads = []  # autocast: the op's gradient of a 16-bit weight copy, turned fp32 by the next node
         for p in op.params:
-            self._param_grad(p, allocs, frees)
+            if p in op.casts and p in self.trainable:
+                cdt = self.b.setup.compute_dtype
+                tmp = self.b.block(f"{p}.autocast_copy.grad", self.b.param_numel[p] * dtype_bytes(cdt),
+                                   Category.TEMPORARY, cdt, self.b.param_shape[p])
+                allocs.append(tmp)
+                cast_grads.append((p, tmp))
+            else:
+                self._param_grad(p, allocs, frees)
         workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape) for w in op.bwd_workspace]
         allocs += workspace
         frees += [w.id for w in workspace]
@@ -279,6 +298,13 @@ class MicroBatchReplay:
         bytes_moved = 2 * sum(a.nbytes for a in allocs)
         self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                   flops=2 * op.flops, bytes_moved=bytes_moved)
+        if cast_grads:  # ToCopyBackward: after the op's node released its saved tensors and grad_output
+            allocs, frees = [], []
+            for p, tmp in cast_grads:
+                self._param_grad(p, allocs, frees)
+                frees.append(tmp.id)
+            self.b.op(f"{op.name}.autocast_copy.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
+                      bytes_moved=sum(a.nbytes for a in allocs))
 
     def run(self) -> None:
         self.forward()

@@ -35,10 +35,27 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+REFERENCE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
+
+
+def _run(fn, checkpointed: bool, *args):
+    """`fn(*args)`, under torch's non-reentrant activation checkpoint when `checkpointed` (and grad is on)."""
+    if checkpointed and torch.is_grad_enabled():
+        return _checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def autocast_context(setup: TrainingSetup | None):
+    """The context the forward pass and loss run under: torch.autocast("cpu", bf16) for "bf16-autocast"."""
+    import contextlib
+    if setup is not None and setup.precision == "bf16-autocast":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 # -- GPT-2 (nanoGPT) --------------------------------------------------------------------------------
@@ -184,6 +201,7 @@ class LlamaModel(nn.Module):
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.eager = cfg.attention == "eager"
+        self.checkpointing = "none"
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
@@ -194,7 +212,10 @@ class LlamaModel(nn.Module):
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril() if self.eager else None
         for layer in self.layers:
-            x = layer(x, cos, sin, causal)
+            if self.checkpointing == "full":
+                x = _run(lambda x_, layer=layer: layer(x_, cos, sin, causal), True, x)
+            else:
+                x = layer(x, cos, sin, causal)
         return self.norm(x)
 
 
@@ -203,9 +224,10 @@ class LlamaModel(nn.Module):
 class GPT(nn.Module):
     """nanoGPT's GPT for family "gpt2", a small Llama for family "llama"; `forward(idx, targets)`."""
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, checkpointing: str = "none") -> None:
         super().__init__()
         self.cfg = cfg
+        self.checkpointing = checkpointing  # "full": each block runs under torch.utils.checkpoint
         if cfg.family == "gpt2":
             self.transformer = nn.ModuleDict(dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
@@ -219,6 +241,7 @@ class GPT(nn.Module):
                 self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
         else:
             self.model = LlamaModel(cfg)
+            self.model.checkpointing = checkpointing
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tied:
                 self.lm_head.weight = self.model.embed_tokens.weight
@@ -239,7 +262,7 @@ class GPT(nn.Module):
             pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
             x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
             for block in self.transformer.h:
-                x = block(x)
+                x = _run(block, self.checkpointing == "full", x)
             x = self.transformer.ln_f(x)
         else:
             x = self.model(idx)
@@ -253,9 +276,10 @@ class GPT(nn.Module):
 class MLP(nn.Module):
     """`layers` = Sequential(Linear, act, ..., Linear); `forward(x, target)` -> (output, MSE loss)."""
 
-    def __init__(self, cfg: MLPConfig) -> None:
+    def __init__(self, cfg: MLPConfig, checkpointing: str = "none") -> None:
         super().__init__()
         self.cfg = cfg
+        self.checkpointing = checkpointing  # "full": each Linear (+ its activation) is one checkpoint
         dims = (cfg.d_in, *cfg.hidden, cfg.d_out)
         mods: list[nn.Module] = []
         for i in range(len(dims) - 1):
@@ -265,19 +289,30 @@ class MLP(nn.Module):
         self.layers = nn.Sequential(*mods)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None):
-        out = self.layers(x)
+        if self.checkpointing == "full":
+            mods = list(self.layers)
+            out = x
+            for i in range(0, len(mods), 2):
+                out = _run(nn.Sequential(*mods[i:i + 2]), True, out)
+        else:
+            out = self.layers(x)
         return out, (F.mse_loss(out, target) if target is not None else None)
 
 
 def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
     """The reference model for `cfg`, seeded, in training mode, in `setup`'s parameter dtype.
 
-    Supported precisions: "fp32" and pure "bf16" (mixed and autocast modes are not modelled here).
+    Supported precisions: "fp32", pure "bf16" and "bf16-autocast" (fp32 parameters; run the forward
+    and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
+    `setup.checkpointing == "full"` checkpoints each transformer block / each MLP Linear(+activation)
+    with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, the describer's regions.
     """
-    if setup is not None and setup.precision not in ("fp32", "bf16"):
-        raise NotImplementedError(f"reference models run fp32 or bf16 only, not {setup.precision!r}")
+    if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
+        raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
+                                  f"not {setup.precision!r}")
     torch.manual_seed(seed)
-    model = GPT(cfg) if isinstance(cfg, TransformerConfig) else MLP(cfg)
+    ckpt = setup.checkpointing if setup is not None else "none"
+    model = GPT(cfg, ckpt) if isinstance(cfg, TransformerConfig) else MLP(cfg, ckpt)
     if setup is not None and setup.precision == "bf16":
         model = model.to(torch.bfloat16)
     return model.train()
@@ -344,4 +379,4 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
     return out
 
 
-__all__ = ["GPT", "MLP", "build_model", "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]
+__all__ = ["GPT", "MLP", "build_model", "autocast_context", "REFERENCE_PRECISIONS", "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]

@@ -31,12 +31,12 @@ from .transformer import mlp_tape, transformer_tape
 ModelConfig = TransformerConfig | MLPConfig
 
 
-def build_tape(model: ModelConfig, setup: TrainingSetup) -> Tape:
+def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     if isinstance(model, TransformerConfig):
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
-        return transformer_tape(model, setup)
-    return mlp_tape(model, setup)
+        return transformer_tape(model, setup, cpu)
+    return mlp_tape(model, setup, cpu)
 
 
 def trainable_params(tape: Tape, frozen: tuple[str, ...]) -> set[str]:
@@ -93,7 +93,7 @@ class GraphBuilder:
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB") -> OpGraph:
     """The op graph of `setup.steps` training steps of `model` on one rank."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
-    tape = build_tape(model, setup)
+    tape = build_tape(model, setup, profile.is_cpu)
     b = GraphBuilder(tape, setup, profile)
     grads = GradState(persistent=setup.fp32_grads)
     _load(b, grads)

@@ -15,8 +15,12 @@ activation with its shape and dtype. What each op saves follows torch's autograd
 - Cross-entropy: log_softmax output (B*T*vocab, fp32 under autocast) is saved; the caller holds the
   logits until backward ends (`TrainingSetup.logits_held`).
 
-Under torch.autocast, linears and matmuls run in 16-bit (their weights are cast, and the cast copy is
-saved for backward), while embeddings, norms, softmax and the loss produce fp32.
+Under torch.autocast, linears and matmuls run in 16-bit: their weights are cast (the cast copy is
+saved for backward, and its 16-bit gradient is turned fp32 by a separate node), and an fp32 input is
+cast to a new 16-bit tensor that the linear saves instead of the fp32 input. Embeddings, norms and the
+loss produce fp32 (the loss reads a temporary fp32 copy of the 16-bit logits); softmax is fp32 under
+CUDA autocast but keeps its 16-bit input dtype under CPU autocast (`describe(..., "cpu")`). A residual
+add of fp32 and 16-bit tensors is fp32, and its backward casts the gradient for the 16-bit input.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from .tape import ParamSpec, Tape, TensorSpec
 class _Writer:
     """Small helper that knows B, T and the dtypes, so the block code reads like the model."""
 
-    def __init__(self, tape: Tape, setup: TrainingSetup) -> None:
+    def __init__(self, tape: Tape, setup: TrainingSetup, cpu: bool = False) -> None:
         self.tape = tape
         self.setup = setup
+        self.cpu = cpu
         self.autocast = setup.precision.endswith("-autocast")
         self.act = setup.compute_dtype
         self.region: int | None = None
@@ -39,6 +44,17 @@ class _Writer:
         """dtype of ops autocast keeps in fp32 (norms, softmax, embedding, loss)."""
         return "fp32" if self.autocast else self.act
 
+    def softmax_dtype(self, x: TensorSpec) -> str:
+        """CUDA autocast runs softmax in fp32; CPU autocast has no softmax rule: it keeps its input dtype."""
+        return x.dtype if (self.cpu or not self.autocast) else "fp32"
+
+    def autocast_input(self, name: str, x: TensorSpec) -> TensorSpec:
+        """Autocast casts an fp32 input of a 16-bit op (linear, matmul) to a new 16-bit tensor; the op
+        saves that copy, not the fp32 input (casts of non-leaf tensors are not cached: each op makes its own)."""
+        if not self.autocast or x.dtype == self.act:
+            return x
+        (y,) = self.op(f"{name}.autocast_input", "to_copy", [x], [self.t(f"{name}.in_cast", x.shape, self.act)])
+        return y
     def t(self, name: str, shape, dtype: str | None = None, requires_grad: bool = True) -> TensorSpec:
         return TensorSpec(name, tuple(shape), dtype or self.act, requires_grad)
 
@@ -52,6 +68,7 @@ class _Writer:
         params = (weight, f"{name}.bias") if bias else (weight,)
         in_features = x.shape[-1]
         rows = x.shape[0] * x.shape[1]
+        x = self.autocast_input(name, x)
         (y,) = self.op(name, "linear", [x], [self.t(f"{name}.out", (*x.shape[:-1], out_features))],
                        saves=(x.name,), params=params, casts=(weight,) if self.autocast else (),
                        flops=2 * rows * in_features * out_features)
@@ -138,10 +155,11 @@ def _norm(name: str, d: int, bias: bool) -> list[ParamSpec]:
     return [ParamSpec(f"{name}.weight", (d,))] + ([ParamSpec(f"{name}.bias", (d,))] if bias else [])
 
 
-def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup) -> Tape:
+def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    """`cpu`: the device's autocast op lists are CPU's (see `_Writer.softmax_dtype`)."""
     B, T = setup.micro_batch, setup.seq_len
     tape = Tape(params=transformer_params(cfg))
-    w = _Writer(tape, setup)
+    w = _Writer(tape, setup, cpu)
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
@@ -177,6 +195,9 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup) -> Tape:
 
 def _cross_entropy(w: _Writer, logits: TensorSpec, targets: TensorSpec) -> None:
     lsm_dtype = "fp32" if w.autocast else logits.dtype
+    if lsm_dtype != logits.dtype:  # autocast runs the loss in fp32: a temporary fp32 copy of the logits
+        (logits,) = w.op("loss.autocast_input", "to_copy", [logits],
+                         [w.t("loss.logits_fp32", logits.shape, lsm_dtype)])
     (lsm,) = w.op("loss.log_softmax", "log_softmax", [logits],
                   [w.t("loss.log_softmax.out", logits.shape, lsm_dtype)], saves=("loss.log_softmax.out",),
                   flops=5 * logits.shape[0] * logits.shape[1] * logits.shape[2])
@@ -199,7 +220,7 @@ def _attention_eager(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSp
     (mask,) = w.op(f"{prefix}.causal_mask", "eq", [], [w.t(f"{prefix}.causal_mask", (1, 1, T, T), "bool", False)])
     (masked,) = w.op(f"{prefix}.masked_fill", "masked_fill", [scaled, mask],
                      [w.t(f"{prefix}.masked", (B, n_head, T, T))], saves=(mask.name,))
-    sm_dtype = w.fp32_op_dtype()
+    sm_dtype = w.softmax_dtype(masked)
     (probs,) = w.op(f"{prefix}.softmax", "softmax", [masked], [w.t(f"{prefix}.softmax", (B, n_head, T, T), sm_dtype)],
                     saves=(f"{prefix}.softmax",), flops=5 * B * n_head * T * T)
     probs = w.dropout(f"{prefix}.attn_dropout", probs, dropout)
@@ -288,12 +309,12 @@ def mlp_params(cfg: MLPConfig) -> list[ParamSpec]:
     return ps
 
 
-def mlp_tape(cfg: MLPConfig, setup: TrainingSetup) -> Tape:
+def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in); F.mse_loss, a
     fused kernel that keeps its input and target for backward."""
     B = setup.micro_batch
     tape = Tape(params=mlp_params(cfg))
-    w = _Writer(tape, setup)
+    w = _Writer(tape, setup, cpu)
     x = TensorSpec("batch.x", (B, 1, cfg.d_in), setup.compute_dtype if not w.autocast else "fp32", False)
     y_true = TensorSpec("batch.y", (B, 1, cfg.d_out), x.dtype, False)
     tape.inputs = [x, y_true]

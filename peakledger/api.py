@@ -55,7 +55,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> in
     return max_fitting(need, budget, limit)
 
 
-VALIDATABLE_PRECISIONS = ("fp32", "bf16")
+VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
 def validate(scenario: Scenario):
@@ -65,13 +65,14 @@ def validate(scenario: Scenario):
     from .models.config import ConfigError
     from .models.reference import build_model, make_batch, make_optimizer
     from .traces.tracker import run_training_steps
+    import torch
 
     setup = scenario.setup
     if setup.precision not in VALIDATABLE_PRECISIONS:
         raise ConfigError("precision", f"validate runs {', '.join(VALIDATABLE_PRECISIONS)} on CPU; got "
                                        f"{setup.precision!r}")
-    if setup.world_size != 1 or setup.zero_stage != 0 or setup.checkpointing != "none":
-        raise ConfigError("world_size", "validate runs one process without ZeRO or checkpointing for now")
+    if setup.world_size != 1 or setup.zero_stage != 0:
+        raise ConfigError("world_size", "validate runs one process without ZeRO for now")
     if setup.optimizer == "adam-8bit":
         raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); validate sgd, sgd-momentum, adam, "
                                        "adamw or amsgrad")
@@ -79,6 +80,7 @@ def validate(scenario: Scenario):
     optimizer = make_optimizer(model, setup)
     batches = make_batch(scenario.model, setup)
     measured = run_training_steps(model, optimizer, batches, steps=setup.steps, grad_accum=setup.grad_accum,
-                                  set_to_none=setup.set_to_none)
+                                  set_to_none=setup.set_to_none,
+                                  autocast=torch.bfloat16 if setup.precision == "bf16-autocast" else None)
     simulated = simulate(describe(scenario.model, setup, "cpu"))
     return compare_logs(measured, simulated, name=scenario.name), measured, simulated

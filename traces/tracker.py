@@ -331,14 +331,17 @@ def _batch_for(batches, step: int, mb: int, grad_accum: int):
 
 def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
                        grad_accum: int = 1, set_to_none: bool = True, seed: int = 0,
-                       saved_tensor_hooks: bool = True, metadata: dict | None = None) -> EventLog:
+                       saved_tensor_hooks: bool = True, metadata: dict | None = None,
+                       autocast: torch.dtype | None = None) -> EventLog:
     """Run a real CPU training loop under the tracker and return its `EventLog`.
 
     The loop is models/training.py's: parameters already loaded (recorded at LOAD), then for each step
     `grad_accum` x (copy the micro-batch in: INPUT; `out, loss = model(x, y)`; `loss.backward()`; drop
     out, loss and the batch copy, still in BACKWARD), `optimizer.step()` (OPTIMIZER),
     `optimizer.zero_grad(set_to_none)` (ZERO_GRAD). `batches` are (inputs, targets) pairs, used in turn.
-    `torch.set_num_threads(1)` and a fixed seed make the bytes reproducible.
+    `torch.set_num_threads(1)` and a fixed seed make the bytes reproducible. `autocast` (e.g.
+    torch.bfloat16) runs the forward and the loss under `torch.autocast("cpu", dtype=autocast)`;
+    backward runs outside it, as usual (the autocast weight-cast cache is cleared when the forward ends).
     """
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -350,7 +353,9 @@ def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 with tracker.phase(Phase.FORWARD, step, mb):
                     x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
                     tracker.mark_input(x, y)
-                    out, loss = model(x, y)
+                    with (torch.autocast("cpu", dtype=autocast) if autocast is not None
+                          else contextlib.nullcontext()):
+                        out, loss = model(x, y)
                     tracker.mark(out, Category.ACTIVATION)  # held by the caller until backward ends
                 with tracker.phase(Phase.BACKWARD, step, mb):
                     loss.backward()
@@ -363,7 +368,7 @@ def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 optimizer.zero_grad(set_to_none=set_to_none)
                 tracker.scan()
     meta = {"steps": steps, "grad_accum": grad_accum, "set_to_none": set_to_none,
-            "optimizer": type(optimizer).__name__}
+            "optimizer": type(optimizer).__name__, "autocast": None if autocast is None else str(autocast)}
     meta.update(metadata or {})
     return tracker.log(meta)
 
