@@ -83,9 +83,11 @@ class MicroBatchReplay:
                 saves = tuple(s for s in saves if s not in op.inputs)  # input only feeds the weight grad
             self.saves.append(saves)
         self.last_use: dict[str, int] = {}
+        self.readers: dict[str, set[int]] = {}
         for i, op in enumerate(ops):
             for name in op.inputs:
                 self.last_use[name] = i
+                self.readers.setdefault(name, set()).add(i)
         self.regions: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
             if op.region is not None:
@@ -257,10 +259,21 @@ class MicroBatchReplay:
         allocs, frees = [], []
         out0 = op.outputs[0]
         grad_out = self.grad_of.get(out0.name)
+        views = []  # (name, spec, view-sized gradients) of a tensor this op alone reads as k equal views
         for name in op.inputs:
             if not self.rg.get(name):
                 continue
             spec = self.specs[name]
+            k = op.inputs.count(name)
+            if k > 1 and self.readers.get(name) == {i}:
+                # e.g. SDPA on the q, k, v splits of one projection: one gradient per view, concatenated
+                # into the base's gradient by the split's backward once this node is done
+                if not any(v[0] == name for v in views):
+                    pieces = [self.b.block(f"{name}.grad.view{j}", spec.nbytes // k, Category.TEMPORARY,
+                                           spec.dtype, spec.shape) for j in range(k)]
+                    allocs += pieces
+                    views.append((name, spec, pieces))
+                continue
             if op.passthrough and grad_out is not None and spec.shape == out0.shape and spec.dtype == out0.dtype:
                 # (a mixed-dtype add casts grad_output for its 16-bit input: a new tensor, below)
                 if name in self.grad_of:
@@ -298,6 +311,17 @@ class MicroBatchReplay:
         bytes_moved = 2 * sum(a.nbytes for a in allocs)
         self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                   flops=2 * op.flops, bytes_moved=bytes_moved)
+        for name, spec, pieces in views:
+            allocs, frees = [], []
+            blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+            allocs.append(blk)
+            if name in self.grad_of:
+                frees.append(blk.id)
+            else:
+                self.grad_of[name] = _Storage(blk)
+            frees += [p.id for p in pieces]
+            self.b.op(f"{op.name}.split.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
+                      bytes_moved=2 * spec.nbytes)
         if cast_grads:  # ToCopyBackward: after the op's node released its saved tensors and grad_output
             allocs, frees = [], []
             for p, tmp in cast_grads:
