@@ -8,6 +8,7 @@ so the CLI can turn it into a clear message (exit 2) instead of a traceback or a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -20,6 +21,17 @@ class ConfigError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+def read_config_file(path, field_name: str, parse, parse_error: type[Exception], kind: str):
+    """Read and parse a JSON / TOML input file; a missing or malformed file is a ConfigError naming the field."""
+    path = Path(path)
+    try:
+        return parse(path.read_text())
+    except (FileNotFoundError, IsADirectoryError):
+        raise ConfigError(field_name, f"file not found: {path}") from None
+    except parse_error as e:
+        raise ConfigError(field_name, f"{path} is not valid {kind}: {e}") from None
 
 
 def dtype_name(value: str, field_name: str = "dtype") -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ConfigError, MLPConfig, TransformerConfig
+from .config import ConfigError, MLPConfig, TransformerConfig, read_config_file
 
 PRESETS: dict[str, TransformerConfig | MLPConfig] = {
     "tiny": TransformerConfig(name="tiny", family="gpt2", n_layer=2, d_model=64, n_head=4, vocab_size=256,
@@ -68,12 +68,7 @@ def from_hf_config(data: dict, name: str = "hf") -> TransformerConfig:
 
 def load_hf_config(path: str | Path) -> TransformerConfig:
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("hf_config", f"file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError("hf_config", f"{path} is not valid JSON: {e}") from None
+    data = read_config_file(path, "hf_config", json.loads, json.JSONDecodeError, "JSON")
     if not isinstance(data, dict):
         raise ConfigError("hf_config", f"{path} must hold a JSON object")
     return from_hf_config(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")

@@ -23,7 +23,7 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, read_config_file
 from .models.costs import DEVICES
 from .models.presets import PRESETS, load_hf_config, preset
 
@@ -75,13 +75,7 @@ def _tuples(table: dict) -> dict:
 
 
 def load_toml(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError("scenario", f"file not found: {path}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("scenario", f"{path} is not valid TOML: {e}") from None
+    data = read_config_file(path, "scenario", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
     unknown = set(data) - {"model", "training", "run", "name"}
     if unknown:
         raise ConfigError(sorted(unknown)[0], "unknown table in scenario file; allowed: [model], [training], [run], name")
