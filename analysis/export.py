@@ -9,25 +9,12 @@ the block's category, name and op travel in `category` and `frames`. Files are w
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import tempfile
 
 from ..simulator.events import Action, EventLog, Pool
+from ..simulator.files import write_atomic
 
 ALIGN = 512  # the CUDA caching allocator rounds blocks to 512 bytes; we only use it to space addresses
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def chrome_trace(log: EventLog) -> dict:

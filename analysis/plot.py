@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 
 import matplotlib
 
@@ -12,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ..simulator.events import Phase  # noqa: E402
+from ..simulator.files import write_atomic  # noqa: E402
 from ..simulator.timeline import Timeline  # noqa: E402
 from .units import UNITS  # noqa: E402
 
@@ -63,15 +63,10 @@ def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str 
 
 
 def _save(fig, path: str) -> None:
-    """Write atomically: a temporary file beside the target, then rename."""
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".png.tmp")
-    os.close(fd)
+    buffer = io.BytesIO()
     try:
-        fig.savefig(tmp, format="png", metadata={"Software": None})
-        os.replace(tmp, path)
+        fig.savefig(buffer, format="png", metadata={"Software": None})
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    write_atomic(path, buffer.getvalue())

@@ -58,29 +58,41 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> in
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
-def validate(scenario: Scenario):
-    """Run the scenario for real on CPU (reference torch model, exact allocation tracker), simulate the
-    same scenario on the "cpu" device profile, and compare the two event logs."""
-    from .analysis.validate import compare_logs
+def measure(scenario: Scenario):
+    """Run the scenario for real on CPU: the reference torch model of the same config, real training
+    steps under the exact allocation tracker. Returns the measured EventLog (metadata: torch version,
+    model config, training setup)."""
+    import torch
+
     from .models.config import ConfigError
     from .models.reference import build_model, make_batch, make_optimizer
     from .traces.tracker import run_training_steps
-    import torch
 
     setup = scenario.setup
     if setup.precision not in VALIDATABLE_PRECISIONS:
-        raise ConfigError("precision", f"validate runs {', '.join(VALIDATABLE_PRECISIONS)} on CPU; got "
+        raise ConfigError("precision", f"real CPU runs support {', '.join(VALIDATABLE_PRECISIONS)}; got "
                                        f"{setup.precision!r}")
     if setup.world_size != 1 or setup.zero_stage != 0:
-        raise ConfigError("world_size", "validate runs one process without ZeRO for now")
+        raise ConfigError("world_size", "real CPU runs are one process without ZeRO for now")
     if setup.optimizer == "adam-8bit":
-        raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); validate sgd, sgd-momentum, adam, "
+        raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); use sgd, sgd-momentum, adam, "
                                        "adamw or amsgrad")
     model = build_model(scenario.model, setup)
     optimizer = make_optimizer(model, setup)
-    batches = make_batch(scenario.model, setup)
-    measured = run_training_steps(model, optimizer, batches, steps=setup.steps, grad_accum=setup.grad_accum,
-                                  set_to_none=setup.set_to_none,
-                                  autocast=torch.bfloat16 if setup.precision == "bf16-autocast" else None)
-    simulated = simulate(describe(scenario.model, setup, "cpu"))
+    metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(scenario.model),
+                "model_kind": type(scenario.model).__name__, "setup": dataclasses.asdict(setup),
+                "device": "cpu", "scenario": scenario.name}
+    return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.steps,
+                              grad_accum=setup.grad_accum, set_to_none=setup.set_to_none,
+                              autocast=torch.bfloat16 if setup.precision == "bf16-autocast" else None,
+                              metadata=metadata)
+
+
+def validate(scenario: Scenario, measured=None):
+    """Hold the simulation of `scenario` (on the "cpu" device profile) against a measured run: the one
+    given, or a fresh real CPU run. Returns (Validation, measured log, simulated log)."""
+    from .analysis.validate import compare_logs
+
+    measured = measured if measured is not None else measure(scenario)
+    simulated = simulate(describe(scenario.model, scenario.setup, "cpu"))
     return compare_logs(measured, simulated, name=scenario.name), measured, simulated

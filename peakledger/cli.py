@@ -26,6 +26,7 @@ from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import build_scenario, load_toml
 from .simulator.timeline import timeline
+from .traces.store import TraceFormatError, load_log, save_log, with_event_index_times
 
 MODEL_FLAGS = {f.name for f in fields(TransformerConfig)} - {"name"}
 TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
@@ -204,14 +205,37 @@ def cmd_compare(args) -> int:
 VALIDATE_DEFAULTS = {"preset": "tiny", "precision": "fp32", "micro_batch": 2, "seq_len": 32}
 
 
-def cmd_validate(args) -> int:
+def _real_run_scenario(args):
+    """validate and capture default to the tiny GPT in fp32 at micro-batch 2, seq 32 (seconds on a CPU)."""
     if not (args.scenario or args.preset or args.hf_config):
         args.preset = VALIDATE_DEFAULTS["preset"]
         for key in ("precision", "micro_batch", "seq_len"):
             if getattr(args, key) is None:
                 setattr(args, key, VALIDATE_DEFAULTS[key])
-    scenario = _scenario_from_args(args)
-    result, measured, simulated = api.validate(scenario)
+    return _scenario_from_args(args)
+
+
+def cmd_capture(args) -> int:
+    if args.device_kind == "cuda":
+        raise ConfigError("device", "CUDA capture needs a GPU: run on a CUDA machine with "
+                                    "torch.cuda.memory._record_memory_history() and load the snapshot instead")
+    scenario = _real_run_scenario(args)
+    log = api.measure(scenario)
+    save_log(log if args.wall_times else with_event_index_times(log), args.output)
+    peak = max(timeline(log).total, default=0)
+    print(f"captured {len(log.events):,} events of {scenario.name} (peak {int(peak):,} B) into {args.output}")
+    return 0
+
+
+def cmd_validate(args) -> int:
+    scenario = _real_run_scenario(args)
+    measured = None
+    if args.trace:
+        try:
+            measured = load_log(args.trace)
+        except TraceFormatError as e:
+            raise ConfigError("trace", str(e)) from None
+    result, measured, simulated = api.validate(scenario, measured)
     if args.plot:
         plot_overlay(timeline(measured), timeline(simulated), args.plot, title=f"{scenario.name}: measured vs predicted")
     if args.json:
@@ -254,7 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
     v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new run")
     v.set_defaults(func=cmd_validate)
+    k = sub.add_parser("capture", help="run real training steps on CPU and save the exact memory trace")
+    _add_scenario_flags(k)
+    k.add_argument("--output", required=True, metavar="FILE", help="versioned JSON trace (traces/store.py)")
+    k.add_argument("--wall-times", action="store_true",
+                   help="keep measured wall-clock times (default: event index, so the file is reproducible)")
+    k.add_argument("--device-kind", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda needs a GPU)")
+    k.set_defaults(func=cmd_capture)
     return parser
 
 
