@@ -24,12 +24,10 @@ def _category(profiler_category) -> Category:
     return {"AUTOGRAD_DETAIL": Category.TEMPORARY}.get(name) or Category.__members__.get(name, Category.UNKNOWN)
 
 
-def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
-                           grad_accum: int = 1, set_to_none: bool = True, seed: int = 0) -> EventLog:
-    """The tracker's training loop under torch.profiler; the memory timeline as an EventLog (CPU only,
-    the host-side `batches` themselves excluded, as the tracker excludes them)."""
+def profiled_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
+                    grad_accum: int = 1, set_to_none: bool = True, seed: int = 0):
+    """The tracker's training loop under torch.profiler (profile_memory=True); its MemoryProfile."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action as PAction
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -42,7 +40,16 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
                 del out, loss, x, y
             optimizer.step()
             optimizer.zero_grad(set_to_none=set_to_none)
-    memory = prof._memory_profile()
+    return prof._memory_profile()
+
+
+def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
+                           grad_accum: int = 1, set_to_none: bool = True, seed: int = 0) -> EventLog:
+    """The tracker's training loop under torch.profiler; the memory timeline as an EventLog (CPU only,
+    the host-side `batches` themselves excluded, as the tracker excludes them)."""
+    from torch.profiler._memory_profiler import Action as PAction
+
+    memory = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed)
     cpu = torch.device("cpu")
     host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}
     live: dict = {}  # TensorKey -> Block

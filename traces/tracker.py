@@ -378,22 +378,11 @@ def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     """The same loop under `torch.profiler` (profile_memory=True): the memory timeline's peak bytes on CPU,
     event by event, pre-existing tensors included except the host-side `batches` themselves (the tracker
     does not count them either: it counts the per-micro-batch copies, as the simulator does)."""
-    from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import Action as PAction
 
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                 with_stack=True) as prof:
-        for step in range(1, steps + 1):
-            for mb in range(grad_accum):
-                x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
-                out, loss = model(x, y)
-                loss.backward()
-                del out, loss, x, y
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=set_to_none)
-    timeline = prof._memory_profile().timeline
+    from .profiler import profiled_memory  # imports this module: import here, not at the top
+
+    timeline = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed).timeline
     cpu = torch.device("cpu")
     host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}
     running = peak = 0
