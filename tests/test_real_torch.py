@@ -108,17 +108,22 @@ def _setup(name: str, **kw) -> TrainingSetup:
     return TrainingSetup(micro_batch=B, seq_len=T, steps=1, **kw)
 
 
+def _real_step_and_simulated_rows(cfg, setup, model, opt):
+    """One real step's parameter / gradient / state bytes, and the simulator's rows after its step 1."""
+    one_real_step(model, opt, make_batch(cfg, setup)[0])
+    params, grads, states = real_rows(model, opt)
+    sim = simulate(describe(cfg, setup, device="cpu"))
+    by_cat, by_state = live_rows(sim, after_optimizer(sim, 1))
+    return params, grads, states, by_cat, by_state, sim
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_adamw_step_rows_equal_simulator(name):
     cfg, setup = preset(name), _setup(name)
     model = build_model(cfg, setup)
     opt = make_optimizer(model, setup)
     assert len(opt.state) == 0
-    one_real_step(model, opt, make_batch(cfg, setup)[0])
-    params, grads, states = real_rows(model, opt)
-
-    sim = simulate(describe(cfg, setup, device="cpu"))
-    by_cat, by_state = live_rows(sim, after_optimizer(sim, 1))
+    params, grads, states, by_cat, by_state, sim = _real_step_and_simulated_rows(cfg, setup, model, opt)
     assert by_cat[Category.PARAMETER] == params
     assert by_cat[Category.GRADIENT] == grads
     assert by_state == states
@@ -137,10 +142,7 @@ def test_other_optimizers_and_frozen_rows_equal_simulator(optimizer, impl):
     model = build_model(cfg, setup)
     opt = make_optimizer(model, setup)
     assert not model.layers[0].weight.requires_grad and model.layers[2].weight.requires_grad
-    one_real_step(model, opt, make_batch(cfg, setup)[0])
-    params, grads, states = real_rows(model, opt)
-    sim = simulate(describe(cfg, setup, device="cpu"))
-    by_cat, by_state = live_rows(sim, after_optimizer(sim, 1))
+    params, grads, states, by_cat, by_state, _ = _real_step_and_simulated_rows(cfg, setup, model, opt)
     assert by_cat[Category.PARAMETER] == params
     assert by_cat[Category.GRADIENT] == grads
     assert by_state == states
