@@ -5,7 +5,8 @@ It writes the forward tape of one micro-batch in the order torch runs it, naming
 activation with its shape and dtype. What each op saves follows torch's autograd formulas:
 
 - Linear saves its input (the weight is a parameter, not new memory); bias adds nothing.
-- LayerNorm saves input, mean and rstd (fp32, one per row); RMSNorm (fused) saves input and rstd.
+- LayerNorm saves input, mean and rstd (fp32, one per row); RMSNorm (torch's composite, as nn.RMSNorm
+  runs on CPU) saves input, rstd and the normalised input.
 - GELU / SiLU save their input, ReLU its output; an elementwise product saves both factors; residual adds save nothing.
 - Dropout (p > 0) saves a bool mask and its output feeds the next op.
 - Eager attention (nanoGPT): q and k are copied contiguous for the batched matmul and saved, the
@@ -55,6 +56,7 @@ class _Writer:
             return x
         (y,) = self.op(f"{name}.autocast_input", "to_copy", [x], [self.t(f"{name}.in_cast", x.shape, self.act)])
         return y
+
     def t(self, name: str, shape, dtype: str | None = None, requires_grad: bool = True) -> TensorSpec:
         return TensorSpec(name, tuple(shape), dtype or self.act, requires_grad)
 

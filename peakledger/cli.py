@@ -10,6 +10,7 @@ Bad input exits 2 with one line naming the field and the allowed values.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import fields
@@ -147,7 +148,6 @@ def cmd_max_batch(args) -> int:
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
               "headroom": scenario.headroom, "scenario": scenario.name}
     if best > 0:
-        import dataclasses
         at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
         result["peak_at_max"] = at.peaks.peak.bytes
         result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.world_size
