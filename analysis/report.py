@@ -17,6 +17,18 @@ from .units import format_bytes
 REPORT_VERSION = 1
 
 
+@dataclass(frozen=True)
+class RankPeak:
+    """One simulated (or measured) rank's peak, and the ranks whose layout is identical to it."""
+
+    rank: int
+    same_as: tuple[int, ...]  # every rank this one stands for, itself included
+    peak: PeakPoint
+
+    def as_json(self) -> dict:
+        return {"rank": self.rank, "ranks": list(self.same_as), **_peak_json(self.peak)}
+
+
 @dataclass
 class Report:
     name: str
@@ -24,18 +36,30 @@ class Report:
     peaks: Peaks
     ledger: list[LedgerRow]
     metadata: dict = field(default_factory=dict)
+    ranks: list[RankPeak] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
         return self.metadata.get("setup", {}).get("steps", 1)
 
 
-def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int = 0,
+def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
+    """The peak of every rank in the log, with the ranks each stands for (`metadata["rank_classes"]`)."""
+    classes = {int(r): tuple(m) for r, m in log.metadata.get("rank_classes", {}).items()}
+    ranks = sorted({e.block.rank for e in log.events if e.block.pool is pool})
+    return [RankPeak(rank=r, same_as=classes.get(r, (r,)), peak=timeline(log, r, pool).peak()) for r in ranks]
+
+
+def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,
               pool: Pool = Pool.DEVICE) -> Report:
+    """The report of one rank: `rank`, or by default the rank with the highest peak (the lowest on ties)."""
+    per_rank = rank_peaks(log, pool)
+    if rank is None:
+        rank = max(per_rank, key=lambda rp: (rp.peak.bytes, -rp.rank)).rank if per_rank else 0
     tl = timeline(log, rank, pool)
     pk = peaks(tl, headroom=headroom)
     rows = ledger_at(tl, pk.peak.index) if pk.peak.event is not None else []
-    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata))
+    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank)
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
@@ -73,6 +97,7 @@ def report_json(r: Report) -> dict:
         "headroom": r.peaks.headroom,
         "capacity_needed": r.peaks.capacity_needed,
         "ledger": [row.as_json() for row in r.ledger],
+        "ranks": [rp.as_json() for rp in r.ranks],
         "events": len(r.log.events),
         "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
                   "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes}
@@ -91,6 +116,29 @@ def report_json(r: Report) -> dict:
     return out
 
 
+def _engine_short(setup: dict) -> str:
+    engine = setup.get("dp_engine", "deepspeed")
+    name = f"ZeRO-{setup['zero_stage']}" if engine == "deepspeed" else engine
+    return f"{name} x {setup['world_size']}"
+
+
+def _engine_text(setup: dict) -> str:
+    engine = setup.get("dp_engine", "deepspeed")
+    if engine == "deepspeed":
+        return f"DeepSpeed ZeRO-{setup['zero_stage']} on {setup['world_size']} ranks"
+    if engine == "fsdp2":
+        return (f"FSDP2 fully_shard on {setup['world_size']} ranks, reshard_after_forward="
+                f"{setup['reshard_after_forward']}, prefetch forward {setup['forward_prefetch']} / backward "
+                f"{setup['backward_prefetch']}")
+    return f"{engine} on {setup['world_size']} ranks"
+
+
+def _rank_range(ranks: tuple[int, ...]) -> str:
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "rank " + ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks from {ranks[0]}"
+
+
 def render_text(r: Report, unit: str = "GiB") -> str:
     """A plain-text report (monospace table), sizes labelled with their unit."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -101,9 +149,11 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         b_eff = md["effective_batch"]
         lines.append(f"  {md.get('n_params'):,} parameters ({md.get('n_trainable'):,} trainable); precision "
                      f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
-                     f"ZeRO-{setup['zero_stage']} x {setup['world_size']}, checkpointing {setup['checkpointing']}")
+                     f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}")
         lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
                      f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {setup['steps']} steps")
+        if setup.get("world_size", 1) > 1:
+            lines.append(f"  data parallel: {_engine_text(setup)}")
         flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
         lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
     lines.append("")
@@ -118,6 +168,12 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                 lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state")
         if pk.headroom:
             lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
+    if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
+        lines.append("per rank (ranks with identical layouts are simulated once):")
+        for rp in r.ranks:
+            e = rp.peak.event
+            lines.append(f"  {_rank_range(rp.same_as):<16}{f(rp.peak.bytes):>14}  at "
+                         f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})")
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
     lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"

@@ -61,7 +61,7 @@ class MicroBatchReplay:
         self.reasons: dict[str, int] = {}
         self.grad_of: dict[str, _Storage] = {}
         self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
-        self._contributed: set[str] = set()
+        self.contributed: set[str] = set()  # parameters with a gradient contribution in this backward
         self._plan()
 
     # -- planning: what requires grad, what is saved, last uses, regions ---------------------------
@@ -140,8 +140,11 @@ class MicroBatchReplay:
         for r, names in self.region_inputs.items():
             for name in names:
                 self._hold(name)
+        engine = self.b.engine
         for i, op in enumerate(self.tape.ops):
+            engine.before_op(self, i, Phase.FORWARD)
             self._run_forward(i, op, recomputing=False, uses=self.last_use)
+            engine.after_op(self, i, Phase.FORWARD)
 
     def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int],
                      skip_outputs: bool = False) -> None:
@@ -194,6 +197,7 @@ class MicroBatchReplay:
     # -- backward -----------------------------------------------------------------------------------
     def backward(self) -> None:
         ops = self.tape.ops
+        engine = self.b.engine
         region_done: set[int] = set()
         for i in range(len(ops) - 1, -1, -1):
             op = ops[i]
@@ -201,7 +205,9 @@ class MicroBatchReplay:
                 region_done.add(op.region)
                 self._recompute(op.region)
             if self.needs_backward[i]:
+                engine.before_op(self, i, Phase.BACKWARD)
                 self._run_backward(i, op)
+                engine.after_op(self, i, Phase.BACKWARD)
             if op.region is not None and i == self.regions[op.region][0]:
                 frees: list[int] = []
                 for name in self.region_inputs[op.region]:
@@ -234,26 +240,16 @@ class MicroBatchReplay:
         # op is one, its own outputs are never recomputed
         last = self.tape.ops[last_saving]
         early_stop = not set(self.saves[last_saving]) & {o.name for o in last.outputs}
+        engine = self.b.engine
         for i in todo:
+            engine.before_op(self, i, Phase.BACKWARD, recompute=True)
             self._run_forward(i, self.tape.ops[i], recomputing=True, uses=uses,
                               skip_outputs=early_stop and i == last_saving)
+            engine.after_op(self, i, Phase.BACKWARD, recompute=True)
 
     def _param_grad(self, p: str, allocs: list, frees: list) -> None:
-        if p not in self.trainable:
-            return
-        b = self.b
-        nbytes = b.grad_bytes(p)
-        if self.grads.persistent or p in self.grads.blocks or p in self._contributed:
-            contrib = b.grad_contribution_bytes(p)
-            tmp = b.block(f"{p}.grad_contribution", contrib, Category.TEMPORARY, b.contribution_dtype, b.param_shape[p])
-            allocs.append(tmp)
-            frees.append(tmp.id)
-        else:
-            blk = b.block(f"{p}.grad", nbytes, Category.GRADIENT, b.setup.grad_dtype, b.param_shape[p],
-                          shard=b.grad_shard)
-            self.grads.blocks[p] = blk
-            allocs.append(blk)
-        self._contributed.add(p)
+        if p in self.trainable:
+            self.b.engine.param_grad(self, p, allocs, frees)
 
     def _run_backward(self, i: int, op: TapeOp) -> None:
         allocs, frees = [], []

@@ -146,6 +146,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocas
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 CHECKPOINTING = ("none", "full")
+DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,17 @@ class TrainingSetup:
     zero_stage: int = 0
     checkpointing: str = "none"
     logits_held: bool = True  # the caller keeps `logits` alive until backward ends
+    # data parallelism (models/parallel.py): which engine shards what, and its knobs
+    dp_engine: str = "deepspeed"
+    reshard_after_forward: bool = True  # fsdp2: free a unit's unsharded parameters after its forward
+    forward_prefetch: int = 0  # fsdp2: units all-gathered ahead of the one running, in forward
+    backward_prefetch: int = 1  # fsdp2: likewise in backward (FSDP2's default implicit prefetch is 1)
+    ddp_bucket_cap_mb: int = 25  # ddp / zero-redundancy-optimizer: DDP gradient bucket size (MiB)
+    reduce_bucket_size: int = 500_000_000  # deepspeed: elements per gradient reduce bucket
+    allgather_bucket_size: int = 500_000_000  # deepspeed stages 1-2: elements per parameter all-gather
+    stage3_prefetch_bucket_size: int = 50_000_000  # deepspeed stage 3: elements fetched ahead
+    stage3_max_live_parameters: int = 1_000_000_000  # deepspeed stage 3: gathered elements kept at most
+    stage3_param_persistence_threshold: int = 100_000  # deepspeed stage 3: smaller parameters stay whole
 
     def __post_init__(self) -> None:
         _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
@@ -184,6 +196,20 @@ class TrainingSetup:
         _choice(self, "checkpointing", CHECKPOINTING)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"unknown value {self.zero_stage!r}; allowed: 0, 1, 2, 3")
+        _choice(self, "dp_engine", DP_ENGINES)
+        if self.zero_stage and self.dp_engine != "deepspeed":
+            raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {self.dp_engine} "
+                                            "shards by itself: fsdp2 = parameters, gradients and states "
+                                            "(reshard_after_forward false: like stage 2), "
+                                            "zero-redundancy-optimizer = states (like stage 1), ddp = none")
+        _positive_int(self, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
+                      "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
+        for name in ("forward_prefetch", "backward_prefetch", "stage3_param_persistence_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ConfigError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
         if self.fp32_grads and not self.precision.endswith("-mixed"):
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
 
@@ -216,4 +242,4 @@ class TrainingSetup:
 
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
-           "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING"]
+           "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING", "DP_ENGINES"]

@@ -2,6 +2,11 @@
 
 duration = max(flops / (peak FLOP/s x efficiency), bytes / (bandwidth x efficiency)) + launch latency.
 
+Collectives run on the communication stream with ring-algorithm costs over the data-parallel
+interconnect (bus bandwidth per rank, assumed, and a per-hop latency):
+all-gather / reduce-scatter of a full tensor of S bytes on N ranks take (N-1)/N x S / bandwidth +
+(N-1) x latency; an all-reduce twice that; a broadcast S / bandwidth + latency.
+
 Device figures are vendor peak numbers (dense, no sparsity) and the efficiencies are assumptions,
 labelled as such in every report: durations set the order and overlap of events in time, never the
 byte counts, so a wrong assumption here moves a timeline sideways, not a peak up or down.
@@ -25,13 +30,27 @@ class DeviceProfile:
     flops_efficiency: float = 0.5  # assumption: fraction of peak a training kernel reaches
     bandwidth_efficiency: float = 0.7  # assumption
     launch_latency: float = 5e-6  # assumption, seconds per op
+    interconnect: float = 450e9  # data-parallel bus bandwidth per rank, bytes/s (assumption)
+    interconnect_latency: float = 10e-6  # seconds per ring hop (assumption)
 
     def assumptions(self) -> list[str]:
         peaks = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
         return [f"{self.name}: vendor peak {peaks}; memory {self.bandwidth / 1e12:g} TB/s; host link "
                 f"{self.host_link / 1e9:g} GB/s (assumed, not measured)",
                 f"efficiency assumed {self.flops_efficiency:.0%} of peak FLOP/s, {self.bandwidth_efficiency:.0%} "
-                f"of bandwidth, {self.launch_latency * 1e6:g} us per op"]
+                f"of bandwidth, {self.launch_latency * 1e6:g} us per op",
+                f"collectives: ring over {self.interconnect / 1e9:g} GB/s per rank, "
+                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"]
+
+    def collective_duration(self, kind: str, nbytes: int, world_size: int) -> float:
+        """Seconds for one ring collective over `nbytes` (the full, unsharded size) on `world_size` ranks."""
+        n = world_size
+        if n <= 1:
+            return self.launch_latency
+        hops = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1}[kind]
+        volume = nbytes if kind == "broadcast" else nbytes * (n - 1) / n
+        latency = self.interconnect_latency * (1 if kind == "broadcast" else n - 1)
+        return hops * (volume / self.interconnect + latency)
 
     def duration(self, flops: int, bytes_moved: int, dtype: str) -> float:
         peak = self.flops.get(dtype, self.flops["fp32"])
@@ -43,14 +62,14 @@ class DeviceProfile:
 GiB = 2**30
 DEVICES = {
     "A100-80GB": DeviceProfile("A100-80GB", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-                               bandwidth=2.039e12, host_link=25e9),
+                               bandwidth=2.039e12, host_link=25e9, interconnect=300e9),
     "H100-80GB": DeviceProfile("H100-80GB", 80 * GiB, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
                                bandwidth=3.35e12, host_link=50e9),
     "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
                                                            "fp16": 989.4e12}, bandwidth=4.8e12, host_link=50e9),
     "cpu": DeviceProfile("cpu", 24 * GiB, {"fp32": 0.1e12, "bf16": 0.05e12, "fp16": 0.02e12}, bandwidth=20e9,
                          host_link=20e9, is_cpu=True, flops_efficiency=1.0, bandwidth_efficiency=1.0,
-                         launch_latency=2e-6),
+                         launch_latency=2e-6, interconnect=5e9, interconnect_latency=50e-6),
 }
 
 

@@ -17,9 +17,11 @@ STATE_CATEGORIES = (Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRAD
 
 
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
-    """Describe, simulate and summarize one scenario (rank 0, device pool)."""
+    """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
+    highest peak, and lists every simulated rank's peak)."""
     graph = describe(scenario.model, scenario.setup, scenario.device)
-    capacities = {(0, Pool.DEVICE): budget} if budget is not None else None
+    ranks = [int(r) for r in graph.metadata["rank_classes"]]
+    capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None else None
     log = simulate(graph, capacities, stop_on_oom=stop_on_oom)
     return summarize(log, name=scenario.name, headroom=scenario.headroom)
 
@@ -27,13 +29,14 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
 def fixed_state_peak(scenario: Scenario) -> int:
     """Highest bytes of parameters + master weights + gradients + optimizer states at any moment."""
     graph = describe(scenario.model, dataclasses.replace(scenario.setup, micro_batch=1), scenario.device)
-    tl = timeline(simulate(graph))
+    log = simulate(graph)
     best = 0
-    running = 0
-    for e in tl.events:
-        if e.block.category in STATE_CATEGORIES:
-            running += e.delta
-            best = max(best, running)
+    for rank in graph.metadata["rank_classes"]:
+        running = 0
+        for e in timeline(log, int(rank)).events:
+            if e.block.category in STATE_CATEGORIES:
+                running += e.delta
+                best = max(best, running)
     return best
 
 
@@ -53,6 +56,29 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> in
         return cache[b]
 
     return max_fitting(need, budget, limit)
+
+
+def peers(scenario: Scenario) -> list[dict]:
+    """The scenario under DeepSpeed ZeRO stages 0-3 on its world size: peakledger's model states and peak
+    per rank (the worst rank) next to the ZeRO paper's formula and DeepSpeed's own estimators."""
+    from .analysis.peers import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, largest_layer_params,
+                                 model_state_peak, zero_paper_model_states)
+    from .models.training import build_tape
+
+    tape = build_tape(scenario.model, scenario.setup)
+    psi = tape.n_params
+    largest = largest_layer_params({p.name: p.shape for p in tape.params})
+    n = scenario.setup.world_size
+    rows = []
+    for stage in range(4):
+        case = scenario.with_changes(dp_engine="deepspeed", zero_stage=stage)
+        report = run(case)
+        states = max(model_state_peak(report.log, rp.rank) for rp in report.ranks)
+        deepspeed = {2: deepspeed_zero2_estimate(psi, n), 3: deepspeed_zero3_estimate(psi, largest, n)}.get(stage)
+        rows.append({"stage": stage, "world_size": n, "n_params": psi, "model_states": states,
+                     "peak": report.peaks.peak.bytes, "zero_paper": round(zero_paper_model_states(psi, n, stage)),
+                     "deepspeed_estimate": deepspeed, "largest_layer_params": largest})
+    return rows
 
 
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")

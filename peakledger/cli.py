@@ -22,7 +22,8 @@ from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
-from .models.config import CHECKPOINTING, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, ConfigError, TransformerConfig
+from .models.config import (CHECKPOINTING, DP_ENGINES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, ConfigError,
+                            TransformerConfig)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import build_scenario, load_toml
@@ -30,8 +31,11 @@ from .simulator.timeline import timeline
 from .traces.store import TraceFormatError, load_log, save_log, with_event_index_times
 
 MODEL_FLAGS = {f.name for f in fields(TransformerConfig)} - {"name"}
+DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "reduce_bucket_size",
+                "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_param_persistence_threshold"]
 TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
-                  "world_size", "zero_stage", "checkpointing"]
+                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward"] + DP_INT_FLAGS
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
@@ -61,6 +65,12 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--world-size", type=int)
     t.add_argument("--zero-stage", type=int)
     t.add_argument("--checkpointing", help=", ".join(CHECKPOINTING))
+    d = p.add_argument_group("data parallelism")
+    d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
+    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
+                   help="fsdp2: keep unsharded parameters from forward to backward")
+    for name in DP_INT_FLAGS:
+        d.add_argument("--" + name.replace("_", "-"), type=int, help=argparse.SUPPRESS)
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
@@ -82,7 +92,7 @@ def _scenario_from_args(args, overrides: dict | None = None):
         value = getattr(args, f"model_{name}", None)
         if value is not None:
             model[name] = value
-    for name in TRAINING_FLAGS + ["fp32_grads", "set_to_none"]:
+    for name in TRAINING_FLAGS + ["fp32_grads", "set_to_none"]:  # noqa: B007
         value = getattr(args, name, None)
         if value is not None:
             training[name] = value
@@ -166,8 +176,41 @@ def cmd_max_batch(args) -> int:
     return 0
 
 
+PEER_NOTES = [
+    "model states = parameters + gradients + fp32 masters + optimizer states, the most live at once (worst rank).",
+    "the ZeRO paper's formula (K = 12) assumes mixed-precision Adam and counts exactly those; differences are "
+    "padding, 4-byte step tensors, and a setup that is not bf16-mixed Adam.",
+    "DeepSpeed's ZeRO-2 estimate counts full fp16 gradients (4P) and an fp32 gradient partition (16P/N); its "
+    "stage 2 keeps only the gradient partition plus the ipg bucket (a reduce bucket, not a model state).",
+    "DeepSpeed's ZeRO-3 estimate adds 4 x the largest layer for the gathered parameters; peakledger counts the "
+    "real all-gather buffers (with prefetch) and reduce buckets in the peak instead.",
+    "no formula counts activations, temporaries, the batch or buffers: the simulated peak is above all of them.",
+]
+
+
+def cmd_peers(args, base) -> int:
+    rows = api.peers(base)
+    if args.json:
+        _write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
+        return 0
+    u = args.unit
+    f = lambda n: "-" if n is None else format_bytes(n, u)  # noqa: E731
+    print(f"{base.name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
+          f"(bytes per rank; {u})")
+    print(f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}")
+    for r in rows:
+        print(f"ZeRO-{r['stage']:<3}{f(r['model_states']):>20}{f(r['peak']):>18}{f(r['zero_paper']):>14}"
+              f"{f(r['deepspeed_estimate']):>16}")
+    print("why they differ:")
+    for note in PEER_NOTES:
+        print(f"  - {note}")
+    return 0
+
+
 def cmd_compare(args) -> int:
     base = _scenario_from_args(args)
+    if args.peers:
+        return cmd_peers(args, base)
     cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
     results = []
     for name, changes in cases:
@@ -271,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="several scenarios side by side")
     _add_scenario_flags(c)
     c.add_argument("--case", action="append", help="'name: key=value ...' changes to the base scenario")
+    c.add_argument("--peers", action="store_true",
+                   help="ZeRO stages 0-3: peakledger per rank vs the ZeRO paper and DeepSpeed's estimators")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_compare)
     v = sub.add_parser("validate", help="run the scenario for real on CPU and hold the simulation against it")

@@ -91,7 +91,8 @@ def test_frozen_parameters_have_no_grad_and_no_state(sim):
 def test_zero_stages_shard_the_right_rows(sim):
     rows = {}
     for stage in range(4):
-        log = sim("tiny", micro_batch=1, seq_len=16, steps=1, precision="bf16-mixed", world_size=4, zero_stage=stage)
+        log = sim("tiny", micro_batch=1, seq_len=16, steps=1, precision="bf16-mixed", world_size=4, zero_stage=stage,
+                  stage3_param_persistence_threshold=0)
         rows[stage] = {c: {e.block.shard_factor for e in log.events if e.block.category is c}
                        for c in (Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER)}
     assert rows[0] == {c: {1} for c in rows[0]}

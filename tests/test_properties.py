@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peakledger.analysis.report import report_json, summarize
-from peakledger.models.config import MLPConfig, TrainingSetup, TransformerConfig
+from peakledger.models.config import DP_ENGINES, MLPConfig, TrainingSetup, TransformerConfig
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category
@@ -31,6 +31,7 @@ def scenarios(draw):
                           hidden=tuple(draw(st.lists(st.integers(1, 16), min_size=1, max_size=3))),
                           d_out=draw(st.integers(1, 16)))
     precision = draw(st.sampled_from(["fp32", "bf16-mixed", "bf16-autocast", "bf16"]))
+    engine = draw(st.sampled_from(DP_ENGINES))
     setup = TrainingSetup(
         micro_batch=draw(st.integers(1, 4)), seq_len=draw(st.integers(1, 16)), grad_accum=draw(st.integers(1, 3)),
         steps=draw(st.integers(1, 3)), precision=precision,
@@ -38,11 +39,16 @@ def scenarios(draw):
         optimizer=draw(st.sampled_from(["sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit"])),
         optimizer_impl=draw(st.sampled_from(["foreach", "for-loop", "fused"])),
         set_to_none=draw(st.booleans()), world_size=draw(st.sampled_from([1, 2, 3])),
-        zero_stage=draw(st.integers(0, 3)), checkpointing=draw(st.sampled_from(["none", "full"])))
+        dp_engine=engine, zero_stage=draw(st.integers(0, 3)) if engine == "deepspeed" else 0,
+        reshard_after_forward=draw(st.booleans()), backward_prefetch=draw(st.integers(0, 2)),
+        forward_prefetch=draw(st.integers(0, 2)), reduce_bucket_size=draw(st.sampled_from([7, 500_000_000])),
+        stage3_param_persistence_threshold=draw(st.sampled_from([0, 100_000])),
+        stage3_prefetch_bucket_size=draw(st.sampled_from([10, 50_000_000])),
+        checkpointing=draw(st.sampled_from(["none", "full"])))
     return model, setup
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_run_invariants(case):
     model, setup = case
@@ -60,7 +66,10 @@ def test_run_invariants(case):
     # the caller holds the batch until its backward is over
     assert all(e.op == "batch.release" for e in log.events
                if e.action is Action.FREE and e.block.category is Category.INPUT)
-    allowed_at_end = PERSISTENT | ({Category.GRADIENT} if (not setup.set_to_none or setup.fp32_grads) else set())
+    # engines keep their buckets, DeepSpeed its gradient partition, FSDP2 its last all-gather output
+    kept_grads = not setup.set_to_none or setup.fp32_grads or setup.zero_stage >= 2
+    allowed_at_end = PERSISTENT | {Category.REDUCE_SCATTER_BUCKET, Category.ALL_GATHER_BUFFER} | \
+        ({Category.GRADIENT} if kept_grads else set())
     assert {b.category for b in live.values()} <= allowed_at_end
     report = summarize(log)
     if report.peaks.steady is not None:
