@@ -646,8 +646,9 @@ class FSDP2(Gathering):
         for unit in [u for u in self.forward_order if u in self.live]:
             self.post_backward(unit, step, mb)
         self.post_backward(ROOT, step, mb)
-        if self.pending_output is not None:
-            pass  # stays until the next forward's first gather
+        # the final callback: the compute stream waits for the last reduce-scatter before the step
+        self.b.op("fsdp.wait_for_reduce_scatter", Phase.BACKWARD, step, mb, [], [],
+                  after=(self.b.last(Stream.COMMUNICATION),))
 
     def zero_grad_frees(self, grads) -> list[int]:
         if not self.setup.set_to_none:

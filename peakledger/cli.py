@@ -259,10 +259,15 @@ def _real_run_scenario(args):
 
 
 def cmd_capture(args) -> int:
-    if args.device_kind == "cuda":
-        raise ConfigError("device", "CUDA capture needs a GPU: run on a CUDA machine with "
-                                    "torch.cuda.memory._record_memory_history() and load the snapshot instead")
     scenario = _real_run_scenario(args)
+    if args.device_kind == "cuda":
+        from .traces.cuda_capture import capture_cuda
+        snapshot = args.output + ".snapshot.pickle"
+        trace = capture_cuda(scenario, snapshot)
+        save_log(trace.allocated, args.output)
+        print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} (peak "
+              f"{trace.peak_bytes():,} B allocated) into {args.output}; the raw snapshot is {snapshot}")
+        return 0
     log = api.measure(scenario)
     save_log(log if args.wall_times else with_event_index_times(log), args.output)
     peak = max(timeline(log).total, default=0)

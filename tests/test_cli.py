@@ -137,3 +137,8 @@ def test_validate_names_the_tensor_behind_a_gap_and_fails_a_tight_tolerance(caps
 def test_validate_refuses_what_it_cannot_run(capsys):
     code, _, err = run_cli(capsys, "validate", "--precision", "bf16-mixed")
     assert code == 2 and "precision" in err
+
+
+def test_cuda_capture_without_a_gpu_names_the_field(capsys):
+    assert main(["capture", "--device-kind", "cuda", "--output", "unused.json"]) == 2
+    assert "device_kind" in capsys.readouterr().err
