@@ -128,3 +128,27 @@ def render_validation(v: Validation, unit: str = "MiB") -> str:
         for side, b in v.unexplained:
             lines.append(f"  {side:<16}{b.category.value:<14}{b.nbytes:>12,} B  {b.name}")
     return "\n".join(lines)
+
+
+STATIC_ROWS = (Category.PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+
+
+def static_rows(log: EventLog, rank: int = 0, step: int = 1) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes of one rank live when `step`'s optimizer phase ends
+    (gradients still there, states created): the rows an engine's layout alone decides."""
+    live: dict[Category, int] = {}
+    for e in timeline(log, rank).events:
+        if e.step > step or (e.step == step and e.phase is Phase.ZERO_GRAD):
+            break
+        live[e.block.category] = live.get(e.block.category, 0) + e.delta
+    return {c.value: live.get(c, 0) for c in STATIC_ROWS}
+
+
+def transient_peak(log: EventLog, category: Category, rank: int = 0) -> int:
+    """The most bytes of one category (e.g. all-gather buffers) live at once on a rank."""
+    running = best = 0
+    for e in timeline(log, rank).events:
+        if e.block.category is category:
+            running += e.delta
+            best = max(best, running)
+    return best

@@ -249,10 +249,13 @@ class Engine:
     # collectives -------------------------------------------------------------------------------------
     def collective(self, name: str, kind: str, nbytes: int, phase: Phase, step: int, mb: int,
                    allocs=(), frees=(), after=()):
-        """One collective on this rank's communication stream (its duration from the ring model)."""
+        """One collective: its buffers are allocated (and its scratch freed) when the host issues it, in
+        program order on the compute stream, as the caching allocator sees them; the transfer itself runs
+        on the rank's communication stream for the ring model's duration, overlapping later compute."""
+        issue = self.b.op(f"{name}.issue", phase, step, mb, allocs, frees, duration=0.0, after=after)
         duration = self.b.device.collective_duration(kind, nbytes, self.n)
-        return self.b.op(name, phase, step, mb, allocs, frees, stream=Stream.COMMUNICATION, duration=duration,
-                         after=after)
+        return self.b.op(name, phase, step, mb, [], [], stream=Stream.COMMUNICATION, duration=duration,
+                         after=(issue.id,))
 
 
 class DDP(Engine):
@@ -510,29 +513,42 @@ class Gathering(Engine):
 
 
 class FSDP2(Gathering):
-    """torch FSDP2 `fully_shard`: one unit per transformer block / MLP Linear, the rest in the root."""
+    """torch FSDP2 `fully_shard`: one unit per transformer block / MLP Linear, the rest in the root.
+
+    The order of allocations and frees is the one measured on torch 2.13 (gloo, CPU; see
+    bench/DISTRIBUTED_FINDINGS.md):
+    forward   unit pre-forward: all-gather output (flat, N x the padded shards), copy-out into each
+              parameter's unsharded storage, then the previous unit's all-gather output is freed (FSDP2
+              keeps the last one as `all_gather_state`; the root's post-forward frees the last);
+              post-forward: the unsharded storages are freed (`reshard_after_forward`, never the root).
+    backward  the root's pre-backward all-gathers the first unit in backward order ahead
+              (`backward_prefetch` units ahead at every pre-backward); a unit's pre-backward copies out
+              and frees its all-gather output at once; its post-backward reshards, frees the previous
+              unit's reduce-scatter input, allocates its own (N x padded shards), frees the unsharded
+              gradients and reduce-scatters into one flat sharded-gradient buffer (summed into the
+              existing one in later micro-batches); the last input is freed by the final callback.
+    gloo's reduce-scatter copies its input once more (a transient of the input's size) on CPU.
+    """
 
     prefix = "fsdp"
 
     def __init__(self, b) -> None:
         super().__init__(b)
-        candidates = {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
-        self.units = candidates
+        self.units = {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
         self.unit_params: dict[str, list] = {}
         for p in b.tape.params:
             self.unit_params.setdefault(unit_of(p.name, self.units), []).append(p)
-        ops = b.tape.ops
-        self.op_unit = [unit_of(op.name, self.units) for op in ops]
+        self.op_unit = [unit_of(op.name, self.units) for op in b.tape.ops]
         self.forward_order = list(dict.fromkeys(u for u in self.op_unit if u != ROOT))
-        self.pending_output: Block | None = None  # the last all-gather output, freed by the next gather
+        self.kept_gather: Block | None = None  # all_gather_state: the last forward all-gather output
+        self.kept_reduce_input: Block | None = None  # reduce_scatter_state: the last reduce-scatter input
         self.sharded_grads: dict[str, Block] = {}
         self.last_backward: dict[str, int] = {}
+        self.backward_started = False
 
+    # layout ----------------------------------------------------------------------------------------------
     def param_numel(self, name: str) -> tuple[int, int]:
         return dim0_shard(self.params[name].shape, self.n, self.rank)[0], self.n
-
-    def local_numel(self, name: str) -> int:
-        return dim0_shard(self.params[name].shape, self.n, self.rank)[1]
 
     def param_storage_dtype(self) -> str:
         return "fp32" if self.setup.master_dtype else self.setup.param_dtype
@@ -546,7 +562,7 @@ class FSDP2(Gathering):
     def optim_tensors(self) -> list[OptimTensor]:
         out = []
         for p in self.trainable:
-            local = self.local_numel(p.name)
+            local = dim0_shard(p.shape, self.n, self.rank)[1]
             rest = p.numel // p.shape[0] if p.shape else 1
             out.append(OptimTensor(p.name, local, (local // rest, *p.shape[1:]) if p.shape else ()))
         return out
@@ -554,55 +570,74 @@ class FSDP2(Gathering):
     def group_params(self, group: str) -> list:
         return self.unit_params.get(group, [])
 
-    def gather_frees(self, group: str, buf: Block) -> list[int]:
-        # the previous unit's all-gather output lives until this one is issued
-        previous, self.pending_output = self.pending_output, buf
-        return [previous.id] if previous is not None else []
-
-    def cast_inputs(self, group: str) -> list[Block]:
-        return []
-
-    def copy_out(self, group: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
+    # unshard / reshard -----------------------------------------------------------------------------------
+    def unshard(self, unit: str, phase: Phase, step: int, mb: int) -> None:
+        """Wait for the unit's all-gather (issuing it now if no prefetch did) and copy out its parameters."""
+        if unit in self.live or not self.group_params(unit):
+            return
+        if unit not in self.in_flight:
+            self.gather(unit, phase, step, mb)
+        gather_op = self.in_flight.pop(unit)
+        output = self.buffers.pop(unit)
         b = self.b
         size = dtype_bytes(self.gather_dtype)
         blocks = [b.block(f"{p.name}.unsharded", self.padded_full(p.name) * size, Category.PARAMETER,
-                          self.gather_dtype, p.shape) for p in self.group_params(group)]
-        b.op(f"fsdp.copy_out.{group}", phase, step, mb, blocks, [], bytes_moved=2 * sum(x.nbytes for x in blocks),
+                          self.gather_dtype, p.shape) for p in self.group_params(unit)]
+        if phase is Phase.FORWARD:
+            frees = [self.kept_gather.id] if self.kept_gather is not None else []
+            self.kept_gather = output
+        else:
+            frees = [output.id]
+        b.op(f"fsdp.copy_out.{unit}", phase, step, mb, blocks, frees, bytes_moved=2 * sum(x.nbytes for x in blocks),
              after=(gather_op,))
-        self.live[group] = blocks
+        self.live[unit] = blocks
 
-    # hooks ---------------------------------------------------------------------------------------------
+    def prefetch_backward(self, unit: str | None, step: int, mb: int) -> None:
+        """Issue the all-gathers of the next `backward_prefetch` units in backward order after `unit`."""
+        order = list(reversed(self.forward_order))
+        k = 0 if unit is None else order.index(unit) + 1
+        for ahead in order[k:k + self.setup.backward_prefetch]:
+            if ahead not in self.live:
+                self.gather(ahead, Phase.BACKWARD, step, mb)
+
+    # hooks -----------------------------------------------------------------------------------------------
     def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         step, mb = replay.step, replay.mb
         unit = self.op_unit[i]
         if phase is Phase.FORWARD:
-            if i == 0 or ROOT not in self.live:
-                self.wait(ROOT, phase, step, mb)
+            if i == 0:
+                self.backward_started = False
+                self.unshard(ROOT, phase, step, mb)
             if unit != ROOT:
-                self.wait(unit, phase, step, mb)
+                self.unshard(unit, phase, step, mb)
                 k = self.forward_order.index(unit)
                 for ahead in self.forward_order[k + 1:k + 1 + self.setup.forward_prefetch]:
                     self.gather(ahead, phase, step, mb)
             return
-        if unit != ROOT and unit not in self.live:
-            self.wait(unit, phase, step, mb)
-            k = self.forward_order.index(unit)
-            for behind in reversed(self.forward_order[max(0, k - self.setup.backward_prefetch):k]):
-                self.gather(behind, phase, step, mb)
-        if not self.last_backward:
+        if not self.backward_started:  # the root's pre-backward
+            self.backward_started = True
+            self.last_backward = {}
             for j, u in enumerate(self.op_unit):
                 if replay.needs_backward[j] and u != ROOT and u not in self.last_backward:
                     self.last_backward[u] = j
+            self.unshard(ROOT, phase, step, mb)
+            self.prefetch_backward(None, step, mb)
+        if unit != ROOT and unit not in self.live:
+            self.unshard(unit, phase, step, mb)
+            self.prefetch_backward(unit, step, mb)
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         unit = self.op_unit[i]
-        if unit == ROOT or recompute:
+        if recompute:
             return
         if phase is Phase.FORWARD:
-            nxt = self.op_unit[i + 1] if i + 1 < len(self.op_unit) else None
-            if nxt != unit and self.setup.reshard_after_forward:
+            last = i + 1 == len(self.op_unit)
+            if unit != ROOT and (last or self.op_unit[i + 1] != unit) and self.setup.reshard_after_forward:
                 self.release(unit, phase, replay.step, replay.mb)
-        elif self.last_backward.get(unit) == i:
+            if last and self.kept_gather is not None:  # the root's post-forward drops all_gather_state
+                self.b.op("fsdp.root_post_forward", phase, replay.step, replay.mb, [], [self.kept_gather.id])
+                self.kept_gather = None
+        elif unit != ROOT and self.last_backward.get(unit) == i:
             self.post_backward(unit, replay.step, replay.mb)
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
@@ -626,28 +661,37 @@ class FSDP2(Gathering):
         if not params:
             return
         dt = self.gather_dtype
-        full = sum(self.padded_full(p.name) for p in params)
+        full = sum(self.padded_full(p.name) for p in self.group_params(unit))
         rs_input = b.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
                            dt, (full,))
+        frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
+        self.kept_reduce_input = rs_input
         b.op(f"fsdp.reduce_scatter_copy_in.{unit}", Phase.BACKWARD, step, mb, [rs_input],
-             [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
+             frees + [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
         shard = full // self.n
         grad_dt = self.param_storage_dtype()
         first = unit not in self.sharded_grads
         out = b.block(f"{unit}.sharded_grads" if first else f"{unit}.reduce_scatter_output", shard * dtype_bytes(grad_dt),
                       Category.GRADIENT if first else Category.TEMPORARY, grad_dt, (shard,), shard=self.n)
+        allocs, out_frees = [out], [] if first else [out.id]
+        if b.device.is_cpu:  # gloo's reduce_scatter works on a copy of its input
+            copy = b.block(f"{unit}.reduce_scatter.gloo_copy", rs_input.nbytes, Category.REDUCE_SCATTER_BUCKET, dt,
+                           (full,))
+            allocs.append(copy)
+            out_frees.append(copy.id)
         if first:
             self.sharded_grads[unit] = out
         self.collective(f"fsdp.reduce_scatter.{unit}", "reduce_scatter", rs_input.nbytes, Phase.BACKWARD, step, mb,
-                        allocs=[out], frees=[rs_input.id] + ([] if first else [out.id]),
-                        after=(b.last(Stream.COMPUTE),))
+                        allocs=allocs, frees=out_frees, after=(b.last(Stream.COMPUTE),))
 
     def end_backward(self, step: int, mb: int) -> None:
         for unit in [u for u in self.forward_order if u in self.live]:
             self.post_backward(unit, step, mb)
         self.post_backward(ROOT, step, mb)
-        # the final callback: the compute stream waits for the last reduce-scatter before the step
-        self.b.op("fsdp.wait_for_reduce_scatter", Phase.BACKWARD, step, mb, [], [],
+        # the final callback: wait for the last reduce-scatter and drop reduce_scatter_state
+        frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
+        self.kept_reduce_input = None
+        self.b.op("fsdp.post_backward_final_callback", Phase.BACKWARD, step, mb, [], frees,
                   after=(self.b.last(Stream.COMMUNICATION),))
 
     def zero_grad_frees(self, grads) -> list[int]:

@@ -74,10 +74,14 @@ def test_symmetric_engines_simulate_one_rank_and_uneven_fsdp2_all_classes():
 
 
 def test_fsdp2_gathers_are_transient_and_on_the_communication_stream():
-    log = simulate(describe(preset("tiny"), TrainingSetup(micro_batch=2, seq_len=32, world_size=2, precision="fp32",
-                                                          dp_engine="fsdp2"), "cpu"))
+    graph = describe(preset("tiny"), TrainingSetup(micro_batch=2, seq_len=32, world_size=2, precision="fp32",
+                                                   dp_engine="fsdp2"), "H100-80GB")
+    comm = [op for op in graph.ops_in_order() if op.stream is Stream.COMMUNICATION]
+    assert {op.name.split(".")[1] for op in comm} == {"all_gather", "reduce_scatter"}
+    assert all(op.duration > 0 for op in comm)
+    log = simulate(graph)
     gathers = [e for e in log.events if e.block.category is Category.ALL_GATHER_BUFFER]
-    assert gathers and all(e.stream is Stream.COMMUNICATION for e in gathers if e.action.value == "alloc")
+    assert {e.action.value for e in gathers} == {"alloc", "free"}
     unsharded = [e for e in log.events if e.block.name.endswith(".unsharded")]
     assert unsharded and {e.action.value for e in unsharded} == {"alloc", "free"}
     sharded = {e.block.name: e.block for e in log.events if e.block.category is Category.PARAMETER
