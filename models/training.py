@@ -10,8 +10,8 @@ The training loop described is the usual one:
         optimizer.step()                        # states created here at step 1
         optimizer.zero_grad(set_to_none=...)
 
-ZeRO stages are ideal shard factors on the state rows here (stage 1: optimizer states and master
-weights / N, stage 2: + gradients, stage 3: + parameters); one rank (rank 0) is described.
+With data parallelism, the engine of `setup.dp_engine` (models/parallel.py) decides each rank's layout,
+its gathers and reduce buckets; `describe` writes one representative rank per class of identical ranks.
 """
 
 from __future__ import annotations
