@@ -102,6 +102,16 @@ def render(results: list[dict], total_seconds: float, n_all: int) -> str:
     return "\n".join(lines)
 
 
+def other_sections(path: str) -> str:
+    """The `## ` sections other scripts write into the same file (validate_hf.py, validate_distributed.py):
+    kept when the matrix above them is regenerated."""
+    if not os.path.exists(path):
+        return ""
+    text = open(path).read()
+    start = text.find("\n## ")
+    return "" if start < 0 else text[start:].rstrip("\n") + "\n"
+
+
 def write_atomic(path: str, text: str) -> None:
     d = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=d, prefix=".VALIDATION.", suffix=".md")
@@ -129,7 +139,7 @@ def main(argv: list[str]) -> int:
               f"{c.label}  [{r['worst_phase']}: {r['unexplained']}]", flush=True)
     text = render(results, time.perf_counter() - t0, n_all)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "VALIDATION.md")
-    write_atomic(out, text)
+    write_atomic(out, text + other_sections(out))
     print(text.splitlines()[4])
     return 0
 

@@ -60,6 +60,8 @@ def _choice(obj, name: str, allowed) -> None:
 
 FAMILIES = ("gpt2", "llama")
 ATTENTION = ("eager", "sdpa")
+IMPLEMENTATIONS = ("nanogpt", "hf")
+GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")  # HF `activation_function` names
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,19 @@ class TransformerConfig:
 
     gpt2: learned positions, LayerNorm with bias, GELU MLP, biases on linears, tied embeddings.
     llama: rotary positions (no parameters), RMSNorm, gated SiLU MLP, no biases, GQA.
+
+    `implementation` says whose code runs the layout, because two codebases with the same parameters
+    allocate differently:
+      nanogpt  peakledger's own plain-torch models (`models/reference.py`): nanoGPT for gpt2, a small
+               HF-named Llama for llama.
+      hf       HF transformers' GPT2LMHeadModel (gpt2 only): Conv1D projections, an additive float
+               causal mask built once per forward, its own loss (logits upcast to fp32, labels shifted
+               with padding), dropout layers that stay in the graph, tensors kept alive by Python
+               locals until a module returns.
+    `activation` is the gpt2 MLP activation by HF's `activation_function` name: "gelu" (exact, one
+    fused kernel), "gelu_pytorch_tanh" (tanh approximation, one fused kernel) or "gelu_new" (HF's
+    composite tanh formula: eight pointwise ops, four saved tensors). None means "gelu"; nanogpt runs
+    `nn.GELU()` only. Llama's gated SiLU is fixed.
     """
 
     name: str
@@ -83,6 +98,8 @@ class TransformerConfig:
     bias: bool | None = None  # None: family default
     dropout: float = 0.0
     attention: str = "sdpa"
+    implementation: str = "nanogpt"
+    activation: str | None = None
 
     def __post_init__(self) -> None:
         _choice(self, "family", FAMILIES)
@@ -98,6 +115,31 @@ class TransformerConfig:
             raise ConfigError("n_kv_head", f"n_kv_head={self.kv_heads} must divide n_head={self.n_head}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        _choice(self, "implementation", IMPLEMENTATIONS)
+        if self.activation is not None:
+            _choice(self, "activation", GPT2_ACTIVATIONS)
+            if self.family != "gpt2":
+                raise ConfigError("activation", f"only family gpt2 takes an activation; {self.family} runs gated SiLU")
+            if self.implementation == "nanogpt" and self.activation != "gelu":
+                raise ConfigError("activation", f"implementation nanogpt runs nn.GELU() (gelu); {self.activation!r} "
+                                                "needs implementation = 'hf'")
+        if self.implementation == "hf":
+            self._check_hf_gpt2()
+
+    def _check_hf_gpt2(self) -> None:
+        """HF's GPT2LMHeadModel has fixed parts: the fields that would describe another model are refused."""
+        if self.family != "gpt2":
+            raise ConfigError("implementation", f"'hf' is modelled for family gpt2 only, got {self.family!r}; "
+                                                "allowed: nanogpt for llama")
+        if self.kv_heads != self.n_head:
+            raise ConfigError("n_kv_head", "HF GPT-2 has multi-head attention only: n_kv_head must equal n_head")
+        if self.bias is False:
+            raise ConfigError("bias", "HF GPT-2 always has biases (Conv1D and LayerNorm)")
+
+    @property
+    def mlp_activation(self) -> str:
+        """The activation that runs: `activation`, or the family's own (gelu for gpt2, silu for llama)."""
+        return self.activation or ("gelu" if self.family == "gpt2" else "silu")
 
     @property
     def kv_heads(self) -> int:
@@ -242,4 +284,5 @@ class TrainingSetup:
 
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
-           "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING", "DP_ENGINES"]
+           "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING",
+           "DP_ENGINES"]

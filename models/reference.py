@@ -23,6 +23,11 @@ bytes with what `models.training.describe` + `simulator.engine.simulate` predict
   `layers.{2i}.weight/bias` as in `models.transformer.mlp_params`; the loss is `F.mse_loss` against a
   target (torch's fused MSE, not the describer's sub/pow/mean decomposition).
 
+- `hf_gpt2(cfg)` for `cfg.implementation == "hf"` is HF transformers' own `GPT2LMHeadModel`, built from
+  a `GPT2Config` with the same fields (random weights, nothing downloaded), behind nanoGPT's call
+  signature (`HFGPT2Adapter`). Parameter names and order are `transformer_params(cfg)`'s; Conv1D keeps
+  its weights as (in, out), the transpose of nn.Linear's, with the same bytes.
+
 Every model's `forward(inputs, targets)` returns `(output, loss)` like nanoGPT (`loss` is None without
 targets). Dropout is `nn.Dropout(cfg.dropout)` where nanoGPT has it; GELU is exact (`nn.GELU()`).
 """
@@ -30,6 +35,7 @@ targets). Dropout is `nn.Dropout(cfg.dropout)` where nanoGPT has it; GELU is exa
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 
 import torch
@@ -219,6 +225,59 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
+# -- HF transformers GPT-2 --------------------------------------------------------------------------
+
+def hf_gpt2_config(cfg: TransformerConfig):
+    """The `transformers.GPT2Config` of `cfg`: one dropout rate for embeddings, attention and residuals,
+    the attention implementation and MLP activation by HF's names, no KV cache (HF's Trainer trains with
+    `use_cache=False`, `TrainingArguments.use_cache`'s default), bos/eos inside the vocabulary."""
+    from transformers import GPT2Config
+
+    last_token = cfg.vocab_size - 1
+    return GPT2Config(n_layer=cfg.n_layer, n_embd=cfg.d_model, n_head=cfg.n_head, vocab_size=cfg.vocab_size,
+                      n_positions=cfg.max_seq_len, n_inner=cfg.d_ff, activation_function=cfg.mlp_activation,
+                      resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+                      tie_word_embeddings=cfg.tied, attn_implementation=cfg.attention, use_cache=False,
+                      bos_token_id=last_token, eos_token_id=last_token)
+
+
+@functools.cache
+def _hf_gpt2_adapter_class():
+    """`GPT2LMHeadModel` with nanoGPT's call: `logits, loss = model(idx, targets)`.
+
+    A subclass (not a wrapper) so that `named_parameters()` are HF's own names. HF shifts the labels
+    inside its loss, so the labels are the input ids themselves (HF's convention); `targets` only says
+    whether to compute the loss. Defined on first use: importing transformers takes seconds.
+    """
+    from transformers import GPT2LMHeadModel
+
+    class HFGPT2Adapter(GPT2LMHeadModel):
+        def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+            out = super().forward(input_ids=idx, labels=idx if targets is not None else None, use_cache=False)
+            return out.logits, out.loss
+
+    return HFGPT2Adapter
+
+
+def hf_gpt2(cfg: TransformerConfig, checkpointing: str = "none") -> nn.Module:
+    """HF's GPT2LMHeadModel for `cfg`; `checkpointing == "full"` checkpoints every GPT2Block with torch's
+    non-reentrant checkpoint, through HF's own switch."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError("implementation", "'hf' reference models need transformers: pip install transformers") \
+            from None
+    model = _hf_gpt2_adapter_class()(hf_gpt2_config(cfg))
+    model.loss_type = "ForCausalLM"  # the loss HF picks anyway, named so it need not warn that it guessed
+    if checkpointing == "full":
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # newer transformers: the old name is an alias
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 # -- the model --------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
@@ -306,13 +365,19 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
     and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
     `setup.checkpointing == "full"` checkpoints each transformer block / each MLP Linear(+activation)
     with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, the describer's regions.
+    `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
     """
     if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
                                   f"not {setup.precision!r}")
     torch.manual_seed(seed)
     ckpt = setup.checkpointing if setup is not None else "none"
-    model = GPT(cfg, ckpt) if isinstance(cfg, TransformerConfig) else MLP(cfg, ckpt)
+    if isinstance(cfg, MLPConfig):
+        model = MLP(cfg, ckpt)
+    elif cfg.implementation == "hf":
+        model = hf_gpt2(cfg, ckpt)
+    else:
+        model = GPT(cfg, ckpt)
     if setup is not None and setup.precision == "bf16":
         model = model.to(torch.bfloat16)
     return model.train()
@@ -379,4 +444,5 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
     return out
 
 
-__all__ = ["GPT", "MLP", "build_model", "autocast_context", "REFERENCE_PRECISIONS", "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]
+__all__ = ["GPT", "MLP", "hf_gpt2", "hf_gpt2_config", "build_model", "autocast_context", "REFERENCE_PRECISIONS",
+           "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]

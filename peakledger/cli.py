@@ -249,9 +249,11 @@ VALIDATE_DEFAULTS = {"preset": "tiny", "precision": "fp32", "micro_batch": 2, "s
 
 
 def _real_run_scenario(args):
-    """validate and capture default to the tiny GPT in fp32 at micro-batch 2, seq 32 (seconds on a CPU)."""
+    """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario
+    file or a flag says otherwise fp32 at micro-batch 2, seq 32 (seconds on a CPU) for any model."""
     if not (args.scenario or args.preset or args.hf_config):
         args.preset = VALIDATE_DEFAULTS["preset"]
+    if not args.scenario:
         for key in ("precision", "micro_batch", "seq_len"):
             if getattr(args, key) is None:
                 setattr(args, key, VALIDATE_DEFAULTS[key])
