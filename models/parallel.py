@@ -527,7 +527,8 @@ class FSDP2(Gathering):
               unit's reduce-scatter input, allocates its own (N x padded shards), frees the unsharded
               gradients and reduce-scatters into one flat sharded-gradient buffer (summed into the
               existing one in later micro-batches); the last input is freed by the final callback.
-    gloo's reduce-scatter copies its input once more (a transient of the input's size) on CPU.
+    Not modelled: gloo's reduce-scatter clones its input on its worker threads, freed at a moment that
+    varies from run to run (NCCL makes no such copy); measured logs drop it (`without_backend_copies`).
     """
 
     prefix = "fsdp"
@@ -674,11 +675,6 @@ class FSDP2(Gathering):
         out = b.block(f"{unit}.sharded_grads" if first else f"{unit}.reduce_scatter_output", shard * dtype_bytes(grad_dt),
                       Category.GRADIENT if first else Category.TEMPORARY, grad_dt, (shard,), shard=self.n)
         allocs, out_frees = [out], [] if first else [out.id]
-        if b.device.is_cpu:  # gloo's reduce_scatter works on a copy of its input
-            copy = b.block(f"{unit}.reduce_scatter.gloo_copy", rs_input.nbytes, Category.REDUCE_SCATTER_BUCKET, dt,
-                           (full,))
-            allocs.append(copy)
-            out_frees.append(copy.id)
         if first:
             self.sharded_grads[unit] = out
         self.collective(f"fsdp.reduce_scatter.{unit}", "reduce_scatter", rs_input.nbytes, Phase.BACKWARD, step, mb,

@@ -29,6 +29,18 @@ The phase, step and micro-batch come from `with tracker.phase(...)`; names are t
 (forward pre/post hooks) plus the aten op in forward, the running autograd node in backward, and
 `param.grad` / `param.exp_avg` ... for gradients and optimizer state.
 
+Distributed runs (traces/distributed.py: one tracker per rank, `rank=r` on every Block)
+---------------------------------------------------------------------------------------
+- DTensors (FSDP2's sharded parameters, their grads and optimizer states) are followed to their local
+  shard's storage, and the Block carries the DTensor's shard factor.
+- `torch.UntypedStorage.resize_` is patched while tracking (dispatch never sees it): a resize to 0
+  frees the storage's allocation, a resize back allocates anew with the same labels. Any aten op that
+  reallocates an input's storage (resize_, out= arguments) is recorded the same way.
+- FSDP2 units get ALL_GATHER_BUFFER / REDUCE_SCATTER_BUCKET blocks, `<param>.unsharded` parameters and
+  `<param>.unsharded.grad` gradients (`FSDPLabels`); DDP's gradient buckets become
+  REDUCE_SCATTER_BUCKET `ddp.bucket.<k>` (`ddp_buckets=True`). Between OPTIMIZER_STATE and ACTIVATION
+  in the order above come ALL_GATHER_BUFFER, then REDUCE_SCATTER_BUCKET.
+
 Exactness (measured on this machine, torch 2.13 CPU, `torch.set_num_threads(1)`, seed 0), the 3 x
 Linear(512) MLP ("tiny-mlp"), batch 64, AdamW, 2 steps, `run_training_steps` vs `profiler_peak` (the
 same loop under torch.profiler, memory-timeline peak event by event, host batch excluded):
@@ -54,7 +66,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
@@ -66,7 +78,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
                torch.float64: "fp64"}
 
 _PRECEDENCE = [Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.GRADIENT, Category.OPTIMIZER_STATE,
-               Category.ACTIVATION, Category.TEMPORARY]
+               Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.ACTIVATION, Category.TEMPORARY]
+RESIZE_OP = "UntypedStorage.resize_"
 
 
 @dataclass
@@ -82,6 +95,7 @@ class _Record:
     state: OptimizerState | None = None
     label_name: str | None = None  # the name that goes with the strongest label (param / grad / state)
     label_rank: int = len(_PRECEDENCE)
+    shard_factor: int = 1
     freed: bool = False
 
     def label(self, category: Category, name: str | None = None, state: OptimizerState | None = None) -> None:
@@ -98,12 +112,43 @@ class _Record:
     def category(self) -> Category:
         return _PRECEDENCE[self.label_rank] if self.label_rank < len(_PRECEDENCE) else Category.TEMPORARY
 
+    def inherit(self, previous: "_Record") -> None:
+        """Take the labels of the allocation this one replaces in the same storage (a storage resized to 0
+        and back: FSDP2's unsharded parameters)."""
+        self.labels = set(previous.labels)
+        self.label_rank, self.label_name = previous.label_rank, previous.label_name
+        self.state, self.shard_factor = previous.state, previous.shard_factor
+
+
+def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose storages hold `t`'s memory: `t` itself, or the inner tensors of a wrapper
+    subclass (a DTensor's memory is its local shard, `_local_tensor`; the wrapper has no storage)."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return [p for attr in inner if isinstance(getattr(t, attr), torch.Tensor)
+                for p in _plain_tensors(getattr(t, attr))]  # a DTensor also flattens its (opaque) device mesh
+    return [t]
+
 
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage()
     except (NotImplementedError, RuntimeError):
         return None
+
+
+def shard_factor(t: torch.Tensor) -> int:
+    """How many ranks one full tensor is split across: the product of the mesh sizes of a DTensor's `Shard`
+    placements; 1 for a plain tensor."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return 1
+    mesh = t.device_mesh
+    factor = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            factor *= mesh.size(dim)
+    return factor
 
 
 class _Mode(TorchDispatchMode):
@@ -113,13 +158,12 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tr = self.tracker
-        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        input_keys = set()
-        for t in inputs:
+        inputs: dict[int, tuple] = {}  # data_ptr before the op -> (storage, a tensor on it)
+        for t in _tensors_in((args, kwargs)):
             st = _storage(t)
             if st is None:
                 continue
-            input_keys.add(st.data_ptr())
+            inputs[st.data_ptr()] = (st, t)
             if tr.discover_inputs:
                 tr._see(st, t, f"untracked:{func}")
         tr._op = str(func)
@@ -127,12 +171,46 @@ class _Mode(TorchDispatchMode):
             out = func(*args, **(kwargs or {}))
         finally:
             tr._op = None
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = _storage(t)
-                if st is not None and st.data_ptr() not in input_keys:
-                    tr._see(st, t, str(func))
+        for key, (st, t) in inputs.items():
+            if st.data_ptr() != key:  # the op reallocated an input's storage (aten.resize_, an out= argument)
+                tr._resized(st, key, str(func), t)
+        if tr.ddp_buckets and func.namespace == "c10d" and "allreduce" in func.name():
+            tr._label_ddp_buckets(_tensors_in((args, kwargs)))
+        for t in _tensors_in(out):
+            st = _storage(t)
+            if st is not None and st.data_ptr() not in inputs:
+                tr._see(st, t, str(func))
         return out
+
+
+def _tensors_in(tree) -> list[torch.Tensor]:
+    return [p for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor) for p in _plain_tensors(a)]
+
+
+class _StorageResizeWatch:
+    """`torch.UntypedStorage.resize_` patched while tracking: dispatch never sees a storage resize, yet
+    FSDP2 frees and re-allocates every unsharded parameter that way (`resize_(0)`, then `resize_(n)`).
+    Each resize frees the storage's current allocation and records a new one of the new size."""
+
+    def __init__(self, tracker: "AllocationTracker") -> None:
+        self.tracker = tracker
+        self.original = None
+
+    def __enter__(self) -> None:
+        self.original = torch.UntypedStorage.resize_
+        original, tracker = self.original, self.tracker
+
+        def resize_(storage, size):
+            key = storage.data_ptr()
+            result = original(storage, size)
+            if storage.data_ptr() != key or storage.nbytes() == 0:
+                tracker._resized(storage, key, RESIZE_OP)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self.original
 
 
 class AllocationTracker:
@@ -140,11 +218,21 @@ class AllocationTracker:
 
     Use as a context manager; set the loop position with `phase(...)`; call `scan()` after backward,
     optimizer step and zero_grad so gradients and optimizer states are labelled; `log()` at the end.
+    `rank` is written on every Block (one tracker per process of a distributed run). A model with FSDP2
+    units (`fully_shard`) gets its communication buffers and unsharded parameters labelled too (see
+    `FSDPLabels`). `ddp_buckets=True` (a DistributedDataParallel run; build the DDP wrapper inside the
+    tracker, so its buckets are seen being allocated) labels every storage a c10d all-reduce reads
+    as `ddp.bucket.<k>` (REDUCE_SCATTER_BUCKET: the schema's gradient-communication bucket), k counting
+    the distinct buckets in the order the step all-reduces them (bucket 0 holds the last parameters).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 saved_tensor_hooks: bool = True, discover_inputs: bool = True, known: tuple = ()) -> None:
+                 saved_tensor_hooks: bool = True, discover_inputs: bool = True, known: tuple = (),
+                 rank: int = 0, ddp_buckets: bool = False) -> None:
         self.model = model
+        self.rank = rank
+        self.ddp_buckets = ddp_buckets
+        self._buckets_per_step: dict[int, list[int]] = {}  # step -> record ids of the buckets all-reduced
         self.optimizer = optimizer
         self.saved_tensor_hooks = saved_tensor_hooks
         self.discover_inputs = discover_inputs
@@ -162,6 +250,8 @@ class AllocationTracker:
         self._ignored: set[int] = set()
         self._stack: contextlib.ExitStack | None = None
         self.param_names: dict[int, str] = {}
+        self._replaced: dict[int, tuple[weakref.ref, _Record]] = {}  # id(storage) -> its allocation resized away
+        self._fsdp: FSDPLabels | None = None
 
     # -- recording ----------------------------------------------------------------------------------
     def _name_for(self, op: str) -> str:
@@ -175,7 +265,10 @@ class AllocationTracker:
             return f"{self.module_stack[-1]}.{short}"
         return f"{phase.value}.{short}"
 
-    def _see(self, st, t: torch.Tensor, op: str, name: str | None = None) -> _Record | None:
+    def _see(self, st, t: torch.Tensor | None, op: str, name: str | None = None) -> _Record | None:
+        """The record of storage `st`, recording it as allocated now if it is new. `t` (a tensor on `st`)
+        gives dtype and shape; without one (a storage resize) they come from the allocation it replaces,
+        whose labels a re-allocation of the same storage always inherits."""
         if not self._active:
             return None
         key = st.data_ptr()
@@ -185,8 +278,17 @@ class AllocationTracker:
         hit = self.live.get(key)
         if hit is not None and hit[1]() is st:
             return hit[0]
-        rec = _Record(id=len(self.records) + 1, nbytes=nbytes, dtype=DTYPE_NAMES.get(t.dtype, str(t.dtype)),
-                      shape=tuple(t.shape), name=name or self._name_for(op))
+        previous = self._replaced_record(st)
+        if t is not None:
+            dtype, shape = DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)
+        elif previous is not None:
+            dtype, shape = previous.dtype, previous.shape if previous.nbytes == nbytes else (nbytes,)
+        else:
+            dtype, shape = "int8", (nbytes,)
+        rec = _Record(id=len(self.records) + 1, nbytes=nbytes, dtype=dtype, shape=shape,
+                      name=name or (previous.name if previous is not None else self._name_for(op)))
+        if previous is not None:
+            rec.inherit(previous)
         self.records[rec.id] = rec
         self.live[key] = (rec, weakref.ref(st))
         self._event(Action.ALLOC, rec, op)
@@ -197,34 +299,72 @@ class AllocationTracker:
         hit = self.live.get(key)
         if hit is not None and hit[0].id == rid:
             del self.live[key]
-        rec = self.records[rid]
+        self._free(self.records[rid], self._op or "release")
+
+    def _free(self, rec: _Record, op: str) -> None:
         if self._active and not rec.freed:
             rec.freed = True
-            self._event(Action.FREE, rec, self._op or "release")
+            self._event(Action.FREE, rec, op)
+
+    def _resized(self, st, old_key: int, op: str, t: torch.Tensor | None = None) -> None:
+        """Storage `st` was reallocated in place (its data pointer moved from `old_key`, or it shrank to 0
+        bytes): free its old allocation, record the new one (shaped as `t`, if given) with its labels."""
+        if not self._active:
+            return
+        hit = self.live.get(old_key)
+        if hit is not None and hit[1]() is st:
+            del self.live[old_key]
+            self._free(hit[0], op)
+            self._replaced[id(st)] = (weakref.ref(st), hit[0])
+        if st.nbytes():
+            self._see(st, t, op)
+
+    def _label_ddp_buckets(self, tensors: list[torch.Tensor]) -> None:
+        step = self.phase_state[1]
+        seen = self._buckets_per_step.setdefault(step, [])
+        for t in tensors:
+            rec = self.record_of(t)
+            if rec is None:
+                continue
+            if rec.id not in seen:
+                seen.append(rec.id)
+            name = f"ddp.bucket.{seen.index(rec.id)}"
+            if rec.label_rank > _PRECEDENCE.index(Category.REDUCE_SCATTER_BUCKET):
+                rec.label(Category.REDUCE_SCATTER_BUCKET, name)
+
+    def _replaced_record(self, st) -> _Record | None:
+        hit = self._replaced.get(id(st))
+        return hit[1] if hit is not None and hit[0]() is st else None
 
     def _event(self, action: Action, rec: _Record, op: str) -> None:
         phase, step, mb = self.phase_state
         self.raw.append((time.perf_counter() - self._t0, action, rec.id, phase, step, mb, op))
 
     def record_of(self, t: torch.Tensor) -> _Record | None:
-        st = _storage(t)
+        """The live record of `t`'s storage (a DTensor's: its local shard's), or None."""
+        st = _storage(_plain_tensors(t)[0])
         if st is None:
             return None
         hit = self.live.get(st.data_ptr())
         return hit[0] if hit is not None and hit[1]() is st else None
 
     def mark(self, t: torch.Tensor, category: Category, name: str | None = None,
-             state: OptimizerState | None = None) -> None:
-        """Label the storage of `t` (recording it now if it was never seen)."""
-        rec = self.record_of(t)
-        if rec is None:
-            st = _storage(t)
-            if st is None:
-                return
-            rec = self._see(st, t, "mark", name=name)
+             state: OptimizerState | None = None) -> _Record | None:
+        """Label the storage of `t` (recording it now if it was never seen); a DTensor's local shard, with
+        the DTensor's shard factor. Returns the record (None for a storage of 0 bytes)."""
+        rec = None
+        for plain in _plain_tensors(t):
+            rec = self.record_of(plain)
             if rec is None:
-                return
-        rec.label(category, name, state)
+                st = _storage(plain)
+                if st is None:
+                    continue
+                rec = self._see(st, plain, "mark", name=name)
+                if rec is None:
+                    continue
+            rec.label(category, name, state)
+            rec.shard_factor = max(rec.shard_factor, shard_factor(t))
+        return rec
 
     def mark_input(self, *tensors: torch.Tensor) -> None:
         for i, t in enumerate(tensors):
@@ -235,7 +375,10 @@ class AllocationTracker:
         if self.model is not None:
             for n, p in self.model.named_parameters():
                 if p.grad is not None:
-                    self.mark(p.grad, Category.GRADIENT, name=f"{n}.grad")
+                    rec = self.record_of(p.grad)
+                    bucket = rec is not None and Category.REDUCE_SCATTER_BUCKET in rec.labels
+                    # FSDP2: one reduce-scatter output holds the unit's sharded grads; it keeps its name
+                    self.mark(p.grad, Category.GRADIENT, name=rec.label_name if bucket else f"{n}.grad")
         if self.optimizer is not None:
             for p, state in self.optimizer.state.items():
                 pname = self.param_names.get(id(p), "param")
@@ -256,6 +399,21 @@ class AllocationTracker:
             yield self
         finally:
             self.phase_state = previous
+
+    @contextlib.contextmanager
+    def scope(self, name: str):
+        """Name what is allocated inside `<name>.<op>` (e.g. a wrapper's own work: "ddp.init")."""
+        self.module_stack.append(name)
+        try:
+            yield self
+        finally:
+            self.module_stack.pop()
+
+    def name_module(self, module: torch.nn.Module, name: str) -> None:
+        """Name what `module`'s forward allocates outside its submodules `<name>.<op>` (a wrapper such as
+        DistributedDataParallel around the tracked model); the hooks go when tracking stops."""
+        self._hooks.append(module.register_forward_pre_hook(self._pre_hook(name)))
+        self._hooks.append(module.register_forward_hook(self._post_hook()))
 
     def _pack(self, t: torch.Tensor):
         rec = self.record_of(t)
@@ -282,6 +440,9 @@ class AllocationTracker:
                     self._hooks.append(mod.register_forward_hook(self._post_hook()))
             self.scan()
         self._stack = contextlib.ExitStack()
+        self._stack.enter_context(_StorageResizeWatch(self))
+        if self.model is not None and FSDPLabels.applies_to(self.model):
+            self._fsdp = self._stack.enter_context(FSDPLabels(self, self.model))
         if self.saved_tensor_hooks:
             self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x))
         self._stack.enter_context(_Mode(self))
@@ -298,6 +459,8 @@ class AllocationTracker:
     def _pre_hook(self, name: str):
         def hook(module, args):
             self.module_stack.append(name)
+            if self._fsdp is not None:
+                self._fsdp.label_unsharded(module)  # runs after FSDP's own pre-forward (prepended) gathered
         return hook
 
     def _post_hook(self):
@@ -315,7 +478,7 @@ class AllocationTracker:
             blocks[rec.id] = Block(id=rec.id, nbytes=rec.nbytes, category=rec.category,
                                    name=rec.label_name or rec.name, dtype=rec.dtype, shape=rec.shape,
                                    state=rec.state if rec.category is Category.OPTIMIZER_STATE else None,
-                                   pool=Pool.DEVICE)
+                                   shard_factor=rec.shard_factor, rank=self.rank, pool=Pool.DEVICE)
         events = [Event(seq=i, time=t, action=a, block=blocks[rid], phase=ph, step=s, micro_batch=mb,
                         stream=Stream.COMPUTE, op=op)
                   for i, (t, a, rid, ph, s, mb, op) in enumerate(self.raw)]
@@ -323,6 +486,161 @@ class AllocationTracker:
         meta = {"live_at_end": live, "device": "cpu", "torch": torch.__version__}
         meta.update(metadata or {})
         return EventLog(events=events, source=SOURCE, metadata=meta)
+
+
+class FSDPLabels:
+    """What FSDP2 (`fully_shard`) allocates on a rank, labelled as it is allocated.
+
+    fully_shard replaces each parameter by a DTensor whose local shard is a view of a storage padded
+    to ceil(dim0 / N) rows (PARAMETER, by parameter name, through the DTensor's `_local_tensor`). Around
+    each unit's compute FSDP2 allocates, through the unit's comm objects' `allocate`:
+    - `<unit>.all_gather_output` (ALL_GATHER_BUFFER): one flat buffer of every padded parameter of
+      the unit, N x the unit's padded shard; this rank's all-gather input is a view of its own slice
+      (the shards are copied in), so it has no allocation of its own unless a dtype cast needs one.
+    - `<unit>.reduce_scatter_input` (REDUCE_SCATTER_BUCKET): the padded unsharded grads, copied in.
+    - `<unit>.reduce_scatter_output` (REDUCE_SCATTER_BUCKET, then GRADIENT): this rank's reduced slice;
+      its views become the unit's sharded `.grad`s, so the tracker's scan relabels it GRADIENT and it
+      keeps this name.
+    - `<unit>.<collective>.backend_copy` (the collective's category): what the process group itself
+      allocates inside the call and the tracker sees (gloo's reduce-scatter clones its whole input).
+    The comms are wrapped with delegating ones (`FSDPModule.set_custom_all_gather` /
+    `set_custom_reduce_scatter`): the same `allocate` and the same collective, plus a label; the
+    defaults are put back on exit.
+    Each parameter's unsharded storage (its own all-gather output, which the copy-out fills and the
+    compute reads) is labelled PARAMETER `<param>.unsharded` when the unit's pre-forward has gathered
+    it; FSDP2 frees and re-allocates it with `UntypedStorage.resize_`, and every re-allocation inherits
+    the label (see `_StorageResizeWatch`). It is a PARAMETER rather than an ALL_GATHER_BUFFER: it is
+    the tensor registered on the module and saved by autograd, one per parameter, live for the
+    unsharded window only. Its gradient, from the backward op that makes it until the unit's
+    post-backward copies it into the reduce-scatter input, is GRADIENT `<param>.unsharded.grad`.
+    """
+
+    def __init__(self, tracker: "AllocationTracker", model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.tracker = tracker
+        self.units = {module: name or "model" for name, module in model.named_modules()
+                      if isinstance(module, FSDPModule)}
+        self._originals: list[tuple] = []
+        self._grad_hooks: dict[int, object] = {}  # id(unsharded parameter) -> hook handle
+
+    @staticmethod
+    def applies_to(model: torch.nn.Module) -> bool:
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            return False
+        return any(isinstance(m, FSDPModule) for m in model.modules())
+
+    @staticmethod
+    def _groups(unit) -> list:
+        return list(unit._get_fsdp_state()._fsdp_param_groups)
+
+    def __enter__(self) -> "FSDPLabels":
+        for unit, name in self.units.items():
+            groups = self._groups(unit)
+            if not groups:
+                continue
+            group = groups[0]
+            self._originals.append((unit, group._all_gather_comm, group._reduce_scatter_comm))
+            label, backend = self._labeller(name), self._backend_copies(name)
+            unit.set_custom_all_gather(_labelled_all_gather(group._all_gather_comm, label, backend))
+            unit.set_custom_reduce_scatter(_labelled_reduce_scatter(group._reduce_scatter_comm, label, backend))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for unit, all_gather, reduce_scatter in self._originals:
+            unit.set_custom_all_gather(all_gather)
+            unit.set_custom_reduce_scatter(reduce_scatter)
+        self._originals.clear()
+        for handle in self._grad_hooks.values():
+            handle.remove()
+        self._grad_hooks.clear()
+
+    def _labeller(self, unit_name: str):
+        def label(t: torch.Tensor, category: Category, what: str) -> None:
+            self.tracker.mark(t, category, name=f"{unit_name}.{what}")
+        return label
+
+    def _backend_copies(self, unit_name: str):
+        """A context for one collective call: whatever it allocates that the tracker sees is the process
+        group's own copy (gloo's reduce-scatter all-reduces a clone of the input, then copies this rank's
+        chunk out), labelled `<unit>.<collective>.backend_copy` with the collective's category."""
+        @contextlib.contextmanager
+        def watch(category: Category, collective: str):
+            first = len(self.tracker.records) + 1
+            try:
+                yield
+            finally:
+                for rid in range(first, len(self.tracker.records) + 1):
+                    self.tracker.records[rid].label(category, f"{unit_name}.{collective}.backend_copy")
+        return watch
+
+    def label_unsharded(self, module: torch.nn.Module) -> None:
+        """Label the unsharded storages of `module`'s parameters (call right after its pre-forward), and
+        make each unsharded parameter label its `.grad` when autograd has accumulated it."""
+        if module not in self.units:
+            return
+        for group in self._groups(module):
+            for fsdp_param in group.fsdp_params:
+                name = self.tracker.param_names.get(id(fsdp_param.sharded_param), fsdp_param._param_fqn)
+                for t in fsdp_param.all_gather_outputs:
+                    if t.untyped_storage().nbytes():
+                        self.tracker.mark(t, Category.PARAMETER, name=f"{name}.unsharded")
+                self._hook_unsharded_grad(fsdp_param, name)
+
+    def _hook_unsharded_grad(self, fsdp_param, name: str) -> None:
+        """The unsharded gradient lives from the backward op that makes it until the unit's post-backward
+        has copied it into the reduce-scatter input: GRADIENT `<param>.unsharded.grad`."""
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None or id(unsharded) in self._grad_hooks or not unsharded.requires_grad:
+            return
+
+        def label_grad(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                self.tracker.mark(param.grad, Category.GRADIENT, name=f"{name}.unsharded.grad")
+
+        self._grad_hooks[id(unsharded)] = unsharded.register_post_accumulate_grad_hook(label_grad)
+
+
+def _labelled_all_gather(inner, label, backend_copies):
+    """An AllGather comm that allocates and communicates through `inner` and labels its output buffer."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class LabelledAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            t = inner.allocate(size, dtype=dtype, device=device)
+            label(t, Category.ALL_GATHER_BUFFER, "all_gather_output")
+            return t
+
+        def __call__(self, *args, **kwargs):
+            with backend_copies(Category.ALL_GATHER_BUFFER, "all_gather"):
+                return inner(*args, **kwargs)
+
+    return LabelledAllGather()
+
+
+def _labelled_reduce_scatter(inner, label, backend_copies):
+    """A ReduceScatter comm through `inner` that labels its buffers: FSDP2's `foreach_reduce` allocates
+    the input, then the output, once per reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class LabelledReduceScatter(ReduceScatter):
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def allocate(self, size, *, dtype, device):
+            t = inner.allocate(size, dtype=dtype, device=device)
+            what = ("reduce_scatter_input", "reduce_scatter_output")[self.calls % 2]
+            self.calls += 1
+            label(t, Category.REDUCE_SCATTER_BUCKET, what)
+            return t
+
+        def __call__(self, *args, **kwargs):
+            with backend_copies(Category.REDUCE_SCATTER_BUCKET, "reduce_scatter"):
+                return inner(*args, **kwargs)
+
+    return LabelledReduceScatter()
 
 
 def _batch_for(batches, step: int, mb: int, grad_accum: int):
@@ -348,29 +666,38 @@ def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     known = tuple(t for b in batches for t in b)
     tracker = AllocationTracker(model, optimizer, saved_tensor_hooks=saved_tensor_hooks, known=known)
     with tracker:
-        for step in range(1, steps + 1):
-            for mb in range(grad_accum):
-                with tracker.phase(Phase.FORWARD, step, mb):
-                    x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
-                    tracker.mark_input(x, y)
-                    with (torch.autocast("cpu", dtype=autocast) if autocast is not None
-                          else contextlib.nullcontext()):
-                        out, loss = model(x, y)
-                    tracker.mark(out, Category.ACTIVATION)  # held by the caller until backward ends
-                with tracker.phase(Phase.BACKWARD, step, mb):
-                    loss.backward()
-                    del out, loss, x, y
-                    tracker.scan()
-            with tracker.phase(Phase.OPTIMIZER, step):
-                optimizer.step()
-                tracker.scan()
-            with tracker.phase(Phase.ZERO_GRAD, step):
-                optimizer.zero_grad(set_to_none=set_to_none)
-                tracker.scan()
+        training_loop(tracker, model, optimizer, batches, steps, grad_accum, set_to_none, autocast)
     meta = {"steps": steps, "grad_accum": grad_accum, "set_to_none": set_to_none,
             "optimizer": type(optimizer).__name__, "autocast": None if autocast is None else str(autocast)}
     meta.update(metadata or {})
     return tracker.log(meta)
+
+
+def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,
+                  steps: int = 2, grad_accum: int = 1, set_to_none: bool = True,
+                  autocast: torch.dtype | None = None) -> None:
+    """`run_training_steps`'s loop, phase by phase, under an already entered `tracker` (which may label a
+    different module or optimizer than the ones called here: the module inside a DDP wrapper, the local
+    optimizer inside a ZeroRedundancyOptimizer)."""
+    for step in range(1, steps + 1):
+        for mb in range(grad_accum):
+            with tracker.phase(Phase.FORWARD, step, mb):
+                x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
+                tracker.mark_input(x, y)
+                with (torch.autocast("cpu", dtype=autocast) if autocast is not None
+                      else contextlib.nullcontext()):
+                    out, loss = model(x, y)
+                tracker.mark(out, Category.ACTIVATION)  # held by the caller until backward ends
+            with tracker.phase(Phase.BACKWARD, step, mb):
+                loss.backward()
+                del out, loss, x, y
+                tracker.scan()
+        with tracker.phase(Phase.OPTIMIZER, step):
+            optimizer.step()
+            tracker.scan()
+        with tracker.phase(Phase.ZERO_GRAD, step):
+            optimizer.zero_grad(set_to_none=set_to_none)
+            tracker.scan()
 
 
 def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
@@ -415,4 +742,5 @@ def peak(log: EventLog) -> tuple[int, int]:
     return best, best_i
 
 
-__all__ = ["AllocationTracker", "run_training_steps", "profiler_peak", "live_bytes", "peak", "SOURCE"]
+__all__ = ["AllocationTracker", "FSDPLabels", "run_training_steps", "training_loop", "shard_factor", "profiler_peak",
+           "live_bytes", "peak", "SOURCE"]

@@ -1,0 +1,380 @@
+"""Measure every rank of a real data-parallel CPU run: FSDP2, DDP and ZeroRedundancyOptimizer on gloo.
+
+`measure_distributed` spawns `world_size` processes on this machine (torch.multiprocessing, "spawn"),
+joined into one gloo process group over the loopback interface only: the rendezvous TCPStore serves
+on a socket rank 0 binds to 127.0.0.1 at a port picked free at run time (MASTER_ADDR=127.0.0.1,
+MASTER_PORT), and gloo's own connections use the `lo` interface (GLOO_SOCKET_IFNAME=lo). Each
+process builds the same reference model (`models.reference.build_model`, same seed on every rank, so
+the replicas start identical), wraps it for its engine, and runs `traces.tracker.training_loop`
+(load; steps x (forward, backward), optimizer.step, zero_grad; the same phases as
+`run_training_steps`) on its own micro-batch (same shapes, data seeded by rank) under its own
+`AllocationTracker(rank=r)`. The logs come back through `traces.store` JSON files in a temporary
+directory, one `EventLog` per rank, rank order.
+
+Engines
+-------
+- "fsdp2": `torch.distributed.fsdp.fully_shard` on each transformer block (`transformer.h[i]` for
+  GPT-2, `model.layers[i]` for Llama; each Linear for the MLP), then on the root, with
+  `reshard_after_forward`; the optimizer is built after sharding, over the DTensor parameters.
+  The tracker labels shards, unsharded parameters, all-gather and reduce-scatter buffers
+  (`tracker.FSDPLabels`).
+- "ddp": `DistributedDataParallel` with its defaults (gradients are not bucket views; one bucket of
+  every parameter at construction, rebuilt in the second forward in gradient-ready order: a first
+  bucket closed at 1 MiB, then 25 MiB ones), the ZeRO-0 baseline. The wrapper is built inside the
+  tracker (Phase.LOAD, named "ddp.init"), so the buckets and the broadcast of the initial state are
+  seen; the buckets are labelled `ddp.bucket.<k>`, the wrapper's own forward work "ddp".
+- "zero-redundancy-optimizer": the DDP model plus `ZeroRedundancyOptimizer(params, optimizer_class=
+  <the setup's torch.optim class>, **its flags)`: whole parameters are assigned to ranks greedily by
+  size (largest first, to the rank holding the fewest elements); each rank keeps optimizer state for
+  its own parameters only and broadcasts them to the others after its step.
+
+Every rank's metadata records the engine, world size, rank, the model and setup, and per engine: the
+FSDP units and their parameters; the ZeRO owner of each parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
+from ..simulator.events import Category, EventLog, Phase
+from .store import load_log, save_log
+
+ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
+LOOPBACK = "127.0.0.1"
+OPTIMIZER_CLASSES = {"sgd": ("SGD", {"momentum": 0.0}), "sgd-momentum": ("SGD", {"momentum": 0.9}),
+                     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "amsgrad": ("Adam", {"amsgrad": True})}
+IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every process of one distributed measurement runs (picklable: sent to each spawned rank)."""
+
+    model_cfg: TransformerConfig | MLPConfig
+    setup: TrainingSetup
+    world_size: int
+    engine: str
+    reshard_after_forward: bool
+    root_reshard_after_forward: bool | None
+    port: int
+    out_dir: str
+    seed: int = 0
+    lr: float = 1e-3
+    timeout_s: float = 60.0
+
+
+def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, world_size: int,
+                        engine: str, reshard_after_forward: bool = True, *,
+                        root_reshard_after_forward: bool | None = None, seed: int = 0,
+                        timeout_s: float = 120.0) -> list[EventLog]:
+    """Run `setup.steps` real training steps of `model_cfg` on `world_size` CPU processes (gloo, loopback
+    only) with `engine` ("fsdp2", "ddp" or "zero-redundancy-optimizer"); one tracked `EventLog` per
+    rank, in rank order, every Block carrying its `rank`.
+
+    `setup.micro_batch`, `seq_len`, `grad_accum`, `steps`, `optimizer`, `optimizer_impl`, `precision`
+    ("fp32" or "bf16") and `set_to_none` are used; `setup.world_size` and `zero_stage` are ignored
+    (`world_size` and `engine` say how the run is distributed). FSDP2: `reshard_after_forward` is given
+    to every block unit; the root unit gets `root_reshard_after_forward`, None being fully_shard's
+    default (False for the root: its parameters stay unsharded from forward into backward).
+    Spawned processes re-import the caller's main module: call this under `if __name__ == "__main__":`
+    in a script (pytest and imported modules need nothing). Every process is joined within
+    `timeout_s` seconds, or all are killed and TimeoutError is raised; a failing rank's traceback is
+    raised as RuntimeError.
+    """
+    _check(setup, world_size, engine)
+    with tempfile.TemporaryDirectory(prefix="peakledger-dist-") as tmp:
+        job = RankJob(model_cfg=model_cfg, setup=setup, world_size=world_size, engine=engine,
+                      reshard_after_forward=reshard_after_forward,
+                      root_reshard_after_forward=root_reshard_after_forward, port=free_loopback_port(),
+                      out_dir=tmp, seed=seed, timeout_s=timeout_s)
+        _spawn_and_join(job)
+        return [load_log(_log_path(tmp, r)) for r in range(world_size)]
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it; the socket is closed again)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _check(setup: TrainingSetup, world_size: int, engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
+    if world_size < 2:
+        raise ValueError(f"world_size must be at least 2, got {world_size}")
+    if setup.precision not in ("fp32", "bf16"):
+        raise NotImplementedError(f"distributed measurement runs fp32 or pure bf16, not {setup.precision!r}")
+    if setup.optimizer not in OPTIMIZER_CLASSES:
+        raise NotImplementedError(f"no torch.optim class for optimizer {setup.optimizer!r}")
+    if setup.checkpointing != "none" or setup.frozen:
+        raise NotImplementedError("distributed measurement runs without checkpointing or frozen parameters")
+
+
+def _log_path(out_dir: str, rank: int) -> Path:
+    return Path(out_dir) / f"rank{rank}.json"
+
+
+def _spawn_and_join(job: RankJob) -> None:
+    """Start one process per rank and wait for all of them, bounded by `job.timeout_s`. A rank that
+    raises makes torch.multiprocessing terminate the others and raise ProcessRaisedException (re-raised
+    as RuntimeError); past the deadline every still running rank is killed."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.world_size, join=False,
+                                 start_method="spawn")
+    deadline = time.monotonic() + job.timeout_s
+    try:
+        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job.engine} x {job.world_size} ranks did not finish in "
+                                   f"{job.timeout_s:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise RuntimeError(f"a rank failed:\n{e}") from None
+    finally:
+        _kill_all(context.processes)
+
+
+def _kill_all(processes) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+    for p in processes:
+        p.join(timeout=5)
+
+
+# -- one rank -----------------------------------------------------------------------------------------
+
+def _rank_main(rank: int, job: RankJob) -> None:
+    """The body of one spawned process: join the group, run, save the log, always leave the group."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    with _loopback_listener(rank, job.port) as listener:
+        store = dist.TCPStore(LOOPBACK, job.port, job.world_size, is_master=rank == 0, timeout=timeout,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=job.world_size, timeout=timeout)
+        try:
+            save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
+            dist.barrier()  # no rank leaves (tearing the group down) while another still communicates
+        finally:
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _loopback_listener(rank: int, port: int):
+    """Rank 0's rendezvous socket, bound to 127.0.0.1 only (a TCPStore left to itself listens on every
+    interface); the store serves on it. The other ranks connect to it and need no socket of their own."""
+    if rank != 0:
+        yield None
+        return
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOOPBACK, port))
+        listener.listen()
+        yield listener
+    finally:
+        listener.close()
+
+
+def _measure_rank(rank: int, job: RankJob) -> EventLog:
+    from ..models.reference import build_model, make_batch
+    from .tracker import AllocationTracker, training_loop
+
+    torch.set_num_threads(1)
+    setup = job.setup
+    model = build_model(job.model_cfg, setup, seed=job.seed)  # identical replicas on every rank
+    batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + rank)
+    known = tuple(t for b in batches for t in b)
+    engine = ENGINE_BUILDERS[job.engine]
+    prepared = engine.before_tracking(model, job)
+    tracker = AllocationTracker(prepared.tracked_model, prepared.tracked_optimizer, known=known, rank=rank,
+                                ddp_buckets=engine.ddp_buckets)
+    torch.manual_seed(job.seed)
+    with tracker:
+        run = engine.inside_tracking(prepared, tracker, job)
+        training_loop(tracker, run.model, run.optimizer, batches, setup.steps, setup.grad_accum,
+                      setup.set_to_none)
+    return tracker.log(_metadata(rank, job, run.details))
+
+
+def _metadata(rank: int, job: RankJob, details: dict) -> dict:
+    return {"engine": job.engine, "world_size": job.world_size, "rank": rank,
+            "reshard_after_forward": job.reshard_after_forward if job.engine == "fsdp2" else None,
+            "root_reshard_after_forward": job.root_reshard_after_forward if job.engine == "fsdp2" else None,
+            "backend": "gloo", "torch_version": torch.__version__,
+            "model": dataclasses.asdict(job.model_cfg), "model_kind": type(job.model_cfg).__name__,
+            "setup": dataclasses.asdict(job.setup), "steps": job.setup.steps,
+            "grad_accum": job.setup.grad_accum, "set_to_none": job.setup.set_to_none, **details}
+
+
+# -- engines ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the tracker labels: the module whose parameters are named, the optimizer whose state is read
+    (the local one for ZeRO), plus what the engine needs to finish inside the tracker."""
+
+    tracked_model: torch.nn.Module
+    tracked_optimizer: torch.optim.Optimizer | None
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+
+
+@dataclass(frozen=True)
+class Running:
+    """What the training loop calls, and the per-engine metadata."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    details: dict
+
+
+def optimizer_for(params, setup: TrainingSetup, lr: float) -> torch.optim.Optimizer:
+    """The setup's torch.optim optimizer over `params` (DTensors included)."""
+    cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
+    return getattr(torch.optim, cls_name)(params, lr=lr, **kwargs, **IMPL_FLAGS[setup.optimizer_impl])
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that each become one FSDP2 unit before the root: transformer blocks, or MLP Linears."""
+    if hasattr(model, "transformer"):
+        return list(model.transformer.h)
+    if hasattr(model, "model"):
+        return list(model.model.layers)
+    return [m for m in model.layers if isinstance(m, torch.nn.Linear)]
+
+
+class FSDP2:
+    """fully_shard per block (or Linear), then the root; the optimizer over the sharded parameters."""
+
+    ddp_buckets = False
+
+    @staticmethod
+    def before_tracking(model: torch.nn.Module, job: RankJob) -> Prepared:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in fsdp_units(model):
+            fully_shard(unit, reshard_after_forward=job.reshard_after_forward)
+        fully_shard(model, reshard_after_forward=job.root_reshard_after_forward)
+        optimizer = optimizer_for(model.parameters(), job.setup, job.lr)
+        return Prepared(model, optimizer, model, optimizer)
+
+    @staticmethod
+    def inside_tracking(prepared: Prepared, tracker, job: RankJob) -> Running:
+        return Running(prepared.model, prepared.optimizer, {"fsdp_units": _unit_params(prepared.model)})
+
+
+def _unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each FSDP2 unit (module path, the root as "model") with the parameters it shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    units = {}
+    for path, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            units[path or "model"] = [names[id(fp.sharded_param)] for g in groups for fp in g.fsdp_params]
+    return units
+
+
+class DDP:
+    """DistributedDataParallel built inside the tracker (its buckets and initial broadcast are seen)."""
+
+    ddp_buckets = True
+
+    @classmethod
+    def before_tracking(cls, model: torch.nn.Module, job: RankJob) -> Prepared:
+        optimizer = optimizer_for(model.parameters(), job.setup, job.lr)  # its state is created lazily
+        return Prepared(model, optimizer, model, optimizer)
+
+    @classmethod
+    def inside_tracking(cls, prepared: Prepared, tracker, job: RankJob) -> Running:
+        from torch.nn.parallel import DistributedDataParallel
+
+        with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
+            wrapped = DistributedDataParallel(prepared.model)  # broadcasts rank 0's state, builds the buckets
+        tracker.name_module(wrapped, "ddp")  # its forward: buffer broadcast, bucket rebuild
+        return Running(wrapped, prepared.optimizer, cls.details(prepared, wrapped))
+
+    @staticmethod
+    def details(prepared: Prepared, wrapped) -> dict:
+        return {"ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap)}
+
+
+class ZeRO(DDP):
+    """DDP plus ZeroRedundancyOptimizer; the tracker reads the state of each rank's local optimizer."""
+
+    @classmethod
+    def before_tracking(cls, model: torch.nn.Module, job: RankJob) -> Prepared:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls_name, kwargs = OPTIMIZER_CLASSES[job.setup.optimizer]
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=getattr(torch.optim, cls_name),
+                                       lr=job.lr, **kwargs, **IMPL_FLAGS[job.setup.optimizer_impl])
+        return Prepared(model, zero.optim, model, zero)
+
+    @staticmethod
+    def details(prepared: Prepared, wrapped) -> dict:
+        names = {id(p): n for n, p in prepared.model.named_parameters()}
+        owner = {names[id(p)]: r for p, r in prepared.optimizer._param_to_rank.items()}
+        return {"ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap), "zero_owner": owner}
+
+
+ENGINE_BUILDERS = {"fsdp2": FSDP2, "ddp": DDP, "zero-redundancy-optimizer": ZeRO}
+
+
+# -- reading the logs ---------------------------------------------------------------------------------
+
+BACKEND_COPY = ".backend_copy"
+
+
+def without_backend_copies(log: EventLog) -> EventLog:
+    """`log` without the process group's own copies (blocks named `*.backend_copy`). gloo's
+    reduce-scatter all-reduces a clone of its whole input and copies this rank's chunk out; when that
+    clone is freed depends on gloo's worker threads, so it can land at a different moment run to run
+    and rank to rank. NCCL has no such copy; FSDP2's own buffers are what remains."""
+    events = [e for e in log.events if not e.block.name.endswith(BACKEND_COPY)]
+    return EventLog(events=events, source=log.source, metadata={**log.metadata, "backend_copies": "removed"},
+                    ooms=log.ooms, op_names=log.op_names)
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """Where one rank's live bytes first reach their maximum, and what is live there by category."""
+
+    rank: int
+    nbytes: int
+    index: int
+    phase: Phase
+    step: int
+    op: str
+    block: str
+    by_category: dict[Category, int]
+
+
+def rank_peak(log: EventLog) -> RankPeak:
+    from .tracker import live_bytes, peak
+
+    nbytes, index = peak(log)
+    event = log.events[index]
+    return RankPeak(rank=log.metadata.get("rank", event.block.rank), nbytes=nbytes, index=index,
+                    phase=event.phase, step=event.step, op=event.op, block=event.block.name,
+                    by_category=live_bytes(log, index))
+
+
+__all__ = ["measure_distributed", "ENGINES", "free_loopback_port", "fsdp_units", "optimizer_for", "RankJob",
+           "without_backend_copies", "RankPeak", "rank_peak"]
