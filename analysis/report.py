@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..simulator.events import EventLog, Pool
 from ..simulator.timeline import PeakPoint, timeline
+from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks
 from .units import format_bytes
@@ -165,7 +166,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if pk.steady is not None and pk.steady.event is not None:
             lines.append(f"steady peak      {f(pk.steady.bytes):>14}  at {pk.steady.event.op} (steps >= 2)")
             if pk.first_step.bytes > pk.steady.bytes:
-                lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state")
+                lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state: "
+                             + cause(pk.first_step.event, pk.first_step.live_by_category))
         if pk.headroom:
             lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
+from .analysis.explain import Moment
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
 from .analysis.report import Report, summarize
+from .models.config import CHECKPOINTING, ConfigError, TransformerConfig
 from .models.training import describe
 from .scenario import Scenario
 from .simulator.engine import simulate
@@ -81,6 +84,146 @@ def peers(scenario: Scenario) -> list[dict]:
     return rows
 
 
+@dataclass(frozen=True)
+class Fix:
+    """One change to the scenario, re-simulated: its worst-rank peak and simulated step time."""
+
+    name: str
+    changes: dict
+    peak: int
+    capacity_needed: int
+    fits: bool
+    step_time: float
+    changes_training: bool  # True when the model trained or its data changes, not only how memory is spent
+    note: str
+
+
+@dataclass(frozen=True)
+class Explanation:
+    scenario: str
+    budget: int
+    host_budget: int | None
+    moment: Moment  # the first device allocation that does not fit, else the device peak
+    host_moment: Moment | None
+    peak: int
+    capacity_needed: int
+    step_time: float
+    fixes: list[Fix]
+
+
+def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
+    """(name, setup changes, changes the training?, what it costs) for every fix worth re-simulating."""
+    s, model = scenario.setup, scenario.model
+    out: list[tuple[str, dict, bool, str]] = []
+    if s.world_size > 1 and s.dp_engine == "deepspeed":
+        for stage in range(s.zero_stage + 1, 4):
+            out.append((f"ZeRO-{stage}", {"zero_stage": stage}, False,
+                        "more communication: " + {1: "none extra", 2: "gradients reduce-scattered",
+                                                  3: "parameters all-gathered per module"}[stage]))
+    if s.world_size > 1 and s.dp_engine in ("ddp", "zero-redundancy-optimizer"):
+        out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
+    for policy in CHECKPOINTING:
+        if policy != s.checkpointing and policy != "none":
+            out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, "recompute in backward"))
+    mb = s.micro_batch
+    for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
+        out.append((f"micro-batch {mb} -> {d}, accumulation {s.grad_accum} -> {s.grad_accum * mb // d}",
+                    {"micro_batch": d, "grad_accum": s.grad_accum * mb // d}, False,
+                    "same B_eff, more and smaller steps (lower arithmetic intensity)"))
+    if isinstance(model, TransformerConfig) and s.seq_len > 1:
+        out.append((f"seq_len {s.seq_len} -> {s.seq_len // 2}", {"seq_len": s.seq_len // 2}, True,
+                    "shorter context: changes what the model learns"))
+    if s.optimizer in ("adam", "adamw"):
+        out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
+    if s.optimizer_impl != "fused" and s.optimizer != "adam-8bit":
+        out.append(("fused optimizer", {"optimizer_impl": "fused"}, False, "none: no step temporaries"))
+    if s.precision == "fp32":
+        out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
+    if isinstance(model, TransformerConfig) and model.n_layer > 1:
+        prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
+        half = model.n_layer // 2
+        out.append((f"freeze layers 0-{half - 1}", {"frozen": tuple(f"{prefix}.{i}.*" for i in range(half))}, True,
+                    "fine-tunes the upper half only"))
+    return out
+
+
+def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> Explanation:
+    """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
+    and ranked: fixes that fit first, those that keep the training unchanged before those that change
+    it, then by simulated step time; fixes that do not fit after, by peak."""
+    from .analysis.explain import worst_moment
+
+    base = run(scenario)
+    moment = worst_moment(base.log, budget)
+    host = worst_moment(base.log, host_budget, Pool.HOST) if host_budget is not None and any(
+        e.block.pool is Pool.HOST for e in base.log.events) else None
+    base_time = _step_time(base)
+    candidates = []
+    for name, changes, changes_training, note in candidate_fixes(scenario):
+        try:
+            scenario.with_changes(**changes)
+        except ConfigError:
+            continue  # not applicable to this model / setup
+        candidates.append((name, changes, changes_training, note))
+    fixes = [_fix(scenario, budget, *c) for c in candidates]
+    if fixes and not any(f.fits for f in fixes):
+        combined = _combine(scenario, budget, candidates, fixes)
+        if combined is not None:
+            fixes.append(combined)
+    fixes.sort(key=lambda f: (0, f.changes_training, f.step_time) if f.fits else (1, f.peak, f.changes_training))
+    return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
+                       host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.peaks.capacity_needed,
+                       step_time=base_time, fixes=fixes)
+
+
+def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
+    report = run(scenario.with_changes(**changes))
+    needed = report.peaks.capacity_needed
+    return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=needed,
+               fits=needed <= budget, step_time=_step_time(report), changes_training=changes_training, note=note)
+
+
+def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:
+    """No single fix fits: add fixes greedily (the one that lowers the peak most, training-preserving ones
+    first on ties), each combination re-simulated, until the peak fits or nothing helps."""
+    by_name = {c[0]: c for c in candidates}
+    best = min(singles, key=lambda f: (f.peak, f.changes_training))
+    chosen = [best]
+    for _ in range(rounds - 1):
+        if best.fits:
+            break
+        used = set().union(*(set(f.changes) for f in chosen))
+        trials = []
+        for name, changes, ct, note in candidates:
+            if set(changes) & used:
+                continue
+            merged = {k: v for f in chosen for k, v in f.changes.items()} | changes
+            trials.append(_fix(scenario, budget, " + ".join([f.name for f in chosen] + [name]), merged,
+                               any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note])))
+        if not trials:
+            break
+        step = min(trials, key=lambda f: (f.peak, f.changes_training))
+        if step.peak >= best.peak:
+            break
+        best = step
+        chosen.append(_fix(scenario, budget, *by_name[step.name.split(" + ")[-1]]))
+    return best if len(chosen) > 1 else None
+
+
+def explain_trace(log, budget: int):
+    """A measured trace against `budget`: the first allocation that did not fit (a CUDA snapshot's own
+    oom record when it has one), else its peak."""
+    from .analysis.explain import from_record, worst_moment
+
+    if log.ooms:
+        return from_record(log.ooms[0])
+    return worst_moment(log, budget)
+
+
+def _step_time(report: Report) -> float:
+    return report.log.events[-1].time / max(1, report.steps) if report.log.events else 0.0
+
+
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
@@ -90,7 +233,6 @@ def measure(scenario: Scenario):
     model config, training setup)."""
     import torch
 
-    from .models.config import ConfigError
     from .models.reference import build_model, make_batch, make_optimizer
     from .traces.tracker import run_training_steps
 

@@ -16,6 +16,7 @@ import sys
 from dataclasses import fields
 
 from . import api
+from .analysis.explain import cause
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
 from .analysis.plot import plot_overlay, plot_timeline
@@ -245,6 +246,109 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def _moment_json(m) -> dict:
+    e = m.event
+    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "op": e.op, "phase": e.phase.value,
+            "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
+            "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
+            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category), "model_state_bytes": m.state_bytes,
+            "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
+            "live_by_category": {c.value: b for c, b in sorted(m.by_category.items(), key=lambda cb: -cb[1])},
+            "largest": [{"name": b.name, "bytes": b.nbytes, "category": b.category.value, "dtype": b.dtype}
+                        for b in m.largest]}
+
+
+def _render_moment(m, u: str) -> list[str]:
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    e = m.event
+    where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
+        + f"; rank {m.rank} {m.pool.value} memory)"
+    if m.failed:
+        lines = [f"OUT OF MEMORY first at {where}",
+                 f"  allocating {e.block.name} ({e.block.category.value}, {f(e.block.nbytes)}) with {f(m.live_bytes)} "
+                 f"live of {f(m.capacity)}: {f(m.shortfall)} short"]
+    else:
+        room = f"{f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
+        lines = [f"fits: peak {f(m.live_bytes)} at {where}" + (f"; {room}" if room else "")]
+    lines.append(f"  why: {cause(e, m.by_category)}")
+    lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
+                 f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
+    lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
+                                                     sorted(m.by_category.items(), key=lambda cb: -cb[1]) if b))
+    lines.append("  largest live blocks:")
+    lines += [f"    {f(b.nbytes):>12}  {b.category.value:<22} {b.name}" for b in m.largest]
+    return lines
+
+
+def cmd_explain(args) -> int:
+    budget = parse_bytes(args.budget)
+    host_budget = parse_bytes(args.host_budget, "host_budget") if args.host_budget else None
+    u = args.unit
+    if args.trace:
+        log = _load_any_trace(args.trace)
+        moment = api.explain_trace(log, budget)
+        if args.json:
+            _write_json({"trace": args.trace, "budget": budget, "moment": _moment_json(moment)})
+        else:
+            print(f"{args.trace}: {log.source} trace, budget {format_bytes(budget, u)}")
+            print("\n".join(_render_moment(moment, u)))
+        return 0
+    scenario = _scenario_from_args(args)
+    x = api.explain(scenario, budget, host_budget)
+    if args.json:
+        _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
+                     "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
+                     "moment": _moment_json(x.moment),
+                     "host_moment": _moment_json(x.host_moment) if x.host_moment else None,
+                     "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
+                                                             for k, v in fx.changes.items()},
+                                "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
+                                "step_time_s": fx.step_time, "changes_training": fx.changes_training,
+                                "cost": fx.note} for fx in x.fixes]})
+        return 0
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
+    print("\n".join(_render_moment(x.moment, u)))
+    if x.host_moment is not None:
+        print("\n".join(_render_moment(x.host_moment, u)))
+    print("")
+    print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
+    print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
+    for fx in x.fixes:
+        ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
+        cost = fx.note + ("; changes the training" if fx.changes_training else "")
+        print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from . import sweep
+    base = _scenario_from_args(args)
+    grid = sweep.parse_grid(args.grid or [])
+    budget = parse_bytes(args.budget) if args.budget else None
+    if not (args.output or args.json_output):
+        raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
+    result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs)
+    sweep.write(result, base, grid, args.output, args.json_output)
+    failed = sum(1 for p in result if p.result["error"])
+    written = " and ".join(x for x in (args.output, args.json_output) if x)
+    print(f"{len(result)} points simulated ({failed} invalid, each with its error) into {written}")
+    return 0
+
+
+def _load_any_trace(path: str):
+    """A saved trace (peakledger capture JSON) or a CUDA snapshot pickle (the allocated view)."""
+    from .traces.cuda_snapshot import SnapshotError, load_snapshot
+    try:
+        return load_log(path)
+    except TraceFormatError as json_error:
+        try:
+            return load_snapshot(path).allocated
+        except SnapshotError:
+            raise ConfigError("trace", f"{path} is neither a peakledger trace nor a CUDA snapshot: {json_error}") \
+                from None
+
+
 VALIDATE_DEFAULTS = {"preset": "tiny", "precision": "fp32", "micro_batch": 2, "seq_len": 32}
 
 
@@ -332,6 +436,23 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new run")
     v.set_defaults(func=cmd_validate)
+    x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
+    _add_scenario_flags(x)
+    x.add_argument("--budget", required=True, help="device memory per rank: 24GiB, 24GB or bytes")
+    x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")
+    x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=cmd_explain)
+    w = sub.add_parser("sweep", help="simulate a grid of inputs on every core into CSV / JSON")
+    _add_scenario_flags(w)
+    w.add_argument("--grid", action="append", metavar="KEY=V1,V2",
+                   help="a field and its values (repeat for more fields; points are the product)")
+    w.add_argument("--budget", help="mark which points fit (80GiB, 80GB, bytes)")
+    w.add_argument("--max-batch", action="store_true", help="with --budget: the largest micro-batch per point")
+    w.add_argument("--jobs", type=int, help="worker processes (default: every core)")
+    w.add_argument("--output", metavar="FILE.csv")
+    w.add_argument("--json-output", metavar="FILE.json")
+    w.set_defaults(func=cmd_sweep)
     k = sub.add_parser("capture", help="run real training steps on CPU and save the exact memory trace")
     _add_scenario_flags(k)
     k.add_argument("--output", required=True, metavar="FILE", help="versioned JSON trace (traces/store.py)")

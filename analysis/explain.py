@@ -1,0 +1,135 @@
+"""OOM explain: which allocation does not fit, what is live at that moment, and why.
+
+Works on any event log (simulated or measured): replaying the events of one (rank, pool) against a
+capacity finds the first allocation that does not fit; the live set at that moment is split into
+model states (parameters, gradients, fp32 masters, optimizer states), activations (saved activations,
+temporaries, the batch) and communication / staging buffers, which says whether the failure is
+state-heavy (shard states: ZeRO / FSDP, 8-bit optimizer, freezing) or activation-heavy (checkpointing,
+a smaller micro-batch with more accumulation, a shorter context). The fixes themselves are
+re-simulated by `peakledger.api.explain`; this module only reads logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
+from ..simulator.timeline import timeline
+
+MODEL_STATES = frozenset({Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE})
+ACTIVATIONS = frozenset({Category.ACTIVATION, Category.TEMPORARY, Category.INPUT})
+
+
+@dataclass(frozen=True)
+class Moment:
+    """What was live on one (rank, pool) when an allocation failed, or at the peak when none failed."""
+
+    rank: int
+    pool: Pool
+    event: Event  # the failing allocation (not performed), or the peak event
+    live_bytes: int  # before the failing allocation / at the peak
+    capacity: int | None
+    by_category: dict[Category, int]
+    largest: tuple[Block, ...]
+    failed: bool
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(b for c, b in self.by_category.items() if c in MODEL_STATES)
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(b for c, b in self.by_category.items() if c in ACTIVATIONS)
+
+    @property
+    def other_bytes(self) -> int:
+        return self.live_bytes - self.state_bytes - self.activation_bytes
+
+    @property
+    def heavy(self) -> str:
+        """"state-heavy" when model states outweigh activations at this moment, else "activation-heavy"."""
+        return "state-heavy" if self.state_bytes >= self.activation_bytes else "activation-heavy"
+
+    @property
+    def shortfall(self) -> int:
+        """Bytes missing: live + the failing block - capacity (0 when nothing failed)."""
+        if not self.failed or self.capacity is None:
+            return 0
+        return self.live_bytes + self.event.block.nbytes - self.capacity
+
+
+def cause(event: Event, by_category: dict[Category, int]) -> str:
+    """One sentence on why memory is high at `event`: the transient that happens there, if a known one."""
+    cat, phase = event.block.category, event.phase.value
+    states = by_category.get(Category.OPTIMIZER_STATE, 0)
+    if phase == "optimizer" and event.step == 1 and (cat is Category.OPTIMIZER_STATE or event.op == "optimizer.init_state"):
+        return ("the first optimizer step creates the optimizer states lazily inside step(), while every gradient "
+                "is still live; later steps start with them already allocated")
+    if phase == "optimizer" and cat is Category.TEMPORARY:
+        first = " (the states were just created: this is the first step)" if event.step == 1 else ""
+        return (f"the optimizer step's temporaries (foreach/for-loop sqrt and fp32 gradient copies) on top of "
+                f"{states:,} B of optimizer states{first}; a fused optimizer has none")
+    if phase == "checkpoint" or cat is Category.CHECKPOINT_STAGING:
+        return "saving a checkpoint: staging copies of the state on top of the training state"
+    if cat is Category.ALL_GATHER_BUFFER:
+        return "a ZeRO-3 / FSDP all-gather rebuilds full parameters (prefetch can hold more than one unit)"
+    if cat is Category.REDUCE_SCATTER_BUCKET:
+        return "a gradient reduce bucket is being filled or reduced"
+    if phase == "backward":
+        return "backward: saved activations are still live while gradients of activations are produced"
+    if phase == "forward":
+        return "forward: saved activations accumulate layer by layer"
+    return f"{phase}: {cat.value} {event.block.name}"
+
+
+def first_oom(log: EventLog, capacity: int, rank: int = 0, pool: Pool = Pool.DEVICE) -> Moment | None:
+    """Replay one (rank, pool) against `capacity`: the first allocation that would exceed it."""
+    live: dict[int, Block] = {}
+    in_use = 0
+    for e in timeline(log, rank, pool).events:
+        if e.action.value == "alloc":
+            if in_use + e.block.nbytes > capacity:
+                return _moment(rank, pool, e, in_use, capacity, live, failed=True)
+            live[e.block.id] = e.block
+            in_use += e.block.nbytes
+        else:
+            in_use -= live.pop(e.block.id).nbytes
+    return None
+
+
+def from_record(record: OOMRecord) -> Moment:
+    """A simulator's (or a CUDA snapshot's) own OOM record as a Moment."""
+    e = record.event
+    return Moment(rank=e.block.rank, pool=e.block.pool, event=e, live_bytes=record.live_bytes,
+                  capacity=record.capacity, by_category=dict(record.live_by_category),
+                  largest=tuple(record.largest_live), failed=True)
+
+
+def peak_moment(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE, capacity: int | None = None) -> Moment:
+    """The peak of one (rank, pool), as a Moment (for runs that fit)."""
+    tl = timeline(log, rank, pool)
+    pk = tl.peak()
+    live = {b.id: b for b in tl.live_blocks_at(pk.index)} if pk.event is not None else {}
+    return _moment(rank, pool, pk.event, pk.bytes, capacity, live, failed=False)
+
+
+def _moment(rank, pool, event, in_use, capacity, live: dict[int, Block], failed: bool) -> Moment:
+    by_cat: dict[Category, int] = {}
+    for b in live.values():
+        by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
+    largest = tuple(sorted(live.values(), key=lambda b: (-b.nbytes, b.id))[:8])
+    return Moment(rank=rank, pool=pool, event=event, live_bytes=in_use, capacity=capacity, by_category=by_cat,
+                  largest=largest, failed=failed)
+
+
+def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Moment:
+    """Across every rank in the log: the earliest failing allocation, else the highest peak."""
+    ranks = sorted({e.block.rank for e in log.events if e.block.pool is pool})
+    failures = [m for r in ranks if (m := first_oom(log, capacity, r, pool)) is not None]
+    if failures:
+        return min(failures, key=lambda m: (m.event.seq, m.rank))
+    peaks = [peak_moment(log, r, pool, capacity) for r in ranks]
+    return max(peaks, key=lambda m: (m.live_bytes, -m.rank))
+
+
+__all__ = ["Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]

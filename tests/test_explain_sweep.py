@@ -1,0 +1,80 @@
+"""OOM explain (simulated and measured) and sweeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from peakledger import api
+from peakledger.analysis.explain import first_oom, peak_moment
+from peakledger.cli import main
+from peakledger.scenario import build_scenario
+from peakledger.simulator.events import Phase
+from peakledger.traces.store import load_log
+
+
+def _first_step_scenario():
+    return build_scenario({"preset": "tiny"}, {"micro_batch": 1, "seq_len": 16, "precision": "fp32"},
+                          {"device": "cpu"})
+
+
+def test_oom_at_the_first_optimizer_step_names_the_lazily_created_state():
+    scenario = _first_step_scenario()
+    report = api.run(scenario)
+    states_created = next(i for i, e in enumerate(report.log.events) if e.op == "optimizer.init_state")
+    running = highest = 0
+    for e in report.log.events[:states_created]:
+        running += e.delta
+        highest = max(highest, running)
+    budget = highest  # everything before the states fits; the states need more
+    states = sum(e.block.nbytes for e in report.log.events if e.op == "optimizer.init_state")
+    assert running + states > budget
+    x = api.explain(scenario, budget)
+    assert x.moment.failed and x.moment.event.phase is Phase.OPTIMIZER and x.moment.event.step == 1
+    assert x.moment.event.op == "optimizer.init_state"
+    assert x.moment.live_bytes + x.moment.event.block.nbytes > budget >= x.moment.live_bytes
+    assert any(f.fits for f in x.fixes) and x.fixes[0].fits
+    for f in x.fixes:  # every fix was re-simulated: its peak is that of the changed scenario
+        assert f.peak == api.run(scenario.with_changes(**f.changes)).peaks.peak.bytes
+
+
+def test_explain_cli_names_phase_op_tensor_and_fixes(capsys):
+    assert main(["explain", "--preset", "tiny", "--micro-batch", "1", "--seq-len", "16", "--precision", "fp32",
+                 "--device", "cpu", "--budget", "1000000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["moment"]
+    assert m["failed"] and m["op"] and m["phase"] and m["tensor"] and m["heavy"] in ("state-heavy", "activation-heavy")
+    assert m["live_bytes"] + m["tensor_bytes"] > out["budget"]
+    assert out["fixes"] and all("peak" in f and "cost" in f for f in out["fixes"])
+
+
+def test_explain_a_measured_trace_replays_it_against_the_budget(capsys):
+    path = "traces/data/tiny-gpt2-eager-fp32-adamw.json"
+    log = load_log(path)
+    peak = peak_moment(log).live_bytes
+    assert first_oom(log, peak) is None and first_oom(log, peak - 1) is not None
+    assert main(["explain", "--trace", path, "--budget", str(peak - 1), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["moment"]["failed"] and out["moment"]["live_bytes"] + out["moment"]["tensor_bytes"] > peak - 1
+
+
+def test_sweep_writes_csv_and_json_in_grid_order_with_errors_as_rows(tmp_path, capsys):
+    csv_path, json_path = tmp_path / "s.csv", tmp_path / "s.json"
+    args = ["sweep", "--preset", "tiny", "--seq-len", "16", "--grid", "micro_batch=1,2", "--grid",
+            "zero_stage=0,3", "--grid", "dp_engine=deepspeed,fsdp2", "--world-size", "2", "--budget", "1GiB",
+            "--jobs", "2", "--output", str(csv_path), "--json-output", str(json_path)]
+    assert main(args) == 0
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [(r["micro_batch"], r["zero_stage"], r["dp_engine"]) for r in rows][:3] == \
+        [("1", "0", "deepspeed"), ("1", "0", "fsdp2"), ("1", "3", "deepspeed")]
+    bad = [r for r in rows if r["error"]]
+    assert bad and all(r["zero_stage"] == "3" and r["dp_engine"] == "fsdp2" for r in bad)
+    good = [r for r in rows if not r["error"]]
+    scenario = build_scenario({"preset": "tiny"}, {"seq_len": 16, "world_size": 2})
+    for r in good:
+        expected = api.run(scenario.with_changes(micro_batch=int(r["micro_batch"]), zero_stage=int(r["zero_stage"]),
+                                                 dp_engine=r["dp_engine"]))
+        assert int(r["peak_bytes"]) == expected.peaks.peak.bytes
+    first = json_path.read_bytes()
+    assert main(args + ["--jobs", "1"]) == 0
+    assert json_path.read_bytes() == first  # same grid, same bytes, whatever the parallelism
