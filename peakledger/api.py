@@ -240,8 +240,10 @@ def measure(scenario: Scenario):
     if setup.precision not in VALIDATABLE_PRECISIONS:
         raise ConfigError("precision", f"real CPU runs support {', '.join(VALIDATABLE_PRECISIONS)}; got "
                                        f"{setup.precision!r}")
-    if setup.world_size != 1 or setup.zero_stage != 0:
-        raise ConfigError("world_size", "real CPU runs are one process without ZeRO for now")
+    if setup.world_size != 1 or setup.zero_stage != 0 or setup.dp_engine != "deepspeed":
+        raise ConfigError("world_size", "one real CPU process runs without data parallelism; use validate_ranks "
+                                        "(peakledger validate --world-size N --dp-engine fsdp2|ddp|"
+                                        "zero-redundancy-optimizer) for real multi-process runs")
     if setup.optimizer == "adam-8bit":
         raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); use sgd, sgd-momentum, adam, "
                                        "adamw or amsgrad")
@@ -254,6 +256,30 @@ def measure(scenario: Scenario):
                               grad_accum=setup.grad_accum, set_to_none=setup.set_to_none,
                               autocast=torch.bfloat16 if setup.precision == "bf16-autocast" else None,
                               metadata=metadata)
+
+
+DISTRIBUTED_ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
+
+
+def validate_ranks(scenario: Scenario, backend: str = "gloo"):
+    """Run the scenario for real on `world_size` CPU processes (gloo, 127.0.0.1) with its torch engine,
+    measure every rank, and hold each against the simulated rank. Returns [(Validation, measured log)]
+    in rank order, and the simulated log. `backend` "fake" runs the same engines on torch's fake process
+    group (deterministic order of frees; see traces/distributed.py). gloo's own clone of each reduce-scatter input is dropped from
+    the measured logs (its lifetime varies run to run; NCCL has none)."""
+    from .analysis.validate import compare_logs
+    from .traces.distributed import measure_distributed, without_backend_copies
+
+    setup = scenario.setup
+    if setup.dp_engine not in DISTRIBUTED_ENGINES:
+        raise ConfigError("dp_engine", f"real multi-process runs use torch's engines: {', '.join(DISTRIBUTED_ENGINES)}"
+                                       " (DeepSpeed needs CUDA)")
+    logs = [without_backend_copies(log) for log in measure_distributed(
+        scenario.model, setup, setup.world_size, setup.dp_engine, reshard_after_forward=setup.reshard_after_forward,
+        backend=backend)]
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size))))
+    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r}", rank=r), log)
+            for r, log in enumerate(logs)], simulated
 
 
 def validate(scenario: Scenario, measured=None):

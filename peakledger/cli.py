@@ -381,8 +381,27 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def cmd_validate_ranks(args, scenario) -> int:
+    results, simulated = api.validate_ranks(scenario, backend=args.pg_backend)
+    if args.json:
+        _write_json({"ranks": [validation_json(v) for v, _ in results]})
+    else:
+        for v, _ in results:
+            print(render_validation(v, args.unit if args.unit != "GiB" else "MiB"))
+            print("")
+    if args.tolerance is not None:
+        worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
+        ok = worst.passes(args.tolerance)
+        print(f"worst rank peak error {worst.overall.error:+.3%} ({worst.name}) "
+              f"{'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}", file=sys.stderr)
+        return 0 if ok else 1
+    return 0
+
+
 def cmd_validate(args) -> int:
     scenario = _real_run_scenario(args)
+    if scenario.setup.world_size > 1 and not args.trace:
+        return cmd_validate_ranks(args, scenario)
     measured = None
     if args.trace:
         try:
@@ -434,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
     v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--pg-backend", default="gloo", choices=["gloo", "fake"],
+                   help="--world-size > 1: real gloo processes on 127.0.0.1, or torch's fake process group")
     v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new run")
     v.set_defaults(func=cmd_validate)
     x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")

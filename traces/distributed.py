@@ -72,12 +72,13 @@ class RankJob:
     seed: int = 0
     lr: float = 1e-3
     timeout_s: float = 60.0
+    backend: str = "gloo"
 
 
 def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, world_size: int,
                         engine: str, reshard_after_forward: bool = True, *,
                         root_reshard_after_forward: bool | None = None, seed: int = 0,
-                        timeout_s: float = 120.0) -> list[EventLog]:
+                        timeout_s: float = 120.0, backend: str = "gloo") -> list[EventLog]:
     """Run `setup.steps` real training steps of `model_cfg` on `world_size` CPU processes (gloo, loopback
     only) with `engine` ("fsdp2", "ddp" or "zero-redundancy-optimizer"); one tracked `EventLog` per
     rank, in rank order, every Block carrying its `rank`.
@@ -87,6 +88,12 @@ def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: Trainin
     (`world_size` and `engine` say how the run is distributed). FSDP2: `reshard_after_forward` is given
     to every block unit; the root unit gets `root_reshard_after_forward`, None being fully_shard's
     default (False for the root: its parameters stay unsharded from forward into backward).
+    `backend="fake"` runs each rank against torch's fake process group instead (no peers, no data moved,
+    no gloo worker threads): FSDP2, DDP and ZeroRedundancyOptimizer allocate exactly the same buffers,
+    and the order of every free is deterministic. On gloo the worker threads drop their references to
+    a collective's output a moment after `wait()` returns, so a buffer's free can land after the next
+    collective's allocation in some runs (seen in about 1 run in 6 on 2 ranks): use "fake" where exact,
+    repeatable orders are needed (tests), gloo to show the real transport.
     Spawned processes re-import the caller's main module: call this under `if __name__ == "__main__":`
     in a script (pytest and imported modules need nothing). Every process is joined within
     `timeout_s` seconds, or all are killed and TimeoutError is raised; a failing rank's traceback is
@@ -160,6 +167,14 @@ def _rank_main(rank: int, job: RankJob) -> None:
     """The body of one spawned process: join the group, run, save the log, always leave the group."""
     import torch.distributed as dist
 
+    if job.backend == "fake":  # torch's fake process group: no peers, no transport, no worker threads
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
+        try:
+            save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
+        finally:
+            dist.destroy_process_group()
+        return
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
     timeout = datetime.timedelta(seconds=job.timeout_s)
     with _loopback_listener(rank, job.port) as listener:
@@ -215,7 +230,7 @@ def _metadata(rank: int, job: RankJob, details: dict) -> dict:
     return {"engine": job.engine, "world_size": job.world_size, "rank": rank,
             "reshard_after_forward": job.reshard_after_forward if job.engine == "fsdp2" else None,
             "root_reshard_after_forward": job.root_reshard_after_forward if job.engine == "fsdp2" else None,
-            "backend": "gloo", "torch_version": torch.__version__,
+            "backend": job.backend, "torch_version": torch.__version__,
             "model": dataclasses.asdict(job.model_cfg), "model_kind": type(job.model_cfg).__name__,
             "setup": dataclasses.asdict(job.setup), "steps": job.setup.steps,
             "grad_accum": job.setup.grad_accum, "set_to_none": job.setup.set_to_none, **details}
