@@ -38,6 +38,7 @@ class Report:
     ledger: list[LedgerRow]
     metadata: dict = field(default_factory=dict)
     ranks: list[RankPeak] = field(default_factory=list)
+    host: Peaks | None = None  # the same rank's host memory, when the run uses it
 
     @property
     def steps(self) -> int:
@@ -60,7 +61,10 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     tl = timeline(log, rank, pool)
     pk = peaks(tl, headroom=headroom)
     rows = ledger_at(tl, pk.peak.index) if pk.peak.event is not None else []
-    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank)
+    host = None
+    if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST and e.block.rank == rank for e in log.events):
+        host = peaks(timeline(log, rank, Pool.HOST))
+    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host)
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
@@ -99,6 +103,7 @@ def report_json(r: Report) -> dict:
         "capacity_needed": r.peaks.capacity_needed,
         "ledger": [row.as_json() for row in r.ledger],
         "ranks": [rp.as_json() for rp in r.ranks],
+        "host_peak": _peak_json(r.host.peak) if r.host else None,
         "events": len(r.log.events),
         "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
                   "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes}
@@ -168,6 +173,10 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             if pk.first_step.bytes > pk.steady.bytes:
                 lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state: "
                              + cause(pk.first_step.event, pk.first_step.live_by_category))
+        if r.host is not None:
+            he = r.host.peak.event
+            lines.append(f"host peak        {f(r.host.peak.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
+                         f"  (rank {r.host.rank} host memory)")
         if pk.headroom:
             lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):

@@ -11,10 +11,9 @@ ends. Writes the "Data-parallel ranks" section of bench/VALIDATION.md (the rest 
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-import tempfile
+
+from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger.analysis.validate import compare_logs, static_rows, transient_peak
 from peakledger.models.config import TrainingSetup
@@ -95,15 +94,7 @@ def main() -> None:
               "output is freed after the next unit's all-gather is allocated, and that rank's measured peak is "
               "one all-gather buffer higher (+3.1% on tiny): a property of gloo's threads, not of FSDP2.", ""]
     section = "\n".join(lines)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "VALIDATION.md")
-    text = open(path).read() if os.path.exists(path) else ""
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(lambda _: section.rstrip("\n") + "\n", text) if SECTION in text else \
-        text.rstrip("\n") + "\n\n" + section
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    replace_section(SECTION, section)
     sys.stdout.write(section)
 
 

@@ -17,10 +17,11 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import sys
 import tempfile
 import time
+
+from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
 from peakledger.analysis.validate import static_rows
@@ -132,18 +133,6 @@ def render(matrix: list[dict], edges: list[dict], seconds: float) -> str:
         "agrees), the replay adds it in place; with so few tokens that moment is the peak.", ""])
 
 
-def replace_section(path: str, section: str) -> None:
-    """Write `section` into `path` in place of the old one (or at the end), keeping the rest of the file."""
-    text = open(path).read() if os.path.exists(path) else ""
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(lambda _: section.rstrip("\n") + "\n", text) if SECTION in text else \
-        text.rstrip("\n") + "\n\n" + section
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def main() -> int:
     t0 = time.perf_counter()
     results = {"matrix": [], "edges": []}
@@ -155,7 +144,7 @@ def main() -> int:
             print(f"{r['error']:+8.4%}  before {r['before_error']:+7.1%}  static {static}  {r['seconds']:5.2f}s  "
                   f"{r['case'].label}", flush=True)
     section = render(results["matrix"], results["edges"], time.perf_counter() - t0)
-    replace_section(os.path.join(os.path.dirname(os.path.abspath(__file__)), "VALIDATION.md"), section)
+    replace_section(SECTION, section)
     print(section.splitlines()[4])
     return 0
 

@@ -10,6 +10,21 @@ is still alive, and is freed at the end of the op that drops the last one:
   region nothing is saved in the forward pass, and the region is recomputed (with saves) right before
   its backward, up to its last saving op (torch's non-reentrant checkpoint stops once everything saved
   is saved again; an op that saves only its inputs is not run at all).
+- selective activation checkpointing (`TapeOp.cached`, policy "op-policy"): the region's first pass
+  also keeps the outputs of its cached ops (torch's SAC storage holds them); the recompute hands
+  them back instead of running the op (no FLOPs, no allocation; autocast's weight casts and the node's
+  saves still happen) and lets go of them. Outputs the early stop never reaches stay held until the
+  region's backward is done.
+- autocast's weight cache: a 16-bit copy of a trainable parameter (`TapeOp.casts`) made in the forward
+  pass stays in autocast's cache until the forward ends, saved or not (a linear's bias copy is never
+  saved; nothing saves the weight copy of a checkpointed or offloaded op); the copies a recompute makes
+  live only as long as their saves.
+- offloading (`TapeOp.offloaded`, policy "offload", `torch.autograd.graph.save_on_cpu`): each tensor an
+  op saves (its saved parameters and autocast weight copies too, a view by its own size) is copied as
+  it is saved into a new host block, one per save; the device tensor gets no saved reason, so it goes
+  with its last forward use. On a GPU profile the copies are in `Pool.HOST`, and the backward node
+  first copies each back into a new device block that lives for that node only. On a CPU profile host
+  and device are one memory: the copies stay in the one pool, and the backward reads them as they are.
 
 Gradients flow in reverse: a backward node allocates the gradients of its inputs (an add hands its
 grad_output on unchanged), frees the gradients of its outputs, and releases its saved tensors.
@@ -22,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..simulator.events import Block, Category, Phase
+from ..simulator.events import Block, Category, Phase, Pool
 from .config import dtype_bytes
 from .tape import Tape, TapeOp, TensorSpec
 
@@ -62,6 +77,7 @@ class MicroBatchReplay:
         self.grad_of: dict[str, _Storage] = {}
         self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
         self.contributed: set[str] = set()  # parameters with a gradient contribution in this backward
+        self.autocast_cache: list[str] = []  # weight casts autocast keeps until the forward pass ends
         self._plan()
 
     # -- planning: what requires grad, what is saved, last uses, regions ---------------------------
@@ -101,10 +117,14 @@ class MicroBatchReplay:
                     if name not in inside and name not in seen:
                         seen.append(name)
             self.region_inputs[r] = seen
+        # outputs selective checkpointing keeps from a region's first pass for its recompute
+        self.cached: set[str] = {o.name for op in ops if op.cached and op.region is not None for o in op.outputs}
+        self.cache_pending: dict[int, set[str]] = {}  # region -> cached outputs its recompute has not reused yet
         # tensors that outlive their forward use in the first pass (recomputed ones always do)
-        self.kept_in_forward: set[str] = {s for i, saves in enumerate(self.saves) if ops[i].region is None
-                                          for s in saves}
+        self.kept_in_forward: set[str] = {s for i, saves in enumerate(self.saves)
+                                          if ops[i].region is None and not ops[i].offloaded for s in saves}
         self.kept_in_forward |= {n for names in self.region_inputs.values() for n in names}
+        self.kept_in_forward |= self.cached
         self.kept_in_recompute: set[str] = {s for saves in self.saves for s in saves}
 
     def _effective_saves(self, i: int, recomputing: bool) -> tuple[str, ...]:
@@ -145,6 +165,11 @@ class MicroBatchReplay:
             engine.before_op(self, i, Phase.FORWARD)
             self._run_forward(i, op, recomputing=False, uses=self.last_use)
             engine.after_op(self, i, Phase.FORWARD)
+        frees: list[int] = []
+        for name in self.autocast_cache:
+            self._release(name, frees)
+        if frees:  # casts nothing saved (checkpointed or offloaded ops) lived in the cache until here
+            b.op("autocast.exit", Phase.FORWARD, self.step, self.mb, [], frees)
 
     def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int],
                      skip_outputs: bool = False) -> None:
@@ -153,7 +178,14 @@ class MicroBatchReplay:
         kept = self.kept_in_recompute if recomputing else self.kept_in_forward
         duplicates = set()
         outputs = () if skip_outputs else op.outputs
+        reused = recomputing and op.cached and op.region is not None
+        offload = op.offloaded and bool(saves)
         for o in outputs:
+            if reused:  # selective checkpointing hands back the first pass's output: a forward use, no memory
+                self._hold(o.name)
+                self.cache_pending[op.region].discard(o.name)
+                self._release(o.name, frees)  # the cache's reason
+                continue
             if recomputing and o.name in self.live:
                 # still alive from the first pass (held by the caller): the recomputed copy is dropped at once
                 dup = self._new_block(o, Category.TEMPORARY, name=f"{o.name}.recomputed")
@@ -166,19 +198,37 @@ class MicroBatchReplay:
             self.live[o.name] = blk
             allocs.append(blk)
             self._hold(o.name)  # forward use, released below at its last use
-        for s in saves:
-            self._hold(s)
-        for p in op.casts:  # autocast's 16-bit weight copy, saved for backward when there is one
+            if o.name in self.cached and not recomputing:
+                self._hold(o.name)  # the selective-checkpoint cache, until the recompute reuses it
+                self.cache_pending.setdefault(op.region, set()).add(o.name)
+        if not offload:
+            for s in saves:
+                self._hold(s)
+        casts = []
+        for p in op.casts:  # autocast's 16-bit parameter copies; the weight's is saved for backward when there is one
+            held = bool(saves) and not offload and self._saves_param(op, p)
+            # autocast caches its casts of trainable parameters until the forward pass ends (its context exits)
+            cached_cast = not recomputing and p in self.trainable
             cast = self.b.block(f"{p}.autocast_copy", self.b.param_numel[p] * dtype_bytes(self.b.setup.compute_dtype),
-                                Category.ACTIVATION if saves else Category.TEMPORARY,
+                                Category.ACTIVATION if held else Category.TEMPORARY,
                                 self.b.setup.compute_dtype, self.b.param_shape[p])
             allocs.append(cast)
-            if saves:
+            casts.append(cast)
+            if held or cached_cast:
                 self.live[cast.name] = cast
+            if held:
                 self._hold(cast.name)
                 saves = saves + (cast.name,)
-            else:
+            if cached_cast:
+                self._hold(cast.name)
+                self.autocast_cache.append(cast.name)
+            if not (held or cached_cast):
                 frees.append(cast.id)
+        packed: dict[str, Block] = {}
+        if offload:
+            packed = self._pack(op, saves, casts)
+            allocs += packed.values()
+            saves = tuple(packed)
         self.saved_at[i] = saves
         workspace = [self.b.block(w.name, w.nbytes, Category.TEMPORARY, w.dtype, w.shape)
                      for w in (() if skip_outputs else op.workspace)]
@@ -191,8 +241,70 @@ class MicroBatchReplay:
             if o.name not in uses and o.name not in duplicates:
                 self._release(o.name, frees)
         bytes_moved = sum(a.nbytes for a in allocs) + sum(self.specs[n].nbytes for n in op.inputs)
-        self.b.op(op.name + (".recompute" if recomputing else ""), Phase.BACKWARD if recomputing else Phase.FORWARD,
-                  self.step, self.mb, allocs, frees, flops=op.flops, bytes_moved=bytes_moved, recompute=recomputing)
+        suffix = ".cached" if reused else ".recompute" if recomputing else ""
+        self.b.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, self.step, self.mb, allocs,
+                  frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
+                  recompute=recomputing)
+        if packed:
+            self._copy_op(f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
+
+    # -- offloading (save_on_cpu) -------------------------------------------------------------------
+    def _host_pool(self) -> Pool:
+        """Where offloaded tensors go: the host, or on a CPU device the one memory there is."""
+        return Pool.DEVICE if self.b.device.is_cpu else Pool.HOST
+
+    def _pack(self, op: TapeOp, saves: tuple[str, ...], casts: list[Block]) -> dict[str, Block]:
+        """One host copy per tensor autograd saves for `op` (save_on_cpu's pack hook runs per save):
+        the saved activations (a tensor read as k equal views is saved as k view-sized pieces), the
+        autocast weight copies, and the parameters it saves. Each is held until the op's backward; the
+        keys are the names the op's backward node releases."""
+        pool = self._host_pool()
+        out: dict[str, Block] = {}
+
+        def pack(name: str, nbytes: int, dtype: str, shape) -> None:
+            key = f"{op.name}.saved.{len(out)}"
+            out[key] = self.live[key] = self.b.block(f"{name}.offloaded", nbytes, Category.ACTIVATION, dtype, shape,
+                                                     pool=pool)
+            self._hold(key)
+
+        for name in saves:
+            spec = self.specs[name]
+            views = op.inputs.count(name)
+            pack(name, spec.nbytes // views if views > 1 else spec.nbytes, spec.dtype, spec.shape)
+        for p, cast in zip(op.casts, casts):
+            if self._saves_param(op, p):
+                pack(cast.name, cast.nbytes, cast.dtype, cast.shape)
+        for p in op.saved_params:
+            if p in op.casts or not self._saves_param(op, p):
+                continue
+            dtype = self.b.setup.param_dtype
+            pack(p, self.b.param_numel[p] * dtype_bytes(dtype), dtype, self.b.param_shape[p])
+        return out
+
+    def _saves_param(self, op: TapeOp, p: str) -> bool:
+        """Whether autograd saves parameter `p` (or autocast's copy of it) for `op`: a linear saves its
+        weight only for its input's gradient (not for the batch), norms always save theirs."""
+        if p not in op.saved_params:
+            return False
+        return op.kind != "linear" or any(self.rg.get(n) for n in op.inputs)
+
+    def _unpack(self, i: int) -> list[Block]:
+        """save_on_cpu's unpack hook, before op `i`'s backward node runs: on a GPU profile a device copy
+        of each offloaded tensor (freed when the node is done); on a CPU profile nothing (the host
+        tensor is handed back as it is)."""
+        if self.b.device.is_cpu or not self.tape.ops[i].offloaded:
+            return []
+        blocks = [self.b.block(self.live[key].name.removesuffix(".offloaded") + ".reloaded", self.live[key].nbytes,
+                               Category.ACTIVATION, self.live[key].dtype, self.live[key].shape)
+                  for key in self.saved_at.get(i, ()) if key in self.live]
+        if blocks:
+            self._copy_op(f"{self.tape.ops[i].name}.reload", Phase.BACKWARD, sum(b.nbytes for b in blocks), blocks)
+        return blocks
+
+    def _copy_op(self, name: str, phase: Phase, nbytes: int, allocs=()) -> None:
+        """A device<->host copy over the host link, on the compute stream (save_on_cpu copies in line)."""
+        duration = nbytes / self.b.device.host_link + self.b.device.launch_latency
+        self.b.op(name, phase, self.step, self.mb, list(allocs), [], bytes_moved=nbytes, duration=duration)
 
     # -- backward -----------------------------------------------------------------------------------
     def backward(self) -> None:
@@ -211,6 +323,8 @@ class MicroBatchReplay:
             if op.region is not None and i == self.regions[op.region][0]:
                 frees: list[int] = []
                 for name in self.region_inputs[op.region]:
+                    self._release(name, frees)
+                for name in sorted(self.cache_pending.pop(op.region, ())):  # cached, never reused
                     self._release(name, frees)
                 if frees:
                     self.b.op(f"checkpoint.region{op.region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
@@ -253,6 +367,7 @@ class MicroBatchReplay:
 
     def _run_backward(self, i: int, op: TapeOp) -> None:
         allocs, frees = [], []
+        frees += [b.id for b in self._unpack(i)]
         out0 = op.outputs[0]
         grad_out = self.grad_of.get(out0.name)
         views = []  # (name, spec, view-sized gradients) of a tensor this op alone reads as k equal views
@@ -302,8 +417,10 @@ class MicroBatchReplay:
                 storage.refs -= 1
                 if storage.refs == 0:
                     frees.append(storage.block.id)
-        for s in self.saved_at.get(i, ()):
-            self._release(s, frees)
+        saved = self.saved_at.get(i, ())
+        for s in dict.fromkeys(saved):  # a tensor saved twice goes when its first listing would
+            for _ in range(saved.count(s)):
+                self._release(s, frees)
         bytes_moved = 2 * sum(a.nbytes for a in allocs)
         self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                   flops=2 * op.flops, bytes_moved=bytes_moved)

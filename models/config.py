@@ -184,11 +184,37 @@ class MLPConfig:
         _choice(self, "activation", ("relu", "gelu"))
 
 
+def _checkpoint_layers(setup) -> None:
+    """`checkpoint_layers`: distinct layer indices >= 0, given only with checkpointing "layers"."""
+    layers = setup.checkpoint_layers
+    if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ConfigError("checkpoint_layers", f"must be a list of layer indices >= 0, got {layers!r}")
+    if len(set(layers)) != len(layers):
+        raise ConfigError("checkpoint_layers", f"lists a layer twice: {layers!r}")
+    if layers and setup.checkpointing != "layers":
+        raise ConfigError("checkpoint_layers", f"only applies to checkpointing \"layers\", not {setup.checkpointing!r}")
+
+
+def _checkpoint_io_fields(setup) -> None:
+    """`checkpoint_every` >= 0, `save_mode` / `load_mode` known; a full state dict needs an engine whose
+    gather is modelled (not ZeroRedundancyOptimizer's consolidate_state_dict)."""
+    every = setup.checkpoint_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError("checkpoint_every", f"must be an integer >= 0 (0 = never save), got {every!r}")
+    _choice(setup, "save_mode", SAVE_MODES)
+    _choice(setup, "load_mode", LOAD_MODES)
+    if setup.save_mode.startswith("full-") and setup.dp_engine == "zero-redundancy-optimizer":
+        raise ConfigError("save_mode", f"{setup.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
+                                       "is not modelled; allowed there: torch-save, sharded, async")
+
+
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
 DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
+SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
+LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
 
 
 @dataclass(frozen=True)
@@ -216,7 +242,9 @@ class TrainingSetup:
     frozen: tuple[str, ...] = ()  # fnmatch patterns over parameter names
     world_size: int = 1
     zero_stage: int = 0
-    checkpointing: str = "none"
+    checkpointing: str = "none"  # activation checkpointing policy: see CHECKPOINTING and models/tape.py
+    checkpoint_every_k: int = 2  # checkpointing "every-k": layers 0, k, 2k, ... are checkpointed
+    checkpoint_layers: tuple[int, ...] = ()  # checkpointing "layers": exactly these layers are checkpointed
     logits_held: bool = True  # the caller keeps `logits` alive until backward ends
     # data parallelism (models/parallel.py): which engine shards what, and its knobs
     dp_engine: str = "deepspeed"
@@ -229,6 +257,10 @@ class TrainingSetup:
     stage3_prefetch_bucket_size: int = 50_000_000  # deepspeed stage 3: elements fetched ahead
     stage3_max_live_parameters: int = 1_000_000_000  # deepspeed stage 3: gathered elements kept at most
     stage3_param_persistence_threshold: int = 100_000  # deepspeed stage 3: smaller parameters stay whole
+    # training checkpoints (models/checkpoint_io.py): saved after every N-th optimizer step, loaded at the start
+    checkpoint_every: int = 0  # save after every N-th optimizer step (0 = never)
+    save_mode: str = "torch-save"  # how a save is made: see SAVE_MODES
+    load_mode: str = "none"  # how the run starts from a checkpoint: see LOAD_MODES ("none": fresh)
 
     def __post_init__(self) -> None:
         _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
@@ -236,6 +268,8 @@ class TrainingSetup:
         _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "optimizer_impl", OPTIMIZER_IMPLS)
         _choice(self, "checkpointing", CHECKPOINTING)
+        _positive_int(self, "checkpoint_every_k")
+        _checkpoint_layers(self)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"unknown value {self.zero_stage!r}; allowed: 0, 1, 2, 3")
         _choice(self, "dp_engine", DP_ENGINES)
@@ -254,6 +288,7 @@ class TrainingSetup:
             raise ConfigError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
         if self.fp32_grads and not self.precision.endswith("-mixed"):
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
+        _checkpoint_io_fields(self)
 
     @property
     def param_dtype(self) -> str:

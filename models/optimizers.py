@@ -17,7 +17,7 @@ Step temporaries (Adam family, measured on torch CPU, see shared notes):
 
 from __future__ import annotations
 
-from ..simulator.events import OptimizerState
+from ..simulator.events import OptimizerState, Pool
 
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
@@ -41,6 +41,12 @@ def state_specs(optimizer: str, numel: int, state_dtype: str) -> list[tuple[Opti
     if optimizer == "amsgrad":
         specs.append((OptimizerState.MAX_EXP_AVG_SQ, numel, state_dtype))
     return specs
+
+
+def step_pool(device_is_cpu: bool, optimizer_impl: str) -> Pool:
+    """Where Adam's 4-byte `step` tensors live: on the host, unless the optimizer is fused (or capturable)
+    or the device is the CPU itself."""
+    return Pool.HOST if not device_is_cpu and optimizer_impl != "fused" else Pool.DEVICE
 
 
 def has_sqrt_temporaries(optimizer: str) -> bool:

@@ -30,6 +30,17 @@ bytes with what `models.training.describe` + `simulator.engine.simulate` predict
 
 Every model's `forward(inputs, targets)` returns `(output, loss)` like nanoGPT (`loss` is None without
 targets). Dropout is `nn.Dropout(cfg.dropout)` where nanoGPT has it; GELU is exact (`nn.GELU()`).
+
+Activation checkpointing (`TrainingSetup.checkpointing`) runs the layers in the segments
+`models.tape.checkpoint_segments` gives, each through `run_segment`, with torch's own mechanisms:
+`torch.utils.checkpoint.checkpoint(use_reentrant=False)` for whole layers or segments of them,
+the same around the attention core alone for "selective" (`attention_core`),
+`create_selective_checkpoint_contexts` with `OP_POLICY` for "op-policy", and
+`torch.autograd.graph.save_on_cpu(pin_memory=True)` for "offload". On a machine without CUDA,
+save_on_cpu cannot pin: each saved tensor is copied into a new (CPU) tensor as it is saved, and handed
+back as it is in backward (`.to("cpu")` of a CPU tensor is itself). The nanoGPT and Llama models and
+the MLP run every policy ("selective" needs attention: not the MLP); HF's GPT2LMHeadModel runs "none"
+and "full" only (its own switch).
 """
 
 from __future__ import annotations
@@ -41,19 +52,61 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .tape import Segment, checkpoint_segments
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
-def _run(fn, checkpointed: bool, *args):
-    """`fn(*args)`, under torch's non-reentrant activation checkpoint when `checkpointed` (and grad is on)."""
+def _sac_saved_ops() -> frozenset:
+    """The aten ops whose outputs policy "op-policy" saves: matmuls and the SDPA kernels (whichever exist)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+OP_POLICY_SAVES = _sac_saved_ops()
+
+
+def OP_POLICY(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective activation checkpointing policy of "op-policy": keep matmul and SDPA outputs, recompute
+    everything else (norms, activations, casts, copies, adds)."""
+    return CheckpointPolicy.MUST_SAVE if op in OP_POLICY_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_segment(fn, wrap: str, x: torch.Tensor) -> torch.Tensor:
+    """`fn(x)` for one `Segment` of layers, wrapped as its `wrap` says (see models/tape.py `Segment`)."""
+    if not torch.is_grad_enabled() or wrap in ("none", "selective"):
+        return fn(x)
+    if wrap == "checkpoint":
+        return _checkpoint(fn, x, use_reentrant=False)
+    if wrap == "op-policy":
+        return _checkpoint(fn, x, use_reentrant=False,
+                           context_fn=functools.partial(create_selective_checkpoint_contexts, OP_POLICY))
+    if wrap == "offload":
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            return fn(x)
+    raise ValueError(f"unknown segment wrap {wrap!r}")
+
+
+def _segments(setup: TrainingSetup | str | None, n_layer: int) -> tuple[Segment, ...]:
+    """The checkpoint segments of a model with `n_layer` layers; a bare policy name takes the defaults."""
+    if setup is None or isinstance(setup, str):
+        setup = TrainingSetup(checkpointing=setup or "none")
+    return checkpoint_segments(setup, n_layer)
+
+
+def attention_core(fn, checkpointed: bool, *tensors: torch.Tensor) -> torch.Tensor:
+    """The attention core (`fn(q, k, v, ...)`): its own non-reentrant checkpoint under "selective"."""
     if checkpointed and torch.is_grad_enabled():
-        return _checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+        return _checkpoint(fn, *tensors, use_reentrant=False)
+    return fn(*tensors)
 
 
 def autocast_context(setup: TrainingSetup | None):
@@ -78,6 +131,7 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         self.dropout = cfg.dropout
         self.flash = cfg.attention == "sdpa"
+        self.checkpoint_core = False  # "selective": the core runs under its own checkpoint
         if not self.flash:
             L = cfg.max_seq_len
             self.register_buffer("bias", torch.tril(torch.ones(L, L)).view(1, 1, L, L), persistent=False)
@@ -89,20 +143,25 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True, enable_gqa=self.n_kv != self.n_head)
-        else:
-            if self.n_kv != self.n_head:
-                k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
-                v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-            att = F.softmax(att, dim=-1)
-            att = self.attn_dropout(att)
-            y = att @ v
+        y = attention_core(self.core, self.checkpoint_core, q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v, per head (B, heads, T, head_dim)."""
+        T = q.size(-2)
+        if self.flash:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                                  dropout_p=self.dropout if self.training else 0.0,
+                                                  is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        if self.n_kv != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.attn_dropout(att)
+        return att @ v
 
 
 class GPT2MLP(nn.Module):
@@ -148,6 +207,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.dropout = cfg.dropout
         self.sdpa = cfg.attention == "sdpa"
+        self.checkpoint_core = False  # "selective": the core runs under its own checkpoint
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor | None):
         B, T, C = x.shape
@@ -156,20 +216,24 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                               is_causal=True, enable_gqa=self.n_kv != self.n_head)
-        else:
-            if self.n_kv != self.n_head:
-                k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
-                v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            att = att.masked_fill(~causal, float("-inf"))
-            att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
-            att = F.dropout(att, p=self.dropout, training=self.training)
-            y = att @ v
+        core = functools.partial(self.core, causal=causal)
+        y = attention_core(core, self.checkpoint_core, q, k, v)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.o_proj(y)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v with grouped-query heads (B, heads, T, head_dim)."""
+        if self.sdpa:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                                                  is_causal=True, enable_gqa=self.n_kv != self.n_head)
+        if self.n_kv != self.n_head:
+            k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(~causal, float("-inf"))
+        att = F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)
+        att = F.dropout(att, p=self.dropout, training=self.training)
+        return att @ v
 
 
 class LlamaMLP(nn.Module):
@@ -207,7 +271,7 @@ class LlamaModel(nn.Module):
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.eager = cfg.attention == "eager"
-        self.checkpointing = "none"
+        self.segments: tuple[Segment, ...] = _segments(None, cfg.n_layer)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]
@@ -217,11 +281,12 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
         causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril() if self.eager else None
-        for layer in self.layers:
-            if self.checkpointing == "full":
-                x = _run(lambda x_, layer=layer: layer(x_, cos, sin, causal), True, x)
-            else:
-                x = layer(x, cos, sin, causal)
+        for seg in self.segments:
+            def run(x_, layers=[self.layers[i] for i in seg.layers]):
+                for layer in layers:
+                    x_ = layer(x_, cos, sin, causal)
+                return x_
+            x = run_segment(run, seg.wrap, x)
         return self.norm(x)
 
 
@@ -261,7 +326,10 @@ def _hf_gpt2_adapter_class():
 
 def hf_gpt2(cfg: TransformerConfig, checkpointing: str = "none") -> nn.Module:
     """HF's GPT2LMHeadModel for `cfg`; `checkpointing == "full"` checkpoints every GPT2Block with torch's
-    non-reentrant checkpoint, through HF's own switch."""
+    non-reentrant checkpoint, through HF's own switch (the only policy besides "none" it runs)."""
+    if checkpointing not in HF_CHECKPOINTING:
+        raise ConfigError("checkpointing", f"implementation 'hf' runs {' or '.join(HF_CHECKPOINTING)} "
+                                           f"(HF's own switch), not {checkpointing!r}")
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -278,15 +346,18 @@ def hf_gpt2(cfg: TransformerConfig, checkpointing: str = "none") -> nn.Module:
     return model
 
 
+HF_CHECKPOINTING = ("none", "full")
+
+
 # -- the model --------------------------------------------------------------------------------------
 
 class GPT(nn.Module):
     """nanoGPT's GPT for family "gpt2", a small Llama for family "llama"; `forward(idx, targets)`."""
 
-    def __init__(self, cfg: TransformerConfig, checkpointing: str = "none") -> None:
+    def __init__(self, cfg: TransformerConfig, checkpointing: TrainingSetup | str = "none") -> None:
         super().__init__()
         self.cfg = cfg
-        self.checkpointing = checkpointing  # "full": each block runs under torch.utils.checkpoint
+        self.segments = _segments(checkpointing, cfg.n_layer)  # how the blocks run (models/tape.py)
         if cfg.family == "gpt2":
             self.transformer = nn.ModuleDict(dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
@@ -300,11 +371,15 @@ class GPT(nn.Module):
                 self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
         else:
             self.model = LlamaModel(cfg)
-            self.model.checkpointing = checkpointing
+            self.model.segments = self.segments
             self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.tied:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
+        for seg in self.segments:
+            for i in seg.layers:
+                block = self.transformer.h[i] if cfg.family == "gpt2" else self.model.layers[i]
+                (block.attn if cfg.family == "gpt2" else block.self_attn).checkpoint_core = seg.wrap == "selective"
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -320,8 +395,8 @@ class GPT(nn.Module):
         if self.cfg.family == "gpt2":
             pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
             x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-            for block in self.transformer.h:
-                x = _run(block, self.checkpointing == "full", x)
+            for seg in self.segments:
+                x = run_segment(nn.Sequential(*(self.transformer.h[i] for i in seg.layers)), seg.wrap, x)
             x = self.transformer.ln_f(x)
         else:
             x = self.model(idx)
@@ -335,11 +410,15 @@ class GPT(nn.Module):
 class MLP(nn.Module):
     """`layers` = Sequential(Linear, act, ..., Linear); `forward(x, target)` -> (output, MSE loss)."""
 
-    def __init__(self, cfg: MLPConfig, checkpointing: str = "none") -> None:
+    def __init__(self, cfg: MLPConfig, checkpointing: TrainingSetup | str = "none") -> None:
         super().__init__()
         self.cfg = cfg
-        self.checkpointing = checkpointing  # "full": each Linear (+ its activation) is one checkpoint
         dims = (cfg.d_in, *cfg.hidden, cfg.d_out)
+        # a layer is one Linear and the activation after it; "full" checkpoints each
+        self.segments = _segments(checkpointing, len(dims) - 1)
+        if any(seg.wrap == "selective" for seg in self.segments):
+            raise ConfigError("checkpointing", "'selective' recomputes the attention core: an MLP has none; allowed "
+                                               "for MLPs: none, full, every-k, sqrt, op-policy, offload, layers")
         mods: list[nn.Module] = []
         for i in range(len(dims) - 1):
             mods.append(nn.Linear(dims[i], dims[i + 1], bias=cfg.bias))
@@ -348,13 +427,10 @@ class MLP(nn.Module):
         self.layers = nn.Sequential(*mods)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None):
-        if self.checkpointing == "full":
-            mods = list(self.layers)
-            out = x
-            for i in range(0, len(mods), 2):
-                out = _run(nn.Sequential(*mods[i:i + 2]), True, out)
-        else:
-            out = self.layers(x)
+        mods = list(self.layers)
+        out = x
+        for seg in self.segments:
+            out = run_segment(nn.Sequential(*mods[2 * seg.layers.start:2 * seg.layers.stop]), seg.wrap, out)
         return out, (F.mse_loss(out, target) if target is not None else None)
 
 
@@ -363,21 +439,21 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
 
     Supported precisions: "fp32", pure "bf16" and "bf16-autocast" (fp32 parameters; run the forward
     and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
-    `setup.checkpointing == "full"` checkpoints each transformer block / each MLP Linear(+activation)
-    with `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, the describer's regions.
+    `setup.checkpointing` runs the transformer blocks / MLP Linear(+activation) layers in the segments of
+    `models.tape.checkpoint_segments`, the describer's regions ("full": each one under
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
     `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
     """
     if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
                                   f"not {setup.precision!r}")
     torch.manual_seed(seed)
-    ckpt = setup.checkpointing if setup is not None else "none"
     if isinstance(cfg, MLPConfig):
-        model = MLP(cfg, ckpt)
+        model = MLP(cfg, setup)
     elif cfg.implementation == "hf":
-        model = hf_gpt2(cfg, ckpt)
+        model = hf_gpt2(cfg, setup.checkpointing if setup is not None else "none")
     else:
-        model = GPT(cfg, ckpt)
+        model = GPT(cfg, setup)
     if setup is not None and setup.precision == "bf16":
         model = model.to(torch.bfloat16)
     return model.train()
@@ -445,4 +521,5 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
 
 
 __all__ = ["GPT", "MLP", "hf_gpt2", "hf_gpt2_config", "build_model", "autocast_context", "REFERENCE_PRECISIONS",
+           "run_segment", "attention_core", "OP_POLICY", "OP_POLICY_SAVES", "HF_CHECKPOINTING",
            "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]

@@ -6,14 +6,19 @@ uses. `models/autograd.py` then replays the tape like torch's autograd would (re
 saved tensors released by their backward node, gradients flowing in reverse) and emits the
 simulator's ops with exact alloc/free lists. Views (split, transpose of a contiguous tensor, view)
 are not tensors here: ops read the base tensor.
+
+Activation checkpointing policies (`TrainingSetup.checkpointing`) are decided here, per layer, once for
+both sides: the describers mark the tape's ops with them, and the plain-torch reference models
+(`models/reference.py`) wrap the same layers in the same torch mechanism, so every policy can be run
+for real and held against its simulation. See `checkpoint_segments`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
+from math import isqrt, prod
 
-from .config import dtype_bytes
+from .config import ConfigError, TrainingSetup, dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -46,13 +51,22 @@ class TapeOp:
 
     inputs       tensor names read (the batch and earlier outputs).
     outputs      tensors created (allocated when the op starts).
-    saves        tensor names (inputs or outputs) autograd keeps until this op's backward ran.
+    saves        tensor names (inputs or outputs) autograd keeps until this op's backward ran, one per saved
+                 variable (a tensor two of the op's nodes save is listed twice: one copy each when packed).
     params       parameter names used; each gets a gradient contribution in backward.
-    casts        parameter names autocast copies to 16-bit here (the copy is saved for backward).
+    casts        parameter names autocast copies to 16-bit here (kept in autocast's cache until the forward
+                 ends; the copy of a saved parameter is what is saved for backward).
     passthrough  backward hands grad_output on unchanged to same-shaped inputs (add, dropout-free).
     workspace    forward temporaries alive only during the op.
     bwd_workspace  backward temporaries alive only during the op's backward.
-    region       activation-checkpoint region (the layer index) or None.
+    region       activation-checkpoint region (the index of its first layer) or None.
+    saved_params parameters autograd saves as tensors for this op's backward (linear: its weight; norms:
+                 weight and bias). They cost nothing, being parameters, until a pack hook copies them
+                 (policy "offload").
+    cached       selective activation checkpointing (policy "op-policy"): the region's first pass keeps
+                 this op's outputs, and its recompute reuses them instead of running the op.
+    offloaded    policy "offload": what this op saves is copied to host memory as it is saved
+                 (`torch.autograd.graph.save_on_cpu`) and copied back for its backward.
     """
 
     name: str
@@ -67,6 +81,9 @@ class TapeOp:
     bwd_workspace: tuple[TensorSpec, ...] = ()
     flops: int = 0
     region: int | None = None
+    saved_params: tuple[str, ...] = ()
+    cached: bool = False
+    offloaded: bool = False
 
 
 @dataclass
@@ -91,3 +108,78 @@ class Tape:
 
     def forward_flops(self) -> int:
         return sum(op.flops for op in self.ops)
+
+
+# -- activation checkpointing policies -------------------------------------------------------------
+
+SAC_SAVED_KINDS = ("linear", "addmm", "bmm", "sdpa")  # tape op kinds whose aten ops op-policy saves
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive layers that run as one unit, and how (`wrap`):
+
+    none        plain: autograd saves what each op saves.
+    checkpoint  the whole segment is one `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`
+                region: its forward keeps only the segment's inputs; backward re-runs it (up to the
+                last op that saves anything) right before the segment's own backward.
+    selective   each layer's attention core alone is one checkpoint region (Megatron's selective
+                recomputation): eager attention's q k^T, scale, mask, softmax, dropout and @ v; the
+                SDPA op on the sdpa path. Everything else is saved as usual.
+    op-policy   the layer is a checkpoint region under torch's selective activation checkpointing
+                (`create_selective_checkpoint_contexts`): outputs of matmuls (aten.mm, addmm, bmm) and
+                SDPA ops are kept from the first pass and reused, every other op is recomputed.
+    offload     the layer runs under `torch.autograd.graph.save_on_cpu(pin_memory=True)`: each tensor
+                an op saves is copied to host memory when it is saved (the device copy is freed once
+                the forward no longer reads it) and copied back to the device for its backward node.
+    """
+
+    layers: range
+    wrap: str
+
+
+def sqrt_segments(n_layer: int) -> tuple[range, ...]:
+    """Chen et al. 2016 ("Training deep nets with sublinear memory cost"): ceil(sqrt(n)) segments of
+    consecutive layers, as even as possible (the longer ones first). Unlike torch's
+    `checkpoint_sequential`, which runs its last segment without a checkpoint, every segment is one."""
+    count = isqrt(n_layer - 1) + 1
+    size, longer = divmod(n_layer, count)
+    out, start = [], 0
+    for s in range(count):
+        end = start + size + (1 if s < longer else 0)
+        out.append(range(start, end))
+        start = end
+    return tuple(out)
+
+
+def checkpoint_segments(setup: TrainingSetup, n_layer: int) -> tuple[Segment, ...]:
+    """The layers of a model (transformer blocks; an MLP's Linear(+activation) pairs) under
+    `setup.checkpointing`, as segments in order:
+
+    none       every layer plain.
+    full       every layer its own checkpoint region.
+    every-k    layers 0, k, 2k, ... (i % k == 0, k = `checkpoint_every_k`) each their own checkpoint
+               region; the others plain. k = 1 is "full"; k >= n_layer checkpoints layer 0 only.
+    layers     exactly the layers in `checkpoint_layers`, each its own region (an explicit set, as
+               `analysis.checkpointing.optimal_checkpointing` chooses one).
+    sqrt       `sqrt_segments`: ceil(sqrt(n_layer)) regions of consecutive layers.
+    selective, op-policy, offload: every layer, wrapped so (see `Segment`).
+    """
+    policy = setup.checkpointing
+    one = lambda i, wrap: Segment(range(i, i + 1), wrap)  # noqa: E731
+    if policy == "sqrt":
+        return tuple(Segment(r, "checkpoint") for r in sqrt_segments(n_layer))
+    if policy in ("selective", "op-policy", "offload"):
+        return tuple(one(i, policy) for i in range(n_layer))
+    if policy == "every-k":
+        chosen = set(range(0, n_layer, setup.checkpoint_every_k))
+    elif policy == "layers":
+        bad = [i for i in setup.checkpoint_layers if i >= n_layer]
+        if bad:
+            raise ConfigError("checkpoint_layers", f"layer {bad[0]} is not in 0..{n_layer - 1}")
+        chosen = set(setup.checkpoint_layers)
+    elif policy == "full":
+        chosen = set(range(n_layer))
+    else:
+        chosen = set()
+    return tuple(one(i, "checkpoint" if i in chosen else "none") for i in range(n_layer))

@@ -23,9 +23,10 @@ from dataclasses import asdict
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from ..simulator.ops import Op, OpGraph
 from .autograd import GradState, MicroBatchReplay
+from .checkpoint_io import load_checkpoint, rank_signature, save_checkpoint, saves_after
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
-from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, update_flops
+from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .parallel import make_engine
 from .tape import Tape
 from .transformer import mlp_tape, transformer_tape
@@ -129,8 +130,8 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
     class is simulated once, by its lowest rank."""
     classes: dict[tuple, list[int]] = {}
     for rank in range(setup.world_size):
-        engine = GraphBuilder(tape, setup, profile, rank).engine
-        classes.setdefault(engine.signature(), []).append(rank)
+        builder = GraphBuilder(tape, setup, profile, rank)
+        classes.setdefault((builder.engine.signature(), rank_signature(builder)), []).append(rank)
     return {members[0]: members for members in classes.values()}
 
 
@@ -138,31 +139,35 @@ def _describe_rank(b: GraphBuilder) -> None:
     setup = b.setup
     grads = GradState(persistent=setup.fp32_grads)
     b.engine.load(grads)
+    states_loaded = load_checkpoint(b)
     for step in range(1, setup.steps + 1):
         for mb in range(setup.grad_accum):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
             b.engine.end_backward(step, mb)
-        _optimizer_step(b, step, grads)
+        _optimizer_step(b, step, grads, states_loaded)
         b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
+        if saves_after(setup, step):
+            save_checkpoint(b, step)
 
 
-def _optimizer_step(b: GraphBuilder, step: int, grads: GradState) -> None:
-    """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1)."""
+def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False) -> None:
+    """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1, unless
+    they were loaded from a checkpoint)."""
     s = b.setup
     tensors = b.engine.optim_tensors()
     shard = b.engine.state_shard()
     state_dtype = s.state_dtype
     ph = Phase.OPTIMIZER
-    if step == 1:
+    if step == 1 and not states_loaded:
         states = []
-        step_pool = Pool.HOST if not b.device.is_cpu and s.optimizer_impl != "fused" else Pool.DEVICE
+        step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
         for t in tensors:
             for state, numel, dtype in state_specs(s.optimizer, t.numel, state_dtype):
                 sharded = state is not OptimizerState.STEP
                 states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
                                       dtype, (numel,) if sharded else (), state=state,
                                       shard=shard if sharded else 1,
-                                      pool=step_pool if not sharded else Pool.DEVICE))
+                                      pool=step_state_pool if not sharded else Pool.DEVICE))
         if s.optimizer == "adam-8bit":
             states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                                   state=OptimizerState.QUANT_STATE))

@@ -21,18 +21,28 @@ activation with its shape and dtype. What each op saves follows torch's autograd
 an additive float mask, CPU dropout masks in the input's dtype, "gelu_new" op by op, HF's loss, and
 tensors kept alive by Python locals until their module returns).
 
-Under torch.autocast, linears and matmuls run in 16-bit: their weights are cast (the cast copy is
-saved for backward, and its 16-bit gradient is turned fp32 by a separate node), and an fp32 input is
-cast to a new 16-bit tensor that the linear saves instead of the fp32 input. Embeddings, norms and the
-loss produce fp32 (the loss reads a temporary fp32 copy of the 16-bit logits); softmax is fp32 under
-CUDA autocast but keeps its 16-bit input dtype under CPU autocast (`describe(..., "cpu")`). A residual
-add of fp32 and 16-bit tensors is fp32, and its backward casts the gradient for the 16-bit input.
+Activation checkpointing: the layers are written segment by segment (`models.tape.checkpoint_segments`)
+and the writer marks each op with what the segment's policy does to it (`_Writer.begin_layer`): the
+checkpoint region it belongs to (whole layers, or only the attention core under "selective"),
+whether op-policy's selective checkpointing keeps its outputs (`TapeOp.cached`, matmul and SDPA ops),
+or whether what it saves is offloaded to the host (`TapeOp.offloaded`). `models/autograd.py` replays them.
+
+Under torch.autocast, linears and matmuls run in 16-bit: their weights and biases are cast (autocast
+caches the copies until the forward ends; the weight's is saved for backward, and 16-bit gradients are
+turned fp32 by a separate node), and an fp32 input is cast to a new 16-bit tensor that the linear saves
+instead of the fp32 input (the final norm's fp32 output stays alive until the model returns).
+Embeddings, norms and the loss produce fp32 (the loss reads a temporary fp32 copy of the 16-bit
+logits); softmax is fp32 under CUDA autocast but keeps its 16-bit input dtype under CPU autocast
+(`describe(..., "cpu")`). A residual add of fp32 and 16-bit tensors is fp32, and its backward casts the
+gradient for the 16-bit input.
 """
 
 from __future__ import annotations
 
-from .config import MLPConfig, TrainingSetup, TransformerConfig
-from .tape import ParamSpec, Tape, TensorSpec
+import contextlib
+
+from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 
 
 class _Writer:
@@ -45,6 +55,31 @@ class _Writer:
         self.autocast = setup.precision.endswith("-autocast")
         self.act = setup.compute_dtype
         self.region: int | None = None
+        self.core_region: int | None = None  # "selective": the region of this layer's attention core
+        self.sac = False  # "op-policy": matmul and SDPA outputs are kept by the region's first pass
+        self.offload = False  # "offload": saved tensors go to the host
+
+    def begin_layer(self, segment: Segment, layer: int) -> None:
+        """The ops written next belong to `layer` of `segment`: mark them as its policy says."""
+        self.region = segment.layers.start if segment.wrap in ("checkpoint", "op-policy") else None
+        self.core_region = layer if segment.wrap == "selective" else None
+        self.sac = segment.wrap == "op-policy"
+        self.offload = segment.wrap == "offload"
+
+    def end_layers(self) -> None:
+        self.region, self.core_region, self.sac, self.offload = None, None, False, False
+
+    @contextlib.contextmanager
+    def attention_core(self):
+        """The attention core (scores to @ v, or the SDPA op): under "selective", its own checkpoint region."""
+        if self.core_region is None:
+            yield
+            return
+        self.region = self.core_region
+        try:
+            yield
+        finally:
+            self.region = None
 
     def fp32_op_dtype(self) -> str:
         """dtype of ops autocast keeps in fp32 (norms, softmax, embedding, loss)."""
@@ -67,6 +102,10 @@ class _Writer:
 
     def op(self, name, kind, inputs, outputs, **kw):
         kw.setdefault("region", self.region)
+        if self.sac and kind in SAC_SAVED_KINDS:
+            kw.setdefault("cached", True)
+        if self.offload:
+            kw.setdefault("offloaded", True)
         return self.tape.add(name, kind, [i.name if isinstance(i, TensorSpec) else i for i in inputs],
                              outputs, **kw)
 
@@ -77,8 +116,8 @@ class _Writer:
         rows = x.shape[0] * x.shape[1]
         x = self.autocast_input(name, x)
         (y,) = self.op(name, "linear", [x], [self.t(f"{name}.out", (*x.shape[:-1], out_features))],
-                       saves=(x.name,), params=params, casts=(weight,) if self.autocast else (),
-                       flops=2 * rows * in_features * out_features)
+                       saves=(x.name,), params=params, casts=params if self.autocast else (),
+                       saved_params=(weight,), flops=2 * rows * in_features * out_features)
         return y
 
     def layernorm(self, name: str, x: TensorSpec, bias: bool = True):
@@ -92,19 +131,22 @@ class _Writer:
                                  self.t(f"{name}.rstd", (B, T, 1), stats, False)],
                                 saves=(x.name, f"{name}.mean", f"{name}.rstd"),
                                 params=(f"{name}.weight", f"{name}.bias") if bias else (f"{name}.weight",),
+                                saved_params=(f"{name}.weight", f"{name}.bias") if bias else (f"{name}.weight",),
                                 flops=8 * B * T * D)
         return y
 
     def rmsnorm(self, name: str, x: TensorSpec):
         """torch's composite RMSNorm (nn.RMSNorm on CPU, HF's LlamaRMSNorm): x * rsqrt(mean(x^2) + eps)
-        keeps x and rstd for its backward, and the normalised x for the multiply by the weight."""
+        keeps x and rstd for its backward, and the normalised x for the multiply by the weight. Saved
+        per node: pow saves x, rsqrt its result, x * rstd both again, the weight product normed."""
         B, T, D = x.shape
         dt = self.fp32_op_dtype()
         y, rstd, normed = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
                                                          self.t(f"{name}.rstd", (B, T, 1), "fp32", False),
                                                          self.t(f"{name}.normed", x.shape, dt, False)],
-                                  saves=(x.name, f"{name}.rstd", f"{name}.normed"), params=(f"{name}.weight",),
-                                  flops=6 * B * T * D)
+                                  saves=(x.name, f"{name}.rstd", f"{name}.rstd", x.name, f"{name}.normed"),
+                                  params=(f"{name}.weight",),
+                                  saved_params=(f"{name}.weight",), flops=6 * B * T * D)
         return y
 
     def dropout(self, name: str, x: TensorSpec, p: float):
@@ -196,16 +238,31 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
                      w.t("model.rotary_emb.sin", (T, hd), requires_grad=False)],
                     workspace=(w.t("model.rotary_emb.freqs", (T, hd), "fp32", False),))
     x = w.dropout("transformer.drop", x, cfg.dropout)
-    for i in range(cfg.n_layer):
-        w.region = i if setup.checkpointing == "full" else None
-        x = _gpt2_block(w, cfg, f"transformer.h.{i}", x) if gpt2 else _llama_block(w, cfg, f"model.layers.{i}", x, rope)
-    w.region = None
+    for segment in checkpoint_segments(setup, cfg.n_layer):
+        for i in segment.layers:
+            w.begin_layer(segment, i)
+            h = f"transformer.h.{i}" if gpt2 else f"model.layers.{i}"
+            block_input = x
+            x = _gpt2_block(w, cfg, h, x) if gpt2 else _llama_block(w, cfg, h, x, rope)
+            if _input_outlives_its_uses(segment, i):
+                w.op(f"{h}.return", "release", [block_input], [])
+    w.end_layers()
     x = w.layernorm("transformer.ln_f", x, cfg.has_bias) if gpt2 else w.rmsnorm("model.norm", x)
     head_weight = f"{wte}.weight" if cfg.tied else "lm_head.weight"
     logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
     _cross_entropy(w, logits, targets)
+    if w.autocast:  # the final norm's fp32 output is a local of GPT.forward until it returns (the head saves a cast)
+        w.op("model.return", "release", [x], [])
     tape.held = (logits.name,) if setup.logits_held else ()
     return tape
+
+
+def _input_outlives_its_uses(segment: Segment, layer: int) -> bool:
+    """The caller's loop variable holds a block's input until the block returns (`x = block(x)`). That
+    outlives the block's own last read of it only where nothing else keeps it: inside a checkpointed
+    segment of several layers (its first layer's input is the segment's input, held anyway) and in an
+    offloaded layer (the saved copy is on the host). Elsewhere it is saved for backward regardless."""
+    return (segment.wrap == "checkpoint" and layer != segment.layers.start) or segment.wrap == "offload"
 
 
 def _cross_entropy(w: _Writer, logits: TensorSpec, targets: TensorSpec) -> None:
@@ -225,6 +282,16 @@ def _attention_eager(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSp
                      n_head: int, n_kv: int, head_dim: int, dropout: float) -> TensorSpec:
     B, T = q_src.shape[0], q_src.shape[1]
     D = n_head * head_dim
+    with w.attention_core():
+        y = _attention_eager_core(w, prefix, q_src, k_src, v_src, n_head, head_dim, dropout)
+    (merged,) = w.op(f"{prefix}.merge_heads", "clone", [y], [w.t(f"{prefix}.merged", (B, T, D))])
+    return merged
+
+
+def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSpec, v_src: TensorSpec,
+                          n_head: int, head_dim: int, dropout: float) -> TensorSpec:
+    """softmax(q k^T * scale, causal) v per head, as nanoGPT's eager path runs it."""
+    B, T = q_src.shape[0], q_src.shape[1]
     hd = head_dim
     q, k = w.op(f"{prefix}.qk", "matmul", [q_src, k_src],
                 [w.t(f"{prefix}.q_contig", (B, n_head, T, hd)), w.t(f"{prefix}.k_contig", (B, n_head, hd, T))],
@@ -242,18 +309,19 @@ def _attention_eager(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSp
     (v,) = w.op(f"{prefix}.v_contig", "clone", [v_src], [w.t(f"{prefix}.v_contig", (B, n_head, T, hd))])
     (y,) = w.op(f"{prefix}.pv", "bmm", [probs, v], [w.t(f"{prefix}.pv", (B, n_head, T, hd))],
                 saves=(probs.name, v.name), flops=2 * B * n_head * T * T * hd)
-    (merged,) = w.op(f"{prefix}.merge_heads", "clone", [y], [w.t(f"{prefix}.merged", (B, T, D))])
-    return merged
+    return y
 
 
 def _attention_sdpa(w: _Writer, prefix: str, q: TensorSpec, k: TensorSpec, v: TensorSpec,
                     n_head: int, head_dim: int) -> TensorSpec:
     B, T = q.shape[0], q.shape[1]
     D = n_head * head_dim
-    out, lse = w.op(f"{prefix}.sdpa", "sdpa", [q, k, v],
-                    [w.t(f"{prefix}.sdpa.out", (B, T, D)), w.t(f"{prefix}.sdpa.lse", (B, n_head, T), "fp32", False)],
-                    saves=(q.name, k.name, v.name, f"{prefix}.sdpa.out", f"{prefix}.sdpa.lse"),
-                    flops=4 * B * n_head * T * T * head_dim)
+    with w.attention_core():
+        out, lse = w.op(f"{prefix}.sdpa", "sdpa", [q, k, v],
+                        [w.t(f"{prefix}.sdpa.out", (B, T, D)),
+                         w.t(f"{prefix}.sdpa.lse", (B, n_head, T), "fp32", False)],
+                        saves=(q.name, k.name, v.name, f"{prefix}.sdpa.out", f"{prefix}.sdpa.lse"),
+                        flops=4 * B * n_head * T * T * head_dim)
     return out
 
 
@@ -295,9 +363,10 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
     k = w.linear(f"{h}.self_attn.k_proj", a, kv, cfg.has_bias)
     v = w.linear(f"{h}.self_attn.v_proj", a, kv, cfg.has_bias)
     cos, sin = rope
+    # q * cos + rotate_half(q) * sin, and the same for k: each product saves its table
     q_rot, k_rot = w.op(f"{h}.self_attn.rotary", "rotary", [q, k, cos, sin],
                         [w.t(f"{h}.self_attn.q_rot", q.shape), w.t(f"{h}.self_attn.k_rot", k.shape)],
-                        saves=(cos.name, sin.name),
+                        saves=(cos.name, sin.name, cos.name, sin.name),
                         workspace=(w.t(f"{h}.self_attn.rotate_half", q.shape, requires_grad=False),),
                         bwd_workspace=(w.t(f"{h}.self_attn.rotate_half_grad", q.shape, requires_grad=False),),
                         flops=6 * B * T * (cfg.d_model + kv))
@@ -382,6 +451,9 @@ class _HFWriter(_Writer):
 
 def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """`GPT2LMHeadModel.forward(input_ids=idx, labels=idx)` as torch runs it (see the notes above)."""
+    if setup.checkpointing not in HF_CHECKPOINTING:
+        raise ConfigError("checkpointing", f"implementation 'hf' is modelled with {' or '.join(HF_CHECKPOINTING)} "
+                                           f"(HF's own switch), not {setup.checkpointing!r}")
     B, T, D = setup.micro_batch, setup.seq_len, cfg.d_model
     tape = Tape(params=transformer_params(cfg))
     w = _HFWriter(tape, setup, cpu)
@@ -411,6 +483,9 @@ def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False
     w.release("autocast.exit", w.autocast_cache)
     tape.held = (logits.name,) if setup.logits_held else ()
     return tape
+
+
+HF_CHECKPOINTING = ("none", "full")
 
 
 def _hf_position_ids(w: _HFWriter, T: int) -> TensorSpec:
@@ -612,12 +687,17 @@ def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     tape.inputs = [x, y_true]
     dims = (cfg.d_in, *cfg.hidden, cfg.d_out)
     h = x
-    for i in range(len(dims) - 1):
-        w.region = i if setup.checkpointing == "full" else None
-        h = w.linear(f"layers.{2 * i}", h, dims[i + 1], cfg.bias)
-        if i < len(dims) - 2:
-            h = w.pointwise(f"layers.{2 * i + 1}", cfg.activation, h)
-    w.region = None
+    segments = checkpoint_segments(setup, len(dims) - 1)  # a layer: one Linear and the activation after it
+    if any(seg.wrap == "selective" for seg in segments):
+        raise ConfigError("checkpointing", "'selective' recomputes the attention core: an MLP has none; allowed for "
+                                           "MLPs: none, full, every-k, sqrt, op-policy, offload, layers")
+    for segment in segments:
+        for i in segment.layers:
+            w.begin_layer(segment, i)
+            h = w.linear(f"layers.{2 * i}", h, dims[i + 1], cfg.bias)
+            if i < len(dims) - 2:
+                h = w.pointwise(f"layers.{2 * i + 1}", cfg.activation, h)
+    w.end_layers()
     w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", (), h.dtype)], saves=(h.name, y_true.name),
          workspace=(w.t("loss.mse.diff", h.shape, h.dtype, False),))
     tape.held = (h.name,) if setup.logits_held else ()

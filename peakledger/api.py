@@ -123,7 +123,7 @@ def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
     if s.world_size > 1 and s.dp_engine in ("ddp", "zero-redundancy-optimizer"):
         out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
     for policy in CHECKPOINTING:
-        if policy != s.checkpointing and policy != "none":
+        if policy not in (s.checkpointing, "none", "layers"):  # "layers" needs a set: `peakledger checkpointing`
             out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, "recompute in backward"))
     mb = s.micro_batch
     for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
@@ -158,14 +158,14 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     host = worst_moment(base.log, host_budget, Pool.HOST) if host_budget is not None and any(
         e.block.pool is Pool.HOST for e in base.log.events) else None
     base_time = _step_time(base)
-    candidates = []
-    for name, changes, changes_training, note in candidate_fixes(scenario):
+    candidates, fixes = [], []
+    for candidate in candidate_fixes(scenario):
         try:
-            scenario.with_changes(**changes)
+            fix = _fix(scenario, budget, *candidate)
         except ConfigError:
-            continue  # not applicable to this model / setup
-        candidates.append((name, changes, changes_training, note))
-    fixes = [_fix(scenario, budget, *c) for c in candidates]
+            continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
+        candidates.append(candidate)
+        fixes.append(fix)
     if fixes and not any(f.fits for f in fixes):
         combined = _combine(scenario, budget, candidates, fixes)
         if combined is not None:
@@ -198,8 +198,11 @@ def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], ro
             if set(changes) & used:
                 continue
             merged = {k: v for f in chosen for k, v in f.changes.items()} | changes
-            trials.append(_fix(scenario, budget, " + ".join([f.name for f in chosen] + [name]), merged,
-                               any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note])))
+            try:
+                trials.append(_fix(scenario, budget, " + ".join([f.name for f in chosen] + [name]), merged,
+                                   any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note])))
+            except ConfigError:
+                continue
         if not trials:
             break
         step = min(trials, key=lambda f: (f.peak, f.changes_training))

@@ -23,8 +23,8 @@ from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
-from .models.config import (CHECKPOINTING, DP_ENGINES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS, ConfigError,
-                            TransformerConfig)
+from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
+                            SAVE_MODES, ConfigError, TransformerConfig)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import build_scenario, load_toml
@@ -36,7 +36,8 @@ DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "r
                 "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                 "stage3_param_persistence_threshold"]
 TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
-                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward"] + DP_INT_FLAGS
+                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
+                  "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers"] + DP_INT_FLAGS
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
@@ -66,6 +67,13 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--world-size", type=int)
     t.add_argument("--zero-stage", type=int)
     t.add_argument("--checkpointing", help=", ".join(CHECKPOINTING))
+    t.add_argument("--checkpoint-every-k", type=int, help="checkpointing every-k: layers 0, k, 2k, ... (default 2)")
+    t.add_argument("--checkpoint-layers", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
+                   help="checkpointing layers: exactly these layer indices, e.g. 0,3,7")
+    k = p.add_argument_group("checkpoint save / load")
+    k.add_argument("--checkpoint-every", type=int, help="save a checkpoint after every N-th optimizer step (0: never)")
+    k.add_argument("--save-mode", help=", ".join(SAVE_MODES))
+    k.add_argument("--load-mode", help=", ".join(LOAD_MODES) + " (a checkpoint loaded before the first step)")
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
@@ -336,6 +344,27 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_checkpointing(args) -> int:
+    from .analysis.checkpointing import (optimal_checkpointing, plot_peak_vs_recompute, policy_table, render_optimal,
+                                         render_table)
+    scenario = _scenario_from_args(args)
+    rows = policy_table(scenario)
+    best = optimal_checkpointing(scenario, parse_bytes(args.budget)) if args.budget else None
+    if args.plot:
+        plot_peak_vs_recompute(rows, args.plot, title=f"{scenario.name}: peak vs recompute", unit=args.unit)
+    if args.json:
+        _write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
+                     "optimal": best.as_json() if best else None})
+        return 0
+    print(render_table(rows, args.unit))
+    if best is not None:
+        print("")
+        print(render_optimal(best, args.unit))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def _load_any_trace(path: str):
     """A saved trace (peakledger capture JSON) or a CUDA snapshot pickle (the allocated view)."""
     from .traces.cuda_snapshot import SnapshotError, load_snapshot
@@ -464,6 +493,13 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
     x.add_argument("--json", action="store_true")
     x.set_defaults(func=cmd_explain)
+    a = sub.add_parser("checkpointing", help="activation checkpointing policies: peak, recompute, step time; "
+                                             "the cheapest layer set that fits a budget")
+    _add_scenario_flags(a)
+    a.add_argument("--budget", help="find the least-recompute set of checkpointed layers that fits (80GiB, ...)")
+    a.add_argument("--plot", metavar="FILE", help="PNG of peak vs recompute per policy")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_checkpointing)
     w = sub.add_parser("sweep", help="simulate a grid of inputs on every core into CSV / JSON")
     _add_scenario_flags(w)
     w.add_argument("--grid", action="append", metavar="KEY=V1,V2",

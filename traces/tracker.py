@@ -78,7 +78,8 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
                torch.float64: "fp64"}
 
 _PRECEDENCE = [Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.GRADIENT, Category.OPTIMIZER_STATE,
-               Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.ACTIVATION, Category.TEMPORARY]
+               Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.CHECKPOINT_STAGING,
+               Category.ACTIVATION, Category.TEMPORARY]
 RESIZE_OP = "UntypedStorage.resize_"
 
 
@@ -270,6 +271,8 @@ class AllocationTracker:
         gives dtype and shape; without one (a storage resize) they come from the allocation it replaces,
         whose labels a re-allocation of the same storage always inherits."""
         if not self._active:
+            return None
+        if st.device.type == "meta":  # meta tensors hold shapes, not memory
             return None
         key = st.data_ptr()
         nbytes = st.nbytes()
