@@ -88,11 +88,11 @@ def main() -> None:
                          f"{r['gather_predicted']:,} |")
     lines += ["", f"Worst per-rank peak error: gloo {worst:.3%}, fake process group {worst_fake:.3%} (target 2%); "
               f"static rows exact on {'every' if all_static else 'NOT every'} rank.", "",
-              "The fake process group runs the same torch engines with no transport: its order of frees is "
-              "deterministic. On gloo, the worker threads drop their reference to a collective's output a moment "
-              "after `wait()` returns, so in some runs (about 1 in 6 on 2 ranks, measured) an FSDP2 all-gather "
-              "output is freed after the next unit's all-gather is allocated, and that rank's measured peak is "
-              "one all-gather buffer higher (+3.1% on tiny): a property of gloo's threads, not of FSDP2.", ""]
+              "The fake process group runs the same torch engines with no transport. One order is not repeatable "
+              "on either backend: in some runs (about 1 in 5, measured) FSDP2's pre-backward hook runs on "
+              "autograd's worker thread and the previous unit's all-gather output is dropped only after the next "
+              "unit's all-gather is allocated; that rank's measured peak is then one all-gather output higher "
+              "(+3.1% on tiny). The table is one run of each; a rerun can show that race on a different rank.", ""]
     section = "\n".join(lines)
     replace_section(SECTION, section)
     sys.stdout.write(section)

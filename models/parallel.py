@@ -136,6 +136,7 @@ class Engine:
     """
 
     shards_optimizer = False
+    symmetric = True  # every rank's layout is the same by construction (padded equal partitions)
 
     def __init__(self, b) -> None:
         self.b = b
@@ -294,6 +295,7 @@ class ZeroRedundancy(DDP):
     """DDP + torch.distributed.optim.ZeroRedundancyOptimizer: states for this rank's own parameters only."""
 
     shards_optimizer = True
+    symmetric = False  # whole parameters per rank: uneven by nature
 
     def owned(self) -> list[str]:
         return greedy_partition([(p.name, p.numel) for p in self.trainable], self.n)[self.rank]
@@ -532,6 +534,7 @@ class FSDP2(Gathering):
     """
 
     prefix = "fsdp"
+    symmetric = False  # the last ranks' local shards can be shorter (or empty)
 
     def __init__(self, b) -> None:
         super().__init__(b)

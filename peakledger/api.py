@@ -268,8 +268,9 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     """Run the scenario for real on `world_size` CPU processes (gloo, 127.0.0.1) with its torch engine,
     measure every rank, and hold each against the simulated rank. Returns [(Validation, measured log)]
     in rank order, and the simulated log. `backend` "fake" runs the same engines on torch's fake process
-    group (deterministic order of frees; see traces/distributed.py). gloo's own clone of each reduce-scatter input is dropped from
-    the measured logs (its lifetime varies run to run; NCCL has none)."""
+    group (no transport, same buffers; see traces/distributed.py). gloo's own clone of each
+    reduce-scatter input is dropped from the measured logs (its lifetime varies run to run; NCCL has
+    none)."""
     from .analysis.validate import compare_logs
     from .traces.distributed import measure_distributed, without_backend_copies
 

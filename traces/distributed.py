@@ -89,11 +89,10 @@ def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: Trainin
     to every block unit; the root unit gets `root_reshard_after_forward`, None being fully_shard's
     default (False for the root: its parameters stay unsharded from forward into backward).
     `backend="fake"` runs each rank against torch's fake process group instead (no peers, no data moved,
-    no gloo worker threads): FSDP2, DDP and ZeroRedundancyOptimizer allocate exactly the same buffers,
-    and the order of every free is deterministic. On gloo the worker threads drop their references to
-    a collective's output a moment after `wait()` returns, so a buffer's free can land after the next
-    collective's allocation in some runs (seen in about 1 run in 6 on 2 ranks): use "fake" where exact,
-    repeatable orders are needed (tests), gloo to show the real transport.
+    no gloo worker threads): FSDP2, DDP and ZeroRedundancyOptimizer allocate exactly the same buffers.
+    One order is not repeatable on either backend: in some runs (about 1 in 5) FSDP2's pre-backward
+    hook runs on autograd's worker thread, and the previous unit's all-gather output is dropped only
+    after the next unit's all-gather is allocated.
     Spawned processes re-import the caller's main module: call this under `if __name__ == "__main__":`
     in a script (pytest and imported modules need nothing). Every process is joined within
     `timeout_s` seconds, or all are killed and TimeoutError is raised; a failing rank's traceback is
