@@ -29,7 +29,6 @@ budget?" over every subset of the layer chain (per-layer full checkpointing, pol
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
 import time
 from dataclasses import dataclass
@@ -227,12 +226,9 @@ def _seconds(s: float) -> str:
 
 def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", unit: str = "GiB") -> None:
     """Scatter of peak memory against recompute share, one labelled point per policy; written atomically."""
-    import matplotlib
+    import matplotlib.pyplot as plt  # matplotlib is set up (Agg) by .plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..simulator.files import write_atomic
+    from .plot import save_figure
     from .units import UNITS
 
     scale = UNITS[unit]
@@ -246,13 +242,7 @@ def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", un
     ax.set_ylabel(f"peak device memory ({unit})")
     ax.set_title(title or "activation checkpointing: peak vs recompute")
     ax.grid(True, lw=0.3)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, format="png", metadata={"Software": None})
-    finally:
-        plt.close(fig)
-    write_atomic(path, buffer.getvalue())
+    save_figure(fig, path)
 
 
 # -- per-layer costs ---------------------------------------------------------------------------------

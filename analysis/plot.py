@@ -43,7 +43,7 @@ def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=7, ncol=2)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str = "", unit: str = "MiB") -> None:
@@ -59,10 +59,11 @@ def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str 
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title)
     ax.legend(loc="upper left", fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path: str) -> None:
+def save_figure(fig, path: str) -> None:
+    """Lay out, render to PNG (no software stamp: same plot, same bytes), close, write atomically."""
     fig.tight_layout()
     buffer = io.BytesIO()
     try:

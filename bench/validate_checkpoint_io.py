@@ -49,7 +49,7 @@ from peakledger.models.reference import build_model, make_batch, make_optimizer
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, EventLog, Phase, Pool
-from peakledger.traces.tracker import AllocationTracker
+from peakledger.traces.tracker import AllocationTracker, training_loop
 
 SECTION = "## Checkpoint save and load (CPU)"
 STEPS = 2
@@ -124,25 +124,6 @@ def profiler_spike(fn) -> tuple[int, int]:
     return spike, running
 
 
-def train_step(tracker: AllocationTracker, model, optimizer, batches, step: int) -> None:
-    """One step of traces/tracker.py's `training_loop`, phase by phase (grad_accum 1, set_to_none)."""
-    with tracker.phase(Phase.FORWARD, step, 0):
-        x, y = (t.clone() for t in batches[(step - 1) % len(batches)])
-        tracker.mark_input(x, y)
-        out, loss = model(x, y)
-        tracker.mark(out, Category.ACTIVATION)
-    with tracker.phase(Phase.BACKWARD, step, 0):
-        loss.backward()
-        del out, loss, x, y
-        tracker.scan()
-    with tracker.phase(Phase.OPTIMIZER, step):
-        optimizer.step()
-        tracker.scan()
-    with tracker.phase(Phase.ZERO_GRAD, step):
-        optimizer.zero_grad(set_to_none=True)
-        tracker.scan()
-
-
 def state_dict(model, optimizer) -> dict:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
@@ -180,7 +161,7 @@ def measure_save(config: Config, mode: str) -> tuple[EventLog, list[Window]]:
         tracker = AllocationTracker(model, optimizer, known=tuple(t for b in batches for t in b))
         with tracker:
             for step in range(1, STEPS + 1):
-                train_step(tracker, model, optimizer, batches, step)
+                training_loop(tracker, model, optimizer, batches, steps=1, first_step=step)
                 with tracker.phase(Phase.CHECKPOINT, step), window(tracker, windows):
                     save(model, optimizer, step)
     return tracker.log({"mode": mode}), windows
@@ -259,7 +240,7 @@ def measure_load(config: Config, mode: str) -> tuple[EventLog, Window]:
                 model, optimizer = load(mode, config, path, target, buffers)
             tracker.optimizer = optimizer
             for step in range(1, STEPS + 1):
-                train_step(tracker, model, optimizer, batches, step)
+                training_loop(tracker, model, optimizer, batches, steps=1, first_step=step)
     return tracker.log({"mode": mode}), windows[0]
 
 

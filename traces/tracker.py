@@ -678,11 +678,12 @@ def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,
                   steps: int = 2, grad_accum: int = 1, set_to_none: bool = True,
-                  autocast: torch.dtype | None = None) -> None:
+                  autocast: torch.dtype | None = None, first_step: int = 1) -> None:
     """`run_training_steps`'s loop, phase by phase, under an already entered `tracker` (which may label a
     different module or optimizer than the ones called here: the module inside a DDP wrapper, the local
-    optimizer inside a ZeroRedundancyOptimizer)."""
-    for step in range(1, steps + 1):
+    optimizer inside a ZeroRedundancyOptimizer). Steps are numbered from `first_step`, so a caller can
+    run them one at a time with its own phases in between (a checkpoint save after each)."""
+    for step in range(first_step, first_step + steps):
         for mb in range(grad_accum):
             with tracker.phase(Phase.FORWARD, step, mb):
                 x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
