@@ -29,8 +29,9 @@ is still alive, and is freed at the end of the op that drops the last one:
 Gradients flow in reverse: a backward node allocates the gradients of its inputs (an add hands its
 grad_output on unchanged), frees the gradients of its outputs, and releases its saved tensors.
 A parameter's gradient becomes `.grad` when it is its first contribution in the step; later
-contributions (more micro-batches, tied weights, `set_to_none=False`) are temporaries accumulated in
-place.
+contributions (more micro-batches, `set_to_none=False`) are temporaries accumulated in place. A tied
+weight's contributions within one backward are summed out of place in its AccumulateGrad node's input
+buffer first (`Engine.param_grad`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class MicroBatchReplay:
         self.grad_of: dict[str, _Storage] = {}
         self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
         self.contributed: set[str] = set()  # parameters with a gradient contribution in this backward
+        self.grad_seen: dict[str, int] = {}  # contributions so far of a parameter read by several ops
+        self.grad_buffer: dict[str, Block] = {}  # its AccumulateGrad input buffer (the sum so far)
+        self.grad_had: dict[str, bool] = {}  # whether it had a `.grad` when its first contribution came
+        self.after_node: list[tuple[str, list, list]] = []  # input-buffer sums to emit once a node is done
         self.autocast_cache: list[str] = []  # weight casts autocast keeps until the forward pass ends
         self._plan()
 
@@ -92,6 +97,13 @@ class MicroBatchReplay:
                 rg[o.name] = o.requires_grad and (trainable_param or upstream)
             self.needs_backward.append(any(rg[o.name] for o in op.outputs))
         self.rg = rg
+        # gradient contributions per parameter in one backward (> 1: a tied weight read by several ops)
+        self.grad_uses: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            if self.needs_backward[i]:
+                for p in dict.fromkeys(op.params):
+                    if p in self.trainable:
+                        self.grad_uses[p] = self.grad_uses.get(p, 0) + 1
         self.saves: list[tuple[str, ...]] = []
         for i, op in enumerate(ops):
             saves = op.saves if self.needs_backward[i] else ()
@@ -424,6 +436,7 @@ class MicroBatchReplay:
         bytes_moved = 2 * sum(a.nbytes for a in allocs)
         self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                   flops=2 * op.flops, bytes_moved=bytes_moved)
+        self._flush_after_node()
         for name, spec, pieces in views:
             allocs, frees = [], []
             blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
@@ -442,6 +455,14 @@ class MicroBatchReplay:
                 frees.append(tmp.id)
             self.b.op(f"{op.name}.autocast_copy.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                       bytes_moved=sum(a.nbytes for a in allocs))
+            self._flush_after_node()
+
+    def _flush_after_node(self) -> None:
+        """Out-of-place sums in AccumulateGrad input buffers (tied weights), after the node that fed them."""
+        for name, allocs, frees in self.after_node:
+            self.b.op(name, Phase.BACKWARD, self.step, self.mb, allocs, frees,
+                      bytes_moved=3 * sum(a.nbytes for a in allocs))
+        self.after_node.clear()
 
     def run(self) -> None:
         self.forward()

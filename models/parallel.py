@@ -208,16 +208,53 @@ class Engine:
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
         """A gradient contribution for parameter `p` in backward: the first in the step becomes `.grad`;
-        later ones (more micro-batches, tied weights, kept gradients) are temporaries summed in place."""
+        later ones (more micro-batches, kept gradients) are temporaries summed in place.
+
+        A parameter read by several ops of one micro-batch (a tied embedding) has one AccumulateGrad
+        node, whose input buffer sums the contributions before it runs: the first waits in the buffer
+        (from its own backward node on), each later one is added OUT of place once the node that made
+        it is done (a new sum, then the old sum and the contribution are freed: measured with the
+        tracker, torch 2.13 CPU, fp32 and bf16-autocast), and after the last one AccumulateGrad steals
+        the sum as `.grad`, or adds it in place to the `.grad` already there and frees it."""
         b = self.b
-        if replay.grads.persistent or p in replay.grads.blocks or p in replay.contributed:
-            tmp = b.block(f"{p}.grad_contribution", self.params[p].numel * dtype_bytes(self.contribution_dtype),
-                          Category.TEMPORARY, self.contribution_dtype, self.params[p].shape)
+        numel, shape = self.params[p].numel, self.params[p].shape
+        has_grad = replay.grads.persistent or p in replay.grads.blocks or p in replay.contributed
+        uses = replay.grad_uses.get(p, 1)
+        if uses > 1:
+            seen = replay.grad_seen[p] = replay.grad_seen.get(p, 0) + 1
+            cdt = self.contribution_dtype
+            new = b.block(f"{p}.grad_contribution", numel * dtype_bytes(cdt), Category.TEMPORARY, cdt, shape)
+            allocs.append(new)
+            if seen == 1:
+                replay.grad_buffer[p] = new  # waits in AccumulateGrad's input buffer
+                replay.grad_had[p] = has_grad
+                if not has_grad:  # keeps `.grad`'s place in the order gradients are freed (zero_grad)
+                    replay.grads.blocks[p] = new
+                return
+            last = seen == uses
+            stolen = last and not replay.grad_had[p]
+            total = b.block(f"{p}.grad" if stolen else f"{p}.grad_sum", numel * dtype_bytes(cdt),
+                            Category.GRADIENT if stolen else Category.TEMPORARY, cdt, shape)
+            # the engine adds a node's outputs to the next input buffers once the node is done (its
+            # grad_output and saved tensors gone): the sum is an op of its own, right after
+            sum_frees = [replay.grad_buffer.pop(p).id, new.id]
+            if not last:
+                replay.grad_buffer[p] = total
+            elif stolen:
+                replay.grads.blocks[p] = total
+            else:
+                sum_frees.append(total.id)  # summed in place into the `.grad` already there
+            replay.after_node.append((f"{p}.grad_accumulate", [total], sum_frees))
+            replay.contributed.add(p)
+            return
+        if has_grad:
+            tmp = b.block(f"{p}.grad_contribution", numel * dtype_bytes(self.contribution_dtype),
+                          Category.TEMPORARY, self.contribution_dtype, shape)
             allocs.append(tmp)
             frees.append(tmp.id)
         else:
-            blk = b.block(f"{p}.grad", self.params[p].numel * dtype_bytes(self.grad_dtype), Category.GRADIENT,
-                          self.grad_dtype, self.params[p].shape)
+            blk = b.block(f"{p}.grad", numel * dtype_bytes(self.grad_dtype), Category.GRADIENT,
+                          self.grad_dtype, shape)
             replay.grads.blocks[p] = blk
             allocs.append(blk)
         replay.contributed.add(p)
