@@ -490,10 +490,10 @@ class DeepSpeedZero12(Engine):
 
 
 class Gathering(Engine):
-    """Engines that keep parameters sharded and rebuild them for compute (FSDP2, ZeRO-3).
-
-    `fetch_sets` maps each tape op to the group of parameters that must be whole while it runs;
-    subclasses say which groups exist, how a gather allocates, and when a group is released."""
+    """Engines that keep parameters sharded and rebuild them for compute (FSDP2, ZeRO-3), by groups: an
+    FSDP2 unit, or the parameters of one module call in ZeRO-3. A group is gathered (`gather`: the
+    all-gather output allocated when issued, possibly ahead as a prefetch), waited for and made whole
+    (`wait` -> the subclass's `copy_out`), and released after its compute (`release`)."""
 
     shards_optimizer = True
 
@@ -523,16 +523,9 @@ class Gathering(Engine):
                       (numel,))
         last = b.last(Stream.COMPUTE)
         op = self.collective(f"{self.prefix}.all_gather.{group}", "all_gather", numel * size, phase, step, mb,
-                             allocs=[buf] + self.cast_inputs(group), frees=self.gather_frees(group, buf),
-                             after=() if last is None else (last,))
+                             allocs=[buf], after=() if last is None else (last,))
         self.in_flight[group] = op.id
         self.buffers[group] = buf
-
-    def cast_inputs(self, group: str) -> list[Block]:
-        return []
-
-    def gather_frees(self, group: str, buf: Block) -> list[int]:
-        return []
 
     def wait(self, group: str, phase: Phase, step: int, mb: int) -> None:
         """The compute stream waits for `group`'s all-gather and makes its parameters whole."""
@@ -612,13 +605,9 @@ class FSDP2(Gathering):
         return self.unit_params.get(group, [])
 
     # unshard / reshard -----------------------------------------------------------------------------------
-    def unshard(self, unit: str, phase: Phase, step: int, mb: int) -> None:
-        """Wait for the unit's all-gather (issuing it now if no prefetch did) and copy out its parameters."""
-        if unit in self.live or not self.group_params(unit):
-            return
-        if unit not in self.in_flight:
-            self.gather(unit, phase, step, mb)
-        gather_op = self.in_flight.pop(unit)
+    def copy_out(self, unit: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
+        """Copy the unit's gathered parameters into their unsharded storages; the all-gather output is freed
+        at once in backward, and kept as `all_gather_state` until the next unit's copy-out in forward."""
         output = self.buffers.pop(unit)
         b = self.b
         size = dtype_bytes(self.gather_dtype)
@@ -648,9 +637,9 @@ class FSDP2(Gathering):
         if phase is Phase.FORWARD:
             if i == 0:
                 self.backward_started = False
-                self.unshard(ROOT, phase, step, mb)
+                self.wait(ROOT, phase, step, mb)
             if unit != ROOT:
-                self.unshard(unit, phase, step, mb)
+                self.wait(unit, phase, step, mb)
                 k = self.forward_order.index(unit)
                 for ahead in self.forward_order[k + 1:k + 1 + self.setup.forward_prefetch]:
                     self.gather(ahead, phase, step, mb)
@@ -661,10 +650,10 @@ class FSDP2(Gathering):
             for j, u in enumerate(self.op_unit):
                 if replay.needs_backward[j] and u != ROOT and u not in self.last_backward:
                     self.last_backward[u] = j
-            self.unshard(ROOT, phase, step, mb)
+            self.wait(ROOT, phase, step, mb)
             self.prefetch_backward(None, step, mb)
         if unit != ROOT and unit not in self.live:
-            self.unshard(unit, phase, step, mb)
+            self.wait(unit, phase, step, mb)
             self.prefetch_backward(unit, step, mb)
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
