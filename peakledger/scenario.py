@@ -46,6 +46,11 @@ class Scenario:
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
             raise ConfigError("headroom", f"must be a number >= 0 (0.1 = 10%), got {self.headroom!r}")
 
+    def settings(self) -> set[str]:
+        """Every name `with_changes` accepts: TrainingSetup fields, this model's fields, device, headroom, name."""
+        return {f.name for f in fields(TrainingSetup)} | {f.name for f in fields(type(self.model))} | \
+            {"device", "headroom", "name"}
+
     def with_changes(self, **changes) -> "Scenario":
         """Change setup fields, model fields or run fields by name (for comparisons and sweeps)."""
         setup_keys = {f.name for f in fields(TrainingSetup)}

@@ -86,6 +86,9 @@ def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, 
     """Simulate every grid point (in parallel); results in grid order."""
     if max_batch and budget is None:
         raise ConfigError("budget", "--max-batch needs --budget")
+    unknown = sorted(set(grid) - base.settings())
+    if unknown:  # a misspelt field is an error, not a grid of error rows
+        raise ConfigError("grid", f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(base.settings()))}")
     pts = points(grid)
     tasks = [(base, p, budget, max_batch) for p in pts]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))

@@ -78,3 +78,8 @@ def test_sweep_writes_csv_and_json_in_grid_order_with_errors_as_rows(tmp_path, c
     first = json_path.read_bytes()
     assert main(args + ["--jobs", "1"]) == 0
     assert json_path.read_bytes() == first  # same grid, same bytes, whatever the parallelism
+
+
+def test_sweep_refuses_a_misspelt_field(tmp_path, capsys):
+    assert main(["sweep", "--preset", "tiny", "--grid", "micro_bach=1,2", "--output", str(tmp_path / "s.csv")]) == 2
+    assert "micro_bach" in capsys.readouterr().err and not (tmp_path / "s.csv").exists()
