@@ -32,6 +32,9 @@ A parameter's gradient becomes `.grad` when it is its first contribution in the 
 contributions (more micro-batches, `set_to_none=False`) are temporaries accumulated in place. A tied
 weight's contributions within one backward are summed out of place in its AccumulateGrad node's input
 buffer first (`Engine.param_grad`).
+A tensor read as equal views (`TapeOp.views`: q, k and v split from one projection, read by one op or
+by several) gets one view-sized gradient piece from each view's backward node; its own gradient is made
+(SplitBackward's concatenation, the pieces then freed) right after the node that gives the last piece.
 """
 
 from __future__ import annotations
@@ -116,6 +119,23 @@ class MicroBatchReplay:
             for name in op.inputs:
                 self.last_use[name] = i
                 self.readers.setdefault(name, set()).add(i)
+        # views (`TapeOp.views`): per op, the view reads its backward gives one gradient piece each; per
+        # tensor, how many views it is read as in all (its gradient is made when the last piece is in)
+        marked = {n for op in ops for n in op.views}
+        self.view_reads: list[tuple[str, ...]] = []
+        self.view_count: dict[str, int] = {}
+        for i, op in enumerate(ops):
+            reads: tuple[str, ...] = ()
+            if self.needs_backward[i]:
+                if op.views:
+                    reads = tuple(n for n in op.views if rg.get(n))
+                else:  # unmarked: a tensor this op alone reads k times (SDPA on q, k, v of one projection)
+                    reads = tuple(n for n in op.inputs if rg.get(n) and n not in marked
+                                  and op.inputs.count(n) > 1 and self.readers.get(n) == {i})
+            self.view_reads.append(reads)
+            for n in reads:
+                self.view_count[n] = self.view_count.get(n, 0) + 1
+        self.view_pieces: dict[str, list[Block]] = {}  # the pieces in so far
         self.regions: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
             if op.region is not None:
@@ -382,21 +402,20 @@ class MicroBatchReplay:
         frees += [b.id for b in self._unpack(i)]
         out0 = op.outputs[0]
         grad_out = self.grad_of.get(out0.name)
-        views = []  # (name, spec, view-sized gradients) of a tensor this op alone reads as k equal views
+        views = self.view_reads[i]
+        for name in dict.fromkeys(views):
+            # e.g. SDPA on (or q k^T and a copy of v from) the q, k, v splits of one projection: one gradient
+            # per view, concatenated into the base's gradient by the split's backward once all are in
+            spec = self.specs[name]
+            pieces = self.view_pieces.setdefault(name, [])
+            for _ in range(views.count(name)):
+                pieces.append(self.b.block(f"{name}.grad.view{len(pieces)}", spec.nbytes // self.view_count[name],
+                                           Category.TEMPORARY, spec.dtype, spec.shape))
+                allocs.append(pieces[-1])
         for name in op.inputs:
-            if not self.rg.get(name):
+            if not self.rg.get(name) or name in views:
                 continue
             spec = self.specs[name]
-            k = op.inputs.count(name)
-            if k > 1 and self.readers.get(name) == {i}:
-                # e.g. SDPA on the q, k, v splits of one projection: one gradient per view, concatenated
-                # into the base's gradient by the split's backward once this node is done
-                if not any(v[0] == name for v in views):
-                    pieces = [self.b.block(f"{name}.grad.view{j}", spec.nbytes // k, Category.TEMPORARY,
-                                           spec.dtype, spec.shape) for j in range(k)]
-                    allocs += pieces
-                    views.append((name, spec, pieces))
-                continue
             if op.passthrough and grad_out is not None and spec.shape == out0.shape and spec.dtype == out0.dtype:
                 # (a mixed-dtype add casts grad_output for its 16-bit input: a new tensor, below)
                 if name in self.grad_of:
@@ -437,7 +456,10 @@ class MicroBatchReplay:
         self.b.op(f"{op.name}.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                   flops=2 * op.flops, bytes_moved=bytes_moved)
         self._flush_after_node()
-        for name, spec, pieces in views:
+        for name in dict.fromkeys(views):
+            if len(self.view_pieces[name]) < self.view_count[name]:
+                continue  # the split's backward waits for the other views' gradients
+            spec, pieces = self.specs[name], self.view_pieces.pop(name)
             allocs, frees = [], []
             blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
             allocs.append(blk)

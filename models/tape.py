@@ -67,6 +67,11 @@ class TapeOp:
                  this op's outputs, and its recompute reuses them instead of running the op.
     offloaded    policy "offload": what this op saves is copied to host memory as it is saved
                  (`torch.autograd.graph.save_on_cpu`) and copied back for its backward.
+    views        inputs this op reads as views of a tensor split into equal parts (the q, k, v splits of
+                 one projection), one entry per view read. A tensor's views are counted over all the ops
+                 that list it: each view's backward gives one view-sized gradient piece, and the tensor's
+                 own gradient is made (a concatenation, the split's backward) when the last piece is in.
+                 Unlisted, a tensor one op alone reads k times counts as k views of that op.
     """
 
     name: str
@@ -84,6 +89,7 @@ class TapeOp:
     saved_params: tuple[str, ...] = ()
     cached: bool = False
     offloaded: bool = False
+    views: tuple[str, ...] = ()
 
 
 @dataclass

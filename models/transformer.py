@@ -293,9 +293,11 @@ def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: Ten
     """softmax(q k^T * scale, causal) v per head, as nanoGPT's eager path runs it."""
     B, T = q_src.shape[0], q_src.shape[1]
     hd = head_dim
+    # q, k and v split from one projection (nanoGPT's GPT-2): views, one gradient piece each (`TapeOp.views`)
+    split = q_src.name == k_src.name == v_src.name and q_src.shape[-1] == 3 * n_head * hd
     q, k = w.op(f"{prefix}.qk", "matmul", [q_src, k_src],
                 [w.t(f"{prefix}.q_contig", (B, n_head, T, hd)), w.t(f"{prefix}.k_contig", (B, n_head, hd, T))],
-                saves=(f"{prefix}.q_contig", f"{prefix}.k_contig"))
+                saves=(f"{prefix}.q_contig", f"{prefix}.k_contig"), views=(q_src.name, k_src.name) if split else ())
     (scores,) = w.op(f"{prefix}.scores", "bmm", [q, k], [w.t(f"{prefix}.scores", (B, n_head, T, T))],
                      flops=2 * B * n_head * T * T * hd)
     (scaled,) = w.op(f"{prefix}.scale", "mul", [scores], [w.t(f"{prefix}.scaled", (B, n_head, T, T))])
@@ -306,7 +308,8 @@ def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: Ten
     (probs,) = w.op(f"{prefix}.softmax", "softmax", [masked], [w.t(f"{prefix}.softmax", (B, n_head, T, T), sm_dtype)],
                     saves=(f"{prefix}.softmax",), flops=5 * B * n_head * T * T)
     probs = w.dropout(f"{prefix}.attn_dropout", probs, dropout)
-    (v,) = w.op(f"{prefix}.v_contig", "clone", [v_src], [w.t(f"{prefix}.v_contig", (B, n_head, T, hd))])
+    (v,) = w.op(f"{prefix}.v_contig", "clone", [v_src], [w.t(f"{prefix}.v_contig", (B, n_head, T, hd))],
+                views=(v_src.name,) if split else ())
     (y,) = w.op(f"{prefix}.pv", "bmm", [probs, v], [w.t(f"{prefix}.pv", (B, n_head, T, hd))],
                 saves=(probs.name, v.name), flops=2 * B * n_head * T * T * hd)
     return y
@@ -556,9 +559,11 @@ def _hf_eager_attention(w: _HFWriter, cfg: TransformerConfig, prefix: str, qkv: 
     """`eager_attention_forward`: (q @ k^T) * scale + mask, softmax, cast to v's dtype, dropout, @ v.
     Returns the head-merged output and the attention weights (the block holds them until it returns)."""
     B, T, H, hd = qkv.shape[0], qkv.shape[1], cfg.n_head, cfg.head_dim
+    # q, k, v are views of the projection's split: each view's backward gives a head-shaped gradient piece,
+    # and SplitBackward concatenates them into the projection's gradient once all three are in
     q, k = w.op(f"{prefix}.qk", "matmul", [qkv, qkv],
                 [w.t(f"{prefix}.q_contig", (B, H, T, hd)), w.t(f"{prefix}.k_contig", (B, H, hd, T))],
-                saves=(f"{prefix}.q_contig", f"{prefix}.k_contig"))
+                saves=(f"{prefix}.q_contig", f"{prefix}.k_contig"), views=(qkv.name, qkv.name))
     (scores,) = w.op(f"{prefix}.scores", "bmm", [q, k], [w.t(f"{prefix}.scores", (B, H, T, T))],
                      flops=2 * B * H * T * T * hd)
     (scaled,) = w.op(f"{prefix}.scale", "mul", [scores], [w.t(f"{prefix}.scaled", (B, H, T, T))])
@@ -572,7 +577,8 @@ def _hf_eager_attention(w: _HFWriter, cfg: TransformerConfig, prefix: str, qkv: 
         (weights,) = w.op(f"{prefix}.to_value_dtype", "to_copy", [probs],
                           [w.t(f"{prefix}.weights", (B, H, T, T))])
     weights = w.dropout(f"{prefix}.attn_dropout", weights, cfg.dropout)
-    (v,) = w.op(f"{prefix}.v_contig", "clone", [qkv], [w.t(f"{prefix}.v_contig", (B, H, T, hd))])
+    (v,) = w.op(f"{prefix}.v_contig", "clone", [qkv], [w.t(f"{prefix}.v_contig", (B, H, T, hd))],
+                views=(qkv.name,))
     (y,) = w.op(f"{prefix}.pv", "bmm", [weights, v], [w.t(f"{prefix}.pv", (B, H, T, hd))],
                 saves=(weights.name, v.name), flops=2 * B * H * T * T * hd)
     (merged,) = w.op(f"{prefix}.merge_heads", "clone", [y], [w.t(f"{prefix}.merged", (B, T, H * hd))])
