@@ -27,6 +27,13 @@ from peakledger.simulator.events import Category, Phase  # noqa: E402
 from peakledger.traces.tracker import peak  # noqa: E402
 
 
+def _hf_scenario(tmp_path, config: dict, training: dict):
+    """A scenario read from a small GPT-2 config.json (random weights, nothing downloaded)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return build_scenario({"hf_config": str(path)}, {"optimizer": "sgd", "precision": "fp32", **training})
+
+
 def _peaks(scenario):
     v, measured, simulated = validate(scenario)
     return peak(measured)[0], peak(simulated)[0], measured, simulated
@@ -54,11 +61,7 @@ def test_hf_tied_tiny_batch(tmp_path):
     config = dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
                   activation_function="gelu_new", tie_word_embeddings=True, n_inner=None)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    scenario = build_scenario({"hf_config": str(path)}, {"micro_batch": 3, "seq_len": 7, "steps": 2,
-                                                        "optimizer": "sgd", "precision": "fp32",
-                                                        "checkpointing": "none"})
+    scenario = _hf_scenario(tmp_path, config, {"micro_batch": 3, "seq_len": 7, "steps": 2, "checkpointing": "none"})
     m, p, _, _ = _peaks(scenario)
     assert abs(p - m) / m < 0.01, (m, p)
 
@@ -70,11 +73,7 @@ def test_hf_eager_split_views_across_ops(tmp_path):
     config = dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
                   activation_function="gelu", tie_word_embeddings=False, n_inner=96)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    scenario = build_scenario({"hf_config": str(path)}, {"micro_batch": 4, "seq_len": 64, "steps": 2,
-                                                        "optimizer": "sgd", "precision": "fp32",
-                                                        "checkpointing": "full"})
+    scenario = _hf_scenario(tmp_path, config, {"micro_batch": 4, "seq_len": 64, "steps": 2, "checkpointing": "full"})
     m, p, measured, simulated = _peaks(scenario)
     assert abs(p - m) / m < 0.01, (m, p)
     qkv = 4 * 64 * 3 * 64 * 4  # the c_attn projection's output, fp32
