@@ -9,7 +9,7 @@ from peakledger import api
 from peakledger.analysis.explain import first_oom, peak_moment
 from peakledger.cli import main
 from peakledger.scenario import build_scenario
-from peakledger.simulator.events import Phase
+from peakledger.simulator.events import Phase, Pool
 from peakledger.traces.store import load_log
 
 
@@ -83,3 +83,14 @@ def test_sweep_writes_csv_and_json_in_grid_order_with_errors_as_rows(tmp_path, c
 def test_sweep_refuses_a_misspelt_field(tmp_path, capsys):
     assert main(["sweep", "--preset", "tiny", "--grid", "micro_bach=1,2", "--output", str(tmp_path / "s.csv")]) == 2
     assert "micro_bach" in capsys.readouterr().err and not (tmp_path / "s.csv").exists()
+
+
+def test_explain_checks_the_host_pool_with_a_host_budget():
+    scenario = build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 16, "checkpoint_every": 1,
+                                                   "save_mode": "async"})
+    host = peak_moment(api.run(scenario).log, pool=Pool.HOST).live_bytes
+    assert host > 0
+    x = api.explain(scenario, budget=1 << 40, host_budget=host - 1)
+    assert x.host_moment is not None and x.host_moment.failed and x.host_moment.pool is Pool.HOST
+    assert x.host_moment.live_bytes + x.host_moment.event.block.nbytes > host - 1
+    assert not x.moment.failed  # the device budget is ample
