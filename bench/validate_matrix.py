@@ -17,12 +17,12 @@ import itertools
 import os
 import platform
 import sys
-import tempfile
 import time
 
 from peakledger import build_scenario
 from peakledger.api import validate
 from peakledger.simulator.events import Category, Phase
+from peakledger.simulator.files import write_atomic
 
 OPTIMIZERS = [("sgd", "foreach"), ("sgd-momentum", "foreach"), ("adamw", "foreach"), ("adamw", "for-loop")]
 PRECISIONS = ["fp32", "bf16-autocast"]
@@ -112,19 +112,6 @@ def other_sections(path: str) -> str:
     return "" if start < 0 else text[start:].rstrip("\n") + "\n"
 
 
-def write_atomic(path: str, text: str) -> None:
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".VALIDATION.", suffix=".md")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def main(argv: list[str]) -> int:
     configs = all_configs()
     n_all = len(configs)
@@ -139,7 +126,7 @@ def main(argv: list[str]) -> int:
               f"{c.label}  [{r['worst_phase']}: {r['unexplained']}]", flush=True)
     text = render(results, time.perf_counter() - t0, n_all)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "VALIDATION.md")
-    write_atomic(out, text + other_sections(out))
+    write_atomic(out, (text + other_sections(out)).encode())
     print(text.splitlines()[4])
     return 0
 
