@@ -58,10 +58,22 @@ class Moment:
         return self.live_bytes + self.event.block.nbytes - self.capacity
 
 
-def cause(event: Event, by_category: dict[Category, int]) -> str:
-    """One sentence on why memory is high at `event`: the transient that happens there, if a known one."""
+def cause(event: Event, by_category: dict[Category, int], setup: dict | None = None) -> str:
+    """One sentence on why memory is high at `event`: the transient that happens there, if a known one.
+    `setup` (a TrainingSetup as a dict, from the log's metadata) names what only the setup can tell."""
     cat, phase = event.block.category, event.phase.value
     states = by_category.get(Category.OPTIMIZER_STATE, 0)
+    setup = setup or {}
+    offload = setup.get("optimizer_offload", "none")
+    if (phase == "optimizer" and event.step == 1 and offload != "none" and setup.get("offload_first_step") != "chunked"
+            and not event.op.startswith(("optimizer.chunk", "optimizer.offload"))):
+        later = ("every state comes back for the whole step" if offload == "states" else
+                 f"at most {setup.get('offload_prefetch', 0) + 1} chunk(s) of {setup.get('offload_chunk_params', 0):,} "
+                 "parameters come back at a time; offload_first_step=\"chunked\" creates them chunk by chunk too")
+        return (f"the first step is one whole torch step() on the device: it creates every optimizer state lazily "
+                f"inside it, beside its parameter ({states:,} B of states now), and runs the update over all of them "
+                f"and their temporaries before the offload can move any to the host; from step 2 the states live on "
+                f"the host and {later}")
     if phase == "optimizer" and event.step == 1 and (cat is Category.OPTIMIZER_STATE or event.op == "optimizer.init_state"):
         return ("the first optimizer step creates the optimizer states lazily inside step(), while every gradient "
                 "is still live; later steps start with them already allocated")

@@ -2,8 +2,13 @@
 
 A peak is the highest occupancy of one (rank, pool) reached right after an event; it carries that
 event (so the op, phase and step that caused it) and the live bytes by category at that moment.
-The steady-state peak is what every step after the first needs; the first step can be higher because
-optimizer states are created lazily inside it, so "first > steady" is a transient worth naming.
+The steady-state peak is what every step after the first needs; the first-step peak includes the load.
+In the plain loop the first step is never above the steady state: the optimizer states torch creates
+lazily inside the first step() stay for every later step (measured on real runs, tests/
+test_optimizer_offload.py), so an OOM "at the first optimizer step" is the first moment the full state
+exists, and would recur. The first step is above the steady state when something exists in it alone:
+a load transient, or an optimizer-state offload whose first step creates every state on the device
+before it can move any to the host (models/optimizers.py); `transient` is then worth naming.
 """
 
 from __future__ import annotations

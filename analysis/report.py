@@ -145,6 +145,16 @@ def _rank_range(ranks: tuple[int, ...]) -> str:
     return "rank " + ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks from {ranks[0]}"
 
 
+def _offload_text(setup: dict) -> str:
+    mode = setup.get("optimizer_offload", "none")
+    if mode == "none":
+        return ""
+    if mode == "states":
+        return "; optimizer states offloaded to the host between steps"
+    return (f"; optimizer states offloaded, updated in chunks of {setup['offload_chunk_params']:,} parameters "
+            f"({setup['offload_prefetch']} ahead; first step {setup['offload_first_step']})")
+
+
 def render_text(r: Report, unit: str = "GiB") -> str:
     """A plain-text report (monospace table), sizes labelled with their unit."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -155,7 +165,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         b_eff = md["effective_batch"]
         lines.append(f"  {md.get('n_params'):,} parameters ({md.get('n_trainable'):,} trainable); precision "
                      f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
-                     f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}")
+                     f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}"
+                     + _offload_text(setup))
         lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
                      f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {setup['steps']} steps")
         if setup.get("world_size", 1) > 1:
@@ -172,7 +183,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"steady peak      {f(pk.steady.bytes):>14}  at {pk.steady.event.op} (steps >= 2)")
             if pk.first_step.bytes > pk.steady.bytes:
                 lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state: "
-                             + cause(pk.first_step.event, pk.first_step.live_by_category))
+                             + cause(pk.first_step.event, pk.first_step.live_by_category, setup))
         if r.host is not None:
             he = r.host.peak.event
             lines.append(f"host peak        {f(r.host.peak.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"

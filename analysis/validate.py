@@ -38,6 +38,7 @@ class Validation:
     categories_at_peak: dict[str, tuple[int, int]]
     unexplained: list[tuple[str, Block]] = field(default_factory=list)  # ("measured only"/"predicted only", block)
     worst_phase: str = ""
+    host: PeakPair | None = None  # the rank's host memory, when either side has any
 
     def passes(self, tolerance: float) -> bool:
         return abs(self.overall.error) <= tolerance
@@ -96,8 +97,13 @@ def compare_logs(measured: EventLog, simulated: EventLog, name: str = "", rank: 
         unexplained = [("measured only", b) for b in _unmatched(m_live, s_live)[:8]] + \
                       [("predicted only", b) for b in _unmatched(s_live, m_live)[:8]]
         unexplained.sort(key=lambda sb: -sb[1].nbytes)
+    host = None
+    if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for log in (measured, simulated) for e in log.events):
+        host = PeakPair("host memory", timeline(measured, rank, Pool.HOST).peak().bytes,
+                        timeline(simulated, rank, Pool.HOST).peak().bytes)
     return Validation(name=name, overall=PeakPair("overall", mp.bytes, sp.bytes), first_step=first, steady=steady,
-                      phases=phases, categories_at_peak=cats, unexplained=unexplained[:10], worst_phase=worst_label)
+                      phases=phases, categories_at_peak=cats, unexplained=unexplained[:10], worst_phase=worst_label,
+                      host=host)
 
 
 def validation_json(v: Validation) -> dict:
@@ -107,17 +113,18 @@ def validation_json(v: Validation) -> dict:
             "steady_peak": pair(v.steady), "phases": {p.label: pair(p) for p in v.phases},
             "categories_at_peak": {c: {"measured": m, "predicted": s} for c, (m, s) in v.categories_at_peak.items()},
             "unexplained": [{"side": side, "tensor": b.name, "category": b.category.value, "bytes": b.nbytes}
-                            for side, b in v.unexplained], "worst_phase": v.worst_phase}
+                            for side, b in v.unexplained], "worst_phase": v.worst_phase, "host_peak": pair(v.host)}
 
 
 def render_validation(v: Validation, unit: str = "MiB") -> str:
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     lines = [f"validate {v.name}: measured (real torch run on CPU) vs predicted (simulator)", "",
              f"  {'':<26}{'measured':>14}{'predicted':>14}{'error':>9}{'bytes':>14}"]
-    rows = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + v.phases
+    head = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + ([v.host] if v.host else [])
+    rows = head + v.phases
     for i, p in enumerate(rows):
-        if i == (3 if v.steady else 2):
-            lines.append("  by phase:")
+        if i == len(head):
+            lines.append("  by phase (device memory):" if v.host else "  by phase:")
         lines.append(f"  {p.label:<26}{f(p.measured):>14}{f(p.predicted):>14}{p.error:>+9.2%}"
                      f"{p.predicted - p.measured:>+14,}")
     lines += ["", "  at each side's overall peak, by category:"]

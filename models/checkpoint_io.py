@@ -4,8 +4,9 @@ What a checkpoint holds
 -----------------------
 A rank's training state (`rank_state`): its parameters as its data-parallel engine stores them
 (models/parallel.py: whole, a dim-0 shard, a flat partition), the fp32 master weights under mixed
-precision, and the optimizer states (Adam's `step` included). Gradients and activations are never
-saved. The module buffers the describers list (nanoGPT's eager causal mask, Llama's rotary
+precision, and the optimizer states (Adam's `step` included; with an optimizer-state offload,
+models/optimizers.py, the states are read from their host buffers). Gradients and activations are
+never saved. The module buffers the describers list (nanoGPT's eager causal mask, Llama's rotary
 `inv_freq`) are registered non-persistent: they are not in a state dict.
 
 For one state tensor t of rank r, write |t| for the bytes of r's own tensor (its shard, padding
@@ -185,6 +186,7 @@ def rank_state(b) -> tuple[StateTensor, ...]:
             out.append(StateTensor(f"{t.name}.master", Category.MASTER_PARAMETER, "fp32", t.shape, t.numel * 4,
                                    t.numel * 4, full_numel(t) * 4, padded_numel(t) * shard * 4, shard, replicated,
                                    Pool.DEVICE))
+    state_pool = Pool.HOST if s.optimizer_offload != "none" else Pool.DEVICE  # offloaded: host buffers (offload.py)
     for t in tensors:
         local = state_specs(s.optimizer, t.numel, s.state_dtype)
         full = state_specs(s.optimizer, full_numel(t), s.state_dtype)
@@ -195,7 +197,7 @@ def rank_state(b) -> tuple[StateTensor, ...]:
             out.append(StateTensor(f"{t.name}.{state.value}", Category.OPTIMIZER_STATE, dt, (numel,) if split else (),
                                    numel * k, numel * k, full_n * k if split else numel * k,
                                    padded_n * shard * k if split else numel * k, shard if split else 1,
-                                   replicated, step_pool(b) if not split else Pool.DEVICE, state))
+                                   replicated, state_pool if split else step_pool(b), state))
     if s.optimizer == "adam-8bit":
         out.append(StateTensor("optimizer.qmaps", Category.OPTIMIZER_STATE, "fp32", (2, 256), BNB_QMAP_BYTES,
                                BNB_QMAP_BYTES, BNB_QMAP_BYTES, BNB_QMAP_BYTES, 1, replicated, Pool.DEVICE,

@@ -208,6 +208,40 @@ def _checkpoint_io_fields(setup) -> None:
                                        "is not modelled; allowed there: torch-save, sharded, async")
 
 
+def _optimizer_offload_fields(setup) -> None:
+    """`optimizer_offload` and its knobs (models/optimizers.py): a mode this describer models, on an
+    optimizer with tensor states, under an engine that leaves the torch optimizer's states alone."""
+    _choice(setup, "optimizer_offload", OPTIMIZER_OFFLOADS)
+    _choice(setup, "offload_first_step", OFFLOAD_FIRST_STEPS)
+    _positive_int(setup, "offload_chunk_params")
+    prefetch = setup.offload_prefetch
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigError("offload_prefetch", f"must be an integer >= 0, got {prefetch!r}")
+    mode = setup.optimizer_offload
+    if setup.offload_first_step != "whole" and mode != "chunked":
+        raise ConfigError("offload_first_step", f"{setup.offload_first_step!r} only applies to optimizer_offload "
+                                                f"\"chunked\", not {mode!r}")
+    if mode == "none":
+        return
+    if setup.optimizer == "sgd":
+        raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
+                                               "sgd-momentum, adam, adamw, amsgrad")
+    if setup.optimizer == "adam-8bit":
+        raise ConfigError("optimizer_offload", "bitsandbytes' 8-bit states (its paged optimizers) are not modelled "
+                                               "for offload; allowed with: sgd-momentum, adam, adamw, amsgrad")
+    if setup.dp_engine == "deepspeed" and (setup.world_size > 1 or setup.zero_stage):
+        raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
+                                               "the step runs on the CPU), not modelled; allowed with one device, "
+                                               "fsdp2, ddp or zero-redundancy-optimizer")
+    if setup.load_mode != "none":
+        raise ConfigError("load_mode", f"{setup.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
+                                       "moved to the host) is not modelled; allowed there: none")
+    if setup.save_mode.startswith("full-") and setup.world_size > 1:
+        raise ConfigError("save_mode", f"{setup.save_mode!r} gathers sharded states on the device; with host-resident "
+                                       "offloaded states that is not modelled; allowed there: torch-save, sharded, "
+                                       "async")
+
+
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -215,6 +249,8 @@ CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "o
 DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
+OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
+OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 
 
 @dataclass(frozen=True)
@@ -261,6 +297,11 @@ class TrainingSetup:
     checkpoint_every: int = 0  # save after every N-th optimizer step (0 = never)
     save_mode: str = "torch-save"  # how a save is made: see SAVE_MODES
     load_mode: str = "none"  # how the run starts from a checkpoint: see LOAD_MODES ("none": fresh)
+    # optimizer-state offload (models/optimizers.py): the states live in host memory between steps
+    optimizer_offload: str = "none"  # see OPTIMIZER_OFFLOADS
+    offload_chunk_params: int = 100_000_000  # chunked: parameter elements whose states move and update together
+    offload_prefetch: int = 1  # chunked: chunks copied to the device ahead of the one being updated
+    offload_first_step: str = "whole"  # chunked: step 1 as one torch step() ("whole") or chunk by chunk
 
     def __post_init__(self) -> None:
         _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
@@ -289,6 +330,7 @@ class TrainingSetup:
         if self.fp32_grads and not self.precision.endswith("-mixed"):
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
         _checkpoint_io_fields(self)
+        _optimizer_offload_fields(self)
 
     @property
     def param_dtype(self) -> str:
@@ -320,4 +362,4 @@ class TrainingSetup:
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
            "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING",
-           "DP_ENGINES"]
+           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS"]

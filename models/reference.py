@@ -56,6 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .optimizers import offload_chunks
 from .tape import Segment, checkpoint_segments
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -474,28 +475,117 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     return trainable
 
 
-def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
     """The torch.optim optimizer for `setup.optimizer` / `setup.optimizer_impl`, over the trainable params.
 
     sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
     Adam(amsgrad=True). optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False,
     "fused" -> fused=True. `setup.frozen` patterns freeze parameters first (requires_grad=False).
+    With `setup.optimizer_offload` the optimizer comes wrapped in a `StateOffload`.
     """
     freeze(model, setup.frozen)
     params = [p for p in model.parameters() if p.requires_grad]
     impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
     flags = impl[setup.optimizer_impl]
     if setup.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
-    if setup.optimizer == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    if setup.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, **flags)
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **flags)
-    if setup.optimizer == "amsgrad":
-        return torch.optim.Adam(params, lr=lr, amsgrad=True, **flags)
-    raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
+    elif setup.optimizer == "sgd-momentum":
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
+    elif setup.optimizer == "adam":
+        optimizer = torch.optim.Adam(params, lr=lr, **flags)
+    elif setup.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(params, lr=lr, **flags)
+    elif setup.optimizer == "amsgrad":
+        optimizer = torch.optim.Adam(params, lr=lr, amsgrad=True, **flags)
+    else:
+        raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
+    return StateOffload(optimizer, setup) if setup.optimizer_offload != "none" else optimizer
+
+
+class StateOffload:
+    """An optimizer-state offload around a torch.optim optimizer, as models/optimizers.py describes it
+    (prime-rl's CPUOffloadOptimizer with reused host buffers; chunked as Megatron's and prime-rl's).
+
+    Between steps every tensor state but `step` lives in a host buffer (pinned where CUDA exists),
+    allocated by the first offload and reused. `step()` copies each chunk in (`offload_prefetch` ahead),
+    runs the wrapped optimizer's step over that chunk's parameters alone, and copies the chunk back,
+    each device copy dropped as soon as it is copied. The first step creates the states: one whole
+    `step()` ("whole") or chunk by chunk ("chunked"), each chunk offloaded before the next is created.
+    On a CPU-only machine the "device" is the CPU too: the copies are real, separate allocations, and
+    `host_buffers` tells the tracker which of them are the host's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, setup: TrainingSetup) -> None:
+        self.optimizer = optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        chunks = offload_chunks([p.numel() for p in params], setup.optimizer_offload, setup.offload_chunk_params)
+        self.chunks = [[params[i] for i in chunk] for chunk in chunks]
+        self.prefetch = setup.offload_prefetch if setup.optimizer_offload == "chunked" else 0
+        self.chunked_first = setup.offload_first_step == "chunked"
+        self.host_buffers: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), key)
+        self.started = False
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def register_step_post_hook(self, hook):
+        """Runs after every step the wrapped optimizer takes (one per chunk)."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        first, self.started = not self.started, True
+        if first and not self.chunked_first:
+            self.optimizer.step()
+            for chunk in self.chunks:
+                self._to_host(chunk)
+            return
+        issued = 0
+        for k, chunk in enumerate(self.chunks):
+            while not first and issued <= min(k + self.prefetch, len(self.chunks) - 1):
+                self._to_device(self.chunks[issued])
+                issued += 1
+            self._step(chunk)
+            self._to_host(chunk)
+
+    def _step(self, chunk: list[torch.Tensor]) -> None:
+        """The wrapped optimizer's step over `chunk`'s parameters alone."""
+        keep = {id(p) for p in chunk}
+        groups = self.optimizer.param_groups
+        everything = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [p for p in group["params"] if id(p) in keep]
+        try:
+            self.optimizer.step()
+        finally:
+            for group, params in zip(groups, everything):
+                group["params"] = params
+
+    def _offloaded_keys(self, p: torch.Tensor) -> list[str]:
+        return [k for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor) and k != "step"]
+
+    def _to_host(self, chunk: list[torch.Tensor]) -> None:
+        for p in chunk:
+            state = self.optimizer.state[p]
+            for k in self._offloaded_keys(p):
+                host = self.host_buffers.get((id(p), k))
+                if host is None:
+                    host = self.host_buffers[(id(p), k)] = torch.empty(state[k].shape, dtype=state[k].dtype, device="cpu",
+                                                               pin_memory=torch.cuda.is_available())
+                host.copy_(state[k])
+                state[k] = host  # the device copy goes with its last reference
+
+    def _to_device(self, chunk: list[torch.Tensor]) -> None:
+        for p in chunk:
+            state = self.optimizer.state[p]
+            for k in self._offloaded_keys(p):
+                state[k] = torch.empty_like(state[k], device=p.device).copy_(state[k], non_blocking=True)
 
 
 def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
@@ -522,4 +612,4 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
 
 __all__ = ["GPT", "MLP", "hf_gpt2", "hf_gpt2_config", "build_model", "autocast_context", "REFERENCE_PRECISIONS",
            "run_segment", "attention_core", "OP_POLICY", "OP_POLICY_SAVES", "HF_CHECKPOINTING",
-           "freeze", "make_optimizer", "make_batch", "TORCH_DTYPES"]
+           "freeze", "make_optimizer", "StateOffload", "make_batch", "TORCH_DTYPES"]

@@ -12,6 +12,8 @@ The training loop described is the usual one:
 
 With data parallelism, the engine of `setup.dp_engine` (models/parallel.py) decides each rank's layout,
 its gathers and reduce buckets; `describe` writes one representative rank per class of identical ranks.
+With `setup.optimizer_offload` the optimizer is wrapped (models/optimizers.py, models/offload.py): its
+states live on the host between steps and `step()` runs chunk by chunk, each chunk copied in and out.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dt
 from .costs import DeviceProfile, device_profile
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .parallel import make_engine
+from .offload import OffloadedStates
 from .tape import Tape
 from .transformer import mlp_tape, transformer_tape
 
@@ -150,61 +153,108 @@ def _describe_rank(b: GraphBuilder) -> None:
     grads = GradState(persistent=setup.fp32_grads)
     b.engine.load(grads)
     states_loaded = load_checkpoint(b)
+    offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.optimizer_offload != "none" else None
     for step in range(1, setup.steps + 1):
         for mb in range(setup.grad_accum):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
             b.engine.end_backward(step, mb)
-        _optimizer_step(b, step, grads, states_loaded)
+        _optimizer_step(b, step, grads, states_loaded, offload)
         b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
         if saves_after(setup, step):
             save_checkpoint(b, step)
 
 
-def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False) -> None:
+def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,
+                    offload: OffloadedStates | None = None) -> None:
     """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1, unless
-    they were loaded from a checkpoint)."""
-    s = b.setup
+    they were loaded from a checkpoint), inside the optimizer-state offload when there is one."""
     tensors = b.engine.optim_tensors()
+    create = step == 1 and not states_loaded
+    chunked_first = create and offload is not None and b.setup.offload_first_step == "chunked"
+    if create and not chunked_first:
+        created = _create_states(b, step, tensors, "optimizer.init_state")
+        if offload is not None:
+            offload.adopt(created)
+    fp32_grads = b.engine.before_step(step, grads)
+    if offload is None:
+        _update(b, step, tensors, "optimizer")
+    elif create and not chunked_first:  # one whole torch step made every state on the device: now offload them
+        _update(b, step, tensors, "optimizer")
+        for k in range(len(offload.chunks)):
+            offload.offload(k, step)
+    else:
+        _offloaded_update(b, step, offload, create)
+    if fp32_grads or b.engine.master_dtype():
+        b.op("optimizer.copy_master_to_params", Phase.OPTIMIZER, step, -1, [], [g.id for g in fp32_grads],
+             bytes_moved=sum(t.numel for t in tensors) * 6)
+    b.engine.after_step(step)
+
+
+def _offloaded_update(b: GraphBuilder, step: int, offload: OffloadedStates, create: bool) -> None:
+    """Chunk by chunk: copy in (`offload_prefetch` chunks ahead; nothing to copy in when the chunk's states
+    are created by its own step, the first), a torch step over the chunk's parameters, copy back."""
+    issued, transfers = 0, {}
+    for k, chunk in enumerate(offload.chunks):
+        name = f"optimizer.chunk{k}"
+        if create:
+            offload.adopt(_create_states(b, step, chunk, f"{name}.init_state"))
+        else:
+            while issued <= min(k + offload.prefetch, len(offload.chunks) - 1):
+                transfers[issued] = offload.load(issued, step)
+                issued += 1
+        _update(b, step, chunk, name, after=(transfers[k],) if k in transfers else ())
+        offload.offload(k, step)
+
+
+def _create_states(b: GraphBuilder, step: int, tensors, op_name: str) -> list[Block]:
+    """torch's lazy state init (`_init_group`) for `tensors`: every state of each, on the device (Adam's
+    `step` scalar on the host unless fused)."""
+    s = b.setup
+    shard = b.engine.state_shard()
+    step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
+    states = []
+    for t in tensors:
+        for state, numel, dtype in state_specs(s.optimizer, t.numel, s.state_dtype):
+            sharded = state is not OptimizerState.STEP
+            states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
+                                  dtype, (numel,) if sharded else (), state=state,
+                                  shard=shard if sharded else 1,
+                                  pool=step_state_pool if not sharded else Pool.DEVICE))
+    if s.optimizer == "adam-8bit":
+        states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
+                              state=OptimizerState.QUANT_STATE))
+    b.op(op_name, Phase.OPTIMIZER, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
+    return states
+
+
+def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
+    """The update kernels of one torch `step()` over `tensors` (ops named `<name>.<kind>`), with the
+    temporaries of `setup.optimizer_impl`; the first op waits for `after`."""
+    s = b.setup
     shard = b.engine.state_shard()
     state_dtype = s.state_dtype
     ph = Phase.OPTIMIZER
-    if step == 1 and not states_loaded:
-        states = []
-        step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
-        for t in tensors:
-            for state, numel, dtype in state_specs(s.optimizer, t.numel, state_dtype):
-                sharded = state is not OptimizerState.STEP
-                states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
-                                      dtype, (numel,) if sharded else (), state=state,
-                                      shard=shard if sharded else 1,
-                                      pool=step_state_pool if not sharded else Pool.DEVICE))
-        if s.optimizer == "adam-8bit":
-            states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
-                                  state=OptimizerState.QUANT_STATE))
-        b.op("optimizer.init_state", ph, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
-    fp32_grads = b.engine.before_step(step, grads)
     total_numel = sum(t.numel for t in tensors)
     flops = update_flops(s.optimizer, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
     if has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "foreach":
         temps = [b.block(f"{t.name}.exp_avg_sq_sqrt", t.numel * dtype_bytes(state_dtype), Category.TEMPORARY,
                          state_dtype, t.shape, shard=shard) for t in tensors]
-        b.op("optimizer.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops, bytes_moved=bytes_moved)
+        b.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
+             bytes_moved=bytes_moved, after=after)
     elif has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "for-loop":
         previous_denom = None
-        for t in tensors:
+        for i, t in enumerate(tensors):
             nbytes = t.numel * dtype_bytes(state_dtype)
             sqrt = b.block(f"{t.name}.exp_avg_sq_sqrt", nbytes, Category.TEMPORARY, state_dtype, t.shape)
             denom = b.block(f"{t.name}.denom", nbytes, Category.TEMPORARY, state_dtype, t.shape)
             frees = [sqrt.id] + ([previous_denom.id] if previous_denom else [])
-            b.op(f"optimizer.update.{t.name}", ph, step, -1, [sqrt, denom], frees,
-                 flops=update_flops(s.optimizer, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5)
+            b.op(f"{name}.update.{t.name}", ph, step, -1, [sqrt, denom], frees,
+                 flops=update_flops(s.optimizer, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,
+                 after=after if i == 0 else ())
             previous_denom = denom
         if previous_denom:
-            b.op("optimizer.update.end", ph, step, -1, [], [previous_denom.id])
+            b.op(f"{name}.update.end", ph, step, -1, [], [previous_denom.id])
     else:
-        b.op(f"optimizer.{s.optimizer_impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved)
-    if fp32_grads or b.engine.master_dtype():
-        b.op("optimizer.copy_master_to_params", ph, step, -1, [], [g.id for g in fp32_grads],
-             bytes_moved=total_numel * 6)
-    b.engine.after_step(step)
+        b.op(f"{name}.{s.optimizer_impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
+             after=after)

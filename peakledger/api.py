@@ -137,6 +137,16 @@ def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
         out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
     if s.optimizer_impl != "fused" and s.optimizer != "adam-8bit":
         out.append(("fused optimizer", {"optimizer_impl": "fused"}, False, "none: no step temporaries"))
+    chunked = {"optimizer_offload": "chunked", "offload_first_step": "chunked"}
+    copies = "optimizer states copied to the device and back every step, over the host link"
+    if s.optimizer_offload == "none":
+        out.append(("optimizer-state offload, chunked", chunked, False, copies))
+        out.append(("optimizer-state offload", {"optimizer_offload": "states"}, False, copies))
+    elif s.optimizer_offload == "states":
+        out.append(("optimizer-state offload in chunks", chunked, False, copies + ", chunk by chunk"))
+    elif s.offload_first_step == "whole":
+        out.append(("first step chunk by chunk (offload_first_step=chunked)", {"offload_first_step": "chunked"}, False,
+                    "none: the first step creates and offloads the states chunk by chunk"))
     if s.precision == "fp32":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
     if isinstance(model, TransformerConfig) and model.n_layer > 1:
@@ -275,6 +285,9 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     from .traces.distributed import measure_distributed, without_backend_copies
 
     setup = scenario.setup
+    if setup.optimizer_offload != "none":
+        raise ConfigError("optimizer_offload", "real multi-process runs do not wrap their optimizers in the offload; "
+                                               "validate it on one process (peakledger validate without --world-size)")
     if setup.dp_engine not in DISTRIBUTED_ENGINES:
         raise ConfigError("dp_engine", f"real multi-process runs use torch's engines: {', '.join(DISTRIBUTED_ENGINES)}"
                                        " (DeepSpeed needs CUDA)")

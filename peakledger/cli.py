@@ -23,8 +23,8 @@ from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
-from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OPTIMIZER_IMPLS, OPTIMIZERS, PRECISIONS,
-                            SAVE_MODES, ConfigError, TransformerConfig)
+from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, TransformerConfig)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import build_scenario, load_toml
@@ -37,7 +37,8 @@ DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "r
                 "stage3_param_persistence_threshold"]
 TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
                   "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
-                  "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers"] + DP_INT_FLAGS
+                  "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers",
+                  "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step"] + DP_INT_FLAGS
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
@@ -74,6 +75,13 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     k.add_argument("--checkpoint-every", type=int, help="save a checkpoint after every N-th optimizer step (0: never)")
     k.add_argument("--save-mode", help=", ".join(SAVE_MODES))
     k.add_argument("--load-mode", help=", ".join(LOAD_MODES) + " (a checkpoint loaded before the first step)")
+    o = p.add_argument_group("optimizer-state offload")
+    o.add_argument("--optimizer-offload", help=", ".join(OPTIMIZER_OFFLOADS) + " (states in host memory between steps)")
+    o.add_argument("--offload-chunk-params", type=int,
+                   help="chunked: parameter elements whose states are copied and updated together (default 100000000)")
+    o.add_argument("--offload-prefetch", type=int, help="chunked: chunks copied in ahead of the one updated (default 1)")
+    o.add_argument("--offload-first-step", help=", ".join(OFFLOAD_FIRST_STEPS) +
+                   " (chunked: step 1 as one torch step, or chunk by chunk)")
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
@@ -254,19 +262,20 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def _moment_json(m) -> dict:
+def _moment_json(m, setup: dict | None = None) -> dict:
     e = m.event
     return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "op": e.op, "phase": e.phase.value,
             "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
             "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
-            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category), "model_state_bytes": m.state_bytes,
+            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category, setup),
+            "model_state_bytes": m.state_bytes,
             "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
             "live_by_category": {c.value: b for c, b in sorted(m.by_category.items(), key=lambda cb: -cb[1])},
             "largest": [{"name": b.name, "bytes": b.nbytes, "category": b.category.value, "dtype": b.dtype}
                         for b in m.largest]}
 
 
-def _render_moment(m, u: str) -> list[str]:
+def _render_moment(m, u: str, setup: dict | None = None) -> list[str]:
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event
     where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
@@ -278,7 +287,7 @@ def _render_moment(m, u: str) -> list[str]:
     else:
         room = f"{f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
         lines = [f"fits: peak {f(m.live_bytes)} at {where}" + (f"; {room}" if room else "")]
-    lines.append(f"  why: {cause(e, m.by_category)}")
+    lines.append(f"  why: {cause(e, m.by_category, setup)}")
     lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
                  f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
     lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
@@ -296,18 +305,20 @@ def cmd_explain(args) -> int:
         log = _load_any_trace(args.trace)
         moment = api.explain_trace(log, budget)
         if args.json:
-            _write_json({"trace": args.trace, "budget": budget, "moment": _moment_json(moment)})
+            _write_json({"trace": args.trace, "budget": budget,
+                         "moment": _moment_json(moment, log.metadata.get("setup"))})
         else:
             print(f"{args.trace}: {log.source} trace, budget {format_bytes(budget, u)}")
-            print("\n".join(_render_moment(moment, u)))
+            print("\n".join(_render_moment(moment, u, log.metadata.get("setup"))))
         return 0
     scenario = _scenario_from_args(args)
     x = api.explain(scenario, budget, host_budget)
+    setup = dataclasses.asdict(scenario.setup)
     if args.json:
         _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
                      "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
-                     "moment": _moment_json(x.moment),
-                     "host_moment": _moment_json(x.host_moment) if x.host_moment else None,
+                     "moment": _moment_json(x.moment, setup),
+                     "host_moment": _moment_json(x.host_moment, setup) if x.host_moment else None,
                      "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in fx.changes.items()},
                                 "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
@@ -316,9 +327,9 @@ def cmd_explain(args) -> int:
         return 0
     f = lambda n: format_bytes(n, u)  # noqa: E731
     print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
-    print("\n".join(_render_moment(x.moment, u)))
+    print("\n".join(_render_moment(x.moment, u, setup)))
     if x.host_moment is not None:
-        print("\n".join(_render_moment(x.host_moment, u)))
+        print("\n".join(_render_moment(x.host_moment, u, setup)))
     print("")
     print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
     print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")

@@ -77,6 +77,9 @@ def test_compare_prints_cases_side_by_side(capsys):
     (["--device", "TPU"], "device"),
     (["--seq-len", "100000"], "seq_len"),
     (["--freeze", "nothing.*"], "frozen"),
+    (["--optimizer-offload", "cpu"], "optimizer_offload"),
+    (["--optimizer-offload", "chunked", "--optimizer", "sgd"], "optimizer_offload"),
+    (["--offload-first-step", "chunked"], "offload_first_step"),
 ])
 def test_bad_input_exits_2_naming_the_field(capsys, argv, field):
     code, out, err = run_cli(capsys, "simulate", *TINY, *argv)

@@ -27,7 +27,9 @@ AccumulateGrad node stole becomes the gradient) > OPTIMIZER_STATE (a storage fou
 logits/outputs the caller holds until backward ends, as the simulator counts them) > TEMPORARY.
 The phase, step and micro-batch come from `with tracker.phase(...)`; names are the module path
 (forward pre/post hooks) plus the aten op in forward, the running autograd node in backward, and
-`param.grad` / `param.exp_avg` ... for gradients and optimizer state.
+`param.grad` / `param.exp_avg` ... for gradients and optimizer state. Every block is device memory
+(Pool.DEVICE) except the host buffers an optimizer-state offload names (`optimizer.host_buffers`,
+models/reference.py `StateOffload`): Pool.HOST, so a CPU run shows the device memory a GPU would hold.
 
 Distributed runs (traces/distributed.py: one tracker per rank, `rank=r` on every Block)
 ---------------------------------------------------------------------------------------
@@ -97,6 +99,7 @@ class _Record:
     label_name: str | None = None  # the name that goes with the strongest label (param / grad / state)
     label_rank: int = len(_PRECEDENCE)
     shard_factor: int = 1
+    pool: Pool = Pool.DEVICE
     freed: bool = False
 
     def label(self, category: Category, name: str | None = None, state: OptimizerState | None = None) -> None:
@@ -119,6 +122,13 @@ class _Record:
         self.labels = set(previous.labels)
         self.label_rank, self.label_name = previous.label_rank, previous.label_name
         self.state, self.shard_factor = previous.state, previous.shard_factor
+
+
+def _state_name(key: str) -> OptimizerState | None:
+    try:
+        return OptimizerState(key)
+    except ValueError:
+        return None
 
 
 def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
@@ -352,9 +362,9 @@ class AllocationTracker:
         return hit[0] if hit is not None and hit[1]() is st else None
 
     def mark(self, t: torch.Tensor, category: Category, name: str | None = None,
-             state: OptimizerState | None = None) -> _Record | None:
+             state: OptimizerState | None = None, pool: Pool | None = None) -> _Record | None:
         """Label the storage of `t` (recording it now if it was never seen); a DTensor's local shard, with
-        the DTensor's shard factor. Returns the record (None for a storage of 0 bytes)."""
+        the DTensor's shard factor; `pool` says it is host memory. Returns the record (None for 0 bytes)."""
         rec = None
         for plain in _plain_tensors(t):
             rec = self.record_of(plain)
@@ -367,6 +377,8 @@ class AllocationTracker:
                     continue
             rec.label(category, name, state)
             rec.shard_factor = max(rec.shard_factor, shard_factor(t))
+            if pool is not None:
+                rec.pool = pool
         return rec
 
     def mark_input(self, *tensors: torch.Tensor) -> None:
@@ -383,15 +395,15 @@ class AllocationTracker:
                     # FSDP2: one reduce-scatter output holds the unit's sharded grads; it keeps its name
                     self.mark(p.grad, Category.GRADIENT, name=rec.label_name if bucket else f"{n}.grad")
         if self.optimizer is not None:
+            # an optimizer-state offload (models/reference.py StateOffload) names its host buffers: host memory
+            for (pid, k), t in getattr(self.optimizer, "host_buffers", {}).items():
+                self.mark(t, Category.OPTIMIZER_STATE, name=f"{self.param_names.get(pid, 'param')}.{k}.host",
+                          state=_state_name(k), pool=Pool.HOST)
             for p, state in self.optimizer.state.items():
                 pname = self.param_names.get(id(p), "param")
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor):
-                        try:
-                            st = OptimizerState(k)
-                        except ValueError:
-                            st = None
-                        self.mark(v, Category.OPTIMIZER_STATE, name=f"{pname}.{k}", state=st)
+                        self.mark(v, Category.OPTIMIZER_STATE, name=f"{pname}.{k}", state=_state_name(k))
 
     # -- context --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -442,6 +454,9 @@ class AllocationTracker:
                     self._hooks.append(mod.register_forward_pre_hook(self._pre_hook(name or "model")))
                     self._hooks.append(mod.register_forward_hook(self._post_hook()))
             self.scan()
+        if self.optimizer is not None and hasattr(self.optimizer, "register_step_post_hook"):
+            # states that live only inside step() (an offload's device copies) are labelled right after it
+            self._hooks.append(self.optimizer.register_step_post_hook(lambda *_: self.scan()))
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(_StorageResizeWatch(self))
         if self.model is not None and FSDPLabels.applies_to(self.model):
@@ -481,7 +496,7 @@ class AllocationTracker:
             blocks[rec.id] = Block(id=rec.id, nbytes=rec.nbytes, category=rec.category,
                                    name=rec.label_name or rec.name, dtype=rec.dtype, shape=rec.shape,
                                    state=rec.state if rec.category is Category.OPTIMIZER_STATE else None,
-                                   shard_factor=rec.shard_factor, rank=self.rank, pool=Pool.DEVICE)
+                                   shard_factor=rec.shard_factor, rank=self.rank, pool=rec.pool)
         events = [Event(seq=i, time=t, action=a, block=blocks[rid], phase=ph, step=s, micro_batch=mb,
                         stream=Stream.COMPUTE, op=op)
                   for i, (t, a, rid, ph, s, mb, op) in enumerate(self.raw)]
