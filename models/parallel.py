@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from math import prod
 
 from ..simulator.events import Block, Category, Phase, Pool, Stream
 from .config import dtype_bytes
@@ -176,7 +177,10 @@ class Engine:
             params.append(b.block(p.name, numel * dtype_bytes(self.param_storage_dtype()), Category.PARAMETER,
                                   self.param_storage_dtype(), p.shape, shard=shard))
         params += self.extra_param_blocks()
-        buffers = [b.block(t.name, t.nbytes, Category.BUFFER, t.dtype, t.shape) for t in b.tape.buffers]
+        # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
+        buffer_dtype = self.param_storage_dtype()
+        buffers = [b.block(t.name, prod(t.shape) * dtype_bytes(buffer_dtype), Category.BUFFER, buffer_dtype, t.shape)
+                   for t in b.tape.buffers]
         b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
         master_dtype = self.master_dtype()
         if master_dtype:

@@ -349,7 +349,8 @@ def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> Te
 
 def _buffers(cfg: TransformerConfig) -> list[TensorSpec]:
     """Registered module buffers: nanoGPT's causal mask per layer (eager attention only), Llama's
-    rotary inv_freq."""
+    rotary inv_freq. Both are floating point, created fp32; the engine stores them in the parameters'
+    dtype, as `model.to(dtype)` casts them (Engine.load)."""
     if cfg.family == "gpt2":
         if cfg.attention != "eager":
             return []
