@@ -138,9 +138,29 @@ class _Writer:
     def rmsnorm(self, name: str, x: TensorSpec):
         """torch's composite RMSNorm (nn.RMSNorm on CPU, HF's LlamaRMSNorm): x * rsqrt(mean(x^2) + eps)
         keeps x and rstd for its backward, and the normalised x for the multiply by the weight. Saved
-        per node: pow saves x, rsqrt its result, x * rstd both again, the weight product normed."""
+        per node: pow saves x, rsqrt its result, x * rstd both again, the weight product normed.
+
+        A 16-bit input outside autocast on a CPU: the composite (torch 2.13 `rms_norm`) upcasts first, so
+        what pow and x * rstd save is `x.float()`, the normalised x and its product with the weight are
+        fp32 (the weight multiply saves the former; the latter lives until `type_as` casts the result
+        back), and the backward holds three more fp32 tensors of x's shape at its highest point
+        (PowBackward's, measured with the tracker). A GPU runs nn.RMSNorm as a fused kernel in torch
+        2.13 and HF's LlamaRMSNorm casts back before the weight: neither is measured here, and a GPU
+        profile keeps the first form."""
         B, T, D = x.shape
         dt = self.fp32_op_dtype()
+        if self.cpu and dt != "fp32":
+            up, rstd, normed = f"{name}.upcast", f"{name}.rstd", f"{name}.normed"
+            y, *_ = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
+                                                   self.t(rstd, (B, T, 1), "fp32", False),
+                                                   self.t(up, x.shape, "fp32", False),
+                                                   self.t(normed, x.shape, "fp32", False)],
+                            saves=(up, rstd, rstd, up, normed), params=(f"{name}.weight",),
+                            saved_params=(f"{name}.weight",), flops=6 * B * T * D,
+                            workspace=(self.t(f"{name}.weighted", x.shape, "fp32", False),),
+                            bwd_workspace=tuple(self.t(f"{name}.grad_temp{i}", x.shape, "fp32", False)
+                                                for i in range(3)))
+            return y
         y, rstd, normed = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
                                                          self.t(f"{name}.rstd", (B, T, 1), "fp32", False),
                                                          self.t(f"{name}.normed", x.shape, dt, False)],
@@ -279,18 +299,20 @@ def _cross_entropy(w: _Writer, logits: TensorSpec, targets: TensorSpec) -> None:
 
 
 def _attention_eager(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSpec, v_src: TensorSpec,
-                     n_head: int, n_kv: int, head_dim: int, dropout: float) -> TensorSpec:
+                     n_head: int, n_kv: int, head_dim: int, dropout: float, fp32_softmax: bool = False) -> TensorSpec:
     B, T = q_src.shape[0], q_src.shape[1]
     D = n_head * head_dim
     with w.attention_core():
-        y = _attention_eager_core(w, prefix, q_src, k_src, v_src, n_head, head_dim, dropout)
+        y = _attention_eager_core(w, prefix, q_src, k_src, v_src, n_head, head_dim, dropout, fp32_softmax)
     (merged,) = w.op(f"{prefix}.merge_heads", "clone", [y], [w.t(f"{prefix}.merged", (B, T, D))])
     return merged
 
 
 def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: TensorSpec, v_src: TensorSpec,
-                          n_head: int, head_dim: int, dropout: float) -> TensorSpec:
-    """softmax(q k^T * scale, causal) v per head, as nanoGPT's eager path runs it."""
+                          n_head: int, head_dim: int, dropout: float, fp32_softmax: bool = False) -> TensorSpec:
+    """softmax(q k^T * scale, causal) v per head, as nanoGPT's eager path runs it. `fp32_softmax` is HF's
+    Llama convention, `softmax(scores, dtype=torch.float32).to(q.dtype)`: with 16-bit scores the softmax
+    output is fp32 (saved by its backward) and the matmul with v saves a 16-bit copy of it."""
     B, T = q_src.shape[0], q_src.shape[1]
     hd = head_dim
     # q, k and v split from one projection (nanoGPT's GPT-2): views, one gradient piece each (`TapeOp.views`)
@@ -304,9 +326,12 @@ def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: Ten
     (mask,) = w.op(f"{prefix}.causal_mask", "eq", [], [w.t(f"{prefix}.causal_mask", (1, 1, T, T), "bool", False)])
     (masked,) = w.op(f"{prefix}.masked_fill", "masked_fill", [scaled, mask],
                      [w.t(f"{prefix}.masked", (B, n_head, T, T))], saves=(mask.name,))
-    sm_dtype = w.softmax_dtype(masked)
+    sm_dtype = "fp32" if fp32_softmax else w.softmax_dtype(masked)
     (probs,) = w.op(f"{prefix}.softmax", "softmax", [masked], [w.t(f"{prefix}.softmax", (B, n_head, T, T), sm_dtype)],
                     saves=(f"{prefix}.softmax",), flops=5 * B * n_head * T * T)
+    if fp32_softmax and masked.dtype != "fp32":
+        (probs,) = w.op(f"{prefix}.softmax_cast", "to_copy", [probs],
+                        [w.t(f"{prefix}.softmax_cast", probs.shape, masked.dtype)])
     probs = w.dropout(f"{prefix}.attn_dropout", probs, dropout)
     (v,) = w.op(f"{prefix}.v_contig", "clone", [v_src], [w.t(f"{prefix}.v_contig", (B, n_head, T, hd))],
                 views=(v_src.name,) if split else ())
@@ -375,7 +400,8 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
                         bwd_workspace=(w.t(f"{h}.self_attn.rotate_half_grad", q.shape, requires_grad=False),),
                         flops=6 * B * T * (cfg.d_model + kv))
     if cfg.attention == "eager":
-        y = _attention_eager(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.dropout)
+        y = _attention_eager(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.dropout,
+                             fp32_softmax=True)
     else:
         y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_dim)
     y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, False)

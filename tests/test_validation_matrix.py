@@ -19,6 +19,9 @@ CASES = [
     vm.Config("adamw", "foreach", "bf16-autocast", "eager", "none", 4, 64),
     vm.Config("sgd-momentum", "foreach", "fp32", "sdpa", "full", 4, 64),
     vm.Config("adamw", "for-loop", "bf16-autocast", "sdpa", "full", 2, 32),
+    vm.Config("sgd", "foreach", "bf16", "eager", "none", 2, 32),  # module buffers in the parameters' dtype
+    vm.Config("adamw", "foreach", "bf16", "sdpa", "none", 4, 64, "tiny-llama"),  # RMSNorm's upcast on the CPU
+    vm.Config("sgd-momentum", "foreach", "bf16", "eager", "none", 2, 32, "tiny-llama"),  # fp32 softmax, cast back
 ]
 
 
