@@ -28,7 +28,7 @@ SECTION = "## Optimizer-state offload"
 BASE = dict(micro_batch=2, seq_len=32, steps=3)
 MODELS = {"tiny": 30_000, "tiny-llama": 30_000, "tiny-mlp": 150_000}  # preset -> chunk (parameter elements)
 OPTIMIZERS = [("adamw", "foreach"), ("adamw", "for-loop"), ("amsgrad", "fused"), ("sgd-momentum", "foreach")]
-PRECISIONS = {"tiny": ["fp32", "bf16-autocast", "bf16"], "tiny-llama": ["fp32"], "tiny-mlp": ["fp32", "bf16"]}
+PRECISIONS = {"tiny": ["fp32", "bf16-autocast", "bf16"], "tiny-llama": ["fp32", "bf16"], "tiny-mlp": ["fp32", "bf16"]}
 MODES = [("states", "whole", 0), ("chunked", "whole", 0), ("chunked", "whole", 1), ("chunked", "chunked", 1)]
 OFFLOAD_FIELDS = ("optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step")
 GPU_CASES = [  # (label, model, training): simulated only
@@ -163,8 +163,7 @@ def render(results: list[dict], plains: list[dict], seconds: float) -> str:
         *gpu_table(), "",
         "- Device peaks a few bytes apart (a backward phase's 4- or 8-byte scalars) differ exactly as the same run "
         "without the offload does (column \"gaps as without\"); the offload's own lifetimes (device copies, host "
-        "buffers, per-chunk temporaries, the first step's lazily created states) are exact. tiny-llama runs fp32 "
-        "only: in pure bf16 its RMSNorm upcasts on the CPU (the main matrices do not cover that either).",
+        "buffers, per-chunk temporaries, the first step's lazily created states) are exact.",
         "- Not run for real here: a GPU (pinned buffers, copies on streams: the simulation's timing is the cost "
         "model's), the offload under FSDP2's DTensor states (simulated; `validate --world-size` refuses it), "
         "prime-rl's `prepare_checkpoint_save`, which copies every state back to the device for a save (a save "
