@@ -576,8 +576,9 @@ class StateOffload:
             for k in self._offloaded_keys(p):
                 host = self.host_buffers.get((id(p), k))
                 if host is None:
-                    host = self.host_buffers[(id(p), k)] = torch.empty(state[k].shape, dtype=state[k].dtype, device="cpu",
-                                                               pin_memory=torch.cuda.is_available())
+                    host = torch.empty(state[k].shape, dtype=state[k].dtype, device="cpu",
+                                       pin_memory=torch.cuda.is_available())
+                    self.host_buffers[(id(p), k)] = host
                 host.copy_(state[k])
                 state[k] = host  # the device copy goes with its last reference
 
