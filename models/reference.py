@@ -45,6 +45,7 @@ and "full" only (its own switch).
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import math
@@ -52,6 +53,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
@@ -475,30 +477,27 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     return trainable
 
 
-def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
-    """The torch.optim optimizer for `setup.optimizer` / `setup.optimizer_impl`, over the trainable params.
+OPTIMIZER_CLASSES = {"sgd": ("SGD", {"momentum": 0.0}), "sgd-momentum": ("SGD", {"momentum": 0.9}),
+                     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "amsgrad": ("Adam", {"amsgrad": True})}
+IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
-    sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
-    Adam(amsgrad=True). optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False,
-    "fused" -> fused=True. `setup.frozen` patterns freeze parameters first (requires_grad=False).
-    With `setup.optimizer_offload` the optimizer comes wrapped in a `StateOffload`.
-    """
+
+def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
+    """`torch_optimizer` over the trainable parameters, after `setup.frozen` patterns have frozen theirs
+    (requires_grad=False)."""
     freeze(model, setup.frozen)
-    params = [p for p in model.parameters() if p.requires_grad]
-    impl = {"foreach": dict(foreach=True), "for-loop": dict(foreach=False), "fused": dict(fused=True)}
-    flags = impl[setup.optimizer_impl]
-    if setup.optimizer == "sgd":
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.0, **flags)
-    elif setup.optimizer == "sgd-momentum":
-        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9, **flags)
-    elif setup.optimizer == "adam":
-        optimizer = torch.optim.Adam(params, lr=lr, **flags)
-    elif setup.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(params, lr=lr, **flags)
-    elif setup.optimizer == "amsgrad":
-        optimizer = torch.optim.Adam(params, lr=lr, amsgrad=True, **flags)
-    else:
+    return torch_optimizer([p for p in model.parameters() if p.requires_grad], setup, lr)
+
+
+def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
+    """The torch.optim optimizer for `setup.optimizer` / `setup.optimizer_impl` over `params` (DTensors
+    included): sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
+    Adam(amsgrad=True); optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" ->
+    fused=True. With `setup.optimizer_offload` it comes wrapped in a `StateOffload`."""
+    if setup.optimizer not in OPTIMIZER_CLASSES:
         raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
+    cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
+    optimizer = getattr(torch.optim, cls_name)(params, lr=lr, **kwargs, **IMPL_FLAGS[setup.optimizer_impl])
     return StateOffload(optimizer, setup) if setup.optimizer_offload != "none" else optimizer
 
 
@@ -517,7 +516,8 @@ class StateOffload:
     def __init__(self, optimizer: torch.optim.Optimizer, setup: TrainingSetup) -> None:
         self.optimizer = optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        chunks = offload_chunks([p.numel() for p in params], setup.optimizer_offload, setup.offload_chunk_params)
+        chunks = offload_chunks([_local(p).numel() for p in params], setup.optimizer_offload,
+                                setup.offload_chunk_params)
         self.chunks = [[params[i] for i in chunk] for chunk in chunks]
         self.prefetch = setup.offload_prefetch if setup.optimizer_offload == "chunked" else 0
         self.chunked_first = setup.offload_first_step == "chunked"
@@ -576,17 +576,34 @@ class StateOffload:
             for k in self._offloaded_keys(p):
                 host = self.host_buffers.get((id(p), k))
                 if host is None:
-                    host = torch.empty(state[k].shape, dtype=state[k].dtype, device="cpu",
+                    local = _local(state[k])
+                    host = torch.empty(local.shape, dtype=local.dtype, device="cpu",
                                        pin_memory=torch.cuda.is_available())
                     self.host_buffers[(id(p), k)] = host
-                host.copy_(state[k])
-                state[k] = host  # the device copy goes with its last reference
+                host.copy_(_local(state[k]))
+                state[k] = _with_local(state[k], host)  # the device copy goes with its last reference
 
     def _to_device(self, chunk: list[torch.Tensor]) -> None:
         for p in chunk:
             state = self.optimizer.state[p]
             for k in self._offloaded_keys(p):
-                state[k] = torch.empty_like(state[k], device=p.device).copy_(state[k], non_blocking=True)
+                local = torch.empty_like(_local(state[k]), device=_local(p).device)
+                state[k] = _with_local(state[k], local.copy_(_local(state[k]), non_blocking=True))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what holds the memory), else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `t`'s place: a DTensor of the same mesh and placements around it (as prime-rl's offload
+    does), or `local` itself."""
+    if not isinstance(t, DTensor):
+        return local
+    out = copy.copy(t)
+    out._local_tensor = local
+    return out
 
 
 def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
@@ -613,4 +630,5 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
 
 __all__ = ["GPT", "MLP", "hf_gpt2", "hf_gpt2_config", "build_model", "autocast_context", "REFERENCE_PRECISIONS",
            "run_segment", "attention_core", "OP_POLICY", "OP_POLICY_SAVES", "HF_CHECKPOINTING",
-           "freeze", "make_optimizer", "StateOffload", "make_batch", "TORCH_DTYPES"]
+           "freeze", "make_optimizer", "torch_optimizer", "StateOffload", "OPTIMIZER_CLASSES", "IMPL_FLAGS",
+           "make_batch", "TORCH_DTYPES"]

@@ -157,3 +157,16 @@ def test_bad_offload_settings_name_the_field(changes, field):
     with pytest.raises(ConfigError) as e:
         TrainingSetup(**changes)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_data_parallel_ranks_offload_as_simulated(engine):
+    """The offload around FSDP2's DTensor states (prime-rl's setting) and DDP's, 2 real ranks on the fake
+    process group: every optimizer phase and the host memory exact on each rank, first step above steady."""
+    scenario = cpu_scenario("tiny-mlp", world_size=2, dp_engine=engine, optimizer_offload="chunked",
+                            offload_chunk_params=40_000)
+    results, _ = api.validate_ranks(scenario, backend="fake")
+    for v, _log in results:
+        assert phase_gaps(v, ("optimizer",)) == dict.fromkeys(phase_gaps(v, ("optimizer",)), 0)
+        assert v.host.measured == v.host.predicted > 0
+        assert v.first_step.measured == v.first_step.predicted > v.steady.measured

@@ -47,14 +47,12 @@ from pathlib import Path
 import torch
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
+from ..models.reference import IMPL_FLAGS, OPTIMIZER_CLASSES, torch_optimizer
 from ..simulator.events import Category, EventLog, Phase
 from .store import load_log, save_log
 
 ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
 LOOPBACK = "127.0.0.1"
-OPTIMIZER_CLASSES = {"sgd": ("SGD", {"momentum": 0.0}), "sgd-momentum": ("SGD", {"momentum": 0.9}),
-                     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "amsgrad": ("Adam", {"amsgrad": True})}
-IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
 
 @dataclass(frozen=True)
@@ -126,6 +124,9 @@ def _check(setup: TrainingSetup, world_size: int, engine: str) -> None:
         raise NotImplementedError(f"no torch.optim class for optimizer {setup.optimizer!r}")
     if setup.checkpointing != "none" or setup.frozen:
         raise NotImplementedError("distributed measurement runs without checkpointing or frozen parameters")
+    if setup.optimizer_offload != "none" and engine == "zero-redundancy-optimizer":
+        raise NotImplementedError("the optimizer-state offload wraps FSDP2's and DDP's optimizers, not "
+                                  "ZeroRedundancyOptimizer's local one")
 
 
 def _log_path(out_dir: str, rank: int) -> Path:
@@ -257,12 +258,6 @@ class Running:
     details: dict
 
 
-def optimizer_for(params, setup: TrainingSetup, lr: float) -> torch.optim.Optimizer:
-    """The setup's torch.optim optimizer over `params` (DTensors included)."""
-    cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
-    return getattr(torch.optim, cls_name)(params, lr=lr, **kwargs, **IMPL_FLAGS[setup.optimizer_impl])
-
-
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that each become one FSDP2 unit before the root: transformer blocks, or MLP Linears."""
     if hasattr(model, "transformer"):
@@ -284,7 +279,7 @@ class FSDP2:
         for unit in fsdp_units(model):
             fully_shard(unit, reshard_after_forward=job.reshard_after_forward)
         fully_shard(model, reshard_after_forward=job.root_reshard_after_forward)
-        optimizer = optimizer_for(model.parameters(), job.setup, job.lr)
+        optimizer = torch_optimizer(model.parameters(), job.setup, job.lr)
         return Prepared(model, optimizer, model, optimizer)
 
     @staticmethod
@@ -312,7 +307,7 @@ class DDP:
 
     @classmethod
     def before_tracking(cls, model: torch.nn.Module, job: RankJob) -> Prepared:
-        optimizer = optimizer_for(model.parameters(), job.setup, job.lr)  # its state is created lazily
+        optimizer = torch_optimizer(model.parameters(), job.setup, job.lr)  # its state is created lazily
         return Prepared(model, optimizer, model, optimizer)
 
     @classmethod
@@ -390,5 +385,5 @@ def rank_peak(log: EventLog) -> RankPeak:
                     by_category=live_bytes(log, index))
 
 
-__all__ = ["measure_distributed", "ENGINES", "free_loopback_port", "fsdp_units", "optimizer_for", "RankJob",
+__all__ = ["measure_distributed", "ENGINES", "free_loopback_port", "fsdp_units", "RankJob",
            "without_backend_copies", "RankPeak", "rank_peak"]
