@@ -48,6 +48,15 @@ def forward_backward_peak(v) -> int:
     return max(p.measured for p in v.phases if p.label.startswith(("forward", "backward")))
 
 
+def pair(p) -> str:
+    return f"{p.measured:,} / {p.predicted:,}"
+
+
+def exact(v, prefixes) -> bool:
+    """Every phase named by `prefixes` has the same peak on both sides."""
+    return all(g == 0 for g in gaps(v, prefixes).values())
+
+
 def gaps(v, prefixes) -> dict[str, int]:
     return {p.label: p.predicted - p.measured for p in v.phases if p.label.startswith(prefixes)}
 
@@ -60,7 +69,7 @@ def run_case(preset: str, optimizer: str, impl: str, precision: str, mode: str, 
     label = f"{preset}, {optimizer} {impl}, {precision}, " + (
         "states" if mode == "states" else f"chunked ({MODELS[preset]:,}), prefetch {prefetch}, first {first}")
     return {"label": label, "v": v, "plain": plain["v"],
-            "optimizer_exact": all(g == 0 for g in gaps(v, ("optimizer", "zero_grad")).values()),
+            "optimizer_exact": exact(v, ("optimizer", "zero_grad")),
             "host_exact": v.host is not None and v.host.measured == v.host.predicted,
             "other_same": gaps(v, ("load", "forward", "backward")) == gaps(plain["v"], ("load", "forward", "backward"))}
 
@@ -81,7 +90,7 @@ def rank_runs() -> list[dict]:
         results, _ = validate_ranks(build_scenario({"preset": preset}, training, {"device": "cpu"}), backend="fake")
         for rank, (v, _log) in enumerate(results):
             out.append({"label": f"{preset}, {engine} x 2, rank {rank}", "v": v,
-                        "optimizer_exact": all(g == 0 for g in gaps(v, ("optimizer",)).values())})
+                        "optimizer_exact": exact(v, ("optimizer",))})
     return out
 
 
@@ -90,8 +99,8 @@ def rank_table(rows: list[dict]) -> list[str]:
              "host peak, measured / predicted B | optimizer phases |", "|---|---:|---:|---:|---|"]
     for r in rows:
         v = r["v"]
-        lines.append(f"| {r['label']} | {v.first_step.measured:,} / {v.first_step.predicted:,} | "
-                     f"{v.steady.measured:,} / {v.steady.predicted:,} | {v.host.measured:,} / {v.host.predicted:,} | "
+        lines.append(f"| {r['label']} | {pair(v.first_step)} | "
+                     f"{pair(v.steady)} | {pair(v.host)} | "
                      f"{'exact' if r['optimizer_exact'] else 'DIFFER'} |")
     return lines
 
@@ -104,9 +113,9 @@ def cpu_table(results: list[dict]) -> list[str]:
         v = r["v"]
         above = v.first_step.measured > v.steady.measured
         agree = above == (v.first_step.predicted > v.steady.predicted)
-        lines.append(f"| {r['label']} | {v.first_step.measured:,} / {v.first_step.predicted:,} | "
-                     f"{v.steady.measured:,} / {v.steady.predicted:,} | {'yes' if above else 'no'}"
-                     f"{'' if agree else ' (sim DISAGREES)'} | {v.host.measured:,} / {v.host.predicted:,} | "
+        lines.append(f"| {r['label']} | {pair(v.first_step)} | "
+                     f"{pair(v.steady)} | {'yes' if above else 'no'}"
+                     f"{'' if agree else ' (sim DISAGREES)'} | {pair(v.host)} | "
                      f"{'exact' if r['optimizer_exact'] else 'DIFFER'} | {'yes' if r['other_same'] else 'NO'} | "
                      f"{v.overall.error:+.3%} |")
     return lines
@@ -117,8 +126,8 @@ def plain_table(plains: list[dict]) -> list[str]:
              "steady >= first |", "|---|---:|---:|---|"]
     for p in plains:
         v = p["v"]
-        lines.append(f"| {p['label']} | {v.first_step.measured:,} / {v.first_step.predicted:,} | "
-                     f"{v.steady.measured:,} / {v.steady.predicted:,} | "
+        lines.append(f"| {p['label']} | {pair(v.first_step)} | "
+                     f"{pair(v.steady)} | "
                      f"{'yes' if v.steady.measured >= v.first_step.measured else 'NO'} |")
     return lines
 
