@@ -124,7 +124,9 @@ def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
         out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
     for policy in CHECKPOINTING:
         if policy not in (s.checkpointing, "none", "layers"):  # "layers" needs a set: `peakledger checkpointing`
-            out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, "recompute in backward"))
+            cost = ("saved activations copied to the host and back over the host link" if policy == "offload"
+                    else "recompute in backward")
+            out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, cost))
     mb = s.micro_batch
     for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
         out.append((f"micro-batch {mb} -> {d}, accumulation {s.grad_accum} -> {s.grad_accum * mb // d}",

@@ -36,6 +36,8 @@ def test_oom_at_the_first_optimizer_step_names_the_lazily_created_state():
     assert any(f.fits for f in x.fixes) and x.fixes[0].fits
     for f in x.fixes:  # every fix was re-simulated: its peak is that of the changed scenario
         assert f.peak == api.run(scenario.with_changes(**f.changes)).peaks.peak.bytes
+    costs = {f.name: f.note for f in x.fixes}
+    assert "recompute" in costs["checkpointing=full"] and "host" in costs["checkpointing=offload"]
 
 
 def test_explain_cli_names_phase_op_tensor_and_fixes(capsys):
