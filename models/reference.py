@@ -489,15 +489,22 @@ def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
     return torch_optimizer([p for p in model.parameters() if p.requires_grad], setup, lr)
 
 
-def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
-    """The torch.optim optimizer for `setup.optimizer` / `setup.optimizer_impl` over `params` (DTensors
-    included): sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
+def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The torch.optim class and its keyword arguments for `setup.optimizer` / `setup.optimizer_impl`:
+    sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
     Adam(amsgrad=True); optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" ->
-    fused=True. With `setup.optimizer_offload` it comes wrapped in a `StateOffload`."""
+    fused=True."""
     if setup.optimizer not in OPTIMIZER_CLASSES:
         raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
     cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
-    optimizer = getattr(torch.optim, cls_name)(params, lr=lr, **kwargs, **IMPL_FLAGS[setup.optimizer_impl])
+    return getattr(torch.optim, cls_name), {**kwargs, **IMPL_FLAGS[setup.optimizer_impl]}
+
+
+def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
+    """The `optimizer_class` optimizer over `params` (DTensors included); with `setup.optimizer_offload`
+    it comes wrapped in a `StateOffload`."""
+    cls, kwargs = optimizer_class(setup)
+    optimizer = cls(params, lr=lr, **kwargs)
     return StateOffload(optimizer, setup) if setup.optimizer_offload != "none" else optimizer
 
 
@@ -630,5 +637,5 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
 
 __all__ = ["GPT", "MLP", "hf_gpt2", "hf_gpt2_config", "build_model", "autocast_context", "REFERENCE_PRECISIONS",
            "run_segment", "attention_core", "OP_POLICY", "OP_POLICY_SAVES", "HF_CHECKPOINTING",
-           "freeze", "make_optimizer", "torch_optimizer", "StateOffload", "OPTIMIZER_CLASSES", "IMPL_FLAGS",
+           "freeze", "make_optimizer", "optimizer_class", "torch_optimizer", "StateOffload",
            "make_batch", "TORCH_DTYPES"]

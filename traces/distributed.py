@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
-from ..models.reference import IMPL_FLAGS, OPTIMIZER_CLASSES, torch_optimizer
+from ..models.reference import optimizer_class, torch_optimizer
 from ..simulator.events import Category, EventLog, Phase
 from .store import load_log, save_log
 
@@ -120,8 +120,7 @@ def _check(setup: TrainingSetup, world_size: int, engine: str) -> None:
         raise ValueError(f"world_size must be at least 2, got {world_size}")
     if setup.precision not in ("fp32", "bf16"):
         raise NotImplementedError(f"distributed measurement runs fp32 or pure bf16, not {setup.precision!r}")
-    if setup.optimizer not in OPTIMIZER_CLASSES:
-        raise NotImplementedError(f"no torch.optim class for optimizer {setup.optimizer!r}")
+    optimizer_class(setup)  # refuses an optimizer torch.optim does not have before any process starts
     if setup.checkpointing != "none" or setup.frozen:
         raise NotImplementedError("distributed measurement runs without checkpointing or frozen parameters")
     if setup.optimizer_offload != "none" and engine == "zero-redundancy-optimizer":
@@ -331,9 +330,8 @@ class ZeRO(DDP):
     def before_tracking(cls, model: torch.nn.Module, job: RankJob) -> Prepared:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        cls_name, kwargs = OPTIMIZER_CLASSES[job.setup.optimizer]
-        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=getattr(torch.optim, cls_name),
-                                       lr=job.lr, **kwargs, **IMPL_FLAGS[job.setup.optimizer_impl])
+        cls, kwargs = optimizer_class(job.setup)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=job.lr, **kwargs)
         return Prepared(model, zero.optim, model, zero)
 
     @staticmethod
