@@ -47,7 +47,7 @@ def main() -> None:
               "AdamW foreach `sqrt` temporaries UNKNOWN and nanoGPT's registered mask buffer INPUT; the tracker "
               "labels them TEMPORARY and BUFFER. Open: on tiny-llama with SGD momentum the profiler-to-EventLog "
               "conversion (traces/profiler.py) ends 16,384 B above torch.profiler's own running sum "
-              "(traces/tracker.py profiler_peak gives 1,977,128 B, equal to the tracker): some timeline entries "
+              "(traces/profiler.py profiler_peak gives 1,977,128 B, equal to the tracker): some timeline entries "
               "do not pair CREATE with DESTROY by key; not yet explained."]
     text = "\n".join(lines) + "\n"
     write_atomic(os.path.join(os.path.dirname(os.path.abspath(__file__)), "SOURCES.md"), text.encode())

@@ -27,7 +27,7 @@ from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST
                             OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, TransformerConfig)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
-from .scenario import build_scenario, load_toml
+from .scenario import build_scenario, load_toml, parse_value
 from .simulator.timeline import timeline
 from .traces.store import TraceFormatError, load_log, save_log, with_event_index_times
 
@@ -131,17 +131,8 @@ def _parse_case(text: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError("case", f"expected key=value in {text!r}, got {item!r}")
-        changes[key] = _literal(value)
+        changes[key] = parse_value(value)
     return name.strip(), changes
-
-
-def _literal(value: str):
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(value.lower(), value)
 
 
 def _write_json(obj) -> None:

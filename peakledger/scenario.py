@@ -65,6 +65,17 @@ class Scenario:
         return dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
 
 
+def parse_value(text: str):
+    """A command-line value (`--case`, `--grid`) typed the one way peakledger types them: an int, a float,
+    true/false, else the string itself. The field it is given to checks the type strictly."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def _replace(obj, changes: dict):
     if not changes:
         return obj

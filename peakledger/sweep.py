@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from .models.config import ConfigError
-from .scenario import Scenario
+from .scenario import Scenario, parse_value
 from .simulator.files import write_atomic
 
 COLUMNS = ["peak_bytes", "first_step_peak_bytes", "steady_peak_bytes", "capacity_needed_bytes", "peak_op",
@@ -36,8 +36,6 @@ class SweepPoint:
 
 def parse_grid(items: list[str]) -> dict[str, list]:
     """["micro_batch=1,2,4", "precision=fp32,bf16-mixed"] -> {"micro_batch": [1, 2, 4], ...}."""
-    from .cli import _literal  # one place decides how a command-line value is typed
-
     grid: dict[str, list] = {}
     for item in items:
         key, eq, values = item.partition("=")
@@ -46,7 +44,7 @@ def parse_grid(items: list[str]) -> dict[str, list]:
             raise ConfigError("grid", f"expected key=value1,value2,... got {item!r}")
         if key in grid:
             raise ConfigError("grid", f"{key} is given twice")
-        grid[key] = [_literal(v.strip()) for v in values.split(",") if v.strip()]
+        grid[key] = [parse_value(v.strip()) for v in values.split(",") if v.strip()]
     if not grid:
         raise ConfigError("grid", "give at least one --grid key=value1,value2")
     return grid

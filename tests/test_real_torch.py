@@ -18,7 +18,8 @@ from peakledger.models.training import describe
 from peakledger.models.transformer import mlp_params, transformer_params
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
-from peakledger.traces.tracker import SOURCE, live_bytes, peak, profiler_peak, run_training_steps
+from peakledger.traces.profiler import profiler_peak
+from peakledger.traces.tracker import SOURCE, live_bytes, peak, run_training_steps
 
 CASES = {  # preset -> (micro_batch, seq_len)
     "tiny": (2, 32),

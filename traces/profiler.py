@@ -79,3 +79,25 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
                             micro_batch=-1, stream=Stream.COMPUTE, op=action.name.lower()))
     return EventLog(events=events, source=SOURCE, metadata={"torch_version": torch.__version__,
                                                             "phases": "none (profiler timeline)"})
+
+
+def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
+                  grad_accum: int = 1, set_to_none: bool = True, seed: int = 0) -> int:
+    """The same loop under `torch.profiler` (profile_memory=True): the memory timeline's peak bytes on CPU,
+    event by event, pre-existing tensors included except the host-side `batches` themselves (the tracker
+    does not count them either: it counts the per-micro-batch copies, as the simulator does)."""
+    from torch.profiler._memory_profiler import Action as PAction
+
+    timeline = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed).timeline
+    cpu = torch.device("cpu")
+    host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}
+    running = peak = 0
+    for _t, action, (key, _version), nbytes in timeline:
+        if key.device != cpu or (action == PAction.PREEXISTING and key.storage.ptr in host_batch):
+            continue
+        if action in (PAction.PREEXISTING, PAction.CREATE):
+            running += nbytes
+        elif action == PAction.DESTROY:
+            running -= nbytes
+        peak = max(peak, running)
+    return peak

@@ -44,7 +44,7 @@ Distributed runs (traces/distributed.py: one tracker per rank, `rank=r` on every
   in the order above come ALL_GATHER_BUFFER, then REDUCE_SCATTER_BUCKET.
 
 Exactness (measured on this machine, torch 2.13 CPU, `torch.set_num_threads(1)`, seed 0), the 3 x
-Linear(512) MLP ("tiny-mlp"), batch 64, AdamW, 2 steps, `run_training_steps` vs `profiler_peak` (the
+Linear(512) MLP ("tiny-mlp"), batch 64, AdamW, 2 steps, `run_training_steps` vs `profiler.profiler_peak` (the
 same loop under torch.profiler, memory-timeline peak event by event, host batch excluded):
 
     foreach   tracker 15,759,384 B   profiler 15,759,396 B   gap 12 B
@@ -719,30 +719,6 @@ def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer:
             tracker.scan()
 
 
-def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
-                  grad_accum: int = 1, set_to_none: bool = True, seed: int = 0) -> int:
-    """The same loop under `torch.profiler` (profile_memory=True): the memory timeline's peak bytes on CPU,
-    event by event, pre-existing tensors included except the host-side `batches` themselves (the tracker
-    does not count them either: it counts the per-micro-batch copies, as the simulator does)."""
-    from torch.profiler._memory_profiler import Action as PAction
-
-    from .profiler import profiled_memory  # imports this module: import here, not at the top
-
-    timeline = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed).timeline
-    cpu = torch.device("cpu")
-    host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}
-    running = peak = 0
-    for _t, action, (key, _version), nbytes in timeline:
-        if key.device != cpu or (action == PAction.PREEXISTING and key.storage.ptr in host_batch):
-            continue
-        if action in (PAction.PREEXISTING, PAction.CREATE):
-            running += nbytes
-        elif action == PAction.DESTROY:
-            running -= nbytes
-        peak = max(peak, running)
-    return peak
-
-
 def live_bytes(log: EventLog, upto: int | None = None) -> dict[Category, int]:
     """Bytes live by category right after event index `upto` (the whole log by default)."""
     out: dict[Category, int] = {}
@@ -761,5 +737,5 @@ def peak(log: EventLog) -> tuple[int, int]:
     return best, best_i
 
 
-__all__ = ["AllocationTracker", "FSDPLabels", "run_training_steps", "training_loop", "shard_factor", "profiler_peak",
+__all__ = ["AllocationTracker", "FSDPLabels", "run_training_steps", "training_loop", "shard_factor",
            "live_bytes", "peak", "SOURCE"]
