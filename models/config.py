@@ -8,28 +8,30 @@ so the CLI can turn it into a clear message (exit 2) instead of a traceback or a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from ..simulator.files import InputError, read_text
+from .fields import check_types
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                  "uint8": "int8", "long": "int64"}
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad input value: `field` names it, the message says what is allowed."""
 
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+
+CONFIG_FILE_LIMIT = 4 << 20  # bytes: a scenario or config.json is a few KiB; /dev/zero is refused
 
 
 def read_config_file(path, field_name: str, parse, parse_error: type[Exception], kind: str):
-    """Read and parse a JSON / TOML input file; a missing or malformed file is a ConfigError naming the field."""
-    path = Path(path)
+    """Read and parse a JSON / TOML input file (at most CONFIG_FILE_LIMIT bytes of UTF-8); a missing, binary,
+    oversized, too deeply nested or malformed file is a ConfigError naming the field."""
+    text = read_text(path, field_name, CONFIG_FILE_LIMIT)
     try:
-        return parse(path.read_text())
-    except (FileNotFoundError, IsADirectoryError):
-        raise ConfigError(field_name, f"file not found: {path}") from None
+        return parse(text)
+    except RecursionError:
+        raise ConfigError(field_name, f"{path} is nested too deeply to be a {kind} config") from None
     except parse_error as e:
         raise ConfigError(field_name, f"{path} is not valid {kind}: {e}") from None
 
@@ -102,6 +104,7 @@ class TransformerConfig:
     activation: str | None = None
 
     def __post_init__(self) -> None:
+        check_types(self, ConfigError)
         _choice(self, "family", FAMILIES)
         _choice(self, "attention", ATTENTION)
         _positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
@@ -178,6 +181,7 @@ class MLPConfig:
     activation: str = "relu"
 
     def __post_init__(self) -> None:
+        check_types(self, ConfigError)
         _positive_int(self, "d_in", "d_out")
         if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in self.hidden):
             raise ConfigError("hidden", f"must be a non-empty list of positive integers, got {self.hidden!r}")
@@ -253,6 +257,39 @@ OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 
 
+# A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what).
+# Which engine reads which knob: models/parallel.py (FSDP2, DDP, DeepSpeedZero12/Zero3); offload: models/offload.py.
+KNOB_APPLIES = {
+    "reshard_after_forward": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
+    "forward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
+    "backward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
+    "ddp_bucket_cap_mb": (lambda s: s.dp_engine in ("ddp", "zero-redundancy-optimizer"),
+                          "dp_engine ddp or zero-redundancy-optimizer"),
+    "reduce_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.world_size > 1, "dp_engine deepspeed on > 1 rank"),
+    "allgather_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage in (1, 2),
+                              "dp_engine deepspeed with zero_stage 1 or 2"),
+    "stage3_prefetch_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
+    "stage3_max_live_parameters": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
+    "stage3_param_persistence_threshold": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
+    "checkpoint_every_k": (lambda s: s.checkpointing == "every-k", "checkpointing every-k"),
+    "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
+    "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+}
+
+
+def check_given_knobs(setup, given) -> None:
+    """Each field in `given` (the ones the user set) must be read by this setup: ConfigError naming the first
+    that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
+    for name in sorted(given):
+        rule = KNOB_APPLIES.get(name)
+        if rule is not None and not rule[0](setup):
+            raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
+                                    f"{setup.dp_engine}, zero_stage {setup.zero_stage}, checkpointing "
+                                    f"{setup.checkpointing}, optimizer_offload {setup.optimizer_offload}, "
+                                    f"checkpoint_every {setup.checkpoint_every}): drop it or change what it needs")
+
+
 @dataclass(frozen=True)
 class TrainingSetup:
     """How the model is trained.
@@ -304,6 +341,7 @@ class TrainingSetup:
     offload_first_step: str = "whole"  # chunked: step 1 as one torch step() ("whole") or chunk by chunk
 
     def __post_init__(self) -> None:
+        check_types(self, ConfigError)
         _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
         _choice(self, "precision", PRECISIONS)
         _choice(self, "optimizer", OPTIMIZERS)

@@ -43,9 +43,12 @@ def fixed_state_peak(scenario: Scenario) -> int:
     return best
 
 
-def max_micro_batch(scenario: Scenario, budget: int, limit: int = 1 << 20) -> int:
+MAX_BATCH_LIMIT = 1 << 20  # the search stops here: an answer equal to it means "at least this many"
+
+
+def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMIT) -> int:
     """Largest micro-batch whose simulated peak x (1 + headroom) fits `budget`; 0 if only the fixed
-    state fits, -1 if not even that."""
+    state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound)."""
     cache: dict[int, int] = {}
 
     def need(b: int) -> int:
@@ -303,9 +306,18 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
 
 def validate(scenario: Scenario, measured=None):
     """Hold the simulation of `scenario` (on the "cpu" device profile) against a measured run: the one
-    given, or a fresh real CPU run. Returns (Validation, measured log, simulated log)."""
+    given, or a fresh real CPU run. A measured log of one rank of a data-parallel run (a saved rank trace)
+    is held against that rank. Returns (Validation, measured log, simulated log)."""
     from .analysis.validate import compare_logs
 
     measured = measured if measured is not None else measure(scenario)
-    simulated = simulate(describe(scenario.model, scenario.setup, "cpu"))
-    return compare_logs(measured, simulated, name=scenario.name), measured, simulated
+    ranks = sorted({e.block.rank for e in measured.events})
+    if len(ranks) != 1:
+        raise ConfigError("trace", f"the measured log holds ranks {ranks}: validate holds one rank at a time")
+    rank = ranks[0]
+    if rank >= scenario.setup.world_size:
+        raise ConfigError("world_size", f"the measured log is rank {rank}'s, but the scenario has world_size "
+                                        f"{scenario.setup.world_size}")
+    simulated = simulate(describe(scenario.model, scenario.setup, "cpu",
+                                  ranks=[rank] if scenario.setup.world_size > 1 else None))
+    return compare_logs(measured, simulated, name=scenario.name, rank=rank), measured, simulated

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
-from dataclasses import fields
+import threading
+import traceback
 
 from . import api
 from .analysis.explain import cause
@@ -23,22 +25,19 @@ from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
+from .inputs import (DP_INT_FLAGS, check_command_outputs, read_trace, real_run_estimate, real_run_limit,
+                     scenario_flags_given, scenario_for_trace, scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, TransformerConfig)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, MLPConfig)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
-from .scenario import build_scenario, load_toml, parse_value
+from .scenario import parse_value
+from .simulator.files import InputError
 from .simulator.timeline import timeline
-from .traces.store import TraceFormatError, load_log, save_log, with_event_index_times
+from .traces.store import save_log, with_event_index_times
 
-MODEL_FLAGS = {f.name for f in fields(TransformerConfig)} - {"name"}
-DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "reduce_bucket_size",
-                "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                "stage3_param_persistence_threshold"]
-TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
-                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
-                  "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers",
-                  "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step"] + DP_INT_FLAGS
+MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
+                    ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float), ("attention", str)]
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
@@ -49,9 +48,7 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
     g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
     g.add_argument("--hf-config", help="a HF transformers config.json")
-    for name, kind in [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
-                       ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
-                       ("attention", str)]:
+    for name, kind in MODEL_FLAG_TYPES:
         g.add_argument("--" + name.replace("_", "-"), type=kind, dest=f"model_{name}", help=argparse.SUPPRESS)
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch", type=int)
@@ -92,34 +89,17 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
     r.add_argument("--unit", default="GiB", choices=["GiB", "GB", "MiB", "MB"], help="print sizes in this unit")
+    r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
 
 
-def _scenario_from_args(args, overrides: dict | None = None):
-    data = load_toml(args.scenario) if args.scenario else {}
-    model = dict(data.get("model", {}))
-    training = dict(data.get("training", {}))
-    run = dict(data.get("run", {}))
-    if args.preset and args.hf_config:
-        raise ConfigError("preset", "give either --preset or --hf-config, not both")
-    if args.preset or args.hf_config:
-        model.pop("preset", None)
-        model.pop("hf_config", None)
-        model["preset" if args.preset else "hf_config"] = args.preset or args.hf_config
-    for name in MODEL_FLAGS:
-        value = getattr(args, f"model_{name}", None)
-        if value is not None:
-            model[name] = value
-    for name in TRAINING_FLAGS + ["fp32_grads", "set_to_none"]:  # noqa: B007
-        value = getattr(args, name, None)
-        if value is not None:
-            training[name] = value
-    if args.freeze:
-        training["frozen"] = tuple(args.freeze)
-    for name in ("device", "headroom"):
-        if getattr(args, name) is not None:
-            run[name] = getattr(args, name)
-    scenario = build_scenario(model, training, run, name=data.get("name"))
-    return scenario.with_changes(**overrides) if overrides else scenario
+def _scenario_from_args(args):
+    return scenario_from_args(args)
+
+
+def _budget(args, name: str = "budget") -> int | None:
+    """A size flag as bytes (None when not given; an empty value is an error, never "no budget")."""
+    value = getattr(args, name, None)
+    return None if value is None else parse_bytes(value, name)
 
 
 def _parse_case(text: str) -> tuple[str, dict]:
@@ -131,6 +111,11 @@ def _parse_case(text: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError("case", f"expected key=value in {text!r}, got {item!r}")
+        if key == "name":
+            raise ConfigError("case", f"the case's name is the text before ':' in {text!r}; 'name' is not a field "
+                                      "to change")
+        if key in changes:
+            raise ConfigError("case", f"{key} is given twice in {text!r}")
         changes[key] = parse_value(value)
     return name.strip(), changes
 
@@ -140,8 +125,11 @@ def _write_json(obj) -> None:
 
 
 def cmd_simulate(args) -> int:
+    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
+    budget = _budget(args)
+    if args.stop_at_oom and budget is None:
+        raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
     scenario = _scenario_from_args(args)
-    budget = parse_bytes(args.budget) if args.budget else None
     report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
     if args.plot:
         plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
@@ -159,12 +147,13 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_max_batch(args) -> int:
+    budget = _budget(args)
     scenario = _scenario_from_args(args)
-    budget = parse_bytes(args.budget)
     best = api.max_micro_batch(scenario, budget)
     fixed = api.fixed_state_peak(scenario)
+    capped = best >= api.MAX_BATCH_LIMIT
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
-              "headroom": scenario.headroom, "scenario": scenario.name}
+              "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
     if best > 0:
         at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
         result["peak_at_max"] = at.peaks.peak.bytes
@@ -178,6 +167,9 @@ def cmd_max_batch(args) -> int:
         print("max micro-batch: -1 (even parameters, gradients and optimizer states do not fit)")
     elif best == 0:
         print("max micro-batch: 0 (the fixed state fits, but not one sample of activations)")
+    elif capped:
+        print(f"max micro-batch: at least {best:,} (the search stops at {api.MAX_BATCH_LIMIT:,}; the budget holds "
+              f"more: peak there {format_bytes(result['peak_at_max'], u)})")
     else:
         print(f"max micro-batch: {best} (peak {format_bytes(result['peak_at_max'], u)}; B_eff "
               f"{result['effective_batch_at_max']} with accumulation {scenario.setup.grad_accum})")
@@ -289,19 +281,11 @@ def _render_moment(m, u: str, setup: dict | None = None) -> list[str]:
 
 
 def cmd_explain(args) -> int:
-    budget = parse_bytes(args.budget)
-    host_budget = parse_bytes(args.host_budget, "host_budget") if args.host_budget else None
+    budget = _budget(args)
+    host_budget = _budget(args, "host_budget")
     u = args.unit
     if args.trace:
-        log = _load_any_trace(args.trace)
-        moment = api.explain_trace(log, budget)
-        if args.json:
-            _write_json({"trace": args.trace, "budget": budget,
-                         "moment": _moment_json(moment, log.metadata.get("setup"))})
-        else:
-            print(f"{args.trace}: {log.source} trace, budget {format_bytes(budget, u)}")
-            print("\n".join(_render_moment(moment, u, log.metadata.get("setup"))))
-        return 0
+        return _explain_trace(args, budget, host_budget)
     scenario = _scenario_from_args(args)
     x = api.explain(scenario, budget, host_budget)
     setup = dataclasses.asdict(scenario.setup)
@@ -331,14 +315,39 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _explain_trace(args, budget: int, host_budget: int | None) -> int:
+    """explain --trace: the measured trace alone decides; scenario flags would be silently ignored, so they
+    are refused. A truncated trace is said, and its reading is a lower bound."""
+    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
+    if ignored:
+        raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
+                                   "ignored: drop them (or explain the scenario without --trace)")
+    trace = read_trace(args.trace)
+    log = trace.log
+    moment = api.explain_trace(log, budget)
+    warning = trace.warning()
+    if args.json:
+        _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
+                     "lower_bound": trace.truncated, "warning": warning,
+                     "moment": _moment_json(moment, log.metadata.get("setup"))})
+        return 0
+    print(f"{args.trace}: {trace.kind} ({log.source}), budget {format_bytes(budget, args.unit)}")
+    if warning:
+        print(f"WARNING: {warning}")
+    print("\n".join(_render_moment(moment, args.unit, log.metadata.get("setup"))))
+    return 0
+
+
 def cmd_sweep(args) -> int:
     from . import sweep
+    if args.output is None and args.json_output is None:
+        raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
+    check_command_outputs(args, ["output", "json_output"])
     base = _scenario_from_args(args)
     grid = sweep.parse_grid(args.grid or [])
-    budget = parse_bytes(args.budget) if args.budget else None
-    if not (args.output or args.json_output):
-        raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
-    result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs)
+    budget = _budget(args)
+    result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs,
+                             engine=args.engine, address=args.address)
     sweep.write(result, base, grid, args.output, args.json_output)
     failed = sum(1 for p in result if p.result["error"])
     written = " and ".join(x for x in (args.output, args.json_output) if x)
@@ -349,9 +358,11 @@ def cmd_sweep(args) -> int:
 def cmd_checkpointing(args) -> int:
     from .analysis.checkpointing import (optimal_checkpointing, plot_peak_vs_recompute, policy_table, render_optimal,
                                          render_table)
+    check_command_outputs(args, ["plot"])
+    budget = _budget(args)
     scenario = _scenario_from_args(args)
     rows = policy_table(scenario)
-    best = optimal_checkpointing(scenario, parse_bytes(args.budget)) if args.budget else None
+    best = optimal_checkpointing(scenario, budget) if budget is not None else None
     if args.plot:
         plot_peak_vs_recompute(rows, args.plot, title=f"{scenario.name}: peak vs recompute", unit=args.unit)
     if args.json:
@@ -367,36 +378,31 @@ def cmd_checkpointing(args) -> int:
     return 0
 
 
-def _load_any_trace(path: str):
-    """A saved trace (peakledger capture JSON) or a CUDA snapshot pickle (the allocated view)."""
-    from .traces.cuda_snapshot import SnapshotError, load_snapshot
-    try:
-        return load_log(path)
-    except TraceFormatError as json_error:
-        try:
-            return load_snapshot(path).allocated
-        except SnapshotError:
-            raise ConfigError("trace", f"{path} is neither a peakledger trace nor a CUDA snapshot: {json_error}") \
-                from None
-
-
-VALIDATE_DEFAULTS = {"preset": "tiny", "precision": "fp32", "micro_batch": 2, "seq_len": 32}
+VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # seconds on a CPU, for any model
 
 
 def _real_run_scenario(args):
-    """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario
-    file or a flag says otherwise fp32 at micro-batch 2, seq 32 (seconds on a CPU) for any model."""
+    """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario file
+    or a flag says otherwise fp32 at micro-batch 2, seq 32 (an MLP has no sequence)."""
     if not (args.scenario or args.preset or args.hf_config):
-        args.preset = VALIDATE_DEFAULTS["preset"]
-    if not args.scenario:
-        for key in ("precision", "micro_batch", "seq_len"):
-            if getattr(args, key) is None:
-                setattr(args, key, VALIDATE_DEFAULTS[key])
-    return _scenario_from_args(args)
+        args.preset = "tiny"
+    return scenario_from_args(args, defaults=None if args.scenario else VALIDATE_DEFAULTS)
+
+
+def _check_real_run(args, scenario) -> None:
+    """A real run on this CPU first estimates its memory and refuses what would not fit (unless --force)."""
+    need, limit = real_run_estimate(scenario), real_run_limit()
+    if need > limit and not args.force:
+        raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "
+                                   f"memory (simulated CPU peak of every rank plus torch), over the limit of "
+                                   f"{format_bytes(limit, 'GiB')} (half of this machine's memory): choose a smaller "
+                                   "model or micro-batch, or pass --force to run it anyway")
 
 
 def cmd_capture(args) -> int:
+    check_command_outputs(args, ["output"])
     scenario = _real_run_scenario(args)
+    _check_real_run(args, scenario)
     if args.device_kind == "cuda":
         from .traces.cuda_capture import capture_cuda
         snapshot = args.output + ".snapshot.pickle"
@@ -430,16 +436,21 @@ def cmd_validate_ranks(args, scenario) -> int:
 
 
 def cmd_validate(args) -> int:
-    scenario = _real_run_scenario(args)
-    if scenario.setup.world_size > 1 and not args.trace:
-        return cmd_validate_ranks(args, scenario)
-    measured = None
+    check_command_outputs(args, ["plot"])
     if args.trace:
-        try:
-            measured = load_log(args.trace)
-        except TraceFormatError as e:
-            raise ConfigError("trace", str(e)) from None
-    result, measured, simulated = api.validate(scenario, measured)
+        trace = read_trace(args.trace)
+        if trace.truncated:
+            raise ConfigError("trace", f"{trace.warning()}; a validation needs the whole run")
+        scenario, notes = scenario_for_trace(args, trace, VALIDATE_DEFAULTS)
+        for note in notes:
+            print(f"peakledger: {note}", file=sys.stderr)
+        result, measured, simulated = api.validate(scenario, trace.log)
+    else:
+        scenario = _real_run_scenario(args)
+        _check_real_run(args, scenario)
+        if scenario.setup.world_size > 1:
+            return cmd_validate_ranks(args, scenario)
+        result, measured, simulated = api.validate(scenario)
     if args.plot:
         plot_overlay(timeline(measured), timeline(simulated), args.plot, title=f"{scenario.name}: measured vs predicted")
     if args.json:
@@ -486,7 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.add_argument("--pg-backend", default="gloo", choices=["gloo", "fake"],
                    help="--world-size > 1: real gloo processes on 127.0.0.1, or torch's fake process group")
-    v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new run")
+    v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new "
+                                                   "run; its recorded scenario is used, flags override fields of it")
+    v.add_argument("--force", action="store_true", help="run even when the estimated host memory is over the limit")
     v.set_defaults(func=cmd_validate)
     x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
     _add_scenario_flags(x)
@@ -508,7 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a field and its values (repeat for more fields; points are the product)")
     w.add_argument("--budget", help="mark which points fit (80GiB, 80GB, bytes)")
     w.add_argument("--max-batch", action="store_true", help="with --budget: the largest micro-batch per point")
-    w.add_argument("--jobs", type=int, help="worker processes (default: every core)")
+    w.add_argument("--jobs", type=int, help="worker processes (default: every core; a cluster: its workers)")
+    w.add_argument("--engine", default="local", help="local (processes on this machine), ray or dask "
+                                                      "(pip install peakledger[ray] / peakledger[dask])")
+    w.add_argument("--address", help="ray / dask: an existing cluster's address (default: a local cluster for the run)")
     w.add_argument("--output", metavar="FILE.csv")
     w.add_argument("--json-output", metavar="FILE.json")
     w.set_defaults(func=cmd_sweep)
@@ -518,20 +534,47 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--wall-times", action="store_true",
                    help="keep measured wall-clock times (default: event index, so the file is reproducible)")
     k.add_argument("--device-kind", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda needs a GPU)")
+    k.add_argument("--force", action="store_true", help="run even when the estimated host memory is over the limit")
     k.set_defaults(func=cmd_capture)
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python runs next so every `finally` (temporary files, worker pools) runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Exit 0 on success (1: a validate outside its tolerance), 2 on bad input (one line naming it), 3 on an
+    internal error (a bug: one line, the traceback with --debug), 130 / 143 when interrupted / terminated."""
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return args.func(args)
-    except ConfigError as e:
+    except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into head & co.
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt as e:
+        print(f"peakledger: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}: nothing written",
+              file=sys.stderr)
+        return 143 if isinstance(e, _Terminated) else 130
+    except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a message
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"peakledger: internal error (a bug in peakledger, not your input): {type(e).__name__}: {e}"
+              + ("" if getattr(args, "debug", False) else "; run again with --debug for the traceback"),
+              file=sys.stderr)
+        return 3
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

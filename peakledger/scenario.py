@@ -23,7 +23,9 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, read_config_file
+from .models.config import (ConfigError, MLPConfig, TrainingSetup, TransformerConfig, check_given_knobs,
+                            read_config_file)
+from .models.fields import check_types
 from .models.costs import DEVICES
 from .models.presets import PRESETS, load_hf_config, preset
 
@@ -41,6 +43,7 @@ class Scenario:
     headroom: float = 0.0
 
     def __post_init__(self) -> None:
+        check_types(self, ConfigError)
         if self.device not in DEVICES:
             raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
@@ -90,21 +93,36 @@ def _tuples(table: dict) -> dict:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
 
 
+TABLES = ("model", "training", "run")
+
+
 def load_toml(path: str | Path) -> dict:
     data = read_config_file(path, "scenario", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
-    unknown = set(data) - {"model", "training", "run", "name"}
+    unknown = set(data) - {*TABLES, "name"}
     if unknown:
         raise ConfigError(sorted(unknown)[0], "unknown table in scenario file; allowed: [model], [training], [run], name")
+    for table in TABLES:
+        if table in data and not isinstance(data[table], dict):
+            raise ConfigError(table, f"must be a table ([{table}] followed by key = value lines), got "
+                                     f"{type(data[table]).__name__} {data[table]!r}")
+    if "name" in data and not isinstance(data["name"], str):
+        raise ConfigError("name", f"must be a string, got {data['name']!r}")
     return data
 
 
 def build_scenario(model_table: dict | None = None, training: dict | None = None, run: dict | None = None,
-                   name: str | None = None) -> Scenario:
+                   name: str | None = None, defaults: dict | None = None) -> Scenario:
+    """A scenario from its three tables. `training` holds what the user set (each such field must apply to
+    the setup: see models/config.py KNOB_APPLIES); `defaults` are training values of the caller's own,
+    taken where the user set nothing and where the model has the field (an MLP has no sequence)."""
     model_table = dict(model_table or {})
     training = _tuples(training or {})
     run = dict(run or {})
     hf = model_table.pop("hf_config", None)
     preset_name = model_table.pop("preset", None)
+    for key, value in (("hf_config", hf), ("preset", preset_name)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(key, f"must be a non-empty string, got {value!r}")
     if hf and preset_name:
         raise ConfigError("preset", "give either preset or hf_config, not both")
     if hf:
@@ -129,8 +147,13 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     for key in training:
         if key not in setup_keys:
             raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
-    defaults = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
-    setup = TrainingSetup(**{**defaults, **training})
+    if isinstance(model, MLPConfig) and "seq_len" in training:
+        raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
+                                     "(micro_batch sets the batch)")
+    base_setup = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
+    base_setup.update({k: v for k, v in (defaults or {}).items() if k != "seq_len" or isinstance(model, TransformerConfig)})
+    setup = TrainingSetup(**{**base_setup, **training})
+    check_given_knobs(setup, set(training))
     for key in run:
         if key not in ("device", "headroom"):
             raise ConfigError(key, "unknown run field; allowed: device, headroom")

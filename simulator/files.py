@@ -1,20 +1,158 @@
-"""Output files are written atomically: a temporary file beside the target, then a rename, so a
-reader never sees half a file and a crash never leaves one. Mode 0644, like a plain `open(..., "w")`."""
+"""Files in and out, safely: bounded reads of input files, checked and atomic writes of outputs.
+
+Inputs (`read_input`): a regular file or a pipe, at most `limit` bytes (a device such as /dev/zero, a
+directory or a file over the cap is refused before it is read), else `InputError` naming the input.
+
+Outputs are checked before any work (`check_outputs`): not empty, the parent folder exists and takes a
+new file, not a folder, device, pipe or socket, never one of the command's inputs, never given twice.
+They are written atomically (`write_atomic`): a temporary file beside the target, then a rename, so a
+reader never sees half a file. A new file gets the user's umask (0666 & ~umask, as `open(..., "w")`),
+a replaced file keeps its mode; a symbolic link is followed and its target replaced, not the link.
+The temporary file is removed on every exit path that runs Python (errors, Ctrl-C, SIGTERM through the
+CLI's handler); one left by a run killed outright (SIGKILL) is removed by the next write into the same
+folder once its process is gone (its name carries the pid).
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+
+TMP_PREFIX = ".peakledger-tmp-"
+
+
+class InputError(ValueError):
+    """A bad input: `field` names it (a flag, a key, a file), the message says what is wrong and what is
+    allowed. Every layer raises its own subclass; the CLI turns any of them into one line and exit 2."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_input(path, field_name: str, limit: int) -> bytes:
+    """The bytes of input file `path` (a regular file or a pipe), refused above `limit` bytes."""
+    if path is None or str(path) == "":
+        raise InputError(field_name, "an empty path; give a file")
+    try:
+        mode = os.stat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise InputError(field_name, f"{path} is {_kind(mode)}; give a file")
+        if stat.S_ISREG(mode) and os.stat(path).st_size > limit:
+            raise InputError(field_name, f"{path} is {os.stat(path).st_size:,} B, over the {limit:,} B cap for "
+                                         "this kind of input")
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise InputError(field_name, f"file not found: {path}") from None
+    except OSError as e:
+        raise InputError(field_name, f"cannot read {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise InputError(field_name, f"{path} holds more than the {limit:,} B cap for this kind of input")
+    return data
+
+
+def read_text(path, field_name: str, limit: int) -> str:
+    """`read_input` decoded as UTF-8 (a binary file is refused, naming the input)."""
+    data = read_input(path, field_name, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(field_name, f"{path} is not UTF-8 text (byte {e.start}): give a text file") from None
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_outputs(outputs: dict[str, str], inputs: dict[str, str] | None = None) -> None:
+    """Every output path (flag -> path) can be written, before any work: `InputError` naming the flag."""
+    inputs = {k: v for k, v in (inputs or {}).items() if v}
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        if str(path) == "":
+            raise InputError(flag, "an empty path; give a file name")
+        target = os.path.realpath(path)
+        if os.path.lexists(target):
+            mode = os.stat(target).st_mode if os.path.exists(target) else 0
+            if mode and not stat.S_ISREG(mode):
+                raise InputError(flag, f"{path} is {_kind(mode)}; peakledger writes regular files only")
+        parent = os.path.dirname(target) or "."
+        if not os.path.isdir(parent):
+            raise InputError(flag, f"folder {os.path.dirname(path) or '.'} does not exist")
+        try:  # the real test of "can a new file be made there": root ignores mode bits, not read-only mounts
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=TMP_PREFIX + f"{os.getpid()}-")
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise InputError(flag, f"cannot write into {parent}: {e.strerror or e}") from None
+        for other, ipath in inputs.items():
+            if _same(ipath, target):
+                raise InputError(flag, f"{path} is the input of {other}: an output never replaces an input")
+        for other_flag, other in seen.items():
+            if _same(other, target) or other == target:
+                raise InputError(flag, f"{path} is also the output of {other_flag}: give two different files")
+        seen[flag] = target
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _clean_stale(directory: str) -> None:
+    """Remove temporary files of writers that were killed outright (their pid no longer runs)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(TMP_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(TMP_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+        except OSError:
+            pass
 
 
 def write_atomic(path, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    target = os.path.realpath(path)
+    directory = os.path.dirname(target)
+    _clean_stale(directory)
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX + f"{os.getpid()}-")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+__all__ = ["InputError", "read_input", "read_text", "check_outputs", "write_atomic"]

@@ -25,8 +25,10 @@ import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..simulator.files import InputError, read_input
 from ..simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Phase, Pool, Stream
 
+TRACE_FILE_LIMIT = 512 << 20  # bytes of any trace file (a snapshot, a JSON trace, a gzip'd one unpacked)
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset()
 KNOWN_ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
                  "segment_unmap", "oom", "snapshot"}
@@ -37,8 +39,11 @@ CATEGORY_NAMES = {c.value: c for c in Category} | {
     "autograd_detail": Category.TEMPORARY, "unknown": Category.UNKNOWN}
 
 
-class SnapshotError(ValueError):
+class SnapshotError(InputError):
     """The file is not a snapshot we can read; the message says why."""
+
+    def __init__(self, message: str, field_name: str = "trace") -> None:
+        super().__init__(field_name, message)
 
 
 class UnsafePickleError(SnapshotError):
@@ -57,13 +62,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
                                 "(dicts, lists, strings, numbers); this pickle would import code")
 
 
-def safe_loads(data: bytes):
+def safe_loads(data: bytes, field_name: str = "trace"):
     try:
         return _RestrictedUnpickler(io.BytesIO(data)).load()
-    except UnsafePickleError:
-        raise
-    except Exception as e:  # truncated files, garbage: say so instead of a traceback
-        raise SnapshotError(f"not a readable pickle: {type(e).__name__}: {e}") from None
+    except UnsafePickleError as e:
+        raise UnsafePickleError(str(e).partition(": ")[2], field_name) from None
+    except Exception as e:  # truncated files, garbage, too deep: say so instead of a traceback
+        raise SnapshotError(f"not a readable pickle: {type(e).__name__}: {e}", field_name) from None
 
 
 @dataclass
@@ -75,9 +80,14 @@ class SnapshotTrace:
     problems: list[str] = field(default_factory=list)
     preexisting: int = 0  # blocks live at dump time that the trace never allocated
 
+    @property
+    def block_problems(self) -> list[str]:
+        """The problems of the allocated view (segment ones concern the reserved view only)."""
+        return [p for p in self.problems if "segment" not in p]
+
     def peak_bytes(self, allow_truncated: bool = False) -> int:
         if self.truncated and not allow_truncated:
-            raise TruncatedTraceError("the trace is truncated (" + "; ".join(self.problems[:3]) + "): its peak would "
+            raise TruncatedTraceError("the trace is truncated (" + "; ".join(self.block_problems[:3]) + "): its peak would "
                                       "be wrong. Record with a larger max_entries, or ask for a lower bound.")
         best = running = 0
         for e in self.allocated.events:
@@ -104,13 +114,52 @@ def _frame_name(frames: list[dict]) -> str:
     return "?"
 
 
-def parse_snapshot(snapshot: dict, device: int = 0) -> SnapshotTrace:
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_shape(snapshot, device: int, field_name: str) -> list[dict]:
+    """The parts of a snapshot this reader uses, with the types torch writes them in; else SnapshotError
+    naming the first entry that is not (torch/cuda/memory.py `_snapshot`, c10/cuda/CUDACachingAllocator.h)."""
+    def bad(where: str, what: str):
+        raise SnapshotError(f"not a CUDA memory snapshot we can read: {where} {what}", field_name)
+
     if not isinstance(snapshot, dict) or "device_traces" not in snapshot or "segments" not in snapshot:
-        raise SnapshotError("not a CUDA memory snapshot: expected a dict with 'segments' and 'device_traces'")
-    traces = snapshot["device_traces"]
-    if device >= len(traces):
-        raise SnapshotError(f"device {device} not in snapshot (it has {len(traces)} device traces)")
-    entries = traces[device]
+        bad("the top level", "must be a dict with 'segments' and 'device_traces'")
+    traces, segments = snapshot["device_traces"], snapshot["segments"]
+    if not isinstance(traces, list) or not all(isinstance(t, list) for t in traces):
+        bad("'device_traces'", "must be a list (one per device) of lists of entries")
+    if not isinstance(segments, list):
+        bad("'segments'", "must be a list")
+    if not (_int(device) and 0 <= device < max(len(traces), 1)):
+        raise SnapshotError(f"device {device!r} not in snapshot (it has {len(traces)} device traces)", field_name)
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, dict) or not isinstance(seg.get("blocks", []), list):
+            bad(f"segments[{i}]", "must be a dict with a list of 'blocks'")
+        for j, b in enumerate(seg.get("blocks", [])):
+            if not isinstance(b, dict) or not _int(b.get("address")) or not _int(b.get("size")) or b["size"] < 0:
+                bad(f"segments[{i}].blocks[{j}]", "must be a dict with integer 'address' and 'size' >= 0")
+    entries = traces[device] if traces else []
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            bad(f"device_traces[{device}][{i}]", f"must be a dict, got {type(e).__name__}")
+        action = e.get("action")
+        if action not in KNOWN_ACTIONS:
+            bad(f"device_traces[{device}][{i}]", f"has unknown action {action!r}; allowed: "
+                                                 f"{', '.join(sorted(KNOWN_ACTIONS))}")
+        if action != "snapshot" and not (_int(e.get("addr")) and _int(e.get("size")) and e["size"] >= 0):
+            bad(f"device_traces[{device}][{i}] ({action})", f"needs integer 'addr' and 'size' >= 0, got addr "
+                                                            f"{e.get('addr')!r}, size {e.get('size')!r}")
+        t = e.get("time_us", 0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or abs(t) == float("inf"):
+            bad(f"device_traces[{device}][{i}]", f"has a 'time_us' that is not a finite number: {t!r}")
+        if not isinstance(e.get("frames", []), list) or not all(isinstance(f, dict) for f in e.get("frames", [])):
+            bad(f"device_traces[{device}][{i}]", "has 'frames' that are not a list of dicts")
+    return entries
+
+
+def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace") -> SnapshotTrace:
+    entries = _check_shape(snapshot, device, field_name)
     allocated, reserved, ooms = [], [], []
     live: dict[int, Block] = {}
     live_segments: dict[int, Block] = {}
@@ -125,9 +174,6 @@ def parse_snapshot(snapshot: dict, device: int = 0) -> SnapshotTrace:
 
     for i, e in enumerate(entries):
         action, addr, size = e.get("action"), e.get("addr"), e.get("size", 0)
-        if action not in KNOWN_ACTIONS:
-            raise SnapshotError(f"device_traces[{device}][{i}]: unknown action {action!r}; "
-                                f"allowed: {', '.join(sorted(KNOWN_ACTIONS))}")
         if action == "alloc":
             if addr in live:
                 problems.append(f"entry {i}: alloc at {addr:#x} which is already allocated")
@@ -171,9 +217,12 @@ def parse_snapshot(snapshot: dict, device: int = 0) -> SnapshotTrace:
     at_dump = {b["address"]: b for seg in snapshot["segments"] if seg.get("device", device) == device
                for b in seg.get("blocks", []) if b.get("state") == "active_allocated"}
     preexisting = [a for a in at_dump if a not in live]
-    if preexisting and problems:
+    # a segment_free of a segment reserved before the recording began is state at record start (the
+    # reserved view starts mid-run), not a wrapped ring buffer; only a free of an unknown *block* makes the
+    # allocated view incomplete
+    truncated = any("unknown block" in p for p in problems)
+    if preexisting and truncated:
         problems.append(f"{len(preexisting)} blocks live at dump time were never allocated in the trace")
-    truncated = any("unknown" in p for p in problems)
     if preexisting and not truncated:
         # allocated before recording started and never freed since: live for the whole trace
         start = {"time_us": entries[0].get("time_us", 0) if entries else 0}
@@ -192,8 +241,4 @@ def parse_snapshot(snapshot: dict, device: int = 0) -> SnapshotTrace:
 
 
 def load_snapshot(path: str | Path, device: int = 0) -> SnapshotTrace:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise SnapshotError(f"cannot read {path}: {e.strerror}") from None
-    return parse_snapshot(safe_loads(data), device)
+    return parse_snapshot(safe_loads(read_input(path, "trace", TRACE_FILE_LIMIT)), device)

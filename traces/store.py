@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..simulator.files import write_atomic
+from ..simulator.files import InputError, read_input, write_atomic
+from .cuda_snapshot import TRACE_FILE_LIMIT, parse_snapshot, safe_loads
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 
 FORMAT = "peakledger-trace"
 VERSION = 1
 
 
-class TraceFormatError(ValueError):
-    pass
+class TraceFormatError(InputError):
+    """A trace file that cannot be read as one (the message says why)."""
+
+    def __init__(self, message: str, field_name: str = "trace") -> None:
+        super().__init__(field_name, message)
 
 
 def to_json(log: EventLog) -> dict:
@@ -42,25 +47,69 @@ def to_json(log: EventLog) -> dict:
     }
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def from_json(data: dict) -> EventLog:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TraceFormatError(f"not a peakledger trace (expected format {FORMAT!r})")
     if data.get("version") != VERSION:
         raise TraceFormatError(f"trace version {data.get('version')!r} is not supported; this peakledger reads {VERSION}")
+    if not isinstance(data.get("metadata", {}), dict) or not isinstance(data.get("source", ""), str):
+        raise TraceFormatError("malformed trace: 'metadata' must be an object and 'source' a string")
     try:
         blocks = {}
         for bid, nbytes, cat, name, dtype, shape, state, shard, rank, pool in data["blocks"]:
-            blocks[bid] = Block(id=bid, nbytes=int(nbytes), category=Category(cat), name=name, dtype=dtype,
+            if not (_is_int(bid) and _is_int(nbytes) and _is_int(shard) and _is_int(rank)):
+                raise TraceFormatError(f"block {bid!r}: id, bytes, shard factor and rank must be integers, got "
+                                       f"{[bid, nbytes, shard, rank]!r}")
+            if nbytes < 0 or shard < 1 or rank < 0:
+                raise TraceFormatError(f"block {bid!r}: bytes must be >= 0, shard factor >= 1, rank >= 0; got "
+                                       f"{nbytes!r}, {shard!r}, {rank!r}")
+            if bid in blocks:
+                raise TraceFormatError(f"block id {bid!r} is listed twice")
+            blocks[bid] = Block(id=bid, nbytes=nbytes, category=Category(cat), name=str(name), dtype=str(dtype),
                                 shape=tuple(shape), state=OptimizerState(state) if state else None,
                                 shard_factor=shard, rank=rank, pool=Pool(pool))
-        events = [Event(seq=seq, time=float(t), action=Action(a), block=blocks[bid], phase=Phase(ph), step=step,
-                        micro_batch=mb, stream=Stream(st), op=op)
-                  for seq, t, a, bid, ph, step, mb, st, op in data["events"]]
+        events = []
+        for seq, t, a, bid, ph, step, mb, st, op in data["events"]:
+            if not (_is_int(seq) and _is_int(step) and _is_int(mb)) or isinstance(t, bool) \
+                    or not isinstance(t, (int, float)) or t != t or t in (float("inf"), float("-inf")):
+                raise TraceFormatError(f"event {seq!r}: seq, step and micro-batch must be integers and time a "
+                                       f"finite number, got {[seq, t, step, mb]!r}")
+            events.append(Event(seq=seq, time=float(t), action=Action(a), block=blocks[bid], phase=Phase(ph),
+                                step=step, micro_batch=mb, stream=Stream(st), op=str(op)))
     except KeyError as e:
-        raise TraceFormatError(f"event refers to unknown block {e}") from None
+        raise TraceFormatError(f"malformed trace: an event refers to unknown block {e} (or a key is missing)") from None
     except (TypeError, ValueError) as e:
+        if isinstance(e, TraceFormatError):
+            raise
         raise TraceFormatError(f"malformed trace: {e}") from None
-    return EventLog(events=events, source=data.get("source", "?"), metadata=data.get("metadata", {}))
+    log = EventLog(events=events, source=data.get("source", "?"), metadata=data.get("metadata", {}))
+    check_consistency(log)
+    return log
+
+
+def check_consistency(log: EventLog) -> None:
+    """A trace is a life story of blocks: it has events, and every block is allocated before it is freed,
+    freed at most once, and never allocated again while live. Anything else is refused, naming the event."""
+    if not log.events:
+        raise TraceFormatError("the trace holds no events: nothing was recorded")
+    live: set[int] = set()
+    done: set[int] = set()
+    for i, e in enumerate(log.events):
+        bid = e.block.id
+        if e.action is Action.ALLOC:
+            if bid in live or bid in done:
+                raise TraceFormatError(f"event {i} allocates block {bid} ({e.block.name}) a second time")
+            live.add(bid)
+        else:
+            if bid not in live:
+                raise TraceFormatError(f"event {i} frees block {bid} ({e.block.name}), which is not allocated at "
+                                       "that point (a free before its alloc, or twice)")
+            live.discard(bid)
+            done.add(bid)
 
 
 def with_event_index_times(log: EventLog) -> EventLog:
@@ -75,11 +124,68 @@ def save_log(log: EventLog, path: str | Path) -> None:
     write_atomic(path, (json.dumps(to_json(log), sort_keys=True, separators=(",", ":")) + "\n").encode())
 
 
-def load_log(path: str | Path) -> EventLog:
+def load_log(path: str | Path, field_name: str = "trace") -> EventLog:
+    """A peakledger JSON trace file (plain or gzip'd)."""
+    data = _unpacked(read_input(path, field_name, TRACE_FILE_LIMIT), path, field_name)
+    return _json_log(data, path, field_name)
+
+
+def _unpacked(data: bytes, path, field_name: str) -> bytes:
+    """gzip'd content unpacked (told by its magic bytes), within the same cap."""
+    if not data.startswith(b"\x1f\x8b"):
+        return data
+    import zlib
+    d = zlib.decompressobj(wbits=31)
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise TraceFormatError(f"file not found: {path}") from None
+        out = d.decompress(data, TRACE_FILE_LIMIT + 1)
+    except zlib.error as e:
+        raise TraceFormatError(f"{path} is a broken gzip file: {e}", field_name) from None
+    if len(out) > TRACE_FILE_LIMIT:
+        raise TraceFormatError(f"{path} unpacks to more than the {TRACE_FILE_LIMIT:,} B cap", field_name)
+    if not d.eof:
+        raise TraceFormatError(f"{path} is a truncated gzip file", field_name)
+    return out
+
+
+def _json_log(data: bytes, path, field_name: str) -> EventLog:
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{path} is neither JSON text nor a CUDA snapshot pickle", field_name) from None
     except json.JSONDecodeError as e:
-        raise TraceFormatError(f"{path} is not JSON: {e}") from None
-    return from_json(data)
+        raise TraceFormatError(f"{path} is not JSON: {e}", field_name) from None
+    except RecursionError:
+        raise TraceFormatError(f"{path} is nested too deeply to be a trace", field_name) from None
+    try:
+        return from_json(obj)
+    except TraceFormatError as e:
+        raise TraceFormatError(f"{path}: {str(e).partition(': ')[2]}", field_name) from None
+
+
+@dataclass(frozen=True)
+class TraceFile:
+    """A measured trace read from a file, whatever its format: the allocated-memory log, what kind of file
+    it was, and whether the recording is incomplete (then every reading of it is a lower bound)."""
+
+    path: str
+    kind: str  # "peakledger trace" or "CUDA snapshot"
+    log: EventLog
+    truncated: bool = False
+    notes: tuple[str, ...] = ()
+
+    def warning(self) -> str | None:
+        if not self.truncated:
+            return None
+        return (f"{self.path} is truncated ({'; '.join(self.notes[:2])}): allocations before the recording "
+                "are missing, so every byte count read from it is a lower bound")
+
+
+def load_trace(path: str | Path, field_name: str = "trace") -> TraceFile:
+    """A peakledger JSON trace, a gzip'd one, or a CUDA snapshot pickle, told apart by content."""
+    data = _unpacked(read_input(path, field_name, TRACE_FILE_LIMIT), path, field_name)
+    if data[:1] == b"\x80":  # a pickle (protocol 2+): what torch.cuda.memory._dump_snapshot writes
+        snap = parse_snapshot(safe_loads(data, field_name), field_name=field_name)
+        if not snap.allocated.events:
+            raise TraceFormatError(f"{path}: the CUDA snapshot holds no allocations to read", field_name)
+        return TraceFile(str(path), "CUDA snapshot", snap.allocated, snap.truncated, tuple(snap.block_problems))
+    return TraceFile(str(path), "peakledger trace", _json_log(data, path, field_name))

@@ -1,0 +1,66 @@
+"""Strict types for the fields of every config dataclass, checked on creation.
+
+A config field's annotation is its type, and nothing else is accepted: a string is never a boolean
+("false" is not false), a boolean never a number, a float never an integer, and a float must be
+finite (no NaN, no infinity). pydantic checks each value against the annotation in strict mode; the
+dataclass's own `__post_init__` then checks what the types cannot say (ranges, choices, combinations).
+Fields whose annotation is another config (a Scenario's model and setup) are checked by their own class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def _words(tp) -> str:
+    """An annotation in words, for the error message."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        parts = [_words(a) for a in args if a is not type(None)]
+        return " or ".join(parts) + (" (or left out)" if type(None) in args else "")
+    if origin is tuple:
+        return f"a list of {_words(args[0]).replace('an ', '').replace('a ', '')}s"
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}.get(tp, str(tp))
+
+
+@functools.cache
+def _adapters(cls) -> tuple[tuple[str, object, TypeAdapter], ...]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        parts = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        if any(dataclasses.is_dataclass(p) for p in parts):
+            continue  # another config: it checks itself
+        out.append((f.name, tp, TypeAdapter(tp, config=STRICT)))
+    return tuple(out)
+
+
+def type_problem(tp, value) -> str | None:
+    """Why `value` is not of annotation `tp` (strictly), or None."""
+    try:
+        TypeAdapter(tp, config=STRICT).validate_python(value)
+    except ValidationError:
+        return f"must be {_words(tp)}, got {value!r} ({type(value).__name__})"
+    return None
+
+
+def check_types(obj, error: type[Exception]) -> None:
+    """Raise `error(field, message)` for the first field of dataclass `obj` whose value is not strictly
+    of its annotated type."""
+    for name, tp, adapter in _adapters(type(obj)):
+        value = getattr(obj, name)
+        try:
+            adapter.validate_python(value)
+        except ValidationError:
+            raise error(name, f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
+
+
+__all__ = ["check_types", "type_problem"]

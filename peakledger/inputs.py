@@ -1,0 +1,164 @@
+"""The CLI's input boundary: command-line flags and files into a checked Scenario, outputs checked before
+any work, measured traces read whatever their format, and the cost of a real run estimated before it starts.
+
+Every problem found here is an `InputError` (a `ConfigError` for scenario fields, a `TraceFormatError`
+for traces) naming the flag, key or file, what was wrong and what is allowed; the CLI prints it as one
+line and exits 2. The checks of each value live with its schema (models/config.py, peakledger/scenario.py,
+traces/store.py, traces/cuda_snapshot.py); this module only decides which inputs a command has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import fields
+
+from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .scenario import Scenario, build_scenario, load_toml
+from .simulator.files import check_outputs
+from .traces.store import TraceFile, load_trace
+
+MODEL_FLAGS = ["family", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "vocab_size", "max_seq_len", "dropout",
+               "attention"]
+DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "reduce_bucket_size",
+                "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                "stage3_param_persistence_threshold"]
+TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
+                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
+                  "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers",
+                  "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
+                  "fp32_grads", "set_to_none"] + DP_INT_FLAGS
+RUN_FLAGS = ["device", "headroom"]
+SOURCE_FLAGS = ["scenario", "preset", "hf_config"]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def given_flags(args) -> dict[str, dict]:
+    """What the user set on the command line: {"model": ..., "training": ..., "run": ...} (never defaults)."""
+    model = {n: getattr(args, f"model_{n}") for n in MODEL_FLAGS if getattr(args, f"model_{n}", None) is not None}
+    training = {n: getattr(args, n) for n in TRAINING_FLAGS if getattr(args, n, None) is not None}
+    if getattr(args, "freeze", None):
+        training["frozen"] = tuple(args.freeze)
+    run = {n: getattr(args, n) for n in RUN_FLAGS if getattr(args, n, None) is not None}
+    return {"model": model, "training": training, "run": run}
+
+
+def scenario_flags_given(args) -> list[str]:
+    """The scenario flags set on the command line, as the user typed them."""
+    given = given_flags(args)
+    names = [n for n in SOURCE_FLAGS if getattr(args, n, None)] + list(given["model"]) + \
+        [n if n != "frozen" else "freeze" for n in given["training"]] + list(given["run"])
+    return [flag(n) for n in names]
+
+
+def scenario_from_args(args, defaults: dict | None = None) -> Scenario:
+    """The scenario of a command: a TOML file (`--scenario`), a preset or an HF config, and flags on top.
+    `defaults` are the command's own training values, used where neither the file nor a flag sets one."""
+    data = load_toml(args.scenario) if args.scenario else {}
+    model = dict(data.get("model", {}))
+    training = dict(data.get("training", {}))
+    run = dict(data.get("run", {}))
+    if args.preset and args.hf_config:
+        raise ConfigError("preset", "give either --preset or --hf-config, not both")
+    if args.preset is not None or args.hf_config is not None:
+        model.pop("preset", None)
+        model.pop("hf_config", None)
+        model["preset" if args.preset is not None else "hf_config"] = \
+            args.preset if args.preset is not None else args.hf_config
+    given = given_flags(args)
+    model.update(given["model"])
+    training.update(given["training"])
+    run.update(given["run"])
+    return build_scenario(model, training, run, name=data.get("name"), defaults=defaults)
+
+
+def recorded_scenario(metadata: dict) -> Scenario | None:
+    """The scenario a measured trace records (`peakledger capture` writes model, model_kind, setup and
+    scenario into its metadata), or None when it records none (a CUDA snapshot, a trace from elsewhere)."""
+    model, setup, kind = metadata.get("model"), metadata.get("setup"), metadata.get("model_kind")
+    if not (isinstance(model, dict) and isinstance(setup, dict) and kind in ("TransformerConfig", "MLPConfig")):
+        return None
+    cls = TransformerConfig if kind == "TransformerConfig" else MLPConfig
+    tuples = lambda d: {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # noqa: E731
+    known = lambda c, d: {k: v for k, v in tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
+    try:
+        config = cls(**known(cls, model))
+        training = TrainingSetup(**known(TrainingSetup, setup))
+    except (TypeError, ConfigError) as e:
+        raise ConfigError("trace", f"the scenario recorded in the trace is not one this peakledger reads: {e}") \
+            from None
+    return Scenario(name=str(metadata.get("scenario", config.name)), model=config, setup=training, device="cpu")
+
+
+def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario, list[str]]:
+    """validate --trace: the scenario recorded in the trace, with the flags given on top (each one said), or
+    the flags alone when the trace records none. Returns the scenario and what was said about it."""
+    recorded = recorded_scenario(trace.log.metadata)
+    if recorded is None:
+        if not any(getattr(args, n, None) for n in SOURCE_FLAGS):
+            raise ConfigError("trace", f"{trace.path} ({trace.kind}) records no scenario (model and training "
+                                       "setup): give the one that produced it with --preset, --hf-config or "
+                                       "--scenario")
+        return scenario_from_args(args, defaults), [f"{trace.path} records no scenario: simulating the one the "
+                                                    "flags give"]
+    if any(getattr(args, n, None) for n in SOURCE_FLAGS):
+        source = next(flag(n) for n in SOURCE_FLAGS if getattr(args, n, None))
+        return scenario_from_args(args, defaults), [f"{source} overrides the scenario recorded in {trace.path} "
+                                                    f"({recorded.name})"]
+    given = given_flags(args)
+    changes = {**given["model"], **given["training"], **{k: v for k, v in given["run"].items() if k == "headroom"}}
+    scenario = recorded.with_changes(**changes) if changes else recorded
+    notes = [f"scenario recorded in {trace.path}: {recorded.name}"]
+    for key, value in changes.items():
+        old = getattr(recorded.setup, key, getattr(recorded.model, key, getattr(recorded, key, None)))
+        if old != value:
+            notes.append(f"overrode {key}: {old!r} in the trace, {value!r} from {flag(key)}")
+    return scenario, notes
+
+
+def read_trace(path: str) -> TraceFile:
+    return load_trace(path, "trace")
+
+
+def check_command_outputs(args, outputs: list[str]) -> None:
+    """The command's output flags (those given) against each other and its input files, before any work."""
+    paths = {flag(n): getattr(args, n) for n in outputs if getattr(args, n, None) is not None}
+    if getattr(args, "command", None) == "capture" and getattr(args, "device_kind", None) == "cuda" and args.output:
+        paths["--output (its .snapshot.pickle)"] = args.output + ".snapshot.pickle"
+    inputs = {flag(n): getattr(args, n) for n in ("scenario", "hf_config", "trace") if getattr(args, n, None)}
+    check_outputs(paths, inputs)
+
+
+HOST_BASELINE = 600 << 20  # bytes: one Python process with torch imported, before any tensor (measured ~0.5 GiB)
+
+
+def real_run_limit() -> int:
+    """Half of this machine's memory: a real validate / capture run that needs more is refused (--force)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def real_run_estimate(scenario: Scenario) -> int:
+    """Host memory a real CPU run of `scenario` needs: the simulated peak of every rank on the "cpu" profile
+    (device and host pools: on a CPU both are host memory) plus one torch process per rank."""
+    from .models.training import describe
+    from .simulator.engine import simulate
+    from .simulator.timeline import timeline
+
+    ws = scenario.setup.world_size
+    graph = describe(scenario.model, dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2)), "cpu")
+    log = simulate(graph)
+    total = 0
+    for rank, members in graph.metadata["rank_classes"].items():
+        peak = sum(timeline(log, int(rank), pool).peak().bytes for pool in {e.block.pool for e in log.events})
+        total += (peak + HOST_BASELINE) * len(members)
+    return total if ws > 1 else max(total, HOST_BASELINE)
+
+
+__all__ = ["scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
+           "check_command_outputs", "read_trace", "real_run_estimate", "real_run_limit"]
