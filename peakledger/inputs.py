@@ -110,6 +110,9 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
                                                     f"({recorded.name})"]
     given = given_flags(args)
     changes = {**given["model"], **given["training"], **{k: v for k, v in given["run"].items() if k == "headroom"}}
+    if changes.get("world_size", recorded.setup.world_size) != recorded.setup.world_size:
+        raise ConfigError("world_size", f"{trace.path} was measured with world_size {recorded.setup.world_size}: its "
+                                        "ranks are fixed by the run; capture a trace of the other world size")
     scenario = recorded.with_changes(**changes) if changes else recorded
     notes = [f"scenario recorded in {trace.path}: {recorded.name}"]
     for key, value in changes.items():

@@ -69,8 +69,12 @@ def from_json(data: dict) -> EventLog:
                                        f"{nbytes!r}, {shard!r}, {rank!r}")
             if bid in blocks:
                 raise TraceFormatError(f"block id {bid!r} is listed twice")
-            blocks[bid] = Block(id=bid, nbytes=nbytes, category=Category(cat), name=str(name), dtype=str(dtype),
-                                shape=tuple(shape), state=OptimizerState(state) if state else None,
+            if not (isinstance(name, str) and isinstance(dtype, str) and isinstance(shape, list)
+                    and all(_is_int(n) and n >= 0 for n in shape)):
+                raise TraceFormatError(f"block {bid!r}: name and dtype must be strings and shape a list of integers "
+                                       f">= 0, got {[name, dtype, shape]!r}")
+            blocks[bid] = Block(id=bid, nbytes=nbytes, category=Category(cat), name=name, dtype=dtype,
+                                shape=tuple(shape), state=None if state is None else OptimizerState(state),
                                 shard_factor=shard, rank=rank, pool=Pool(pool))
         events = []
         for seq, t, a, bid, ph, step, mb, st, op in data["events"]:
@@ -78,8 +82,10 @@ def from_json(data: dict) -> EventLog:
                     or not isinstance(t, (int, float)) or t != t or t in (float("inf"), float("-inf")):
                 raise TraceFormatError(f"event {seq!r}: seq, step and micro-batch must be integers and time a "
                                        f"finite number, got {[seq, t, step, mb]!r}")
+            if not isinstance(op, str):
+                raise TraceFormatError(f"event {seq!r}: op must be a string, got {op!r}")
             events.append(Event(seq=seq, time=float(t), action=Action(a), block=blocks[bid], phase=Phase(ph),
-                                step=step, micro_batch=mb, stream=Stream(st), op=str(op)))
+                                step=step, micro_batch=mb, stream=Stream(st), op=op))
     except KeyError as e:
         raise TraceFormatError(f"malformed trace: an event refers to unknown block {e} (or a key is missing)") from None
     except (TypeError, ValueError) as e:

@@ -1,0 +1,94 @@
+"""Issue 11's findings, each recreated (tests/hardening_cases.py): exit 2 with a message naming the input,
+or the right number; never a traceback. Plus: every real snapshot of ../shared/gpu-truth through explain and
+validate, a malicious pickle refused before it runs, and an internal error said as one (exit 3)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO
+from peakledger import cli
+
+
+def run_case(case, tmp_path, capsys):
+    for name, make in case.files.items():
+        (tmp_path / name).write_bytes(make())
+    if any("{tmp}/fifo" in a for a in case.argv):
+        os.mkfifo(tmp_path / "fifo")
+    argv = [a.format(tmp=tmp_path, repo=REPO, gpu=GPU_TRUTH) for a in case.argv]
+    old = os.umask(case.umask) if case.umask is not None else None
+    try:
+        code = cli.main(argv)
+    finally:
+        if old is not None:
+            os.umask(old)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_case(case, tmp_path, capsys):
+    if "{gpu}" in " ".join(case.argv) and not GPU_TRUTH.is_dir():
+        pytest.skip("../shared/gpu-truth is not beside this checkout")
+    code, out, err = run_case(case, tmp_path, capsys)
+    text = (out + err).lower()
+    assert "traceback" not in text and code != 3, err
+    assert code == case.code, (code, err[-2000:])
+    for phrase in case.says:
+        assert phrase.lower() in text, (phrase, out[-1000:], err[-1000:])
+    if case.code == 2:
+        assert err.startswith("peakledger: error: ") and err.count("\n") == 1, err
+    if case.check is not None:
+        problem = case.check(out, err, tmp_path)
+        assert problem is None, problem
+
+
+@pytest.mark.skipif(not GPU_TRUTH.is_dir(), reason="../shared/gpu-truth is not beside this checkout")
+@pytest.mark.parametrize("snapshot", sorted(p.name for p in GPU_TRUTH.glob("*.pickle")) if GPU_TRUTH.is_dir() else [])
+def test_every_gpu_truth_snapshot_reads_without_a_traceback(snapshot, capsys):
+    path = str(GPU_TRUTH / snapshot)
+    assert cli.main(["explain", "--trace", path, "--budget", "40GiB"]) == 0
+    out, err = capsys.readouterr()
+    assert "CUDA snapshot" in out and not err
+    assert cli.main(["validate", "--trace", path]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("peakledger: error: trace: ") and err.count("\n") == 1
+
+
+def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path, capsys):
+    marker = "/tmp/peakledger-pwned"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    (tmp_path / "evil.pickle").write_bytes(EVIL_PICKLE)
+    assert b"system" in EVIL_PICKLE
+    assert cli.main(["explain", "--trace", str(tmp_path / "evil.pickle"), "--budget", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to load" in err and "system" in err
+    assert not os.path.exists(marker)
+
+
+def test_an_internal_error_is_one_line_and_exit_3(monkeypatch, capsys):
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli.api, "run", broken)
+    assert cli.main(["simulate", "--preset", "tiny"]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" in err and "--debug" in err and "Traceback" not in err
+    assert cli.main(["simulate", "--preset", "tiny", "--debug"]) == 3
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: boom" in err
+
+
+def test_a_temporary_file_is_removed_when_the_write_fails(tmp_path, monkeypatch):
+    from peakledger.simulator import files
+
+    def failing_replace(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "replace", failing_replace)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_atomic(tmp_path / "out.json", b"data")
+    assert os.listdir(tmp_path) == []
