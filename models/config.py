@@ -85,6 +85,15 @@ class TransformerConfig:
     fused kernel), "gelu_pytorch_tanh" (tanh approximation, one fused kernel) or "gelu_new" (HF's
     composite tanh formula: eight pointwise ops, four saved tensors). None means "gelu"; nanogpt runs
     `nn.GELU()` only. Llama's gated SiLU is fixed.
+
+    `head_dim` is the width of one attention head (HF's `head_dim`; Mistral-NeMo: 128 with d_model 5120
+    and 32 heads); None means d_model // n_head. q_proj's output and o_proj's input are n_head * head_dim
+    wide (`attn_dim`), k_proj's and v_proj's n_kv_head * head_dim. Family gpt2 splits d_model into its
+    heads: another head_dim is refused there.
+    Biases: gpt2 has one switch, `bias` (every linear and norm; `out_bias` and `mlp_bias` can only agree
+    with it). In llama `bias` is the q/k/v projections' biases (Qwen2 has them), `out_bias` o_proj's
+    (HF Llama's `attention_bias` sets both) and `mlp_bias` gate/up/down_proj's (HF Llama's `mlp_bias`);
+    None means none.
     """
 
     name: str
@@ -102,6 +111,9 @@ class TransformerConfig:
     attention: str = "sdpa"
     implementation: str = "nanogpt"
     activation: str | None = None
+    head_dim: int | None = None  # None: d_model // n_head
+    out_bias: bool | None = None  # attention output projection's bias; None: family default
+    mlp_bias: bool | None = None  # MLP projections' biases; None: family default
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -112,8 +124,11 @@ class TransformerConfig:
             _positive_int(self, "n_kv_head")
         if self.d_ff is not None:
             _positive_int(self, "d_ff")
-        if self.d_model % self.n_head:
-            raise ConfigError("n_head", f"n_head={self.n_head} must divide d_model={self.d_model}")
+        if self.head_dim is not None:
+            _positive_int(self, "head_dim")
+        elif self.d_model % self.n_head:
+            raise ConfigError("n_head", f"n_head={self.n_head} must divide d_model={self.d_model} "
+                                        "(or give head_dim)")
         if self.n_head % self.kv_heads:
             raise ConfigError("n_kv_head", f"n_kv_head={self.kv_heads} must divide n_head={self.n_head}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
@@ -126,8 +141,25 @@ class TransformerConfig:
             if self.implementation == "nanogpt" and self.activation != "gelu":
                 raise ConfigError("activation", f"implementation nanogpt runs nn.GELU() (gelu); {self.activation!r} "
                                                 "needs implementation = 'hf'")
+        self._check_heads_and_biases()
         if self.implementation == "hf":
             self._check_hf_gpt2()
+
+    def _check_heads_and_biases(self) -> None:
+        """gpt2 splits d_model into its heads and has one bias switch; llama's rotary embedding rotates
+        half of each head, so a head's width must be even."""
+        if self.family == "gpt2":
+            if self.head_dim is not None and self.head_dim * self.n_head != self.d_model:
+                raise ConfigError("head_dim", f"family gpt2 splits d_model={self.d_model} into n_head={self.n_head} "
+                                              f"heads: head_dim {self.head_dim} is modelled for family llama only")
+            for name in ("out_bias", "mlp_bias"):
+                value = getattr(self, name)
+                if value is not None and value != self.has_bias:
+                    raise ConfigError(name, f"family gpt2 has one bias switch, bias ({self.has_bias}): {name} "
+                                            f"must be left out or equal it")
+        elif self.head_size % 2:
+            raise ConfigError("head_dim", f"llama's rotary embedding rotates half of each head: the head width "
+                                          f"({self.head_size}) must be even")
 
     def _check_hf_gpt2(self) -> None:
         """HF's GPT2LMHeadModel has fixed parts: the fields that would describe another model are refused."""
@@ -149,8 +181,14 @@ class TransformerConfig:
         return self.n_head if self.n_kv_head is None else self.n_kv_head
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_head
+    def head_size(self) -> int:
+        """The width of one attention head: `head_dim`, or d_model // n_head."""
+        return self.d_model // self.n_head if self.head_dim is None else self.head_dim
+
+    @property
+    def attn_dim(self) -> int:
+        """All query heads together: q_proj's output and o_proj's input width (d_model in gpt2)."""
+        return self.n_head * self.head_size
 
     @property
     def ffn(self) -> int:
@@ -163,6 +201,16 @@ class TransformerConfig:
     @property
     def has_bias(self) -> bool:
         return (self.family == "gpt2") if self.bias is None else self.bias
+
+    @property
+    def has_out_bias(self) -> bool:
+        """Whether the attention output projection (c_proj / o_proj) has a bias."""
+        return self.has_bias if self.family == "gpt2" else bool(self.out_bias)
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        """Whether the MLP projections (c_fc, c_proj / gate, up, down_proj) have biases."""
+        return self.has_bias if self.family == "gpt2" else bool(self.mlp_bias)
 
     @property
     def gated_mlp(self) -> bool:

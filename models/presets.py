@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
-from .config import GPT2_ACTIVATIONS, ConfigError, MLPConfig, TransformerConfig, read_config_file
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticUndefined
+
+from .config import ATTENTION, GPT2_ACTIVATIONS, ConfigError, MLPConfig, TransformerConfig, read_config_file
 
 PRESETS: dict[str, TransformerConfig | MLPConfig] = {
     "tiny": TransformerConfig(name="tiny", family="gpt2", n_layer=2, d_model=64, n_head=4, vocab_size=256,
@@ -37,36 +41,178 @@ def preset(name: str) -> TransformerConfig | MLPConfig:
         raise ConfigError("preset", f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
 
 
-def _get(cfg: dict, *keys: str, default=None):
-    for k in keys:
-        if k in cfg and cfg[k] is not None:
-            return cfg[k]
-    return default
+# -- HF config.json files -------------------------------------------------------------------------
+#
+# The keys read from a config.json, with their types, checked strictly (pydantic strict mode): "32" is not
+# an integer, 32.0 is not an integer, true is not a number, and a string is never a boolean ("false" is
+# not false). A null value counts as left out (HF writes null for unset options). Each wrong key is a
+# ConfigError naming it, "hf_config.<key>", with what it must be. Keys not listed are not read.
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Rate = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+def _key(words: str, default=PydanticUndefined, **kw):
+    """A config.json key: `words` says what it must be (for the error message); no default = required."""
+    return Field(default, description=words, **kw)
+
+
+INT, OPT_INT = "a positive integer", "a positive integer (or null)"
+BOOL, RATE, STR = "true or false (a JSON boolean)", "a number in [0, 1)", "a string"
+
+
+class _HFKeys(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False, frozen=True)
+
+    attn_implementation: str | None = _key(STR, None)
+    attn_implementation_private: str | None = _key(STR, None, alias="_attn_implementation")
+
+    @classmethod
+    def read(cls, data: dict):
+        """The keys of `data`, checked; the first wrong or missing one is a ConfigError naming it."""
+        try:
+            return cls.model_validate({k: v for k, v in data.items() if v is not None})
+        except ValidationError as e:
+            error = e.errors()[0]
+            key = str(error["loc"][0])
+            field = next(f for name, f in cls.model_fields.items() if key in (name, f.alias))
+            if error["type"] == "missing":
+                raise ConfigError(f"hf_config.{key}", f"missing: a {data.get('model_type')} config.json must give it "
+                                                      f"({field.description})") from None
+            value = error["input"]
+            raise ConfigError(f"hf_config.{key}", f"must be {field.description}, got {value!r} "
+                                                  f"({type(value).__name__})") from None
+
+    def attention(self, default: str = "sdpa") -> str:
+        """`attn_implementation` (or `_attn_implementation`): "eager" or "sdpa"; a config.json that names
+        none gets what HF picks on torch >= 2.1.1, "sdpa" (files rarely say)."""
+        value = self.attn_implementation or self.attn_implementation_private or default
+        if value not in ATTENTION:
+            raise ConfigError("attention", f"hf_config.attn_implementation {value!r} is not modelled; "
+                                           f"allowed: {', '.join(ATTENTION)}")
+        return value
+
+
+class HFGPT2Keys(_HFKeys):
+    """GPT2Config's keys and defaults (configuration_gpt2.py): save_pretrained may leave out keys equal to them."""
+
+    n_layer: PositiveInt = _key(INT, 12)
+    n_embd: PositiveInt = _key(INT, 768)
+    n_head: PositiveInt = _key(INT, 12)
+    vocab_size: PositiveInt = _key(INT, 50257)
+    n_positions: PositiveInt | None = _key(OPT_INT, None)
+    n_ctx: PositiveInt | None = _key(OPT_INT, None)
+    n_inner: PositiveInt | None = _key(OPT_INT, None)
+    resid_pdrop: Rate = _key(RATE, 0.1)
+    embd_pdrop: Rate = _key(RATE, 0.1)
+    attn_pdrop: Rate = _key(RATE, 0.1)
+    activation_function: str = _key(STR, "gelu_new")
+    tie_word_embeddings: bool = _key(BOOL, True)
+    add_cross_attention: bool = _key(BOOL, False)
+    reorder_and_upcast_attn: bool = _key(BOOL, False)
+
+
+class HFDecoderKeys(_HFKeys):
+    """The keys a Mistral or Qwen2 config.json is read by (configuration_mistral.py, configuration_qwen2.py).
+    The shape keys are required: transformers' own config.json files always carry them."""
+
+    num_hidden_layers: PositiveInt = _key(INT)
+    hidden_size: PositiveInt = _key(INT)
+    num_attention_heads: PositiveInt = _key(INT)
+    num_key_value_heads: PositiveInt | None = _key(OPT_INT, None)  # None: num_attention_heads
+    head_dim: PositiveInt | None = _key(OPT_INT, None)  # None: hidden_size // num_attention_heads
+    intermediate_size: PositiveInt = _key(INT)
+    vocab_size: PositiveInt = _key(INT)
+    max_position_embeddings: PositiveInt = _key(INT, 4096 * 32)  # configuration_mistral.py's default
+    tie_word_embeddings: bool = _key(BOOL, False)
+    attention_dropout: Rate = _key(RATE, 0.0)
+    hidden_act: str = _key(STR, "silu")
+
+
+class HFQwen2Keys(HFDecoderKeys):
+    max_position_embeddings: PositiveInt = _key(INT, 32768)  # configuration_qwen2.py's default
+
+
+class HFLlamaKeys(HFDecoderKeys):
+    """LlamaConfig adds the bias switches (configuration_llama.py)."""
+
+    max_position_embeddings: PositiveInt = _key(INT, 2048)
+    attention_bias: bool = _key(BOOL, False)
+    mlp_bias: bool = _key(BOOL, False)
+
+
+HF_DECODERS = {"llama": HFLlamaKeys, "mistral": HFDecoderKeys, "qwen2": HFQwen2Keys}
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
+
+# TransformerConfig's fields by the config.json key they come from, so that an error a TransformerConfig
+# raises (n_kv_head not dividing n_head, an odd head width) names the key
+DECODER_KEYS = dict(n_layer="num_hidden_layers", d_model="hidden_size", n_head="num_attention_heads",
+                    n_kv_head="num_key_value_heads", head_dim="head_dim", d_ff="intermediate_size",
+                    vocab_size="vocab_size", max_seq_len="max_position_embeddings", dropout="attention_dropout")
+GPT2_KEYS = dict(n_layer="n_layer", d_model="n_embd", n_head="n_head", vocab_size="vocab_size",
+                 max_seq_len="n_positions", d_ff="n_inner", dropout="resid_pdrop")
 
 
 def from_hf_config(data: dict, name: str = "hf") -> TransformerConfig:
     """Read a HF transformers config dict (GPT-2, Llama, Mistral, Qwen2-style) into a TransformerConfig.
 
-    GPT-2 configs describe HF's own GPT2LMHeadModel (`implementation="hf"`); see `_hf_gpt2`.
+    GPT-2 configs describe HF's own GPT2LMHeadModel (`implementation="hf"`); see `_hf_gpt2`. Llama,
+    Mistral and Qwen2 configs become family "llama" (`_hf_decoder`).
     """
+    if not isinstance(data, dict):
+        raise ConfigError("hf_config", f"must be a JSON object, got {type(data).__name__}")
     model_type = data.get("model_type")
     if model_type == "gpt2":
         return _hf_gpt2(data, name)
-    if model_type in ("llama", "mistral", "qwen2"):
-        return TransformerConfig(
-            name=name, family="llama", n_layer=_get(data, "num_hidden_layers"), d_model=_get(data, "hidden_size"),
-            n_head=_get(data, "num_attention_heads"), n_kv_head=_get(data, "num_key_value_heads"),
-            d_ff=_get(data, "intermediate_size"), vocab_size=_get(data, "vocab_size"),
-            max_seq_len=_get(data, "max_position_embeddings", default=4096),
-            tied_embeddings=bool(_get(data, "tie_word_embeddings", default=False)),
-            bias=bool(_get(data, "attention_bias", default=False)) or None,
-            dropout=float(_get(data, "attention_dropout", default=0.0)))
-    raise ConfigError("model_type", f"unsupported HF model_type {model_type!r}; allowed: gpt2, llama, mistral, qwen2")
+    if isinstance(model_type, str) and model_type in HF_DECODERS:
+        return _hf_decoder(data, model_type, name)
+    raise ConfigError("model_type", f"unsupported HF model_type {model_type!r}; allowed: gpt2, {', '.join(HF_DECODERS)}")
 
 
-# GPT2Config's defaults: `save_pretrained` leaves out keys that equal them
-GPT2_DEFAULTS = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, resid_pdrop=0.1,
-                     embd_pdrop=0.1, attn_pdrop=0.1, activation_function="gelu_new", tie_word_embeddings=True)
+def _hf_decoder(data: dict, model_type: str, name: str) -> TransformerConfig:
+    """A Llama, Mistral or Qwen2 config.json as the model its transformers modeling file builds.
+
+    Heads are `head_dim` wide where the file says (modeling_llama.py / _mistral.py / _qwen2.py:
+    `getattr(config, "head_dim", ...)`), else hidden_size // num_attention_heads. Biases:
+    modeling_llama.py puts `attention_bias` on q, k, v and o_proj and `mlp_bias` on gate, up and
+    down_proj; modeling_qwen2.py always has q/k/v biases and none on o_proj or the MLP;
+    modeling_mistral.py has none. `attn_implementation` picks the attention, "sdpa" when not given.
+    """
+    keys = HF_DECODERS[model_type].read(data)
+    if keys.hidden_act not in SILU_NAMES:
+        raise ConfigError("hf_config.hidden_act", f"{keys.hidden_act!r} is not modelled: the llama family runs a "
+                                                  f"gated SiLU MLP; allowed: {', '.join(SILU_NAMES)}")
+    head_dim = keys.head_dim
+    if keys.hidden_size % keys.num_attention_heads:
+        if model_type == "llama":  # configuration_llama.py: validate_architecture
+            raise ConfigError("hf_config.num_attention_heads", f"{keys.num_attention_heads} must divide hidden_size "
+                                                               f"{keys.hidden_size} (LlamaConfig refuses it otherwise)")
+        head_dim = head_dim or keys.hidden_size // keys.num_attention_heads  # what the modeling file builds
+    llama = model_type == "llama"
+    fields = dict(
+        name=name, family="llama", n_layer=keys.num_hidden_layers, d_model=keys.hidden_size,
+        n_head=keys.num_attention_heads, n_kv_head=keys.num_key_value_heads, head_dim=head_dim,
+        d_ff=keys.intermediate_size, vocab_size=keys.vocab_size, max_seq_len=keys.max_position_embeddings,
+        tied_embeddings=keys.tie_word_embeddings, dropout=float(keys.attention_dropout),
+        attention=keys.attention(),
+        # q/k/v biases: Llama's attention_bias, always in Qwen2; o_proj's: Llama's attention_bias only
+        bias=keys.attention_bias if llama else model_type == "qwen2",
+        out_bias=keys.attention_bias if llama else False,
+        mlp_bias=keys.mlp_bias if llama else False)
+    return _config(fields, DECODER_KEYS)
+
+
+def _config(fields: dict, keys: dict[str, str]) -> TransformerConfig:
+    """`TransformerConfig(**fields)`; an error about a field read from the file names its key."""
+    try:
+        return TransformerConfig(**fields)
+    except ConfigError as e:
+        if e.field not in keys:
+            raise
+        message = str(e)[len(e.field) + 2:]
+        raise ConfigError(f"hf_config.{keys[e.field]}", message) from None
+
+
 GPT2_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
@@ -79,32 +225,24 @@ def _hf_gpt2(data: dict, name: str) -> TransformerConfig:
     zero, so rates that disagree on that are refused. Options that change the graph beyond what is
     modelled (cross-attention, reordered fp32 attention) are refused too.
     """
-    cfg = {**GPT2_DEFAULTS, **{k: v for k, v in data.items() if v is not None}}
-    rates = {k: _rate(cfg, k) for k in GPT2_DROPOUTS}
+    keys = HFGPT2Keys.read(data)
+    rates = {k: float(getattr(keys, k)) for k in GPT2_DROPOUTS}
     if len({r > 0 for r in rates.values()}) > 1:
         raise ConfigError("resid_pdrop", f"HF GPT-2 dropout rates {rates} mix zero and non-zero; peakledger "
                                          "models one rate for all three: set them all to zero or all above zero")
     for key in ("add_cross_attention", "reorder_and_upcast_attn"):
-        if cfg.get(key):
+        if getattr(keys, key):
             raise ConfigError(key, "not modelled for HF GPT-2; allowed: false")
-    attention = cfg.get("attn_implementation") or cfg.get("_attn_implementation") or "sdpa"
-    activation = cfg["activation_function"]
+    activation = keys.activation_function
     if activation not in GPT2_ACTIVATIONS:
         raise ConfigError("activation_function",
                           f"unknown value {activation!r}; allowed: {', '.join(GPT2_ACTIVATIONS)}")
-    return TransformerConfig(
-        name=name, family="gpt2", implementation="hf", n_layer=cfg["n_layer"], d_model=cfg["n_embd"],
-        n_head=cfg["n_head"], vocab_size=cfg["vocab_size"],
-        max_seq_len=_get(cfg, "n_positions", "n_ctx", default=1024), d_ff=cfg.get("n_inner"),
-        dropout=rates["resid_pdrop"], attention=attention, activation=activation,
-        tied_embeddings=bool(cfg["tie_word_embeddings"]))
-
-
-def _rate(cfg: dict, key: str) -> float:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(key, f"must be a number in [0, 1), got {value!r}")
-    return float(value)
+    fields = dict(
+        name=name, family="gpt2", implementation="hf", n_layer=keys.n_layer, d_model=keys.n_embd,
+        n_head=keys.n_head, vocab_size=keys.vocab_size, max_seq_len=keys.n_positions or keys.n_ctx or 1024,
+        d_ff=keys.n_inner, dropout=rates["resid_pdrop"], attention=keys.attention(), activation=activation,
+        tied_embeddings=keys.tie_word_embeddings)
+    return _config(fields, GPT2_KEYS)
 
 
 def load_hf_config(path: str | Path) -> TransformerConfig:

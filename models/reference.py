@@ -18,7 +18,9 @@ bytes with what `models.training.describe` + `simulator.engine.simulate` predict
   `post_attention_layernorm`, `model.norm`, `lm_head`): `nn.RMSNorm`, rotary positions with HF's
   rotate_half formulation (cos/sin computed once per forward from a non-persistent `inv_freq` buffer),
   grouped-query attention (`enable_gqa` for SDPA, `repeat_interleave` of k/v for eager) and a SwiGLU
-  MLP. The eager path builds its (T, T) bool causal mask on the fly, once per forward.
+  MLP. The eager path builds its (T, T) bool causal mask on the fly, once per forward. Heads are
+  `cfg.head_size` wide (HF's `head_dim`: q_proj's output and o_proj's input are n_head * head_size, not
+  necessarily d_model); biases on q/k/v (`bias`), o_proj (`out_bias`) and gate/up/down (`mlp_bias`).
 - `MLP(cfg)`: `layers` is an `nn.Sequential(Linear, act, Linear, act, ..., Linear)` so parameters are
   `layers.{2i}.weight/bias` as in `models.transformer.mlp_params`; the loss is `F.mse_loss` against a
   target (torch's fused MSE, not the describer's sub/pow/mean decomposition).
@@ -125,7 +127,7 @@ def autocast_context(setup: TrainingSetup | None):
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
         self.d_model = cfg.d_model
         kv = self.n_kv * self.head_dim
         self.c_attn = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv, bias=cfg.has_bias)
@@ -202,18 +204,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.n_head, self.n_kv, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_size
         kv = self.n_kv * self.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.has_bias)
+        # q/o are n_head * head_dim wide (HF's `head_dim` may make that differ from d_model); biases as
+        # modeling_llama.py (q/k/v/o: attention_bias) or modeling_qwen2.py (q/k/v only) have them
+        self.q_proj = nn.Linear(cfg.d_model, cfg.attn_dim, bias=cfg.has_bias)
         self.k_proj = nn.Linear(cfg.d_model, kv, bias=cfg.has_bias)
         self.v_proj = nn.Linear(cfg.d_model, kv, bias=cfg.has_bias)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.o_proj = nn.Linear(cfg.attn_dim, cfg.d_model, bias=cfg.has_out_bias)
         self.dropout = cfg.dropout
         self.sdpa = cfg.attention == "sdpa"
         self.checkpoint_core = False  # "selective": the core runs under its own checkpoint
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, causal: torch.Tensor | None):
-        B, T, C = x.shape
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -221,7 +225,7 @@ class LlamaAttention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         core = functools.partial(self.core, causal=causal)
         y = attention_core(core, self.checkpoint_core, q, k, v)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)
         return self.o_proj(y)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: torch.Tensor | None) -> torch.Tensor:
@@ -242,9 +246,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=cfg.has_mlp_bias)  # modeling_llama.py: mlp_bias
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn, bias=cfg.has_mlp_bias)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.d_model, bias=cfg.has_mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -270,7 +274,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.RMSNorm(cfg.d_model, eps=1e-6)
-        hd = cfg.head_dim
+        hd = cfg.head_size
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.eager = cfg.attention == "eager"

@@ -195,7 +195,7 @@ class _Writer:
 def transformer_params(cfg: TransformerConfig) -> list[ParamSpec]:
     """Parameters in registration order; a tied output embedding is not listed twice."""
     D, F, V = cfg.d_model, cfg.ffn, cfg.vocab_size
-    kv = cfg.kv_heads * cfg.head_dim
+    kv, A = cfg.kv_heads * cfg.head_size, cfg.attn_dim
     ps: list[ParamSpec] = []
     if cfg.family == "gpt2":
         ps += [ParamSpec("transformer.wte.weight", (V, D)), ParamSpec("transformer.wpe.weight", (cfg.max_seq_len, D))]
@@ -211,10 +211,12 @@ def transformer_params(cfg: TransformerConfig) -> list[ParamSpec]:
         ps += [ParamSpec("model.embed_tokens.weight", (V, D))]
         for i in range(cfg.n_layer):
             h = f"model.layers.{i}"
-            ps += _linear(f"{h}.self_attn.q_proj", D, D, cfg.has_bias) + _linear(f"{h}.self_attn.k_proj", D, kv, cfg.has_bias)
-            ps += _linear(f"{h}.self_attn.v_proj", D, kv, cfg.has_bias) + _linear(f"{h}.self_attn.o_proj", D, D, False)
-            ps += _linear(f"{h}.mlp.gate_proj", D, F, False) + _linear(f"{h}.mlp.up_proj", D, F, False)
-            ps += _linear(f"{h}.mlp.down_proj", F, D, False)
+            qkv_bias, mlp_bias = cfg.has_bias, cfg.has_mlp_bias
+            ps += _linear(f"{h}.self_attn.q_proj", D, A, qkv_bias) + _linear(f"{h}.self_attn.k_proj", D, kv, qkv_bias)
+            ps += _linear(f"{h}.self_attn.v_proj", D, kv, qkv_bias)
+            ps += _linear(f"{h}.self_attn.o_proj", A, D, cfg.has_out_bias)
+            ps += _linear(f"{h}.mlp.gate_proj", D, F, mlp_bias) + _linear(f"{h}.mlp.up_proj", D, F, mlp_bias)
+            ps += _linear(f"{h}.mlp.down_proj", F, D, mlp_bias)
             ps += [ParamSpec(f"{h}.input_layernorm.weight", (D,)), ParamSpec(f"{h}.post_attention_layernorm.weight", (D,))]
         ps += [ParamSpec("model.norm.weight", (D,))]
         if not cfg.tied:
@@ -252,7 +254,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
                      saves=(pos.name,), params=("transformer.wpe.weight",))
         x = w.add("transformer.emb_add", x, pe)
     else:
-        hd = cfg.head_dim
+        hd = cfg.head_size
         rope = w.op("model.rotary_emb", "rotary_tables", [],
                     [w.t("model.rotary_emb.cos", (T, hd), requires_grad=False),
                      w.t("model.rotary_emb.sin", (T, hd), requires_grad=False)],
@@ -354,13 +356,13 @@ def _attention_sdpa(w: _Writer, prefix: str, q: TensorSpec, k: TensorSpec, v: Te
 
 
 def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> TensorSpec:
-    kv = cfg.kv_heads * cfg.head_dim
+    kv = cfg.kv_heads * cfg.head_size
     a = w.layernorm(f"{h}.ln_1", x, cfg.has_bias)
     qkv = w.linear(f"{h}.attn.c_attn", a, cfg.d_model + 2 * kv, cfg.has_bias)
     if cfg.attention == "eager":
-        y = _attention_eager(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.dropout)
+        y = _attention_eager(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.dropout)
     else:
-        y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_dim)
+        y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size)
     y = w.linear(f"{h}.attn.c_proj", y, cfg.d_model, cfg.has_bias)
     y = w.dropout(f"{h}.attn.resid_dropout", y, cfg.dropout)
     x = w.add(f"{h}.attn_residual", x, y)
@@ -381,14 +383,17 @@ def _buffers(cfg: TransformerConfig) -> list[TensorSpec]:
             return []
         L = cfg.max_seq_len
         return [TensorSpec(f"transformer.h.{i}.attn.bias", (1, 1, L, L), "fp32", False) for i in range(cfg.n_layer)]
-    return [TensorSpec("model.rotary_emb.inv_freq", (cfg.head_dim // 2,), "fp32", False)]
+    return [TensorSpec("model.rotary_emb.inv_freq", (cfg.head_size // 2,), "fp32", False)]
 
 
 def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope) -> TensorSpec:
-    kv = cfg.kv_heads * cfg.head_dim
+    """q_proj is n_head * head_size wide (`attn_dim`: not d_model when `head_dim` says so), k/v_proj
+    n_kv_head * head_size; o_proj maps attn_dim back to d_model. Biases as `bias` (q/k/v), `out_bias`
+    (o_proj) and `mlp_bias` say: a bias adds a parameter, nothing saved."""
+    kv = cfg.kv_heads * cfg.head_size
     B, T = x.shape[0], x.shape[1]
     a = w.rmsnorm(f"{h}.input_layernorm", x)
-    q = w.linear(f"{h}.self_attn.q_proj", a, cfg.d_model, cfg.has_bias)
+    q = w.linear(f"{h}.self_attn.q_proj", a, cfg.attn_dim, cfg.has_bias)
     k = w.linear(f"{h}.self_attn.k_proj", a, kv, cfg.has_bias)
     v = w.linear(f"{h}.self_attn.v_proj", a, kv, cfg.has_bias)
     cos, sin = rope
@@ -398,20 +403,20 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
                         saves=(cos.name, sin.name, cos.name, sin.name),
                         workspace=(w.t(f"{h}.self_attn.rotate_half", q.shape, requires_grad=False),),
                         bwd_workspace=(w.t(f"{h}.self_attn.rotate_half_grad", q.shape, requires_grad=False),),
-                        flops=6 * B * T * (cfg.d_model + kv))
+                        flops=6 * B * T * (cfg.attn_dim + kv))
     if cfg.attention == "eager":
-        y = _attention_eager(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.dropout,
+        y = _attention_eager(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.dropout,
                              fp32_softmax=True)
     else:
-        y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_dim)
-    y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, False)
+        y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_size)
+    y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, cfg.has_out_bias)
     x = w.add(f"{h}.attn_residual", x, y)
     m = w.rmsnorm(f"{h}.post_attention_layernorm", x)
-    gate = w.linear(f"{h}.mlp.gate_proj", m, cfg.ffn, False)
-    up = w.linear(f"{h}.mlp.up_proj", m, cfg.ffn, False)
+    gate = w.linear(f"{h}.mlp.gate_proj", m, cfg.ffn, cfg.has_mlp_bias)
+    up = w.linear(f"{h}.mlp.up_proj", m, cfg.ffn, cfg.has_mlp_bias)
     act = w.pointwise(f"{h}.mlp.silu", "silu", gate)
     (prod_,) = w.op(f"{h}.mlp.mul", "mul", [act, up], [w.t(f"{h}.mlp.mul", act.shape)], saves=(act.name, up.name))
-    down = w.linear(f"{h}.mlp.down_proj", prod_, cfg.d_model, False)
+    down = w.linear(f"{h}.mlp.down_proj", prod_, cfg.d_model, cfg.has_mlp_bias)
     return w.add(f"{h}.mlp_residual", x, down)
 
 
@@ -557,7 +562,7 @@ def _hf_gpt2_block(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, 
     if cfg.attention == "eager":
         y, weights = _hf_eager_attention(w, cfg, f"{h}.attn", qkv, mask)
     elif sdpa_kernel:
-        y, weights = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_dim), None
+        y, weights = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size), None
     else:
         y, weights = _hf_sdpa_math(w, cfg, f"{h}.attn", qkv), None
     y = w.addmm(f"{h}.attn.c_proj", y, D)
@@ -585,7 +590,7 @@ def _sdpa_runs_math(w: _HFWriter, dropout: float) -> bool:
 def _hf_eager_attention(w: _HFWriter, cfg: TransformerConfig, prefix: str, qkv: TensorSpec, mask: TensorSpec):
     """`eager_attention_forward`: (q @ k^T) * scale + mask, softmax, cast to v's dtype, dropout, @ v.
     Returns the head-merged output and the attention weights (the block holds them until it returns)."""
-    B, T, H, hd = qkv.shape[0], qkv.shape[1], cfg.n_head, cfg.head_dim
+    B, T, H, hd = qkv.shape[0], qkv.shape[1], cfg.n_head, cfg.head_size
     # q, k, v are views of the projection's split: each view's backward gives a head-shaped gradient piece,
     # and SplitBackward concatenates them into the projection's gradient once all three are in
     q, k = w.op(f"{prefix}.qk", "matmul", [qkv, qkv],
@@ -622,7 +627,7 @@ def _hf_sdpa_math(w: _HFWriter, cfg: TransformerConfig, prefix: str, qkv: Tensor
     as the allocation tracker, torch takes the out-of-place branch of the mask add: the tracker shows
     one more (B, H, T, T) temporary than the profiler there.)
     """
-    B, T, H, hd = qkv.shape[0], qkv.shape[1], cfg.n_head, cfg.head_dim
+    B, T, H, hd = qkv.shape[0], qkv.shape[1], cfg.n_head, cfg.head_size
     name = f"{prefix}.sdpa_math"
     upcast = qkv.dtype != "fp32"
     if upcast:  # three ToCopy nodes; their 16-bit gradients are modelled as the projection's one gradient
