@@ -88,7 +88,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
-    r.add_argument("--unit", default="GiB", choices=["GiB", "GB", "MiB", "MB"], help="print sizes in this unit")
+    r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
+                   help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
 
 
@@ -209,6 +210,9 @@ def cmd_peers(args, base) -> int:
 
 def cmd_compare(args) -> int:
     base = _scenario_from_args(args)
+    if args.peers and args.case:
+        raise ConfigError("case", "--peers compares DeepSpeed's ZeRO stages of the base scenario; --case does not "
+                                  "apply with it: drop one")
     if args.peers:
         return cmd_peers(args, base)
     cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
@@ -305,6 +309,9 @@ def cmd_explain(args) -> int:
     print("\n".join(_render_moment(x.moment, u, setup)))
     if x.host_moment is not None:
         print("\n".join(_render_moment(x.host_moment, u, setup)))
+    elif host_budget is not None:
+        print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
+              "host staging), so it always fits")
     print("")
     print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
     print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
@@ -400,6 +407,8 @@ def _check_real_run(args, scenario) -> None:
 
 
 def cmd_capture(args) -> int:
+    if args.wall_times and args.device_kind == "cuda":
+        raise ConfigError("wall_times", "applies to CPU captures; a CUDA snapshot keeps the allocator's own times")
     check_command_outputs(args, ["output"])
     scenario = _real_run_scenario(args)
     _check_real_run(args, scenario)
@@ -419,12 +428,15 @@ def cmd_capture(args) -> int:
 
 
 def cmd_validate_ranks(args, scenario) -> int:
-    results, simulated = api.validate_ranks(scenario, backend=args.pg_backend)
+    if args.plot:
+        raise ConfigError("plot", "validate --world-size N prints one table per rank; --plot draws one run: drop it "
+                                  "(or validate one rank's trace with --trace)")
+    results, simulated = api.validate_ranks(scenario, backend=args.pg_backend or "gloo")
     if args.json:
         _write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
         for v, _ in results:
-            print(render_validation(v, args.unit if args.unit != "GiB" else "MiB"))
+            print(render_validation(v, args.unit or "MiB"))
             print("")
     if args.tolerance is not None:
         worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
@@ -438,6 +450,8 @@ def cmd_validate_ranks(args, scenario) -> int:
 def cmd_validate(args) -> int:
     check_command_outputs(args, ["plot"])
     if args.trace:
+        if args.pg_backend is not None or args.force:
+            raise ConfigError("trace", "validate --trace runs nothing: --pg-backend and --force do not apply")
         trace = read_trace(args.trace)
         if trace.truncated:
             raise ConfigError("trace", f"{trace.warning()}; a validation needs the whole run")
@@ -447,6 +461,8 @@ def cmd_validate(args) -> int:
         result, measured, simulated = api.validate(scenario, trace.log)
     else:
         scenario = _real_run_scenario(args)
+        if args.pg_backend is not None and scenario.setup.world_size == 1:
+            raise ConfigError("pg_backend", "only applies to a real run of world_size > 1 (one process per rank)")
         _check_real_run(args, scenario)
         if scenario.setup.world_size > 1:
             return cmd_validate_ranks(args, scenario)
@@ -456,7 +472,7 @@ def cmd_validate(args) -> int:
     if args.json:
         _write_json(validation_json(result))
     else:
-        print(render_validation(result, args.unit if args.unit != "GiB" else "MiB"))
+        print(render_validation(result, args.unit or "MiB"))
     if args.tolerance is not None:
         ok = result.passes(args.tolerance)
         print(f"peak error {result.overall.error:+.3%} {'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}",
@@ -495,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--tolerance", type=float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
     v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
     v.add_argument("--json", action="store_true")
-    v.add_argument("--pg-backend", default="gloo", choices=["gloo", "fake"],
+    v.add_argument("--pg-backend", choices=["gloo", "fake"],
                    help="--world-size > 1: real gloo processes on 127.0.0.1, or torch's fake process group")
     v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new "
                                                    "run; its recorded scenario is used, flags override fields of it")
@@ -539,6 +555,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_common(args) -> None:
+    """Flags whose meaning does not depend on the command: refused where they would be ignored."""
+    if getattr(args, "json", False) and args.unit is not None:
+        raise ConfigError("unit", "--json always gives bytes; --unit sets the text output's unit: drop one")
+    if args.command != "validate":  # validate prints MiB unless told otherwise
+        args.unit = args.unit or "GiB"
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not (0 <= tolerance < float("inf")):
+        raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Python runs next so every `finally` (temporary files, worker pools) runs."""
 
@@ -554,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() \
         else None
     try:
+        _check_common(args)
         return args.func(args)
     except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)

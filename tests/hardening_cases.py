@@ -283,6 +283,21 @@ CASES: list[Case] = [
          SIM + ("--no-reshard-after-forward",), says=("reshard_after_forward", "fsdp2")),
     Case("seq-len-mlp", "silent wrong results", "--seq-len on an MLP silently ignored",
          ("simulate", "--preset", "tiny-mlp", "--seq-len", "128"), says=("seq_len",)),
+    # --- found on the way: more flags that were silently ignored -------------------------------------------
+    Case("unit-with-json", "silent wrong results", "--unit with --json was ignored (JSON is bytes)",
+         SIM + ("--json", "--unit", "MB"), says=("unit",)),
+    Case("pg-backend-one-process", "silent wrong results", "--pg-backend on a one-process validate was ignored",
+         ("validate", "--preset", "tiny-mlp", "--pg-backend", "fake"), says=("pg_backend",)),
+    Case("peers-with-case", "silent wrong results", "compare --peers ignored every --case",
+         ("compare", "--preset", "tiny", "--peers", "--case", "a: micro_batch=2"), says=("case",)),
+    Case("tolerance-nan", "silent wrong results", "validate --tolerance nan passed every run",
+         ("validate", "--trace", str(MLP_TRACE), "--tolerance", "nan"), says=("tolerance",)),
+    Case("host-budget-no-host", "silent wrong results", "explain --host-budget on a scenario with no host memory "
+         "said nothing about it", ("explain", "--preset", "tiny", "--steps", "1", "--optimizer", "sgd", "--budget", "1GiB",
+                                   "--host-budget", "1MiB"), code=0, says=("nothing of this scenario lives in host",)),
+    Case("ranks-plot", "silent wrong results", "validate --world-size 2 --plot drew nothing",
+         ("validate", "--preset", "tiny", "--world-size", "2", "--dp-engine", "fsdp2", "--plot", "{tmp}/v.png"),
+         says=("plot",)),
     # --- files destroyed ------------------------------------------------------------------------------------
     Case("plot-onto-trace", "files destroyed", "validate --trace x.json --plot x.json overwrote the trace with a PNG",
          ("validate", "--trace", "{tmp}/x.json", "--plot", "{tmp}/x.json"), {"x.json": lambda: MLP_TRACE.read_bytes()},

@@ -1,0 +1,132 @@
+"""Issue 11's findings, before and after: every case of tests/hardening_cases.py run as a real command.
+
+    python bench/hardening.py                                  # this tree: print the table
+    python bench/hardening.py --before /path/to/old/venv/bin/python --write   # + an older install, into
+                                                                              #   bench/HARDENING.md
+
+Each case runs in a fresh temporary folder as its working directory, under a time limit (`--timeout`,
+a case that runs on is "did not finish") and an address-space limit (`--memory`, so an unbounded run
+ends as "out of memory" instead of taking the machine). An outcome is "traceback (<exception>)", "exit N:
+<first message line>", or "exit 0" with what its check found ("wrong: ..."). A case is right when its
+exit status and message or number are the ones tests/test_hardening.py asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from sections import replace_section  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("hardening_cases", ROOT / "tests" / "hardening_cases.py")
+cases_module = importlib.util.module_from_spec(_spec)
+sys.modules["hardening_cases"] = cases_module
+_spec.loader.exec_module(cases_module)
+CASES, GPU_TRUTH = cases_module.CASES, cases_module.GPU_TRUTH
+RUNNER = "import sys; from peakledger.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]:
+    """(right?, outcome in words) of one case run by `python`."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name, make in case.files.items():
+            (tmp / name).write_bytes(make())
+        if any("{tmp}/fifo" in a for a in case.argv):
+            os.mkfifo(tmp / "fifo")
+        argv = [a.format(tmp=tmp, repo=ROOT, gpu=GPU_TRUTH) for a in case.argv]
+
+        def limits():
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            if case.umask is not None:
+                os.umask(case.umask)
+
+        try:
+            p = subprocess.run([python, "-c", RUNNER, *argv], cwd=tmp, capture_output=True, text=True,
+                               timeout=timeout, preexec_fn=limits, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return False, f"did not finish in {timeout:.0f} s"
+        text = (p.stdout + p.stderr).lower()
+        if "Traceback" in p.stderr or p.returncode not in (0, 1, 2):
+            last = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
+            kind = "out of memory" if "MemoryError" in p.stderr else "traceback"
+            return False, f"{kind} ({_short(last[0])})"
+        said = next((ln for ln in p.stderr.splitlines() if ln.startswith("peakledger:")), "")
+        outcome = f"exit {p.returncode}" + (f": {_short(said.removeprefix('peakledger: error: '))}" if said else "")
+        right = p.returncode == case.code and all(s.lower() in text for s in case.says)
+        if case.check is not None and p.returncode == 0:
+            try:
+                problem = case.check(p.stdout, p.stderr, tmp)
+            except Exception as e:  # noqa: BLE001 - an unreadable output is a wrong result
+                problem = f"unreadable output ({type(e).__name__})"
+            if problem:
+                return False, f"{outcome}, wrong: {_short(problem)}"
+        return right, outcome
+
+
+def _short(text: str, n: int = 110) -> str:
+    text = " ".join(text.split()).replace("|", "/")
+    text = re.sub(r"/tmp/tmp[\w-]+", "{tmp}", text)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def render(rows: list[tuple], with_before: bool) -> str:
+    head = "| case | finding | " + ("before | " if with_before else "") + "after | right |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    group = None
+    for case, before, after, right in rows:
+        if case.group != group:
+            group = case.group
+            lines.append(f"| **{group}** | | " + ("| " if with_before else "") + "| |")
+        lines.append(f"| `{case.id}` | {_short(case.finding, 90)} | " + (f"{before} | " if with_before else "")
+                     + f"{after} | {'yes' if right else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", metavar="PYTHON", help="a python whose peakledger is the older version")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--memory", type=int, default=16 << 30, help="address-space limit per case, bytes")
+    ap.add_argument("--only", help="run the cases whose id contains this")
+    ap.add_argument("--write", action="store_true", help="write bench/HARDENING.md")
+    args = ap.parse_args()
+    rows = []
+    for case in CASES:
+        if args.only and args.only not in case.id:
+            continue
+        before = run_case(case, args.before, args.timeout, args.memory)[1] if args.before else ""
+        right, after = run_case(case, sys.executable, args.timeout, args.memory)
+        rows.append((case, before, after, right))
+        print(f"{'ok ' if right else 'BAD'} {case.id:<28} {after}" + (f"   [before: {before}]" if before else ""),
+              flush=True)
+    table = render(rows, bool(args.before))
+    wrong = sum(1 for r in rows if not r[3])
+    summary = (f"{len(rows)} cases, {len(rows) - wrong} right now, {wrong} wrong" +
+               (f"; before: {sum(1 for r in rows if r[1].startswith(('traceback', 'out of memory')))} tracebacks, "
+                f"{sum(1 for r in rows if 'did not finish' in r[1])} did not finish in {args.timeout:.0f} s"
+                if args.before else ""))
+    print(summary)
+    if args.write:
+        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --write` (cases: tests/hardening_cases.py, asserted "
+                f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
+                f"and {args.memory >> 30} GiB of address space at most. 'before' is the peakledger of commit 3235a98 "
+                f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
+        path = ROOT / "bench" / "HARDENING.md"
+        if not path.exists():
+            path.write_text("# Hardening: issue 11's findings, before and after\n")
+        replace_section("## Cases", text, str(path))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
