@@ -49,6 +49,7 @@ seconds, then the time of one pass. Exit status 1 if any command failed a run, e
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import platform
 import re
@@ -58,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -294,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", metavar="SUBSTRING",
                    help="run the commands whose README text contains SUBSTRING (and those they depend on)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one command may run (default 900)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="passes run side by side (each pass keeps README order in its own folder; default 1)")
     p.add_argument("--write", action="store_true", help=f"write the table into bench/RESULTS.md as '{HEADING}'")
     p.add_argument("--readme", default=README, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -320,22 +324,31 @@ def main(argv: list[str] | None = None) -> int:
     resolved = [resolve(ex.argv, tracked, exe) for ex in examples]
 
     pass_seconds = []
-    for run in range(1, args.runs + 1):
+    lock = threading.Lock()
+
+    def one_pass(run: int) -> None:
         t_pass = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="peakledger-readme-") as tmp:
             for k, (ex, cmd) in enumerate(zip(examples, resolved), 1):
                 code, out, err, secs = run_one(cmd, tmp, args.timeout)
                 why = check(ex, code, err, ex.comment.startswith(CUDA_MARK) and not has_cuda)
-                ex.runs += 1
-                ex.seconds.append(secs)
-                if why is None:
-                    ex.passes += 1
-                else:
-                    ex.failures.append(why)
-                print(f"[run {run}/{args.runs}] {k}/{len(examples)} {'ok  ' if why is None else 'FAIL'} "
-                      f"{secs:6.2f}s  {ex.line}" + ("" if why is None else f"\n        {why}"),
-                      file=sys.stderr, flush=True)
-        pass_seconds.append(time.perf_counter() - t_pass)
+                with lock:
+                    ex.runs += 1
+                    ex.seconds.append(secs)
+                    if why is None:
+                        ex.passes += 1
+                    else:
+                        ex.failures.append(why)
+                    print(f"[run {run}/{args.runs}] {k}/{len(examples)} {'ok  ' if why is None else 'FAIL'} "
+                          f"{secs:6.2f}s  {ex.line}" + ("" if why is None else f"\n        {why}"),
+                          file=sys.stderr, flush=True)
+        with lock:
+            pass_seconds.append(time.perf_counter() - t_pass)
+
+    t_all = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        list(pool.map(one_pass, range(1, args.runs + 1)))
+    wall = time.perf_counter() - t_all
 
     failed = [ex for ex in examples if ex.failures]
     one_pass = statistics.median(pass_seconds)
@@ -343,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"{len(examples)} commands x {args.runs} run{'s' if args.runs > 1 else ''}: "
                f"{len(examples) - len(failed)} passed every run, {len(failed)} failed at least once. "
                f"One pass over the commands: {one_pass:.1f} s (median of {len(pass_seconds)}); "
-               f"all {args.runs}: {sum(pass_seconds):.1f} s.")
+               f"all {args.runs}: {wall:.1f} s wall clock, {max(1, args.jobs)} pass(es) at a time.")
     print("\n".join(rows))
     print("")
     print(summary)
@@ -357,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             HEADING, "",
             f"Every command of README.md's `## Commands` block{subset}, {args.runs} run"
             f"{'s' if args.runs > 1 else ''} in a row, each run in a fresh temporary directory "
-            f"(`python bench/readme_examples.py --runs {args.runs}"
+            f"(`python bench/readme_examples.py --runs {args.runs} --jobs {max(1, args.jobs)}"
             f"{' --only ' + shlex.quote(args.only) if args.only else ''} --write`). Machine: {platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, CUDA {'yes' if has_cuda else 'no'}. "
             "A run passes on the expected exit status with no Traceback on stderr; a failure shows the first "
