@@ -54,6 +54,24 @@ def _positive_int(obj, *names: str) -> None:
             raise ConfigError(name, f"must be a positive integer, got {value!r}")
 
 
+# Counts that set how many ops are described and simulated are bounded, so no input makes unbounded work;
+# sizes (widths, vocabulary, micro-batch, sequence) are exact Python ints of any size and cost nothing more.
+COUNT_LIMITS = {
+    "n_layer": (1000, "the deepest published LLMs have under 200 layers"),
+    "hidden": (1000, "layers of an MLP"),
+    "grad_accum": (1024, "micro-batches per optimizer step; each one is simulated op by op"),
+    "world_size": (1 << 24, "ranks; identical ranks are simulated once"),
+}
+
+
+def _at_most(obj, *names: str) -> None:
+    for name in names:
+        limit, why = COUNT_LIMITS[name]
+        value = getattr(obj, name)
+        if isinstance(value, int) and value > limit:
+            raise ConfigError(name, f"{value:,} is over the limit of {limit:,} ({why})")
+
+
 def _choice(obj, name: str, allowed) -> None:
     value = getattr(obj, name)
     if value not in allowed:
@@ -117,6 +135,7 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
+        _at_most(self, "n_layer")
         _choice(self, "family", FAMILIES)
         _choice(self, "attention", ATTENTION)
         _positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
@@ -230,6 +249,9 @@ class MLPConfig:
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
+        if len(self.hidden) > COUNT_LIMITS["hidden"][0]:
+            raise ConfigError("hidden", f"{len(self.hidden):,} layers is over the limit of "
+                                        f"{COUNT_LIMITS['hidden'][0]:,} ({COUNT_LIMITS['hidden'][1]})")
         _positive_int(self, "d_in", "d_out")
         if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in self.hidden):
             raise ConfigError("hidden", f"must be a non-empty list of positive integers, got {self.hidden!r}")
@@ -391,6 +413,7 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         _positive_int(self, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
+        _at_most(self, "grad_accum", "world_size")
         _choice(self, "precision", PRECISIONS)
         _choice(self, "optimizer", OPTIMIZERS)
         _choice(self, "optimizer_impl", OPTIMIZER_IMPLS)
