@@ -16,7 +16,7 @@ OFFLOAD_FIELDS = ("optimizer_offload", "offload_chunk_params", "offload_prefetch
 
 
 def cpu_scenario(preset: str, **training):
-    base = dict(precision="fp32", micro_batch=2, seq_len=32, steps=3)
+    base = dict(precision="fp32", micro_batch=2, steps=3, **({} if preset == "tiny-mlp" else {"seq_len": 32}))
     return build_scenario({"preset": preset}, {**base, **training}, {"device": "cpu"})
 
 
@@ -98,9 +98,9 @@ def test_without_offload_the_first_step_is_never_above_the_steady_state(impl):
 
 
 def gpu_scenario(**training):
-    base = dict(precision="bf16", micro_batch=1, seq_len=256, checkpointing="full", optimizer_offload="chunked",
-                offload_chunk_params=10_000_000)
-    return build_scenario({"preset": "gpt2"}, {**base, **training})
+    base = dict(precision="bf16", micro_batch=1, seq_len=256, checkpointing="full", optimizer_offload="chunked")
+    chunked = {"offload_chunk_params": 10_000_000} if training.get("optimizer_offload", "chunked") == "chunked" else {}
+    return build_scenario({"preset": "gpt2"}, {**base, **chunked, **training})
 
 
 def test_explain_finds_the_first_step_oom_and_the_chunked_first_step_fixes_it():
@@ -112,8 +112,8 @@ def test_explain_finds_the_first_step_oom_and_the_chunked_first_step_fixes_it():
     assert x.moment.failed and x.moment.event.step == 1 and x.moment.event.phase is Phase.OPTIMIZER
     fix = next(f for f in x.fixes if f.changes == {"offload_first_step": "chunked"})
     assert fix.fits and not fix.changes_training
-    # the same budget without any offload: the chunked offload is offered and fits
-    plain = api.explain(gpu_scenario(optimizer_offload="none"), budget)
+    # the same budget without any offload (chunk size kept for the fix): the chunked offload is offered and fits
+    plain = api.explain(scenario.with_changes(optimizer_offload="none"), budget)
     assert any(f.fits and f.changes.get("optimizer_offload") == "chunked" for f in plain.fixes)
 
 
