@@ -25,7 +25,7 @@ from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
-from .inputs import (DP_INT_FLAGS, check_command_outputs, read_trace, real_run_estimate, real_run_limit,
+from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, check_command_outputs, read_trace, real_run_estimate, real_run_limit,
                      scenario_flags_given, scenario_for_trace, scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
                             OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, MLPConfig)
@@ -36,8 +36,6 @@ from .simulator.files import InputError
 from .simulator.timeline import timeline
 from .traces.store import save_log, with_event_index_times
 
-MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
-                    ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float), ("attention", str)]
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
