@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .units import format_bytes
 from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
 
@@ -144,4 +145,41 @@ def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Mome
     return max(peaks, key=lambda m: (m.live_bytes, -m.rank))
 
 
-__all__ = ["Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]
+def moment_json(m: Moment, setup: dict | None = None) -> dict:
+    """A Moment as JSON (the `moment` object of explain --json)."""
+    e = m.event
+    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "op": e.op, "phase": e.phase.value,
+            "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
+            "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
+            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category, setup),
+            "model_state_bytes": m.state_bytes,
+            "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
+            "live_by_category": {c.value: b for c, b in sorted(m.by_category.items(), key=lambda cb: -cb[1])},
+            "largest": [{"name": b.name, "bytes": b.nbytes, "category": b.category.value, "dtype": b.dtype}
+                        for b in m.largest]}
+
+
+def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
+    """A Moment as text lines, sizes in unit `u`."""
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    e = m.event
+    where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
+        + f"; rank {m.rank} {m.pool.value} memory)"
+    if m.failed:
+        lines = [f"OUT OF MEMORY first at {where}",
+                 f"  allocating {e.block.name} ({e.block.category.value}, {f(e.block.nbytes)}) with {f(m.live_bytes)} "
+                 f"live of {f(m.capacity)}: {f(m.shortfall)} short"]
+    else:
+        room = f"{f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
+        lines = [f"fits: peak {f(m.live_bytes)} at {where}" + (f"; {room}" if room else "")]
+    lines.append(f"  why: {cause(e, m.by_category, setup)}")
+    lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
+                 f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
+    lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
+                                                     sorted(m.by_category.items(), key=lambda cb: -cb[1]) if b))
+    lines.append("  largest live blocks:")
+    lines += [f"    {f(b.nbytes):>12}  {b.category.value:<22} {b.name}" for b in m.largest]
+    return lines
+
+
+__all__ = ["moment_json", "render_moment", "Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]

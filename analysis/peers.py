@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..simulator.events import Category, EventLog, Pool
 from ..simulator.timeline import timeline
+from .units import format_bytes
 
 MODEL_STATES = (Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE)
 
@@ -76,3 +77,29 @@ def largest_layer_params(param_shapes: dict[str, tuple[int, ...]]) -> int:
 
 __all__ = ["zero_paper_model_states", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate", "model_state_peak",
            "largest_layer_params", "PeerRow", "MODEL_STATES"]
+
+
+PEER_NOTES = [
+    "model states = parameters + gradients + fp32 masters + optimizer states, the most live at once (worst rank).",
+    "the ZeRO paper's formula (K = 12) assumes mixed-precision Adam and counts exactly those; differences are "
+    "padding, 4-byte step tensors, and a setup that is not bf16-mixed Adam.",
+    "DeepSpeed's ZeRO-2 estimate counts full fp16 gradients (4P) and an fp32 gradient partition (16P/N); its "
+    "stage 2 keeps only the gradient partition plus the ipg bucket (a reduce bucket, not a model state).",
+    "DeepSpeed's ZeRO-3 estimate adds 4 x the largest layer for the gathered parameters; peakledger counts the "
+    "real all-gather buffers (with prefetch) and reduce buckets in the peak instead.",
+    "no formula counts activations, temporaries, the batch or buffers: the simulated peak is above all of them.",
+]
+
+
+def render_peers(name: str, rows: list[dict], unit: str) -> str:
+    """`compare --peers` as text: per ZeRO stage, peakledger's model states and peak next to the formulas."""
+    f = lambda n: "-" if n is None else format_bytes(n, unit)  # noqa: E731
+    lines = [f"{name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
+             f"(bytes per rank; {unit})",
+             f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}"]
+    for r in rows:
+        lines.append(f"ZeRO-{r['stage']:<3}{f(r['model_states']):>20}{f(r['peak']):>18}{f(r['zero_paper']):>14}"
+                     f"{f(r['deepspeed_estimate']):>16}")
+    lines.append("why they differ:")
+    lines += [f"  - {note}" for note in PEER_NOTES]
+    return "\n".join(lines)

@@ -18,17 +18,19 @@ import threading
 import traceback
 
 from . import api
-from .analysis.explain import cause
+from .analysis.explain import moment_json, render_moment
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
+from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
-from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, check_command_outputs, read_trace, real_run_estimate, real_run_limit,
-                     scenario_flags_given, scenario_for_trace, scenario_from_args)
+from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_command_outputs, check_common,
+                     check_real_run, read_trace, real_run_scenario, scenario_flags_given, scenario_for_trace,
+                     scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError, MLPConfig)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import parse_value
@@ -175,34 +177,12 @@ def cmd_max_batch(args) -> int:
     return 0
 
 
-PEER_NOTES = [
-    "model states = parameters + gradients + fp32 masters + optimizer states, the most live at once (worst rank).",
-    "the ZeRO paper's formula (K = 12) assumes mixed-precision Adam and counts exactly those; differences are "
-    "padding, 4-byte step tensors, and a setup that is not bf16-mixed Adam.",
-    "DeepSpeed's ZeRO-2 estimate counts full fp16 gradients (4P) and an fp32 gradient partition (16P/N); its "
-    "stage 2 keeps only the gradient partition plus the ipg bucket (a reduce bucket, not a model state).",
-    "DeepSpeed's ZeRO-3 estimate adds 4 x the largest layer for the gathered parameters; peakledger counts the "
-    "real all-gather buffers (with prefetch) and reduce buckets in the peak instead.",
-    "no formula counts activations, temporaries, the batch or buffers: the simulated peak is above all of them.",
-]
-
-
 def cmd_peers(args, base) -> int:
     rows = api.peers(base)
     if args.json:
         _write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
         return 0
-    u = args.unit
-    f = lambda n: "-" if n is None else format_bytes(n, u)  # noqa: E731
-    print(f"{base.name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
-          f"(bytes per rank; {u})")
-    print(f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}")
-    for r in rows:
-        print(f"ZeRO-{r['stage']:<3}{f(r['model_states']):>20}{f(r['peak']):>18}{f(r['zero_paper']):>14}"
-              f"{f(r['deepspeed_estimate']):>16}")
-    print("why they differ:")
-    for note in PEER_NOTES:
-        print(f"  - {note}")
+    print(render_peers(base.name, rows, args.unit))
     return 0
 
 
@@ -247,41 +227,6 @@ def cmd_compare(args) -> int:
     return 0
 
 
-def _moment_json(m, setup: dict | None = None) -> dict:
-    e = m.event
-    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "op": e.op, "phase": e.phase.value,
-            "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
-            "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
-            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category, setup),
-            "model_state_bytes": m.state_bytes,
-            "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
-            "live_by_category": {c.value: b for c, b in sorted(m.by_category.items(), key=lambda cb: -cb[1])},
-            "largest": [{"name": b.name, "bytes": b.nbytes, "category": b.category.value, "dtype": b.dtype}
-                        for b in m.largest]}
-
-
-def _render_moment(m, u: str, setup: dict | None = None) -> list[str]:
-    f = lambda n: format_bytes(n, u)  # noqa: E731
-    e = m.event
-    where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
-        + f"; rank {m.rank} {m.pool.value} memory)"
-    if m.failed:
-        lines = [f"OUT OF MEMORY first at {where}",
-                 f"  allocating {e.block.name} ({e.block.category.value}, {f(e.block.nbytes)}) with {f(m.live_bytes)} "
-                 f"live of {f(m.capacity)}: {f(m.shortfall)} short"]
-    else:
-        room = f"{f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
-        lines = [f"fits: peak {f(m.live_bytes)} at {where}" + (f"; {room}" if room else "")]
-    lines.append(f"  why: {cause(e, m.by_category, setup)}")
-    lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
-                 f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
-    lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
-                                                     sorted(m.by_category.items(), key=lambda cb: -cb[1]) if b))
-    lines.append("  largest live blocks:")
-    lines += [f"    {f(b.nbytes):>12}  {b.category.value:<22} {b.name}" for b in m.largest]
-    return lines
-
-
 def cmd_explain(args) -> int:
     budget = _budget(args)
     host_budget = _budget(args, "host_budget")
@@ -294,8 +239,8 @@ def cmd_explain(args) -> int:
     if args.json:
         _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
                      "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
-                     "moment": _moment_json(x.moment, setup),
-                     "host_moment": _moment_json(x.host_moment, setup) if x.host_moment else None,
+                     "moment": moment_json(x.moment, setup),
+                     "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
                      "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in fx.changes.items()},
                                 "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
@@ -304,9 +249,9 @@ def cmd_explain(args) -> int:
         return 0
     f = lambda n: format_bytes(n, u)  # noqa: E731
     print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
-    print("\n".join(_render_moment(x.moment, u, setup)))
+    print("\n".join(render_moment(x.moment, u, setup)))
     if x.host_moment is not None:
-        print("\n".join(_render_moment(x.host_moment, u, setup)))
+        print("\n".join(render_moment(x.host_moment, u, setup)))
     elif host_budget is not None:
         print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
               "host staging), so it always fits")
@@ -334,12 +279,12 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     if args.json:
         _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
                      "lower_bound": trace.truncated, "warning": warning,
-                     "moment": _moment_json(moment, log.metadata.get("setup"))})
+                     "moment": moment_json(moment, log.metadata.get("setup"))})
         return 0
     print(f"{args.trace}: {trace.kind} ({log.source}), budget {format_bytes(budget, args.unit)}")
     if warning:
         print(f"WARNING: {warning}")
-    print("\n".join(_render_moment(moment, args.unit, log.metadata.get("setup"))))
+    print("\n".join(render_moment(moment, args.unit, log.metadata.get("setup"))))
     return 0
 
 
@@ -383,33 +328,12 @@ def cmd_checkpointing(args) -> int:
     return 0
 
 
-VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # seconds on a CPU, for any model
-
-
-def _real_run_scenario(args):
-    """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario file
-    or a flag says otherwise fp32 at micro-batch 2, seq 32 (an MLP has no sequence)."""
-    if not (args.scenario or args.preset or args.hf_config):
-        args.preset = "tiny"
-    return scenario_from_args(args, defaults=None if args.scenario else VALIDATE_DEFAULTS)
-
-
-def _check_real_run(args, scenario) -> None:
-    """A real run on this CPU first estimates its memory and refuses what would not fit (unless --force)."""
-    need, limit = real_run_estimate(scenario), real_run_limit()
-    if need > limit and not args.force:
-        raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "
-                                   f"memory (simulated CPU peak of every rank plus torch), over the limit of "
-                                   f"{format_bytes(limit, 'GiB')} (half of this machine's memory): choose a smaller "
-                                   "model or micro-batch, or pass --force to run it anyway")
-
-
 def cmd_capture(args) -> int:
     if args.wall_times and args.device_kind == "cuda":
         raise ConfigError("wall_times", "applies to CPU captures; a CUDA snapshot keeps the allocator's own times")
     check_command_outputs(args, ["output"])
-    scenario = _real_run_scenario(args)
-    _check_real_run(args, scenario)
+    scenario = real_run_scenario(args)
+    check_real_run(args, scenario)
     if args.device_kind == "cuda":
         from .traces.cuda_capture import capture_cuda
         snapshot = args.output + ".snapshot.pickle"
@@ -458,10 +382,10 @@ def cmd_validate(args) -> int:
             print(f"peakledger: {note}", file=sys.stderr)
         result, measured, simulated = api.validate(scenario, trace.log)
     else:
-        scenario = _real_run_scenario(args)
+        scenario = real_run_scenario(args)
         if args.pg_backend is not None and scenario.setup.world_size == 1:
             raise ConfigError("pg_backend", "only applies to a real run of world_size > 1 (one process per rank)")
-        _check_real_run(args, scenario)
+        check_real_run(args, scenario)
         if scenario.setup.world_size > 1:
             return cmd_validate_ranks(args, scenario)
         result, measured, simulated = api.validate(scenario)
@@ -553,17 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_common(args) -> None:
-    """Flags whose meaning does not depend on the command: refused where they would be ignored."""
-    if getattr(args, "json", False) and args.unit is not None:
-        raise ConfigError("unit", "--json always gives bytes; --unit sets the text output's unit: drop one")
-    if args.command != "validate":  # validate prints MiB unless told otherwise
-        args.unit = args.unit or "GiB"
-    tolerance = getattr(args, "tolerance", None)
-    if tolerance is not None and not (0 <= tolerance < float("inf")):
-        raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")
-
-
 class _Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Python runs next so every `finally` (temporary files, worker pools) runs."""
 
@@ -579,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        _check_common(args)
+        check_common(args)
         return args.func(args)
     except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)

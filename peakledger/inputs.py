@@ -13,6 +13,7 @@ import dataclasses
 import os
 from dataclasses import fields
 
+from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .scenario import Scenario, build_scenario, load_toml
 from .simulator.files import check_outputs
@@ -165,5 +166,37 @@ def real_run_estimate(scenario: Scenario) -> int:
     return total if ws > 1 else max(total, HOST_BASELINE)
 
 
-__all__ = ["scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
+VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # seconds on a CPU, for any model
+
+
+def real_run_scenario(args):
+    """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario file
+    or a flag says otherwise fp32 at micro-batch 2, seq 32 (an MLP has no sequence)."""
+    if not (args.scenario or args.preset or args.hf_config):
+        args.preset = "tiny"
+    return scenario_from_args(args, defaults=None if args.scenario else VALIDATE_DEFAULTS)
+
+
+def check_real_run(args, scenario) -> None:
+    """A real run on this CPU first estimates its memory and refuses what would not fit (unless --force)."""
+    need, limit = real_run_estimate(scenario), real_run_limit()
+    if need > limit and not args.force:
+        raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "
+                                   f"memory (simulated CPU peak of every rank plus torch), over the limit of "
+                                   f"{format_bytes(limit, 'GiB')} (half of this machine's memory): choose a smaller "
+                                   "model or micro-batch, or pass --force to run it anyway")
+
+
+def check_common(args) -> None:
+    """Flags whose meaning does not depend on the command: refused where they would be ignored."""
+    if getattr(args, "json", False) and args.unit is not None:
+        raise ConfigError("unit", "--json always gives bytes; --unit sets the text output's unit: drop one")
+    if args.command != "validate":  # validate prints MiB unless told otherwise
+        args.unit = args.unit or "GiB"
+    tolerance = getattr(args, "tolerance", None)
+    if tolerance is not None and not (0 <= tolerance < float("inf")):
+        raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")
+
+
+__all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
            "check_command_outputs", "read_trace", "real_run_estimate", "real_run_limit"]
