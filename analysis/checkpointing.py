@@ -24,17 +24,21 @@ budget?" over every subset of the layer chain (per-layer full checkpointing, pol
    layers are independent, which is what the replay makes them, but engines that prefetch or gather
    across layers can couple them), the gap tightens the limit and the search runs again; after a few
    rounds it falls back to checkpointing every layer, and says so.
+
+Every answer is a function of the scenario: the same input gives the same JSON and text, byte for byte
+(no wall-clock time in them; bench/run.py times the search itself). Per-step figures are per requested
+step: a graph that simulates fewer steps than requested (models/training.StepPlan) is read through its
+plan (`step_flops`, `step_time`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from dataclasses import dataclass
 
 from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
-from ..models.training import describe
+from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
 from ..simulator.events import Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
@@ -89,17 +93,42 @@ def device_peak(log: EventLog) -> tuple[int, int]:
     return rank, best[rank]
 
 
-def run_time(graph: OpGraph) -> float:
-    """Simulated seconds from the first op's start to the last op's end: each op starts when every
-    predecessor has ended (stream order is an edge), as the engine runs it."""
+def _step_ends(graph: OpGraph) -> dict[int, dict[int, float]]:
+    """rank -> step -> when the rank's last op of that step ends (step 0: the load): each op starts when
+    every predecessor has ended (stream order is an edge), as the engine runs it."""
     end: dict[int, float] = {}
+    ends: dict[int, dict[int, float]] = {}
     for op in graph.ops_in_order():  # insertion order is topological
         end[op.id] = max((end[p] for p in graph.predecessors(op.id)), default=0.0) + op.duration
-    return max(end.values(), default=0.0)
+        steps = ends.setdefault(op.rank, {})
+        steps[op.step] = max(steps.get(op.step, 0.0), end[op.id])
+    return ends
 
 
-def step_flops(graph: OpGraph, rank: int, steps: int) -> tuple[int, int]:
-    """(forward + backward FLOPs without recompute, recomputed FLOPs) of one rank per optimizer step."""
+def run_time(graph: OpGraph) -> float:
+    """Simulated seconds from the first op's start to the last op's end, of the steps the graph holds."""
+    return max((t for steps in _step_ends(graph).values() for t in steps.values()), default=0.0)
+
+
+def step_time(graph: OpGraph) -> float:
+    """Simulated seconds per requested step: the whole run's end over its steps, the steps the graph does
+    not simulate counted as the simulated steps they repeat (`StepPlan.end_time`, rank by rank: each rank's
+    steps repeat at its own pace)."""
+    plan = StepPlan.of(graph.metadata)
+    return max((plan.end_time(steps) for steps in _step_ends(graph).values()), default=0.0) / plan.steps
+
+
+def simulated_steps(graph: OpGraph, steps: int | None = None) -> int:
+    """How many optimizer steps the graph describes: its metadata's `steps_simulated` (`steps` for a graph
+    without one)."""
+    return graph.metadata.get("steps_simulated", steps if steps is not None else graph.metadata["setup"]["steps"])
+
+
+def step_flops(graph: OpGraph, rank: int, steps: int | None = None) -> tuple[int, int]:
+    """(forward + backward FLOPs without recompute, recomputed FLOPs) of one rank per optimizer step (every
+    step does the same; divided by the steps the graph simulates, `steps` only for a graph that does not
+    say)."""
+    steps = simulated_steps(graph, steps)
     model = recompute = 0
     for op in graph.ops_in_order():
         if op.rank != rank:
@@ -180,13 +209,12 @@ def policy_table(scenario, policies=DEFAULT_POLICIES) -> list[PolicyRow]:
         except ConfigError as e:
             rows.append(PolicyRow(policy, policy, error=str(e)))
             continue
-        steps = case.setup.steps
-        model_flops, recompute_flops = step_flops(run.graph, run.rank, steps)
+        model_flops, recompute_flops = step_flops(run.graph, run.rank)
         rows.append(PolicyRow(policy=policy, label=policy_label(case.setup), peak=run.peak,
                               capacity_needed=run.capacity_needed,
                               host_activations=host_activations(run.log, run.rank),
                               model_flops=model_flops, recompute_flops=recompute_flops,
-                              step_time_s=run_time(run.graph) / steps))
+                              step_time_s=step_time(run.graph)))
     return rows
 
 
@@ -444,7 +472,7 @@ def layer_costs(scenario) -> tuple[LayerCosts, SimulatedRun, SimulatedRun]:
     plain = simulate_run(with_checkpointed_layers(scenario, ()))
     full = simulate_run(with_checkpointed_layers(scenario, tuple(range(n))), _representatives(plain))
     cuts = [_cut(plain, n, pattern, divide), _cut(full, n, pattern, divide)]
-    steps = scenario.setup.steps
+    steps = simulated_steps(full.graph)
     recompute = [0] * n
     for op in full.graph.ops_in_order():
         if op.recompute and op.rank == full.rank:
@@ -508,7 +536,8 @@ class OptimalCheckpointing:
     predicted_peak    what the per-layer model predicted for `layers`.
     recompute_flops   FLOPs recomputed per step; model_flops the forward + backward FLOPs per step.
     note              how the answer was reached (fallbacks, iterations).
-    simulations, seconds  the work it took.
+    simulations       the work it took (the wall-clock time is bench/run.py's to measure: same input, same
+                      answer, byte for byte).
     """
 
     layers: tuple[int, ...]
@@ -523,7 +552,6 @@ class OptimalCheckpointing:
     step_time_s: float
     note: str
     simulations: int
-    seconds: float
 
     def scenario(self, scenario):
         """`scenario` with this set checkpointed."""
@@ -552,7 +580,6 @@ def _raw_limit(budget: int, headroom: float) -> int:
 def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> OptimalCheckpointing:
     """The least-recompute set of checkpointed layers (per-layer full checkpointing) whose simulated peak,
     with the scenario's headroom, fits `budget` bytes; see the module docstring for the method."""
-    t0 = time.perf_counter()
     if isinstance(scenario.model, TransformerConfig) and scenario.model.implementation == "hf":
         raise ConfigError("checkpointing", "the layer search runs on implementation 'nanogpt' models; HF's "
                                            "GPT2LMHeadModel is modelled with none or full only")
@@ -575,7 +602,7 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
             if round_ > 1:
                 notes.append(f"found in round {round_}")
             return _result(scenario, layers, n, budget, True, run, costs, "; ".join(notes) or "exact search, verified",
-                           simulations, t0)
+                           simulations)
         gap = run.peak - costs.peak(layers)
         notes.append(f"round {round_}: {len(layers)} layers verified {run.peak:,} B, model said "
                      f"{costs.peak(layers):,} B")
@@ -584,16 +611,15 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
     fits = full.capacity_needed <= budget
     note = ("; ".join(notes + ["fell back to checkpointing every layer"]) if fits else
             "does not fit even with every layer checkpointed")
-    return _result(scenario, every, n, budget, fits, full, costs, note, simulations, t0)
+    return _result(scenario, every, n, budget, fits, full, costs, note, simulations)
 
 
-def _result(scenario, layers, n, budget, fits, run: SimulatedRun, costs: LayerCosts, note, simulations, t0):
-    model_flops, recompute_flops = step_flops(run.graph, run.rank, scenario.setup.steps)
+def _result(scenario, layers, n, budget, fits, run: SimulatedRun, costs: LayerCosts, note, simulations):
+    model_flops, recompute_flops = step_flops(run.graph, run.rank)
     return OptimalCheckpointing(layers=tuple(layers), n_layers=n, budget=budget, fits=fits, peak=run.peak,
                                 capacity_needed=run.capacity_needed, predicted_peak=costs.peak(layers),
                                 recompute_flops=recompute_flops, model_flops=model_flops,
-                                step_time_s=run_time(run.graph) / scenario.setup.steps, note=note,
-                                simulations=simulations, seconds=time.perf_counter() - t0)
+                                step_time_s=step_time(run.graph), note=note, simulations=simulations)
 
 
 def render_optimal(result: OptimalCheckpointing, unit: str = "GiB") -> str:
@@ -608,7 +634,7 @@ def render_optimal(result: OptimalCheckpointing, unit: str = "GiB") -> str:
         f"{f(result.budget)}; the per-layer model predicted {f(result.predicted_peak)}",
         f"  recompute {_flops(result.recompute_flops)} per step ({share:.1%} of forward + backward), "
         f"simulated step time {_seconds(result.step_time_s)}",
-        f"  {result.note}; {result.simulations} simulations, {result.seconds:.2f} s"])
+        f"  {result.note}; {result.simulations} simulations"])
 
 
 def _ranges(layers: tuple[int, ...]) -> list[str]:
@@ -624,5 +650,6 @@ def _ranges(layers: tuple[int, ...]) -> list[str]:
 
 __all__ = ["PolicyRow", "policy_table", "policy_label", "render_table", "plot_peak_vs_recompute", "LayerCosts",
            "layer_costs", "cheapest_layers", "OptimalCheckpointing", "optimal_checkpointing", "render_optimal",
-           "SimulatedRun", "simulate_run", "with_checkpointed_layers", "run_time", "step_flops", "device_peak",
+           "SimulatedRun", "simulate_run", "with_checkpointed_layers", "run_time", "step_time", "step_flops",
+           "simulated_steps", "device_peak",
            "host_activations", "n_layers", "DEFAULT_POLICIES"]

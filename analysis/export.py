@@ -4,6 +4,10 @@ The snapshot export writes torch's own format (`segments`, `device_traces` with 
 free_requested / free_completed), so `torch/cuda/_memory_viz.py` renders a simulated run exactly like
 a measured one. Addresses are synthetic (each block gets its own range in one segment per pool);
 the block's category, name and op travel in `category` and `frames`. Files are written atomically.
+
+Both show the events of the log: for a simulation whose later steps repeat simulated ones
+(models/training.StepPlan) those are the simulated steps only; the Chrome trace says so in `otherData`
+(`steps`, `steps_simulated`, `note`).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import pickle
 
+from ..models.training import StepPlan
 from ..simulator.events import Action, EventLog, Pool
 from ..simulator.files import write_atomic
 
@@ -32,7 +37,16 @@ def chrome_trace(log: EventLog) -> dict:
         events.append({"name": f"{e.action.value} {e.block.name}", "ph": "i", "s": "t", "ts": ts, "pid": pid,
                        "tid": e.stream.value, "cat": e.block.category.value,
                        "args": {"bytes": e.block.nbytes, "op": e.op, "phase": e.phase.value, "step": e.step}})
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": log.source}}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"source": log.source, **_steps_data(log)}}
+
+
+def _steps_data(log: EventLog) -> dict:
+    """What a truncated simulation's trace holds: the simulated steps, not every requested one."""
+    plan = StepPlan.of(log.metadata)
+    if not plan.truncated:
+        return {}
+    return {"steps": plan.steps, "steps_simulated": plan.simulated,
+            "note": f"this trace shows the simulated steps only, of {plan.steps} steps: {plan.summary()}"}
 
 
 def to_snapshot(log: EventLog) -> dict:

@@ -2,7 +2,8 @@
 
 Rows are categories, with optimizer states split by state name (exp_avg, exp_avg_sq, ...), each
 with exact bytes, dtype(s), shard factor(s), number of tensors and its share of the total. A ledger
-is never only a total: the point is to see which row to attack.
+is never only a total: the point is to see which row to attack. A row's maximum over a run whose later
+steps repeat simulated ones (models/training.StepPlan) is its maximum over the simulated steps.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ test_optimizer_offload.py), so an OOM "at the first optimizer step" is the first
 exists, and would recur. The first step is above the steady state when something exists in it alone:
 a load transient, or an optimizer-state offload whose first step creates every state on the device
 before it can move any to the host (models/optimizers.py); `transient` is then worth naming.
+
+A simulated log may hold only the steps that differ (models/training.StepPlan): the later steps repeat
+them, so every peak here, taken on the simulated steps, is the whole run's, at the same event (a repeat
+reaches a height only after its source did, and ties go to the first moment).
 """
 
 from __future__ import annotations

@@ -2,12 +2,19 @@
 
 `summarize(log)` works on any event log. The JSON keys `ledger`, `peak`, `steady_peak`,
 `first_step_peak` and `events` are a stable contract read by other tools; add keys, never rename.
+
+A simulated log holds the steps its describer simulated (`steps_simulated` of the requested `steps`;
+models/training.StepPlan): later steps repeat them exactly. Its peaks, ledger and rank peaks are the
+whole run's as they stand (a repeated step reaches nothing its source did not reach first); the step time
+and the event count of the whole run come from `run_seconds` and `run_events`. `events` counts the events
+simulated; `events_all_steps` what a simulation of every requested step would record.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..models.training import StepPlan
 from ..simulator.events import EventLog, Pool
 from ..simulator.timeline import PeakPoint, timeline
 from .explain import cause
@@ -43,6 +50,47 @@ class Report:
     @property
     def steps(self) -> int:
         return self.metadata.get("setup", {}).get("steps", 1)
+
+    @property
+    def time_per_step_s(self) -> float:
+        """Simulated seconds per requested step: the whole run's end over its steps (0.0 for an empty log)."""
+        return run_seconds(self.log) / max(1, self.steps)
+
+
+def run_plan(log: EventLog) -> StepPlan:
+    """The steps the log stands for (a full run for a measured log, or one a stopping OOM cut short)."""
+    return StepPlan.of(log.metadata)
+
+
+def _step_ends(log: EventLog) -> dict[int, dict[int, float]]:
+    """rank -> step -> when the rank's last event of that step happens (events are in time order)."""
+    ends: dict[int, dict[int, float]] = {}
+    for e in log.events:
+        ends.setdefault(e.block.rank, {})[e.step] = e.time
+    return ends
+
+
+def run_seconds(log: EventLog) -> float:
+    """The time of the whole run's last event: the log's own, or, when later steps repeat simulated ones,
+    the last repeat's (`StepPlan.end_time` of each rank, whose steps repeat at its own pace; equal to a full
+    simulation's up to float rounding)."""
+    plan = run_plan(log)
+    return max((plan.end_time(ends) for ends in _step_ends(log).values()), default=0.0)
+
+
+def run_events(log: EventLog) -> int:
+    """How many events a simulation of every requested step records: the log's, plus each repeated step's
+    source's count."""
+    plan = run_plan(log)
+    if not plan.truncated:
+        return len(log.events)
+    per_step: dict[int, int] = {}
+    for e in log.events:
+        per_step[e.step] = per_step.get(e.step, 0) + 1
+    first, last = plan.repeated
+    cycles, rest = divmod(plan.steps - plan.simulated, plan.period)
+    return (len(log.events) + cycles * sum(per_step.get(s, 0) for s in range(first, last + 1))
+            + sum(per_step.get(first + i, 0) for i in range(rest)))
 
 
 def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
@@ -82,9 +130,18 @@ def _peak_json(p: PeakPoint | None) -> dict | None:
             "live_by_category": {c.value: b for c, b in p.live_by_category.items()}}
 
 
+def _repeats_json(plan: StepPlan) -> dict | None:
+    if not plan.truncated:
+        return None
+    first, last = plan.repeated
+    return {"steps": [plan.simulated + 1, plan.steps], "source_steps": [first, last], "period": plan.period,
+            "rule": f"step s > {plan.simulated} repeats simulated step {first} + (s - {first}) mod {plan.period}"}
+
+
 def report_json(r: Report) -> dict:
     md = r.metadata
     setup = md.get("setup", {})
+    plan = run_plan(r.log)
     out = {
         "version": REPORT_VERSION,
         "scenario": r.name,
@@ -104,7 +161,11 @@ def report_json(r: Report) -> dict:
         "ledger": [row.as_json() for row in r.ledger],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.peak) if r.host else None,
+        "steps": plan.steps,
+        "steps_simulated": plan.simulated,
+        "repeats": _repeats_json(plan),
         "events": len(r.log.events),
+        "events_all_steps": run_events(r.log),
         "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
                   "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes}
                  for o in r.log.ooms],
@@ -118,7 +179,7 @@ def report_json(r: Report) -> dict:
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
         if r.log.events:
-            out["simulated_time_per_step_s"] = r.log.events[-1].time / setup["steps"]
+            out["simulated_time_per_step_s"] = run_seconds(r.log) / setup["steps"]
     return out
 
 
@@ -155,6 +216,11 @@ def _offload_text(setup: dict) -> str:
             f"({setup['offload_prefetch']} ahead; first step {setup['offload_first_step']})")
 
 
+def steps_text(plan: StepPlan) -> str:
+    """"20000 steps (steps 1-4 simulated; steps 5-20000 repeat step 4's events)", or "2 steps"."""
+    return f"{plan.steps} steps" + (f" ({plan.summary()})" if plan.truncated else "")
+
+
 def render_text(r: Report, unit: str = "GiB") -> str:
     """A plain-text report (monospace table), sizes labelled with their unit."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -168,7 +234,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}"
                      + _offload_text(setup))
         lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                     f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {setup['steps']} steps")
+                     f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
         if setup.get("world_size", 1) > 1:
             lines.append(f"  data parallel: {_engine_text(setup)}")
         flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
@@ -212,5 +278,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         lines.append("")
         lines.append("assumptions (timing only; bytes do not depend on them):")
         lines += [f"  - {a}" for a in md["assumptions"]]
-    lines.append(f"{len(r.log.events):,} events")
+    plan = run_plan(r.log)
+    lines.append(f"{len(r.log.events):,} events" if not plan.truncated else
+                 f"{len(r.log.events):,} events simulated ({run_events(r.log):,} in all {plan.steps} steps)")
     return "\n".join(lines)

@@ -14,13 +14,23 @@ With data parallelism, the engine of `setup.dp_engine` (models/parallel.py) deci
 its gathers and reduce buckets; `describe` writes one representative rank per class of identical ranks.
 With `setup.optimizer_offload` the optimizer is wrapped (models/optimizers.py, models/offload.py): its
 states live on the host between steps and `step()` runs chunk by chunk, each chunk copied in and out.
+
+Steps repeat. Only a few things in a step's ops depend on its number (`step_kind`): the first step
+(torch creates the optimizer states lazily, an offload's first step, DeepSpeed ZeRO-3 records the trace it
+prefetches by from step 2 on) and the checkpoint saves (every `checkpoint_every` steps; the first async
+save allocates the stager's cache). Once every one-off step has passed, the steps repeat with the period
+of the saves, exactly: same ops, same blocks, same durations, each period later by the same time. So
+`describe` writes only the steps `step_plan` says are distinct, with what surrounds them (`StepPlan`),
+and the analysis reports the whole run from them: the peaks of a run whose later steps repeat earlier
+ones were reached in those earlier ones (ties go to the first moment), and a repeated step's times are
+its source's shifted by whole periods. 20000 steps cost what 4 do.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from ..simulator.ops import Op, OpGraph
@@ -96,14 +106,118 @@ class GraphBuilder:
         return self._last_on_stream.get(stream)
 
 
+# -- which steps are described ---------------------------------------------------------------------------
+
+def step_kind(setup: TrainingSetup, step: int) -> tuple[bool, bool, bool]:
+    """Everything in the ops of optimizer step `step` that depends on its number (every place the describers
+    read it): (the first step: lazy state init, the offload's first step, ZeRO-3's trace recording, models/
+    parallel.py; a checkpoint save after it, models/checkpoint_io.saves_after; the first async save, which
+    allocates the stager's cache for good). Two steps of one kind that follow steps of one kind are the same
+    ops, once every one-off step has passed. A describer that makes a step depend on its number adds it here."""
+    first_async_save = setup.save_mode == "async" and step == setup.checkpoint_every
+    return (step == 1, saves_after(setup, step), first_async_save)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which of the `steps` requested steps are described and simulated (1..`simulated`), and what the
+    others are: every step after `simulated` repeats the simulated step `source(step)`, one of the last
+    `period` simulated steps, taken in turn, each period later by the same time. `simulated == steps`: none
+    repeats (a full run). Kept in the graph's and the log's metadata (`steps`, `steps_simulated`,
+    `repeat_period`)."""
+
+    steps: int
+    simulated: int
+    period: int = 1
+
+    @property
+    def truncated(self) -> bool:
+        return self.simulated < self.steps
+
+    @property
+    def repeated(self) -> tuple[int, int]:
+        """The simulated steps that later steps repeat, first and last."""
+        return self.simulated - self.period + 1, self.simulated
+
+    def source(self, step: int) -> int:
+        """The simulated step whose events `step` repeats (itself when it is simulated)."""
+        if step <= self.simulated:
+            return step
+        first = self.repeated[0]
+        return first + (step - first) % self.period
+
+    def end_time(self, ends: dict[int, float]) -> float:
+        """The end of the whole run on one rank, given when each simulated step ends there (`ends`: step ->
+        its last moment, step 0 the load; ranks do not wait for each other, each repeats at its own pace):
+        a repeated step ends when its source does, plus what one period takes (step
+        `simulated`'s end less the end of the step one period before it) for each period between them.
+        Exact up to the float rounding of those sums (a full run adds step durations one by one)."""
+        end = max(ends.values(), default=0.0)
+        if not self.truncated:
+            return end
+        k, p = self.simulated, self.period
+        per_period = ends[k] - ends[k - p]
+        last = range(max(k + 1, self.steps - p + 1), self.steps + 1)  # earlier steps end before these
+        return max([end] + [ends[self.source(s)] + (s - self.source(s)) // p * per_period for s in last])
+
+    def metadata(self) -> dict:
+        return {"steps": self.steps, "steps_simulated": self.simulated, "repeat_period": self.period}
+
+    def summary(self) -> str:
+        """"steps 1-4 simulated; steps 5-20000 repeat step 4's events" ("" for a full run)."""
+        if not self.truncated:
+            return ""
+        first, last = self.repeated
+        n, k = self.steps, self.simulated
+        later = f"steps {k + 1}-{n} repeat" if n > k + 1 else f"step {n} repeats"
+        if self.period == 1:
+            return f"steps 1-{k} simulated; {later} step {last}'s events"
+        return (f"steps 1-{k} simulated; {later} the events of steps {first}-{last} in turn: step s as step "
+                f"{first} + (s - {first}) mod {self.period}")
+
+    @classmethod
+    def of(cls, metadata: dict) -> "StepPlan":
+        """The plan a graph's or log's metadata records. A log without one (measured) is a full run, and so is
+        a log whose run stopped at an OOM: it ends where a simulation of every step would have stopped."""
+        steps = metadata.get("steps") or metadata.get("setup", {}).get("steps") or 1
+        if metadata.get("stopped_at_oom"):
+            return cls(steps, steps)
+        return cls(steps, metadata.get("steps_simulated", steps), metadata.get("repeat_period", 1))
+
+
+def step_plan(setup: TrainingSetup) -> StepPlan:
+    """How many of `setup.steps` steps to simulate so that every distinct step is there, with the step
+    before and after it, and the repeating tail once in full.
+
+    The period is the save interval (1 without saves in the run). `step_kind` reads the step number only
+    through step == 1, step == checkpoint_every and step % checkpoint_every, so past step period + 1 a step
+    has the kind of the step one period later; the last step u that does not (step 1, or an async run's
+    first save) is the last one-off. Then steps u + 2 .. u + 1 + period each follow a step of the kind
+    every later step of their turn follows: one full period of the steady run. One more step, u + 2 +
+    period (a repeat of step u + 2), is simulated after it, so the period's last step overlaps the next
+    step's ops as in the full run (collectives and host copies can run across the step boundary):
+        simulated = min(steps, u + 2 + period)
+    4 steps without checkpoint saves, 3 + N with a save every N steps, 2N + 2 with async saves."""
+    n, every = setup.steps, setup.checkpoint_every
+    period = every if 0 < every <= n else 1
+    horizon = min(n - period, period + 1)  # compare steps of the run only
+    last_once = max([1] + [t for t in range(1, horizon + 1)
+                           if step_kind(setup, t) != step_kind(setup, t + period)])
+    return StepPlan(steps=n, simulated=min(n, last_once + 2 + period), period=period)
+
+
+# -- the graph ---------------------------------------------------------------------------------------------
+
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
-             ranks: list[int] | None = None) -> OpGraph:
-    """The op graph of `setup.steps` training steps of `model`.
+             ranks: list[int] | None = None, all_steps: bool = False) -> OpGraph:
+    """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
+    (metadata `steps_simulated`; later steps repeat them, see `StepPlan`), or every step (`all_steps`).
 
     With data parallelism each rank is described by its engine (models/parallel.py) into the same graph.
     `ranks=None` describes one representative of each class of ranks whose layouts are identical (one
     rank when they are symmetric); the classes are in `metadata["rank_classes"]`."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
+    plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     tape = build_tape(model, setup, profile.is_cpu)
     graph, ids = OpGraph(), itertools.count(1)
     if ranks is None:
@@ -115,9 +229,11 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         classes = {r: [r] for r in ranks}
     for rank in classes:
         b = GraphBuilder(tape, setup, profile, rank, graph, ids)
-        _describe_rank(b)
+        _describe_rank(b, plan.simulated)
+    if plan.truncated:
+        check_repeats(graph, plan)
     graph.metadata = {
-        "model": model.name, "setup": asdict(setup), "device": profile.name,
+        "model": model.name, "setup": asdict(setup), "device": profile.name, **plan.metadata(),
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,
@@ -148,13 +264,38 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
     return {members[0]: members for members in classes.values()}
 
 
-def _describe_rank(b: GraphBuilder) -> None:
+def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
+    """Raise if the graph's last simulated step is not the step one period before it, op for op (streams,
+    phases, durations, the bytes and kinds of the blocks allocated, how many freed; not the names, which
+    may count buckets over the run), or if a step frees a block an earlier step allocated (a truncated
+    run would keep it): `step_kind` misses something a describer reads."""
+    k, p = plan.simulated, plan.period
+    born: dict[int, int] = {}
+    ops: dict[tuple[int, int], list] = {}
+    for op in graph.ops_in_order():
+        for blk in op.allocs:
+            born[blk.id] = op.step
+        if any(0 < born[f] < op.step for f in op.frees):
+            raise RuntimeError(f"{op.name} (step {op.step}) frees a block an earlier step allocated: the steps "
+                               "do not repeat; simulate every step")
+        if op.step in (k - p, k):
+            ops.setdefault((op.rank, op.step), []).append(
+                (op.stream, op.phase, op.micro_batch, op.duration, op.flops, op.recompute, len(op.frees),
+                 tuple((x.nbytes, x.category, x.pool, x.state, x.shard_factor) for x in op.allocs)))
+    for rank in sorted({r for r, _ in ops}):
+        if ops.get((rank, k)) != ops.get((rank, k - p)):
+            raise RuntimeError(f"rank {rank}: step {k} does not repeat step {k - p}; models/training.step_kind "
+                               "misses a step-dependent behaviour")
+
+
+def _describe_rank(b: GraphBuilder, steps: int) -> None:
+    """Load, then optimizer steps 1..`steps` of rank `b.rank`."""
     setup = b.setup
     grads = GradState(persistent=setup.fp32_grads)
     b.engine.load(grads)
     states_loaded = load_checkpoint(b)
     offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.optimizer_offload != "none" else None
-    for step in range(1, setup.steps + 1):
+    for step in range(1, steps + 1):
         for mb in range(setup.grad_accum):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
             b.engine.end_backward(step, mb)

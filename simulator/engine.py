@@ -4,7 +4,10 @@ Each (rank, stream) pair is one SimPy process that runs its ops in graph order. 
 every dependency has ended, allocates its blocks from their pools, holds its stream for its duration,
 then frees its blocks. Pools (device memory per rank, host memory per rank) have an optional capacity;
 the first allocation that exceeds it is recorded as an `OOMRecord` with the live set at that exact
-event, and the run either stops there (`stop_on_oom=True`) or continues to show how far over it goes.
+event, and the run either stops there (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or
+continues to show how far over it goes.
+
+The graph's metadata travels to the log (with the steps it describes: models/training.StepPlan).
 """
 
 from __future__ import annotations
@@ -112,12 +115,12 @@ class Simulation:
 
         for key in sorted(by_stream, key=lambda k: (k[0], k[1].value)):
             self.env.process(stream_process(by_stream[key]))
+        metadata = dict(self.graph.metadata)
         try:
             self.env.run()
         except OutOfMemory:
-            pass
-        return EventLog(events=self.events, source="simulator", metadata=dict(self.graph.metadata),
-                        ooms=self.ooms)
+            metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+        return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
 
 
 def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
