@@ -239,7 +239,7 @@ def explain_trace(log, budget: int):
 
 
 def _step_time(report: Report) -> float:
-    return report.log.events[-1].time / max(1, report.steps) if report.log.events else 0.0
+    return report.time_per_step_s
 
 
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
@@ -299,7 +299,7 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     logs = [without_backend_copies(log) for log in measure_distributed(
         scenario.model, setup, setup.world_size, setup.dp_engine, reshard_after_forward=setup.reshard_after_forward,
         backend=backend)]
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size))))
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r}", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
@@ -318,6 +318,6 @@ def validate(scenario: Scenario, measured=None):
     if rank >= scenario.setup.world_size:
         raise ConfigError("world_size", f"the measured log is rank {rank}'s, but the scenario has world_size "
                                         f"{scenario.setup.world_size}")
-    simulated = simulate(describe(scenario.model, scenario.setup, "cpu",
-                                  ranks=[rank] if scenario.setup.world_size > 1 else None))
+    simulated = simulate(describe(scenario.model, scenario.setup, "cpu",  # every step: held against each measured one
+                                  ranks=[rank] if scenario.setup.world_size > 1 else None, all_steps=True))
     return compare_logs(measured, simulated, name=scenario.name, rank=rank), measured, simulated

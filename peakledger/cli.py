@@ -32,6 +32,7 @@ from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_co
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
                             OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError)
 from .models.costs import DEVICES
+from .models.training import StepPlan
 from .models.presets import PRESETS
 from .scenario import parse_value
 from .simulator.files import InputError
@@ -138,12 +139,14 @@ def cmd_simulate(args) -> int:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
         write_chrome_trace(report.log, args.export_chrome)
+    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
+    repeats = StepPlan.of(report.log.metadata).summary()
     if args.json:
         _write_json(report_json(report))
     else:
         print(render_text(report, args.unit))
-        if args.plot:
-            print(f"plot written to {args.plot}")
+        if written:
+            print(f"written: {', '.join(written)}" + (f" (they show the simulated steps: {repeats})" if repeats else ""))
     return 0
 
 
