@@ -41,8 +41,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
         tmp = Path(d)
         for name, make in case.files.items():
             (tmp / name).write_bytes(make())
-        if any("{tmp}/fifo" in a for a in case.argv):
-            os.mkfifo(tmp / "fifo")
+        cases_module.make_special_files(case, tmp)
         argv = [a.format(tmp=tmp, repo=ROOT, gpu=GPU_TRUTH) for a in case.argv]
 
         def limits():

@@ -309,8 +309,8 @@ CASES: list[Case] = [
     Case("csv-and-json-same", "files destroyed", "--output F --json-output F lost the CSV",
          ("sweep", "--preset", "tiny", "--grid", "micro_batch=1", "--output", "{tmp}/f", "--json-output", "{tmp}/f"),
          says=("--json-output", "also the output")),
-    Case("output-char-device", "files destroyed", "a character device given as an output was replaced by a file",
-         SIM + ("--export-chrome", "/dev/null"), says=("character device",)),
+    Case("output-char-device", "files destroyed", "a character device given as an output (as root, /dev/null) was "
+         "replaced by a regular file", SIM + ("--export-chrome", "{tmp}/null"), says=("character device",)),
     Case("output-fifo", "files destroyed", "a named pipe given as an output was replaced by a file",
          SIM + ("--export-chrome", "{tmp}/fifo"), says=("named pipe",)),
     Case("output-umask", "files destroyed", "outputs ignored the umask (always 0644)",
@@ -337,6 +337,22 @@ CASES: list[Case] = [
 ]
 
 
+def make_special_files(case: Case, tmp: Path) -> None:
+    """`{tmp}/fifo`: a named pipe; `{tmp}/null`: a character device like /dev/null (made here, so a version
+    that replaces devices by files never touches the real /dev/null)."""
+    import os
+    import stat
+
+    argv = " ".join(case.argv)
+    if "{tmp}/fifo" in argv:
+        os.mkfifo(tmp / "fifo")
+    if "{tmp}/null" in argv:
+        try:
+            os.mknod(tmp / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:  # not root: a link to /dev/null (replacing a link never touches its target)
+            os.symlink("/dev/null", tmp / "null")
+
+
 def _exported_snapshot() -> bytes:
     """peakledger's own --export-snapshot of the tiny GPT (one step)."""
     from peakledger import api
@@ -349,4 +365,4 @@ def _exported_snapshot() -> bytes:
 
 EVIL_PICKLE = pickle.dumps(_Evil())
 
-__all__ = ["CASES", "Case", "EVIL_PICKLE", "REPO", "GPU_TRUTH"]
+__all__ = ["CASES", "Case", "EVIL_PICKLE", "REPO", "GPU_TRUTH", "make_special_files"]

@@ -8,15 +8,14 @@ import os
 
 import pytest
 
-from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO
+from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO, make_special_files
 from peakledger import cli
 
 
 def run_case(case, tmp_path, capsys):
     for name, make in case.files.items():
         (tmp_path / name).write_bytes(make())
-    if any("{tmp}/fifo" in a for a in case.argv):
-        os.mkfifo(tmp_path / "fifo")
+    make_special_files(case, tmp_path)
     argv = [a.format(tmp=tmp_path, repo=REPO, gpu=GPU_TRUTH) for a in case.argv]
     old = os.umask(case.umask) if case.umask is not None else None
     try:
