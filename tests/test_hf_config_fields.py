@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from peakledger import build_scenario
-from peakledger.analysis.validate import static_rows
+from realrun import assert_matches_real_run
 from peakledger.api import validate
 from peakledger.models.config import ConfigError, TransformerConfig
 from peakledger.models.presets import from_hf_config, load_hf_config
@@ -228,12 +228,7 @@ def _scenario(tmp_path: Path, data: dict, precision: str):
 @pytest.mark.parametrize("name", list(MODELLED))
 def test_real_cpu_run_matches_the_simulation(tmp_path, name, precision):
     scenario = _scenario(tmp_path, {**TINY, **MODELLED[name]}, precision)
-    v, measured, simulated = validate(scenario)
-    assert abs(v.overall.error) <= 0.01, (v.overall, v.unexplained[:3])
-    for phase in v.phases:
-        if phase.label.startswith(("forward", "backward")):
-            assert abs(phase.error) <= 0.01, phase
-    assert static_rows(measured) == static_rows(simulated)
+    measured, simulated = assert_matches_real_run(scenario)
 
 
 def test_eager_attn_implementation_is_honoured(tmp_path):
