@@ -1,23 +1,50 @@
-"""Sweeps: one scenario simulated over a grid of any inputs, on every core, into CSV and JSON.
+"""Sweeps: one scenario simulated over a grid of any inputs, on every core or a cluster, into CSV and JSON.
 
 A grid is `{field: [values]}` over any TrainingSetup, model or run field (`micro_batch`, `seq_len`,
 `zero_stage`, `checkpointing`, `n_layer`, `device`, ...); the points are the Cartesian product in the
-order the fields were given. Each point is described and simulated independently (a process pool of
-`jobs` workers; results come back in grid order, so the output does not depend on the scheduling),
-optionally with the largest micro-batch that fits a budget. A point whose values are invalid
-together (a stage with the wrong engine, a sequence longer than the model's) is a row with its error,
-not a crash of the sweep. Output files are written atomically; same grid, same bytes.
+order the fields were given. Each point is described and simulated independently, optionally with the
+largest micro-batch that fits a budget. A point whose values are invalid together (a stage with the
+wrong engine, a sequence longer than the model's) is a row with its error, not a crash of the sweep.
+Output files are written atomically; same grid, same bytes.
+
+Engines (where the points run; the rows, their order and the output bytes are the same on every one):
+
+- `local`: a fork pool of `jobs` processes on this machine (default every core; `jobs=1` runs inline).
+- `ray` / `dask` (optional extras `peakledger[ray]`, `peakledger[dask]`): the points go in chunks to an
+  existing cluster at `address`, or to a local cluster of `jobs` single-threaded workers started for
+  the run and shut down afterwards on every exit path. A local cluster listens on 127.0.0.1 only (ray:
+  when ray is first imported by the sweep, as it reads that setting then) and ray's usage statistics are
+  off, unless the environment says otherwise. Dask starts its workers with multiprocessing's spawn, which
+  re-imports the calling script: guard it with `if __name__ == "__main__"`. On an existing cluster the
+  workers need peakledger installed.
+
+Results come back out of order on a cluster and are put back by chunk index. A progress bar goes to
+stderr when it is a terminal, on every engine.
+
+Ctrl-C (SIGINT) or SIGTERM during a sweep: the workers stop (the local pool's workers ignore SIGINT, so
+only the parent reacts, and it terminates them; cluster futures are cancelled and a local cluster is
+shut down), nothing is returned, so nothing is written, and KeyboardInterrupt leaves `run_sweep` for
+the caller (the CLI prints one line, exit 130; a SIGTERM handler the caller installed is kept and its
+exception leaves instead). Worker processes are started with SIGINT blocked, so a terminal's Ctrl-C,
+which reaches the whole process group, gives no worker tracebacks; an interrupt while a cluster is
+starting takes effect once it has started (a second one stops waiting for it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib.util
 import io
 import itertools
 import json
+import logging
 import multiprocessing
 import os
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 
 from .models.config import ConfigError
@@ -26,6 +53,13 @@ from .simulator.files import write_atomic
 
 COLUMNS = ["peak_bytes", "first_step_peak_bytes", "steady_peak_bytes", "capacity_needed_bytes", "peak_op",
            "peak_phase", "peak_step", "step_time_s", "fits", "max_micro_batch", "error"]
+
+ENGINES = ("local", "ray", "dask")
+# engine -> (the module it needs, the extra that installs it)
+_EXTRAS = {"ray": ("ray", "peakledger[ray]"), "dask": ("distributed", "peakledger[dask]")}
+_CHUNKS_PER_WORKER = 16  # chunks a worker gets on average: balances the load, keeps per-task overhead small
+_CHUNK_MAX = 8  # points in one cluster task at most
+_POLL_S = 0.1  # seconds between looks at a cluster's progress (and at signals)
 
 
 @dataclass(frozen=True)
@@ -79,9 +113,40 @@ def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
     return out
 
 
+def _evaluate_chunk(tasks: list) -> list[dict]:
+    """One cluster task: consecutive points, so the base scenario is sent once per chunk, not per point."""
+    return [_evaluate(t) for t in tasks]
+
+
+def check_engine(engine: str, address: str | None = None, jobs: int | None = None) -> None:
+    """Refuse an unknown engine, a missing optional package, an address without a cluster engine and a
+    `jobs` that is not a positive integer, before any work."""
+    if engine not in ENGINES:
+        raise ConfigError("engine", f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ConfigError("jobs", f"the number of worker processes must be a positive integer (1, 2, ...), "
+                                  f"got {jobs!r}")
+    if address is not None:
+        if engine == "local":
+            raise ConfigError("address", "an existing cluster's address needs engine ray or dask; "
+                                         "the local engine runs on this machine's cores")
+        if not isinstance(address, str) or not address.strip():
+            raise ConfigError("address", f"expected a cluster address (ray: host:port or auto; dask: "
+                                         f"tcp://host:port), got {address!r}")
+        if jobs is not None:
+            raise ConfigError("jobs", "sizes the local cluster a run starts; an existing cluster (address) "
+                                      "runs on the workers it has: drop jobs")
+    if engine in _EXTRAS:
+        module, extra = _EXTRAS[engine]
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError("engine", f"engine {engine} needs the {module} package: pip install '{extra}'")
+
+
 def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, max_batch: bool = False,
-              jobs: int | None = None, progress: bool = True) -> list[SweepPoint]:
-    """Simulate every grid point (in parallel); results in grid order."""
+              jobs: int | None = None, progress: bool = True, engine: str = "local",
+              address: str | None = None) -> list[SweepPoint]:
+    """Simulate every grid point on `engine` (see the module docstring); results in grid order."""
+    check_engine(engine, address, jobs)
     if max_batch and budget is None:
         raise ConfigError("budget", "--max-batch needs --budget")
     unknown = sorted(set(grid) - base.settings())
@@ -89,24 +154,278 @@ def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, 
         raise ConfigError("grid", f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(base.settings()))}")
     pts = points(grid)
     tasks = [(base, p, budget, max_batch) for p in pts]
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
-    results: list[dict] = []
-    bar = _progress(len(tasks), progress)
-    if jobs == 1:
-        for t in tasks:
-            results.append(_evaluate(t))
-            bar.advance()
-    else:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            for r in pool.imap(_evaluate, tasks, chunksize=max(1, len(tasks) // (jobs * 16))):
-                results.append(r)
-                bar.advance()
-    bar.close()
+    if not tasks:
+        return []
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
+    run = {"local": _run_local, "ray": _run_ray, "dask": _run_dask}[engine]
+    with _Interrupts(), _progress(len(tasks), progress) as bar:
+        results = run(tasks, workers, address, bar)
     return [SweepPoint(values=p, result=r) for p, r in zip(pts, results)]
 
 
+# --- engines: each takes the tasks, the worker count (of a local cluster), the address and the bar
+# (advanced per finished task); it returns the results in task order and cleans up on every exit path.
+
+def _run_local(tasks: list, workers: int, address: None, bar: _progress) -> list[dict]:
+    if workers == 1:
+        results = []
+        for t in tasks:
+            results.append(_evaluate(t))
+            bar.advance()
+        return results
+    pool = None
+    try:
+        # both signals blocked while forking: a worker unblocks them in _pool_worker_init, once it ignores SIGINT;
+        # one that came meanwhile reaches this process when the block ends
+        with _blocked(signal.SIGINT, signal.SIGTERM):
+            pool = multiprocessing.get_context("fork").Pool(workers, initializer=_pool_worker_init)
+        results = []
+        for r in pool.imap(_evaluate, tasks, chunksize=max(1, len(tasks) // (workers * _CHUNKS_PER_WORKER))):
+            results.append(r)
+            bar.advance()
+        return results
+    finally:
+        if pool is not None:
+            pool.terminate()  # SIGTERM to each worker, then joins them all: no process outlives the sweep
+            pool.join()
+
+
+def _pool_worker_init() -> None:
+    """A local pool worker ignores SIGINT (Ctrl-C is the parent's to handle; it terminates the pool) and
+    dies quietly on SIGTERM (the parent's SIGTERM handler is inherited through fork)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
+def _chunks(tasks: list, workers: int) -> list[list]:
+    """Consecutive tasks per cluster task: about _CHUNKS_PER_WORKER per worker, at most _CHUNK_MAX points
+    (a worker finishes its chunk before it stops, so a small chunk keeps Ctrl-C quick)."""
+    size = max(1, min(_CHUNK_MAX, len(tasks) // (workers * _CHUNKS_PER_WORKER)))
+    return [tasks[i:i + size] for i in range(0, len(tasks), size)]
+
+
+def _gather(chunks: list[list], handles: list, finished, key, result, bar: _progress) -> list[dict]:
+    """Collect chunk results in the order they finish (`finished` yields the handles, `key(handle)` is
+    hashable, `result(handle)` is the chunk's rows), put them back in chunk order, flatten."""
+    index = {key(h): i for i, h in enumerate(handles)}
+    done: list = [None] * len(chunks)
+    for h in finished:
+        i = index[key(h)]
+        done[i] = result(h)
+        bar.advance(len(chunks[i]))
+    return [r for chunk in done for r in chunk]
+
+
+def _run_ray(tasks: list, workers: int, address: str | None, bar: _progress) -> list[dict]:
+    if address is None:
+        # a throwaway cluster: loopback only (ray reads this when it is first imported), no usage statistics
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    options = dict(logging_level=logging.ERROR, log_to_driver=False)
+    if address is None:
+        options.update(num_cpus=workers, include_dashboard=False)
+    else:
+        options.update(address=address)
+    callers = ray.is_initialized()  # a session the caller opened is used as it is, and kept open
+    with contextlib.nullcontext() if callers else _in_helper_thread(lambda: ray.init(**options), ray.shutdown):
+        with _SigtermBetweenCalls() as sigterm:
+            if address is not None or callers:
+                workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
+            chunks = _chunks(tasks, workers)
+            remote = ray.remote(num_cpus=1)(_evaluate_chunk)
+            refs = [remote.remote(c) for c in chunks]
+            try:
+                return _gather(chunks, refs, _ray_finished(ray, refs, sigterm), lambda r: r, ray.get, bar)
+            except BaseException:
+                for ref in refs:  # interrupted or failed: stop what still runs
+                    with contextlib.suppress(Exception):
+                        ray.cancel(ref, force=True)
+                raise
+
+
+def _ray_finished(ray, refs: list, sigterm: _SigtermBetweenCalls):
+    """The refs as they finish. The waiting is a Python sleep, where Python handles signals: inside a ray
+    call, a Ctrl-C comes out as a bare KeyboardInterrupt (ray/_raylet.pyx, check_status)."""
+    pending = list(refs)
+    while pending:
+        sigterm.check()
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+        if not ready:
+            time.sleep(_POLL_S)
+        yield from ready
+
+
+def _run_dask(tasks: list, workers: int, address: str | None, bar: _progress) -> list[dict]:
+    from distributed import Client, LocalCluster, as_completed
+
+    started: dict = {}
+
+    def start() -> None:
+        if address is None:
+            # CRITICAL: a worker busy with its last chunk when the sweep stops logs lost-scheduler errors
+            started["cluster"] = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                                              host="127.0.0.1", dashboard_address=None, silence_logs=logging.CRITICAL)
+        started["client"] = Client(started.get("cluster", address), set_as_default=False)
+
+    def stop() -> None:
+        try:
+            if "client" in started:
+                started["client"].close()
+        finally:
+            if "cluster" in started:
+                started["cluster"].close()
+
+    if address is None:
+        # multiprocessing starts its resource tracker with the first spawned process and then unblocks SIGINT
+        # in the thread that spawned it (multiprocessing/resource_tracker.py, ensure_running), so the workers
+        # would not inherit the block: start it here, first.
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+    with _in_helper_thread(start, stop):
+        client = started["client"]
+        if address is not None:
+            workers = max(1, sum(w.get("nthreads", 1) for w in client.scheduler_info()["workers"].values()))
+        chunks = _chunks(tasks, workers)
+        futures = [client.submit(_evaluate_chunk, c, pure=False) for c in chunks]
+        try:
+            return _gather(chunks, futures, as_completed(futures, loop=client.loop), lambda f: f.key,
+                           lambda f: f.result(), bar)
+        except BaseException:
+            with contextlib.suppress(Exception):  # interrupted or failed: stop what still runs
+                client.cancel(futures, force=True)
+            raise
+
+
+# --- signals and progress
+
+class _Interrupts:
+    """During a sweep SIGTERM raises KeyboardInterrupt, like Ctrl-C, so one clean-up serves both (a SIGTERM
+    handler the caller installed, such as the CLI's, is kept instead; only the main thread has handlers)."""
+
+    def __enter__(self) -> _Interrupts:
+        main = threading.current_thread() is threading.main_thread()
+        self.installed = main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+        if self.installed:
+            self.previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:
+            signal.signal(signal.SIGTERM, self.previous if self.previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _in_helper_thread(start, stop):
+    """A cluster's life in a helper thread that blocks SIGINT: start() there, the block's body here, then stop()
+    there. Why a thread: the processes it starts inherit the mask (through fork and exec), so a terminal's
+    Ctrl-C, which reaches the whole process group, gives them no traceback; ray ties the processes it starts
+    to the life of the starting thread (PR_SET_PDEATHSIG), so that thread lives until stop(); and off the main
+    thread ray.init leaves the process's SIGTERM handler alone. An interrupt (Ctrl-C, SIGTERM) while the
+    cluster starts or stops is held until it is done, so none is left half-started; a second one (or one
+    during the stop of an interrupted sweep) stops waiting."""
+    ready, finish = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def life() -> None:
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            start()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            errors.append(e)
+        ready.set()
+        if not errors:
+            finish.wait()
+        try:
+            stop()  # whatever start() made, even half of it
+        except Exception as e:  # noqa: BLE001 - raised in the caller's thread
+            errors.append(e)
+
+    helper = threading.Thread(target=life, name="peakledger-sweep-cluster", daemon=True)
+    helper.start()
+    try:
+        _wait(ready.wait, hold=True)
+        if errors:
+            raise errors[0]
+        yield
+    finally:
+        finish.set()
+        _wait(lambda timeout: helper.join(timeout) or not helper.is_alive(), hold=sys.exc_info()[0] is None)
+    if errors:
+        raise errors[0]
+
+
+def _wait(done, hold: bool) -> None:
+    """Wait until done(timeout) is true, in short waits so that signals are handled. hold=True: the first
+    interrupt is raised only once done, a second one at once; hold=False: any interrupt at once."""
+    held = None
+    while True:
+        try:
+            if done(_POLL_S):
+                break
+        except BaseException as e:  # noqa: BLE001 - Ctrl-C, or a SIGTERM handler's exception
+            if not hold or held is not None:
+                raise
+            held = e
+    if held is not None:
+        raise held
+
+
+@contextlib.contextmanager
+def _blocked(*signums: int):
+    """Block signals in this thread while it forks workers (they inherit the mask); one that comes meanwhile
+    is delivered when the block ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(signums)) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class _SigtermBetweenCalls:
+    """While ray runs a sweep, a SIGTERM only sets a flag, and `check()` (between ray calls) and the exit
+    raise it through the handler it replaced (ours, or the caller's with its own exception): an exception
+    raised inside ray's C code comes out as a bare KeyboardInterrupt (ray/_raylet.pyx, check_status), which
+    would turn the CLI's "terminated" into "interrupted". Installing a handler also takes SIGTERM back
+    from ray's core worker, which puts its own C-level one in the driver process (it prints `*** SIGTERM
+    received ***`). Only the main thread has handlers; elsewhere nothing changes."""
+
+    def __enter__(self) -> _SigtermBetweenCalls:
+        self.seen = False
+        self.main = threading.current_thread() is threading.main_thread()
+        if self.main:
+            self.handler = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._note)
+        return self
+
+    def _note(self, signum, frame) -> None:
+        self.seen = True
+
+    def check(self) -> None:
+        if self.seen:
+            self.seen = False
+            if callable(self.handler):
+                self.handler(signal.SIGTERM, None)
+            if self.handler != signal.SIG_IGN:
+                raise KeyboardInterrupt("SIGTERM")
+
+    def __exit__(self, *exc) -> None:
+        if self.main:
+            signal.signal(signal.SIGTERM, self.handler if self.handler is not None else signal.SIG_DFL)
+        self.check()
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
 class _progress:
-    """A rich progress bar on stderr when it is a terminal; silent otherwise."""
+    """A rich progress bar on stderr when it is a terminal; silent otherwise. A context manager, so the
+    bar is taken down (and the cursor restored) on every exit path."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.bar = None
@@ -116,13 +435,19 @@ class _progress:
             self.bar.start()
             self.task = self.bar.add_task("simulating", total=total)
 
-    def advance(self) -> None:
+    def advance(self, n: int = 1) -> None:
         if self.bar is not None:
-            self.bar.advance(self.task)
+            self.bar.advance(self.task, n)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+    def __enter__(self) -> _progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def to_csv(sweep: list[SweepPoint]) -> str:
@@ -154,4 +479,4 @@ def write(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list], csv_pa
         write_atomic(json_path, to_json(sweep, base, grid).encode())
 
 
-__all__ = ["parse_grid", "points", "run_sweep", "to_csv", "to_json", "write", "COLUMNS"]
+__all__ = ["parse_grid", "points", "run_sweep", "check_engine", "to_csv", "to_json", "write", "COLUMNS", "ENGINES"]
