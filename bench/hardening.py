@@ -74,7 +74,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
 
 def _short(text: str, n: int = 110) -> str:
     text = " ".join(text.split()).replace("|", "/")
-    text = re.sub(r"/tmp/tmp[\w-]+", "{tmp}", text)
+    text = re.sub(r"/tmp/tmp[\w-]+", "{tmp}", text).replace(str(ROOT.parent) + "/", "../")
     return text if len(text) <= n else text[: n - 3] + "..."
 
 

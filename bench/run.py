@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import replace
 
@@ -22,6 +21,13 @@ from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.sweep import run_sweep
+from sections import replace_sections  # bench/sections.py, beside this script
+
+
+# the 1000-point sweep (also timed per engine by bench/sweep_engines.py)
+SWEEP_GRID = {"micro_batch": list(range(1, 11)), "seq_len": [128, 256, 512, 768, 1024], "zero_stage": [0, 1, 2, 3],
+              "precision": ["fp32", "bf16-mixed", "bf16-autocast", "bf16", "fp16-mixed"]}
+SWEEP_BASE = ({"preset": "gpt2"}, {"steps": 1, "world_size": 8})
 
 
 def best_of(n, fn):
@@ -36,7 +42,7 @@ def best_of(n, fn):
 def main() -> None:
     lines = ["# peakledger benchmarks", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
-             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py`.", ""]
+             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py` (its sections; other scripts' stay).", ""]
     lines += ["## One training step of llama-3-70b (bf16-mixed AdamW, micro-batch 1, seq 4096, 1 rank)", "",
               "| stage | seconds | ops | events | events/s |", "|---|---|---|---|---|"]
     s70 = build_scenario({"preset": "llama-3-70b"}, {"micro_batch": 1, "seq_len": 4096, "steps": 1})
@@ -95,18 +101,12 @@ def main() -> None:
     lines += ["## A 1000-point sweep (gpt2, 1 step, 8 ranks, every core)", "",
               "micro_batch 1-10 x seq_len 128-1024 (5) x ZeRO stage 0-3 x precision (5), `peakledger sweep` "
               "machinery (peakledger/sweep.py), results in grid order.", ""]
-    grid = {"micro_batch": list(range(1, 11)), "seq_len": [128, 256, 512, 768, 1024], "zero_stage": [0, 1, 2, 3],
-            "precision": ["fp32", "bf16-mixed", "bf16-autocast", "bf16", "fp16-mixed"]}
-    base = build_scenario({"preset": "gpt2"}, {"steps": 1, "world_size": 8})
-    t, result = best_of(1, lambda: run_sweep(base, grid, progress=False))
+    base = build_scenario(*SWEEP_BASE)
+    t, result = best_of(1, lambda: run_sweep(base, SWEEP_GRID, progress=False))
     lines += [f"{len(result)} points in {t:.1f} s on {os.cpu_count()} cores: "
               f"{'met' if t < 60 else 'NOT met'} (target < 60 s).", ""]
     text = "\n".join(lines) + "\n"
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out))
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, out)
+    replace_sections(text, os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"))  # others' kept
     sys.stdout.write(text)
 
 

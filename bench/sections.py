@@ -19,3 +19,13 @@ def replace_section(heading: str, section: str, path: str = VALIDATION) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section
     write_atomic(path, text.encode())
+
+
+def replace_sections(text: str, path: str) -> None:
+    """Every `## ` section of `text` swapped into `path` in place (or appended); the file's other sections and
+    its title stay. A new file gets `text` as it is."""
+    if not os.path.exists(path):
+        write_atomic(path, text.encode())
+        return
+    for part in re.split(r"\n(?=## )", text)[1:]:
+        replace_section(part.split("\n", 1)[0], part.rstrip("\n") + "\n", path)

@@ -29,11 +29,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 HEADING = "## Sweep engines: local pool, ray, dask (2 workers each)"
 JOBS = 2
 
-# The 1000-point grid and base scenario of bench/run.py ("A 1000-point sweep"); defined inside its main(),
-# so copied here: keep the two the same.
-GRID_1000 = {"micro_batch": list(range(1, 11)), "seq_len": [128, 256, 512, 768, 1024], "zero_stage": [0, 1, 2, 3],
-             "precision": ["fp32", "bf16-mixed", "bf16-autocast", "bf16", "fp16-mixed"]}
-BASE = {"preset": "gpt2"}, {"steps": 1, "world_size": 8}
+from run import SWEEP_BASE as BASE, SWEEP_GRID as GRID_1000  # noqa: E402 - bench/run.py's 1000-point sweep
+
 # 200 points: the same grid at one precision (bf16-mixed, the base's)
 GRID_200 = {k: v for k, v in GRID_1000.items() if k != "precision"}
 
