@@ -105,7 +105,7 @@ def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
                steady_peak_bytes=pk.steady.bytes if pk.steady else "", capacity_needed_bytes=pk.capacity_needed,
                peak_op=pk.peak.event.op if pk.peak.event else "", peak_phase=pk.peak.event.phase.value
                if pk.peak.event else "", peak_step=pk.peak.event.step if pk.peak.event else "",
-               step_time_s=report.log.events[-1].time / max(1, report.steps) if report.log.events else 0.0)
+               step_time_s=report.time_per_step_s)
     if budget is not None:
         out["fits"] = pk.capacity_needed <= budget
         if max_batch:
