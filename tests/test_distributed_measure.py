@@ -1,10 +1,13 @@
 """Real 2-rank CPU runs (gloo on 127.0.0.1) measured rank by rank: the bytes the tracker sees equal what
 FSDP2's sharding rule and ZeroRedundancyOptimizer's partition imply for the model, computed here from
-the model's own parameter shapes."""
+the model's own parameter shapes. Every FSDP2 collective returns only once the process group has let go
+of its tensors (`BackendReleased`), checked here against a thread that holds them a while."""
 
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from peakledger.models.config import TrainingSetup, TransformerConfig
 from peakledger.models.reference import build_model
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
-from peakledger.traces.distributed import measure_distributed
+from peakledger.traces.distributed import BackendReleased, ReleaseCount, holders, measure_distributed
 
 WORLD = 2
 # odd vocabulary and context length: wte (37, 12) and wpe (9, 12) do not split evenly over 2 ranks,
@@ -170,3 +173,56 @@ def test_zero_runs_on_ddp_buckets_that_hold_every_gradient(zero_logs):
         assert sum(b.nbytes for b in at_load) == full and all(b.name.startswith("ddp.bucket.") for b in at_load)
         rebuilt = first_blocks(log, Category.REDUCE_SCATTER_BUCKET, step=2)
         assert sum(b.nbytes for b in rebuilt.values()) == full  # rebuilt in the second forward
+
+
+class LateRelease:
+    """A collective whose 'process group' keeps C++ references to its tensors on another thread for
+    `hold_s` seconds after returning, as gloo's worker thread does for a moment (ProcessGroupGloo::runLoop)."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.released_at: float | None = None
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        held = [output_tensor.detach(), input_tensor.detach()]  # new TensorImpls on the same storage
+
+        def drop():
+            time.sleep(self.hold_s)
+            self.released_at = time.monotonic()
+            held.clear()
+
+        threading.Thread(target=drop).start()
+        return None  # synchronous: "completed"
+
+
+def test_a_collective_returns_only_when_the_process_group_has_let_go_of_its_tensors():
+    out = torch.empty(8)
+    inp = out[:4]
+    before = holders((out, inp))
+    late, count = LateRelease(0.05), ReleaseCount()
+    BackendReleased.call(late, count, output_tensor=out, input_tensor=inp, group=None, async_op=False)
+    assert late.released_at is not None and time.monotonic() >= late.released_at
+    assert holders((out, inp)) == before
+    assert count == ReleaseCount(collectives=1, waited=1, timeouts=0)
+
+
+def test_a_collective_never_released_is_counted_not_waited_for_forever(monkeypatch):
+    out = torch.empty(8)
+    late, count = LateRelease(0.5), ReleaseCount()
+    monkeypatch.setattr(BackendReleased, "TIMEOUT_S", 0.02)
+    BackendReleased.call(late, count, output_tensor=out, input_tensor=out[:4], group=None, async_op=False)
+    assert count == ReleaseCount(collectives=1, waited=1, timeouts=1)
+
+
+def test_fsdp2_collectives_on_gloo_were_all_released(fsdp_logs):
+    for log in fsdp_logs:
+        assert log.metadata["backend"] == "gloo"
+        calls = sum(1 for e in log.events if e.action is Action.ALLOC
+                    and e.block.name.endswith((".all_gather_output", ".reduce_scatter_input")))
+        release = log.metadata["backend_release"]
+        assert release["collectives"] == calls > 0 and release["timeouts"] == 0
+
+
+def test_an_unknown_backend_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="backend"):
+        measure_distributed(ODD_GPT, SETUP, WORLD, "fsdp2", backend="nccl")

@@ -17,7 +17,9 @@ Engines
   GPT-2, `model.layers[i]` for Llama; each Linear for the MLP), then on the root, with
   `reshard_after_forward`; the optimizer is built after sharding, over the DTensor parameters.
   The tracker labels shards, unsharded parameters, all-gather and reduce-scatter buffers
-  (`tracker.FSDPLabels`).
+  (`tracker.FSDPLabels`). Each unit's collectives return only once the process group has released
+  their tensors (`BackendReleased`: gloo's worker thread otherwise drops the last reference to a
+  buffer FSDP2 has already let go of at a moment that varies run to run).
 - "ddp": `DistributedDataParallel` with its defaults (gradients are not bucket views; one bucket of
   every parameter at construction, rebuilt in the second forward in gradient-ready order: a first
   bucket closed at 1 MiB, then 25 MiB ones), the ZeRO-0 baseline. The wrapper is built inside the
@@ -28,8 +30,14 @@ Engines
   size (largest first, to the rank holding the fewest elements); each rank keeps optimizer state for
   its own parameters only and broadcasts them to the others after its step.
 
-Every rank's metadata records the engine, world size, rank, the model and setup, and per engine: the
-FSDP units and their parameters; the ZeRO owner of each parameter.
+Backends: "gloo" (the real transport) or "fake" (torch's fake process group: one process per rank as
+well, no peers, no data moved, no worker threads). Both give the same event sequence, rank by rank,
+once gloo's own reduce-scatter copies are dropped (`without_backend_copies`); on "fake", DDP's
+all-reduce runs through `fake_group_allreduce_hook`, as the fake group's work carries no result.
+
+Every rank's metadata records the engine, world size, rank, backend, the model and setup, and per
+engine: the FSDP units and their parameters, and how their collectives were released
+(`backend_release`, a `ReleaseCount`); the ZeRO owner of each parameter.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from ..simulator.events import Category, EventLog, Phase
 from .store import load_log, save_log
 
 ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
+BACKENDS = ("gloo", "fake")
 LOOPBACK = "127.0.0.1"
 
 
@@ -88,20 +97,19 @@ def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: Trainin
     default (False for the root: its parameters stay unsharded from forward into backward).
     `backend="fake"` runs each rank against torch's fake process group instead (no peers, no data moved,
     no gloo worker threads): FSDP2, DDP and ZeroRedundancyOptimizer allocate exactly the same buffers.
-    One order is not repeatable on either backend: in some runs (about 1 in 5) FSDP2's pre-backward
-    hook runs on autograd's worker thread, and the previous unit's all-gather output is dropped only
-    after the next unit's all-gather is allocated.
+    Every FSDP2 collective returns only once the process group has let go of its tensors (see
+    `BackendReleased`), so the order of frees is FSDP2's own on both backends, run after run.
     Spawned processes re-import the caller's main module: call this under `if __name__ == "__main__":`
     in a script (pytest and imported modules need nothing). Every process is joined within
     `timeout_s` seconds, or all are killed and TimeoutError is raised; a failing rank's traceback is
     raised as RuntimeError.
     """
-    _check(setup, world_size, engine)
+    _check(setup, world_size, engine, backend)
     with tempfile.TemporaryDirectory(prefix="peakledger-dist-") as tmp:
         job = RankJob(model_cfg=model_cfg, setup=setup, world_size=world_size, engine=engine,
                       reshard_after_forward=reshard_after_forward,
                       root_reshard_after_forward=root_reshard_after_forward, port=free_loopback_port(),
-                      out_dir=tmp, seed=seed, timeout_s=timeout_s)
+                      out_dir=tmp, seed=seed, timeout_s=timeout_s, backend=backend)
         _spawn_and_join(job)
         return [load_log(_log_path(tmp, r)) for r in range(world_size)]
 
@@ -113,9 +121,11 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def _check(setup: TrainingSetup, world_size: int, engine: str) -> None:
+def _check(setup: TrainingSetup, world_size: int, engine: str, backend: str) -> None:
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; allowed: {', '.join(ENGINES)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown process-group backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if world_size < 2:
         raise ValueError(f"world_size must be at least 2, got {world_size}")
     if setup.precision not in ("fp32", "bf16"):
@@ -222,7 +232,10 @@ def _measure_rank(rank: int, job: RankJob) -> EventLog:
         run = engine.inside_tracking(prepared, tracker, job)
         training_loop(tracker, run.model, run.optimizer, batches, setup.steps, setup.grad_accum,
                       setup.set_to_none)
-    return tracker.log(_metadata(rank, job, run.details))
+    details = dict(run.details)
+    if prepared.release is not None:
+        details["backend_release"] = dataclasses.asdict(prepared.release)
+    return tracker.log(_metadata(rank, job, details))
 
 
 def _metadata(rank: int, job: RankJob, details: dict) -> dict:
@@ -246,6 +259,7 @@ class Prepared:
     tracked_optimizer: torch.optim.Optimizer | None
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
+    release: "ReleaseCount | None" = None
 
 
 @dataclass(frozen=True)
@@ -267,23 +281,130 @@ def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class FSDP2:
-    """fully_shard per block (or Linear), then the root; the optimizer over the sharded parameters."""
+    """fully_shard per block (or Linear), then the root; the optimizer over the sharded parameters. Each
+    unit's all-gather and reduce-scatter return only once the process group has released their tensors
+    (`BackendReleased`)."""
 
     ddp_buckets = False
 
     @staticmethod
     def before_tracking(model: torch.nn.Module, job: RankJob) -> Prepared:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         for unit in fsdp_units(model):
             fully_shard(unit, reshard_after_forward=job.reshard_after_forward)
         fully_shard(model, reshard_after_forward=job.root_reshard_after_forward)
+        release = ReleaseCount()
+        for unit in model.modules():  # the tracker's labelling comms (FSDPLabels) will wrap these
+            if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
+                group = unit._get_fsdp_state()._fsdp_param_groups[0]
+                unit.set_custom_all_gather(BackendReleased.all_gather(group._all_gather_comm, release))
+                unit.set_custom_reduce_scatter(BackendReleased.reduce_scatter(group._reduce_scatter_comm, release))
         optimizer = torch_optimizer(model.parameters(), job.setup, job.lr)
-        return Prepared(model, optimizer, model, optimizer)
+        return Prepared(model, optimizer, model, optimizer, release)
 
     @staticmethod
     def inside_tracking(prepared: Prepared, tracker, job: RankJob) -> Running:
         return Running(prepared.model, prepared.optimizer, {"fsdp_units": _unit_params(prepared.model)})
+
+
+@dataclass
+class ReleaseCount:
+    """How FSDP2's collectives on one rank ended: `collectives` calls; `waited` of them still had the
+    process group holding their tensors when the call returned (the window in which gloo's worker
+    thread would drop the last reference later); `timeouts` of them were not released in time."""
+
+    collectives: int = 0
+    waited: int = 0
+    timeouts: int = 0
+
+
+class BackendReleased:
+    """An FSDP2 comm (`AllGather` / `ReduceScatter`, torch/distributed/fsdp/_fully_shard/_fsdp_api.py)
+    that delegates to `inner` and, when the collective was synchronous, returns only once the process
+    group no longer holds its output and input tensors.
+
+    Why: ProcessGroupGloo runs every collective on a worker thread that keeps the work (which holds the
+    collective's tensors) until after it has completed the work's future
+    (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp, `ProcessGroupGloo::runLoop`:
+    `AsyncWork::execute(work)`, then `workInProgress_[workerIndex].reset()` under the lock).
+    `work.wait()` returns on the caller at that completion, and the worker's reference goes a moment
+    later. If FSDP2 has dropped its own reference by then (`FSDPParamGroup.wait_for_unshard`:
+    `self._all_gather_result = None`, torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py), the
+    buffer is freed on the gloo thread at an arbitrary point of the rank's program, in some runs after
+    `pre_backward`'s `_backward_prefetch` has allocated the next unit's all-gather output: one buffer
+    more at the peak. FSDP2's hooks themselves always run on the calling thread: on the CPU the
+    autograd engine drives the whole backward on the thread that called it
+    (torch/csrc/autograd/engine.cpp, `Engine::execute_with_graph_task`: `thread_main(graph_task)` on the
+    caller for CPU work; device threads serve CUDA and other accelerators only), so
+    `torch.autograd.set_multithreading_enabled(False)` changes nothing here.
+
+    Waiting for the release makes every free happen where FSDP2 drops its reference, whatever the
+    transport: FSDP2's program order, the one the simulator models (models/parallel.py `FSDP2`: in
+    backward a unit's pre-backward copies out and frees its all-gather output, then the prefetch
+    allocates the next unit's). It allocates nothing. The use counts of the tensors and of their
+    storage (`Tensor._use_count`, `torch._C._storage_Use_Count`: C++ references included) back at
+    their value before the call mean the process group holds none of them any more.
+    """
+
+    TIMEOUT_S = 5.0
+
+    @staticmethod
+    def all_gather(inner, count: ReleaseCount):
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+        class ReleasedAllGather(AllGather):
+            def allocate(self, size, *, dtype, device):
+                return inner.allocate(size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                return BackendReleased.call(inner, count, output_tensor=output_tensor, input_tensor=input_tensor,
+                                            group=group, async_op=async_op)
+
+        return ReleasedAllGather()
+
+    @staticmethod
+    def reduce_scatter(inner, count: ReleaseCount):
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+        class ReleasedReduceScatter(ReduceScatter):
+            def allocate(self, size, *, dtype, device):
+                return inner.allocate(size, dtype=dtype, device=device)
+
+            def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                return BackendReleased.call(inner, count, output_tensor=output_tensor, input_tensor=input_tensor,
+                                            group=group, op=op, async_op=async_op)
+
+        return ReleasedReduceScatter()
+
+    @staticmethod
+    def call(inner, count: ReleaseCount, **kwargs):
+        tensors = (kwargs["output_tensor"], kwargs["input_tensor"])
+        before = holders(tensors)
+        work = inner(**kwargs)
+        count.collectives += 1
+        if work is None:  # synchronous: the collective has completed; an async Work keeps its tensors by design
+            wait_released(tensors, before, count, BackendReleased.TIMEOUT_S)
+        return work
+
+
+def holders(tensors) -> list[int]:
+    """References to each tensor and to its storage (C++ ones included)."""
+    return ([t._use_count() for t in tensors]
+            + [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors])
+
+
+def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: float) -> None:
+    """Wait until `tensors` have no more holders than `before` (another thread's references gone)."""
+    if all(now <= was for now, was in zip(holders(tensors), before)):
+        return
+    count.waited += 1
+    deadline = time.monotonic() + timeout_s
+    while any(now > was for now, was in zip(holders(tensors), before)):
+        if time.monotonic() > deadline:
+            count.timeouts += 1
+            return
+        time.sleep(1e-5)
 
 
 def _unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -315,12 +436,32 @@ class DDP:
 
         with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
             wrapped = DistributedDataParallel(prepared.model)  # broadcasts rank 0's state, builds the buckets
+            if job.backend == "fake":
+                wrapped.register_comm_hook(None, fake_group_allreduce_hook)
         tracker.name_module(wrapped, "ddp")  # its forward: buffer broadcast, bucket rebuild
         return Running(wrapped, prepared.optimizer, cls.details(prepared, wrapped))
 
     @staticmethod
     def details(prepared: Prepared, wrapped) -> dict:
         return {"ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap)}
+
+
+def fake_group_allreduce_hook(process_group, bucket):  # unannotated: DDP checks annotations by value
+    """DDP's gradient all-reduce on torch's fake process group: torch's reference `allreduce_hook`
+    (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py: divide the bucket by the world size in
+    place, all-reduce it) with the bucket itself as the result. The fake group's work completes with no
+    value, and DDP's reducer asserts that a hook's result is a tensor (torch/csrc/distributed/c10d/
+    comm.cpp, `parseHookResult`); gloo's and NCCL's all-reduce complete with the bucket they reduced in
+    place, so the memory is the same: nothing allocated, the bucket reused."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    buffer.div_(group.size())
+    dist.all_reduce(buffer, group=group)
+    done = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 class ZeRO(DDP):
@@ -383,5 +524,6 @@ def rank_peak(log: EventLog) -> RankPeak:
                     by_category=live_bytes(log, index))
 
 
-__all__ = ["measure_distributed", "ENGINES", "free_loopback_port", "fsdp_units", "RankJob",
+__all__ = ["measure_distributed", "ENGINES", "BACKENDS", "free_loopback_port", "fsdp_units", "RankJob",
+           "BackendReleased", "ReleaseCount", "holders", "wait_released",
            "without_backend_copies", "RankPeak", "rank_peak"]
