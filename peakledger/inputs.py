@@ -156,14 +156,13 @@ def real_run_estimate(scenario: Scenario) -> int:
     from .simulator.engine import simulate
     from .simulator.timeline import timeline
 
-    ws = scenario.setup.world_size
     graph = describe(scenario.model, dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2)), "cpu")
     log = simulate(graph)
     total = 0
     for rank, members in graph.metadata["rank_classes"].items():
         peak = sum(timeline(log, int(rank), pool).peak().bytes for pool in {e.block.pool for e in log.events})
         total += (peak + HOST_BASELINE) * len(members)
-    return total if ws > 1 else max(total, HOST_BASELINE)
+    return total
 
 
 VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # seconds on a CPU, for any model

@@ -29,6 +29,7 @@ class InputError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
 
 
 def _kind(mode: int) -> str:
@@ -44,12 +45,12 @@ def read_input(path, field_name: str, limit: int) -> bytes:
     if path is None or str(path) == "":
         raise InputError(field_name, "an empty path; give a file")
     try:
-        mode = os.stat(path).st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-            raise InputError(field_name, f"{path} is {_kind(mode)}; give a file")
-        if stat.S_ISREG(mode) and os.stat(path).st_size > limit:
-            raise InputError(field_name, f"{path} is {os.stat(path).st_size:,} B, over the {limit:,} B cap for "
-                                         "this kind of input")
+        st = os.stat(path)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+            raise InputError(field_name, f"{path} is {_kind(st.st_mode)}; give a file")
+        if stat.S_ISREG(st.st_mode) and st.st_size > limit:
+            raise InputError(field_name, f"{path} is {st.st_size:,} B, over the {limit:,} B cap for this kind of "
+                                         "input")
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except FileNotFoundError:

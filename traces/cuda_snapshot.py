@@ -66,7 +66,7 @@ def safe_loads(data: bytes, field_name: str = "trace"):
     try:
         return _RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafePickleError as e:
-        raise UnsafePickleError(str(e).partition(": ")[2], field_name) from None
+        raise UnsafePickleError(e.message, field_name) from None
     except Exception as e:  # truncated files, garbage, too deep: say so instead of a traceback
         raise SnapshotError(f"not a readable pickle: {type(e).__name__}: {e}", field_name) from None
 

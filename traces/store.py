@@ -165,7 +165,7 @@ def _json_log(data: bytes, path, field_name: str) -> EventLog:
     try:
         return from_json(obj)
     except TraceFormatError as e:
-        raise TraceFormatError(f"{path}: {str(e).partition(': ')[2]}", field_name) from None
+        raise TraceFormatError(f"{path}: {e.message}", field_name) from None
 
 
 @dataclass(frozen=True)
