@@ -88,7 +88,7 @@ def from_json(data: dict) -> EventLog:
                                 step=step, micro_batch=mb, stream=Stream(st), op=op))
     except KeyError as e:
         raise TraceFormatError(f"malformed trace: an event refers to unknown block {e} (or a key is missing)") from None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         if isinstance(e, TraceFormatError):
             raise
         raise TraceFormatError(f"malformed trace: {e}") from None
