@@ -47,15 +47,20 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype_name(dtype)]
 
 
+INT64_MAX = 2**63 - 1  # torch sizes are int64 (c10::SymInt): no dimension, count or element number is larger
+
+
 def _positive_int(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(name, f"must be a positive integer, got {value!r}")
+        if value > INT64_MAX:
+            raise ConfigError(name, f"{value} is over 2^63 - 1, the largest size torch can hold (int64)")
 
 
 # Counts that set how many ops are described and simulated are bounded, so no input makes unbounded work;
-# sizes (widths, vocabulary, micro-batch, sequence) are exact Python ints of any size and cost nothing more.
+# sizes (widths, vocabulary, micro-batch, sequence) are exact Python ints up to INT64_MAX and cost nothing more.
 COUNT_LIMITS = {
     "n_layer": (1000, "the deepest published LLMs have under 200 layers"),
     "hidden": (1000, "layers of an MLP"),
@@ -253,7 +258,8 @@ class MLPConfig:
             raise ConfigError("hidden", f"{len(self.hidden):,} layers is over the limit of "
                                         f"{COUNT_LIMITS['hidden'][0]:,} ({COUNT_LIMITS['hidden'][1]})")
         _positive_int(self, "d_in", "d_out")
-        if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or h <= 0 for h in self.hidden):
+        if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or not 0 < h <= INT64_MAX
+                                  for h in self.hidden):
             raise ConfigError("hidden", f"must be a non-empty list of positive integers, got {self.hidden!r}")
         _choice(self, "activation", ("relu", "gelu"))
 

@@ -332,6 +332,8 @@ CASES: list[Case] = [
          check=_same_peak_as("simulate", "--preset", "tiny", "--steps", "2", "--json")),
     Case("n-layer-huge", "unbounded work", "a huge layer count described layer by layer without end",
          ("simulate", "--preset", "tiny", "--n-layer", "100000000000"), says=("n_layer", "limit")),
+    Case("size-over-int64", "unbounded work", "a size no float can hold (10^400) ended in an OverflowError",
+         ("simulate", "--preset", "tiny", "--micro-batch", str(10**400)), says=("micro_batch", "int64")),
     Case("grad-accum-huge", "unbounded work", "a huge accumulation simulated micro-batch by micro-batch",
          ("simulate", "--preset", "tiny", "--grad-accum", "100000000"), says=("grad_accum", "limit")),
 ]

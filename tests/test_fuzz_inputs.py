@@ -18,7 +18,7 @@ from peakledger import cli
 
 FUZZ = settings(max_examples=int(os.environ.get("PEAKLEDGER_FUZZ_EXAMPLES", "40")), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
-WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(2**62, 2**80), st.just(-(2**70)),
+WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(2**62, 2**80), st.just(-(2**70)), st.just(10**400),
                   st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -0.0]),
                   st.text(max_size=8), st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=3),
                                                                                                   st.integers(), max_size=2))
