@@ -114,7 +114,7 @@ def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
 
 
 def _evaluate_chunk(tasks: list) -> list[dict]:
-    """One cluster task: consecutive points, so the base scenario is sent once per chunk, not per point."""
+    """One task of a pool or cluster: consecutive points, so the base scenario is sent once per chunk."""
     return [_evaluate(t) for t in tasks]
 
 
@@ -179,10 +179,19 @@ def _run_local(tasks: list, workers: int, address: None, bar: _progress) -> list
         # one that came meanwhile reaches this process when the block ends
         with _blocked(signal.SIGINT, signal.SIGTERM):
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_pool_worker_init)
+        size = max(1, len(tasks) // (workers * _CHUNKS_PER_WORKER))
+        chunks = [tasks[i:i + size] for i in range(0, len(tasks), size)]
+        it = pool.imap(_evaluate_chunk, chunks)  # chunk by chunk, in order (chunksize 1: next() takes a timeout)
         results = []
-        for r in pool.imap(_evaluate, tasks, chunksize=max(1, len(tasks) // (workers * _CHUNKS_PER_WORKER))):
-            results.append(r)
-            bar.advance()
+        for _ in chunks:
+            while True:
+                try:  # wake every _POLL_S: a signal another thread took is handled here, not after the chunk
+                    part = it.next(timeout=_POLL_S)
+                    break
+                except multiprocessing.TimeoutError:
+                    continue
+            results.extend(part)
+            bar.advance(len(part))
         return results
     finally:
         if pool is not None:
