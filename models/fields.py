@@ -43,15 +43,6 @@ def _adapters(cls) -> tuple[tuple[str, object, TypeAdapter], ...]:
     return tuple(out)
 
 
-def type_problem(tp, value) -> str | None:
-    """Why `value` is not of annotation `tp` (strictly), or None."""
-    try:
-        TypeAdapter(tp, config=STRICT).validate_python(value)
-    except ValidationError:
-        return f"must be {_words(tp)}, got {value!r} ({type(value).__name__})"
-    return None
-
-
 def check_types(obj, error: type[Exception]) -> None:
     """Raise `error(field, message)` for the first field of dataclass `obj` whose value is not strictly
     of its annotated type."""
@@ -63,4 +54,4 @@ def check_types(obj, error: type[Exception]) -> None:
             raise error(name, f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
 
 
-__all__ = ["check_types", "type_problem"]
+__all__ = ["check_types"]

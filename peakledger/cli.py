@@ -27,7 +27,7 @@ from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_command_outputs, check_common,
-                     check_real_run, read_trace, real_run_scenario, scenario_flags_given, scenario_for_trace,
+                     check_real_run, real_run_scenario, scenario_flags_given, scenario_for_trace,
                      scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
                             OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError)
@@ -37,7 +37,7 @@ from .models.presets import PRESETS
 from .scenario import parse_value
 from .simulator.files import InputError
 from .simulator.timeline import timeline
-from .traces.store import save_log, with_event_index_times
+from .traces.store import load_trace, save_log, with_event_index_times
 
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
@@ -94,10 +94,6 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
 
 
-def _scenario_from_args(args):
-    return scenario_from_args(args)
-
-
 def _budget(args, name: str = "budget") -> int | None:
     """A size flag as bytes (None when not given; an empty value is an error, never "no budget")."""
     value = getattr(args, name, None)
@@ -131,7 +127,7 @@ def cmd_simulate(args) -> int:
     budget = _budget(args)
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
-    scenario = _scenario_from_args(args)
+    scenario = scenario_from_args(args)
     report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
     if args.plot:
         plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
@@ -152,7 +148,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_max_batch(args) -> int:
     budget = _budget(args)
-    scenario = _scenario_from_args(args)
+    scenario = scenario_from_args(args)
     best = api.max_micro_batch(scenario, budget)
     fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
@@ -190,7 +186,7 @@ def cmd_peers(args, base) -> int:
 
 
 def cmd_compare(args) -> int:
-    base = _scenario_from_args(args)
+    base = scenario_from_args(args)
     if args.peers and args.case:
         raise ConfigError("case", "--peers compares DeepSpeed's ZeRO stages of the base scenario; --case does not "
                                   "apply with it: drop one")
@@ -236,7 +232,7 @@ def cmd_explain(args) -> int:
     u = args.unit
     if args.trace:
         return _explain_trace(args, budget, host_budget)
-    scenario = _scenario_from_args(args)
+    scenario = scenario_from_args(args)
     x = api.explain(scenario, budget, host_budget)
     setup = dataclasses.asdict(scenario.setup)
     if args.json:
@@ -275,7 +271,7 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     if ignored:
         raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
                                    "ignored: drop them (or explain the scenario without --trace)")
-    trace = read_trace(args.trace)
+    trace = load_trace(args.trace)
     log = trace.log
     moment = api.explain_trace(log, budget)
     warning = trace.warning()
@@ -296,7 +292,7 @@ def cmd_sweep(args) -> int:
     if args.output is None and args.json_output is None:
         raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
     check_command_outputs(args, ["output", "json_output"])
-    base = _scenario_from_args(args)
+    base = scenario_from_args(args)
     grid = sweep.parse_grid(args.grid or [])
     budget = _budget(args)
     result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs,
@@ -313,7 +309,7 @@ def cmd_checkpointing(args) -> int:
                                          render_table)
     check_command_outputs(args, ["plot"])
     budget = _budget(args)
-    scenario = _scenario_from_args(args)
+    scenario = scenario_from_args(args)
     rows = policy_table(scenario)
     best = optimal_checkpointing(scenario, budget) if budget is not None else None
     if args.plot:
@@ -377,7 +373,7 @@ def cmd_validate(args) -> int:
     if args.trace:
         if args.pg_backend is not None or args.force:
             raise ConfigError("trace", "validate --trace runs nothing: --pg-backend and --force do not apply")
-        trace = read_trace(args.trace)
+        trace = load_trace(args.trace)
         if trace.truncated:
             raise ConfigError("trace", f"{trace.warning()}; a validation needs the whole run")
         scenario, notes = scenario_for_trace(args, trace, VALIDATE_DEFAULTS)

@@ -15,9 +15,9 @@ from dataclasses import fields
 
 from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from .scenario import Scenario, build_scenario, load_toml
+from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.files import check_outputs
-from .traces.store import TraceFile, load_trace
+from .traces.store import TraceFile
 
 MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
                     ("head_dim", int), ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
@@ -85,8 +85,7 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
     if not (isinstance(model, dict) and isinstance(setup, dict) and kind in ("TransformerConfig", "MLPConfig")):
         return None
     cls = TransformerConfig if kind == "TransformerConfig" else MLPConfig
-    tuples = lambda d: {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}  # noqa: E731
-    known = lambda c, d: {k: v for k, v in tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
+    known = lambda c, d: {k: v for k, v in lists_as_tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
     try:
         config = cls(**known(cls, model))
         training = TrainingSetup(**known(TrainingSetup, setup))
@@ -123,10 +122,6 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
         if old != value:
             notes.append(f"overrode {key}: {old!r} in the trace, {value!r} from {flag(key)}")
     return scenario, notes
-
-
-def read_trace(path: str) -> TraceFile:
-    return load_trace(path, "trace")
 
 
 def check_command_outputs(args, outputs: list[str]) -> None:
@@ -198,4 +193,4 @@ def check_common(args) -> None:
 
 
 __all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
-           "check_command_outputs", "read_trace", "real_run_estimate", "real_run_limit"]
+           "check_command_outputs", "real_run_estimate", "real_run_limit"]

@@ -88,7 +88,7 @@ def _replace(obj, changes: dict):
         raise ConfigError(next(iter(changes)), str(e)) from None
 
 
-def _tuples(table: dict) -> dict:
+def lists_as_tuples(table: dict) -> dict:
     """TOML gives lists; the configs are frozen and hold tuples."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
 
@@ -116,7 +116,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     the setup: see models/config.py KNOB_APPLIES); `defaults` are training values of the caller's own,
     taken where the user set nothing and where the model has the field (an MLP has no sequence)."""
     model_table = dict(model_table or {})
-    training = _tuples(training or {})
+    training = lists_as_tuples(training or {})
     run = dict(run or {})
     hf = model_table.pop("hf_config", None)
     preset_name = model_table.pop("preset", None)
@@ -135,7 +135,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     for key in model_table:
         if key not in model_keys:
             raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}")
-    model_table = _tuples(model_table)
+    model_table = lists_as_tuples(model_table)
     if base is None:
         try:
             model = TransformerConfig(**{"name": "custom", **model_table})
