@@ -179,8 +179,7 @@ def _run_local(tasks: list, workers: int, address: None, bar: _progress) -> list
         # one that came meanwhile reaches this process when the block ends
         with _blocked(signal.SIGINT, signal.SIGTERM):
             pool = multiprocessing.get_context("fork").Pool(workers, initializer=_pool_worker_init)
-        size = max(1, len(tasks) // (workers * _CHUNKS_PER_WORKER))
-        chunks = [tasks[i:i + size] for i in range(0, len(tasks), size)]
+        chunks = _chunks(tasks, workers, most=None)
         it = pool.imap(_evaluate_chunk, chunks)  # chunk by chunk, in order (chunksize 1: next() takes a timeout)
         results = []
         for _ in chunks:
@@ -207,10 +206,12 @@ def _pool_worker_init() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
-def _chunks(tasks: list, workers: int) -> list[list]:
-    """Consecutive tasks per cluster task: about _CHUNKS_PER_WORKER per worker, at most _CHUNK_MAX points
-    (a worker finishes its chunk before it stops, so a small chunk keeps Ctrl-C quick)."""
-    size = max(1, min(_CHUNK_MAX, len(tasks) // (workers * _CHUNKS_PER_WORKER)))
+def _chunks(tasks: list, workers: int, most: int | None = _CHUNK_MAX) -> list[list]:
+    """Consecutive tasks per pool or cluster task: about _CHUNKS_PER_WORKER per worker, at most `most` points
+    on a cluster (a worker finishes its chunk before it stops, so a small chunk keeps Ctrl-C quick; the local
+    pool's terminate() stops a worker mid-chunk, so it takes no cap)."""
+    size = max(1, len(tasks) // (workers * _CHUNKS_PER_WORKER))
+    size = size if most is None else min(most, size)
     return [tasks[i:i + size] for i in range(0, len(tasks), size)]
 
 
