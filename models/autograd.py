@@ -102,11 +102,15 @@ class MicroBatchReplay:
         self.rg = rg
         # gradient contributions per parameter in one backward (> 1: a tied weight read by several ops)
         self.grad_uses: dict[str, int] = {}
-        for i, op in enumerate(ops):
-            if self.needs_backward[i]:
-                for p in dict.fromkeys(op.params):
-                    if p in self.trainable:
-                        self.grad_uses[p] = self.grad_uses.get(p, 0) + 1
+        if self.tape.backward:  # recorded: the ops whose node ran; each gradient is made once (its sums recorded)
+            ran = {n.op for n in self.tape.backward if n.op is not None}
+            self.needs_backward = [i in ran for i in range(len(ops))]
+        else:
+            for i, op in enumerate(ops):
+                if self.needs_backward[i]:
+                    for p in dict.fromkeys(op.params):
+                        if p in self.trainable:
+                            self.grad_uses[p] = self.grad_uses.get(p, 0) + 1
         self.saves: list[tuple[str, ...]] = []
         for i, op in enumerate(ops):
             saves = op.saves if self.needs_backward[i] else ()
@@ -119,6 +123,10 @@ class MicroBatchReplay:
             for name in op.inputs:
                 self.last_use[name] = i
                 self.readers.setdefault(name, set()).add(i)
+        for i, op in enumerate(ops):  # a reference kept past the last read (traced tapes)
+            for name in op.releases:
+                if self.last_use.get(name, -1) < i:
+                    self.last_use[name] = i
         # views (`TapeOp.views`): per op, the view reads its backward gives one gradient piece each; per
         # tensor, how many views it is read as in all (its gradient is made when the last piece is in)
         marked = {n for op in ops for n in op.views}
@@ -266,7 +274,7 @@ class MicroBatchReplay:
                      for w in (() if skip_outputs else op.workspace)]
         allocs += workspace
         frees += [w.id for w in workspace]
-        for name in dict.fromkeys(op.inputs):  # one forward-use reason per tensor, however often it is read
+        for name in dict.fromkeys(op.inputs + op.releases):  # one forward-use reason per tensor, however often read
             if uses.get(name) == i:
                 self._release(name, frees)
         for o in outputs:
@@ -340,6 +348,9 @@ class MicroBatchReplay:
 
     # -- backward -----------------------------------------------------------------------------------
     def backward(self) -> None:
+        if self.tape.backward:
+            self._recorded_backward()
+            return
         ops = self.tape.ops
         engine = self.b.engine
         region_done: set[int] = set()
@@ -366,6 +377,66 @@ class MicroBatchReplay:
         for t in self.tape.inputs:
             self._release(t.name, frees)
         self.b.op("batch.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+
+    def _recorded_backward(self) -> None:
+        """Follow a recorded backward (`Tape.backward`, traced tapes): each node's steps in the order the real
+        engine ran them; a checkpoint region is recomputed right before its first node, and its inputs let go
+        after its last; parameter gradients go through the engine (`.grad`, accumulation, sharding)."""
+        ops, engine = self.tape.ops, self.b.engine
+        born: dict[str, Block] = {}
+        region_last: dict[int, int] = {}
+        for k, node in enumerate(self.tape.backward):
+            if node.op is not None and ops[node.op].region is not None:
+                region_last[ops[node.op].region] = k
+        region_done: set[int] = set()
+        for k, node in enumerate(self.tape.backward):
+            i = node.op
+            region = ops[i].region if i is not None else None
+            if region is not None and region not in region_done:
+                region_done.add(region)
+                self._recompute(region)
+            if i is not None:
+                engine.before_op(self, i, Phase.BACKWARD)
+            unpacked = [blk.id for blk in self._unpack(i)] if i is not None else []
+            for s, step in enumerate(node.steps):
+                allocs, frees = [], []
+                for t in step.allocs:
+                    born[t.name] = self._new_block(t, Category.TEMPORARY)
+                    allocs.append(born[t.name])
+                for p in step.grads:
+                    self._param_grad(p, allocs, frees)
+                frees += [born.pop(n).id for n in step.frees]
+                if step.release_saved and i is not None:
+                    frees += unpacked
+                    saved = self.saved_at.get(i, ())
+                    for name in saved:
+                        self._release(name, frees)
+                suffix = f".{s}" if len(node.steps) > 1 else ""
+                self.b.op(f"{node.name}{suffix}", Phase.BACKWARD, self.step, self.mb, allocs, frees,
+                          flops=node.flops if s == 0 else 0, bytes_moved=2 * sum(a.nbytes for a in allocs))
+                self._flush_after_node()
+            if i is not None:
+                engine.after_op(self, i, Phase.BACKWARD)
+            if region is not None and region_last[region] == k:
+                frees = []
+                for name in self.region_inputs[region]:
+                    self._release(name, frees)
+                for name in sorted(self.cache_pending.pop(region, ())):
+                    self._release(name, frees)
+                if frees:
+                    self.b.op(f"checkpoint.region{region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+        frees = [blk.id for blk in born.values()]
+        for name in self.tape.held:
+            self._release(name, frees)
+        for t in self.tape.inputs:
+            self._release(t.name, frees)
+        self.b.op("batch.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+
+    def backward_order(self) -> list[int]:
+        """The forward ops whose backward nodes run, in the order they run (engines plan with it)."""
+        if self.tape.backward:
+            return list(dict.fromkeys(n.op for n in self.tape.backward if n.op is not None))
+        return [i for i in range(len(self.tape.ops) - 1, -1, -1) if self.needs_backward[i]]
 
     def _recompute(self, region: int) -> None:
         idxs = self.regions[region]

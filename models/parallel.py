@@ -101,6 +101,10 @@ def unit_of(name: str, units: set[str]) -> str:
     m = UNIT_PATTERN.match(name + ".")
     if m and m.group(1) in units:
         return m.group(1)
+    parts = name.split(".")
+    for k in range(1, len(parts)):  # a traced tape's layers (`Tape.layers`): any module path
+        if ".".join(parts[:k]) in units:
+            return ".".join(parts[:k])
     return ROOT
 
 
@@ -178,9 +182,10 @@ class Engine:
                                   self.param_storage_dtype(), p.shape, shard=shard))
         params += self.extra_param_blocks()
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
-        buffer_dtype = self.param_storage_dtype()
-        buffers = [b.block(t.name, prod(t.shape) * dtype_bytes(buffer_dtype), Category.BUFFER, buffer_dtype, t.shape)
-                   for t in b.tape.buffers]
+        buffers = []
+        for t in b.tape.buffers:  # a traced tape's buffers keep the dtype they were traced in
+            dtype = self.param_storage_dtype() if b.tape.buffers_follow_params else t.dtype
+            buffers.append(b.block(t.name, prod(t.shape) * dtype_bytes(dtype), Category.BUFFER, dtype, t.shape))
         b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
         master_dtype = self.master_dtype()
         if master_dtype:
@@ -572,7 +577,7 @@ class FSDP2(Gathering):
 
     def __init__(self, b) -> None:
         super().__init__(b)
-        self.units = {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
+        self.units = set(b.tape.layers) or {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
         self.unit_params: dict[str, list] = {}
         for p in b.tape.params:
             self.unit_params.setdefault(unit_of(p.name, self.units), []).append(p)
@@ -651,9 +656,9 @@ class FSDP2(Gathering):
         if not self.backward_started:  # the root's pre-backward
             self.backward_started = True
             self.last_backward = {}
-            for j, u in enumerate(self.op_unit):
-                if replay.needs_backward[j] and u != ROOT and u not in self.last_backward:
-                    self.last_backward[u] = j
+            for j in replay.backward_order():
+                if self.op_unit[j] != ROOT:
+                    self.last_backward[self.op_unit[j]] = j
             self.wait(ROOT, phase, step, mb)
             self.prefetch_backward(None, step, mb)
         if unit != ROOT and unit not in self.live:

@@ -72,6 +72,9 @@ class TapeOp:
                  that list it: each view's backward gives one view-sized gradient piece, and the tensor's
                  own gradient is made (a concatenation, the split's backward) when the last piece is in.
                  Unlisted, a tensor one op alone reads k times counts as k views of that op.
+    releases     tensors whose last reference in the forward pass goes after this op although no later op
+                 reads them (a local the code keeps, autocast's cache): a traced tape records when each
+                 tensor really went.
     """
 
     name: str
@@ -90,11 +93,41 @@ class TapeOp:
     cached: bool = False
     offloaded: bool = False
     views: tuple[str, ...] = ()
+    releases: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GradStep:
+    """One step of a recorded backward node: it allocates `allocs` (and, through the parallel engine, the
+    gradients of the parameters in `grads`), then frees `frees` (tensors born in backward) and, where
+    `release_saved`, releases what its forward op saved."""
+
+    allocs: tuple[TensorSpec, ...] = ()
+    frees: tuple[str, ...] = ()
+    grads: tuple[str, ...] = ()
+    release_saved: bool = False
+
+
+@dataclass(frozen=True)
+class GradNode:
+    """An autograd node as the real engine ran it on fake tensors (models/trace), in execution order.
+    `op` is the index of the forward op that made it (None: AccumulateGrad and other nodes no op returned)."""
+
+    name: str
+    op: int | None
+    steps: tuple[GradStep, ...] = ()
+    flops: int = 0
 
 
 @dataclass
 class Tape:
-    """The forward pass of one micro-batch, plus the parameters it uses."""
+    """The forward pass of one micro-batch, plus the parameters it uses.
+
+    A hand-written describer leaves `backward` empty: the replay derives each op's backward node from the
+    op (models/autograd.py). A traced tape (models/trace) carries the backward the real autograd engine
+    ran, node by node (`GradNode`), and the replay follows it instead; everything else (saves, regions,
+    the engines' hooks, parameter gradients) goes through the same replay.
+    """
 
     params: list[ParamSpec]
     ops: list[TapeOp] = field(default_factory=list)
@@ -102,6 +135,10 @@ class Tape:
     buffers: list[TensorSpec] = field(default_factory=list)  # registered module buffers, allocated at load
     held: tuple[str, ...] = ()  # tensors the caller keeps until backward ends (logits, loss)
     loss: str = "loss"
+    backward: tuple[GradNode, ...] = ()  # a recorded backward (traced tapes), in the order the engine ran it
+    layers: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, checkpoint layers); traced
+    buffers_follow_params: bool = True  # buffers take the parameters' dtype at load (traced: their own dtype)
+    describer: str = "hand-written"
 
     def add(self, name: str, kind: str, inputs, outputs, **kw) -> tuple[TensorSpec, ...]:
         op = TapeOp(name=name, kind=kind, inputs=tuple(inputs), outputs=tuple(outputs), **kw)

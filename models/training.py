@@ -42,12 +42,16 @@ from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_
 from .parallel import make_engine
 from .offload import OffloadedStates
 from .tape import Tape
+from .trace.model import TracedModel
 from .transformer import mlp_tape, transformer_tape
 
-ModelConfig = TransformerConfig | MLPConfig
+ModelConfig = TransformerConfig | MLPConfig | TracedModel
 
 
 def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
+        from .trace import traced_tape
+        return traced_tape(model, setup, cpu)
     if isinstance(model, TransformerConfig):
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")

@@ -701,15 +701,15 @@ def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer:
     for step in range(first_step, first_step + steps):
         for mb in range(grad_accum):
             with tracker.phase(Phase.FORWARD, step, mb):
-                x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
-                tracker.mark_input(x, y)
+                batch = tuple(t.clone() for t in _batch_for(batches, step, mb, grad_accum))  # (x, y), or a
+                tracker.mark_input(*batch)  # traced model's batch tensors (models/trace real_model)
                 with (torch.autocast("cpu", dtype=autocast) if autocast is not None
                       else contextlib.nullcontext()):
-                    out, loss = model(x, y)
-                tracker.mark(out, Category.ACTIVATION)  # held by the caller until backward ends
+                    out, loss = model(*batch)
+                _mark_held(tracker, out)  # held by the caller until backward ends
             with tracker.phase(Phase.BACKWARD, step, mb):
                 loss.backward()
-                del out, loss, x, y
+                del out, loss, batch
                 tracker.scan()
         with tracker.phase(Phase.OPTIMIZER, step):
             optimizer.step()
@@ -717,6 +717,12 @@ def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer:
         with tracker.phase(Phase.ZERO_GRAD, step):
             optimizer.zero_grad(set_to_none=set_to_none)
             tracker.scan()
+
+
+def _mark_held(tracker: AllocationTracker, out) -> None:
+    """Label the tensors of a model's output (a tensor, or a structure of them: a HF ModelOutput)."""
+    for t in _tensors_in(out):
+        tracker.mark(t, Category.ACTIVATION)
 
 
 def live_bytes(log: EventLog, upto: int | None = None) -> dict[Category, int]:

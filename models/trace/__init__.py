@@ -1,0 +1,158 @@
+"""The traced describer: any nn.Module (a HF config or a user's factory) described by running it once.
+
+How the pieces compose:
+- `model.py`   `TracedModel`: what the model is (a HF config.json, or `file.py:factory`) and how to build
+               it with its default batch and loss, on fake tensors or for real.
+- `record.py`  runs one micro-batch (forward, loss, backward) on fake tensors under `FakeTensorMode` and
+               records every aten op, storage birth and death, saved tensor and autograd node.
+- `convert.py` turns a recording into the project's tape (models/tape.py) under a setup's checkpointing:
+               forward ops with their saves, and the recorded backward nodes (`Tape.backward`).
+- here         `traced_tape` (what `models.training.build_tape` calls), the trace cache, and the real
+               (CPU, random weights) build of the same program for validation (`real_model`).
+
+The cache: a recording depends on the model (its source digest: the config JSON, or the module file's
+bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype and the frozen
+parameters. It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
+model once per shape; a changed module file has a new digest, so an edit never reuses an old trace.
+Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
+applied by `convert.to_tape` and the replay.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections import OrderedDict
+
+from ..config import ConfigError, TrainingSetup
+from ..tape import Tape
+from .model import TracedModel, from_hf_dict, from_module_spec
+
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 16
+
+
+def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
+    mb = setup.micro_batch if "micro_batch" in model.varies else None
+    seq = setup.seq_len if "seq_len" in model.varies else None
+    return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
+            tuple(setup.frozen))
+
+
+def _autocast_name(setup: TrainingSetup) -> str | None:
+    return setup.precision[:4] if setup.precision.endswith("-autocast") else None
+
+
+def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
+    if model.max_seq_len is not None and setup.seq_len > model.max_seq_len:
+        raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's maximum positions {model.max_seq_len}")
+
+
+def recording(model: TracedModel, setup: TrainingSetup):
+    """The recording of one micro-batch of `model` under `setup` (cached, see the module docstring)."""
+    key = _key(model, setup)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    check_setup(model, setup)
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .record import record
+
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_autocast_name(setup) or "")
+    what = "module" if model.kind == "module" else "hf_config"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        net, batch, loss_fn = model.build(setup)
+        freeze(net, setup.frozen)
+        try:
+            rec = record(net, batch, loss_fn, autocast=autocast)
+        except ConfigError:
+            raise
+        except TypeError as e:
+            if "loss_fn" in str(e):
+                raise ConfigError(what, str(e)) from None
+            raise ConfigError(what, f"the model could not run on fake tensors: {type(e).__name__}: {e}") from None
+        except Exception as e:  # an op fake tensors cannot run (data-dependent control flow, a C++ kernel)
+            raise ConfigError(what, f"the model could not run on fake tensors (peakledger traces it without "
+                                    f"real memory): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                              ) from None
+    _CACHE[key] = rec
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return rec
+
+
+def freeze(net, patterns) -> None:
+    names = [n for n, _ in net.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError("frozen", f"pattern {pattern!r} matches no parameter (names look like {names[0]!r})")
+    for n, p in net.named_parameters():
+        if any(fnmatch.fnmatchcase(n, pat) for pat in patterns):
+            p.requires_grad_(False)
+
+
+def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    from .convert import to_tape
+
+    rec = recording(model, setup)
+    return to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind})")
+
+
+def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
+    """The same program for real (random weights, CPU), as the project's training loop calls it:
+    `out, loss = module(*batch_tensors)` (models/reference.py `build_model`)."""
+    import torch
+
+    torch.manual_seed(seed)
+    net, batch, loss_fn = model.build(setup)
+    if model.kind == "hf":  # weights were left uninitialised (no_init_weights): give them values
+        with torch.no_grad():
+            for p in net.parameters():
+                p.normal_(0.0, 0.02)
+    freeze(net, setup.frozen)
+    return _RealRun(net, batch, loss_fn)
+
+
+def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:
+    import torch
+
+    torch.manual_seed(seed)
+    _, batch, _ = model.build(setup)
+    return [_flat(batch)] * setup.grad_accum
+
+
+def _flat(batch) -> tuple:
+    import torch
+    if isinstance(batch, dict):
+        return tuple(batch.values())
+    if isinstance(batch, torch.Tensor):
+        return (batch,)
+    return tuple(batch)
+
+
+def _RealRun(net, batch, loss_fn):
+    """`net` itself (its parameter names unchanged), its `forward(*tensors)` returning (output, loss) with
+    the batch rebuilt in the factory's structure, as the project's training loop calls a model."""
+    import torch
+
+    call = net.forward
+    keys = list(batch.keys()) if isinstance(batch, dict) else None
+    single = isinstance(batch, torch.Tensor)
+
+    def forward(*tensors):
+        if keys is not None:
+            out = call(**dict(zip(keys, tensors)))
+        elif single:
+            out = call(tensors[0])
+        else:
+            out = call(*tensors)
+        return out, loss_fn(out)
+
+    net.forward = forward
+    return net
+
+
+__all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "recording", "real_model",
+           "real_batches"]

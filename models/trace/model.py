@@ -1,0 +1,231 @@
+"""`TracedModel`: a model peakledger does not describe by hand, given as a HF config or a user's factory,
+and built on demand: on fake tensors to be traced, or for real (random weights, CPU) to be measured.
+
+The two sources (`kind`):
+- "hf": a transformers config.json. The class is the config's `architectures[0]` when transformers has
+  it, else the first auto class (causal LM, masked LM, seq2seq LM, image classification, speech
+  seq2seq) that maps the model type. The default batch (`batch_note` says it in words):
+    text:   input_ids and labels, micro-batch x seq-len, random token ids;
+    image:  pixel_values of the config's image_size and num_channels, and one label per image;
+    speech: input_features of num_mel_bins x 2*max_source_positions frames (Whisper: 30 s of audio,
+            the feature extractor's fixed 3000 frames) and labels of seq-len tokens.
+  The loss is the model's own (`output.loss`). Weights are not initialised (transformers'
+  `no_init_weights`): they do not change the program, and some initialisers (ViT's trunc_normal_)
+  read values fake tensors do not have.
+- "module": `path/to/file.py:factory`; `factory()` returns `(model, batch, loss_fn)`: an nn.Module in fp32
+  on the CPU, a batch (dict -> `model(**batch)`, tuple -> `model(*batch)`, tensor -> `model(batch)`), and
+  `loss_fn(output)` returning a scalar. If the factory takes `micro_batch` and/or `seq_len` keyword
+  arguments, they are passed; otherwise those knobs cannot be varied (`varies`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError, TrainingSetup
+
+HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
+            "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq")
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    name: str
+    kind: str  # "hf" or "module"
+    source: str  # kind hf: the config as canonical JSON; kind module: "path.py:factory"
+    digest: str  # sha256 of the config JSON or of the module file's bytes (the trace cache's key)
+    varies: tuple[str, ...] = ("micro_batch", "seq_len")  # knobs the model's batch follows
+
+    @property
+    def max_seq_len(self) -> int | None:
+        if self.kind != "hf":
+            return None
+        data = json.loads(self.source)
+        for key in ("max_position_embeddings", "n_positions", "max_target_positions"):
+            if isinstance(data.get(key), int):
+                return data[key]
+        return None
+
+    def hf_dict(self) -> dict:
+        return json.loads(self.source)
+
+    # -- building ------------------------------------------------------------------------------------
+    def build(self, setup: TrainingSetup):
+        """(model, batch, loss_fn) built under whatever mode is active (a FakeTensorMode, or none: real)."""
+        if self.kind == "hf":
+            return _hf_build(self.hf_dict(), setup)
+        return _module_build(self.source, setup, self.varies)
+
+    def batch_note(self, setup: TrainingSetup) -> str:
+        if self.kind == "module":
+            given = [k for k in ("micro_batch", "seq_len") if k in self.varies]
+            return (f"the factory's batch ({', '.join(f'{k}={getattr(setup, k)}' for k in given)} passed)" if given
+                    else "the factory's batch (fixed: the factory takes no micro_batch / seq_len)")
+        task = hf_task(self.hf_dict())[1]
+        data = self.hf_dict()
+        B, T = setup.micro_batch, setup.seq_len
+        if task == "AutoModelForImageClassification":
+            size = data.get("image_size", 224)
+            return f"pixel_values {B}x{data.get('num_channels', 3)}x{size}x{size} and {B} labels"
+        if task == "AutoModelForSpeechSeq2Seq":
+            frames = 2 * data.get("max_source_positions", 1500)
+            return f"input_features {B}x{data.get('num_mel_bins', 80)}x{frames} (30 s of audio) and labels {B}x{T}"
+        return f"input_ids and labels {B}x{T} (random token ids)"
+
+
+def from_hf_dict(data: dict, name: str) -> TracedModel:
+    hf_task(data)  # refuses a model type transformers does not know
+    text = json.dumps(data, sort_keys=True)
+    return TracedModel(name=name, kind="hf", source=text, digest=hashlib.sha256(text.encode()).hexdigest())
+
+
+def from_module_spec(spec: str) -> TracedModel:
+    """`path/to/file.py:factory`, checked: the file exists and defines `factory` (it is imported here)."""
+    path, factory = _split_spec(spec)
+    fn = _load_factory(path, factory)
+    params = inspect.signature(fn).parameters
+    varies = tuple(k for k in ("micro_batch", "seq_len") if k in params)
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return TracedModel(name=f"{Path(path).stem}:{factory}", kind="module", source=f"{path}:{factory}",
+                       digest=digest, varies=varies)
+
+
+# -- HF --------------------------------------------------------------------------------------------------
+
+def hf_task(data: dict):
+    """(model class, auto class name) for a config dict, or a ConfigError naming what is wrong."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        known = ", ".join(sorted(CONFIG_MAPPING.keys())[:12])
+        raise ConfigError("model_type", f"{model_type!r} is not a model type transformers "
+                                        f"{transformers.__version__} knows (e.g. {known}, ...)")
+    config_cls = CONFIG_MAPPING[model_type]
+    for arch in data.get("architectures") or ():
+        cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+        if cls is not None:
+            return cls, _task_of(cls, config_cls)
+    for task in HF_TASKS:
+        auto = getattr(transformers, task)
+        if config_cls in auto._model_mapping:
+            return auto._model_mapping[config_cls], task
+    raise ConfigError("model_type", f"{model_type!r} has no training head peakledger can feed (allowed tasks: "
+                                    f"{', '.join(HF_TASKS)}); give `architectures` in the config")
+
+
+def _task_of(cls, config_cls) -> str:
+    import transformers
+    for task in HF_TASKS:
+        mapping = getattr(transformers, task)._model_mapping
+        if config_cls in mapping and mapping[config_cls] is cls:
+            return task
+    return "AutoModelForCausalLM"
+
+
+def _hf_build(data: dict, setup: TrainingSetup):
+    import torch
+    from transformers.initialization import no_init_weights
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls, task = hf_task(data)
+    kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    try:
+        config = CONFIG_MAPPING[data["model_type"]](**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("hf_config", f"transformers refused the config: {e}") from None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.param_dtype, torch.float32)
+    with no_init_weights():
+        model = cls._from_config(config, dtype=dtype)
+    model.train()
+    B, T = setup.micro_batch, setup.seq_len
+    g = torch.Generator().manual_seed(0)
+    if task == "AutoModelForImageClassification":
+        size, channels = getattr(config, "image_size", 224), getattr(config, "num_channels", 3)
+        batch = {"pixel_values": torch.randn(B, channels, size, size, generator=g, dtype=dtype),
+                 "labels": torch.randint(0, max(config.num_labels, 1), (B,), generator=g)}
+    elif task == "AutoModelForSpeechSeq2Seq":
+        frames = 2 * getattr(config, "max_source_positions", 1500)
+        batch = {"input_features": torch.randn(B, config.num_mel_bins, frames, generator=g, dtype=dtype),
+                 "labels": torch.randint(0, config.vocab_size, (B, T), generator=g)}
+    else:
+        ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+    return model, batch, _hf_loss
+
+
+def _hf_loss(output):
+    return output.loss
+
+
+# -- user modules -----------------------------------------------------------------------------------------
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    path, sep, factory = str(spec).rpartition(":")
+    if not sep or not path or not factory.isidentifier():
+        raise ConfigError("module", f"{spec!r} is not PATH.py:FACTORY (a Python file and a function name in it)")
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("module", f"{path}: no such file")
+    return str(p), factory
+
+
+def _load_factory(path: str, factory: str):
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    name = f"peakledger_user_{Path(path).stem}_{digest}"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ConfigError("module", f"{path}: not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # the user's code: any error is theirs, named
+            raise ConfigError("module", f"importing {path} failed: {type(e).__name__}: {e}") from None
+        sys.modules[name] = module
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == name)
+        raise ConfigError("module", f"{path} defines no function {factory!r} (functions there: "
+                                    f"{', '.join(defined) or 'none'})")
+    return fn
+
+
+def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
+    import torch
+
+    path, factory = _split_spec(spec)
+    fn = _load_factory(path, factory)
+    kwargs = {k: getattr(setup, k) for k in varies}
+    try:
+        result = fn(**kwargs)
+    except Exception as e:
+        raise ConfigError("module", f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
+                                    f"{type(e).__name__}: {e}") from None
+    if not (isinstance(result, tuple) and len(result) == 3):
+        got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
+        raise ConfigError("module", f"{factory}() must return (model, batch, loss_fn); it returned {got}")
+    model, batch, loss_fn = result
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("module", f"{factory}() returned {type(model).__name__} as the model; it must be a "
+                                    "torch.nn.Module")
+    if not (isinstance(batch, (dict, tuple, list, torch.Tensor))):
+        raise ConfigError("module", f"{factory}() returned {type(batch).__name__} as the batch; allowed: dict "
+                                    "(model(**batch)), tuple or list (model(*batch)), tensor (model(batch))")
+    if not callable(loss_fn):
+        raise ConfigError("module", f"{factory}() returned {type(loss_fn).__name__} as loss_fn; it must be "
+                                    "callable: loss_fn(output) -> scalar tensor")
+    if setup.param_dtype != "fp32":
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[setup.param_dtype]
+        model = model.to(dtype)
+    model.train()
+    return model, batch, loss_fn

@@ -1,0 +1,395 @@
+"""Record one micro-batch of training on fake tensors: every aten op, every storage's birth and death,
+what autograd saves, and the backward the real autograd engine runs, node by node.
+
+The model, the batch and the loss run for real, under torch's `FakeTensorMode` (shapes and dtypes, no
+memory), with the project's tracker technique (traces/tracker.py): a `TorchDispatchMode` sees each
+aten op below autograd, a new output storage is an allocation, `weakref.finalize` on the storage is
+its free. On top of that:
+- the module path an op runs in (global module forward hooks);
+- what each autograd node saves: a `saved_tensors_hooks` pack hook wraps each saved tensor in a token,
+  and after the forward pass every node of the graph is visited and its `_saved_*` attributes read,
+  which unpacks the tokens (so each save is tied to the node that holds it, exactly);
+- which forward op made which node (the grad_fn of the op's outputs, read at the next op);
+- the backward: a pre-hook on every node marks where it starts; every allocation and free until the
+  next node starts is that node's (its temporaries, the gradients it makes, the input-buffer sums
+  after it, the saved tensors it releases);
+- which backward storage became which parameter's `.grad`, and what the caller holds past backward.
+
+The loop recorded is the documented one: `out = model(batch); loss = loss_fn(out); loss.backward();
+del out, loss` (under `torch.autocast` for the forward and the loss when asked).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
+          torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
+          torch.float64: "fp64", torch.int16: "int16", torch.complex64: "complex64"}
+
+
+@dataclass
+class Storage:
+    """One allocation seen in the run."""
+
+    id: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    name: str
+    born: str  # "param", "buffer", "input", "forward", "backward", "grad" (a `.grad` at the start)
+    op: int = -1  # the forward op that made it (born "forward")
+    requires_grad: bool = False
+    death: tuple[str, int] | None = None  # ("forward", op index) / ("backward", node index) / ("end", 0)
+
+
+@dataclass
+class ForwardOp:
+    name: str  # module path . aten op
+    aten: str
+    module: str
+    reads: tuple[int, ...]  # storage ids read (not parameters)
+    params: tuple[str, ...]  # parameter names read
+    outputs: tuple[int, ...]  # storages it allocated
+    flops: int = 0
+
+
+@dataclass
+class BackwardNode:
+    name: str
+    op: int | None  # the forward op that made it (None: AccumulateGrad and nodes no op returned)
+    events: list[tuple[str, int]] = field(default_factory=list)  # ("alloc" | "free", storage id) in order
+    saves: list[int] = field(default_factory=list)  # storage ids it saved (forward-born or batch)
+    flops: int = 0
+
+
+@dataclass
+class Recording:
+    params: list[tuple[str, tuple[int, ...], str, bool]]  # name, shape, dtype, requires_grad
+    buffers: list[Storage]
+    inputs: list[Storage]
+    storages: dict[int, Storage]
+    ops: list[ForwardOp]
+    nodes: list[BackwardNode]
+    param_grads: dict[int, str]  # backward storage -> the parameter whose `.grad` it became
+    held: list[int]  # forward storages the caller held until after backward (freed by `del out, loss`)
+    modules: list[str]  # every module path, in `named_modules` order
+    layers: tuple[str, ...] = ()  # the repeated blocks (convert.find_layers)
+
+
+class _Token:
+    """What the pack hook returns: the saved tensor's storage id, and a detached alias to hand back."""
+
+    __slots__ = ("sid", "tensor")
+
+    def __init__(self, sid: int | None, tensor: torch.Tensor) -> None:
+        self.sid = sid
+        self.tensor = tensor
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor)]
+
+
+class Recorder(TorchDispatchMode):
+    """Use through `record(...)`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.storages: dict[int, Storage] = {}
+        self.live: dict[int, tuple[int, weakref.ref]] = {}  # id(storage object) -> (storage id, ref)
+        self.param_of: dict[int, str] = {}  # storage id -> parameter name
+        self.ops: list[ForwardOp] = []
+        self.nodes: list[BackwardNode] = []
+        self.phase = "setup"
+        self.node_index: dict[int, int] = {}  # id(node) -> index in self.nodes (backward)
+        self.current: BackwardNode | None = None
+        self.current_index = -1
+        self.pending: tuple[int, list[weakref.ref]] | None = None
+        self.node_op: dict[int, int] = {}  # id(node) -> forward op index
+        self._node_refs: dict[int, object] = {}  # keep nodes alive while their ids are keys
+        self.module_stack: list[str] = []
+        self.finalizers: list[weakref.finalize] = []
+
+    # -- storages -----------------------------------------------------------------------------------
+    def storage_of(self, t: torch.Tensor) -> int | None:
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return None
+        hit = self.live.get(id(st))
+        if hit is not None and hit[1]() is st:
+            return hit[0]
+        return None
+
+    def see(self, t: torch.Tensor, born: str, name: str, op: int = -1) -> int | None:
+        """The storage id of `t`, recording its storage as allocated now if it is new."""
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return None
+        hit = self.live.get(id(st))
+        if hit is not None and hit[1]() is st:
+            return hit[0]
+        if st.nbytes() == 0:
+            return None
+        sid = len(self.storages) + 1
+        self.storages[sid] = Storage(sid, st.nbytes(), DTYPES.get(t.dtype, str(t.dtype).replace("torch.", "")),
+                                     tuple(t.shape), name, born, op, bool(t.requires_grad))
+        self.live[id(st)] = (sid, weakref.ref(st))
+        self.finalizers.append(weakref.finalize(st, self._freed, id(st), sid))
+        if born == "backward" and self.current is not None:
+            self.current.events.append(("alloc", sid))
+        return sid
+
+    def _freed(self, key: int, sid: int) -> None:
+        hit = self.live.get(key)
+        if hit is not None and hit[0] == sid:
+            del self.live[key]
+        s = self.storages[sid]
+        if s.death is not None:
+            return
+        if self.phase == "forward":
+            s.death = ("forward", len(self.ops) - 1)
+        elif self.phase == "backward" and self.current is not None:
+            s.death = ("backward", self.current_index)
+            self.current.events.append(("free", sid))
+        else:
+            s.death = (self.phase, 0)
+
+    # -- dispatch -----------------------------------------------------------------------------------
+    def _resolve_pending(self) -> None:
+        if self.pending is None:
+            return
+        i, refs = self.pending
+        self.pending = None
+        for ref in refs:
+            t = ref()
+            node = getattr(t, "grad_fn", None) if t is not None else None
+            if node is not None and id(node) not in self.node_op:
+                self.node_op[id(node)] = i
+                self._node_refs[id(node)] = node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "prim":  # prim.device & co: metadata queries (autograd asks before it sets grad_fn)
+            return func(*args, **(kwargs or {}))
+        self._resolve_pending()
+        ins = _tensors((args, kwargs))
+        in_ids = {}
+        new = []  # forward: storages this op allocates (and tensors made outside dispatch it is the first to read)
+        for t in ins:
+            sid = self.storage_of(t)
+            if sid is None and self.phase in ("forward", "backward"):
+                sid = self.see(t, self.phase, f"{self._where()}.untracked.{len(self.ops)}", op=len(self.ops))
+                if sid is not None and self.phase == "forward":
+                    new.append(sid)
+                    continue
+            if sid is not None:
+                in_ids[sid] = None
+        out = func(*args, **(kwargs or {}))
+        short = str(func).replace("aten.", "").replace(".default", "")
+        outs = _tensors(out)
+        flops = self._flops(func, args, kwargs, out)
+        if self.phase == "forward":
+            i = len(self.ops)
+            for k, t in enumerate(outs):
+                sid = self.storage_of(t)
+                if sid is None:
+                    sid = self.see(t, "forward", f"{self._where()}.{short}.{i}" + (f".out{k}" if k else ""), op=i)
+                    if sid is not None:
+                        new.append(sid)
+            reads = tuple(s for s in in_ids if s not in self.param_of)
+            params = tuple(dict.fromkeys(self.param_of[s] for s in in_ids if s in self.param_of))
+            self.ops.append(ForwardOp(f"{self._where()}.{short}", short, self._where(), reads, params, tuple(new),
+                                      flops))
+            self.pending = (i, [weakref.ref(t) for t in outs])
+        elif self.phase == "backward":
+            where = self.current.name if self.current is not None else "backward"
+            if self.current is not None:
+                self.current.flops += flops
+            for t in outs:
+                if self.storage_of(t) is None:
+                    self.see(t, "backward", f"{where}.{short}")
+        return out
+
+    @staticmethod
+    def _flops(func, args, kwargs, out) -> int:
+        """torch's own FLOP formulas (torch/utils/flop_counter.py), for the ops it knows (matmuls, attention, conv)."""
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None:
+            return 0
+        try:
+            return int(formula(*args, **(kwargs or {}), out_val=out))
+        except Exception:  # a formula that does not take this overload's arguments: no FLOPs counted
+            return 0
+
+    def _where(self) -> str:
+        return self.module_stack[-1] if self.module_stack else "model"
+
+
+def find_layers(model: torch.nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of a model: the entries of each `nn.ModuleList` (else `nn.Sequential`) of two or
+    more modules of one class that hold parameters, outermost lists only, in registration order."""
+    for kind in (torch.nn.ModuleList, torch.nn.Sequential):
+        found: list[str] = []
+        for name, m in model.named_modules():
+            if not isinstance(m, kind) or len(m) < 2 or any(name.startswith(f + ".") for f in found):
+                continue
+            children = list(m.named_children())
+            if len({type(c) for _, c in children}) == 1 and all(any(True for _ in c.parameters()) for _, c in children):
+                found += [f"{name}.{n}" if name else n for n, _ in children]
+        if found:
+            return tuple(found)
+    return ()
+
+
+def _graph_nodes(root) -> list:
+    """Every node reachable from `root`, in a stable (depth-first, first-seen) order."""
+    seen: dict[int, object] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        stack.extend(n for n, _ in reversed(node.next_functions))
+    return list(seen.values())
+
+
+def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None) -> Recording:
+    """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it."""
+    rec = Recorder(model)
+    names = {id(m): n or "model" for n, m in model.named_modules()}
+    params = []
+    for n, p in model.named_parameters():
+        sid = rec.see(p, "param", n)
+        if sid is not None:
+            rec.param_of[sid] = n
+        params.append((n, tuple(p.shape), DTYPES.get(p.dtype, str(p.dtype)), p.requires_grad))
+    buffers = []
+    for n, b in model.named_buffers():
+        sid = rec.see(b, "buffer", n)
+        if sid is not None:
+            buffers.append(rec.storages[sid])
+    inputs = []
+    for k, t in enumerate(_tensors(batch)):
+        sid = rec.see(t, "input", f"batch.{k}")
+        if sid is not None and rec.storages[sid] not in inputs:
+            inputs.append(rec.storages[sid])
+
+    def pre(module, args):
+        rec.module_stack.append(names.get(id(module), type(module).__name__))
+
+    def post(module, args, output):
+        if rec.module_stack:
+            rec.module_stack.pop()
+
+    def pack(t: torch.Tensor) -> _Token:
+        return _Token(rec.storage_of(t), t.detach())
+
+    unpacked: list[int] = []
+
+    def unpack(token: _Token) -> torch.Tensor:
+        if token.sid is not None:
+            unpacked.append(token.sid)
+        return token.tensor
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+             torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
+    try:
+        with rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            rec.phase = "forward"
+            ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
+            with ctx:
+                out = _call(model, batch)
+                loss = loss_fn(out)
+            rec._resolve_pending()
+            rec.phase = "graph"
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+                raise TypeError("loss_fn(output) must return a scalar tensor that requires grad")
+            graph = _graph_nodes(loss.grad_fn)
+            saves: dict[int, list[int]] = {}
+            for node in graph:
+                unpacked.clear()
+                for attr in dir(node):
+                    if attr.startswith("_saved_"):
+                        try:
+                            getattr(node, attr)
+                        except RuntimeError:
+                            pass
+                saves[id(node)] = list(unpacked)
+            order: list = []
+
+            def start(node):
+                def hook(grad_outputs):
+                    rec.current_index = rec.node_index[id(node)]
+                    rec.current = rec.nodes[rec.current_index]
+                    order.append(id(node))
+                return hook
+
+            node_hooks = []
+            for node in graph:
+                rec.node_index[id(node)] = len(rec.nodes)
+                op = rec.node_op.get(id(node))
+                where = rec.ops[op].module if op is not None else "model"
+                label = node.name().split("::")[-1]
+                if hasattr(node, "variable"):
+                    label = f"{rec.param_of.get(rec.storage_of(node.variable), 'param')}.{label}"
+                else:
+                    label = f"{where}.{label}"
+                rec.nodes.append(BackwardNode(label, op, saves=[s for s in saves[id(node)]
+                                                                 if s not in rec.param_of]))
+                node_hooks.append(node.register_prehook(start(node)))
+            graph = None
+            seed = BackwardNode("loss.grad_seed", None)  # backward()'s ones_like, before any node runs
+            rec.current, rec.current_index = seed, -1
+            rec.phase = "backward"
+            loss.backward()
+            rec.current = None
+            for h in node_hooks:
+                h.remove()
+            node_hooks = None
+            rec.phase = "after"
+            param_grads = {}
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    sid = rec.storage_of(p.grad)
+                    if sid is not None:
+                        param_grads[sid] = n
+            held = [sid for sid, s in rec.storages.items() if s.born == "forward" and s.death is None]
+            rec.phase = "end"
+            del out, loss
+            rec._node_refs.clear()
+    finally:
+        for h in hooks:
+            h.remove()
+    nodes = [seed] + [rec.nodes[rec.node_index[k]] for k in order]
+    for f in rec.finalizers:
+        f.detach()
+    return Recording(params, buffers, inputs, rec.storages, rec.ops, nodes, param_grads,
+                     [h for h in held if rec.storages[h].death is not None], list(names.values()),
+                     find_layers(model))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _call(model, batch):
+    """dict -> model(**batch), tuple/list -> model(*batch), tensor -> model(batch)."""
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
