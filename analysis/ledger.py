@@ -35,16 +35,32 @@ class LedgerRow:
                 "share": round(self.share, 6), "max_bytes": self.max_bytes}
 
 
-def row_name(block: Block) -> str:
+ADAPTER_MARKERS = (".lora_A.", ".lora_B.")  # peft's adapter parameter names (models/lora.py)
+
+
+def is_adapter(block: Block) -> bool:
+    return any(m in block.name for m in ADAPTER_MARKERS)
+
+
+def row_name(block: Block, lora: bool = False) -> str:
+    """The row of a block. `lora`: the run has LoRA adapters, and its parameters split into
+    "parameter.adapter" (trained) and "parameter.frozen_base" (every other parameter: peft freezes them all)."""
     if block.category is Category.OPTIMIZER_STATE and block.state is not None:
         return f"optimizer_state.{block.state.value}"
+    if lora and block.category is Category.PARAMETER:
+        return "parameter.adapter" if is_adapter(block) else "parameter.frozen_base"
     return block.category.value
 
 
-def ledger(blocks: list[Block]) -> list[LedgerRow]:
+def has_adapters(blocks) -> bool:
+    return any(b.category is Category.PARAMETER and is_adapter(b) for b in blocks)
+
+
+def ledger(blocks: list[Block], lora: bool | None = None) -> list[LedgerRow]:
+    lora = has_adapters(blocks) if lora is None else lora
     groups: dict[str, list[Block]] = {}
     for b in blocks:
-        groups.setdefault(row_name(b), []).append(b)
+        groups.setdefault(row_name(b, lora), []).append(b)
     total = sum(b.nbytes for b in blocks) or 1
     rows = []
     for name, bs in groups.items():
@@ -61,12 +77,13 @@ def ledger(blocks: list[Block]) -> list[LedgerRow]:
 def ledger_at(tl: Timeline, event_index: int) -> list[LedgerRow]:
     """The ledger of what is live right after `event_index`, with every row the run ever had
     (0 bytes at that moment if none) and each row's own maximum over the run."""
-    rows = {r.row: r for r in ledger(tl.live_blocks_at(event_index))}
+    lora = has_adapters(e.block for e in tl.events)
+    rows = {r.row: r for r in ledger(tl.live_blocks_at(event_index), lora)}
     running: dict[str, int] = {}
     highest: dict[str, int] = {}
     first_block: dict[str, Block] = {}
     for e in tl.events:
-        name = row_name(e.block)
+        name = row_name(e.block, lora)
         running[name] = running.get(name, 0) + e.delta
         highest[name] = max(highest.get(name, 0), running[name])
         first_block.setdefault(name, e.block)

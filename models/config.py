@@ -322,6 +322,34 @@ def _optimizer_offload_fields(setup) -> None:
                                        "async")
 
 
+QUANTIZE = ("none", "nf4")  # models/lora.py
+
+
+def _lora_fields(setup) -> None:
+    """LoRA knobs (models/lora.py): rank >= 0, alpha > 0, dropout in [0, 1), quantize known; nf4 needs adapters
+    (transformers' Trainer refuses to fine-tune a purely quantized model); one device only."""
+    r = setup.lora_r
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r > INT64_MAX:
+        raise ConfigError("lora_r", f"must be an integer >= 0 (0 = no LoRA), got {r!r}")
+    alpha, p = setup.lora_alpha, setup.lora_dropout
+    if not 0 < alpha < float("inf"):
+        raise ConfigError("lora_alpha", f"must be a finite number > 0 (scaling = lora_alpha / lora_r), got {alpha!r}")
+    if not 0 <= p < 1:
+        raise ConfigError("lora_dropout", f"must be a number in [0, 1), got {p!r}")
+    if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
+        raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
+    _choice(setup, "quantize", QUANTIZE)
+    if setup.quantize != "none" and r == 0:
+        raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
+                                      "give lora_r > 0 (QLoRA), or quantize none")
+    if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
+        raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
+                                    "world_size 1, zero_stage 0, dp_engine left out")
+    if r and setup.optimizer_offload != "none":
+        raise ConfigError("lora_r", "LoRA with optimizer_offload is not modelled; allowed with it: optimizer_offload "
+                                    "none")
+
+
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -351,6 +379,10 @@ KNOB_APPLIES = {
     "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
     "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
     "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "lora_alpha": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "frozen": (lambda s: s.lora_r == 0, "lora_r 0 (LoRA freezes the whole base model itself)"),
 }
 
 
@@ -415,6 +447,12 @@ class TrainingSetup:
     offload_chunk_params: int = 100_000_000  # chunked: parameter elements whose states move and update together
     offload_prefetch: int = 1  # chunked: chunks copied to the device ahead of the one being updated
     offload_first_step: str = "whole"  # chunked: step 1 as one torch step() ("whole") or chunk by chunk
+    # LoRA / QLoRA (models/lora.py): peft adapters on the named linears, the whole base model frozen
+    lora_r: int = 0  # adapter rank (0 = no LoRA)
+    lora_alpha: float = 8.0  # scaling = lora_alpha / lora_r (peft's LoraConfig default 8)
+    lora_dropout: float = 0.0  # dropout on the adapters' input (0: nn.Identity, nothing saved)
+    lora_targets: tuple[str, ...] = ()  # peft target_modules; () = peft's default for the model family
+    quantize: str = "none"  # base linears: "none" or "nf4" (bitsandbytes Linear4bit, double quant: QLoRA)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -446,6 +484,7 @@ class TrainingSetup:
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
         _checkpoint_io_fields(self)
         _optimizer_offload_fields(self)
+        _lora_fields(self)
 
     @property
     def param_dtype(self) -> str:
@@ -477,4 +516,4 @@ class TrainingSetup:
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
            "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING",
-           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS"]
+           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS", "QUANTIZE"]

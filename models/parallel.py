@@ -132,6 +132,12 @@ class OptimTensor:
     shape: tuple[int, ...]
 
 
+def own_dtype(tape, name: str) -> str | None:
+    """A parameter's own dtype where the tape gives one (models/lora.py `LoraTape`: fp32 adapters under pure bf16,
+    4-bit packed weights), else None (the setup's parameter dtype)."""
+    return getattr(tape, "param_dtypes", {}).get(name)
+
+
 # -- engines ------------------------------------------------------------------------------------------
 
 class Engine:
@@ -178,8 +184,8 @@ class Engine:
         params = []
         for p in b.tape.params:
             numel, shard = self.param_numel(p.name)
-            params.append(b.block(p.name, numel * dtype_bytes(self.param_storage_dtype()), Category.PARAMETER,
-                                  self.param_storage_dtype(), p.shape, shard=shard))
+            dt = own_dtype(b.tape, p.name) or self.param_storage_dtype()
+            params.append(b.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
         params += self.extra_param_blocks()
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
         buffers = []
@@ -227,11 +233,13 @@ class Engine:
         the sum as `.grad`, or adds it in place to the `.grad` already there and frees it."""
         b = self.b
         numel, shape = self.params[p].numel, self.params[p].shape
+        own = own_dtype(b.tape, p)  # a LoRA adapter kept fp32 under pure bf16: its gradient is fp32 too
+        grad_dtype, contribution_dtype = (own, own) if own else (self.grad_dtype, self.contribution_dtype)
         has_grad = replay.grads.persistent or p in replay.grads.blocks or p in replay.contributed
         uses = replay.grad_uses.get(p, 1)
         if uses > 1:
             seen = replay.grad_seen[p] = replay.grad_seen.get(p, 0) + 1
-            cdt = self.contribution_dtype
+            cdt = contribution_dtype
             new = b.block(f"{p}.grad_contribution", numel * dtype_bytes(cdt), Category.TEMPORARY, cdt, shape)
             allocs.append(new)
             if seen == 1:
@@ -257,13 +265,13 @@ class Engine:
             replay.contributed.add(p)
             return
         if has_grad:
-            tmp = b.block(f"{p}.grad_contribution", numel * dtype_bytes(self.contribution_dtype),
-                          Category.TEMPORARY, self.contribution_dtype, shape)
+            tmp = b.block(f"{p}.grad_contribution", numel * dtype_bytes(contribution_dtype),
+                          Category.TEMPORARY, contribution_dtype, shape)
             allocs.append(tmp)
             frees.append(tmp.id)
         else:
-            blk = b.block(f"{p}.grad", numel * dtype_bytes(self.grad_dtype), Category.GRADIENT,
-                          self.grad_dtype, shape)
+            blk = b.block(f"{p}.grad", numel * dtype_bytes(grad_dtype), Category.GRADIENT,
+                          grad_dtype, shape)
             replay.grads.blocks[p] = blk
             allocs.append(blk)
         replay.contributed.add(p)

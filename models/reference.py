@@ -463,6 +463,9 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
         model = GPT(cfg, setup)
     if setup is not None and setup.precision == "bf16":
         model = model.to(torch.bfloat16)
+    if setup is not None and setup.lora_r:  # peft LoRA / QLoRA (models/lora_torch.py)
+        from .lora_torch import apply_lora
+        model = apply_lora(model, cfg, setup)
     return model.train()
 
 

@@ -39,7 +39,8 @@ from .checkpoint_io import load_checkpoint, rank_signature, save_checkpoint, sav
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
-from .parallel import make_engine
+from .lora import LoraTape, frozen_parameters
+from .parallel import make_engine, own_dtype
 from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
@@ -60,6 +61,8 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> T
 
 
 def trainable_params(tape: Tape, frozen: tuple[str, ...]) -> set[str]:
+    if isinstance(tape, LoraTape):  # peft freezes the whole base model: only the adapters train
+        frozen = frozen_parameters(tape)
     names = [p.name for p in tape.params]
     for pattern in frozen:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
@@ -359,7 +362,7 @@ def _create_states(b: GraphBuilder, step: int, tensors, op_name: str) -> list[Bl
     step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
     states = []
     for t in tensors:
-        for state, numel, dtype in state_specs(s.optimizer, t.numel, s.state_dtype):
+        for state, numel, dtype in state_specs(s.optimizer, t.numel, own_dtype(b.tape, t.name) or s.state_dtype):
             sharded = state is not OptimizerState.STEP
             states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
                                   dtype, (numel,) if sharded else (), state=state,
@@ -383,16 +386,18 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     flops = update_flops(s.optimizer, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
     if has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "foreach":
-        temps = [b.block(f"{t.name}.exp_avg_sq_sqrt", t.numel * dtype_bytes(state_dtype), Category.TEMPORARY,
-                         state_dtype, t.shape, shard=shard) for t in tensors]
+        temps = [b.block(f"{t.name}.exp_avg_sq_sqrt", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
+                         Category.TEMPORARY, own_dtype(b.tape, t.name) or state_dtype, t.shape, shard=shard)
+                 for t in tensors]
         b.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
              bytes_moved=bytes_moved, after=after)
     elif has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "for-loop":
         previous_denom = None
         for i, t in enumerate(tensors):
-            nbytes = t.numel * dtype_bytes(state_dtype)
-            sqrt = b.block(f"{t.name}.exp_avg_sq_sqrt", nbytes, Category.TEMPORARY, state_dtype, t.shape)
-            denom = b.block(f"{t.name}.denom", nbytes, Category.TEMPORARY, state_dtype, t.shape)
+            dt = own_dtype(b.tape, t.name) or state_dtype
+            nbytes = t.numel * dtype_bytes(dt)
+            sqrt = b.block(f"{t.name}.exp_avg_sq_sqrt", nbytes, Category.TEMPORARY, dt, t.shape)
+            denom = b.block(f"{t.name}.denom", nbytes, Category.TEMPORARY, dt, t.shape)
             frees = [sqrt.id] + ([previous_denom.id] if previous_denom else [])
             b.op(f"{name}.update.{t.name}", ph, step, -1, [sqrt, denom], frees,
                  flops=update_flops(s.optimizer, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,

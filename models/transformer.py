@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 
+from . import lora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 
@@ -58,6 +59,7 @@ class _Writer:
         self.core_region: int | None = None  # "selective": the region of this layer's attention core
         self.sac = False  # "op-policy": matmul and SDPA outputs are kept by the region's first pass
         self.offload = False  # "offload": saved tensors go to the host
+        self.lora_targets: tuple[str, ...] = ()  # setup.lora_r > 0: peft target_modules (models/lora.py)
 
     def begin_layer(self, segment: Segment, layer: int) -> None:
         """The ops written next belong to `layer` of `segment`: mark them as its policy says."""
@@ -109,13 +111,16 @@ class _Writer:
         return self.tape.add(name, kind, [i.name if isinstance(i, TensorSpec) else i for i in inputs],
                              outputs, **kw)
 
-    def linear(self, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None = None):
+    def linear(self, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None = None,
+               adapter: bool = False):
+        if self.setup.lora_r and not adapter:  # LoRA / QLoRA: frozen or 4-bit base, adapters (models/lora.py)
+            return lora.write_linear(self, name, x, out_features, bias, weight)
         weight = weight or f"{name}.weight"
         params = (weight, f"{name}.bias") if bias else (weight,)
         in_features = x.shape[-1]
         rows = x.shape[0] * x.shape[1]
         x = self.autocast_input(name, x)
-        (y,) = self.op(name, "linear", [x], [self.t(f"{name}.out", (*x.shape[:-1], out_features))],
+        (y,) = self.op(name, "linear", [x], [self.t(f"{name}.out", (*x.shape[:-1], out_features), x.dtype if adapter else None)],
                        saves=(x.name,), params=params, casts=params if self.autocast else (),
                        saved_params=(weight,), flops=2 * rows * in_features * out_features)
         return y
@@ -149,13 +154,15 @@ class _Writer:
         profile keeps the first form."""
         B, T, D = x.shape
         dt = self.fp32_op_dtype()
+        # a frozen weight (LoRA freezes every norm): `normed * weight` saves normed only for the weight's gradient
+        weight_grad = () if self.lora_targets else (f"{name}.normed",)
         if self.cpu and dt != "fp32":
             up, rstd, normed = f"{name}.upcast", f"{name}.rstd", f"{name}.normed"
             y, *_ = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
                                                    self.t(rstd, (B, T, 1), "fp32", False),
                                                    self.t(up, x.shape, "fp32", False),
                                                    self.t(normed, x.shape, "fp32", False)],
-                            saves=(up, rstd, rstd, up, normed), params=(f"{name}.weight",),
+                            saves=(up, rstd, rstd, up) + weight_grad, params=(f"{name}.weight",),
                             saved_params=(f"{name}.weight",), flops=6 * B * T * D,
                             workspace=(self.t(f"{name}.weighted", x.shape, "fp32", False),),
                             bwd_workspace=tuple(self.t(f"{name}.grad_temp{i}", x.shape, "fp32", False)
@@ -164,7 +171,7 @@ class _Writer:
         y, rstd, normed = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
                                                          self.t(f"{name}.rstd", (B, T, 1), "fp32", False),
                                                          self.t(f"{name}.normed", x.shape, dt, False)],
-                                  saves=(x.name, f"{name}.rstd", f"{name}.rstd", x.name, f"{name}.normed"),
+                                  saves=(x.name, f"{name}.rstd", f"{name}.rstd", x.name) + weight_grad,
                                   params=(f"{name}.weight",),
                                   saved_params=(f"{name}.weight",), flops=6 * B * T * D)
         return y
@@ -234,11 +241,13 @@ def _norm(name: str, d: int, bias: bool) -> list[ParamSpec]:
 
 def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """`cpu`: the device's autocast op lists are CPU's (see `_Writer.softmax_dtype`)."""
+    chosen = lora.targets(cfg, setup) if setup.lora_r else ()
     if cfg.implementation == "hf":
         return hf_gpt2_tape(cfg, setup, cpu)
     B, T = setup.micro_batch, setup.seq_len
-    tape = Tape(params=transformer_params(cfg))
+    tape = lora.lora_tape(cfg, setup, transformer_params(cfg)) if chosen else Tape(params=transformer_params(cfg))
     w = _Writer(tape, setup, cpu)
+    w.lora_targets = chosen
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
@@ -273,8 +282,8 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     head_weight = f"{wte}.weight" if cfg.tied else "lm_head.weight"
     logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
     _cross_entropy(w, logits, targets)
-    if w.autocast:  # the final norm's fp32 output is a local of GPT.forward until it returns (the head saves a cast)
-        w.op("model.return", "release", [x], [])
+    if w.autocast or w.lora_targets:  # the final norm's output is a local of GPT.forward until it returns (the
+        w.op("model.return", "release", [x], [])  # head saves a cast of it, or nothing: a frozen head under LoRA)
     tape.held = (logits.name,) if setup.logits_held else ()
     return tape
 
@@ -717,6 +726,8 @@ def mlp_params(cfg: MLPConfig) -> list[ParamSpec]:
 def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in); F.mse_loss, a
     fused kernel that keeps its input and target for backward."""
+    if setup.lora_r:
+        lora.targets(cfg, setup)  # refused: LoRA is modelled on transformers
     B = setup.micro_batch
     tape = Tape(params=mlp_params(cfg))
     w = _Writer(tape, setup, cpu)

@@ -30,7 +30,7 @@ from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_co
                      check_real_run, real_run_scenario, scenario_flags_given, scenario_for_trace,
                      scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, SAVE_MODES, ConfigError)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZE, SAVE_MODES, ConfigError)
 from .models.costs import DEVICES
 from .models.training import StepPlan
 from .models.presets import PRESETS
@@ -80,6 +80,13 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--offload-prefetch", type=int, help="chunked: chunks copied in ahead of the one updated (default 1)")
     o.add_argument("--offload-first-step", help=", ".join(OFFLOAD_FIRST_STEPS) +
                    " (chunked: step 1 as one torch step, or chunk by chunk)")
+    lo = p.add_argument_group("LoRA / QLoRA (peft; the whole base model frozen)")
+    lo.add_argument("--lora-r", type=int, help="adapter rank (0: no LoRA)")
+    lo.add_argument("--lora-alpha", type=float, help="scaling = alpha / r (default 8, peft's)")
+    lo.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input, in [0, 1) (default 0)")
+    lo.add_argument("--lora-targets", type=lambda v: tuple(x.strip() for x in v.split(",")),
+                    help="peft target_modules, e.g. q_proj,k_proj,v_proj,o_proj (default: peft's for the family)")
+    lo.add_argument("--quantize", help=", ".join(QUANTIZE) + " (nf4: bitsandbytes 4-bit base linears, QLoRA)")
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,

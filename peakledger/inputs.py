@@ -30,7 +30,8 @@ TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", 
                   "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
                   "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers",
                   "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
-                  "fp32_grads", "set_to_none"] + DP_INT_FLAGS
+                  "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
+                  "quantize"] + DP_INT_FLAGS
 RUN_FLAGS = ["device", "headroom"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config"]
 
