@@ -139,6 +139,7 @@ class Tape:
     layers: tuple[str, ...] = ()  # module paths of the repeated blocks (FSDP units, checkpoint layers); traced
     buffers_follow_params: bool = True  # buffers take the parameters' dtype at load (traced: their own dtype)
     describer: str = "hand-written"
+    gradless: tuple[str, ...] = ()  # parameters that get no gradient (traced: frozen, or not on the loss's path)
 
     def add(self, name: str, kind: str, inputs, outputs, **kw) -> tuple[TensorSpec, ...]:
         op = TapeOp(name=name, kind=kind, inputs=tuple(inputs), outputs=tuple(outputs), **kw)

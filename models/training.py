@@ -83,7 +83,7 @@ class GraphBuilder:
         self.graph = graph if graph is not None else OpGraph()
         self._block_ids = block_ids if block_ids is not None else itertools.count(1)
         self._last_on_stream: dict[Stream, int] = {}
-        self.trainable = trainable_params(tape, setup.frozen)
+        self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
         self.engine = make_engine(self)

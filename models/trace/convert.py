@@ -88,7 +88,8 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                 ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],
                 buffers=[TensorSpec(s.name, _spec(s, s.name).shape, _spec(s, s.name).dtype, False) for s in rec.buffers],
                 held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
-                buffers_follow_params=False, describer=describer)
+                buffers_follow_params=False, describer=describer,
+                gradless=tuple(n for n, _, _, _ in rec.params if n not in set(rec.param_grads.values())))
 
 
 def _node(n, st, name, param_grads, index, has_saves: bool) -> GradNode:

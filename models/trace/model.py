@@ -113,7 +113,13 @@ def hf_task(data: dict):
         cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
         if cls is not None:
             return cls, _task_of(cls, config_cls)
-    for task in HF_TASKS:
+    tasks = list(HF_TASKS)
+    if not data.get("is_decoder", False):  # an encoder with both heads (BERT, RoBERTa) trains as a masked LM
+        masked = transformers.AutoModelForMaskedLM._model_mapping
+        if config_cls in masked and config_cls in transformers.AutoModelForCausalLM._model_mapping:
+            tasks.remove("AutoModelForMaskedLM")
+            tasks.insert(0, "AutoModelForMaskedLM")
+    for task in tasks:
         auto = getattr(transformers, task)
         if config_cls in auto._model_mapping:
             return auto._model_mapping[config_cls], task
@@ -142,8 +148,12 @@ def _hf_build(data: dict, setup: TrainingSetup):
     except (TypeError, ValueError) as e:
         raise ConfigError("hf_config", f"transformers refused the config: {e}") from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.param_dtype, torch.float32)
-    with no_init_weights():
-        model = cls._from_config(config, dtype=dtype)
+    try:
+        with no_init_weights():
+            model = cls._from_config(config, dtype=dtype)
+    except Exception as e:  # transformers' own checks on the config (a pad_token_id outside the vocabulary...)
+        raise ConfigError("hf_config", f"transformers could not build {cls.__name__} from it: "
+                                       f"{type(e).__name__}: {e}") from None
     model.train()
     B, T = setup.micro_batch, setup.seq_len
     g = torch.Generator().manual_seed(0)

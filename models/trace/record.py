@@ -263,6 +263,54 @@ def _graph_nodes(root) -> list:
     return list(seen.values())
 
 
+class cpu_fake_kernels:
+    """Fake-tensor rules for the CPU kernels whose meta function checks a GPU's constraints instead:
+    `aten._grouped_mm` (MoE experts) runs in fp32 on the CPU, but its meta function demands bf16
+    (torch/_meta_registrations.py `_meta_grouped_mm_common`). The rule here gives the CPU kernel's output:
+    shape from the operands, last dimension's stride padded to 16 bytes
+    (aten/src/ATen/native/GroupedMMUtils.h `create_grouped_gemm_output_tensor`)."""
+
+    def __enter__(self):
+        from torch._subclasses import fake_impls
+
+        self.table = fake_impls.op_implementations_dict
+        self.op = torch.ops.aten._grouped_mm.default
+        self.previous = self.table.get(self.op)
+        self.table[self.op] = _fake_grouped_mm
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is None:
+            self.table.pop(self.op, None)
+        else:
+            self.table[self.op] = self.previous
+        return False
+
+
+def _fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
+
+    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
+    if a2 and b2:
+        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    elif a2:
+        shape = (mat_a.shape[0], mat_b.shape[-1])
+    elif b2:
+        shape = (mat_a.shape[1], mat_b.shape[-1])
+    else:
+        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
+    dtype = out_dtype or mat_a.dtype
+    align = max(16 // torch.empty((), dtype=dtype, device="meta").element_size(), 1)
+    last = -(-shape[-1] // align) * align
+    strides = [1] * len(shape)
+    strides[-2] = last
+    if len(shape) == 3:
+        strides[0] = shape[1] * last
+    with in_kernel_invocation_manager(fake_mode):
+        out = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
+    return FakeTensor(fake_mode, out, mat_a.device)
+
+
 def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None) -> Recording:
     """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it."""
     rec = Recorder(model)
@@ -304,7 +352,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
              torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
     try:
-        with rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with cpu_fake_kernels(), rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             rec.phase = "forward"
             ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
             with ctx:
