@@ -178,6 +178,12 @@ def report_json(r: Report) -> dict:
         out["training_flops_per_step"] = {
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
+        if md.get("n_active_params") is not None:  # mixture of experts: N = parameters one token runs through
+            out["n_active_params"] = md["n_active_params"]
+            out["training_flops_per_step"] = {
+                "value": training_flops(md["n_active_params"], tokens),
+                "method": f"6ND over active parameters (N = parameters one token runs through, {md['experts']}; "
+                          "D = tokens per optimizer step)"}
         if r.log.events:
             out["simulated_time_per_step_s"] = run_seconds(r.log) / setup["steps"]
     return out
@@ -237,8 +243,13 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
         if setup.get("world_size", 1) > 1:
             lines.append(f"  data parallel: {_engine_text(setup)}")
-        flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
-        lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
+        if md.get("n_active_params") is not None:
+            flops = training_flops(md["n_active_params"], md["tokens_per_step"])
+            lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND over {md['n_active_params']:,} active parameters: "
+                         f"{md['experts']} per token)")
+        else:
+            flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
+            lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
     lines.append("")
     e = pk.peak.event
     if e is not None:

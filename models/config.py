@@ -137,6 +137,10 @@ class TransformerConfig:
     head_dim: int | None = None  # None: d_model // n_head
     out_bias: bool | None = None  # attention output projection's bias; None: family default
     mlp_bias: bool | None = None  # MLP projections' biases; None: family default
+    # mixture of experts (models/moe.py): each MLP is `num_local_experts` SwiGLU experts d_ff wide and a router
+    # sending each token to `num_experts_per_tok` of them (HF Mixtral); None: a dense MLP
+    num_local_experts: int | None = None
+    num_experts_per_tok: int | None = None
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -166,7 +170,9 @@ class TransformerConfig:
                 raise ConfigError("activation", f"implementation nanogpt runs nn.GELU() (gelu); {self.activation!r} "
                                                 "needs implementation = 'hf'")
         self._check_heads_and_biases()
-        if self.implementation == "hf":
+        if self.num_local_experts is not None or self.num_experts_per_tok is not None:
+            _check_experts(self)
+        elif self.implementation == "hf":
             self._check_hf_gpt2()
 
     def _check_heads_and_biases(self) -> None:
@@ -239,6 +245,27 @@ class TransformerConfig:
     @property
     def gated_mlp(self) -> bool:
         return self.family == "llama"
+
+
+def _check_experts(cfg: TransformerConfig) -> None:
+    """MoE is modelled as HF's MixtralForCausalLM runs it (models/moe.py): family llama, implementation hf,
+    SDPA without dropout, both expert counts given, top-k <= experts."""
+    for name in ("num_local_experts", "num_experts_per_tok"):
+        if getattr(cfg, name) is None:
+            raise ConfigError(name, "a mixture of experts needs both num_local_experts and num_experts_per_tok")
+        _positive_int(cfg, name)
+    if cfg.num_experts_per_tok > cfg.num_local_experts:
+        raise ConfigError("num_experts_per_tok", f"{cfg.num_experts_per_tok} is more than num_local_experts "
+                                                 f"{cfg.num_local_experts}")
+    if cfg.num_local_experts > COUNT_LIMITS["n_layer"][0]:
+        raise ConfigError("num_local_experts", f"{cfg.num_local_experts:,} is over the limit of 1,000 experts")
+    wanted = dict(family="llama", implementation="hf", attention="sdpa", dropout=0.0)
+    for name, value in wanted.items():
+        if getattr(cfg, name) != value:
+            raise ConfigError(name, f"experts are modelled as HF's MixtralForCausalLM runs them: {name} must be "
+                                    f"{value!r}, got {getattr(cfg, name)!r}")
+    if cfg.bias or cfg.out_bias or cfg.mlp_bias:
+        raise ConfigError("bias", "HF Mixtral has no biases: bias, out_bias and mlp_bias must be left out or false")
 
 
 @dataclass(frozen=True)
@@ -427,6 +454,7 @@ class TrainingSetup:
     checkpoint_every_k: int = 2  # checkpointing "every-k": layers 0, k, 2k, ... are checkpointed
     checkpoint_layers: tuple[int, ...] = ()  # checkpointing "layers": exactly these layers are checkpointed
     logits_held: bool = True  # the caller keeps `logits` alive until backward ends
+    moe_routing: str | None = None  # experts only (models/moe.py): "balanced" (None), "worst" or "counts:PATH"
     # data parallelism (models/parallel.py): which engine shards what, and its knobs
     dp_engine: str = "deepspeed"
     reshard_after_forward: bool = True  # fsdp2: free a unit's unsharded parameters after its forward
@@ -484,6 +512,10 @@ class TrainingSetup:
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
         _checkpoint_io_fields(self)
         _optimizer_offload_fields(self)
+        if self.moe_routing is not None and not (self.moe_routing in ("balanced", "worst")
+                                                 or self.moe_routing.startswith("counts:") and self.moe_routing[7:]):
+            raise ConfigError("moe_routing", f"unknown value {self.moe_routing!r}; allowed: balanced, worst, "
+                                             "counts:PATH (a peakledger-moe-counts JSON file)")
         _lora_fields(self)
 
     @property

@@ -31,6 +31,10 @@ PRESETS: dict[str, TransformerConfig | MLPConfig] = {
                                      n_kv_head=8, d_ff=28672, vocab_size=128256, max_seq_len=8192),
     "mistral-7b": TransformerConfig(name="mistral-7b", family="llama", n_layer=32, d_model=4096, n_head=32,
                                     n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768),
+    # Mixtral-8x7B-v0.1's config.json: 8 experts of width 14336 per layer, top-2 routing, no sliding window
+    "mixtral-8x7b": TransformerConfig(name="mixtral-8x7b", family="llama", implementation="hf", n_layer=32, d_model=4096,
+                                      n_head=32, n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768,
+                                      num_local_experts=8, num_experts_per_tok=2),
 }
 
 
@@ -141,6 +145,16 @@ class HFLlamaKeys(HFDecoderKeys):
     mlp_bias: bool = _key(BOOL, False)
 
 
+class HFMixtralKeys(HFDecoderKeys):
+    """MixtralConfig's MoE keys and defaults (configuration_mixtral.py)."""
+
+    num_local_experts: PositiveInt = _key(INT, 8)
+    num_experts_per_tok: PositiveInt = _key(INT, 2)
+    output_router_logits: bool = _key(BOOL, False)
+    router_jitter_noise: Rate = _key(RATE, 0.0)
+    sliding_window: PositiveInt | None = _key(OPT_INT, None)
+
+
 HF_DECODERS = {"llama": HFLlamaKeys, "mistral": HFDecoderKeys, "qwen2": HFQwen2Keys}
 SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN: both are SiLU
 
@@ -166,7 +180,34 @@ def from_hf_config(data: dict, name: str = "hf") -> TransformerConfig:
         return _hf_gpt2(data, name)
     if isinstance(model_type, str) and model_type in HF_DECODERS:
         return _hf_decoder(data, model_type, name)
-    raise ConfigError("model_type", f"unsupported HF model_type {model_type!r}; allowed: gpt2, {', '.join(HF_DECODERS)}")
+    if model_type == "mixtral":
+        return _hf_mixtral(data, name)
+    raise ConfigError("model_type", f"unsupported HF model_type {model_type!r}; allowed: gpt2, "
+                                    f"{', '.join(HF_DECODERS)}, mixtral")
+
+
+MIXTRAL_KEYS = dict(DECODER_KEYS, num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok")
+
+
+def _hf_mixtral(data: dict, name: str) -> TransformerConfig:
+    """A Mixtral config.json as MixtralForCausalLM (models/hf_mixtral.py): no biases, experts `intermediate_size`
+    wide. Options that change the program beyond what is modelled are refused: the router's aux loss
+    (`output_router_logits`), router jitter, a sliding-window mask."""
+    keys = HFMixtralKeys.read(data)
+    if keys.hidden_act not in SILU_NAMES:
+        raise ConfigError("hf_config.hidden_act", f"{keys.hidden_act!r} is not modelled: Mixtral's experts run a gated "
+                                                  f"SiLU; allowed: {', '.join(SILU_NAMES)}")
+    for key, off in (("output_router_logits", False), ("router_jitter_noise", 0.0), ("sliding_window", None)):
+        if getattr(keys, key) != off:
+            raise ConfigError(f"hf_config.{key}", f"{getattr(keys, key)!r} is not modelled for Mixtral; allowed: "
+                                                  f"{json.dumps(off)}")
+    fields = dict(
+        name=name, family="llama", implementation="hf", n_layer=keys.num_hidden_layers, d_model=keys.hidden_size,
+        n_head=keys.num_attention_heads, n_kv_head=keys.num_key_value_heads, head_dim=keys.head_dim,
+        d_ff=keys.intermediate_size, vocab_size=keys.vocab_size, max_seq_len=keys.max_position_embeddings,
+        tied_embeddings=keys.tie_word_embeddings, dropout=float(keys.attention_dropout), attention=keys.attention(),
+        num_local_experts=keys.num_local_experts, num_experts_per_tok=keys.num_experts_per_tok)
+    return _config(fields, MIXTRAL_KEYS)
 
 
 def _hf_decoder(data: dict, model_type: str, name: str) -> TransformerConfig:

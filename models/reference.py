@@ -457,6 +457,9 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
     torch.manual_seed(seed)
     if isinstance(cfg, MLPConfig):
         model = MLP(cfg, setup)
+    elif cfg.num_local_experts:
+        from .reference_moe import hf_mixtral
+        model = hf_mixtral(cfg, setup.checkpointing if setup is not None else "none")
     elif cfg.implementation == "hf":
         model = hf_gpt2(cfg, setup.checkpointing if setup is not None else "none")
     else:

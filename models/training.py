@@ -45,6 +45,8 @@ from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
 from .transformer import mlp_tape, transformer_tape
+from .hf_mixtral import hf_mixtral_tape
+from .moe import active_params, check_routing, has_experts
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 
@@ -56,7 +58,11 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> T
     if isinstance(model, TransformerConfig):
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        check_routing(model, setup)
+        if model.num_local_experts:
+            return hf_mixtral_tape(model, setup, cpu)
         return transformer_tape(model, setup, cpu)
+    check_routing(model, setup)
     return mlp_tape(model, setup, cpu)
 
 
@@ -248,6 +254,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "rank_classes": {str(r): members for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
+    if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
+        graph.metadata["n_active_params"] = active_params(model, tape.n_params)
+        graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"
     return graph
 
 

@@ -44,6 +44,7 @@ import contextlib
 from . import lora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
+from .moe import moe_params
 
 
 class _Writer:
@@ -222,8 +223,11 @@ def transformer_params(cfg: TransformerConfig) -> list[ParamSpec]:
             ps += _linear(f"{h}.self_attn.q_proj", D, A, qkv_bias) + _linear(f"{h}.self_attn.k_proj", D, kv, qkv_bias)
             ps += _linear(f"{h}.self_attn.v_proj", D, kv, qkv_bias)
             ps += _linear(f"{h}.self_attn.o_proj", A, D, cfg.has_out_bias)
-            ps += _linear(f"{h}.mlp.gate_proj", D, F, mlp_bias) + _linear(f"{h}.mlp.up_proj", D, F, mlp_bias)
-            ps += _linear(f"{h}.mlp.down_proj", F, D, mlp_bias)
+            if cfg.num_local_experts:  # HF Mixtral's sparse MoE block (models/moe.py)
+                ps += moe_params(cfg, h)
+            else:
+                ps += _linear(f"{h}.mlp.gate_proj", D, F, mlp_bias) + _linear(f"{h}.mlp.up_proj", D, F, mlp_bias)
+                ps += _linear(f"{h}.mlp.down_proj", F, D, mlp_bias)
             ps += [ParamSpec(f"{h}.input_layernorm.weight", (D,)), ParamSpec(f"{h}.post_attention_layernorm.weight", (D,))]
         ps += [ParamSpec("model.norm.weight", (D,))]
         if not cfg.tied:

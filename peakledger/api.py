@@ -245,10 +245,11 @@ def _step_time(report: Report) -> float:
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
-def measure(scenario: Scenario):
+def measure(scenario: Scenario, model_hook=None):
     """Run the scenario for real on CPU: the reference torch model of the same config, real training
     steps under the exact allocation tracker. Returns the measured EventLog (metadata: torch version,
-    model config, training setup)."""
+    model config, training setup). `model_hook(model)` is called on the built model before the run (a
+    router recorder: models/reference_moe.py)."""
     import torch
 
     from .models.reference import build_model, make_batch, make_optimizer
@@ -266,6 +267,8 @@ def measure(scenario: Scenario):
         raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); use sgd, sgd-momentum, adam, "
                                        "adamw or amsgrad")
     model = build_model(scenario.model, setup)
+    if model_hook is not None:
+        model_hook(model)
     optimizer = make_optimizer(model, setup)
     metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(scenario.model),
                 "model_kind": type(scenario.model).__name__, "setup": dataclasses.asdict(setup),

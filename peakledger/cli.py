@@ -87,6 +87,9 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora-targets", type=lambda v: tuple(x.strip() for x in v.split(",")),
                     help="peft target_modules, e.g. q_proj,k_proj,v_proj,o_proj (default: peft's for the family)")
     lo.add_argument("--quantize", help=", ".join(QUANTIZE) + " (nf4: bitsandbytes 4-bit base linears, QLoRA)")
+    me = p.add_argument_group("mixture of experts")
+    me.add_argument("--moe-routing", metavar="ROUTING", help="tokens per expert: balanced (default), worst (every token "
+                    "to the same top-k experts) or counts:FILE (measured, from capture --moe-counts)")
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
@@ -337,7 +340,7 @@ def cmd_checkpointing(args) -> int:
 def cmd_capture(args) -> int:
     if args.wall_times and args.device_kind == "cuda":
         raise ConfigError("wall_times", "applies to CPU captures; a CUDA snapshot keeps the allocator's own times")
-    check_command_outputs(args, ["output"])
+    check_command_outputs(args, ["output", "moe_counts"])
     scenario = real_run_scenario(args)
     check_real_run(args, scenario)
     if args.device_kind == "cuda":
@@ -348,11 +351,26 @@ def cmd_capture(args) -> int:
         print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} (peak "
               f"{trace.peak_bytes():,} B allocated) into {args.output}; the raw snapshot is {snapshot}")
         return 0
-    log = api.measure(scenario)
+    recorder = _moe_recorder(args, scenario)
+    log = api.measure(scenario, model_hook=recorder.attach if recorder else None)
     save_log(log if args.wall_times else with_event_index_times(log), args.output)
     peak = max(timeline(log).total, default=0)
     print(f"captured {len(log.events):,} events of {scenario.name} (peak {int(peak):,} B) into {args.output}")
+    if recorder:
+        recorder.write(args.moe_counts, scenario.setup.micro_batch, scenario.setup.seq_len, scenario.name)
+        print(f"routing counts (tokens per expert per layer, first micro-batch) written to {args.moe_counts}")
     return 0
+
+
+def _moe_recorder(args, scenario):
+    """capture --moe-counts FILE: a router hook on the real model (models/reference_moe.py), or None."""
+    if not args.moe_counts:
+        return None
+    if args.device_kind == "cuda" or not getattr(scenario.model, "num_local_experts", None):
+        raise ConfigError("moe_counts", "records the routers of a mixture-of-experts model (num_local_experts) "
+                                        "in a CPU capture")
+    from .models.reference_moe import RoutingRecorder
+    return RoutingRecorder()
 
 
 def cmd_validate_ranks(args, scenario) -> int:
@@ -479,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep measured wall-clock times (default: event index, so the file is reproducible)")
     k.add_argument("--device-kind", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda needs a GPU)")
     k.add_argument("--force", action="store_true", help="run even when the estimated host memory is over the limit")
+    k.add_argument("--moe-counts", metavar="FILE", help="mixture of experts: also write the tokens each expert "
+                   "received per layer in the run's first micro-batch (for --moe-routing counts:FILE)")
     k.set_defaults(func=cmd_capture)
     return parser
 

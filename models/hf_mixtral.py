@@ -1,0 +1,109 @@
+"""HF transformers' MixtralForCausalLM (5.24, use_cache=False, SDPA, no sliding window) as torch runs it.
+
+The Llama-family layout with a sparse MoE block in place of the dense MLP (models/moe.py). What differs
+from peakledger's own Llama (`_llama_block`), every item read from transformers/models/mixtral/modeling_mixtral.py:
+
+- positions are `arange(T) + 0` (1, T), checked for packed sequences (small int64 temporaries);
+- the rotary tables are built per forward from two fp32 buffers (`inv_freq`, `original_inv_freq`) in the
+  embeddings' dtype: fp32 under autocast, so `q * cos + rotate_half(q) * sin` promotes the 16-bit q and k
+  to fp32, and SDPA's autocast casts them back (k first, then q) and saves the casts;
+- SDPA (`enable_gqa`, `is_causal=True`, no mask) writes its output already in (B, T, heads, head_dim)
+  order: the head merge is a view, not a copy;
+- the attention's locals (the rotated q and k) live until the attention returns; the router's logits,
+  the top-k tensors and the block's input until the MoE block returns;
+- the loss is HF's `ForCausalLMLoss` (`models.transformer._hf_causal_lm_loss`).
+"""
+
+from __future__ import annotations
+
+from .config import ConfigError, TrainingSetup, TransformerConfig
+from .moe import moe_block
+from .tape import Tape, TensorSpec
+from .transformer import _HFWriter, _hf_causal_lm_loss, transformer_params
+
+MIXTRAL_CHECKPOINTING = ("none",)
+
+
+def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    """`MixtralForCausalLM.forward(input_ids=idx, labels=idx)` (see the notes above)."""
+    if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
+        raise ConfigError("checkpointing", f"HF Mixtral (experts) is modelled without activation checkpointing, "
+                                           f"not {setup.checkpointing!r}; allowed: none")
+    B, T, D, hd = setup.micro_batch, setup.seq_len, cfg.d_model, cfg.head_size
+    tape = Tape(params=transformer_params(cfg))
+    w = _HFWriter(tape, setup, cpu)
+    idx = TensorSpec("batch.idx", (B, T), "int64", False)
+    tape.inputs = [idx, TensorSpec("batch.targets", (B, T), "int64", False)]
+    tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False) for n in ("inv_freq", "original_inv_freq")]
+    emb_dt = w.fp32_op_dtype() if w.autocast else setup.param_dtype
+    (x,) = w.op("model.embed_tokens", "embedding", [idx], [w.t("model.embed_tokens.out", (B, T, D), emb_dt)],
+                saves=(idx.name,), params=("model.embed_tokens.weight",))
+    (pos,) = w.op("model.position_ids", "arange", [], [w.t("model.position_ids", (1, T), "int64", False)],
+                  workspace=(w.t("model.position_ids.arange", (T,), "int64", False),))
+    _packed_sequence_check(w, T)
+    # MixtralRotaryEmbedding.forward: position_ids[..., None].float() * inv_freq, cat, cos / sin * scaling
+    ws = (w.t("model.rotary_emb.freqs", (1, T, hd // 2), "fp32", False), w.t("model.rotary_emb.emb", (1, T, hd), "fp32", False),
+          w.t("model.rotary_emb.raw", (1, T, hd), "fp32", False))
+    cos, sin = w.op("model.rotary_emb", "rotary_tables", [pos], [w.t("model.rotary_emb.cos", (1, T, hd), emb_dt, False),
+                                                              w.t("model.rotary_emb.sin", (1, T, hd), emb_dt, False)],
+                    workspace=ws)
+    embeds = x
+    for i in range(cfg.n_layer):
+        x = _decoder_layer(w, cfg, f"model.layers.{i}", x, cos, sin, i)
+    x = w.rmsnorm("model.norm", x)
+    w.release("model.return", [embeds, pos, cos, sin])  # locals of MixtralModel.forward
+    head_weight = "model.embed_tokens.weight" if cfg.tied else "lm_head.weight"
+    logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
+    _hf_causal_lm_loss(w, logits, idx)
+    w.release("causal_lm.return", [x])  # `hidden_states`, a local of MixtralForCausalLM.forward
+    tape.held = (logits.name,) if setup.logits_held else ()
+    return tape
+
+
+def _packed_sequence_check(w: _HFWriter, T: int) -> None:
+    """`find_packed_sequence_indices` on (1, T) positions: first position, (1, T+1) concatenation, diff,
+    `!= 1`, cumsum. Temporaries only; the workspace is the largest set alive at one moment."""
+    name = "model.packed_sequence_check"
+    first, diff = w.t(f"{name}.first", (1, 1), "int64", False), w.t(f"{name}.diff", (1, T), "int64", False)
+    with_prepend = (first, w.t(f"{name}.prepended", (1, T + 1), "int64", False), diff)
+    with_cumsum = (first, diff, w.t(f"{name}.ne", (1, T), "bool", False), w.t(f"{name}.cumsum", (1, T), "int64", False))
+    w.op(name, "cumsum", [], [], workspace=max(with_prepend, with_cumsum, key=lambda ts: sum(t.nbytes for t in ts)))
+
+
+def _decoder_layer(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, cos, sin, layer: int) -> TensorSpec:
+    a = w.rmsnorm(f"{h}.input_layernorm", x)
+    y = _attention(w, cfg, f"{h}.self_attn", a, cos, sin)
+    h1 = w.add(f"{h}.attn_residual", x, y)
+    m = w.rmsnorm(f"{h}.post_attention_layernorm", h1)
+    return w.add(f"{h}.moe_residual", h1, moe_block(w, cfg, h, m, layer))
+
+
+def _attention(w: _HFWriter, cfg: TransformerConfig, p: str, a: TensorSpec, cos, sin) -> TensorSpec:
+    B, T = a.shape[0], a.shape[1]
+    H, Hkv, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
+    q = w.linear(f"{p}.q_proj", a, H * hd, False)
+    k = w.linear(f"{p}.k_proj", a, Hkv * hd, False)
+    v = w.linear(f"{p}.v_proj", a, Hkv * hd, False)
+    q_rot, k_rot = (_rotate(w, f"{p}.rotary_{n}", t, heads, cos, sin) for n, t, heads in (("q", q, H), ("k", k, Hkv)))
+    w.release(f"{p}.apply_rotary.return", [q, k])
+    # SDPA under autocast casts its fp32 inputs (k, then q) to 16 bits; the casts are what it saves
+    k_in, q_in = (w.autocast_input(f"{p}.sdpa.{n}", t) for n, t in (("k", k_rot), ("q", q_rot)))
+    out, lse = w.op(f"{p}.sdpa", "sdpa", [q_in, k_in, v],
+                    [w.t(f"{p}.sdpa.out", (B, T, H * hd)), w.t(f"{p}.sdpa.lse", (B, H, T), "fp32", False)],
+                    saves=(q_in.name, k_in.name, v.name, f"{p}.sdpa.out", f"{p}.sdpa.lse"),
+                    flops=4 * B * H * T * T * hd)
+    y = w.linear(f"{p}.o_proj", out, cfg.d_model, False)
+    w.release(f"{p}.return", [q_rot, k_rot, v, out, lse])
+    return y
+
+
+def _rotate(w: _HFWriter, name: str, x: TensorSpec, heads: int, cos: TensorSpec, sin: TensorSpec) -> TensorSpec:
+    """`x * cos + rotate_half(x) * sin` (apply_rotary_pos_emb): each product saves its table; the two products
+    (in the promoted dtype) are temporaries, and rotate_half's cat of x's dtype lives until its product is made."""
+    B, T, width = x.shape
+    dt = "fp32" if "fp32" in (x.dtype, cos.dtype) else x.dtype
+    shape = (B, heads, T, width // heads)
+    (y,) = w.op(name, "rotary", [x, cos, sin], [w.t(f"{name}.out", shape, dt)], saves=(cos.name, sin.name),
+                workspace=(w.t(f"{name}.x_cos", shape, dt, False), w.t(f"{name}.rot_sin", shape, dt, False)),
+                bwd_workspace=(w.t(f"{name}.grad_temp", shape, dt, False),), flops=3 * B * T * width)
+    return y

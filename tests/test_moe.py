@@ -1,0 +1,206 @@
+"""Mixture of experts (HF Mixtral): the describer against real CPU runs of transformers' MixtralForCausalLM,
+with the routing recorded from the same run; the routing input (`moe_routing`) and its counts file, checked
+strictly; the Mixtral config.json keys and preset against transformers' own model; 6ND over active parameters.
+
+Every expected number comes from a run or from transformers' model, never from a constant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from peakledger.analysis.validate import static_rows
+from peakledger.api import measure, simulate, validate
+from peakledger.cli import main
+from peakledger.models.config import ConfigError, TrainingSetup, TransformerConfig
+from peakledger.models.moe import active_params, read_counts, routing_counts
+from peakledger.models.presets import from_hf_config, preset
+from peakledger.models.training import describe
+from peakledger.models.transformer import transformer_params
+from peakledger.scenario import Scenario
+from peakledger.simulator.timeline import timeline
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from peakledger.models.reference_moe import RoutingRecorder, hf_mixtral, hf_mixtral_config  # noqa: E402
+
+TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
+                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4, num_experts_per_tok=2)
+TOLERANCE = 0.005
+
+
+def _scenario(setup: TrainingSetup, cfg: TransformerConfig = TINY) -> Scenario:
+    return Scenario(name=cfg.name, model=cfg, setup=setup, device="cpu")
+
+
+def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None):
+    """A real run that records its own routing: the measured log and the counts file of its first micro-batch."""
+    recorder = RoutingRecorder()
+
+    def attach(model):
+        if hook is not None:
+            hook(model)
+        recorder.attach(model)
+
+    log = measure(_scenario(setup), model_hook=attach)
+    path = tmp_path / "counts.json"
+    recorder.write(path, setup.micro_batch, setup.seq_len, TINY.name)
+    return log, path, recorder.layers()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_real_mixtral_run_matches_the_simulation_with_its_own_routing(precision, tmp_path):
+    setup = TrainingSetup(micro_batch=2, seq_len=32, precision=precision, optimizer="adamw", steps=2)
+    measured, path, layers = _measure_with_counts(setup, tmp_path)
+    tokens = setup.micro_batch * setup.seq_len
+    assert [sum(row) for row in layers] == [tokens * TINY.num_experts_per_tok] * TINY.n_layer
+    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
+    v, _, simulated = validate(_scenario(routed), measured=measured)
+    assert abs(v.overall.error) <= TOLERANCE, (v.overall, v.unexplained[:3])
+    for phase in v.phases:
+        if phase.label.startswith(("forward", "backward")):
+            assert abs(phase.error) <= TOLERANCE, phase
+    assert static_rows(measured) == static_rows(simulated)
+
+
+def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
+    """Zeroed routers send every token to the same k experts (ties in topk): the worst routing, measured. Its
+    per-phase peaks in step 1 equal those of the randomly initialised router's run, and the simulation
+    gives the same bytes under balanced and worst routing."""
+    setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", optimizer="adamw", steps=1)
+
+    def zero_routers(model):
+        for name, module in model.named_modules():
+            if name.endswith(".mlp.gate"):
+                torch.nn.init.zeros_(module.weight)
+
+    worst_log, _, worst_layers = _measure_with_counts(setup, tmp_path, zero_routers)
+    tokens = setup.micro_batch * setup.seq_len
+    k = TINY.num_experts_per_tok
+    worst = dataclasses.replace(setup, moe_routing="worst")
+    assert [sorted(row) for row in worst_layers] == [sorted(routing_counts(TINY, worst, i)) for i in range(TINY.n_layer)]
+    assert all(sorted(row)[-k:] == [tokens] * k for row in worst_layers)
+    random_log, _, random_layers = _measure_with_counts(setup, tmp_path)
+    assert random_layers != worst_layers
+    assert timeline(worst_log).peak().bytes == timeline(random_log).peak().bytes
+    sims = [timeline(simulate(describe(TINY, dataclasses.replace(setup, moe_routing=r), "cpu"))).peak().bytes
+            for r in ("balanced", "worst")]
+    assert sims[0] == sims[1] == timeline(worst_log).peak().bytes
+
+
+# -- the routing input ------------------------------------------------------------------------------
+
+SETUP = TrainingSetup(micro_batch=2, seq_len=32)
+
+
+def _counts_file(tmp_path, **change) -> str:
+    tokens, k, E = SETUP.micro_batch * SETUP.seq_len, TINY.num_experts_per_tok, TINY.num_local_experts
+    row = [tokens * k // E] * E
+    doc = {"format": "peakledger-moe-counts", "version": 1, "micro_batch": SETUP.micro_batch,
+           "seq_len": SETUP.seq_len, "layers": [list(row) for _ in range(TINY.n_layer)]}
+    doc.update(change)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_balanced_and_worst_counts_sum_to_tokens_times_top_k():
+    for routing in ("balanced", "worst"):
+        setup = dataclasses.replace(SETUP, seq_len=31, moe_routing=routing)  # a remainder to spread
+        counts = routing_counts(TINY, setup, 0)
+        assert len(counts) == TINY.num_local_experts
+        assert sum(counts) == setup.micro_batch * setup.seq_len * TINY.num_experts_per_tok
+        assert max(counts) - min(counts) <= (1 if routing == "balanced" else setup.micro_batch * setup.seq_len)
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(layers=[[32] * 4]), "moe_routing.layers"),  # one layer, the model has two
+    (dict(layers=[[32] * 4, [32] * 3]), "moe_routing.layers[1]"),  # three experts, the model has four
+    (dict(layers=[[32] * 4, [33, 32, 32, 32]]), "moe_routing.layers[1]"),  # sums to 129, not 128
+    (dict(layers=[[32] * 4, [-1, 33, 64, 32]]), "moe_routing.layers[1][0]"),
+    (dict(layers=[[32] * 4, [32.0, 32, 32, 32]]), "moe_routing.layers[1][0]"),
+    (dict(layers=[[32] * 4, [True, 31, 64, 32]]), "moe_routing.layers[1][0]"),
+    (dict(layers=[[32] * 4, [65, 0, 31, 32]]), "moe_routing.layers[1][0]"),  # more than the 64 tokens
+    (dict(format="other"), "moe_routing.format"),
+    (dict(version=2), "moe_routing.version"),
+    (dict(micro_batch=4), "moe_routing.micro_batch"),
+    (dict(seq_len="32"), "moe_routing.seq_len"),
+    (dict(extra=1), "moe_routing.extra"),
+])
+def test_a_counts_file_that_does_not_fit_names_the_field(tmp_path, change, field):
+    path = _counts_file(tmp_path, **change)
+    with pytest.raises(ConfigError) as e:
+        read_counts(path, TINY, SETUP)
+    assert e.value.field == field, str(e.value)
+
+
+def test_a_fitting_counts_file_is_read(tmp_path):
+    setup = dataclasses.replace(SETUP, moe_routing=f"counts:{_counts_file(tmp_path)}")
+    assert routing_counts(TINY, setup, 1) == (32, 32, 32, 32)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--preset", "tiny", "--moe-routing", "worst"], "has no experts"),
+    (["--preset", "mixtral-8x7b", "--moe-routing", "bogus"], "allowed: balanced, worst, counts:PATH"),
+    (["--preset", "mixtral-8x7b", "--moe-routing", "counts:/nonexistent/c.json"], "moe_routing"),
+])
+def test_bad_routing_exits_2_with_one_line(capsys, argv, words):
+    assert main(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+# -- configs and parameters against transformers -----------------------------------------------------
+
+MIXTRAL_JSON = dict(model_type="mixtral", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=96, vocab_size=256, num_local_experts=4,
+                    num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def _meta_model(cfg: TransformerConfig):
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(hf_mixtral_config(cfg))
+
+
+@pytest.mark.parametrize("cfg", [from_hf_config(MIXTRAL_JSON), preset("mixtral-8x7b")], ids=["config.json", "preset"])
+def test_parameters_are_transformers_own(cfg):
+    ours = [(p.name, p.shape) for p in transformer_params(cfg)]
+    theirs = [(n, tuple(p.shape)) for n, p in _meta_model(cfg).named_parameters()]
+    assert ours == theirs
+
+
+def test_6nd_counts_active_parameters():
+    cfg = preset("mixtral-8x7b")
+    model = _meta_model(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    inactive = experts * (cfg.num_local_experts - cfg.num_experts_per_tok) // cfg.num_local_experts
+    assert active_params(cfg, total) == total - inactive
+    md = describe(cfg, TrainingSetup(micro_batch=1, seq_len=128, precision="bf16-mixed", steps=1)).metadata
+    assert md["n_active_params"] == total - inactive and md["n_params"] == total
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(output_router_logits=True), "hf_config.output_router_logits"),
+    (dict(router_jitter_noise=0.1), "hf_config.router_jitter_noise"),
+    (dict(sliding_window=16), "hf_config.sliding_window"),
+    (dict(num_local_experts="4"), "hf_config.num_local_experts"),
+    (dict(num_experts_per_tok=5), "hf_config.num_experts_per_tok"),
+    (dict(attn_implementation="eager"), "attention"),
+])
+def test_mixtral_keys_not_modelled_are_refused_by_name(change, field):
+    with pytest.raises(ConfigError) as e:
+        from_hf_config({**MIXTRAL_JSON, **change})
+    assert e.value.field == field, str(e.value)
+
+
+def test_the_reference_model_takes_the_default_grouped_mm_path():
+    model = hf_mixtral(TINY)
+    assert model.config._experts_implementation == "grouped_mm"
+    assert model.config._experts_implementation == transformers.MixtralForCausalLM(
+        hf_mixtral_config(TINY)).config._experts_implementation
