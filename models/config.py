@@ -366,6 +366,9 @@ def _lora_fields(setup) -> None:
     if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
         raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
     _choice(setup, "quantize", QUANTIZE)
+    if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
+        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 (the compute dtype of "
+                                      f"bitsandbytes' Linear4bit), not {setup.precision!r}")
     if setup.quantize != "none" and r == 0:
         raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")

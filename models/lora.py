@@ -30,7 +30,7 @@ QLoRA (`quantize = "nf4"`, models/qlora.py): every linear of the blocks is a bit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .tape import ParamSpec, Tape, TensorSpec
@@ -91,6 +91,13 @@ class LoraTape(Tape):
     pure bf16, QLoRA's packed 4-bit weights and quantization state). The others have the setup's."""
 
     param_dtypes: dict[str, str] = field(default_factory=dict)
+    logical_numel: dict[str, int] = field(default_factory=dict)  # 4-bit weights: out x in; quant state: 0
+
+    @property
+    def n_params(self) -> int:
+        """The model's parameter count as peft's `print_trainable_parameters` gives it (a packed 4-bit weight
+        counts its out x in weights; its quantization state is not a parameter of the model)."""
+        return sum(self.logical_numel.get(p.name, p.numel) for p in self.params)
 
 
 def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSpec]) -> LoraTape:
@@ -101,6 +108,7 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
     chosen = targets(cfg, setup)
     out: list[ParamSpec] = []
     dtypes: dict[str, str] = {}
+    logical: dict[str, int] = {}
     for i, p in enumerate(params):
         module, _, leaf = p.name.rpartition(".")
         if leaf not in ("weight", "bias") or not _is_block_linear(cfg, module):
@@ -114,6 +122,7 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
                 packed = qlora.packed_params(f"{base}.weight", p.shape)
                 out += [spec for spec, _ in packed]
                 dtypes.update({spec.name: dt for spec, dt in packed})
+                logical.update({spec.name: p.numel if k == 0 else 0 for k, (spec, _) in enumerate(packed)})
             else:
                 out.append(ParamSpec(f"{base}.weight", p.shape))
         else:
@@ -126,16 +135,16 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
             out += adapters
             if adapter_dtype(setup) != setup.param_dtype:
                 dtypes.update({a.name: adapter_dtype(setup) for a in adapters})
-    return LoraTape(params=out, param_dtypes=dtypes)
+    return LoraTape(params=out, param_dtypes=dtypes, logical_numel=logical)
 
 
 def _is_block_linear(cfg: TransformerConfig, module: str) -> bool:
     return any(module.endswith("." + p) for p in BLOCK_LINEARS[cfg.family])
 
 
-def frozen_parameters(tape: Tape) -> tuple[str, ...]:
-    """peft `_mark_only_adapters_as_trainable`: every parameter but the adapters."""
-    return tuple(p.name for p in tape.params if not is_adapter(p.name))
+def adapter_parameters(tape: Tape) -> set[str]:
+    """The trainable parameters: peft `_mark_only_adapters_as_trainable` freezes every other one."""
+    return {p.name for p in tape.params if is_adapter(p.name)}
 
 
 # -- the tape ---------------------------------------------------------------------------------------
@@ -187,8 +196,9 @@ def _adapter_branch(w, name: str, x: TensorSpec, result: TensorSpec, out_feature
         (result,) = w.op(f"{name}.result_clone", "clone", [result], [w.t(f"{name}.result_clone", result.shape,
                                                                           result.dtype)], passthrough=True)
     convert = not (qlora_path and w.autocast)  # lora/bnb.py: requires_conversion = not torch.is_autocast_enabled()
+    copy = None
     if convert and x.dtype != adt:
-        (x,) = w.op(f"{name}.lora_input_cast", "to_copy", [x], [w.t(f"{name}.lora_input", x.shape, adt)])
+        (x,) = copy = w.op(f"{name}.lora_input_cast", "to_copy", [x], [w.t(f"{name}.lora_input", x.shape, adt)])
     x = w.dropout(f"{name}.lora_dropout.default", x, setup.lora_dropout)
     a = w.linear(f"{name}.lora_A.default", x, setup.lora_r, False, adapter=True)
     b = w.linear(f"{name}.lora_B.default", a, out_features, False, adapter=True)
@@ -201,8 +211,31 @@ def _adapter_branch(w, name: str, x: TensorSpec, result: TensorSpec, out_feature
     if not qlora_path and total.dtype != result.dtype:  # result.to(torch_result_dtype)
         (total,) = w.op(f"{name}.lora_result_cast", "to_copy", [total],
                         [w.t(f"{name}.lora_result", total.shape, result.dtype)])
+    if copy:  # the cast input is forward's local `x` until it returns
+        w.op(f"{name}.lora_return", "release", [copy[0]], [])
     return total
 
 
+def lazy_recompute(tape: Tape) -> None:
+    """torch's non-reentrant checkpoint recomputes a region when its backward first unpacks a saved tensor
+    (torch/utils/checkpoint.py `_checkpoint_hook.unpack_hook`). The region's last ops that save nothing (adds,
+    the adapters' scaling, bitsandbytes' MatMul4Bit, which keeps its weight in `ctx.tensors`) run their backward
+    before that: they are taken out of the region, so the replay recomputes after them, not before."""
+    last_saving: dict[int, int] = {}
+    for i, op in enumerate(tape.ops):
+        if op.region is not None and (op.saves or op.saved_params):
+            last_saving[op.region] = i
+    for i, op in enumerate(tape.ops):
+        if op.region is not None and not op.cached and i > last_saving.get(op.region, len(tape.ops)):
+            tape.ops[i] = replace(op, region=None)
+
+
+def module_return(w, module: str, x: TensorSpec) -> None:
+    """Under LoRA a block's attention / MLP input may be saved by nothing (frozen linears; adapters save their
+    own cast copy): it is still the module's `forward(x)` argument, alive until the module returns."""
+    if w.lora_targets:
+        w.op(f"{module}.return", "release", [x], [])
+
+
 __all__ = ["lora_tape", "write_linear", "frozen_linear", "targets", "is_adapter", "adapter_dtype",
-           "frozen_parameters", "LoraTape", "BLOCK_LINEARS", "DEFAULT_TARGETS"]
+           "adapter_parameters", "LoraTape", "BLOCK_LINEARS", "DEFAULT_TARGETS"]

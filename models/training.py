@@ -39,7 +39,7 @@ from .checkpoint_io import load_checkpoint, rank_signature, save_checkpoint, sav
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
-from .lora import LoraTape, frozen_parameters
+from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
 from .offload import OffloadedStates
 from .tape import Tape
@@ -68,7 +68,7 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> T
 
 def trainable_params(tape: Tape, frozen: tuple[str, ...]) -> set[str]:
     if isinstance(tape, LoraTape):  # peft freezes the whole base model: only the adapters train
-        frozen = frozen_parameters(tape)
+        return adapter_parameters(tape)
     names = [p.name for p in tape.params]
     for pattern in frozen:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
@@ -247,6 +247,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         check_repeats(graph, plan)
     graph.metadata = {
         "model": model.name, "setup": asdict(setup), "device": profile.name, **plan.metadata(),
+        "describer": tape.describer, "batch": model.batch_note(setup) if isinstance(model, TracedModel) else None,
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,

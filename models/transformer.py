@@ -289,6 +289,8 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     if w.autocast or w.lora_targets:  # the final norm's output is a local of GPT.forward until it returns (the
         w.op("model.return", "release", [x], [])  # head saves a cast of it, or nothing: a frozen head under LoRA)
     tape.held = (logits.name,) if setup.logits_held else ()
+    if chosen:
+        lora.lazy_recompute(tape)
     return tape
 
 
@@ -378,12 +380,14 @@ def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> Te
         y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size)
     y = w.linear(f"{h}.attn.c_proj", y, cfg.d_model, cfg.has_bias)
     y = w.dropout(f"{h}.attn.resid_dropout", y, cfg.dropout)
+    lora.module_return(w, f"{h}.attn", a)
     x = w.add(f"{h}.attn_residual", x, y)
-    m = w.layernorm(f"{h}.ln_2", x, cfg.has_bias)
-    m = w.linear(f"{h}.mlp.c_fc", m, cfg.ffn, cfg.has_bias)
+    n = w.layernorm(f"{h}.ln_2", x, cfg.has_bias)
+    m = w.linear(f"{h}.mlp.c_fc", n, cfg.ffn, cfg.has_bias)
     m = w.pointwise(f"{h}.mlp.gelu", "gelu", m)
     m = w.linear(f"{h}.mlp.c_proj", m, cfg.d_model, cfg.has_bias)
     m = w.dropout(f"{h}.mlp.dropout", m, cfg.dropout)
+    lora.module_return(w, f"{h}.mlp", n)
     return w.add(f"{h}.mlp_residual", x, m)
 
 
@@ -423,6 +427,7 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
     else:
         y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_size)
     y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, cfg.has_out_bias)
+    lora.module_return(w, f"{h}.self_attn", a)
     x = w.add(f"{h}.attn_residual", x, y)
     m = w.rmsnorm(f"{h}.post_attention_layernorm", x)
     gate = w.linear(f"{h}.mlp.gate_proj", m, cfg.ffn, cfg.has_mlp_bias)
@@ -430,6 +435,7 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
     act = w.pointwise(f"{h}.mlp.silu", "silu", gate)
     (prod_,) = w.op(f"{h}.mlp.mul", "mul", [act, up], [w.t(f"{h}.mlp.mul", act.shape)], saves=(act.name, up.name))
     down = w.linear(f"{h}.mlp.down_proj", prod_, cfg.d_model, cfg.has_mlp_bias)
+    lora.module_return(w, f"{h}.mlp", m)
     return w.add(f"{h}.mlp_residual", x, down)
 
 
