@@ -146,6 +146,8 @@ def report_json(r: Report) -> dict:
         "version": REPORT_VERSION,
         "scenario": r.name,
         "model": md.get("model"),
+        "describer": md.get("describer", "hand-written"),
+        "batch": md.get("batch"),
         "device": md.get("device"),
         "setup": setup,
         "n_params": md.get("n_params"),
@@ -178,7 +180,11 @@ def report_json(r: Report) -> dict:
         out["training_flops_per_step"] = {
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
-        if md.get("n_active_params") is not None:  # mixture of experts: N = parameters one token runs through
+        if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
+            out["training_flops_per_step"] = {
+                "value": md["counted_flops_per_step"],
+                "method": "counted per rank over the traced forward and backward aten ops (torch/utils/flop_counter.py)"}
+        elif md.get("n_active_params") is not None:  # mixture of experts: N = parameters one token runs through
             out["n_active_params"] = md["n_active_params"]
             out["training_flops_per_step"] = {
                 "value": training_flops(md["n_active_params"], tokens),
@@ -239,11 +245,19 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
                      f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}"
                      + _offload_text(setup))
-        lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                     f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
+        if md.get("batch"):  # a traced model: its own batch
+            lines.append(f"  described by: {md.get('describer')}; batch per micro-batch: {md['batch']}")
+            lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
+                         f"{setup['world_size']} = {b_eff}; {steps_text(run_plan(r.log))}")
+        else:
+            lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
+                         f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
         if setup.get("world_size", 1) > 1:
             lines.append(f"  data parallel: {_engine_text(setup)}")
-        if md.get("n_active_params") is not None:
+        if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
+            lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
+                         "traced forward and backward ops: matmuls, attention, convolutions)")
+        elif md.get("n_active_params") is not None:
             flops = training_flops(md["n_active_params"], md["tokens_per_step"])
             lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND over {md['n_active_params']:,} active parameters: "
                          f"{md['experts']} per token)")

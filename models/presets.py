@@ -286,9 +286,18 @@ def _hf_gpt2(data: dict, name: str) -> TransformerConfig:
     return _config(fields, GPT2_KEYS)
 
 
-def load_hf_config(path: str | Path) -> TransformerConfig:
+HAND_WRITTEN_HF = ("gpt2", *HF_DECODERS, "mixtral")  # the model types the hand-written describers read
+
+
+def read_hf_json(path: str | Path) -> dict:
+    """A config.json's object (bounded, checked to be a JSON object)."""
     path = Path(path)
     data = read_config_file(path, "hf_config", json.loads, json.JSONDecodeError, "JSON")
     if not isinstance(data, dict):
         raise ConfigError("hf_config", f"{path} must hold a JSON object")
-    return from_hf_config(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")
+    return data
+
+
+def load_hf_config(path: str | Path) -> TransformerConfig:
+    path = Path(path)
+    return from_hf_config(read_hf_json(path), name=path.stem if path.stem != "config" else path.parent.name or "hf")

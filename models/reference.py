@@ -60,6 +60,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .trace.model import TracedModel
 from .optimizers import offload_chunks
 from .tape import Segment, checkpoint_segments
 
@@ -451,6 +452,9 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
     `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
     `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
     """
+    if isinstance(cfg, TracedModel):  # the traced program, for real (models/trace)
+        from .trace import real_model
+        return real_model(cfg, setup if setup is not None else TrainingSetup(), seed)
     if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
                                   f"not {setup.precision!r}")
@@ -630,6 +634,9 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
     Transformers: int64 token ids and next-token targets, (micro_batch, seq_len). MLPs: (micro_batch,
     d_in) inputs and (micro_batch, d_out) targets in the parameter dtype.
     """
+    if isinstance(cfg, TracedModel):
+        from .trace import real_batches
+        return real_batches(cfg, setup, seed)
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(setup.grad_accum if n is None else n):

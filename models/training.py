@@ -248,6 +248,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     graph.metadata = {
         "model": model.name, "setup": asdict(setup), "device": profile.name, **plan.metadata(),
         "describer": tape.describer, "batch": model.batch_note(setup) if isinstance(model, TracedModel) else None,
+        "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.grad_accum
+        if tape.backward else None,
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,

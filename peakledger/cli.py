@@ -48,7 +48,10 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
     g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
-    g.add_argument("--hf-config", help="a HF transformers config.json")
+    g.add_argument("--hf-config", help="a HF transformers config.json (any model type transformers builds)")
+    g.add_argument("--module", metavar="FILE.py:FACTORY",
+                   help="your own model: FACTORY() returns (model, batch, loss_fn); traced on fake tensors")
+    g.add_argument("--describer", help="auto (default), traced, hand-written: how --hf-config is described")
     for name, kind in MODEL_FLAG_TYPES:
         g.add_argument("--" + name.replace("_", "-"), type=kind, dest=f"model_{name}", help=argparse.SUPPRESS)
     t = p.add_argument_group("training")

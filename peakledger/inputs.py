@@ -33,7 +33,8 @@ TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", 
                   "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
                   "quantize", "moe_routing"] + DP_INT_FLAGS
 RUN_FLAGS = ["device", "headroom"]
-SOURCE_FLAGS = ["scenario", "preset", "hf_config"]
+SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
+MODEL_SOURCES = ["preset", "hf_config", "module"]
 
 
 def flag(name: str) -> str:
@@ -65,13 +66,15 @@ def scenario_from_args(args, defaults: dict | None = None) -> Scenario:
     model = dict(data.get("model", {}))
     training = dict(data.get("training", {}))
     run = dict(data.get("run", {}))
-    if args.preset and args.hf_config:
-        raise ConfigError("preset", "give either --preset or --hf-config, not both")
-    if args.preset is not None or args.hf_config is not None:
-        model.pop("preset", None)
-        model.pop("hf_config", None)
-        model["preset" if args.preset is not None else "hf_config"] = \
-            args.preset if args.preset is not None else args.hf_config
+    given_sources = [n for n in MODEL_SOURCES if getattr(args, n, None) is not None]
+    if len(given_sources) > 1:
+        raise ConfigError(given_sources[0], f"give one of {', '.join(flag(n) for n in given_sources)}, not both")
+    if given_sources:
+        for n in MODEL_SOURCES:
+            model.pop(n, None)
+        model[given_sources[0]] = getattr(args, given_sources[0])
+    if getattr(args, "describer", None) is not None:
+        model["describer"] = args.describer
     given = given_flags(args)
     model.update(given["model"])
     training.update(given["training"])
@@ -131,6 +134,8 @@ def check_command_outputs(args, outputs: list[str]) -> None:
     if getattr(args, "command", None) == "capture" and getattr(args, "device_kind", None) == "cuda" and args.output:
         paths["--output (its .snapshot.pickle)"] = args.output + ".snapshot.pickle"
     inputs = {flag(n): getattr(args, n) for n in ("scenario", "hf_config", "trace") if getattr(args, n, None)}
+    if getattr(args, "module", None):
+        inputs["--module"] = args.module.rpartition(":")[0] or args.module
     check_outputs(paths, inputs)
 
 

@@ -27,9 +27,10 @@ from .models.config import (ConfigError, MLPConfig, TrainingSetup, TransformerCo
                             read_config_file)
 from .models.fields import check_types
 from .models.costs import DEVICES
-from .models.presets import PRESETS, load_hf_config, preset
+from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
 
-ModelConfig = TransformerConfig | MLPConfig
+ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"
 DEFAULT_SETUP = dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", optimizer="adamw")
 
@@ -120,11 +121,22 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     run = dict(run or {})
     hf = model_table.pop("hf_config", None)
     preset_name = model_table.pop("preset", None)
-    for key, value in (("hf_config", hf), ("preset", preset_name)):
+    module = model_table.pop("module", None)
+    describer = model_table.pop("describer", "auto")
+    for key, value in (("hf_config", hf), ("preset", preset_name), ("module", module), ("describer", describer)):
         if value is not None and (not isinstance(value, str) or not value):
             raise ConfigError(key, f"must be a non-empty string, got {value!r}")
-    if hf and preset_name:
-        raise ConfigError("preset", "give either preset or hf_config, not both")
+    sources = [k for k, v in (("preset", preset_name), ("hf_config", hf), ("module", module)) if v]
+    if len(sources) > 1:
+        raise ConfigError(sources[0], f"give one model source, not {' and '.join(sources)}")
+    if describer not in DESCRIBERS:
+        raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}")
+    base = _traced_source(hf, module, describer)
+    if base is not None:
+        return _traced_scenario(base, model_table, training, run, name, defaults)
+    if describer == "traced":
+        raise ConfigError("describer", "traced applies to --hf-config and --module models; a preset or a model "
+                                       "table is described by hand")
     if hf:
         base = load_hf_config(hf)
     elif preset_name or not model_table:
@@ -160,4 +172,47 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     return Scenario(name=name or model.name, model=model, setup=setup, **run)
 
 
-__all__ = ["Scenario", "build_scenario", "load_toml", "PRESETS"]
+DESCRIBERS = ("auto", "traced", "hand-written")
+
+
+def _traced_source(hf, module, describer: str) -> TracedModel | None:
+    """The traced model a source names, or None where the hand-written describers take it: a module is always
+    traced; a HF config is traced unless its model type is one the hand-written describers read (GPT-2, the
+    Llama family, Mixtral) and `describer` is not "traced"."""
+    if module:
+        if describer == "hand-written":
+            raise ConfigError("describer", "a --module model can only be traced; allowed: auto, traced")
+        return from_module_spec(module)
+    if not hf:
+        return None
+    data = read_hf_json(hf)
+    if describer == "hand-written" or (describer == "auto" and data.get("model_type") in HAND_WRITTEN_HF):
+        return None
+    path = Path(hf)
+    return from_hf_dict(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")
+
+
+def _traced_scenario(model: TracedModel, model_table: dict, training: dict, run: dict, name, defaults) -> Scenario:
+    if model_table:
+        raise ConfigError(sorted(model_table)[0], "model fields change hand-written configs; a traced model is what "
+                                                  "its config.json or factory builds: edit that instead")
+    fixed = [k for k in ("micro_batch", "seq_len") if k in training and k not in model.varies]
+    if fixed:
+        raise ConfigError(fixed[0], f"{model.source.rsplit(':', 1)[-1]}() takes no {fixed[0]} argument, so the "
+                                    f"batch it builds cannot change; add `{fixed[0]}` to the factory's parameters")
+    setup_keys = {f.name for f in fields(TrainingSetup)}
+    for key in training:
+        if key not in setup_keys:
+            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+    base_setup = dict(DEFAULT_SETUP, **model.batch_defaults())
+    base_setup.update({k: v for k, v in (defaults or {}).items() if k not in ("micro_batch", "seq_len")
+                       or k in model.varies})
+    setup = TrainingSetup(**{**base_setup, **training})
+    check_given_knobs(setup, set(training))
+    for key in run:
+        if key not in ("device", "headroom"):
+            raise ConfigError(key, "unknown run field; allowed: device, headroom")
+    return Scenario(name=name or model.name, model=model, setup=setup, **run)
+
+
+__all__ = ["Scenario", "build_scenario", "load_toml", "PRESETS", "DESCRIBERS"]

@@ -97,7 +97,7 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False) -> 
     from .convert import to_tape
 
     rec = recording(model, setup)
-    return to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind})")
+    return to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
 
 
 def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):

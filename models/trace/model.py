@@ -41,6 +41,7 @@ class TracedModel:
     source: str  # kind hf: the config as canonical JSON; kind module: "path.py:factory"
     digest: str  # sha256 of the config JSON or of the module file's bytes (the trace cache's key)
     varies: tuple[str, ...] = ("micro_batch", "seq_len")  # knobs the model's batch follows
+    defaults: tuple[tuple[str, int], ...] = ()  # a factory's own defaults for them
 
     @property
     def max_seq_len(self) -> int | None:
@@ -51,6 +52,13 @@ class TracedModel:
             if isinstance(data.get(key), int):
                 return data[key]
         return None
+
+    def batch_defaults(self) -> dict:
+        """Micro-batch and sequence length when the user sets none: a factory's own defaults for the ones it
+        takes; for a HF text model a sequence of min(its maximum positions, 1024)."""
+        if self.kind == "module":
+            return dict(self.defaults)
+        return {"seq_len": min(self.max_seq_len or 1024, 1024)}
 
     def hf_dict(self) -> dict:
         return json.loads(self.source)
@@ -91,9 +99,11 @@ def from_module_spec(spec: str) -> TracedModel:
     fn = _load_factory(path, factory)
     params = inspect.signature(fn).parameters
     varies = tuple(k for k in ("micro_batch", "seq_len") if k in params)
+    defaults = tuple((k, params[k].default) for k in varies if isinstance(params[k].default, int)
+                     and not isinstance(params[k].default, bool))
     digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
     return TracedModel(name=f"{Path(path).stem}:{factory}", kind="module", source=f"{path}:{factory}",
-                       digest=digest, varies=varies)
+                       digest=digest, varies=varies, defaults=defaults)
 
 
 # -- HF --------------------------------------------------------------------------------------------------
@@ -151,6 +161,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
     try:
         with no_init_weights():
             model = cls._from_config(config, dtype=dtype)
+        model.tie_weights()  # post_init ties them only when it initialises (transformers/modeling_utils.py)
     except Exception as e:  # transformers' own checks on the config (a pad_token_id outside the vocabulary...)
         raise ConfigError("hf_config", f"transformers could not build {cls.__name__} from it: "
                                        f"{type(e).__name__}: {e}") from None

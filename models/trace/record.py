@@ -81,6 +81,7 @@ class Recording:
     held: list[int]  # forward storages the caller held until after backward (freed by `del out, loss`)
     modules: list[str]  # every module path, in `named_modules` order
     layers: tuple[str, ...] = ()  # the repeated blocks (convert.find_layers)
+    model_class: str = ""
 
 
 class _Token:
@@ -423,7 +424,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
         f.detach()
     return Recording(params, buffers, inputs, rec.storages, rec.ops, nodes, param_grads,
                      [h for h in held if rec.storages[h].death is not None], list(names.values()),
-                     find_layers(model))
+                     find_layers(model), type(model).__name__)
 
 
 class _null:
