@@ -366,12 +366,12 @@ def _lora_fields(setup) -> None:
     if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
         raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
     _choice(setup, "quantize", QUANTIZE)
-    if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
-        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 (the compute dtype of "
-                                      f"bitsandbytes' Linear4bit), not {setup.precision!r}")
     if setup.quantize != "none" and r == 0:
         raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")
+    if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
+        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 (Linear4bit's compute "
+                                      f"dtype), not {setup.precision!r}; allowed: fp32, bf16")
     if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
         raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
                                     "world_size 1, zero_stage 0, dp_engine left out")

@@ -58,8 +58,9 @@ def targets(model, setup: TrainingSetup) -> tuple[str, ...]:
     """The setup's target_modules for this model (peft's default when none are given); ConfigError for a model
     LoRA is not modelled on, or a name that matches no linear of the model (naming the allowed ones)."""
     if isinstance(model, MLPConfig):
-        raise ConfigError("lora_r", "LoRA is modelled on transformers (families gpt2 and llama); an MLP has no "
-                                    "q_proj / c_attn linears to target")
+        raise ConfigError("lora_r", "an MLP has no q_proj / c_attn linears to target; LoRA is modelled on "
+                                    "transformers: allowed: family gpt2 or llama (presets tiny, tiny-llama, gpt2, "
+                                    "llama-3-8b, ...)")
     if model.implementation == "hf":
         raise ConfigError("lora_r", "LoRA on HF's GPT2LMHeadModel (Conv1D, fan_in_fan_out) is not modelled; allowed: "
                                     "implementation nanogpt (the gpt2 / llama presets)")
@@ -120,7 +121,8 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
             shape = p.shape
             if setup.quantize != "none":
                 packed = qlora.packed_params(f"{base}.weight", p.shape)
-                out += [spec for spec, _ in packed]
+                out.append(packed[0][0])
+                state = [spec for spec, _ in packed[1:]]  # registered on the module after weight and bias
                 dtypes.update({spec.name: dt for spec, dt in packed})
                 logical.update({spec.name: p.numel if k == 0 else 0 for k, (spec, _) in enumerate(packed)})
             else:
@@ -128,6 +130,8 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
         else:
             out.append(ParamSpec(f"{base}.bias", p.shape))
         last_of_module = i + 1 == len(params) or params[i + 1].name.rpartition(".")[0] != module
+        if last_of_module and setup.quantize != "none":
+            out += state
         if target and last_of_module:
             out_f, in_f = shape
             adapters = [ParamSpec(f"{module}.lora_A.default.weight", (setup.lora_r, in_f)),
