@@ -4,7 +4,7 @@ routing recorded from the same run, and Mixtral-8x7B's peak under balanced vs wo
     python bench/validate_moe.py
 
 1. A tiny Mixtral (2 layers, 4 experts, top-2) trained for real for 2 AdamW steps under the exact allocation
-   tracker, fp32 and bf16 autocast, its routers hooked (models/reference_moe.py RoutingRecorder) so the run
+   tracker, fp32, bf16 autocast and pure bf16, its routers hooked (models/reference_moe.py RoutingRecorder) so the run
    writes its own counts file; the simulation reads it (`moe_routing = "counts:FILE"`). Also a run whose
    routers are zeroed, so every token goes to the same top-k experts (worst routing, measured).
 2. Mixtral-8x7B at seq 4096, micro-batch 1, AdamW, bf16-mixed, on one H100-80GB and under ZeRO-3 over 8
@@ -65,7 +65,8 @@ def real_run(precision: str, worst: bool, tmp: Path) -> dict:
     routed = dataclasses.replace(scenario, setup=dataclasses.replace(setup, moe_routing=f"counts:{path}"))
     v, _, simulated = validate(routed, measured=measured)
     fb = [p for p in v.phases if p.label.startswith(("forward", "backward"))]
-    return {"precision": precision, "routing": "worst (routers zeroed)" if worst else "as initialised",
+    fb_measured = phase_peak(measured, (Phase.FORWARD, Phase.BACKWARD))
+    return {"fb_measured": fb_measured, "fb_predicted": phase_peak(simulated, (Phase.FORWARD, Phase.BACKWARD)),"precision": precision, "routing": "worst (routers zeroed)" if worst else "as initialised",
             "counts": recorder.layers(), "measured": v.overall.measured, "predicted": v.overall.predicted,
             "error": v.overall.error, "fb_worst": max(abs(p.error) for p in fb),
             "static_exact": static_rows(measured) == static_rows(simulated)}
@@ -94,7 +95,7 @@ def mixtral(routing: str, zero3: bool) -> dict:
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [real_run(p, w, Path(tmp)) for p in ("fp32", "bf16-autocast") for w in (False, True)]
+        rows = [real_run(p, w, Path(tmp)) for p in ("fp32", "bf16-autocast", "bf16") for w in (False, True)]
     big = {(r, z): mixtral(r, z) for z in (False, True) for r in ("balanced", "worst")}
     lines = [SECTION, "",
              "`python bench/validate_moe.py`. HF transformers' MixtralForCausalLM (transformers "
@@ -104,14 +105,16 @@ def main() -> int:
              "Tiny Mixtral (2 layers, d_model 64, 4 experts of width 96, top-2; micro-batch 2, seq 32, AdamW, 2 "
              "steps), real CPU run under the allocation tracker, routing counts recorded by a router hook in the "
              "same run and read back by the simulation (`moe_routing = \"counts:FILE\"`):", "",
-             "| precision | router | tokens per expert, layer 0 | measured peak | simulated | error | worst fwd/bwd "
-             "phase | static rows |", "|---|---|---|---:|---:|---:|---:|---|"]
+             "| precision | router | tokens per expert, layer 0 | measured peak | simulated | error | forward/backward "
+             "peak, measured | simulated | worst fwd/bwd phase error | static rows |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(f"| {r['precision']} | {r['routing']} | {r['counts'][0]} | {r['measured']:,} B | "
-                     f"{r['predicted']:,} B | {r['error']:+.4%} | {r['fb_worst']:.4%} | "
-                     f"{'exact' if r['static_exact'] else 'DIFFER'} |")
-    same = all(a["measured"] == b["measured"] for a, b in zip(rows[::2], rows[1::2]))
-    lines += ["", f"Measured peaks with routing as initialised and with every token sent to the same two experts are "
+                     f"{r['predicted']:,} B | {r['error']:+.4%} | {r['fb_measured']:,} B | {r['fb_predicted']:,} B | "
+                     f"{r['fb_worst']:.4%} | {'exact' if r['static_exact'] else 'DIFFER'} |")
+    same = all(a["fb_measured"] == b["fb_measured"] for a, b in zip(rows[::2], rows[1::2]))
+    lines += ["", f"Measured forward/backward peaks with routing as initialised and with every token sent to the same two "
+                  "experts are "
                   f"{'identical' if same else 'different'}: on the grouped_mm path every tensor is sized by tokens x "
                   "top-k rows, however they are split between experts.", "",
               "Mixtral-8x7B (46.7B parameters, 12.9B active), seq 4096, micro-batch 1, bf16-mixed, AdamW, 2 steps, "

@@ -11,6 +11,8 @@ from peakledger's own Llama (`_llama_block`), every item read from transformers/
   order: the head merge is a view, not a copy;
 - the attention's locals (the rotated q and k) live until the attention returns; the router's logits,
   the top-k tensors and the block's input until the MoE block returns;
+- MixtralRMSNorm on a 16-bit input upcasts it (the fp32 copy is what pow and the product save), keeps the fp32
+  normalised x as a local until it returns, and multiplies the weight by a 16-bit cast of it (`_MixtralWriter`);
 - the loss is HF's `ForCausalLMLoss` (`models.transformer._hf_causal_lm_loss`).
 """
 
@@ -24,6 +26,31 @@ from .transformer import _HFWriter, _hf_causal_lm_loss, transformer_params
 MIXTRAL_CHECKPOINTING = ("none",)
 
 
+class _MixtralWriter(_HFWriter):
+    """`_HFWriter` with HF's own RMSNorm (MixtralRMSNorm), which differs from torch's for 16-bit inputs."""
+
+    def rmsnorm(self, name: str, x: TensorSpec) -> TensorSpec:
+        """`MixtralRMSNorm.forward`: x.to(fp32), pow(2).mean, rsqrt, x32 * rstd (a local until it returns), then
+        `weight * normed.to(input_dtype)`. For an fp32 input the casts are no-ops: `_Writer.rmsnorm`. For a 16-bit
+        one: pow and x32 * rstd save the fp32 copy, rsqrt its result, the weight product the 16-bit normed x."""
+        if x.dtype == "fp32":
+            return super().rmsnorm(name, x)
+        B, T, D = x.shape
+        t = lambda suffix, dt, shape=x.shape: self.t(f"{name}.{suffix}", shape, dt)  # noqa: E731
+        (x32,) = self.op(f"{name}.upcast", "to_copy", [x], [t("upcast", "fp32")])
+        # pow and mean, rsqrt, x32 * rstd; the backward holds three fp32 temporaries of x's shape at its highest
+        normed32, rstd = self.op(f"{name}.normalise", "rmsnorm", [x32], [t("normed_fp32", "fp32"),
+                                                                      self.t(f"{name}.rstd", (B, T, 1), "fp32", False)],
+                                 saves=(x32.name, f"{name}.rstd", f"{name}.rstd", x32.name), flops=4 * B * T * D,
+                                 bwd_workspace=tuple(t(f"grad_temp{i}", "fp32") for i in range(3)))
+        (n16,) = self.op(f"{name}.downcast", "to_copy", [normed32], [t("normed", x.dtype)])
+        (y,) = self.op(f"{name}.weight_mul", "mul", [n16], [t("out", x.dtype)], saves=(n16.name,),
+                       params=(f"{name}.weight",), saved_params=(f"{name}.weight",), flops=B * T * D,
+                       bwd_workspace=(self.t(f"{name}.grad_weight_temp", x.shape, x.dtype, False),))
+        self.release(f"{name}.return", [normed32])  # `hidden_states`, a local until forward returns
+        return y
+
+
 def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """`MixtralForCausalLM.forward(input_ids=idx, labels=idx)` (see the notes above)."""
     if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
@@ -31,7 +58,7 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
                                            f"not {setup.checkpointing!r}; allowed: none")
     B, T, D, hd = setup.micro_batch, setup.seq_len, cfg.d_model, cfg.head_size
     tape = Tape(params=transformer_params(cfg))
-    w = _HFWriter(tape, setup, cpu)
+    w = _MixtralWriter(tape, setup, cpu)
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     tape.inputs = [idx, TensorSpec("batch.targets", (B, T), "int64", False)]
     tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False) for n in ("inv_freq", "original_inv_freq")]

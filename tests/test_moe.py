@@ -22,6 +22,7 @@ from peakledger.models.presets import from_hf_config, preset
 from peakledger.models.training import describe
 from peakledger.models.transformer import transformer_params
 from peakledger.scenario import Scenario
+from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline
 
 transformers = pytest.importorskip("transformers")
@@ -53,7 +54,7 @@ def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None):
     return log, path, recorder.layers()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
 def test_real_mixtral_run_matches_the_simulation_with_its_own_routing(precision, tmp_path):
     setup = TrainingSetup(micro_batch=2, seq_len=32, precision=precision, optimizer="adamw", steps=2)
     measured, path, layers = _measure_with_counts(setup, tmp_path)
@@ -87,6 +88,9 @@ def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
     assert all(sorted(row)[-k:] == [tokens] * k for row in worst_layers)
     random_log, _, random_layers = _measure_with_counts(setup, tmp_path)
     assert random_layers != worst_layers
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        assert (timeline(worst_log).peak(lambda e, p=phase: e.phase is p).bytes
+                == timeline(random_log).peak(lambda e, p=phase: e.phase is p).bytes)
     assert timeline(worst_log).peak().bytes == timeline(random_log).peak().bytes
     sims = [timeline(simulate(describe(TINY, dataclasses.replace(setup, moe_routing=r), "cpu"))).peak().bytes
             for r in ("balanced", "worst")]
