@@ -272,7 +272,10 @@ class Running:
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that each become one FSDP2 unit before the root: transformer blocks, or MLP Linears."""
+    """The modules that each become one FSDP2 unit before the root: transformer blocks, or MLP Linears; a traced
+    model's repeated blocks (models/trace `real_model` names them)."""
+    if getattr(model, "peakledger_layers", None):
+        return [model.get_submodule(name) for name in model.peakledger_layers]
     if hasattr(model, "transformer"):
         return list(model.transformer.h)
     if hasattr(model, "model"):

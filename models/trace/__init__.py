@@ -11,8 +11,9 @@ How the pieces compose:
                (CPU, random weights) build of the same program for validation (`real_model`).
 
 The cache: a recording depends on the model (its source digest: the config JSON, or the module file's
-bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype and the frozen
-parameters. It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
+bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype, the frozen
+parameters, and whether any layer is checkpointed (a HF model then runs without its KV cache, as
+transformers does under gradient checkpointing). It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
 model once per shape; a changed module file has a new digest, so an edit never reuses an old trace.
 Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
 applied by `convert.to_tape` and the replay.
@@ -26,6 +27,7 @@ from collections import OrderedDict
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
 from .model import TracedModel, from_hf_dict, from_module_spec
+from .record import find_layers
 
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
@@ -35,7 +37,7 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
     mb = setup.micro_batch if "micro_batch" in model.varies else None
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
-            tuple(setup.frozen))
+            tuple(setup.frozen), setup.checkpointing != "none")
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:
@@ -62,11 +64,12 @@ def recording(model: TracedModel, setup: TrainingSetup):
 
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_autocast_name(setup) or "")
     what = "module" if model.kind == "module" else "hf_config"
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
         freeze(net, setup.frozen)
+        batch, values = _fake_batch(mode, batch)
         try:
-            rec = record(net, batch, loss_fn, autocast=autocast)
+            rec = record(net, batch, loss_fn, autocast=autocast, values=values)
         except ConfigError:
             raise
         except TypeError as e:
@@ -81,6 +84,24 @@ def recording(model: TracedModel, setup: TrainingSetup):
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return rec
+
+
+def _fake_batch(mode, batch):
+    """The batch as fake tensors, with the real values of those that had them (a HF batch is built real)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_map
+
+    values = {}
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+            return t
+        f = mode.from_tensor(t)
+        values[f] = t
+        return f
+
+    return tree_map(fake, batch), values
 
 
 def freeze(net, patterns) -> None:
@@ -112,7 +133,46 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
             for p in net.parameters():
                 p.normal_(0.0, 0.02)
     freeze(net, setup.frozen)
+    layers = find_layers(net)
+    net.peakledger_layers = layers  # FSDP2 units for a real distributed run (traces/distributed.py fsdp_units)
+    _wrap_layers(net, layers, setup)
     return _RealRun(net, batch, loss_fn)
+
+
+def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
+    """Run each checkpointed layer as the simulation's region (models/trace/convert.py `_regions`): the layer's
+    forward under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (op-policy: with torch's
+    selective checkpoint contexts), or under `save_on_cpu` (offload)."""
+    if setup.checkpointing == "none":
+        return
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from ..reference import OP_POLICY
+    from ..tape import checkpoint_segments
+
+    for seg in checkpoint_segments(setup, len(layers)):
+        if seg.wrap == "none":
+            continue
+        if len(seg.layers) > 1:
+            raise ConfigError("checkpointing", f"{setup.checkpointing} makes regions of several layers, which a "
+                                               "traced model's own loop cannot run for real; simulate it, or "
+                                               "validate full, every-k, layers, op-policy or offload")
+        module = net.get_submodule(layers[seg.layers.start])
+        call = module.forward
+        if seg.wrap == "offload":
+            def forward(*args, _call=call, **kwargs):
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    return _call(*args, **kwargs)
+        else:
+            extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, OP_POLICY)} \
+                if seg.wrap == "op-policy" else {}
+
+            def forward(*args, _call=call, _extra=extra, **kwargs):
+                return checkpoint(_call, *args, use_reentrant=False, **_extra, **kwargs)
+        module.forward = forward
 
 
 def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:

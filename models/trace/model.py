@@ -153,6 +153,8 @@ def _hf_build(data: dict, setup: TrainingSetup):
 
     cls, task = hf_task(data)
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    if setup.checkpointing != "none":  # transformers drops the cache when layers are checkpointed
+        kwargs["use_cache"] = False    # (transformers/modeling_layers.py GradientCheckpointingLayer)
     try:
         config = CONFIG_MAPPING[data["model_type"]](**kwargs)
     except (TypeError, ValueError) as e:
@@ -166,6 +168,14 @@ def _hf_build(data: dict, setup: TrainingSetup):
         raise ConfigError("hf_config", f"transformers could not build {cls.__name__} from it: "
                                        f"{type(e).__name__}: {e}") from None
     model.train()
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():  # the batch has real values (token ids a trace's branches may read)
+        return model, _hf_batch(config, task, setup, dtype), _hf_loss
+
+
+def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
+    import torch
+
     B, T = setup.micro_batch, setup.seq_len
     g = torch.Generator().manual_seed(0)
     if task == "AutoModelForImageClassification":
@@ -179,7 +189,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
     else:
         ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
         batch = {"input_ids": ids, "labels": ids.clone()}
-    return model, batch, _hf_loss
+    return batch
 
 
 def _hf_loss(output):

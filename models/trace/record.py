@@ -94,6 +94,54 @@ class _Token:
         self.tensor = tensor
 
 
+SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+                torch.ops.aten.equal.default}
+SHADOW_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+SHADOW_LIMIT = 1 << 24  # elements: integer tensors up to this size carry their real values
+
+
+class Shadows:
+    """Real values for the integer and boolean tensors of a trace (token ids, positions, masks), so that a
+    Python branch on them (`if (mask == 0).all():`, `.item()`) takes the branch the real run takes instead of
+    failing on a fake tensor. The batch's tensors come with their values (`add`); an op whose tensor inputs all
+    have values (or that has none, like `arange`) and whose outputs are small integer tensors is run for real
+    on those values too. Float tensors never have values: their values are the weights', which a trace does
+    not have."""
+
+    def __init__(self) -> None:
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.values = WeakIdKeyDictionary()
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        self.values[fake] = real
+
+    def inputs(self, func, args, kwargs):
+        """(real args, real kwargs) when every tensor argument has a value, else None."""
+        leaves = _tensors((args, kwargs))
+        if any(t not in self.values for t in leaves):
+            return None
+        swap = lambda a: self.values[a] if isinstance(a, torch.Tensor) else a  # noqa: E731
+        from torch.utils._pytree import tree_map
+        return tree_map(swap, args), tree_map(swap, kwargs or {})
+
+    def run(self, func, real):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():
+            return func(*real[0], **real[1])
+
+    def follow(self, func, real, out) -> None:
+        fakes = _tensors(out)
+        if not fakes or any(t.dtype not in SHADOW_DTYPES or t.numel() > SHADOW_LIMIT for t in fakes):
+            return
+        try:
+            values = _tensors(self.run(func, real))
+        except Exception:  # an op that will not run on the real values: its outputs have none
+            return
+        if len(values) == len(fakes):
+            for f, r in zip(fakes, values):
+                self.values[f] = r
+
+
 def _tensors(tree) -> list[torch.Tensor]:
     return [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor)]
 
@@ -118,6 +166,7 @@ class Recorder(TorchDispatchMode):
         self._node_refs: dict[int, object] = {}  # keep nodes alive while their ids are keys
         self.module_stack: list[str] = []
         self.finalizers: list[weakref.finalize] = []
+        self.shadows = Shadows()
 
     # -- storages -----------------------------------------------------------------------------------
     def storage_of(self, t: torch.Tensor) -> int | None:
@@ -181,6 +230,9 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "prim":  # prim.device & co: metadata queries (autograd asks before it sets grad_fn)
             return func(*args, **(kwargs or {}))
+        real = self.shadows.inputs(func, args, kwargs)
+        if real is not None and func in SCALAR_READS:  # a Python branch on a value the shadows know
+            return self.shadows.run(func, real)
         self._resolve_pending()
         ins = _tensors((args, kwargs))
         in_ids = {}
@@ -195,6 +247,8 @@ class Recorder(TorchDispatchMode):
             if sid is not None:
                 in_ids[sid] = None
         out = func(*args, **(kwargs or {}))
+        if real is not None:
+            self.shadows.follow(func, real, out)
         short = str(func).replace("aten.", "").replace(".default", "")
         outs = _tensors(out)
         flops = self._flops(func, args, kwargs, out)
@@ -288,6 +342,26 @@ class cpu_fake_kernels:
         return False
 
 
+class real_code_paths:
+    """transformers takes a different code path on fake tensors (`utils/import_utils.py` `is_tracing` counts a
+    FakeTensor as tracing: masks are materialised, packed-sequence checks skipped). While recording, a fake
+    tensor does not count, so the traced program is the real run's; the branches it takes on integer values
+    are answered by `Shadows`."""
+
+    def __enter__(self):
+        import sys
+        self.module = sys.modules.get("transformers.utils.import_utils")
+        if self.module is not None:
+            self.previous = self.module.is_fake_tensor
+            self.module.is_fake_tensor = lambda x: False
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.is_fake_tensor = self.previous
+        return False
+
+
 def _fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
@@ -312,9 +386,13 @@ def _fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dt
     return FakeTensor(fake_mode, out, mat_a.device)
 
 
-def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None) -> Recording:
-    """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it."""
+def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None,
+           values: dict | None = None) -> Recording:
+    """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it.
+    `values` maps batch tensors (fake) to their real values (see `Shadows`)."""
     rec = Recorder(model)
+    for fake, real in (values or {}).items():
+        rec.shadows.add(fake, real)
     names = {id(m): n or "model" for n, m in model.named_modules()}
     params = []
     for n, p in model.named_parameters():
@@ -353,7 +431,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
              torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
     try:
-        with cpu_fake_kernels(), rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with cpu_fake_kernels(), real_code_paths(), rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             rec.phase = "forward"
             ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
             with ctx:
