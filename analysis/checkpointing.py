@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 
 from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
+from ..models.trace import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
 from ..simulator.events import Category, EventLog, Phase, Pool
@@ -151,8 +152,11 @@ def host_activations(log: EventLog, rank: int) -> int:
     return best
 
 
-def n_layers(model) -> int:
-    """The layers checkpointing policies count: transformer blocks, or an MLP's Linear(+activation) pairs."""
+def n_layers(model, setup=None) -> int:
+    """The layers checkpointing policies count: transformer blocks, an MLP's Linear(+activation) pairs, or a
+    traced model's repeated blocks (models/trace `traced_layers`, which needs the setup)."""
+    if isinstance(model, TracedModel):
+        return len(traced_layers(model, setup))
     return model.n_layer if isinstance(model, TransformerConfig) else len(model.hidden) + 1
 
 
@@ -278,8 +282,15 @@ def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", un
 _REGION_RELEASE = re.compile(r"^checkpoint\.region(\d+)\.release$")  # a region is named by its first layer
 
 
-def _layer_pattern(model) -> tuple[re.Pattern, int]:
+def _layer_pattern(model, setup=None) -> tuple[re.Pattern, int]:
     """A regex whose group 1 is a layer number inside an op name, and what to divide that number by."""
+    if isinstance(model, TracedModel):  # one list of numbered blocks: "<prefix>.<i>"
+        layers = traced_layers(model, setup)
+        prefixes = {name.rpartition(".")[0] for name in layers}
+        if len(prefixes) != 1 or [name.rpartition(".")[2] for name in layers] != [str(i) for i in range(len(layers))]:
+            raise ConfigError("checkpointing", f"the layer search needs one list of numbered layers; this model's "
+                                               f"are {', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}")
+        return re.compile(rf"(?:^|\.){re.escape(prefixes.pop())}\.(\d+)\."), 1
     if isinstance(model, MLPConfig):
         return re.compile(r"^layers\.(\d+)(?:\.|$)"), 2
     if model.family == "gpt2":
@@ -467,8 +478,8 @@ def _held_backward(records: list[_Record], one_pass, n: int) -> list[int]:
 def layer_costs(scenario) -> tuple[LayerCosts, SimulatedRun, SimulatedRun]:
     """`LayerCosts` of `scenario`'s model, from a simulation with no layer checkpointed and one with all
     (returned too: the search reuses them)."""
-    n = n_layers(scenario.model)
-    pattern, divide = _layer_pattern(scenario.model)
+    n = n_layers(scenario.model, scenario.setup)
+    pattern, divide = _layer_pattern(scenario.model, scenario.setup)
     plain = simulate_run(with_checkpointed_layers(scenario, ()))
     full = simulate_run(with_checkpointed_layers(scenario, tuple(range(n))), _representatives(plain))
     cuts = [_cut(plain, n, pattern, divide), _cut(full, n, pattern, divide)]
@@ -583,7 +594,7 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
     if isinstance(scenario.model, TransformerConfig) and scenario.model.implementation == "hf":
         raise ConfigError("checkpointing", "the layer search runs on implementation 'nanogpt' models; HF's "
                                            "GPT2LMHeadModel is modelled with none or full only")
-    n = n_layers(scenario.model)
+    n = n_layers(scenario.model, scenario.setup)
     costs, plain, full = layer_costs(scenario)
     limit = _raw_limit(budget, scenario.headroom)
     simulations = 2

@@ -3,9 +3,12 @@
     from peakledger import build_scenario, run
     report = run(build_scenario({"preset": "gpt2"}, {"micro_batch": 8}))
     print(report.peaks.peak.bytes)
+
+    # any HF model type, or your own module, traced on fake tensors
+    report = run(trace(hf_config="config.json", micro_batch=4, seq_len=2048, precision="bf16-mixed"))
 """
 
-from .api import fixed_state_peak, max_micro_batch, run
+from .api import explain, fixed_state_peak, max_micro_batch, run, trace
 from .scenario import Scenario, build_scenario
 
-__all__ = ["Scenario", "build_scenario", "run", "max_micro_batch", "fixed_state_peak"]
+__all__ = ["Scenario", "build_scenario", "run", "trace", "explain", "max_micro_batch", "fixed_state_peak"]

@@ -10,13 +10,32 @@ from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
 from .analysis.report import Report, summarize
 from .models.config import CHECKPOINTING, ConfigError, TransformerConfig
+from .models.trace.model import TracedModel
 from .models.training import describe
-from .scenario import Scenario
+from .scenario import Scenario, _traced_scenario, build_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Pool
 from .simulator.timeline import timeline
 
 STATE_CATEGORIES = (Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
+
+
+def trace(hf_config=None, *, module: str | None = None, name: str | None = None, device: str = "H100-80GB",
+          describer: str = "traced", **training) -> Scenario:
+    """A scenario for a model peakledger traces (models/trace): `hf_config` a config.json path or a dict of
+    one, or `module` "path/to/file.py:factory" (factory() -> (model, batch, loss_fn)); `training` holds
+    TrainingSetup fields (micro_batch, seq_len, precision, optimizer, checkpointing, ...). The result goes
+    to `run`, `explain`, `max_micro_batch` and analysis.checkpointing like any scenario; the trace itself
+    runs at the first of those (then cached per shape)."""
+    from .models.trace import from_hf_dict
+
+    if (hf_config is None) == (module is None):
+        raise ConfigError("hf_config", "give exactly one of hf_config (a config.json path or dict) and module")
+    if isinstance(hf_config, dict):
+        model = from_hf_dict(hf_config, name or str(hf_config.get("model_type", "hf")))
+        return _traced_scenario(model, {}, training, {"device": device}, name, None)
+    table = {"hf_config": str(hf_config)} if hf_config is not None else {"module": module}
+    return build_scenario({**table, "describer": describer}, training, {"device": device}, name=name)
 
 
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
@@ -125,17 +144,20 @@ def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
                                                   3: "parameters all-gathered per module"}[stage]))
     if s.world_size > 1 and s.dp_engine in ("ddp", "zero-redundancy-optimizer"):
         out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
+    traced = isinstance(model, TracedModel)
     for policy in CHECKPOINTING:
-        if policy not in (s.checkpointing, "none", "layers"):  # "layers" needs a set: `peakledger checkpointing`
+        if policy not in (s.checkpointing, "none", "layers") and not (traced and policy == "selective"):
+            # "layers" needs a set (`peakledger checkpointing`); "selective" names transformer-block parts
             cost = ("saved activations copied to the host and back over the host link" if policy == "offload"
                     else "recompute in backward")
             out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, cost))
-    mb = s.micro_batch
+    mb = s.micro_batch if not traced or "micro_batch" in model.varies else 1  # a fixed factory batch
     for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
         out.append((f"micro-batch {mb} -> {d}, accumulation {s.grad_accum} -> {s.grad_accum * mb // d}",
                     {"micro_batch": d, "grad_accum": s.grad_accum * mb // d}, False,
                     "same B_eff, more and smaller steps (lower arithmetic intensity)"))
-    if isinstance(model, TransformerConfig) and s.seq_len > 1:
+    if (isinstance(model, TransformerConfig) or traced and "seq_len" in model.varies and model.batch_note(s)
+            .startswith("input_ids")) and s.seq_len > 1:
         out.append((f"seq_len {s.seq_len} -> {s.seq_len // 2}", {"seq_len": s.seq_len // 2}, True,
                     "shorter context: changes what the model learns"))
     if s.optimizer in ("adam", "adamw"):
@@ -154,6 +176,13 @@ def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
                     "none: the first step creates and offloads the states chunk by chunk"))
     if s.precision == "fp32":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
+    if traced and s.checkpointing == "none":
+        from .models.trace import traced_layers
+        layers = traced_layers(model, s)
+        if len(layers) > 1:
+            half = layers[:len(layers) // 2]
+            out.append((f"freeze {half[0]} .. {half[-1]}", {"frozen": tuple(f"{name}.*" for name in half)}, True,
+                        "fine-tunes the upper half only"))
     if isinstance(model, TransformerConfig) and model.n_layer > 1:
         prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
         half = model.n_layer // 2

@@ -27,7 +27,6 @@ from collections import OrderedDict
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
 from .model import TracedModel, from_hf_dict, from_module_spec
-from .record import find_layers
 
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
@@ -114,6 +113,11 @@ def freeze(net, patterns) -> None:
             p.requires_grad_(False)
 
 
+def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
+    """The repeated blocks of a traced model (its checkpointable layers, FSDP units), from its recording."""
+    return recording(model, setup).layers
+
+
 def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False) -> Tape:
     from .convert import to_tape
 
@@ -133,6 +137,7 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
             for p in net.parameters():
                 p.normal_(0.0, 0.02)
     freeze(net, setup.frozen)
+    from .record import find_layers
     layers = find_layers(net)
     net.peakledger_layers = layers  # FSDP2 units for a real distributed run (traces/distributed.py fsdp_units)
     _wrap_layers(net, layers, setup)
@@ -214,5 +219,5 @@ def _RealRun(net, batch, loss_fn):
     return net
 
 
-__all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "recording", "real_model",
-           "real_batches"]
+__all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording",
+           "real_model", "real_batches"]
