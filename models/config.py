@@ -141,6 +141,7 @@ class TransformerConfig:
     # sending each token to `num_experts_per_tok` of them (HF Mixtral); None: a dense MLP
     num_local_experts: int | None = None
     num_experts_per_tok: int | None = None
+    experts_implementation: str | None = None  # HF's: "grouped_mm" (None, its default) or "eager" (a loop over experts)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -170,7 +171,7 @@ class TransformerConfig:
                 raise ConfigError("activation", f"implementation nanogpt runs nn.GELU() (gelu); {self.activation!r} "
                                                 "needs implementation = 'hf'")
         self._check_heads_and_biases()
-        if self.num_local_experts is not None or self.num_experts_per_tok is not None:
+        if self.num_local_experts is not None or self.num_experts_per_tok is not None or self.experts_implementation:
             _check_experts(self)
         elif self.implementation == "hf":
             self._check_hf_gpt2()
@@ -247,9 +248,15 @@ class TransformerConfig:
         return self.family == "llama"
 
 
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")  # transformers/integrations/moe.py, models/moe.py
+
+
 def _check_experts(cfg: TransformerConfig) -> None:
     """MoE is modelled as HF's MixtralForCausalLM runs it (models/moe.py): family llama, implementation hf,
     SDPA without dropout, both expert counts given, top-k <= experts."""
+    if cfg.experts_implementation is not None and cfg.num_local_experts is None:
+        raise ConfigError("experts_implementation", f"applies to mixture-of-experts models (num_local_experts); "
+                                                    f"{cfg.name!r} has no experts")
     for name in ("num_local_experts", "num_experts_per_tok"):
         if getattr(cfg, name) is None:
             raise ConfigError(name, "a mixture of experts needs both num_local_experts and num_experts_per_tok")
@@ -266,6 +273,8 @@ def _check_experts(cfg: TransformerConfig) -> None:
                                     f"{value!r}, got {getattr(cfg, name)!r}")
     if cfg.bias or cfg.out_bias or cfg.mlp_bias:
         raise ConfigError("bias", "HF Mixtral has no biases: bias, out_bias and mlp_bias must be left out or false")
+    if cfg.experts_implementation is not None:
+        _choice(cfg, "experts_implementation", EXPERTS_IMPLEMENTATIONS)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,10 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
         raise ConfigError("checkpointing", f"HF Mixtral (experts) is modelled without activation checkpointing, "
                                            f"not {setup.checkpointing!r}; allowed: none")
+    if cfg.experts_implementation == "eager" and setup.precision.endswith("-autocast"):
+        raise ConfigError("experts_implementation", "the eager experts loop under torch.autocast (16-bit copies of "
+                                                    "weight slices, not cached) is not modelled; allowed there: "
+                                                    "grouped_mm")
     B, T, D, hd = setup.micro_batch, setup.seq_len, cfg.d_model, cfg.head_size
     tape = Tape(params=transformer_params(cfg))
     w = _MixtralWriter(tape, setup, cpu)
@@ -102,7 +106,7 @@ def _decoder_layer(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, 
     y = _attention(w, cfg, f"{h}.self_attn", a, cos, sin)
     h1 = w.add(f"{h}.attn_residual", x, y)
     m = w.rmsnorm(f"{h}.post_attention_layernorm", h1)
-    return w.add(f"{h}.moe_residual", h1, moe_block(w, cfg, h, m, layer))
+    return moe_block(w, cfg, h, m, layer, h1)
 
 
 def _attention(w: _HFWriter, cfg: TransformerConfig, p: str, a: TensorSpec, cos, sin) -> TensorSpec:

@@ -10,15 +10,18 @@ tokens each expert sees is decided by the router at run time, so routing is an i
   counts:PATH   measured tokens per expert per layer, a "peakledger-moe-counts" JSON file
                 (`traces/moe_counts.py` records one from a real run: `peakledger capture --moe-counts`).
 
-What runs: `MixtralExperts` is decorated with `use_experts_implementation`, and a model built from a config
-takes `get_correct_experts_implementation(None)` = "grouped_mm" wherever torch has `grouped_mm` (torch >= 2.10
-on a CPU, SM80+ on CUDA): `grouped_mm_experts_forward` (transformers/integrations/moe.py). It sorts the
-tokens x top-k (token, expert) pairs by expert, gathers their hidden states, and runs the experts as two
-grouped matmuls over all E experts with per-expert row offsets. Every tensor it allocates is sized by
-tokens x top-k rows, whatever the split between experts: on this path the routing changes FLOPs per expert
-and nothing in memory (measured: tests/test_moe.py runs a real model under balanced-like and worst routing
-and sees the same peak). The router's load-balancing loss is computed only with `output_router_logits`
-(False in MixtralConfig); such configs are refused rather than modelled.
+What runs (`TransformerConfig.experts_implementation`): `MixtralExperts` is decorated with
+`use_experts_implementation`, and a model built from a config takes `get_correct_experts_implementation(None)`
+= "grouped_mm" wherever torch has `grouped_mm` (torch >= 2.10 on a CPU, SM80+ on CUDA):
+`grouped_mm_experts_forward` (transformers/integrations/moe.py). It sorts the tokens x top-k (token, expert)
+pairs by expert, gathers their hidden states, and runs the experts as two grouped matmuls over all E experts
+with per-expert row offsets. Every tensor it allocates is sized by tokens x top-k rows, whatever the split
+between experts: on this path the routing changes FLOPs per expert and nothing in memory (measured:
+tests/test_moe.py runs a real model under its own and under worst routing and sees the same peaks).
+"eager" (`experts_implementation="eager"`, and what a subclass defined outside transformers gets: its module's
+source lacks the decorator) loops over the experts that got tokens (`_eager_experts`): there the routing sets
+the per-expert tensors and how many full-size weight-gradient pieces are summed. The router's load-balancing
+loss is computed only with `output_router_logits` (False in MixtralConfig); such configs are refused.
 """
 
 from __future__ import annotations
@@ -149,10 +152,10 @@ def counts_document(layers, micro_batch: int, seq_len: int, top_k: int, model: s
 
 # -- the block's tape -----------------------------------------------------------------------------
 
-def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int) -> TensorSpec:
-    """`MixtralSparseMoeBlock.forward` on the post-attention norm's output `m`, as the grouped_mm path runs it
-    (transformers/models/mixtral/modeling_mixtral.py, transformers/integrations/moe.py). `w` is the HF writer
-    (`models.hf_mixtral._MixtralWriter`): ops, tensors and `release` for Python locals. Returns (B, T, D)."""
+def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, residual: TensorSpec) -> TensorSpec:
+    """`MixtralSparseMoeBlock.forward` on the post-attention norm's output `m`, as the grouped_mm or eager path runs
+    it (transformers/models/mixtral/modeling_mixtral.py, transformers/integrations/moe.py), and the residual add
+    after it. `w` is the HF writer (`models.hf_mixtral._MixtralWriter`): ops, tensors, `release`. Returns (B, T, D)."""
     B, T, D = m.shape
     E, k, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.ffn
     N, S = B * T, B * T * k
@@ -173,6 +176,12 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int) -> T
     (scores,) = w.op(f"{p}.gate.normalise", "div", [top, total], [w.t(f"{p}.gate.scores", (N, k), "fp32")],
                      saves=(top.name, total.name),
                      bwd_workspace=tuple(w.t(f"{p}.gate.div.grad_temp{i}", (N, k), "fp32", False) for i in range(3)))
+    if cfg.experts_implementation == "eager":
+        out, acc = _eager_experts(w, cfg, p, m, scores, idx, counts)
+        w.release(f"{p}.return", [m, logits, scores, idx])
+        y = w.add(f"{h}.moe_residual", residual, out)
+        w.release(f"{p}.output.used", [acc])  # the accumulator is the block's output: alive until the add read it
+        return y
     # grouped_mm_experts_forward: sort the (token, expert) pairs by expert, gather, two grouped matmuls
     x = f"{p}.experts"
     ids_g, perm = w.op(f"{x}.sort", "sort", [idx], [w.t(f"{x}.expert_ids_g", (S,), "int64", False),
@@ -212,7 +221,62 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int) -> T
     w.release(f"{x}.return", [ids_g, ids_f, hist, unperm])
     out = _to(w, f"{x}.out", out, m.dtype)  # `.to(hidden_states.dtype)`
     w.release(f"{p}.return", [m, logits, scores, idx])  # `_`, the top-k locals and the block's input
-    return out
+    return w.add(f"{h}.moe_residual", residual, out)
+
+
+def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: TensorSpec, idx: TensorSpec, counts):
+    """`MixtralExperts.forward` (experts_implementation "eager"): a zero accumulator, a one-hot expert mask, then
+    for each expert that got tokens (ascending), its tokens gathered, two linears on slices of the 3-D weights,
+    the routing weight, and an in-place `index_add_` into the accumulator. Each slice's gradient is made full
+    size by SelectBackward and summed (out of place) into the weight's gradient.
+
+    The in-place accumulator is one tensor: the chain of index_add_ ops writes zero-sized outputs, so that the
+    gradient reaches every expert's output without any memory of its own. Returns (output, accumulator)."""
+    N, D = m.shape[0] * m.shape[1], m.shape[2]
+    E, k, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.ffn
+    pdt, ddt = w.setup.param_dtype, m.dtype
+    x = f"{x}.experts"
+    (acc,) = w.op(f"{x}.zeros", "zeros_like", [], [w.t(f"{x}.accumulator", m.shape, ddt, False)])
+    (mask,) = w.op(f"{x}.one_hot", "one_hot", [idx], [w.t(f"{x}.expert_mask", (N, k, E + 1), "int64", False)])
+    hits = [e for e in range(E) if counts[e]]
+    (hit,) = w.op(f"{x}.expert_hit", "nonzero", [mask], [w.t(f"{x}.expert_hit", (len(hits), 1), "int64", False)],
+                  workspace=(w.t(f"{x}.mask_sum", (E + 1,), "int64", False), w.t(f"{x}.mask_hit", (E + 1,), "bool", False)))
+    out, prev_state, prev_weighted = acc, None, None
+    for e in hits:
+        n, ex = counts[e], f"{x}.{e}"
+        (pairs,) = w.op(f"{ex}.where", "nonzero", [mask], [w.t(f"{ex}.where", (n, 2), "int64", False)])
+        (state,) = w.op(f"{ex}.gather", "index", [m, pairs], [w.t(f"{ex}.current_state", (n, D), ddt)],
+                        saves=(pairs.name,), bwd_workspace=(w.t(f"{ex}.gather.zeros", m.shape, ddt, False),))
+        w.release(f"{ex}.current_state.reassigned", [prev_state])  # the loop's local of the previous expert
+        (proj,) = w.op(f"{ex}.gate_up_proj", "linear", [state], [w.t(f"{ex}.gate_up_out", (n, 2 * F), pdt)],
+                       saves=(state.name,), params=(f"{x}.gate_up_proj",), saved_params=(f"{x}.gate_up_proj",),
+                       bwd_workspace=(w.t(f"{ex}.gate_up_proj.slice_grad", (2 * F, D), w.setup.grad_dtype, False),),
+                       flops=2 * n * D * 2 * F)
+        (act,) = w.op(f"{ex}.act", "silu", [proj], [w.t(f"{ex}.act", (n, F), pdt)], saves=(proj.name,),
+                      views=(proj.name,))
+        (prod,) = w.op(f"{ex}.mul", "mul", [act, proj], [w.t(f"{ex}.mul", (n, F), pdt)], saves=(act.name, proj.name),
+                       views=(proj.name,))
+        w.release(f"{ex}.current_hidden_states.reassigned", [prev_weighted])
+        (down,) = w.op(f"{ex}.down_proj", "linear", [prod], [w.t(f"{ex}.down_out", (n, D), pdt)],
+                       saves=(prod.name,), params=(f"{x}.down_proj",), saved_params=(f"{x}.down_proj",),
+                       bwd_workspace=(w.t(f"{ex}.down_proj.slice_grad", (D, F), w.setup.grad_dtype, False),),
+                       flops=2 * n * F * D)
+        (wsel,) = w.op(f"{ex}.routing_weight", "index", [scores, pairs], [w.t(f"{ex}.routing_weight", (n, 1), "fp32")],
+                       saves=(pairs.name,), bwd_workspace=(w.t(f"{ex}.routing_weight.zeros", (N, k, 1), "fp32", False),))
+        wdt = "fp32" if "fp32" in (pdt, "fp32") else pdt
+        temps = (w.t(f"{ex}.weigh.grad_temp", (n, D), wdt, False),) + \
+            ((w.t(f"{ex}.weigh.grad_uncast", (n, D), wdt, False),) if wdt != pdt else ())
+        (weighted,) = w.op(f"{ex}.weigh", "mul", [down, wsel], [w.t(f"{ex}.weighted", (n, D), wdt)],
+                           saves=(down.name, wsel.name), bwd_workspace=temps)
+        src = _to(w, f"{ex}.weighted", weighted, ddt)  # `.to(final_hidden_states.dtype)`
+        # IndexAddBackward keeps the index and the source (its formula expands the gradient as the source)
+        (out,) = w.op(f"{ex}.index_add", "index_add", [out, src], [w.t(f"{ex}.accumulated", (0,), ddt)],
+                      saves=(pairs.name, src.name), passthrough=True)
+        if src is not weighted:
+            w.release(f"{ex}.index_add.return", [src])
+        prev_state, prev_weighted = state, weighted
+    w.release(f"{x}.return", [mask, hit, prev_state, prev_weighted])
+    return out, acc
 
 
 def _to(w, name: str, x: TensorSpec, dtype: str) -> TensorSpec:

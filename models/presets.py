@@ -153,6 +153,7 @@ class HFMixtralKeys(HFDecoderKeys):
     output_router_logits: bool = _key(BOOL, False)
     router_jitter_noise: Rate = _key(RATE, 0.0)
     sliding_window: PositiveInt | None = _key(OPT_INT, None)
+    experts_implementation: str | None = _key(STR, None)  # from_pretrained's kwarg; None: transformers' default
 
 
 HF_DECODERS = {"llama": HFLlamaKeys, "mistral": HFDecoderKeys, "qwen2": HFQwen2Keys}
@@ -186,7 +187,8 @@ def from_hf_config(data: dict, name: str = "hf") -> TransformerConfig:
                                     f"{', '.join(HF_DECODERS)}, mixtral")
 
 
-MIXTRAL_KEYS = dict(DECODER_KEYS, num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok")
+MIXTRAL_KEYS = dict(DECODER_KEYS, num_local_experts="num_local_experts", num_experts_per_tok="num_experts_per_tok",
+                    experts_implementation="experts_implementation")
 
 
 def _hf_mixtral(data: dict, name: str) -> TransformerConfig:
@@ -206,7 +208,8 @@ def _hf_mixtral(data: dict, name: str) -> TransformerConfig:
         n_head=keys.num_attention_heads, n_kv_head=keys.num_key_value_heads, head_dim=keys.head_dim,
         d_ff=keys.intermediate_size, vocab_size=keys.vocab_size, max_seq_len=keys.max_position_embeddings,
         tied_embeddings=keys.tie_word_embeddings, dropout=float(keys.attention_dropout), attention=keys.attention(),
-        num_local_experts=keys.num_local_experts, num_experts_per_tok=keys.num_experts_per_tok)
+        num_local_experts=keys.num_local_experts, num_experts_per_tok=keys.num_experts_per_tok,
+        experts_implementation=keys.experts_implementation)
     return _config(fields, MIXTRAL_KEYS)
 
 

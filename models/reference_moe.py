@@ -34,7 +34,8 @@ def hf_mixtral_config(cfg: TransformerConfig):
                          num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
                          tie_word_embeddings=cfg.tied, attn_implementation=cfg.attention, use_cache=False,
                          sliding_window=None, output_router_logits=False, bos_token_id=last_token,
-                         eos_token_id=last_token, pad_token_id=None)
+                         eos_token_id=last_token, pad_token_id=None,
+                         **({"experts_implementation": cfg.experts_implementation} if cfg.experts_implementation else {}))
 
 
 @functools.cache

@@ -21,7 +21,7 @@ from .traces.store import TraceFile
 
 MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
                     ("head_dim", int), ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
-                    ("attention", str)]
+                    ("attention", str), ("experts_implementation", str)]
 MODEL_FLAGS = [name for name, _ in MODEL_FLAG_TYPES]
 DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "reduce_bucket_size",
                 "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",

@@ -39,7 +39,10 @@ def _scenario(setup: TrainingSetup, cfg: TransformerConfig = TINY) -> Scenario:
     return Scenario(name=cfg.name, model=cfg, setup=setup, device="cpu")
 
 
-def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None):
+EAGER = dataclasses.replace(TINY, experts_implementation="eager")
+
+
+def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None, cfg: TransformerConfig = TINY):
     """A real run that records its own routing: the measured log and the counts file of its first micro-batch."""
     recorder = RoutingRecorder()
 
@@ -48,10 +51,21 @@ def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None):
             hook(model)
         recorder.attach(model)
 
-    log = measure(_scenario(setup), model_hook=attach)
-    path = tmp_path / "counts.json"
-    recorder.write(path, setup.micro_batch, setup.seq_len, TINY.name)
+    log = measure(_scenario(setup, cfg), model_hook=attach)
+    path = tmp_path / f"counts-{len(list(tmp_path.iterdir()))}.json"
+    recorder.write(path, setup.micro_batch, setup.seq_len, cfg.name)
     return log, path, recorder.layers()
+
+
+def zero_routers(model):
+    """Zeroed routers send every token to the same k experts (ties in topk): the worst routing, for real."""
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.gate"):
+            torch.nn.init.zeros_(module.weight)
+
+
+def _phase_peak(log, phase: Phase, step: int = 1) -> int:
+    return timeline(log).peak(lambda e: e.phase is phase and e.step == step).bytes
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast", "bf16"])
@@ -70,16 +84,9 @@ def test_real_mixtral_run_matches_the_simulation_with_its_own_routing(precision,
 
 
 def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
-    """Zeroed routers send every token to the same k experts (ties in topk): the worst routing, measured. Its
-    per-phase peaks in step 1 equal those of the randomly initialised router's run, and the simulation
-    gives the same bytes under balanced and worst routing."""
+    """Worst routing measured (zeroed routers): its per-phase peaks equal those of the randomly initialised
+    router's run, and the simulation gives the same bytes under balanced and worst routing."""
     setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", optimizer="adamw", steps=1)
-
-    def zero_routers(model):
-        for name, module in model.named_modules():
-            if name.endswith(".mlp.gate"):
-                torch.nn.init.zeros_(module.weight)
-
     worst_log, _, worst_layers = _measure_with_counts(setup, tmp_path, zero_routers)
     tokens = setup.micro_batch * setup.seq_len
     k = TINY.num_experts_per_tok
@@ -208,3 +215,52 @@ def test_the_reference_model_takes_the_default_grouped_mm_path():
     assert model.config._experts_implementation == "grouped_mm"
     assert model.config._experts_implementation == transformers.MixtralForCausalLM(
         hf_mixtral_config(TINY)).config._experts_implementation
+
+
+# -- the eager experts loop (experts_implementation "eager"): there the routing matters ---------------
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_real_eager_run_matches_the_simulation_with_its_own_routing(precision, tmp_path):
+    """Exact in step 1, whose routing the counts file holds; step 2 routes differently after the update (the
+    file holds one micro-batch), within the tolerance."""
+    setup = TrainingSetup(micro_batch=2, seq_len=32, precision=precision, optimizer="adamw", steps=2)
+    measured, path, _ = _measure_with_counts(setup, tmp_path, cfg=EAGER)
+    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
+    v, _, simulated = validate(_scenario(routed, EAGER), measured=measured)
+    assert abs(v.overall.error) <= TOLERANCE, v.overall
+    for phase in v.phases:
+        assert abs(phase.error) <= TOLERANCE, phase
+        if phase.label in ("forward step 1", "backward step 1"):
+            assert abs(phase.measured - phase.predicted) <= 64, phase  # a loss scalar or two
+    assert static_rows(measured) == static_rows(simulated)
+
+
+def test_eager_routing_changes_the_backward_and_the_simulation_follows(tmp_path):
+    """Worst routing (two experts hit per layer instead of four) makes fewer full-size gradient pieces of the
+    3-D expert weights: a lower backward peak, measured; each run's simulation with its own counts follows."""
+    setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", optimizer="adamw", steps=1)
+    runs = {}
+    for worst in (False, True):
+        log, path, _ = _measure_with_counts(setup, tmp_path, zero_routers if worst else None, cfg=EAGER)
+        sim = simulate(describe(EAGER, dataclasses.replace(setup, moe_routing=f"counts:{path}"), "cpu"))
+        runs[worst] = [(_phase_peak(log, ph), _phase_peak(sim, ph)) for ph in (Phase.FORWARD, Phase.BACKWARD)]
+    measured_gap = runs[False][1][0] - runs[True][1][0]
+    predicted_gap = runs[False][1][1] - runs[True][1][1]
+    assert measured_gap != 0 and predicted_gap == measured_gap
+    for (m, p) in runs[False] + runs[True]:
+        assert abs(p - m) <= 64
+
+
+def test_eager_under_autocast_is_refused():
+    setup = TrainingSetup(micro_batch=2, seq_len=32, precision="bf16-autocast")
+    with pytest.raises(ConfigError) as e:
+        describe(EAGER, setup, "cpu")
+    assert e.value.field == "experts_implementation"
+
+
+def test_an_unknown_experts_implementation_is_refused(capsys):
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(TINY, experts_implementation="batched_mm")
+    assert e.value.field == "experts_implementation" and "grouped_mm, eager" in str(e.value)
+    assert main(["simulate", "--preset", "tiny", "--experts-implementation", "eager"]) == 2
+    assert "experts_implementation" in capsys.readouterr().err
