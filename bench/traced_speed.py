@@ -1,0 +1,234 @@
+"""How fast the traced describer (models/trace/) is on full-size models: one training step (micro-batch 1,
+seq 4096, bf16-mixed, AdamW) of a llama-3-8b-sized and a llama-3-70b-sized HF config, traced on fake
+tensors and simulated; next to it, torch's MemTracker under FakeTensorMode on the same 8B-sized model.
+Writes the "Traced describer: speed" section of bench/RESULTS.md (the other sections are kept).
+
+    python bench/traced_speed.py            # print
+    python bench/traced_speed.py --write    # and write the section
+    python bench/traced_speed.py --skip-70b --skip-memtracker   # quicker
+
+Stages of a first `describe` (trace cache empty): model build + trace (`models.trace.recording`: the HF
+model built under FakeTensorMode, one micro-batch recorded), conversion to the tape (`convert.to_tape`),
+the op graph (the rest of `describe`); then `simulate`. The stage times are read by wrapping those two
+functions for the run (nothing is changed in them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import sys
+import time
+import warnings
+
+from sections import replace_section  # bench/sections.py, beside this script
+
+import peakledger.models.trace as trace
+import peakledger.models.trace.convert as convert
+from peakledger import api
+from peakledger.analysis.units import format_bytes, parse_bytes
+from peakledger.models.config import TrainingSetup
+from peakledger.models.trace import from_hf_dict
+from peakledger.models.training import describe
+from peakledger.scenario import Scenario
+from peakledger.simulator.engine import simulate
+from peakledger.simulator.timeline import timeline
+
+SECTION = "## Traced describer: speed"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+LLAMA_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+LLAMA_70B = dict(LLAMA_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+SETUP = TrainingSetup(micro_batch=1, seq_len=4096, steps=1, precision="bf16-mixed", optimizer="adamw")
+DEVICE = "H100-80GB"
+SEARCH_BUDGET = "240GiB"  # a budget above the 8B's fixed state (bf16-mixed AdamW: ~16 B/param) so the search probes
+
+
+class Stopwatch:
+    """Wall time spent inside `models.trace.recording` and `convert.to_tape` while active."""
+
+    def __init__(self):
+        self.seconds = {"trace": 0.0, "convert": 0.0}
+        self.calls = {"trace": 0, "convert": 0}
+
+    def wrap(self, key, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - t0
+                self.calls[key] += 1
+        return timed
+
+    def __enter__(self):
+        self._saved = (trace.recording, convert.to_tape)
+        trace.recording = self.wrap("trace", trace.recording)
+        convert.to_tape = self.wrap("convert", convert.to_tape)
+        return self
+
+    def __exit__(self, *exc):
+        trace.recording, convert.to_tape = self._saved
+
+
+def one_model(name: str, config: dict) -> dict:
+    model = from_hf_dict(config, name)
+    trace._CACHE.clear()
+    with Stopwatch() as sw:
+        t0 = time.perf_counter()
+        graph = describe(model, SETUP, DEVICE)
+        t_describe = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    log = simulate(graph)
+    t_sim = time.perf_counter() - t0
+    peak = timeline(log).peak().bytes
+    with Stopwatch() as sw2:
+        t0 = time.perf_counter()
+        describe(model, SETUP, DEVICE)
+        t_again = time.perf_counter() - t0
+    rec = trace.recording(model, SETUP)
+    return {"name": name, "trace": sw.seconds["trace"], "convert": sw.seconds["convert"],
+            "graph": t_describe - sw.seconds["trace"] - sw.seconds["convert"], "describe": t_describe,
+            "simulate": t_sim, "total": t_describe + t_sim, "again": t_again, "again_trace": sw2.seconds["trace"],
+            "ops": len(graph), "events": len(log.events), "peak": peak, "aten_ops": len(rec.ops),
+            "nodes": len(rec.nodes), "model": model}
+
+
+def max_batch(model) -> dict:
+    scenario = Scenario(name="8b", model=model, setup=SETUP, device=DEVICE)
+    before = len(trace._CACHE)
+    with Stopwatch() as sw:
+        t0 = time.perf_counter()
+        best = api.max_micro_batch(scenario, parse_bytes(SEARCH_BUDGET))
+        seconds = time.perf_counter() - t0
+    return {"best": best, "seconds": seconds, "trace": sw.seconds["trace"], "calls": sw.calls["trace"],
+            "new_traces": len(trace._CACHE) - before}
+
+
+def memtracker(config: dict) -> dict:
+    """torch's MemTracker on the same model under FakeTensorMode: bf16 weights (as HF loads them with
+    dtype=torch.bfloat16), one forward + backward + AdamW step."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+
+    out = {}
+    t0 = time.perf_counter()
+    try:
+        with FakeTensorMode():
+            stage = "build"
+            cfg = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
+            with no_init_weights():
+                model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+            model.train()
+            out["build"] = time.perf_counter() - t0
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            ids = torch.randint(0, cfg.vocab_size, (SETUP.micro_batch, SETUP.seq_len))
+            stage = "step"
+            t1 = time.perf_counter()
+            mt = MemTracker()
+            mt.track_external(model, optim)
+            with mt:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                optim.step()
+                optim.zero_grad()
+            out["step"] = time.perf_counter() - t1
+            snap = mt.get_tracker_snapshot("peak")
+            dev = next(iter(snap))
+            out["peak"] = snap[dev]["Total"]
+            out["device"] = str(dev)
+    except Exception as e:
+        out["failed"] = f"{stage}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    out["total"] = time.perf_counter() - t0
+    return out
+
+
+def render(results: list[dict], search: dict | None, mt: dict | None, command: str) -> str:
+    lines = [SECTION, "",
+             f"`{command}` on {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+             "one run, wall-clock. One training step, micro-batch 1, seq 4096, bf16-mixed, AdamW, device profile "
+             f"{DEVICE}, of HF `LlamaForCausalLM` configs given as dicts (`from_hf_dict`): llama-3-8b-sized (32 "
+             "layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads, vocab 128256) and llama-3-70b-sized (80 "
+             "layers, hidden 8192, intermediate 28672, 64 heads, 8 KV heads). The first `describe` starts from an "
+             "empty trace cache.", "",
+             "| model | build + trace | conversion to tape | op graph | describe (first) | simulate | total "
+             "| describe again (cached trace) | aten ops / autograd nodes | graph ops | events | peak |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['trace']:.2f} s | {r['convert']:.2f} s | {r['graph']:.2f} s | "
+                     f"{r['describe']:.2f} s | {r['simulate']:.2f} s | **{r['total']:.2f} s** | {r['again']:.2f} s "
+                     f"(trace {r['again_trace']:.3f} s) | {r['aten_ops']:,} / {r['nodes']:,} | {r['ops']:,} | "
+                     f"{r['events']:,} | {format_bytes(r['peak'])} |")
+    lines.append("")
+    if search is not None:
+        lines.append(f"Max micro-batch search (`peakledger.api.max_micro_batch`, budget {SEARCH_BUDGET}) on the "
+                     f"8B-sized model in the same process: answer {search['best']} in {search['seconds']:.1f} s; "
+                     f"{search['calls']} trace-cache lookups, {search['new_traces']} new traces "
+                     f"({search['trace']:.1f} s of tracing): micro-batch 1 (the fixed-state probe and any repeat) "
+                     "came from the cache; each other micro-batch is a new shape and is traced once.")
+        lines.append("")
+    if mt is not None:
+        if "failed" in mt:
+            lines.append(f"torch's MemTracker (`torch.distributed._tools.mem_tracker`) under FakeTensorMode on the "
+                         f"8B-sized model (bf16 weights, `no_init_weights`): could not run a step; it failed at "
+                         f"{mt['failed']} after {mt['total']:.1f} s.")
+        else:
+            lines.append(f"torch's MemTracker (`torch.distributed._tools.mem_tracker`) under FakeTensorMode on the same "
+                         f"8B-sized model (built with `no_init_weights()` and `dtype=torch.bfloat16`: pure bf16 "
+                         f"weights, gradients and AdamW states, no fp32 master copy; one forward + backward + AdamW "
+                         f"step): peak {format_bytes(mt['peak'])} ({mt['device']}); build {mt['build']:.1f} s, step "
+                         f"{mt['step']:.1f} s, total {mt['total']:.1f} s. It measures one fixed program and "
+                         "setting; peakledger's trace is reused for every setting that does not change the "
+                         "recording (checkpointing, optimizer, steps, parallelism). peakledger on that setting (precision "
+                         f"bf16: pure bf16): peak {format_bytes(mt['ours_peak'])} in "
+                         f"{mt['ours_seconds']:.1f} s (trace + describe + simulate).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="write the section of bench/RESULTS.md")
+    ap.add_argument("--skip-70b", action="store_true")
+    ap.add_argument("--skip-memtracker", action="store_true")
+    ap.add_argument("--skip-search", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    results = []
+    for name, config in [("llama-3-8b-sized", LLAMA_8B)] + ([] if args.skip_70b else [("llama-3-70b-sized", LLAMA_70B)]):
+        r = one_model(name, config)
+        results.append(r)
+        print(f"{name}: trace {r['trace']:.2f}s convert {r['convert']:.2f}s graph {r['graph']:.2f}s simulate "
+              f"{r['simulate']:.2f}s total {r['total']:.2f}s again {r['again']:.2f}s peak {format_bytes(r['peak'])}",
+              flush=True)
+    search = None
+    if not args.skip_search:
+        search = max_batch(results[0]["model"])
+        print(f"max-batch: {search}", flush=True)
+    mt = None if args.skip_memtracker else memtracker(LLAMA_8B)
+    if mt is not None:  # peakledger on MemTracker's setting: pure bf16 (a new recording: the parameter dtype)
+        pure = dataclasses.replace(SETUP, precision="bf16")
+        t0 = time.perf_counter()
+        mt["ours_peak"] = timeline(simulate(describe(results[0]["model"], pure, DEVICE))).peak().bytes
+        mt["ours_seconds"] = time.perf_counter() - t0
+    if mt is not None:
+        print(f"memtracker: {mt}", flush=True)
+    command = "python bench/traced_speed.py --write" + "".join(
+        f" --{k.replace('_', '-')}" for k in ("skip_70b", "skip_memtracker", "skip_search") if getattr(args, k))
+    section = render(results, search, mt, command)
+    print()
+    print(section)
+    if args.write:
+        replace_section(SECTION, section, RESULTS)
+        print("wrote the section into bench/RESULTS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
