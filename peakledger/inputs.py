@@ -172,7 +172,7 @@ VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # se
 def real_run_scenario(args):
     """validate and capture run for real on this CPU: the tiny GPT by default, and unless a scenario file
     or a flag says otherwise fp32 at micro-batch 2, seq 32 (an MLP has no sequence)."""
-    if not (args.scenario or args.preset or args.hf_config):
+    if not (args.scenario or args.preset or args.hf_config or getattr(args, "module", None)):
         args.preset = "tiny"
     return scenario_from_args(args, defaults=None if args.scenario else VALIDATE_DEFAULTS)
 

@@ -30,6 +30,9 @@ from .model import TracedModel, from_hf_dict, from_module_spec
 
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
+# the batch of the latest real build of each model and shape, for `real_batches` right after (a factory's
+# loss_fn may hold the batch's targets: the run must use those same tensors)
+_REAL_BATCH: dict = {}
 
 
 def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
@@ -65,24 +68,57 @@ def recording(model: TracedModel, setup: TrainingSetup):
     what = "module" if model.kind == "module" else "hf_config"
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
+        _adopt(net, mode)
         freeze(net, setup.frozen)
         batch, values = _fake_batch(mode, batch)
         try:
             rec = record(net, batch, loss_fn, autocast=autocast, values=values)
         except ConfigError:
             raise
-        except TypeError as e:
-            if "loss_fn" in str(e):
-                raise ConfigError(what, str(e)) from None
-            raise ConfigError(what, f"the model could not run on fake tensors: {type(e).__name__}: {e}") from None
-        except Exception as e:  # an op fake tensors cannot run (data-dependent control flow, a C++ kernel)
-            raise ConfigError(what, f"the model could not run on fake tensors (peakledger traces it without "
-                                    f"real memory): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                              ) from None
+        except Exception as e:  # the user's code, or an op fake tensors cannot run
+            raise ConfigError(what, _trace_failure(e)) from None
     _CACHE[key] = rec
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return rec
+
+
+def _trace_failure(e: Exception) -> str:
+    """What went wrong while tracing, in words: a value the trace cannot know, an op with no fake-tensor rule,
+    or the model's own error; with the module it happened in."""
+    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                               UnsupportedOperatorException)
+
+    where = getattr(e, "peakledger_where", None)
+    at = f" (in module {where})" if where else ""
+    first = str(e).splitlines()[0] if str(e) else ""
+    if isinstance(e, DataDependentOutputException):
+        return (f"the model reads a tensor's value{at}: {first} (a Python `if` on a float tensor, `.item()`, "
+                "`.tolist()`); peakledger traces on fake tensors, which have shapes but no float values")
+    if isinstance(e, DynamicOutputShapeException):
+        return (f"an op's output shape depends on tensor values{at}: {first} (nonzero, masked_select, unique); "
+                "peakledger traces on fake tensors, which have no float values")
+    if isinstance(e, UnsupportedOperatorException):
+        return f"an op has no fake-tensor implementation{at}: {first}; peakledger cannot trace it"
+    return f"the model failed while traced on fake tensors{at}: {type(e).__name__}: {first}"
+
+
+def _adopt(net, mode) -> None:
+    """Parameters and buffers that are not this mode's fake tensors (real ones, or fake ones of another mode, as
+    `copy.deepcopy` of a module makes: nn.TransformerEncoder clones its layers so) become this mode's, once:
+    otherwise every op would convert them anew, a new storage each time."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for module in net.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is None or (isinstance(t, FakeTensor) and t.fake_mode is mode):
+                    continue
+                fake = mode.from_tensor(t.detach() if isinstance(t, torch.nn.Parameter) else t)
+                if table is module._parameters:
+                    fake = torch.nn.Parameter(fake, requires_grad=t.requires_grad)
+                table[key] = fake
 
 
 def _fake_batch(mode, batch):
@@ -141,7 +177,12 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
     layers = find_layers(net)
     net.peakledger_layers = layers  # FSDP2 units for a real distributed run (traces/distributed.py fsdp_units)
     _wrap_layers(net, layers, setup)
+    _REAL_BATCH[_real_key(model, setup, seed)] = _flat(batch)
     return _RealRun(net, batch, loss_fn)
+
+
+def _real_key(model: TracedModel, setup: TrainingSetup, seed: int) -> tuple:
+    return (model.source, model.digest, setup.micro_batch, setup.seq_len, setup.param_dtype, seed)
 
 
 def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
@@ -183,6 +224,9 @@ def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
 def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:
     import torch
 
+    same = _REAL_BATCH.pop(_real_key(model, setup, seed), None)
+    if same is not None:  # the batch of the model `real_model` just built: a loss_fn may hold its targets
+        return [same] * setup.grad_accum
     torch.manual_seed(seed)
     _, batch, _ = model.build(setup)
     return [_flat(batch)] * setup.grad_accum

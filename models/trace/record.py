@@ -167,6 +167,7 @@ class Recorder(TorchDispatchMode):
         self.module_stack: list[str] = []
         self.finalizers: list[weakref.finalize] = []
         self.shadows = Shadows()
+        self.last_where = "model"  # the module of the latest op (named when the model fails)
 
     # -- storages -----------------------------------------------------------------------------------
     def storage_of(self, t: torch.Tensor) -> int | None:
@@ -230,6 +231,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "prim":  # prim.device & co: metadata queries (autograd asks before it sets grad_fn)
             return func(*args, **(kwargs or {}))
+        self.last_where = self._where()
         real = self.shadows.inputs(func, args, kwargs)
         if real is not None and func in SCALAR_READS:  # a Python branch on a value the shadows know
             return self.shadows.run(func, real)
@@ -435,8 +437,12 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             rec.phase = "forward"
             ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
             with ctx:
-                out = _call(model, batch)
-                loss = loss_fn(out)
+                try:
+                    out = _call(model, batch)
+                    loss = loss_fn(out)
+                except Exception as e:
+                    e.peakledger_where = rec.last_where
+                    raise
             rec._resolve_pending()
             rec.phase = "graph"
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
