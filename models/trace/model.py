@@ -256,7 +256,24 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
         raise ConfigError("module", f"{factory}() returned {type(loss_fn).__name__} as loss_fn; it must be "
                                     "callable: loss_fn(output) -> scalar tensor")
     if setup.param_dtype != "fp32":
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[setup.param_dtype]
-        model = model.to(dtype)
+        _cast(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[setup.param_dtype])
     model.train()
     return model, batch, loss_fn
+
+
+def _cast(model, dtype) -> None:
+    """`model.to(dtype)` for floating parameters and buffers, done by hand: under FakeTensorMode `Module.to`
+    tries to swap tensors in place and fails. Shared (tied) tensors stay shared."""
+    import torch
+
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is None or not t.is_floating_point():
+                    continue
+                if id(t) not in done:
+                    new = t.detach().to(dtype)
+                    done[id(t)] = torch.nn.Parameter(new, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else new
+                table[key] = done[id(t)]

@@ -1,0 +1,177 @@
+"""The traced describer (models/trace): any HF model type and a user's own module, recorded on fake tensors and
+replayed through the one tape contract, held against real CPU runs of the same program; the what-ifs on a
+traced model; the CLI and API routes; the trace cache; and bad input (exit 2, the failure named)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import peakledger as pl
+from peakledger.api import validate_ranks
+from peakledger.cli import main
+from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.trace import from_hf_dict, from_module_spec, recording, traced_tape
+from peakledger.scenario import Scenario
+from realrun import assert_matches_real_run
+
+FACTORIES = str(Path(__file__).resolve().parent / "traced_factories.py")
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+HF = {
+    "llama": dict(model_type="llama", **DECODER),
+    "gemma2": dict(model_type="gemma2", head_dim=16, **DECODER),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, vocab_size=256, max_position_embeddings=128),
+    "falcon": dict(model_type="falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256),
+    "bert": dict(model_type="bert", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, vocab_size=256, max_position_embeddings=128),
+    "t5": dict(model_type="t5", d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=256,
+               decoder_start_token_id=0, pad_token_id=0),
+    "vit": dict(model_type="vit", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                image_size=32, patch_size=8, num_labels=10),
+    "whisper": dict(model_type="whisper", d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                    decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=256,
+                    pad_token_id=0, decoder_start_token_id=1, num_mel_bins=16, max_source_positions=32,
+                    max_target_positions=64),
+}
+
+
+def scenario(model, **setup) -> Scenario:
+    base = dict(micro_batch=4, seq_len=32, steps=2, precision="fp32")
+    return Scenario(name="traced", model=model, setup=TrainingSetup(**{**base, **setup}), device="cpu")
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# -- real runs ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", sorted(HF))
+def test_hf_model_types_equal_real_cpu_runs(model_type):
+    assert_matches_real_run(scenario(from_hf_dict(HF[model_type], model_type)), tolerance=0.005)
+
+
+def test_bf16_autocast_and_sgd_momentum_equal_a_real_run():
+    assert_matches_real_run(scenario(from_hf_dict(HF["gpt_neox"], "neox"), precision="bf16-autocast",
+                                     optimizer="sgd-momentum"), tolerance=0.005)
+
+
+@pytest.mark.parametrize("factory", ["cnn", "encoder", "tied"])
+def test_own_modules_equal_real_cpu_runs(factory):
+    assert_matches_real_run(scenario(from_module_spec(f"{FACTORIES}:{factory}")), tolerance=0.005)
+
+
+@pytest.mark.parametrize("changes", [dict(checkpointing="full"), dict(checkpointing="every-k", checkpoint_every_k=2),
+                                     dict(checkpointing="op-policy"), dict(grad_accum=2)],
+                         ids=["full", "every-k", "op-policy", "accumulation"])
+def test_what_ifs_on_a_traced_model_equal_real_runs(changes):
+    """Checkpointing each decoder layer (the real run wraps the same layers in torch.utils.checkpoint) and
+    gradient accumulation: the replay applies them to the traced tape."""
+    assert_matches_real_run(scenario(from_hf_dict(HF["llama"], "llama"), seq_len=64, **changes), tolerance=0.005)
+
+
+def test_fsdp2_on_a_traced_model_equals_each_rank():
+    runs, _ = validate_ranks(scenario(from_hf_dict(HF["llama"], "llama"), world_size=2, dp_engine="fsdp2"),
+                             backend="fake")
+    assert len(runs) == 2
+    for v, _ in runs:
+        assert abs(v.overall.error) <= 0.005, v.overall
+
+
+# -- what the trace is ---------------------------------------------------------------------------------------
+
+def test_the_tape_carries_the_recorded_backward_and_the_layers():
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="fp32")
+    tape = traced_tape(from_hf_dict(HF["gpt_neox"], "neox"), setup)
+    assert tape.describer == "traced (hf: GPTNeoXForCausalLM)"
+    assert tape.layers == ("gpt_neox.layers.0", "gpt_neox.layers.1")
+    assert tape.backward and all(n.op is None or 0 <= n.op < len(tape.ops) for n in tape.backward)
+    grads = [p for n in tape.backward for step in n.steps for p in step.grads]
+    assert sorted(grads) == sorted(p.name for p in tape.params if p.name not in tape.gradless)
+
+
+def test_a_trace_is_cached_per_shape_and_invalidated_by_an_edit(tmp_path):
+    path = tmp_path / "model.py"
+    shutil.copy(FACTORIES, path)
+    model = from_module_spec(f"{path}:tied")
+    setup = TrainingSetup(micro_batch=2, seq_len=8, precision="fp32")
+    first = recording(model, setup)
+    assert recording(model, TrainingSetup(micro_batch=2, seq_len=8, precision="fp32", grad_accum=4,
+                                          checkpointing="none")) is first  # same shape: reused
+    assert recording(model, TrainingSetup(micro_batch=3, seq_len=8, precision="fp32")) is not first
+    path.write_text(path.read_text() + "\n# edited\n")
+    edited = from_module_spec(f"{path}:tied")
+    assert edited.digest != model.digest
+    assert recording(edited, setup) is not first
+
+
+def test_api_trace_gives_a_scenario_run_and_explain_take():
+    sc = pl.trace(HF["gpt_neox"], micro_batch=4, seq_len=64, precision="bf16-mixed")
+    report = pl.run(sc)
+    assert report.metadata["describer"].startswith("traced")
+    explanation = pl.explain(sc, int(report.peaks.peak.bytes * 0.8))
+    names = [f.name for f in explanation.fixes]
+    assert "checkpointing=full" in names and not any("selective" in n for n in names)
+    assert pl.max_micro_batch(sc, report.peaks.peak.bytes) >= 4
+
+
+# -- the CLI -------------------------------------------------------------------------------------------------
+
+def test_simulate_module_names_the_describer_and_the_batch(capsys):
+    code, out, _ = run_cli(capsys, "simulate", "--module", f"{FACTORIES}:encoder", "--micro-batch", "2",
+                           "--seq-len", "16", "--precision", "fp32", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["describer"] == "traced (module: Encoder)"
+    assert data["batch"] == "the factory's batch (micro_batch=2, seq_len=16 passed)"
+
+
+@pytest.mark.parametrize("model_type,describer,expected", [
+    ("gemma2", None, "traced"), ("llama", None, "hand-written"), ("llama", "traced", "traced"),
+    ("llama", "hand-written", "hand-written")])
+def test_hf_config_routes_to_a_describer(capsys, tmp_path, model_type, describer, expected):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(HF[model_type]))
+    argv = ["simulate", "--hf-config", str(path), "--micro-batch", "2", "--seq-len", "16", "--json"]
+    code, out, _ = run_cli(capsys, *argv, *(["--describer", describer] if describer else []))
+    assert code == 0
+    assert json.loads(out)["describer"].startswith(expected)
+
+
+@pytest.mark.parametrize("argv,field,words", [
+    (["--module", "nowhere.py:factory"], "module", "no such file"),
+    (["--module", f"{FACTORIES}:missing"], "module", "defines no function 'missing'"),
+    (["--module", f"{FACTORIES}"], "module", "is not PATH.py:FACTORY"),
+    (["--module", f"{FACTORIES}:raises"], "module", "raised RuntimeError: no such dataset"),
+    (["--module", f"{FACTORIES}:two_tuple"], "module", "must return (model, batch, loss_fn); it returned a 2-tuple"),
+    (["--module", f"{FACTORIES}:not_a_module"], "module", "it must be a torch.nn.Module"),
+    (["--module", f"{FACTORIES}:reads_a_value"], "module", "reads a tensor's value (in module model)"),
+    (["--module", f"{FACTORIES}:fixed", "--micro-batch", "2"], "micro_batch", "takes no micro_batch argument"),
+    (["--module", f"{FACTORIES}:cnn", "--describer", "hand-written"], "describer", "can only be traced"),
+    (["--module", f"{FACTORIES}:cnn", "--preset", "tiny"], "preset", "not both"),
+])
+def test_bad_traced_input_is_named_and_exits_2(capsys, argv, field, words):
+    code, out, err = run_cli(capsys, "simulate", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith(f"peakledger: error: {field}: ") and words in err, err
+    assert "Traceback" not in err
+
+
+def test_a_model_type_transformers_does_not_know_exits_2(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "no-such-model", "hidden_size": 8}))
+    code, _, err = run_cli(capsys, "simulate", "--hf-config", str(path))
+    assert code == 2 and "model_type: 'no-such-model' is not a model type transformers" in err
+
+
+def test_a_config_transformers_refuses_exits_2():
+    with pytest.raises(ConfigError) as e:
+        traced_tape(from_hf_dict(dict(HF["llama"], pad_token_id=10_000), "bad"), TrainingSetup(seq_len=8))
+    assert e.value.field == "hf_config" and "transformers could not build LlamaForCausalLM" in str(e.value)
