@@ -384,6 +384,9 @@ def _lora_fields(setup) -> None:
     if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
         raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
                                     "world_size 1, zero_stage 0, dp_engine left out")
+    if r and setup.checkpointing in ("offload", "op-policy"):  # what they keep of frozen / 4-bit linears: unmodelled
+        raise ConfigError("checkpointing", f"{setup.checkpointing!r} with LoRA is not modelled; allowed with it: none, "
+                                           "full, every-k, selective, sqrt, layers")
     if r and setup.optimizer_offload != "none":
         raise ConfigError("lora_r", "LoRA with optimizer_offload is not modelled; allowed with it: optimizer_offload "
                                     "none")

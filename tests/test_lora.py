@@ -43,6 +43,9 @@ REAL_RUNS = {
     "gpt2 bf16 qlora all linears": ("tiny", dict(precision="bf16", quantize="nf4",
                                                  lora_targets=("c_attn", "c_proj", "c_fc"))),
     "gpt2 bf16 qlora checkpointing full": ("tiny", dict(precision="bf16", quantize="nf4", checkpointing="full")),
+    "llama bf16 lora selective checkpointing": ("tiny-llama", dict(precision="bf16", checkpointing="selective",
+                                                                   lora_targets=ATTENTION)),
+    "gpt2 fp32 qlora sqrt checkpointing": ("tiny", dict(precision="fp32", quantize="nf4", checkpointing="sqrt")),
 }
 
 
@@ -164,6 +167,7 @@ def test_toml_scenario_keys(tmp_path, capsys):
     (["--lora-alpha", "16"], "lora_alpha"),  # a LoRA knob without LoRA
     (["--lora-r", "4", "--freeze", "model.*"], "frozen"),
     (["--lora-r", "4", "--world-size", "2"], "lora_r"),
+    (["--lora-r", "4", "--checkpointing", "offload"], "checkpointing"),
 ])
 def test_bad_lora_input_exits_2_naming_the_field(capsys, argv, field):
     assert main(["simulate", "--preset", "tiny-llama", *argv]) == 2
