@@ -12,7 +12,7 @@ How the pieces compose:
 
 The cache: a recording depends on the model (its source digest: the config JSON, or the module file's
 bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype, the frozen
-parameters, and whether any layer is checkpointed (a HF model then runs without its KV cache, as
+parameters, the LoRA knobs (peft wraps a HF model when lora_r > 0), and whether any layer is checkpointed (a HF model then runs without its KV cache, as
 transformers does under gradient checkpointing). It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
 model once per shape; a changed module file has a new digest, so an edit never reuses an old trace.
 Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
@@ -39,7 +39,8 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
     mb = setup.micro_batch if "micro_batch" in model.varies else None
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
-            tuple(setup.frozen), setup.checkpointing != "none")
+            tuple(setup.frozen), setup.checkpointing != "none",
+            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize))
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:

@@ -167,10 +167,66 @@ def _hf_build(data: dict, setup: TrainingSetup):
     except Exception as e:  # transformers' own checks on the config (a pad_token_id outside the vocabulary...)
         raise ConfigError("hf_config", f"transformers could not build {cls.__name__} from it: "
                                        f"{type(e).__name__}: {e}") from None
+    if setup.lora_r:
+        model = _peft_lora(model, setup)
     model.train()
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():  # the batch has real values (token ids a trace's branches may read)
         return model, _hf_batch(config, task, setup, dtype), _hf_loss
+
+
+def _peft_lora(model, setup: TrainingSetup):
+    """peft's LoRA on the HF model, as `get_peft_model(model, LoraConfig(...))` makes it (the base frozen, the
+    adapters trainable); targets () take peft's default for the model type. Under fake tensors the moves peft
+    makes after creating each adapter (to the base layer's device and dtype, which it already has) are skipped:
+    `Module.to` cannot swap fake parameters."""
+    if setup.quantize != "none":
+        raise ConfigError("quantize", "QLoRA is modelled on the hand-written describers (--preset, or --describer "
+                                      "hand-written for GPT-2 / Llama-family configs); a traced model takes LoRA only")
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("lora_r", "LoRA on a traced model runs peft: pip install 'peakledger[lora]'") from None
+    config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+                        target_modules=list(setup.lora_targets) or None)
+    try:
+        with _same_place_moves_skipped(model):
+            return get_peft_model(model, config)
+    except ValueError as e:  # peft: no module matches the targets, or no default for this model type
+        raise ConfigError("lora_targets", f"peft refused them: {e}") from None
+
+
+class _same_place_moves_skipped:
+    """While the model is fake: `Module.to(...)` that changes no device or dtype returns the module as it is."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        import torch
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        self.original = None
+        if not isinstance(next(self.model.parameters()), FakeTensor):
+            return self
+        self.original = to = torch.nn.Module.to
+
+        def same_or_to(module, *args, **kwargs):
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            tensors = list(module.parameters()) + list(module.buffers())
+            if all((device is None or t.device == device) and
+                   (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+                return module
+            return to(module, *args, **kwargs)
+
+        torch.nn.Module.to = same_or_to
+        return self
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            import torch
+            torch.nn.Module.to = self.original
+        return False
 
 
 def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
