@@ -148,6 +148,7 @@ def report_json(r: Report) -> dict:
         "model": md.get("model"),
         "describer": md.get("describer", "hand-written"),
         "batch": md.get("batch"),
+        "describer_note": md.get("describer_note"),
         "device": md.get("device"),
         "setup": setup,
         "n_params": md.get("n_params"),
@@ -247,6 +248,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      + _offload_text(setup))
         if md.get("batch"):  # a traced model: its own batch
             lines.append(f"  described by: {md.get('describer')}; batch per micro-batch: {md['batch']}")
+            if md.get("describer_note"):
+                lines.append(f"  note: {md['describer_note']}")
             lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
                          f"{setup['world_size']} = {b_eff}; {steps_text(run_plan(r.log))}")
         else:

@@ -49,6 +49,8 @@ from .hf_mixtral import hf_mixtral_tape
 from .moe import active_params, check_routing, has_experts
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
+TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (CPU autocast op lists, CPU SDPA "
+                 "kernels); a GPU's kernel choices are not applied")
 
 
 def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
@@ -248,6 +250,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     graph.metadata = {
         "model": model.name, "setup": asdict(setup), "device": profile.name, **plan.metadata(),
         "describer": tape.describer, "batch": model.batch_note(setup) if isinstance(model, TracedModel) else None,
+        "describer_note": None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
         "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.grad_accum
         if tape.backward else None,
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
