@@ -22,8 +22,8 @@ dequantized to the input's dtype (out x in). A fused CUDA kernel (<= 4 tokens) h
 for backward but the packed weight (a parameter; `ctx.tensors`, not `save_for_backward`).
 
 Backward (`MatMul4Bit.backward`, input gradient only): `F.dequantize_4bit(B, state)` again: absmax fp32 (offset
-added in place) and the weight in the quantization dtype (the parameters' dtype when it was quantized), then
-`grad_output @ W`. Both temporaries live while the input's gradient is made.
+added in place, freed when it returns) and the weight in the quantization dtype (the parameters' dtype when it
+was quantized), then `grad_output @ W`: the weight lives while the input's gradient is made.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def nf4_linear(w, name: str, x: TensorSpec, out_features: int, weight: str, bias
              f"{weight}_code2")
     params = quant + ((bias,) if bias else ())
     weight_dtype = w.setup.param_dtype  # Params4bit's quant_state.dtype: the weight's dtype when quantized
-    bwd = (w.t(f"{name}.absmax_dequant_grad", (blocks,), "fp32", False),
-           w.t(f"{name}.weight_dequant_grad", (out_features, in_features), weight_dtype, False))
+    # the absmaxes (n / 16 bytes) go when dequantize_4bit returns, before the matmul makes the input's gradient
+    # (B x T x in, larger): the backward's highest moment holds the dequantized weight and that gradient
+    bwd = (w.t(f"{name}.weight_dequant_grad", (out_features, in_features), weight_dtype, False),)
     flops = 2 * B * T * in_features * out_features
     if not w.cpu and B * T <= FUSED_MAX_TOKENS:  # the fused CUDA kernel
         (y,) = w.op(name, "nf4_linear", [x], [w.t(f"{name}.out", (B, T, out_features))], params=params,
