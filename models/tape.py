@@ -140,6 +140,7 @@ class Tape:
     buffers_follow_params: bool = True  # buffers take the parameters' dtype at load (traced: their own dtype)
     describer: str = "hand-written"
     gradless: tuple[str, ...] = ()  # parameters that get no gradient (traced: frozen, or not on the loss's path)
+    param_dtypes: dict[str, str] = field(default_factory=dict)  # parameters not in the setup's dtype (own_dtype)
 
     def add(self, name: str, kind: str, inputs, outputs, **kw) -> tuple[TensorSpec, ...]:
         op = TapeOp(name=name, kind=kind, inputs=tuple(inputs), outputs=tuple(outputs), **kw)

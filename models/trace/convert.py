@@ -89,7 +89,8 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                 buffers=[TensorSpec(s.name, _spec(s, s.name).shape, _spec(s, s.name).dtype, False) for s in rec.buffers],
                 held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
                 buffers_follow_params=False, describer=describer,
-                gradless=tuple(n for n, _, _, _ in rec.params if n not in set(rec.param_grads.values())))
+                gradless=tuple(n for n, _, _, _ in rec.params if n not in set(rec.param_grads.values())),
+                param_dtypes={n: dt for n, _, dt, _ in rec.params if dt != setup.param_dtype})
 
 
 def _node(n, st, name, param_grads, index, has_saves: bool) -> GradNode:

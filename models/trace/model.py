@@ -197,7 +197,8 @@ def _peft_lora(model, setup: TrainingSetup):
 
 
 class _same_place_moves_skipped:
-    """While the model is fake: `Module.to(...)` that changes no device or dtype returns the module as it is."""
+    """While the model is fake: `Module.to(...)` that changes no device returns the module as it is, cast by hand
+    (`_cast`) where it changes the dtype."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -214,8 +215,9 @@ class _same_place_moves_skipped:
         def same_or_to(module, *args, **kwargs):
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
             tensors = list(module.parameters()) + list(module.buffers())
-            if all((device is None or t.device == device) and
-                   (dtype is None or not t.is_floating_point() or t.dtype == dtype) for t in tensors):
+            if all(device is None or t.device == device for t in tensors):
+                if dtype is not None:
+                    _cast(module, dtype)  # a cast only: done by hand (fake tensors cannot be swapped)
                 return module
             return to(module, *args, **kwargs)
 
