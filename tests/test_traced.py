@@ -190,3 +190,44 @@ def test_lora_targets_peft_refuses_are_named():
     with pytest.raises(ConfigError) as e:
         pl.run(sc)
     assert e.value.field == "lora_targets"
+
+
+def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
+    """A max-batch search traces 1, 2, 4 and 8 (1 is a program of its own: a size-1 dimension spares a copy);
+    then 5 is derived from 2, 4 and 8 (scale.py) and equals what tracing 5 gives."""
+    from peakledger.models.trace import _DERIVED, _key
+    from peakledger.models.trace.scale import _numbers, derive, signature
+
+    model = from_hf_dict(dict(HF["gpt_neox"], num_hidden_layers=3), "neox3")
+    setups = {b: TrainingSetup(micro_batch=b, seq_len=16, precision="fp32") for b in (1, 2, 4, 5, 8)}
+    points = {b: recording(model, setups[b]) for b in (1, 2, 4, 8)}
+    assert not any(_key(model, setups[b]) in _DERIVED for b in (1, 2, 4, 8))
+    derived = recording(model, setups[5])
+    assert _key(model, setups[5]) in _DERIVED
+    assert derive({}, 5) is None  # nothing to derive from
+    direct = _trace_anew(model, setups[5])
+    assert signature(derived) == signature(direct) and _numbers(derived) == _numbers(direct)
+    assert derive(points, 5) is not None
+
+
+def test_a_quadratic_size_is_traced_not_derived():
+    from peakledger.models.trace import _DERIVED, _key
+
+    model = from_module_spec(f"{FACTORIES}:contrastive")
+    for b in (1, 2, 4, 8):
+        recording(model, TrainingSetup(micro_batch=b, seq_len=1, precision="fp32"))
+    assert _key(model, TrainingSetup(micro_batch=8, seq_len=1, precision="fp32")) not in _DERIVED
+    assert_matches_real_run(scenario(model, micro_batch=8, seq_len=1), tolerance=0.005)
+
+
+def _trace_anew(model, setup):
+    from peakledger.models import trace
+    key = trace._key(model, setup)
+    trace._CACHE.pop(key, None)
+    trace._DERIVED.discard(key)
+    saved = dict(trace._CACHE)
+    trace._CACHE.clear()  # no points: a real trace
+    try:
+        return recording(model, setup)
+    finally:
+        trace._CACHE.update(saved)

@@ -86,3 +86,14 @@ def reads_a_value():
             y = self.lin(x)
             return y * 2 if y.sum().item() > 0 else y
     return Gate(), torch.randn(2, 4), lambda out: out.sum()
+
+
+def contrastive(micro_batch: int = 4):
+    """Logits of every sample against every other (B x B): sizes quadratic in the micro-batch."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+    x = torch.randn(micro_batch, 16)
+
+    def loss_fn(z):
+        logits = z @ z.t()
+        return F.cross_entropy(logits, torch.arange(z.shape[0]))
+    return model, (x,), loss_fn

@@ -16,7 +16,9 @@ parameters, the LoRA knobs (peft wraps a HF model when lora_r > 0), and whether 
 transformers does under gradient checkpointing). It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
 model once per shape; a changed module file has a new digest, so an edit never reuses an old trace.
 Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
-applied by `convert.to_tape` and the replay.
+applied by `convert.to_tape` and the replay. Other micro-batch sizes: once three sizes of one model and
+setup are traced and prove to be one program with sizes affine in the micro-batch, every other size is
+derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a program of its own).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .model import TracedModel, from_hf_dict, from_module_spec
 
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
+_DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not traced
 # the batch of the latest real build of each model and shape, for `real_batches` right after (a factory's
 # loss_fn may hold the batch's targets: the run must use those same tensors)
 _REAL_BATCH: dict = {}
@@ -60,6 +63,13 @@ def recording(model: TracedModel, setup: TrainingSetup):
         _CACHE.move_to_end(key)
         return hit
     check_setup(model, setup)
+    if "micro_batch" in model.varies:  # three traced sizes of one affine program give every other size
+        from .scale import derive
+        points = {k[3]: r for k, r in _CACHE.items() if k[:3] == key[:3] and k[4:] == key[4:] and k not in _DERIVED}
+        derived = derive(points, setup.micro_batch)
+        if derived is not None:
+            _DERIVED.add(key)
+            return _remember(key, derived)
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -78,9 +88,13 @@ def recording(model: TracedModel, setup: TrainingSetup):
             raise
         except Exception as e:  # the user's code, or an op fake tensors cannot run
             raise ConfigError(what, _trace_failure(e)) from None
+    return _remember(key, rec)
+
+
+def _remember(key: tuple, rec):
     _CACHE[key] = rec
     while len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
+        _DERIVED.discard(_CACHE.popitem(last=False)[0])
     return rec
 
 

@@ -1,0 +1,92 @@
+"""Recordings at other micro-batch sizes, derived exactly instead of traced again.
+
+A max-batch search or a sweep over the micro-batch asks for one recording per size; tracing a large model
+takes seconds each time. Three recordings of one model and setup at micro-batch sizes b1 < b2 < b3 that are
+the same program (the same ops on the same storages in the same order, the same autograd nodes with the
+same events: `signature`) and whose every size (each storage's bytes and each dimension of its shape, each
+op's FLOPs) is affine in the micro-batch (a + b x B: `affine`) give the recording at any size B by that
+formula (`derive`). Whatever is not affine (a B x B tensor, a kernel chosen by size) shows in the three
+points, and then nothing is derived: the size is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .record import Recording
+
+
+def signature(rec: Recording) -> tuple:
+    """Everything in a recording but its sizes."""
+    return (tuple((op.aten, op.module, op.reads, op.params, op.outputs) for op in rec.ops),
+            tuple((n.name, n.op, tuple(n.events), tuple(n.saves)) for n in rec.nodes),
+            tuple((sid, s.born, s.op, s.death, s.dtype, s.requires_grad, len(s.shape), s.name)
+                  for sid, s in rec.storages.items()),
+            tuple(sorted(rec.param_grads.items())), tuple(rec.held), rec.layers,
+            tuple((n, shape, dt, rg) for n, shape, dt, rg in rec.params))
+
+
+def _numbers(rec: Recording) -> list[int]:
+    """Every size of a recording, in a fixed order (storages: bytes and shape; ops and nodes: FLOPs)."""
+    out: list[int] = []
+    for s in rec.storages.values():
+        out.append(s.nbytes)
+        out.extend(s.shape)
+    out.extend(op.flops for op in rec.ops)
+    out.extend(n.flops for n in rec.nodes)
+    return out
+
+
+def affine(points: dict[int, Recording]) -> bool:
+    """Three or more recordings (micro-batch -> recording) of one program whose sizes are affine in it."""
+    if len(points) < 3:
+        return False
+    sizes = sorted(points)
+    first = signature(points[sizes[0]])
+    if any(signature(points[b]) != first for b in sizes[1:]):
+        return False
+    b1, b2 = sizes[0], sizes[1]
+    n1, n2 = _numbers(points[b1]), _numbers(points[b2])
+    for b in sizes[2:]:
+        nb = _numbers(points[b])
+        if any((y - x) * (b2 - b1) != (z - x) * (b - b1) for x, z, y in zip(n1, n2, nb)):
+            return False
+    return True
+
+
+def derive(points: dict[int, Recording], micro_batch: int) -> Recording | None:
+    """The recording at `micro_batch` from `points` (see the module docstring), or None if they do not allow it
+    (fewer than three of one program, not affine, or a size that would not be a whole number or would be
+    negative). Only sizes from the smallest point of the program up are derived: a micro-batch of 1 is often a
+    program of its own (a size-1 dimension lets a reshape skip its copy)."""
+    groups: dict[tuple, dict[int, Recording]] = {}
+    for b, rec in points.items():
+        groups.setdefault(signature(rec), {})[b] = rec
+    points = max(groups.values(), key=len, default={})
+    if not points or micro_batch < min(points) or not affine(points):
+        return None
+    b1, b2 = sorted(points)[:2]
+    r1, r2 = points[b1], points[b2]
+
+    def at(x: int, y: int) -> int:
+        q, rem = divmod((y - x) * (micro_batch - b1), b2 - b1)
+        if rem:
+            raise ValueError("not a whole number")
+        return x + q
+
+    try:
+        storages = {}
+        for sid, s in r1.storages.items():
+            t = r2.storages[sid]
+            value = dataclasses.replace(s, nbytes=at(s.nbytes, t.nbytes),
+                                        shape=tuple(at(a, c) for a, c in zip(s.shape, t.shape)))
+            if value.nbytes < 0 or min(value.shape, default=0) < 0:
+                return None
+            storages[sid] = value
+        ops = [dataclasses.replace(op, flops=at(op.flops, o2.flops)) for op, o2 in zip(r1.ops, r2.ops)]
+        nodes = [dataclasses.replace(n, flops=at(n.flops, m.flops)) for n, m in zip(r1.nodes, r2.nodes)]
+    except ValueError:
+        return None
+    by_id = {s.id: s for s in storages.values()}
+    return dataclasses.replace(r1, storages=storages, ops=ops, nodes=nodes,
+                               buffers=[by_id[s.id] for s in r1.buffers], inputs=[by_id[s.id] for s in r1.inputs])
