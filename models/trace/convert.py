@@ -52,9 +52,13 @@ def _known(dtype: str) -> bool:
 
 def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], describer: str) -> Tape:
     st = rec.storages
+    # forward storages never freed, even once the caller let go of the output: the factory's own tensors a
+    # loss_fn closes over (targets), or a cache the model keeps; they live for the whole run, like buffers
+    kept = [sid for sid, s in st.items() if s.born == "forward" and s.death is None]
     name = {sid: s.name if s.born in ("forward", "input") else f"{s.name}.{sid}" for sid, s in st.items()}
     node_of_op = {n.op: n for n in rec.nodes if n.op is not None}
-    keep = [i for i, op in enumerate(rec.ops) if op.outputs or i in node_of_op]
+    kept_set = set(kept)
+    keep = [i for i, op in enumerate(rec.ops) if set(op.outputs) - kept_set or i in node_of_op]
     index = {old: new for new, old in enumerate(keep)}
 
     def kept_at_or_before(i: int) -> int:
@@ -69,7 +73,7 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
             if owner is None:  # a node no op returned: its saves go with the op that made the last of them
                 owner = max((st[s].op for s in n.saves if st[s].born == "forward"), default=None)
             if owner is not None and owner in index:
-                saves.setdefault(owner, []).extend(s for s in n.saves if st[s].born in ("forward", "input"))
+                saves.setdefault(owner, []).extend(s for s in n.saves if st[s].born in ("forward", "input") and s not in kept_set)
     releases: dict[int, list[str]] = {}
     for sid, s in st.items():
         if s.born == "forward" and s.death is not None and s.death[0] == "forward":
@@ -78,15 +82,18 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
     ops = []
     for new, old in enumerate(keep):
         op = rec.ops[old]
-        ops.append(TapeOp(name=op.name, kind=op.aten, inputs=tuple(name[s] for s in op.reads if st[s].born in ("forward", "input")),
-                          outputs=tuple(_spec(st[s], name[s]) for s in op.outputs),
+        ops.append(TapeOp(name=op.name, kind=op.aten,
+                          inputs=tuple(name[s] for s in op.reads if st[s].born in ("forward", "input")
+                                       and s not in kept_set),
+                          outputs=tuple(_spec(st[s], name[s]) for s in op.outputs if s not in kept_set),
                           saves=tuple(name[s] for s in saves.get(old, ())), params=op.params, flops=op.flops,
                           region=regions[new], offloaded=offloaded[new], cached=cached[new],
                           releases=tuple(releases.get(new, ()))))
     nodes = tuple(_node(n, st, name, rec.param_grads, index, bool(saves.get(n.op))) for n in rec.nodes)
     return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in rec.params],
                 ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],
-                buffers=[TensorSpec(s.name, _spec(s, s.name).shape, _spec(s, s.name).dtype, False) for s in rec.buffers],
+                buffers=[TensorSpec(s.name, _spec(s, s.name).shape, _spec(s, s.name).dtype, False) for s in rec.buffers]
+                + [_spec(st[sid], name[sid]) for sid in kept],
                 held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
                 buffers_follow_params=False, describer=describer,
                 gradless=tuple(n for n, _, _, _ in rec.params if n not in set(rec.param_grads.values())),
