@@ -99,13 +99,16 @@ def one_model(name: str, config: dict) -> dict:
 
 def max_batch(model) -> dict:
     scenario = Scenario(name="8b", model=model, setup=SETUP, device=DEVICE)
-    before = len(trace._CACHE)
+    before = set(trace._CACHE)
     with Stopwatch() as sw:
         t0 = time.perf_counter()
         best = api.max_micro_batch(scenario, parse_bytes(SEARCH_BUDGET))
         seconds = time.perf_counter() - t0
+    new = [k for k in trace._CACHE if k not in before]
+    derived = sorted(k[3] for k in new if k in trace._DERIVED)
     return {"best": best, "seconds": seconds, "trace": sw.seconds["trace"], "calls": sw.calls["trace"],
-            "new_traces": len(trace._CACHE) - before}
+            "new_traces": len(new) - len(derived), "traced": sorted(k[3] for k in new if k not in trace._DERIVED),
+            "derived": derived}
 
 
 def memtracker(config: dict) -> dict:
@@ -169,9 +172,10 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
     if search is not None:
         lines.append(f"Max micro-batch search (`peakledger.api.max_micro_batch`, budget {SEARCH_BUDGET}) on the "
                      f"8B-sized model in the same process: answer {search['best']} in {search['seconds']:.1f} s; "
-                     f"{search['calls']} trace-cache lookups, {search['new_traces']} new traces "
-                     f"({search['trace']:.1f} s of tracing): micro-batch 1 (the fixed-state probe and any repeat) "
-                     "came from the cache; each other micro-batch is a new shape and is traced once.")
+                     f"{search['calls']} trace-cache lookups ({search['trace']:.1f} s in them): micro-batch "
+                     f"{', '.join(map(str, search['traced']))} traced, "
+                     f"{', '.join(map(str, search['derived'])) or 'none'} derived from three traced sizes of one "
+                     "program (models/trace/scale.py), micro-batch 1 from the cache.")
         lines.append("")
     if mt is not None:
         if "failed" in mt:
