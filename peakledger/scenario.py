@@ -155,15 +155,24 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
             raise ConfigError("model", f"a model without preset needs every TransformerConfig field: {e}") from None
     else:
         model = _replace(base, model_table)
-    setup_keys = {f.name for f in fields(TrainingSetup)}
-    for key in training:
-        if key not in setup_keys:
-            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+    _check_training_keys(training)
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
                                      "(micro_batch sets the batch)")
     base_setup = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
     base_setup.update({k: v for k, v in (defaults or {}).items() if k != "seq_len" or isinstance(model, TransformerConfig)})
+    return _scenario(model, base_setup, training, run, name)
+
+
+def _check_training_keys(training: dict) -> None:
+    setup_keys = {f.name for f in fields(TrainingSetup)}
+    for key in training:
+        if key not in setup_keys:
+            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+
+
+def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scenario:
+    """The scenario: the caller's base training values under the user's (each of which must apply), the run."""
     setup = TrainingSetup(**{**base_setup, **training})
     check_given_knobs(setup, set(training))
     for key in run:
@@ -200,19 +209,11 @@ def _traced_scenario(model: TracedModel, model_table: dict, training: dict, run:
     if fixed:
         raise ConfigError(fixed[0], f"{model.source.rsplit(':', 1)[-1]}() takes no {fixed[0]} argument, so the "
                                     f"batch it builds cannot change; add `{fixed[0]}` to the factory's parameters")
-    setup_keys = {f.name for f in fields(TrainingSetup)}
-    for key in training:
-        if key not in setup_keys:
-            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+    _check_training_keys(training)
     base_setup = dict(DEFAULT_SETUP, **model.batch_defaults())
     base_setup.update({k: v for k, v in (defaults or {}).items() if k not in ("micro_batch", "seq_len")
                        or k in model.varies})
-    setup = TrainingSetup(**{**base_setup, **training})
-    check_given_knobs(setup, set(training))
-    for key in run:
-        if key not in ("device", "headroom"):
-            raise ConfigError(key, "unknown run field; allowed: device, headroom")
-    return Scenario(name=name or model.name, model=model, setup=setup, **run)
+    return _scenario(model, base_setup, training, run, name)
 
 
 __all__ = ["Scenario", "build_scenario", "load_toml", "PRESETS", "DESCRIBERS"]

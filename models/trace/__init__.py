@@ -4,9 +4,11 @@ How the pieces compose:
 - `model.py`   `TracedModel`: what the model is (a HF config.json, or `file.py:factory`) and how to build
                it with its default batch and loss, on fake tensors or for real.
 - `record.py`  runs one micro-batch (forward, loss, backward) on fake tensors under `FakeTensorMode` and
-               records every aten op, storage birth and death, saved tensor and autograd node.
+               records every aten op, storage birth and death, saved tensor and autograd node;
+               `realpath.py` keeps that run on the real run's code path.
 - `convert.py` turns a recording into the project's tape (models/tape.py) under a setup's checkpointing:
                forward ops with their saves, and the recorded backward nodes (`Tape.backward`).
+- `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
 - here         `traced_tape` (what `models.training.build_tape` calls), the trace cache, and the real
                (CPU, random weights) build of the same program for validation (`real_model`).
 

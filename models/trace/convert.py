@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from math import prod
 
-import torch
 
 from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
-from .record import Recording, Storage, find_layers  # noqa: F401 (find_layers: re-exported)
+from .record import Recording, Storage
 
 # aten ops whose outputs torch's selective checkpointing policy keeps (models/reference.py OP_POLICY)
 SAC_KEPT = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",

@@ -16,7 +16,8 @@ its free. On top of that:
 - which backward storage became which parameter's `.grad`, and what the caller holds past backward.
 
 The loop recorded is the documented one: `out = model(batch); loss = loss_fn(out); loss.backward();
-del out, loss` (under `torch.autocast` for the forward and the loss when asked).
+del out, loss` (under `torch.autocast` for the forward and the loss when asked). realpath.py keeps the fake
+run on the real run's path (integer values, transformers' tracing test, CPU kernels' fake rules).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from .realpath import SCALAR_READS, Shadows, cpu_fake_kernels, real_code_paths
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -80,7 +83,7 @@ class Recording:
     param_grads: dict[int, str]  # backward storage -> the parameter whose `.grad` it became
     held: list[int]  # forward storages the caller held until after backward (freed by `del out, loss`)
     modules: list[str]  # every module path, in `named_modules` order
-    layers: tuple[str, ...] = ()  # the repeated blocks (convert.find_layers)
+    layers: tuple[str, ...] = ()  # the repeated blocks (`find_layers`)
     model_class: str = ""
 
 
@@ -92,54 +95,6 @@ class _Token:
     def __init__(self, sid: int | None, tensor: torch.Tensor) -> None:
         self.sid = sid
         self.tensor = tensor
-
-
-SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-                torch.ops.aten.equal.default}
-SHADOW_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
-SHADOW_LIMIT = 1 << 24  # elements: integer tensors up to this size carry their real values
-
-
-class Shadows:
-    """Real values for the integer and boolean tensors of a trace (token ids, positions, masks), so that a
-    Python branch on them (`if (mask == 0).all():`, `.item()`) takes the branch the real run takes instead of
-    failing on a fake tensor. The batch's tensors come with their values (`add`); an op whose tensor inputs all
-    have values (or that has none, like `arange`) and whose outputs are small integer tensors is run for real
-    on those values too. Float tensors never have values: their values are the weights', which a trace does
-    not have."""
-
-    def __init__(self) -> None:
-        from torch.utils.weak import WeakIdKeyDictionary
-        self.values = WeakIdKeyDictionary()
-
-    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        self.values[fake] = real
-
-    def inputs(self, func, args, kwargs):
-        """(real args, real kwargs) when every tensor argument has a value, else None."""
-        leaves = _tensors((args, kwargs))
-        if any(t not in self.values for t in leaves):
-            return None
-        swap = lambda a: self.values[a] if isinstance(a, torch.Tensor) else a  # noqa: E731
-        from torch.utils._pytree import tree_map
-        return tree_map(swap, args), tree_map(swap, kwargs or {})
-
-    def run(self, func, real):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        with unset_fake_temporarily():
-            return func(*real[0], **real[1])
-
-    def follow(self, func, real, out) -> None:
-        fakes = _tensors(out)
-        if not fakes or any(t.dtype not in SHADOW_DTYPES or t.numel() > SHADOW_LIMIT for t in fakes):
-            return
-        try:
-            values = _tensors(self.run(func, real))
-        except Exception:  # an op that will not run on the real values: its outputs have none
-            return
-        if len(values) == len(fakes):
-            for f, r in zip(fakes, values):
-                self.values[f] = r
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -170,25 +125,23 @@ class Recorder(TorchDispatchMode):
         self.last_where = "model"  # the module of the latest op (named when the model fails)
 
     # -- storages -----------------------------------------------------------------------------------
-    def storage_of(self, t: torch.Tensor) -> int | None:
+    def _lookup(self, t: torch.Tensor):
+        """(`t`'s untyped storage or None, the id it was recorded under or None)."""
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
-            return None
+            return None, None
         hit = self.live.get(id(st))
-        if hit is not None and hit[1]() is st:
-            return hit[0]
-        return None
+        return st, (hit[0] if hit is not None and hit[1]() is st else None)
+
+    def storage_of(self, t: torch.Tensor) -> int | None:
+        return self._lookup(t)[1]
 
     def see(self, t: torch.Tensor, born: str, name: str, op: int = -1) -> int | None:
         """The storage id of `t`, recording its storage as allocated now if it is new."""
-        try:
-            st = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):
-            return None
-        hit = self.live.get(id(st))
-        if hit is not None and hit[1]() is st:
-            return hit[0]
+        st, known = self._lookup(t)
+        if st is None or known is not None:
+            return known
         if st.nbytes() == 0:
             return None
         sid = len(self.storages) + 1
@@ -318,74 +271,6 @@ def _graph_nodes(root) -> list:
         seen[id(node)] = node
         stack.extend(n for n, _ in reversed(node.next_functions))
     return list(seen.values())
-
-
-class cpu_fake_kernels:
-    """Fake-tensor rules for the CPU kernels whose meta function checks a GPU's constraints instead:
-    `aten._grouped_mm` (MoE experts) runs in fp32 on the CPU, but its meta function demands bf16
-    (torch/_meta_registrations.py `_meta_grouped_mm_common`). The rule here gives the CPU kernel's output:
-    shape from the operands, last dimension's stride padded to 16 bytes
-    (aten/src/ATen/native/GroupedMMUtils.h `create_grouped_gemm_output_tensor`)."""
-
-    def __enter__(self):
-        from torch._subclasses import fake_impls
-
-        self.table = fake_impls.op_implementations_dict
-        self.op = torch.ops.aten._grouped_mm.default
-        self.previous = self.table.get(self.op)
-        self.table[self.op] = _fake_grouped_mm
-        return self
-
-    def __exit__(self, *exc):
-        if self.previous is None:
-            self.table.pop(self.op, None)
-        else:
-            self.table[self.op] = self.previous
-        return False
-
-
-class real_code_paths:
-    """transformers takes a different code path on fake tensors (`utils/import_utils.py` `is_tracing` counts a
-    FakeTensor as tracing: masks are materialised, packed-sequence checks skipped). While recording, a fake
-    tensor does not count, so the traced program is the real run's; the branches it takes on integer values
-    are answered by `Shadows`."""
-
-    def __enter__(self):
-        import sys
-        self.module = sys.modules.get("transformers.utils.import_utils")
-        if self.module is not None:
-            self.previous = self.module.is_fake_tensor
-            self.module.is_fake_tensor = lambda x: False
-        return self
-
-    def __exit__(self, *exc):
-        if self.module is not None:
-            self.module.is_fake_tensor = self.previous
-        return False
-
-
-def _fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-    a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
-    if a2 and b2:
-        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
-    elif a2:
-        shape = (mat_a.shape[0], mat_b.shape[-1])
-    elif b2:
-        shape = (mat_a.shape[1], mat_b.shape[-1])
-    else:
-        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
-    dtype = out_dtype or mat_a.dtype
-    align = max(16 // torch.empty((), dtype=dtype, device="meta").element_size(), 1)
-    last = -(-shape[-1] // align) * align
-    strides = [1] * len(shape)
-    strides[-2] = last
-    if len(shape) == 3:
-        strides[0] = shape[1] * last
-    with in_kernel_invocation_manager(fake_mode):
-        out = torch.empty_strided(shape, strides, dtype=dtype, device="meta")
-    return FakeTensor(fake_mode, out, mat_a.device)
 
 
 def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None,
