@@ -15,6 +15,7 @@ from dataclasses import fields
 
 from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .models.trace.model import TracedModel, check_traced_source
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.files import check_outputs
 from .traces.store import TraceFile
@@ -86,12 +87,17 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
     """The scenario a measured trace records (`peakledger capture` writes model, model_kind, setup and
     scenario into its metadata), or None when it records none (a CUDA snapshot, a trace from elsewhere)."""
     model, setup, kind = metadata.get("model"), metadata.get("setup"), metadata.get("model_kind")
-    if not (isinstance(model, dict) and isinstance(setup, dict) and kind in ("TransformerConfig", "MLPConfig")):
+    if not (isinstance(model, dict) and isinstance(setup, dict) and
+            kind in ("TransformerConfig", "MLPConfig", "TracedModel")):
         return None
-    cls = TransformerConfig if kind == "TransformerConfig" else MLPConfig
+    cls = {"TransformerConfig": TransformerConfig, "MLPConfig": MLPConfig, "TracedModel": TracedModel}[kind]
     known = lambda c, d: {k: v for k, v in lists_as_tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
     try:
         config = cls(**known(cls, model))
+        if isinstance(config, TracedModel):
+            config = dataclasses.replace(config, varies=tuple(config.varies),
+                                         defaults=tuple(tuple(d) for d in config.defaults))
+            check_traced_source(config)
         training = TrainingSetup(**known(TrainingSetup, setup))
     except (TypeError, ConfigError) as e:
         raise ConfigError("trace", f"the scenario recorded in the trace is not one this peakledger reads: {e}") \

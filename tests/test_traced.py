@@ -231,3 +231,16 @@ def _trace_anew(model, setup):
         return recording(model, setup)
     finally:
         trace._CACHE.update(saved)
+
+
+def test_a_captured_trace_of_a_traced_model_validates_and_knows_its_file(capsys, tmp_path):
+    path = tmp_path / "model.py"
+    shutil.copy(FACTORIES, path)
+    out = tmp_path / "t.json"
+    assert run_cli(capsys, "capture", "--module", f"{path}:tied", "--micro-batch", "2", "--seq-len", "8",
+                   "--output", str(out))[0] == 0
+    code, text, err = run_cli(capsys, "validate", "--trace", str(out), "--tolerance", "0.005")
+    assert code == 0 and "scenario recorded in" in text + err
+    path.write_text(path.read_text() + "\n# edited\n")
+    code, _, err = run_cli(capsys, "validate", "--trace", str(out))
+    assert code == 2 and "changed since the trace was recorded" in err
