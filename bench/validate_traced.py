@@ -65,6 +65,13 @@ HF = {
                     decoder_attention_heads=NH, encoder_ffn_dim=I, decoder_ffn_dim=I, vocab_size=V, pad_token_id=0,
                     decoder_start_token_id=1, num_mel_bins=16, max_source_positions=64, max_target_positions=64),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **DEC),
+    "qwen2_moe": dict(model_type="qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                      num_experts=4, num_experts_per_tok=2, **DEC),
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=H, intermediate_size=I, moe_intermediate_size=32,
+                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                        num_hidden_layers=L, first_k_dense_replace=1, num_attention_heads=NH, num_key_value_heads=NH,
+                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        vocab_size=V, max_position_embeddings=128),
 }
 # own modules: row label -> (factory spec under examples/modules, hand-written "before": None = refused, or
 # (HF config, LoRA setup fields) for the peft factories)

@@ -116,6 +116,7 @@ class Recorder(TorchDispatchMode):
         self.node_index: dict[int, int] = {}  # id(node) -> index in self.nodes (backward)
         self.current: BackwardNode | None = None
         self.current_index = -1
+        self.resolving = False
         self.pending: tuple[int, list[weakref.ref]] | None = None
         self.node_op: dict[int, int] = {}  # id(node) -> forward op index
         self._node_refs: dict[int, object] = {}  # keep nodes alive while their ids are keys
@@ -174,15 +175,21 @@ class Recorder(TorchDispatchMode):
             return
         i, refs = self.pending
         self.pending = None
-        for ref in refs:
-            t = ref()
-            node = getattr(t, "grad_fn", None) if t is not None else None
-            if node is not None and id(node) not in self.node_op:
-                self.node_op[id(node)] = i
-                self._node_refs[id(node)] = node
+        self.resolving = True  # reading a view's grad_fn after an in-place op regenerates it: ops not to record
+        try:
+            for ref in refs:
+                t = ref()
+                # a view's grad_fn is regenerated from its base after an in-place op: not read (the op that made
+                # the view allocated nothing; its node keeps its own events, unmapped)
+                node = getattr(t, "grad_fn", None) if t is not None and not t._is_view() else None
+                if node is not None and id(node) not in self.node_op:
+                    self.node_op[id(node)] = i
+                    self._node_refs[id(node)] = node
+        finally:
+            self.resolving = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "prim":  # prim.device & co: metadata queries (autograd asks before it sets grad_fn)
+        if func.namespace == "prim" or self.resolving:  # metadata queries; autograd's own view replays
             return func(*args, **(kwargs or {}))
         self.last_where = self._where()
         real = self.shadows.inputs(func, args, kwargs)
