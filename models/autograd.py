@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ..simulator.events import Block, Category, Phase, Pool
 from .config import dtype_bytes
+from .replay_recorded import RecordedBackward
 from .tape import Tape, TapeOp, TensorSpec
 
 
@@ -62,8 +63,9 @@ class _Storage:
         self.refs = refs
 
 
-class MicroBatchReplay:
-    """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py)."""
+class MicroBatchReplay(RecordedBackward):
+    """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py); a traced
+    tape's backward follows its recording (replay_recorded.py)."""
 
     def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState) -> None:
         self.b = builder
@@ -364,79 +366,26 @@ class MicroBatchReplay:
                 self._run_backward(i, op)
                 engine.after_op(self, i, Phase.BACKWARD)
             if op.region is not None and i == self.regions[op.region][0]:
-                frees: list[int] = []
-                for name in self.region_inputs[op.region]:
-                    self._release(name, frees)
-                for name in sorted(self.cache_pending.pop(op.region, ())):  # cached, never reused
-                    self._release(name, frees)
-                if frees:
-                    self.b.op(f"checkpoint.region{op.region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
-        frees = []
+                self._end_region(op.region)
+        self._end_batch([])
+
+    def _end_region(self, region: int) -> None:
+        """A checkpoint region's backward is done: its inputs, and cached outputs never reused, let go."""
+        frees: list[int] = []
+        for name in self.region_inputs[region]:
+            self._release(name, frees)
+        for name in sorted(self.cache_pending.pop(region, ())):  # cached, never reused
+            self._release(name, frees)
+        if frees:
+            self.b.op(f"checkpoint.region{region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
+
+    def _end_batch(self, frees: list[int]) -> None:
+        """The micro-batch's backward is done: the caller drops its outputs and the batch (with `frees`)."""
         for name in self.tape.held:
             self._release(name, frees)
         for t in self.tape.inputs:
             self._release(t.name, frees)
         self.b.op("batch.release", Phase.BACKWARD, self.step, self.mb, [], frees)
-
-    def _recorded_backward(self) -> None:
-        """Follow a recorded backward (`Tape.backward`, traced tapes): each node's steps in the order the real
-        engine ran them; a checkpoint region is recomputed right before its first node, and its inputs let go
-        after its last; parameter gradients go through the engine (`.grad`, accumulation, sharding)."""
-        ops, engine = self.tape.ops, self.b.engine
-        born: dict[str, Block] = {}
-        region_last: dict[int, int] = {}
-        for k, node in enumerate(self.tape.backward):
-            if node.op is not None and ops[node.op].region is not None:
-                region_last[ops[node.op].region] = k
-        region_done: set[int] = set()
-        for k, node in enumerate(self.tape.backward):
-            i = node.op
-            region = ops[i].region if i is not None else None
-            if region is not None and region not in region_done:
-                region_done.add(region)
-                self._recompute(region)
-            if i is not None:
-                engine.before_op(self, i, Phase.BACKWARD)
-            unpacked = [blk.id for blk in self._unpack(i)] if i is not None else []
-            for s, step in enumerate(node.steps):
-                allocs, frees = [], []
-                for t in step.allocs:
-                    born[t.name] = self._new_block(t, Category.TEMPORARY)
-                    allocs.append(born[t.name])
-                for p in step.grads:
-                    self._param_grad(p, allocs, frees)
-                frees += [born.pop(n).id for n in step.frees]
-                if step.release_saved and i is not None:
-                    frees += unpacked
-                    saved = self.saved_at.get(i, ())
-                    for name in saved:
-                        self._release(name, frees)
-                suffix = f".{s}" if len(node.steps) > 1 else ""
-                self.b.op(f"{node.name}{suffix}", Phase.BACKWARD, self.step, self.mb, allocs, frees,
-                          flops=node.flops if s == 0 else 0, bytes_moved=2 * sum(a.nbytes for a in allocs))
-                self._flush_after_node()
-            if i is not None:
-                engine.after_op(self, i, Phase.BACKWARD)
-            if region is not None and region_last[region] == k:
-                frees = []
-                for name in self.region_inputs[region]:
-                    self._release(name, frees)
-                for name in sorted(self.cache_pending.pop(region, ())):
-                    self._release(name, frees)
-                if frees:
-                    self.b.op(f"checkpoint.region{region}.release", Phase.BACKWARD, self.step, self.mb, [], frees)
-        frees = [blk.id for blk in born.values()]
-        for name in self.tape.held:
-            self._release(name, frees)
-        for t in self.tape.inputs:
-            self._release(t.name, frees)
-        self.b.op("batch.release", Phase.BACKWARD, self.step, self.mb, [], frees)
-
-    def backward_order(self) -> list[int]:
-        """The forward ops whose backward nodes run, in the order they run (engines plan with it)."""
-        if self.tape.backward:
-            return list(dict.fromkeys(n.op for n in self.tape.backward if n.op is not None))
-        return [i for i in range(len(self.tape.ops) - 1, -1, -1) if self.needs_backward[i]]
 
     def _recompute(self, region: int) -> None:
         idxs = self.regions[region]
