@@ -119,8 +119,12 @@ def check_traced_source(model: TracedModel) -> None:
 
 def hf_task(data: dict):
     """(model class, auto class name) for a config dict, or a ConfigError naming what is wrong."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    try:
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        raise ConfigError("hf_config", "tracing a HF config runs transformers, which is not installed: "
+                                       "pip install 'peakledger[hf]'") from None
 
     model_type = data.get("model_type")
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:

@@ -306,7 +306,9 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             inputs.append(rec.storages[sid])
 
     def pre(module, args):
-        rec.module_stack.append(names.get(id(module), type(module).__name__))
+        # a module outside the model's tree (one made on the fly, as transformers' hub-kernel function
+        # wrappers are) runs in the module that called it: its ops keep that path (layers, FSDP units)
+        rec.module_stack.append(names.get(id(module)) or (rec.module_stack[-1] if rec.module_stack else "model"))
 
     def post(module, args, output):
         if rec.module_stack:
