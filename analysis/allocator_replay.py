@@ -1,0 +1,199 @@
+"""Replay a measured CUDA memory snapshot through the allocator model and compare with what torch did.
+
+1. The state at record start is rebuilt from the snapshot's final `segments` by undoing the trace backwards
+   (as torch's MemoryViz does): an `alloc` undone removes the block, a `free_completed` undone puts it back,
+   a `segment_alloc` undone removes the segment, a `segment_free` undone puts it back. A block freed during
+   the trace but allocated before it is given its rounded size; in the large pool it also takes a following
+   free gap of 1 MiB or less (such a gap can only be the leftover the block kept: should_split never leaves a
+   large free block of <= 1 MiB).
+2. The trace's `alloc` / `free_completed` requests are replayed through `CachingAllocator`, per device (each
+   request on its own stream). A new segment takes the address of the trace's pending `segment_alloc` when
+   its size is the same, else a synthetic address. A run of `segment_free` events the model did not cause is
+   an explicit `torch.cuda.empty_cache()` of the user's: the model is asked to empty its cache there.
+3. Compared: the segment events (kind and size, position by position), reserved and allocated peaks, the
+   share of trace events after which the predicted reserved equals the measured one, and the final layout
+   against the snapshot's `segments` block by block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..simulator.allocator import (K_SMALL_SIZE, LARGE, SMALL, AllocatorConfig, CachingAllocator, OutOfMemory,
+                                   round_size)
+from ..simulator.files import read_input
+from ..traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, _check_shape, safe_loads
+
+
+def _final_state(snapshot: dict, device: int):
+    segs, blocks = {}, {}
+    for s in snapshot["segments"]:
+        if s.get("device", 0) != device:
+            continue
+        if s.get("is_expandable"):
+            raise SnapshotError("the snapshot uses expandable segments, which the allocator model does not model yet")
+        pool = SMALL if s.get("segment_type") == "small" else LARGE
+        segs[s["address"]] = (s["total_size"], s.get("stream", 0), pool)
+        for b in s.get("blocks", []):
+            if b.get("state") in ("active_allocated", "active_pending_free"):
+                blocks[b["address"]] = (b["size"], b.get("requested_size", b["size"]))
+    return segs, blocks
+
+
+def _segment_of(segs: dict, addr: int):
+    for a, (size, stream, pool) in segs.items():
+        if a <= addr < a + size:
+            return a, size, stream, pool
+    return None
+
+
+def start_state(snapshot: dict, entries: list[dict], device: int = 0):
+    """The segments {addr: (size, stream, pool)} and allocated blocks {addr: (block size, requested)} at record start."""
+    segs, blocks = _final_state(snapshot, device)
+    for i in range(len(entries) - 1, -1, -1):
+        e = entries[i]
+        action, addr, size = e["action"], e.get("addr"), e.get("size", 0)
+        if action == "alloc":
+            blocks.pop(addr, None)
+        elif action == "free_completed":
+            seg = _segment_of(segs, addr)
+            if seg is None:
+                raise SnapshotError(f"entry {i}: free_completed of {addr:#x} lies in no segment at that time")
+            bs = round_size(size)
+            if seg[3] == LARGE:
+                end = seg[0] + seg[1]
+                nxt = min((a for a in blocks if addr < a < end), default=end)
+                if 0 < nxt - (addr + bs) <= K_SMALL_SIZE:
+                    bs = nxt - addr  # the leftover the block kept (should_split: not split off)
+            blocks[addr] = (bs, size)
+        elif action == "segment_alloc":
+            segs.pop(addr, None)
+        elif action == "segment_free":
+            segs[addr] = (size, e.get("stream", 0), SMALL if size <= 2 * K_SMALL_SIZE else LARGE)
+    return segs, blocks
+
+
+def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | None = None,
+                   capacity: int | None = None) -> dict:
+    entries = _check_shape(snapshot, device, "trace")
+    segs, blocks = start_state(snapshot, entries, device)
+    pending: list[tuple[int, int]] = []  # the trace's segment_alloc not yet consumed
+    synthetic = [1 << 56]
+
+    def address(size: int, stream: int) -> int:
+        while pending:
+            a, s = pending.pop(0)
+            if s == size:
+                return a
+        synthetic[0] += size
+        return synthetic[0] - size
+
+    model = CachingAllocator(config, capacity, address)
+    for a, (size, stream, pool) in sorted(segs.items()):
+        model.add_segment(a, size, stream, pool,
+                          {b: v for b, v in blocks.items() if a <= b < a + size})
+    measured_seg: list[tuple[str, int]] = []
+    reserved_m = model.reserved
+    alloc_m = alloc_p = model.requested
+    peaks = {"reserved_m": reserved_m, "reserved_p": reserved_m, "alloc_m": alloc_m, "alloc_p": alloc_p,
+             "alloc_block_p": model.allocated}
+    addr_map: dict[int, int] = {}
+    exact = 0
+    addr_matched = allocs = 0
+    ooms: list[int] = []
+    prev_action = None
+    shown = model.reserved  # the predicted reserved as of the trace's position
+    seen = 0  # model segment events already shown
+    done: dict[int, int | None] = {}  # alloc entries already served (looked ahead from their segment_alloc)
+
+    def serve(j: int) -> None:
+        e = entries[j]
+        try:
+            got = model.malloc(e["size"], e.get("stream", 0))
+        except OutOfMemory:
+            ooms.append(j)
+            got = None
+        done[j] = got
+        pending.clear()
+
+    for i, e in enumerate(entries):
+        action = e["action"]
+        if action in ("segment_alloc", "segment_free"):
+            measured_seg.append((action, e["size"]))
+            reserved_m += e["size"] if action == "segment_alloc" else -e["size"]
+            if action == "segment_alloc":
+                pending.append((e["addr"], e["size"]))
+                # the malloc that caused it is the next alloc: serve it now, as torch did
+                j = next((k for k in range(i + 1, len(entries)) if entries[k]["action"] == "alloc"), None)
+                if j is not None and j not in done and seen == len(model.events):
+                    serve(j)
+            elif prev_action != "segment_free" and seen == len(model.events):
+                model.empty_cache()  # an explicit torch.cuda.empty_cache() of the user's
+            if seen < len(model.events):  # one model segment event per trace segment event, in order
+                ev = model.events[seen]
+                shown += ev.size if ev.kind == "segment_alloc" else -ev.size
+                seen += 1
+        else:
+            if action == "alloc":
+                alloc_m += e["size"]
+                allocs += 1
+                if i not in done:
+                    serve(i)
+                got = done.pop(i)
+                if got is not None:
+                    addr_map[e["addr"]] = got
+                    addr_matched += got == e["addr"]
+            elif action == "free_completed":
+                alloc_m -= e["size"]
+                got = addr_map.pop(e["addr"], e["addr"])
+                if got in model.blocks and model.blocks[got].allocated:
+                    model.free(got)
+            for ev in model.events[seen:]:
+                shown += ev.size if ev.kind == "segment_alloc" else -ev.size
+            seen = len(model.events)
+        if action != "free_requested":
+            prev_action = action
+        exact += shown == reserved_m
+        peaks["reserved_m"] = max(peaks["reserved_m"], reserved_m)
+        peaks["reserved_p"] = max(peaks["reserved_p"], shown)
+        peaks["alloc_m"] = max(peaks["alloc_m"], alloc_m)
+        peaks["alloc_p"] = max(peaks["alloc_p"], model.requested)
+        peaks["alloc_block_p"] = max(peaks["alloc_block_p"], model.allocated)
+    predicted_seg = [(ev.kind, ev.size) for ev in model.events]
+    matched = sum(1 for m, p in zip(measured_seg, predicted_seg) if m == p)
+    first_diff = next((k for k, (m, p) in enumerate(zip(measured_seg, predicted_seg)) if m != p),
+                      None if len(measured_seg) == len(predicted_seg) else min(len(measured_seg), len(predicted_seg)))
+    final = {}
+    for s in snapshot["segments"]:
+        if s.get("device", 0) == device:
+            final[s["address"]] = [(b["address"], b["size"], b.get("state") in ("active_allocated", "active_pending_free"))
+                                   for b in s.get("blocks", [])]
+    return {
+        "device": device,
+        "trace_events": len(entries),
+        "segments_measured": len(measured_seg),
+        "segments_predicted": len(predicted_seg),
+        "segments_matched": matched,
+        "first_segment_difference": first_diff,
+        "reserved_peak": {"measured": peaks["reserved_m"], "predicted": peaks["reserved_p"]},
+        "allocated_peak": {"measured": peaks["alloc_m"], "predicted": peaks["alloc_p"]},
+        "allocated_block_peak_predicted": peaks["alloc_block_p"],
+        "reserved_exact_fraction": exact / len(entries) if entries else 1.0,
+        "block_addresses_matched": addr_matched,
+        "allocs": allocs,
+        "final_layout_matches": model.layout() == dict(sorted(final.items())),
+        "ooms": ooms,
+        "start_segments": len(segs),
+        "start_blocks": len(blocks),
+    }
+
+
+def replay_snapshot(path: str | Path, config: AllocatorConfig | str | None = None,
+                    capacity: int | None = None) -> dict:
+    """Replay every device of a snapshot file; one dict per device under "devices", device 0's figures on top."""
+    if isinstance(config, str) or config is None:
+        config = AllocatorConfig.parse(config)
+    snapshot = safe_loads(read_input(path, "trace", TRACE_FILE_LIMIT))
+    n = max(len(snapshot.get("device_traces", []) if isinstance(snapshot, dict) else []), 1)
+    devices = [replay_entries(snapshot, d, config, capacity) for d in range(n)]
+    return {**devices[0], "devices": devices}
