@@ -295,8 +295,11 @@ class Engine:
         pass
 
     def zero_grad_frees(self, grads) -> list[int]:
+        """`zero_grad(set_to_none=True)` drops the gradients in parameter order (torch/optim/optimizer.py
+        `zero_grad`: its param_groups in `model.parameters()` order)."""
         if self.setup.set_to_none and not grads.persistent:
-            frees = [blk.id for blk in grads.blocks.values()]
+            order = {p.name: i for i, p in enumerate(self.b.tape.params)}
+            frees = [blk.id for _, blk in sorted(grads.blocks.items(), key=lambda kv: order.get(kv[0], len(order)))]
             grads.blocks.clear()
             return frees
         return []
