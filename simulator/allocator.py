@@ -281,26 +281,27 @@ class CachingAllocator:
         self.events.append(SegmentEvent("segment_free", seg.addr, seg.size, seg.stream))
 
     def _release_available_cached_blocks(self, pool: str, stream: int, rounded: int) -> bool:
-        """release_available_cached_blocks: with max_split_size set, free oversize cached blocks (smallest
-        one >= the request first, else the largest ones until enough is freed)."""
+        """release_available_cached_blocks: only with max_split_size set. The key is max(request, max_split_size);
+        the smallest cached block >= key on the stream is freed, else oversize blocks (>= max_split_size) from the
+        largest down until key bytes are freed. (torch frees the found block even when it is part of a split
+        segment, which cannot happen for oversize blocks; the model only frees whole segments.)"""
         mss = self.config.max_split_size
         if mss is None:
             return False
         key = max(rounded, mss)
-        lst = [t for t in self._free[pool] if t[0] == stream]
-        cands = [self.blocks[t[2]] for t in lst if t[1] >= key]
-        whole = [b for b in cands if b.prev is None and b.next is None]
+        mine = [self.blocks[t[2]] for t in self._free[pool] if t[0] == stream]  # (size, addr) order
+        whole = [b for b in mine if b.prev is None and b.next is None]
         fit = [b for b in whole if b.size >= key]
         if fit:
             self._release_segment(fit[0])
             return True
-        freed = 0
-        for b in reversed(whole):
-            if freed >= key:
+        released = 0
+        for b in reversed([b for b in whole if b.size >= mss]):
+            if released >= key:
                 break
-            freed += b.size
+            released += b.size
             self._release_segment(b)
-        return freed >= key
+        return released >= key
 
     def release_cached_blocks(self) -> int:
         """release_cached_blocks / emptyCache: free every cached block that is a whole segment, large pool
