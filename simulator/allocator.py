@@ -33,7 +33,7 @@ deterministic counter.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from .files import InputError

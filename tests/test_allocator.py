@@ -150,7 +150,7 @@ def test_max_split_size_release_oversize_before_everything():
     # with max_split_size set, a failed cudaMalloc first frees the smallest cached oversize block >= the key
     cfg = AllocatorConfig.parse("max_split_size_mb:32")
     m = CachingAllocator(cfg, capacity=100 * MB)
-    a, b, c = m.malloc(40 * MB), m.malloc(34 * MB), m.malloc(2 * MB)
+    a, b, _ = m.malloc(40 * MB), m.malloc(34 * MB), m.malloc(2 * MB)
     m.free(a)
     m.free(b)
     m.events.clear()
