@@ -503,7 +503,45 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--moe-counts", metavar="FILE", help="mixture of experts: also write the tokens each expert "
                    "received per layer in the run's first micro-batch (for --moe-routing counts:FILE)")
     k.set_defaults(func=cmd_capture)
+    r = sub.add_parser("replay", help="replay a CUDA snapshot's requests through the caching-allocator model and "
+                                      "compare with what the real allocator did")
+    r.add_argument("snapshot", metavar="SNAPSHOT.pickle", help="torch.cuda.memory._dump_snapshot output")
+    r.add_argument("--alloc-conf", metavar="CONF", help="allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax "
+                   "(default: the snapshot's own defaults), e.g. max_split_size_mb:128")
+    r.add_argument("--capacity", help="device capacity (80GiB, 80GB, bytes); default: unlimited (no OOM)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"], help="unit of the text output (default GiB)")
+    r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
+    r.set_defaults(func=cmd_replay)
     return parser
+
+
+def cmd_replay(args) -> int:
+    """The allocator model (simulator/allocator.py) on a measured snapshot (analysis/allocator_replay.py)."""
+    from .analysis.allocator_replay import replay_snapshot
+
+    capacity = parse_bytes(args.capacity, "capacity") if args.capacity is not None else None
+    result = replay_snapshot(args.snapshot, args.alloc_conf, capacity)
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+        return 0
+    f = lambda n: format_bytes(n, args.unit)  # noqa: E731
+    for d in result["devices"]:
+        print(f"replay {args.snapshot} device {d['device']}: {d['trace_events']:,} trace events, start state "
+              f"{d['start_segments']} segments / {d['start_blocks']} blocks (rebuilt from the final segments)")
+        print(f"  segment events matched  {d['segments_matched']:,} of {d['segments_measured']:,} measured "
+              f"({d['segments_predicted']:,} predicted)"
+              + (f"; first difference: {d['first_segment_difference']}" if d["first_segment_difference"] else ""))
+        print(f"  reserved peak           measured {f(d['reserved_peak']['measured'])}, predicted "
+              f"{f(d['reserved_peak']['predicted'])}; reserved equal after {d['reserved_exact_fraction']:.1%} of events")
+        print(f"  allocated peak          measured {f(d['allocated_peak']['measured'])}, predicted "
+              f"{f(d['allocated_peak']['predicted'])} (requested bytes; in blocks: "
+              f"{f(d['allocated_block_peak_predicted'])})")
+        print(f"  block addresses         {d['block_addresses_matched']:,} of {d['allocs']:,} equal; final layout "
+              f"{'equal block by block' if d['final_layout_matches'] else 'differs'}")
+        for oom in d["ooms"]:
+            print(f"  OOM: {oom}")
+    return 0
 
 
 class _Terminated(KeyboardInterrupt):

@@ -208,3 +208,41 @@ def test_replay_real_snapshot(snapshot):
     assert r["allocated_peak"]["predicted"] == r["allocated_peak"]["measured"]
     assert r["block_addresses_matched"] == r["allocs"]
     assert r["final_layout_matches"] and not r["ooms"]
+
+
+def _small_snapshot_file(tmp_path):
+    import pickle
+    A, B = 0x7000_0000, 0x9000_0000
+    snap = {"segments": [{"device": 0, "address": A, "total_size": 20 * MB, "stream": 0, "segment_type": "large",
+                          "blocks": [{"address": A, "size": 20 * MB, "requested_size": 19 * MB,
+                                      "state": "active_allocated"}]}],
+            "device_traces": [[{"action": "segment_free", "addr": B, "size": 2 * MB, "stream": 0},
+                               {"action": "free_requested", "addr": A, "size": 19 * MB, "stream": 0},
+                               {"action": "free_completed", "addr": A, "size": 19 * MB, "stream": 0},
+                               {"action": "alloc", "addr": A, "size": 19 * MB, "stream": 0}]]}
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    return path
+
+
+def test_replay_command_json_and_text(tmp_path, capsys):
+    import json
+
+    from peakledger.cli import main
+    path = _small_snapshot_file(tmp_path)
+    assert main(["replay", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {"segments_measured", "segments_matched", "reserved_peak", "allocated_peak",
+            "reserved_exact_fraction"} <= set(data)
+    assert data["reserved_peak"]["measured"] == data["reserved_peak"]["predicted"] == 22 * MB
+    assert main(["replay", str(path), "--unit", "MiB"]) == 0
+    assert "segment events matched  1 of 1 measured" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,words", [(["--alloc-conf", "expandable_segments:True"], "alloc_conf: "),
+                                        (["--alloc-conf", "no_such_key:1"], "alloc_conf: unknown allocator setting"),
+                                        (["--capacity", "lots"], "capacity")])
+def test_replay_command_bad_input_exits_2(tmp_path, capsys, argv, words):
+    from peakledger.cli import main
+    assert main(["replay", str(_small_snapshot_file(tmp_path)), *argv]) == 2
+    assert words in capsys.readouterr().err
