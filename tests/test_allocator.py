@@ -173,17 +173,24 @@ def test_config_parsing():
             AllocatorConfig.parse(text)
 
 
-def test_start_state_undoes_the_trace():
-    # a large segment A whose block (19 MiB asked, 20 MiB kept: 1 MiB leftover) was allocated before recording, and
-    # a small segment B cached before recording and released by an empty_cache in the trace
+def _started_mid_run() -> dict:
+    """A large segment A whose block (19 MiB asked, 20 MiB kept: 1 MiB leftover) was allocated before recording,
+    and a small segment B cached before recording and released by an empty_cache in the trace."""
     A, B = 0x7000_0000, 0x9000_0000
-    snap = {"segments": [{"device": 0, "address": A, "total_size": 20 * MB, "stream": 0, "segment_type": "large",
+    return {"segments": [{"device": 0, "address": A, "total_size": 20 * MB, "stream": 0, "segment_type": "large",
                           "blocks": [{"address": A, "size": 20 * MB, "requested_size": 19 * MB,
                                       "state": "active_allocated"}]}],
             "device_traces": [[{"action": "segment_free", "addr": B, "size": 2 * MB, "stream": 0},
                                {"action": "free_requested", "addr": A, "size": 19 * MB, "stream": 0},
                                {"action": "free_completed", "addr": A, "size": 19 * MB, "stream": 0},
                                {"action": "alloc", "addr": A, "size": 19 * MB, "stream": 0}]]}
+
+
+def test_start_state_undoes_the_trace():
+    # a large segment A whose block (19 MiB asked, 20 MiB kept: 1 MiB leftover) was allocated before recording, and
+    # a small segment B cached before recording and released by an empty_cache in the trace
+    A, B = 0x7000_0000, 0x9000_0000
+    snap = _started_mid_run()
     segs, blocks = start_state(snap, snap["device_traces"][0])
     assert segs == {A: (20 * MB, 0, "large"), B: (2 * MB, 0, "small")}
     assert blocks == {A: (20 * MB, 19 * MB)}
@@ -212,16 +219,8 @@ def test_replay_real_snapshot(snapshot):
 
 def _small_snapshot_file(tmp_path):
     import pickle
-    A, B = 0x7000_0000, 0x9000_0000
-    snap = {"segments": [{"device": 0, "address": A, "total_size": 20 * MB, "stream": 0, "segment_type": "large",
-                          "blocks": [{"address": A, "size": 20 * MB, "requested_size": 19 * MB,
-                                      "state": "active_allocated"}]}],
-            "device_traces": [[{"action": "segment_free", "addr": B, "size": 2 * MB, "stream": 0},
-                               {"action": "free_requested", "addr": A, "size": 19 * MB, "stream": 0},
-                               {"action": "free_completed", "addr": A, "size": 19 * MB, "stream": 0},
-                               {"action": "alloc", "addr": A, "size": 19 * MB, "stream": 0}]]}
     path = tmp_path / "s.pickle"
-    path.write_bytes(pickle.dumps(snap))
+    path.write_bytes(pickle.dumps(_started_mid_run()))
     return path
 
 
