@@ -282,8 +282,8 @@ def render(rows: list[Row], seconds: float, command: str, whatifs=()) -> str:
         "depends on which gradient goes first. Overall and forward/backward peaks are not affected (zero_grad "
         "only frees).",
         "- peft under FakeTensorMode: `get_peft_model` moves each adapter with `Module.to(device, dtype)`, which "
-        "cannot swap fake parameters; examples/modules/lora.py skips moves that change nothing, and the describer "
-        "itself (`--lora-r` on a traced HF model, a factory's model under pure bf16) casts by hand.", "",
+        "cannot swap fake parameters; the describer runs factories and peft with such moves done by hand "
+        "(models/trace/model.py `fake_module_moves`).", "",
         *whatif_lines(whatifs)])
 
 

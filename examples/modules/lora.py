@@ -5,16 +5,10 @@ Each factory builds a small transformers model from a config (random weights, no
 wraps it with `peft.get_peft_model(model, LoraConfig(r=8, ...))`: the base is frozen, only the adapters
 train. The batch is input_ids and labels (`model(**batch)`), the loss the model's own.
 
-Under FakeTensorMode (how peakledger traces a factory) peft's `get_peft_model` fails as it is: after
-making each adapter it moves it to the base layer's device and dtype (`.to(device, dtype=...)`), and
-torch's `Module._apply` swaps a FakeTensor parameter in place with `torch.utils.swap_tensors`, which
-refuses a tensor with a weakref ("Couldn't swap Linear.weight": fake tensors carry one); the same for
-the `.to(weight.device)` of each new LoRA module. The adapters are already made on the base's device
-(CPU) and dtype (fp32 here), so those moves change nothing; `_no_fake_move` skips them while the model
-is fake and leaves peft untouched for real runs.
+Under FakeTensorMode (how peakledger traces a factory) peft's `get_peft_model` moves each new adapter with
+`Module.to(device, dtype)`, which fake parameters refuse; peakledger calls factories with such moves done by hand
+(models/trace/model.py `fake_module_moves`), so the factory is plain peft.
 """
-
-import contextlib
 
 import torch
 
@@ -24,37 +18,10 @@ def _batch(vocab: int, micro_batch: int, seq_len: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-@contextlib.contextmanager
-def _no_fake_move(model):
-    """While `model` is fake: `Module.to(device, dtype)` that would change nothing returns the module as
-    it is instead of swapping every parameter (which fake parameters refuse)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if not isinstance(next(model.parameters()), FakeTensor):
-        yield
-        return
-    to = torch.nn.Module.to
-
-    def same_or_to(self, *args, **kwargs):
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        tensors = list(self.parameters()) + list(self.buffers())
-        if all((device is None or t.device == device) and (dtype is None or not t.is_floating_point()
-                                                           or t.dtype == dtype) for t in tensors):
-            return self
-        return to(self, *args, **kwargs)
-
-    torch.nn.Module.to = same_or_to
-    try:
-        yield
-    finally:
-        torch.nn.Module.to = to
-
-
 def _wrap(model, targets, micro_batch, seq_len, vocab, **lora):
     from peft import LoraConfig, get_peft_model
 
-    with _no_fake_move(model):
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **lora))
     return model, _batch(vocab, micro_batch, seq_len), lambda out: out.loss
 
 

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from math import prod
 
 
@@ -91,7 +92,7 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
     nodes = tuple(_node(n, st, name, rec.param_grads, index, bool(saves.get(n.op))) for n in rec.nodes)
     return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in rec.params],
                 ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],
-                buffers=[TensorSpec(s.name, _spec(s, s.name).shape, _spec(s, s.name).dtype, False) for s in rec.buffers]
+                buffers=[dataclasses.replace(_spec(s, s.name), requires_grad=False) for s in rec.buffers]
                 + [_spec(st[sid], name[sid]) for sid in kept],
                 held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
                 buffers_follow_params=False, describer=describer,

@@ -190,9 +190,8 @@ def _hf_build(data: dict, setup: TrainingSetup):
 
 def _peft_lora(model, setup: TrainingSetup):
     """peft's LoRA on the HF model, as `get_peft_model(model, LoraConfig(...))` makes it (the base frozen, the
-    adapters trainable); targets () take peft's default for the model type. Under fake tensors the moves peft
-    makes after creating each adapter (to the base layer's device and dtype, which it already has) are skipped:
-    `Module.to` cannot swap fake parameters."""
+    adapters trainable); targets () take peft's default for the model type. Its moves of fake adapters go through
+    `fake_module_moves`."""
     if setup.quantize != "none":
         raise ConfigError("quantize", "QLoRA is modelled on the hand-written describers (--preset, or --describer "
                                       "hand-written for GPT-2 / Llama-family configs); a traced model takes LoRA only")
@@ -203,44 +202,41 @@ def _peft_lora(model, setup: TrainingSetup):
     config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                         target_modules=list(setup.lora_targets) or None)
     try:
-        with _same_place_moves_skipped(model):
+        with fake_module_moves():
             return get_peft_model(model, config)
     except ValueError as e:  # peft: no module matches the targets, or no default for this model type
         raise ConfigError("lora_targets", f"peft refused them: {e}") from None
 
 
-class _same_place_moves_skipped:
-    """While the model is fake: `Module.to(...)` that changes no device returns the module as it is, cast by hand
-    (`_cast`) where it changes the dtype."""
-
-    def __init__(self, model) -> None:
-        self.model = model
+class fake_module_moves:
+    """While active: `Module.to(...)` on a module of fake tensors that changes no device returns the module as it
+    is, cast by hand (`_cast`) where it changes the dtype: under FakeTensorMode torch's `Module._apply` swaps
+    each parameter in place (`torch.utils.swap_tensors`), which fake tensors refuse ("Couldn't swap"). peft
+    moves every adapter so, and a factory may cast its model; real modules are moved as usual."""
 
     def __enter__(self):
         import torch
         from torch._subclasses.fake_tensor import FakeTensor
 
-        self.original = None
-        if not isinstance(next(self.model.parameters()), FakeTensor):
-            return self
         self.original = to = torch.nn.Module.to
 
-        def same_or_to(module, *args, **kwargs):
-            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        def fake_aware_to(module, *args, **kwargs):
             tensors = list(module.parameters()) + list(module.buffers())
+            if not any(isinstance(t, FakeTensor) for t in tensors):
+                return to(module, *args, **kwargs)
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
             if all(device is None or t.device == device for t in tensors):
                 if dtype is not None:
-                    _cast(module, dtype)  # a cast only: done by hand (fake tensors cannot be swapped)
+                    _cast(module, dtype)
                 return module
             return to(module, *args, **kwargs)
 
-        torch.nn.Module.to = same_or_to
+        torch.nn.Module.to = fake_aware_to
         return self
 
     def __exit__(self, *exc):
-        if self.original is not None:
-            import torch
-            torch.nn.Module.to = self.original
+        import torch
+        torch.nn.Module.to = self.original
         return False
 
 
@@ -309,7 +305,8 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     fn = _load_factory(path, factory)
     kwargs = {k: getattr(setup, k) for k in varies}
     try:
-        result = fn(**kwargs)
+        with fake_module_moves():  # a factory may move or cast its model (peft does) while it is fake
+            result = fn(**kwargs)
     except Exception as e:
         raise ConfigError("module", f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
                                     f"{type(e).__name__}: {e}") from None
