@@ -19,8 +19,11 @@ PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e8f1fb", Phase.BACKWARD
                  Phase.OPTIMIZER: "#eaf7e6", Phase.ZERO_GRAD: "#f3e8f7", Phase.CHECKPOINT: "#fff6cc"}
 
 
-def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -> None:
-    """Write the plot to `path` atomically. The x axis is time in seconds (simulated or measured)."""
+def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB",
+                  reserved: list[tuple[float, int, int]] | None = None) -> None:
+    """Write the plot to `path` atomically. The x axis is time in seconds (simulated or measured). `reserved`:
+    (time, allocated, reserved) after each event of a CUDA device (simulator/device_memory.py), drawn as a line
+    over the stacked allocated bytes."""
     scale = UNITS[unit]
     x = np.asarray(tl.times, dtype=float)
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
@@ -39,6 +42,11 @@ def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB") -
         ax.axvline(x[peak_i], color="black", lw=0.8, ls="--")
         ax.annotate(f"peak {peak:.4g} {unit}\n{tl.events[peak_i].op}", (x[peak_i], peak), textcoords="offset points",
                     xytext=(5, -25), fontsize=8)
+    if reserved:
+        rx = np.asarray([t for t, _, _ in reserved], dtype=float)
+        ry = np.asarray([r for _, _, r in reserved], dtype=float) / scale
+        ax.step(rx, ry, where="post", color="black", lw=1.0,
+                label=f"reserved (caching allocator), peak {float(ry.max()):.4g} {unit}")
     ax.set_xlabel("time (s; phases shaded: load grey, forward blue, backward orange, optimizer green)")
     ax.set_ylabel(f"live memory ({unit})")
     ax.set_title(title)

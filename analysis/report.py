@@ -19,7 +19,9 @@ from ..simulator.events import EventLog, Pool
 from ..simulator.timeline import PeakPoint, timeline
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
-from .peaks import Peaks, peaks
+from .device import device_json, device_lines, gpu_memory
+from .peaks import Peaks, peaks, with_headroom
+from ..simulator.device_memory import DeviceMemory
 from .units import format_bytes
 
 REPORT_VERSION = 1
@@ -46,6 +48,15 @@ class Report:
     metadata: dict = field(default_factory=dict)
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
+    gpu: DeviceMemory | None = None  # the same rank through the caching allocator, on a CUDA device profile
+
+    @property
+    def capacity_needed(self) -> int:
+        """What the rank needs of its device, x (1 + headroom): on a CUDA profile the device total (context +
+        reserved + outside the allocator), else the peak of the tensors."""
+        if self.gpu is not None:
+            return with_headroom(self.gpu.total_peak.total, self.peaks.headroom)
+        return self.peaks.capacity_needed
 
     @property
     def steps(self) -> int:
@@ -112,7 +123,9 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST and e.block.rank == rank for e in log.events):
         host = peaks(timeline(log, rank, Pool.HOST))
-    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host)
+    gpu = gpu_memory(log, rank) if pool is Pool.DEVICE else None
+    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host,
+                  gpu=gpu)
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
@@ -160,7 +173,8 @@ def report_json(r: Report) -> dict:
         "steady_peak": _peak_json(r.peaks.steady),
         "transient_bytes": r.peaks.transient,
         "headroom": r.peaks.headroom,
-        "capacity_needed": r.peaks.capacity_needed,
+        "capacity_needed": r.capacity_needed,
+        **device_json(r.gpu),
         "ledger": [row.as_json() for row in r.ledger],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.peak) if r.host else None,
@@ -170,7 +184,8 @@ def report_json(r: Report) -> dict:
         "events": len(r.log.events),
         "events_all_steps": run_events(r.log),
         "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
-                  "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes}
+                  "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes,
+                  "message": o.message or None}
                  for o in r.log.ooms],
         "assumptions": md.get("assumptions", []),
     }
@@ -283,13 +298,16 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"host peak        {f(r.host.peak.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
                          f"  (rank {r.host.rank} host memory)")
         if pk.headroom:
-            lines.append(f"capacity needed  {f(pk.capacity_needed):>14}  (peak x (1 + {pk.headroom:g}) headroom)")
+            what = "device total" if r.gpu is not None else "peak"
+            lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
         lines.append("per rank (ranks with identical layouts are simulated once):")
         for rp in r.ranks:
             e = rp.peak.event
             lines.append(f"  {_rank_range(rp.same_as):<16}{f(rp.peak.bytes):>14}  at "
                          f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})")
+    if r.gpu is not None:
+        lines += [""] + device_lines(r.gpu, unit)
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
     lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"
@@ -302,6 +320,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         lines.append("")
         lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): {o.event.block.name} "
                      f"needs {f(o.event.block.nbytes)} with {f(o.live_bytes)} live of {f(o.capacity)}")
+        if o.message:
+            lines.append(f"  torch would say: {o.message}")
     if md.get("assumptions"):
         lines.append("")
         lines.append("assumptions (timing only; bytes do not depend on them):")

@@ -32,6 +32,8 @@ class DeviceProfile:
     launch_latency: float = 5e-6  # assumption, seconds per op
     interconnect: float = 450e9  # data-parallel bus bandwidth per rank, bytes/s (assumption)
     interconnect_latency: float = 10e-6  # seconds per ring hop (assumption)
+    compute_capability: tuple[int, int] | None = None  # a CUDA GPU's (major, minor); None: not a CUDA device
+    context_bytes: int = 0  # CUDA context + loaded kernels, outside the caching allocator (assumption)
 
     def assumptions(self) -> list[str]:
         peaks = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
@@ -40,7 +42,14 @@ class DeviceProfile:
                 f"efficiency assumed {self.flops_efficiency:.0%} of peak FLOP/s, {self.bandwidth_efficiency:.0%} "
                 f"of bandwidth, {self.launch_latency * 1e6:g} us per op",
                 f"collectives: ring over {self.interconnect / 1e9:g} GB/s per rank, "
-                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"]
+                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"] + ([
+                f"CUDA context and kernels {self.context_bytes / 2**20:g} MiB outside the caching allocator (assumed; "
+                f"sm{self.compute_capability[0]}{self.compute_capability[1]})"] if self.is_cuda else [])
+
+    @property
+    def is_cuda(self) -> bool:
+        """A CUDA GPU: its tensors live in torch's caching allocator (reserved memory, models/gpu.py)."""
+        return self.compute_capability is not None
 
     def collective_duration(self, kind: str, nbytes: int, world_size: int) -> float:
         """Seconds for one ring collective over `nbytes` (the full, unsharded size) on `world_size` ranks."""
@@ -60,13 +69,16 @@ class DeviceProfile:
 
 
 GiB = 2**30
+CONTEXT = 512 << 20  # assumption: a torch 2.x process's CUDA context with lazily loaded kernels, ~0.5 GiB
 DEVICES = {
     "A100-80GB": DeviceProfile("A100-80GB", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-                               bandwidth=2.039e12, host_link=25e9, interconnect=300e9),
+                               bandwidth=2.039e12, host_link=25e9, interconnect=300e9, compute_capability=(8, 0),
+                               context_bytes=CONTEXT),
     "H100-80GB": DeviceProfile("H100-80GB", 80 * GiB, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12},
-                               bandwidth=3.35e12, host_link=50e9),
+                               bandwidth=3.35e12, host_link=50e9, compute_capability=(9, 0), context_bytes=CONTEXT),
     "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
-                                                           "fp16": 989.4e12}, bandwidth=4.8e12, host_link=50e9),
+                                                           "fp16": 989.4e12}, bandwidth=4.8e12, host_link=50e9,
+                                compute_capability=(9, 0), context_bytes=CONTEXT),
     "cpu": DeviceProfile("cpu", 24 * GiB, {"fp32": 0.1e12, "bf16": 0.05e12, "fp16": 0.02e12}, bandwidth=20e9,
                          host_link=20e9, is_cpu=True, flops_efficiency=1.0, bandwidth_efficiency=1.0,
                          launch_latency=2e-6, interconnect=5e9, interconnect_latency=50e-6),

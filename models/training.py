@@ -38,6 +38,7 @@ from .autograd import GradState, MicroBatchReplay
 from .checkpoint_io import load_checkpoint, rank_signature, save_checkpoint, saves_after
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
+from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
@@ -91,6 +92,7 @@ class GraphBuilder:
         self.graph = graph if graph is not None else OpGraph()
         self._block_ids = block_ids if block_ids is not None else itertools.count(1)
         self._last_on_stream: dict[Stream, int] = {}
+        self._workspaces: set[str] = set()  # threads whose cuBLAS handle holds its workspace
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
@@ -107,6 +109,8 @@ class GraphBuilder:
         """Add an op after the previous op of its stream (streams run in order) and after `after`."""
         if duration is None:
             duration = self.device.duration(flops, bytes_moved, self.setup.compute_dtype)
+        if self.device.is_cuda and flops and stream is Stream.COMPUTE and phase in (Phase.FORWARD, Phase.BACKWARD):
+            allocs = self._cublas_workspace(phase, recompute) + tuple(allocs)
         op = Op(id=len(self.graph), name=name, stream=stream, phase=phase, step=step, micro_batch=micro_batch,
                 duration=duration, rank=self.rank, allocs=tuple(allocs), frees=tuple(frees), flops=flops,
                 recompute=recompute)
@@ -115,6 +119,16 @@ class GraphBuilder:
         deps = tuple(dict.fromkeys(d for d in ((previous,) if previous is not None else ()) + tuple(after)
                                    if d is not None))
         return self.graph.add(op, after=deps)
+
+    def _cublas_workspace(self, phase: Phase, recompute: bool) -> tuple[Block, ...]:
+        """The cuBLAS workspace of the thread running this op's GEMM, at its first (models/gpu.py): the forward
+        runs on the Python thread; backward and its recomputation on autograd's device thread."""
+        thread = "forward" if phase is Phase.FORWARD and not recompute else "autograd"
+        if thread in self._workspaces:
+            return ()
+        self._workspaces.add(thread)
+        size = cublas_workspace_bytes(self.device.compute_capability)
+        return (self.block(f"cublas_workspace.{thread}_thread", size, Category.WORKSPACE, "uint8", (size,)),)
 
     def last(self, stream: Stream) -> int | None:
         """The id of the latest op on `stream` of this rank (None before the first)."""
@@ -303,7 +317,8 @@ def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
         if op.step in (k - p, k):
             ops.setdefault((op.rank, op.step), []).append(
                 (op.stream, op.phase, op.micro_batch, op.duration, op.flops, op.recompute, len(op.frees),
-                 tuple((x.nbytes, x.category, x.pool, x.state, x.shard_factor) for x in op.allocs)))
+                 tuple((x.nbytes, x.category, x.pool, x.state, x.shard_factor) for x in op.allocs
+                       if x.category is not Category.WORKSPACE)))  # a workspace is created once, at its first GEMM
     for rank in sorted({r for r, _ in ops}):
         if ops.get((rank, k)) != ops.get((rank, k - p)):
             raise RuntimeError(f"rank {rank}: step {k} does not repeat step {k - p}; models/training.step_kind "

@@ -33,7 +33,7 @@ TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", 
                   "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
                   "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
                   "quantize", "moe_routing"] + DP_INT_FLAGS
-RUN_FLAGS = ["device", "headroom"]
+RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
 MODEL_SOURCES = ["preset", "hf_config", "module"]
 
@@ -121,7 +121,8 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
         return scenario_from_args(args, defaults), [f"{source} overrides the scenario recorded in {trace.path} "
                                                     f"({recorded.name})"]
     given = given_flags(args)
-    changes = {**given["model"], **given["training"], **{k: v for k, v in given["run"].items() if k == "headroom"}}
+    changes = {**given["model"], **given["training"], **{k: v for k, v in given["run"].items()
+                                                                 if k != "device"}}
     if changes.get("world_size", recorded.setup.world_size) != recorded.setup.world_size:
         raise ConfigError("world_size", f"{trace.path} was measured with world_size {recorded.setup.world_size}: its "
                                         "ranks are fixed by the run; capture a trace of the other world size")

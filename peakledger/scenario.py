@@ -14,6 +14,9 @@ TOML layout (every key optional; flags given on the command line override the fi
     [run]
     device = "H100-80GB"
     headroom = 0.1
+    alloc_conf = "expandable_segments:True"   # the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF)
+    empty_cache_before_save = false           # torch.cuda.empty_cache() before each checkpoint save
+    torch_version = "2.6"                     # whose allocator rules: 2.6 or 2.11
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ from .models.config import (ConfigError, MLPConfig, TrainingSetup, TransformerCo
                             read_config_file)
 from .models.fields import check_types
 from .models.costs import DEVICES
+from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
 from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"
+RUN_FIELDS = ("device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version")
 DEFAULT_SETUP = dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", optimizer="adamw")
 
 
@@ -42,9 +47,16 @@ class Scenario:
     setup: TrainingSetup
     device: str = "H100-80GB"
     headroom: float = 0.0
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF syntax; "" = torch's defaults (simulator/allocator.py)
+    empty_cache_before_save: bool = False  # the program calls torch.cuda.empty_cache() before each checkpoint save
+    torch_version: str = "2.6"  # whose CUDA allocator rules apply (simulator/allocator: 2.6 or 2.11)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
+        if self.torch_version not in TORCH_VERSIONS:
+            raise ConfigError("torch_version", f"{self.torch_version!r} is not modelled; allowed: "
+                                               f"{', '.join(TORCH_VERSIONS)}")
+        AllocatorConfig.parse(self.alloc_conf, self.torch_version)  # refuses what torch or the model does not take
         if self.device not in DEVICES:
             raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
@@ -53,7 +65,7 @@ class Scenario:
     def settings(self) -> set[str]:
         """Every name `with_changes` accepts: TrainingSetup fields, this model's fields, device, headroom, name."""
         return {f.name for f in fields(TrainingSetup)} | {f.name for f in fields(type(self.model))} | \
-            {"device", "headroom", "name"}
+            set(RUN_FIELDS) | {"name"}
 
     def with_changes(self, **changes) -> "Scenario":
         """Change setup fields, model fields or run fields by name (for comparisons and sweeps)."""
@@ -61,10 +73,10 @@ class Scenario:
         model_keys = {f.name for f in fields(type(self.model))}
         setup = {k: v for k, v in changes.items() if k in setup_keys}
         model = {k: v for k, v in changes.items() if k in model_keys and k not in setup_keys and k != "name"}
-        run = {k: v for k, v in changes.items() if k in ("device", "headroom", "name")}
+        run = {k: v for k, v in changes.items() if k in RUN_FIELDS + ("name",)}
         unknown = set(changes) - set(setup) - set(model) - set(run)
         if unknown:
-            allowed = sorted(setup_keys | model_keys | {"device", "headroom", "name"})
+            allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
             raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
         return dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
 
@@ -176,8 +188,8 @@ def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scena
     setup = TrainingSetup(**{**base_setup, **training})
     check_given_knobs(setup, set(training))
     for key in run:
-        if key not in ("device", "headroom"):
-            raise ConfigError(key, "unknown run field; allowed: device, headroom")
+        if key not in RUN_FIELDS:
+            raise ConfigError(key, f"unknown run field; allowed: {', '.join(RUN_FIELDS)}")
     return Scenario(name=name or model.name, model=model, setup=setup, **run)
 
 

@@ -34,6 +34,7 @@ class Category(str, enum.Enum):
     ALL_GATHER_BUFFER = "all_gather_buffer"
     REDUCE_SCATTER_BUCKET = "reduce_scatter_bucket"
     CHECKPOINT_STAGING = "checkpoint_staging"
+    WORKSPACE = "workspace"  # GPU library workspaces held by the caching allocator (cuBLAS, one per handle and stream)
     UNKNOWN = "unknown"  # measured traces only: a block no rule could label
 
 
@@ -131,6 +132,7 @@ class OOMRecord:
     live_bytes: int  # bytes in that pool before the failing allocation
     live_by_category: dict[Category, int]
     largest_live: tuple[Block, ...]
+    message: str = ""  # on a CUDA device: torch's own OutOfMemoryError text for that moment
 
 
 @dataclass

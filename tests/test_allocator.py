@@ -164,9 +164,8 @@ def test_max_split_size_release_oversize_before_everything():
 def test_config_parsing():
     assert AllocatorConfig.parse("") == AllocatorConfig()
     assert AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:False") == AllocatorConfig(128 * MB)
-    for text, word in [("expandable_segments:True", "expandable_segments"),
-                       ("roundup_power2_divisions:4", "roundup_power2_divisions"),
-                       ("garbage_collection_threshold:0.6", "garbage_collection_threshold"),
+    for text, word in [("backend:cudaMallocAsync", "backend"),  # another allocator altogether
+                       ("expandable_segments:Yes", "expandable_segments"),
                        ("max_split_size_mb:20", "max_split_size_mb"), ("max_split_size_mb:lots", "max_split_size_mb"),
                        ("colour:blue", "colour")]:
         with pytest.raises(AllocatorConfigError, match=word):
@@ -238,7 +237,7 @@ def test_replay_command_json_and_text(tmp_path, capsys):
     assert "segment events matched  1 of 1 measured" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,words", [(["--alloc-conf", "expandable_segments:True"], "alloc_conf: "),
+@pytest.mark.parametrize("argv,words", [(["--alloc-conf", "backend:cudaMallocAsync"], "alloc_conf: "),
                                         (["--alloc-conf", "no_such_key:1"], "alloc_conf: unknown allocator setting"),
                                         (["--capacity", "lots"], "capacity")])
 def test_replay_command_bad_input_exits_2(tmp_path, capsys, argv, words):

@@ -44,20 +44,23 @@ def test_scenario_file_and_flag_override(tmp_path, capsys):
                  '[run]\ndevice = "A100-80GB"\nheadroom = 0.25\n')
     data = json.loads(run_cli(capsys, "simulate", "--scenario", str(f), "--json")[1])
     assert data["scenario"] == "mine" and data["device"] == "A100-80GB"
-    assert data["capacity_needed"] == -(-data["peak"]["bytes"] * 5 // 4)
+    assert data["capacity_needed"] == -(-data["device_total_peak"]["bytes"] * 5 // 4)  # a GPU: the device total
     data2 = json.loads(run_cli(capsys, "simulate", "--scenario", str(f), "--micro-batch", "4", "--json")[1])
     assert data2["setup"]["micro_batch"] == 4
 
 
 def test_max_batch_cli_agrees_with_simulating_the_answer(capsys):
-    budget = 4 * 2**20
+    # on a GPU profile a budget holds the device total: the CUDA context, the allocator's reservations
+    one = json.loads(run_cli(capsys, "simulate", *TINY[:2], "--seq-len", "16", "--micro-batch", "1", "--json")[1])
+    budget = one["capacity_needed"] + 4 * 2**20
     code, out, _ = run_cli(capsys, "max-batch", *TINY, "--budget", str(budget), "--json")
     best = json.loads(out)["max_micro_batch"]
     assert best >= 1
-    fits = json.loads(run_cli(capsys, "simulate", *TINY[:2], "--seq-len", "16", "--micro-batch", str(best), "--json")[1])
-    over = json.loads(run_cli(capsys, "simulate", *TINY[:2], "--seq-len", "16", "--micro-batch", str(best + 1),
-                              "--json")[1])
-    assert fits["peak"]["bytes"] <= budget < over["peak"]["bytes"]
+
+    def ooms(mb: int) -> list:
+        return json.loads(run_cli(capsys, "simulate", *TINY[:2], "--seq-len", "16", "--micro-batch", str(mb),
+                                  "--budget", str(budget), "--json")[1])["ooms"]
+    assert ooms(best) == [] and ooms(best + 1) and "CUDA out of memory" in ooms(best + 1)[0]["message"]
     assert json.loads(run_cli(capsys, "max-batch", *TINY, "--budget", "1KB", "--json")[1])["max_micro_batch"] == -1
 
 

@@ -124,7 +124,7 @@ def test_api_trace_gives_a_scenario_run_and_explain_take():
     explanation = pl.explain(sc, int(report.peaks.peak.bytes * 0.8))
     names = [f.name for f in explanation.fixes]
     assert "checkpointing=full" in names and not any("selective" in n for n in names)
-    assert pl.max_micro_batch(sc, report.peaks.peak.bytes) >= 4
+    assert pl.max_micro_batch(sc, report.capacity_needed) >= 4
 
 
 # -- the CLI -------------------------------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""A run's memory on a CUDA device profile: allocated, reserved, fragmentation and the device total.
+
+`gpu_memory(log, rank)` replays the log through the caching-allocator model (simulator/device_memory.py)
+with the device profile's assumptions: the CUDA context (outside the allocator) and, with data
+parallelism, NCCL's buffers (models/gpu.py). The allocator settings are the run's `alloc_conf`
+(PYTORCH_CUDA_ALLOC_CONF syntax, in the log's metadata). On the "cpu" profile there is no caching
+allocator to model, and the functions here return None.
+
+`fits(log, rank, budget)` is the OOM decision on a GPU: the allocator under a capacity of `budget`,
+with its free-the-cache-and-retry rule, not the allocated bytes against the budget.
+"""
+
+from __future__ import annotations
+
+from ..models.costs import DEVICES, DeviceProfile
+from ..models.gpu import nccl_buffer_bytes
+from ..simulator.device_memory import DeviceMemory, device_memory
+from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Phase, Pool
+from .units import format_bytes
+
+
+def cuda_profile(log: EventLog) -> DeviceProfile | None:
+    profile = DEVICES.get(log.metadata.get("device", ""))
+    return profile if profile is not None and profile.is_cuda else None
+
+
+def outside_allocator(log: EventLog) -> dict[str, int]:
+    """Buffers outside the allocator besides the context, by name (assumptions of models/gpu.py)."""
+    world = (log.metadata.get("setup") or {}).get("world_size", 1)
+    return {"nccl": nccl_buffer_bytes(world)} if world > 1 else {}
+
+
+def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bool = False) -> DeviceMemory | None:
+    profile = cuda_profile(log)
+    if profile is None:
+        return None
+    before = frozenset({Phase.CHECKPOINT}) if log.metadata.get("empty_cache_before_save") else frozenset()
+    return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, profile.context_bytes,
+                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"))
+
+
+def device_ledger(dm: DeviceMemory) -> list[dict]:
+    """The device total at its peak, row by row: the tensors (the allocated ledger), the allocator's rounding and
+    cached free blocks, and what lies outside the allocator (assumptions of the device profile)."""
+    p = dm.total_peak
+    rows = [("allocated (tensors)", p.allocated, False), ("allocated: 512 B rounding and unsplit blocks",
+                                                           p.allocated_blocks - p.allocated, False),
+            ("reserved, unallocated (cached free blocks)", p.fragmentation, False),
+            ("CUDA context and kernels", dm.context, True)]
+    rows += [(f"{name} buffers", nbytes, True) for name, nbytes in dm.outside.items()]
+    return [{"row": name, "bytes": nbytes, "unit": "B", "assumed": assumed} for name, nbytes, assumed in rows]
+
+
+def device_json(dm: DeviceMemory | None) -> dict:
+    """The report's GPU keys (None on the cpu profile): `reserved_peak` and `device_total_peak` read like `peak`
+    ({bytes, op, phase, step, ...}); `device_memory` holds the rest."""
+    if dm is None:
+        return {"reserved_peak": None, "device_total_peak": None, "device_memory": None}
+    total = dict(dm.total_peak.as_json(), bytes=dm.total_peak.total)
+    at_alloc = dm.at_allocated_peak
+    return {"reserved_peak": dm.reserved_peak.as_json(), "device_total_peak": total, "device_memory": {
+        "alloc_conf": dm.alloc_conf, "context_bytes": dm.context, "outside_allocator": dm.outside,
+        "outside_assumed": True, "segments_allocated": dm.segment_allocs, "segments_freed": dm.segment_frees,
+        "at_allocated_peak": at_alloc.as_json(), "ledger_at_device_total_peak": device_ledger(dm),
+        "fragmentation_at_reserved_peak": dm.reserved_peak.fragmentation,
+        "largest_free_block_at_reserved_peak": dm.reserved_peak.largest_free}}
+
+
+def device_lines(dm: DeviceMemory, unit: str) -> list[str]:
+    """The text report's GPU block."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    rp, ap = dm.reserved_peak, dm.at_allocated_peak
+    e = rp.event
+    where = f"at {e.op} ({e.phase.value}, step {e.step})" if e else ""
+    outside = ", ".join(f"{k} {f(v)}" for k, v in dm.outside.items())
+    return [
+        f"GPU memory (caching allocator{', ' + dm.alloc_conf if dm.alloc_conf else ', default settings'}):",
+        f"  allocated peak   {f(ap.allocated):>14}  ({f(ap.allocated_blocks)} in 512 B-rounded blocks); reserved "
+        f"then {f(ap.reserved)}",
+        f"  reserved peak    {f(rp.reserved):>14}  {where}",
+        f"  fragmentation    {f(rp.fragmentation):>14}  reserved but unallocated at the reserved peak; largest free "
+        f"block {f(rp.largest_free)}",
+        f"  device total     {f(dm.total_peak.total):>14}  = CUDA context {f(dm.context)} (assumed)"
+        + (f" + {outside} (assumed)" if outside else "") + f" + reserved; {dm.segment_allocs:,} cudaMalloc, "
+        f"{dm.segment_frees:,} cudaFree",
+    ]
+
+
+def first_gpu_oom(log: EventLog, budget: int) -> tuple[DeviceMemory, int] | None:
+    """The earliest OOM over the log's ranks with `budget` bytes of device each: (its replay, its rank)."""
+    ranks = sorted({e.block.rank for e in log.events})
+    found = [(dm, r) for r in ranks if (dm := gpu_memory(log, r, capacity=budget)) is not None and dm.oom]
+    return min(found, key=lambda x: (x[0].oom.index, x[1]), default=None)
+
+
+def with_gpu_oom(log: EventLog, budget: int, stop: bool) -> EventLog:
+    """The log with the allocator's first OOM under `budget` recorded (as the engine records one, plus torch's
+    message); with `stop`, cut at that allocation, which never happened."""
+    found = first_gpu_oom(log, budget)
+    if found is None:
+        return log
+    dm, rank = found
+    oom = dm.oom
+    index = oom.index  # the failing allocation's event
+    event = log.events[index]
+    live: dict[int, Block] = {}
+    for e in log.events[:index]:
+        if e.block.rank == rank and e.block.pool is Pool.DEVICE:
+            if e.action is Action.ALLOC:
+                live[e.block.id] = e.block
+            else:
+                live.pop(e.block.id, None)
+    by_cat: dict[Category, int] = {}
+    for b in live.values():
+        by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
+    # live_bytes: what the device holds (context, reserved, outside), so live + request - capacity is torch's shortfall
+    record = OOMRecord(event=event, capacity=budget, live_bytes=oom.point.total, live_by_category=by_cat,
+                       largest_live=tuple(sorted(live.values(), key=lambda b: (-b.nbytes, b.id))[:10]),
+                       message=oom.message)
+    metadata = dict(log.metadata)
+    events = log.events
+    if stop:
+        events = events[:index]
+        metadata["stopped_at_oom"] = True
+    return EventLog(events=events, source=log.source, metadata=metadata, ooms=[record], op_names=log.op_names)
+
+
+def gpu_fits(log: EventLog, budget: int) -> bool:
+    """The allocator, with its retry rule, serves every rank's requests within `budget`."""
+    return first_gpu_oom(log, budget) is None
