@@ -19,58 +19,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..simulator.allocator import (K_SMALL_SIZE, LARGE, SMALL, AllocatorConfig, CachingAllocator, OutOfMemory,
-                                   round_size)
+from ..simulator.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
 from ..simulator.files import read_input
 from ..traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, _check_shape, safe_loads
-
-
-def _final_state(snapshot: dict, device: int):
-    segs, blocks = {}, {}
-    for s in snapshot["segments"]:
-        if s.get("device", 0) != device:
-            continue
-        if s.get("is_expandable"):
-            raise SnapshotError("the snapshot uses expandable segments, which the allocator model does not model yet")
-        pool = SMALL if s.get("segment_type") == "small" else LARGE
-        segs[s["address"]] = (s["total_size"], s.get("stream", 0), pool)
-        for b in s.get("blocks", []):
-            if b.get("state") in ("active_allocated", "active_pending_free"):
-                blocks[b["address"]] = (b["size"], b.get("requested_size", b["size"]))
-    return segs, blocks
-
-
-def _segment_of(segs: dict, addr: int):
-    for a, (size, stream, pool) in segs.items():
-        if a <= addr < a + size:
-            return a, size, stream, pool
-    return None
+from ..traces.cuda_snapshot import start_state as _start_state
 
 
 def start_state(snapshot: dict, entries: list[dict], device: int = 0):
-    """The segments {addr: (size, stream, pool)} and allocated blocks {addr: (block size, requested)} at record start."""
-    segs, blocks = _final_state(snapshot, device)
-    for i in range(len(entries) - 1, -1, -1):
-        e = entries[i]
-        action, addr, size = e["action"], e.get("addr"), e.get("size", 0)
-        if action == "alloc":
-            blocks.pop(addr, None)
-        elif action == "free_completed":
-            seg = _segment_of(segs, addr)
-            if seg is None:
-                raise SnapshotError(f"entry {i}: free_completed of {addr:#x} lies in no segment at that time")
-            bs = round_size(size)
-            if seg[3] == LARGE:
-                end = seg[0] + seg[1]
-                nxt = min((a for a in blocks if addr < a < end), default=end)
-                if 0 < nxt - (addr + bs) <= K_SMALL_SIZE:
-                    bs = nxt - addr  # the leftover the block kept (should_split: not split off)
-            blocks[addr] = (bs, size)
-        elif action == "segment_alloc":
-            segs.pop(addr, None)
-        elif action == "segment_free":
-            segs[addr] = (size, e.get("stream", 0), SMALL if size <= 2 * K_SMALL_SIZE else LARGE)
-    return segs, blocks
+    """The segments {addr: (size, stream, pool)} and allocated blocks {addr: (block size, requested)} at record start
+    (traces/cuda_snapshot.py `start_state`, shared with the snapshot reader)."""
+    if any(s.get("is_expandable") for s in snapshot["segments"] if s.get("device", 0) == device):
+        raise SnapshotError("the snapshot uses expandable segments, which the allocator model does not model yet")
+    state = _start_state(snapshot, entries, device)
+    unplaced = next((message for kind, message in state.problems if kind == "unplaced"), None)
+    if unplaced is not None:
+        raise SnapshotError(unplaced)
+    return state.segments, state.blocks
 
 
 def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | None = None,

@@ -7,6 +7,11 @@ temporaries, the batch) and communication / staging buffers, which says whether 
 state-heavy (shard states: ZeRO / FSDP, 8-bit optimizer, freezing) or activation-heavy (checkpointing,
 a smaller micro-batch with more accumulation, a shorter context). The fixes themselves are
 re-simulated by `peakledger.api.explain`; this module only reads logs.
+
+A CUDA snapshot is also read in reserved terms (`reserved_moment`: the segments cudaMalloc holds, the first
+segment after which they exceed the budget, else their peak), with the allocated bytes at that moment (`live_at`:
+the two views number their events together). A measured trace's state at record start (its leading pre-existing
+allocations) counts as one moment (`Moment.at_start`).
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .units import format_bytes
+from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
 from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
 
 MODEL_STATES = frozenset({Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE})
 ACTIVATIONS = frozenset({Category.ACTIVATION, Category.TEMPORARY, Category.INPUT})
+START_WHY = "the state at record start: memory allocated before the recording began (its blocks are named pre-existing)"
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,7 @@ class Moment:
     by_category: dict[Category, int]
     largest: tuple[Block, ...]
     failed: bool
+    at_start: bool = False  # the state at record start of a measured trace (a CUDA snapshot's pre-existing blocks)
 
     @property
     def state_bytes(self) -> int:
@@ -95,11 +103,23 @@ def cause(event: Event, by_category: dict[Category, int], setup: dict | None = N
     return f"{phase}: {cat.value} {event.block.name}"
 
 
+def _is_start(e: Event) -> bool:
+    return e.op.startswith(START_OP)
+
+
 def first_oom(log: EventLog, capacity: int, rank: int = 0, pool: Pool = Pool.DEVICE) -> Moment | None:
-    """Replay one (rank, pool) against `capacity`: the first allocation that would exceed it."""
+    """Replay one (rank, pool) against `capacity`: the first allocation that would exceed it. A measured trace's
+    state at record start (its leading pre-existing allocations) is one moment: over, it is the first (at_start)."""
     live: dict[int, Block] = {}
     in_use = 0
-    for e in timeline(log, rank, pool).events:
+    events = timeline(log, rank, pool).events
+    start = next((i for i, e in enumerate(events) if not _is_start(e)), len(events))
+    for e in events[:max(start - 1, 0)]:
+        live[e.block.id] = e.block
+        in_use += e.block.nbytes
+    if start and in_use + events[start - 1].block.nbytes > capacity:
+        return _moment(rank, pool, events[start - 1], in_use, capacity, live, failed=True, at_start=True)
+    for e in events[max(start - 1, 0):]:
         if e.action.value == "alloc":
             if in_use + e.block.nbytes > capacity:
                 return _moment(rank, pool, e, in_use, capacity, live, failed=True)
@@ -123,16 +143,17 @@ def peak_moment(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE, capacity
     tl = timeline(log, rank, pool)
     pk = tl.peak()
     live = {b.id: b for b in tl.live_blocks_at(pk.index)} if pk.event is not None else {}
-    return _moment(rank, pool, pk.event, pk.bytes, capacity, live, failed=False)
+    return _moment(rank, pool, pk.event, pk.bytes, capacity, live, failed=False,
+                   at_start=pk.event is not None and _is_start(pk.event))
 
 
-def _moment(rank, pool, event, in_use, capacity, live: dict[int, Block], failed: bool) -> Moment:
+def _moment(rank, pool, event, in_use, capacity, live: dict[int, Block], failed: bool, at_start: bool = False) -> Moment:
     by_cat: dict[Category, int] = {}
     for b in live.values():
         by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
     largest = tuple(sorted(live.values(), key=lambda b: (-b.nbytes, b.id))[:8])
     return Moment(rank=rank, pool=pool, event=event, live_bytes=in_use, capacity=capacity, by_category=by_cat,
-                  largest=largest, failed=failed)
+                  largest=largest, failed=failed, at_start=at_start)
 
 
 def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Moment:
@@ -148,10 +169,11 @@ def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Mome
 def moment_json(m: Moment, setup: dict | None = None) -> dict:
     """A Moment as JSON (the `moment` object of explain --json)."""
     e = m.event
-    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "op": e.op, "phase": e.phase.value,
+    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op, "phase": e.phase.value,
             "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
             "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
-            "shortfall": m.shortfall, "heavy": m.heavy, "why": cause(e, m.by_category, setup),
+            "shortfall": m.shortfall, "heavy": m.heavy,
+            "why": START_WHY if m.at_start else cause(e, m.by_category, setup),
             "model_state_bytes": m.state_bytes,
             "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
             "live_by_category": {c.value: b for c, b in sorted(m.by_category.items(), key=lambda cb: -cb[1])},
@@ -165,14 +187,19 @@ def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
     e = m.event
     where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
         + f"; rank {m.rank} {m.pool.value} memory)"
-    if m.failed:
+    if m.failed and m.at_start:
+        lines = [f"OUT OF MEMORY already at record start ({m.pool.value} memory of rank {m.rank})",
+                 f"  the state before the trace's first entry holds {f(m.live_bytes + e.block.nbytes)} of "
+                 f"{f(m.capacity)}: {f(m.shortfall)} short"]
+    elif m.failed:
         lines = [f"OUT OF MEMORY first at {where}",
                  f"  allocating {e.block.name} ({e.block.category.value}, {f(e.block.nbytes)}) with {f(m.live_bytes)} "
                  f"live of {f(m.capacity)}: {f(m.shortfall)} short"]
     else:
         room = f"{f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
-        lines = [f"fits: peak {f(m.live_bytes)} at {where}" + (f"; {room}" if room else "")]
-    lines.append(f"  why: {cause(e, m.by_category, setup)}")
+        at = f"record start (rank {m.rank} {m.pool.value} memory)" if m.at_start else where
+        lines = [f"fits: peak {f(m.live_bytes)} at {at}" + (f"; {room}" if room else "")]
+    lines.append(f"  why: {START_WHY if m.at_start else cause(e, m.by_category, setup)}")
     lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
                  f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
     lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
@@ -182,4 +209,66 @@ def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
     return lines
 
 
-__all__ = ["moment_json", "render_moment", "Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]
+def live_at(log: EventLog, seq: int, rank: int = 0, pool: Pool = Pool.DEVICE) -> int:
+    """Bytes live on one (rank, pool) of `log` just before the event numbered `seq` (of this or a sibling log that
+    numbers its events together with it: a CUDA snapshot's allocated and reserved views)."""
+    return sum(e.delta for e in log.events if e.seq < seq and e.block.rank == rank and e.block.pool is pool)
+
+
+def live_at_moment(log: EventLog, m: Moment) -> int:
+    """Bytes live in `log` (the other view of the same snapshot) at Moment `m`: the whole state at record start for
+    an at_start moment, else what was live just before its event."""
+    if m.at_start:
+        return sum(e.delta for e in log.events if _is_start(e) and e.block.rank == m.rank and e.block.pool is m.pool)
+    return live_at(log, m.event.seq, m.rank, m.pool)
+
+
+def reserved_moment(reserved: EventLog, capacity: int) -> Moment:
+    """A CUDA snapshot's reserved view (the segments cudaMalloc holds) against `capacity`: the first segment after
+    which reserved bytes exceed it (`failed`; live_bytes = reserved before it), else the reserved peak."""
+    return worst_moment(reserved, capacity)
+
+
+def reserved_moment_json(m: Moment, allocated: int | None = None) -> dict:
+    """The reserved Moment as JSON (the `reserved_moment` object of explain --trace --json); `allocated` is the
+    allocated bytes at that moment, when the allocated view is known."""
+    e = m.event
+    after = m.live_bytes + (e.block.nbytes if m.failed else 0)
+    return {"view": "reserved", "rank": m.rank, "pool": m.pool.value, "failed": m.failed,
+            "at_record_start": m.at_start, "op": e.op,
+            "phase": e.phase.value, "segment": e.block.name, "segment_bytes": e.block.nbytes,
+            "reserved_before": m.live_bytes, "reserved_after": after, "capacity": m.capacity,
+            "over_by": max(after - m.capacity, 0) if m.capacity is not None else 0, "allocated_bytes": allocated,
+            "cached_free_bytes": None if allocated is None else after - allocated,
+            "largest": [{"name": b.name, "bytes": b.nbytes} for b in m.largest]}
+
+
+def render_reserved_moment(m: Moment, u: str, allocated: int | None = None) -> list[str]:
+    """The reserved Moment as text lines, sizes in unit `u`."""
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    e = m.event
+    where = f"{e.op} ({e.phase.value}; rank {m.rank} {m.pool.value} memory)"
+    if m.at_start:
+        where = f"record start (rank {m.rank} {m.pool.value} memory: segments reserved before recording began)"
+    if m.failed and m.at_start:
+        after = m.live_bytes + e.block.nbytes
+        lines = [f"RESERVED over the budget already at {where}",
+                 f"  {f(after)} reserved before the trace's first entry: {f(after - m.capacity)} over {f(m.capacity)}"]
+    elif m.failed:
+        after = m.live_bytes + e.block.nbytes
+        lines = [f"RESERVED over the budget first at {where}",
+                 f"  a new segment of {f(e.block.nbytes)} ({e.block.name}) takes reserved from {f(m.live_bytes)} to "
+                 f"{f(after)}: {f(after - m.capacity)} over {f(m.capacity)}"]
+    else:
+        after = m.live_bytes
+        room = f"; {f(m.capacity - m.live_bytes)} to spare" if m.capacity is not None else ""
+        lines = [f"reserved fits: peak {f(m.live_bytes)} at {where}{room}"]
+    if allocated is not None:
+        lines.append(f"  allocated then {f(allocated)}; cached in segments but free {f(after - allocated)}")
+    lines.append("  largest reserved segments:")
+    lines += [f"    {f(b.nbytes):>12}  {b.name}" for b in m.largest]
+    return lines
+
+
+__all__ = ["moment_json", "render_moment", "live_at", "live_at_moment", "reserved_moment", "reserved_moment_json",
+           "render_reserved_moment", "Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]

@@ -254,16 +254,22 @@ CASES: list[Case] = [
     Case("validate-negative-trace", "silent wrong results", "a trace of negative size passed validate",
          ("validate", "--trace", "{tmp}/t.json", "--tolerance", "0.01"), {"t.json": _trace(_first_block_negative)},
          says=(">= 0",)),
+    # a ring buffer that wrapped: as many entries as the max_entries the file records. Its free of a block the trace
+    # never allocated fits the state at record start (a segment holds it): that alone is not truncation
     Case("truncated-snapshot", "silent wrong results", "a wrapped (truncated) CUDA snapshot explained as complete",
          ("explain", "--trace", "{tmp}/s.pickle", "--budget", "1MiB"),
-         {"s.pickle": _snapshot([{"action": "free_completed", "addr": 8192, "size": 1024},
-                                 {"action": "alloc", "addr": 4096, "size": 512}])},
-         code=0, says=("truncated", "lower bound")),
-    Case("truncated-snapshot-validate", "silent wrong results", "a truncated snapshot given to validate",
+         {"s.pickle": lambda: pickle.dumps({"max_entries": 2, "device_traces": [[
+             {"action": "free_completed", "addr": 8192, "size": 1024}, {"action": "alloc", "addr": 4096, "size": 512}]],
+             "segments": [{"address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [
+                 {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})},
+         code=0, says=("truncated", "max_entries", "lower bound")),
+    Case("truncated-snapshot-validate", "silent wrong results", "a wrapped (truncated) CUDA snapshot given to validate",
          ("validate", "--trace", "{tmp}/s.pickle", "--preset", "tiny"),
-         {"s.pickle": _snapshot([{"action": "free_completed", "addr": 8192, "size": 1024},
-                                 {"action": "alloc", "addr": 4096, "size": 512}])},
-         says=("truncated", "whole run")),
+         {"s.pickle": lambda: pickle.dumps({"max_entries": 2, "device_traces": [[
+             {"action": "free_completed", "addr": 8192, "size": 1024}, {"action": "alloc", "addr": 4096, "size": 512}]],
+             "segments": [{"address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [
+                 {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})},
+         says=("truncated", "max_entries", "whole run")),
     Case("max-batch-cap", "silent wrong results", "max-batch gave its search cap (1,048,576) as the answer",
          ("max-batch", "--preset", "tiny", "--budget", "1000TiB", "--steps", "1"), code=0, says=("at least 1,048,576",)),
     Case("trace-float-size", "silent wrong results", "a float block size in a trace was truncated to an int",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..simulator.files import InputError, read_input, write_atomic
-from .cuda_snapshot import TRACE_FILE_LIMIT, parse_snapshot, safe_loads
+from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 
 FORMAT = "peakledger-trace"
@@ -171,27 +171,32 @@ def _json_log(data: bytes, path, field_name: str) -> EventLog:
 @dataclass(frozen=True)
 class TraceFile:
     """A measured trace read from a file, whatever its format: the allocated-memory log, what kind of file
-    it was, and whether the recording is incomplete (then every reading of it is a lower bound)."""
+    it was, and whether the recording is incomplete (then every reading of it is a lower bound). A CUDA
+    snapshot also gives its reserved-memory log (segments: what cudaMalloc holds), every device in one log
+    each (block rank = device), both opening with the state at record start."""
 
     path: str
     kind: str  # "peakledger trace" or "CUDA snapshot"
     log: EventLog
     truncated: bool = False
     notes: tuple[str, ...] = ()
+    reserved: EventLog | None = None  # CUDA snapshots only
 
     def warning(self) -> str | None:
         if not self.truncated:
             return None
-        return (f"{self.path} is truncated ({'; '.join(self.notes[:2])}): allocations before the recording "
-                "are missing, so every byte count read from it is a lower bound")
+        return (f"{self.path} is truncated ({'; '.join(self.notes[:2])}): what happened before its first entry is "
+                "not all accounted for, so every byte count read from it is a lower bound")
 
 
 def load_trace(path: str | Path, field_name: str = "trace") -> TraceFile:
     """A peakledger JSON trace, a gzip'd one, or a CUDA snapshot pickle, told apart by content."""
     data = _unpacked(read_input(path, field_name, TRACE_FILE_LIMIT), path, field_name)
     if data[:1] == b"\x80":  # a pickle (protocol 2+): what torch.cuda.memory._dump_snapshot writes
-        snap = parse_snapshot(safe_loads(data, field_name), field_name=field_name)
-        if not snap.allocated.events:
+        devices = parse_snapshot_devices(safe_loads(data, field_name), field_name=field_name)
+        allocated, reserved = merge_devices(devices)
+        if not allocated.events:
             raise TraceFormatError(f"{path}: the CUDA snapshot holds no allocations to read", field_name)
-        return TraceFile(str(path), "CUDA snapshot", snap.allocated, snap.truncated, tuple(snap.block_problems))
+        notes = tuple((f"device {t.device}: {p}" if len(devices) > 1 else p) for t in devices for p in t.problems)
+        return TraceFile(str(path), "CUDA snapshot", allocated, any(t.truncated for t in devices), notes, reserved)
     return TraceFile(str(path), "peakledger trace", _json_log(data, path, field_name))
