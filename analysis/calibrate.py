@@ -259,8 +259,11 @@ def _peak_bytes(value) -> int | None:
 
 
 def predicted_reserved(report) -> int | None:
-    """The report's predicted reserved peak in bytes (`report.reserved_peak.bytes`), or None where the report
-    has none (this peakledger's reports may not predict one: then only the allocated peak is calibrated)."""
+    """The report's predicted reserved peak in bytes (the caching allocator's, on a CUDA device profile), or None
+    where the report has none (the cpu profile: then only the allocated peak is calibrated)."""
+    gpu = getattr(report, "gpu", None)
+    if gpu is not None:
+        return gpu.reserved_peak.reserved
     return _peak_bytes(getattr(report, "reserved_peak", None))
 
 

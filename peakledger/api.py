@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .analysis.device import first_gpu_oom, gpu_fits, with_gpu_oom
 from .analysis.explain import Moment
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
 from .analysis.report import Report, summarize
 from .models.config import CHECKPOINTING, ConfigError, TransformerConfig
+from .models.costs import device_profile
 from .models.trace.model import TracedModel
 from .models.training import describe
 from .scenario import Scenario, _traced_scenario, build_scenario
+from .simulator.allocator import round_size
+from .simulator.device_memory import DeviceMemory, DeviceOOM
 from .simulator.engine import simulate
 from .simulator.events import Category, Pool
 from .simulator.timeline import timeline
@@ -42,10 +46,24 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak)."""
     graph = describe(scenario.model, scenario.setup, scenario.device)
+    graph.metadata["alloc_conf"] = scenario.alloc_conf
+    graph.metadata["empty_cache_before_save"] = scenario.empty_cache_before_save
+    graph.metadata["torch_version"] = scenario.torch_version
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
-    capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None else None
+    cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
+    capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None
     log = simulate(graph, capacities, stop_on_oom=stop_on_oom)
+    if budget is not None and cuda:
+        log = with_gpu_oom(log, budget, stop_on_oom)
     return summarize(log, name=scenario.name, headroom=scenario.headroom)
+
+
+def fits(report: Report, budget: int) -> bool:
+    """The run fits `budget` per rank: its capacity needed does; or, on a GPU without headroom, the caching
+    allocator serves it within the budget once it frees its cache and retries (torch's rule)."""
+    if report.capacity_needed <= budget:
+        return True
+    return report.gpu is not None and not report.peaks.headroom and gpu_fits(report.log, budget)
 
 
 def fixed_state_peak(scenario: Scenario) -> int:
@@ -74,10 +92,13 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
         if b not in cache:
             if b == 0:
                 peak = fixed_state_peak(scenario)
-                cache[b] = with_headroom(peak, scenario.headroom)
+                cache[b] = with_headroom(peak, scenario.headroom)  # a lower bound: tensors only
             else:
-                cache[b] = run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=b)))\
-                    .peaks.capacity_needed
+                report = run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=b)))
+                cache[b] = report.capacity_needed
+                if cache[b] > budget and fits(report, budget):
+                    cache[b] = budget  # the allocator's retry makes it fit
+
         return cache[b]
 
     return max_fitting(need, budget, limit)
@@ -131,12 +152,34 @@ class Explanation:
     capacity_needed: int
     step_time: float
     fixes: list[Fix]
+    gpu: DeviceMemory | None = None  # the worst rank through the caching allocator (CUDA profiles)
+    gpu_oom: DeviceOOM | None = None  # the allocator's first OOM under the budget, after freeing its cache
+    fragmentation: bool = False  # that OOM happens although the allocated blocks and the request fit
 
 
-def candidate_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
-    """(name, setup changes, changes the training?, what it costs) for every fix worth re-simulating."""
+def allocator_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
+    """The caching allocator's own fixes for fragmentation (simulator/allocator.py), each a run setting."""
+    conf = scenario.alloc_conf
+    settings = dict(item.split(":", 1) for item in conf.split(",") if ":" in item)
+    merged = lambda **kw: ",".join(f"{k}:{v}" for k, v in {**settings, **kw}.items())  # noqa: E731
+    out = []
+    if settings.get("expandable_segments") != "True":
+        out.append(("allocator: expandable_segments:True", {"alloc_conf": merged(expandable_segments="True")}, False,
+                    "none: segments grow page by page instead of leaving gaps between cached segments"))
+    if "max_split_size_mb" not in settings and settings.get("expandable_segments") != "True":
+        out.append(("allocator: max_split_size_mb:128", {"alloc_conf": merged(max_split_size_mb="128")}, False,
+                    "none: blocks of 128 MiB and more are never split, so large requests find whole blocks"))
+    if scenario.setup.checkpoint_every and not scenario.empty_cache_before_save:
+        out.append(("torch.cuda.empty_cache() before each save", {"empty_cache_before_save": True}, False,
+                    "the cache is rebuilt after the save (cudaMalloc calls, a short stall)"))
+    return out
+
+
+def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[tuple[str, dict, bool, str]]:
+    """(name, setup changes, changes the training?, what it costs) for every fix worth re-simulating; with
+    `fragmentation` (the allocator's cached free blocks cause the OOM) the allocator's fixes first."""
     s, model = scenario.setup, scenario.model
-    out: list[tuple[str, dict, bool, str]] = []
+    out: list[tuple[str, dict, bool, str]] = allocator_fixes(scenario) if fragmentation else []
     if s.world_size > 1 and s.dp_engine == "deepspeed":
         for stage in range(s.zero_stage + 1, 4):
             out.append((f"ZeRO-{stage}", {"zero_stage": stage}, False,
@@ -195,15 +238,22 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those that keep the training unchanged before those that change
     it, then by simulated step time; fixes that do not fit after, by peak."""
-    from .analysis.explain import worst_moment
+    from .analysis.explain import from_record, worst_moment
 
     base = run(scenario)
     moment = worst_moment(base.log, budget)
+    found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
+    if found is not None:  # on a GPU the allocator's OOM is the moment (torch raises there)
+        moment = from_record(with_gpu_oom(base.log, budget, stop=False).ooms[0])
+    gpu_oom = found[0].oom if found else None
+    # fragmentation: the live blocks and the request would fit what the allocator may hold, the cache's gaps not
+    fragmentation = gpu_oom is not None and (gpu_oom.point.allocated_blocks + round_size(gpu_oom.requested)
+                                             <= budget - (gpu_oom.point.total - gpu_oom.point.reserved))
     host = worst_moment(base.log, host_budget, Pool.HOST) if host_budget is not None and any(
         e.block.pool is Pool.HOST for e in base.log.events) else None
     base_time = _step_time(base)
     candidates, fixes = [], []
-    for candidate in candidate_fixes(scenario):
+    for candidate in candidate_fixes(scenario, fragmentation):
         try:
             fix = _fix(scenario, budget, *candidate)
         except ConfigError:
@@ -214,24 +264,24 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
         combined = _combine(scenario, budget, candidates, fixes)
         if combined is not None:
             fixes.append(combined)
-    fixes.sort(key=lambda f: (0, f.changes_training, f.step_time) if f.fits else (1, f.peak, f.changes_training))
+    fixes.sort(key=lambda f: (0, f.changes_training, f.step_time) if f.fits else (1, f.capacity_needed, f.changes_training))
     return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
-                       host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.peaks.capacity_needed,
-                       step_time=base_time, fixes=fixes)
+                       host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.capacity_needed,
+                       step_time=base_time, fixes=fixes, gpu=found[0] if found else base.gpu, gpu_oom=gpu_oom,
+                       fragmentation=fragmentation)
 
 
 def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
     report = run(scenario.with_changes(**changes))
-    needed = report.peaks.capacity_needed
-    return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=needed,
-               fits=needed <= budget, step_time=_step_time(report), changes_training=changes_training, note=note)
+    return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=report.capacity_needed,
+               fits=fits(report, budget), step_time=_step_time(report), changes_training=changes_training, note=note)
 
 
 def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:
     """No single fix fits: add fixes greedily (the one that lowers the peak most, training-preserving ones
     first on ties), each combination re-simulated, until the peak fits or nothing helps."""
     by_name = {c[0]: c for c in candidates}
-    best = min(singles, key=lambda f: (f.peak, f.changes_training))
+    best = min(singles, key=lambda f: (f.capacity_needed, f.changes_training))
     chosen = [best]
     for _ in range(rounds - 1):
         if best.fits:
@@ -249,22 +299,25 @@ def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], ro
                 continue
         if not trials:
             break
-        step = min(trials, key=lambda f: (f.peak, f.changes_training))
-        if step.peak >= best.peak:
+        step = min(trials, key=lambda f: (f.capacity_needed, f.changes_training))
+        if step.capacity_needed >= best.capacity_needed:
             break
         best = step
         chosen.append(_fix(scenario, budget, *by_name[step.name.split(" + ")[-1]]))
     return best if len(chosen) > 1 else None
 
 
-def explain_trace(log, budget: int):
+def explain_trace(log, budget: int, reserved=None):
     """A measured trace against `budget`: the first allocation that did not fit (a CUDA snapshot's own
-    oom record when it has one), else its peak."""
-    from .analysis.explain import from_record, worst_moment
+    oom record when it has one), else its peak. Given `reserved` (a CUDA snapshot's reserved-memory log,
+    TraceFile.reserved), the pair (that moment, the reserved one: the first segment after which reserved bytes
+    exceed the budget, else the reserved peak; None when the log holds no segment)."""
+    from .analysis.explain import from_record, reserved_moment, worst_moment
 
-    if log.ooms:
-        return from_record(log.ooms[0])
-    return worst_moment(log, budget)
+    moment = from_record(log.ooms[0]) if log.ooms else worst_moment(log, budget)
+    if reserved is None:
+        return moment
+    return moment, (reserved_moment(reserved, budget) if reserved.events else None)
 
 
 def _step_time(report: Report) -> float:

@@ -18,6 +18,8 @@ import threading
 import traceback
 
 from . import api
+from .analysis.device import gpu_memory
+from .cmd_calibrate import register as register_calibrate
 from .analysis.explain import moment_json, render_moment
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
@@ -102,6 +104,11 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
+    r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings on GPU device profiles, in "
+                   "PYTORCH_CUDA_ALLOC_CONF syntax, e.g. expandable_segments:True,max_split_size_mb:128")
+    r.add_argument("--empty-cache-before-save", action="store_true", default=None,
+                   help="the program calls torch.cuda.empty_cache() before each checkpoint save (GPU profiles)")
+    r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply: 2.6 (default) or 2.11")
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
                    help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
@@ -143,7 +150,10 @@ def cmd_simulate(args) -> int:
     scenario = scenario_from_args(args)
     report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
     if args.plot:
-        plot_timeline(timeline(report.log), args.plot, title=f"{scenario.name}: occupancy by category", unit=args.unit)
+        gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
+        plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
+                      title=f"{scenario.name}: allocated by category" + (" and reserved" if gpu else ""),
+                      reserved=gpu.series if gpu else None)
     if args.export_snapshot:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
@@ -257,11 +267,12 @@ def cmd_explain(args) -> int:
                                                              for k, v in fx.changes.items()},
                                 "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
                                 "step_time_s": fx.step_time, "changes_training": fx.changes_training,
-                                "cost": fx.note} for fx in x.fixes]})
+                                "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x)})
         return 0
     f = lambda n: format_bytes(n, u)  # noqa: E731
     print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
     print("\n".join(render_moment(x.moment, u, setup)))
+    print("\n".join(_explain_gpu_lines(x, u)))
     if x.host_moment is not None:
         print("\n".join(render_moment(x.host_moment, u, setup)))
     elif host_budget is not None:
@@ -277,26 +288,80 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def _explain_gpu_json(x) -> dict | None:
+    if x.gpu is None:
+        return None
+    oom = x.gpu_oom
+    return {"alloc_conf": x.gpu.alloc_conf, "reserved_peak": x.gpu.reserved_peak.reserved,
+            "device_total_peak": x.gpu.total_peak.total, "fragmentation": x.fragmentation,
+            "oom": None if oom is None else {"message": oom.message, "op": oom.point.event.op,
+                                             "phase": oom.point.event.phase.value, "step": oom.point.event.step,
+                                             "tensor": oom.point.event.block.name, "requested": oom.requested,
+                                             "allocated": oom.point.allocated_blocks, "reserved": oom.point.reserved,
+                                             "device_total": oom.point.total}}
+
+
+def _explain_gpu_lines(x, u: str) -> list[str]:
+    """The GPU's side of an explanation: the caching allocator's first OOM in torch's words, and whether the
+    cache's fragmentation, not the tensors, causes it."""
+    if x.gpu is None:
+        return []
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    oom, conf = x.gpu_oom, x.gpu.alloc_conf or "default settings"
+    if oom is None:
+        return [f"on the GPU (caching allocator, {conf}): reserved peak {f(x.gpu.reserved_peak.reserved)}, device total "
+                f"{f(x.gpu.total_peak.total)} (with the CUDA context, assumed): fits, the allocator freeing its cache "
+                "and retrying where it must"]
+    e = oom.point.event
+    lines = [f"on the GPU (caching allocator, {conf}): OUT OF MEMORY at {e.op} ({e.phase.value}, step {e.step}), "
+             f"allocating {e.block.name}; torch would say:", f"  {oom.message}"]
+    if x.fragmentation:
+        lines.append(f"  fragmentation: the live blocks ({f(oom.point.allocated_blocks)}) and this request fit, but "
+                     f"{f(oom.point.fragmentation)} reserved by the cache is unallocated in pieces too small for it "
+                     "(largest free block " + f(oom.point.largest_free) + "), even after freeing the whole free segments")
+    return lines
+
+
 def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     """explain --trace: the measured trace alone decides; scenario flags would be silently ignored, so they
-    are refused. A truncated trace is said, and its reading is a lower bound."""
+    are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
+    allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
+    its first moment over the budget, or its peak."""
+    from .analysis.explain import live_at_moment, render_reserved_moment, reserved_moment_json
+
     ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
     if ignored:
         raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
                                    "ignored: drop them (or explain the scenario without --trace)")
     trace = load_trace(args.trace)
     log = trace.log
-    moment = api.explain_trace(log, budget)
+    if trace.reserved is None:
+        moment, reserved = api.explain_trace(log, budget), None
+    else:
+        moment, reserved = api.explain_trace(log, budget, trace.reserved)
+    # the other view at each moment (a snapshot numbers both views' events together)
+    at_reserved = live_at_moment(log, reserved) if reserved else None
+    at_moment = live_at_moment(trace.reserved, moment) if reserved else None
     warning = trace.warning()
     if args.json:
         _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
                      "lower_bound": trace.truncated, "warning": warning,
-                     "moment": moment_json(moment, log.metadata.get("setup"))})
+                     "moment": {**moment_json(moment, log.metadata.get("setup")),
+                                **({"reserved_bytes": at_moment} if at_moment is not None else {})},
+                     "reserved_moment": reserved_moment_json(reserved, at_reserved) if reserved else None})
         return 0
     print(f"{args.trace}: {trace.kind} ({log.source}), budget {format_bytes(budget, args.unit)}")
     if warning:
         print(f"WARNING: {warning}")
+    if reserved is not None:
+        print("allocated (bytes handed to tensors):")
     print("\n".join(render_moment(moment, args.unit, log.metadata.get("setup"))))
+    if at_moment is not None:
+        print(f"  reserved then {format_bytes(at_moment, args.unit)}")
+    if reserved is not None:
+        print("")
+        print("reserved (segments cudaMalloc holds: what the device must have):")
+        print("\n".join(render_reserved_moment(reserved, args.unit, at_reserved)))
     return 0
 
 
@@ -513,6 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"], help="unit of the text output (default GiB)")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
     r.set_defaults(func=cmd_replay)
+    register_calibrate(sub)
     return parser
 
 
