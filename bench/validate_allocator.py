@@ -17,7 +17,7 @@ from pathlib import Path
 from peakledger.analysis.allocator_replay import replay_snapshot
 from sections import replace_section  # bench/sections.py, beside this script
 
-SECTION = "## CUDA caching allocator: replay of real GPU snapshots"
+SECTION = "## GPU allocator: replay of real CUDA snapshots"
 
 DEFAULT_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-truth" / "snapshots"
 

@@ -508,7 +508,18 @@ class MicroBatchReplay(RecordedBackward):
 
     def run(self) -> None:
         self.forward()
-        self.backward()
+        if self.b.setup.passes == "forward":
+            self.drop_output()
+        else:
+            self.backward()
+
+    def drop_output(self) -> None:
+        """A forward-only pass (`passes` "forward") ends: the caller drops `out`, and with it the autograd graph
+        and everything it saved; the batch goes too."""
+        frees = [blk.id for blk in self.live.values()]
+        self.live.clear()
+        self.reasons.clear()
+        self.b.op("output.release", Phase.FORWARD, self.step, self.mb, [], frees)
 
 
 def param_bytes(numel: int, dtype: str, shard: int = 1) -> int:

@@ -395,6 +395,9 @@ def _lora_fields(setup) -> None:
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
+# "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
+# optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
+PASSES = ("train", "forward")
 CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
 DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
@@ -469,6 +472,7 @@ class TrainingSetup:
     checkpoint_every_k: int = 2  # checkpointing "every-k": layers 0, k, 2k, ... are checkpointed
     checkpoint_layers: tuple[int, ...] = ()  # checkpointing "layers": exactly these layers are checkpointed
     logits_held: bool = True  # the caller keeps `logits` alive until backward ends
+    passes: str = "train"  # "train": forward, loss, backward, step; "forward": `out = model(batch)` only, see PASSES
     moe_routing: str | None = None  # experts only (models/moe.py): "balanced" (None), "worst" or "counts:PATH"
     # data parallelism (models/parallel.py): which engine shards what, and its knobs
     dp_engine: str = "deepspeed"
@@ -532,6 +536,15 @@ class TrainingSetup:
             raise ConfigError("moe_routing", f"unknown value {self.moe_routing!r}; allowed: balanced, worst, "
                                              "counts:PATH (a peakledger-moe-counts JSON file)")
         _lora_fields(self)
+        _choice(self, "passes", PASSES)
+        if self.passes == "forward":
+            for name, ok, allowed in (("world_size", self.world_size == 1, "1"),
+                                      ("grad_accum", self.grad_accum == 1, "1"),
+                                      ("checkpoint_every", self.checkpoint_every == 0, "0"),
+                                      ("optimizer_offload", self.optimizer_offload == "none", "none")):
+                if not ok:
+                    raise ConfigError(name, f"passes \"forward\" runs forward passes on one device without an "
+                                            f"optimizer: {name} must be {allowed}")
 
     @property
     def param_dtype(self) -> str:

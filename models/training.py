@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from ..simulator.ops import Op, OpGraph
@@ -62,11 +62,13 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> T
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
         check_routing(model, setup)
-        if model.num_local_experts:
-            return hf_mixtral_tape(model, setup, cpu)
-        return transformer_tape(model, setup, cpu)
-    check_routing(model, setup)
-    return mlp_tape(model, setup, cpu)
+        tape = hf_mixtral_tape(model, setup, cpu) if model.num_local_experts else transformer_tape(model, setup, cpu)
+    else:
+        check_routing(model, setup)
+        tape = mlp_tape(model, setup, cpu)
+    if setup.passes == "forward":  # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run
+        tape = replace(tape, ops=[op for op in tape.ops if not op.name.startswith("loss.")])
+    return tape
 
 
 def trainable_params(tape: Tape, frozen: tuple[str, ...]) -> set[str]:
@@ -335,7 +337,11 @@ def _describe_rank(b: GraphBuilder, steps: int) -> None:
     for step in range(1, steps + 1):
         for mb in range(setup.grad_accum):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
+            if setup.passes == "forward":
+                break
             b.engine.end_backward(step, mb)
+        if setup.passes == "forward":
+            continue  # no loss, backward or optimizer step (models/config.py PASSES)
         _optimizer_step(b, step, grads, states_loaded, offload)
         b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
         if saves_after(setup, step):

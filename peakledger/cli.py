@@ -32,7 +32,7 @@ from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_co
                      check_real_run, real_run_scenario, scenario_flags_given, scenario_for_trace,
                      scenario_from_args)
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PRECISIONS, QUANTIZE, SAVE_MODES, ConfigError)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PRECISIONS, QUANTIZE, SAVE_MODES, ConfigError)
 from .models.costs import DEVICES
 from .models.training import StepPlan
 from .models.presets import PRESETS
@@ -62,6 +62,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int)
     t.add_argument("--steps", type=int, help="default 2, so the steady state is visible")
     t.add_argument("--precision", help=", ".join(PRECISIONS))
+    t.add_argument("--passes", choices=PASSES, help="train (default): forward, loss, backward, optimizer step; "
+                   "forward: `out = model(batch)` with autograd on, no loss, backward or step")
     t.add_argument("--fp32-grads", action="store_true", default=None, help="mixed precision: fp32 gradients")
     t.add_argument("--optimizer", help=", ".join(OPTIMIZERS))
     t.add_argument("--optimizer-impl", help=", ".join(OPTIMIZER_IMPLS))

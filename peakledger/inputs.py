@@ -32,7 +32,7 @@ TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", 
                   "checkpoint_every", "save_mode", "load_mode", "checkpoint_every_k", "checkpoint_layers",
                   "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
                   "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                  "quantize", "moe_routing"] + DP_INT_FLAGS
+                  "quantize", "moe_routing", "passes"] + DP_INT_FLAGS
 RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
 MODEL_SOURCES = ["preset", "hf_config", "module"]
@@ -186,6 +186,9 @@ def real_run_scenario(args):
 
 def check_real_run(args, scenario) -> None:
     """A real run on this CPU first estimates its memory and refuses what would not fit (unless --force)."""
+    if scenario.setup.passes != "train":
+        raise ConfigError("passes", f"{args.command} runs real training steps (forward, loss, backward, optimizer "
+                                    "step); passes \"forward\" is simulated only: drop --passes")
     need, limit = real_run_estimate(scenario), real_run_limit()
     if need > limit and not args.force:
         raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "

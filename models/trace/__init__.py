@@ -45,7 +45,7 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
             tuple(setup.frozen), setup.checkpointing != "none",
-            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize))
+            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize), setup.passes)
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:
@@ -85,7 +85,7 @@ def recording(model: TracedModel, setup: TrainingSetup):
         freeze(net, setup.frozen)
         batch, values = _fake_batch(mode, batch)
         try:
-            rec = record(net, batch, loss_fn, autocast=autocast, values=values)
+            rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast, values=values)
         except ConfigError:
             raise
         except Exception as e:  # the user's code, or an op fake tensors cannot run

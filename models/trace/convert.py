@@ -96,7 +96,8 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                 + [_spec(st[sid], name[sid]) for sid in kept],
                 held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
                 buffers_follow_params=False, describer=describer,
-                gradless=tuple(n for n, _, _, _ in rec.params if n not in set(rec.param_grads.values())),
+                gradless=tuple(n for n, _, _, rg in rec.params if (n not in set(rec.param_grads.values())
+                                                                      if setup.passes == "train" else not rg)),
                 param_dtypes={n: dt for n, _, dt, _ in rec.params if dt != setup.param_dtype})
 
 

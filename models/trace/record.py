@@ -267,10 +267,10 @@ def find_layers(model: torch.nn.Module) -> tuple[str, ...]:
     return ()
 
 
-def _graph_nodes(root) -> list:
-    """Every node reachable from `root`, in a stable (depth-first, first-seen) order."""
+def _graph_nodes(*roots) -> list:
+    """Every node reachable from `roots`, in a stable (depth-first, first-seen) order."""
     seen: dict[int, object] = {}
-    stack = [root]
+    stack = list(reversed(roots))
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -283,7 +283,9 @@ def _graph_nodes(root) -> list:
 def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None,
            values: dict | None = None) -> Recording:
     """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it.
-    `values` maps batch tensors (fake) to their real values (see `Shadows`)."""
+    `values` maps batch tensors (fake) to their real values (see `Shadows`). `loss_fn` None: a forward pass
+    only (`out = model(batch)`, autograd on): the graph's saves are recorded, no backward runs, and `del out`
+    frees them (models/config.py PASSES)."""
     rec = Recorder(model)
     for fake, real in (values or {}).items():
         rec.shadows.add(fake, real)
@@ -333,15 +335,18 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             with ctx:
                 try:
                     out = _call(model, batch)
-                    loss = loss_fn(out)
+                    loss = loss_fn(out) if loss_fn is not None else None
                 except Exception as e:
                     e.peakledger_where = rec.last_where
                     raise
             rec._resolve_pending()
             rec.phase = "graph"
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
+            if loss_fn is None:
+                graph = _graph_nodes(*(t.grad_fn for t in _tensors(out) if t.grad_fn is not None))
+            elif not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
                 raise TypeError("loss_fn(output) must return a scalar tensor that requires grad")
-            graph = _graph_nodes(loss.grad_fn)
+            else:
+                graph = _graph_nodes(loss.grad_fn)
             saves: dict[int, list[int]] = {}
             for node in graph:
                 unpacked.clear()
@@ -378,7 +383,10 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             seed = BackwardNode("loss.grad_seed", None)  # backward()'s ones_like, before any node runs
             rec.current, rec.current_index = seed, -1
             rec.phase = "backward"
-            loss.backward()
+            if loss is not None:
+                loss.backward()
+            else:  # forward only: no node runs; every node of the graph stands for the saves it holds
+                order = [k for k in rec.node_index]
             rec.current = None
             for h in node_hooks:
                 h.remove()
@@ -397,7 +405,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     finally:
         for h in hooks:
             h.remove()
-    nodes = [seed] + [rec.nodes[rec.node_index[k]] for k in order]
+    nodes = ([seed] if loss_fn is not None else []) + [rec.nodes[rec.node_index[k]] for k in order]
     for f in rec.finalizers:
         f.detach()
     return Recording(params, buffers, inputs, rec.storages, rec.ops, nodes, param_grads,
