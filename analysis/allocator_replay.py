@@ -37,10 +37,59 @@ def start_state(snapshot: dict, entries: list[dict], device: int = 0):
     return state.segments, state.blocks
 
 
+def infer_capacity(entries: list[dict], start_reserved: int) -> dict:
+    """What the trace tells of the bytes cudaMalloc could get (the device's capacity less the context and other
+    processes), when the snapshot does not record it:
+    - an `oom` entry: reserved then + its `device_free` (cudaMemGetInfo's free bytes at the failure), exactly;
+    - a free-and-retry: a run of `segment_free` in mid-trace followed at once by the `segment_alloc` of size S
+      it made room for (CUDACachingAllocator.cpp malloc: alloc_block failed, release_cached_blocks, retry):
+      reserved before the run + S > capacity >= reserved after it + S;
+    - always: capacity >= the highest reserved in the trace.
+    Returns {"capacity": the least consistent value or None, "low", "high" (None: unbounded), "how"}."""
+    reserved, low, high, how = start_reserved, start_reserved, None, []
+    i, n, started = 0, len(entries), False
+    while i < n:
+        e = entries[i]
+        action = e["action"]
+        if action == "oom":
+            exact = reserved + int(e.get("device_free", 0))
+            return {"capacity": exact, "low": exact, "high": exact,
+                    "how": "the trace's oom entry: reserved then + the device's free bytes it reports"}
+        if action == "segment_free" and started:
+            before, j = reserved, i
+            while j < n and entries[j]["action"] == "segment_free":
+                reserved -= entries[j]["size"]
+                j += 1
+            if j < n and entries[j]["action"] == "segment_alloc":
+                size = entries[j]["size"]
+                low = max(low, reserved + size)
+                high = before + size - 1 if high is None else min(high, before + size - 1)
+                how.append(j)
+            i = j
+            continue
+        if action == "segment_alloc":
+            reserved += e["size"]
+        elif action == "segment_free":
+            reserved -= e["size"]
+        started = started or action == "alloc"
+        low = max(low, reserved)
+        i += 1
+    if how and high is not None and low <= high:
+        return {"capacity": low, "low": low, "high": high,
+                "how": f"{len(how)} free-and-retry run(s) of segment_free before a segment_alloc: the least capacity "
+                       "that makes each cudaMalloc fail before and succeed after its run"}
+    return {"capacity": None, "low": low, "high": None,
+            "how": "no oom entry and no free-and-retry in the trace: the device limit was never reached, so the "
+                   "capacity is at least the highest reserved"}
+
+
 def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | None = None,
                    capacity: int | None = None) -> dict:
     entries = _check_shape(snapshot, device, "trace")
     segs, blocks = start_state(snapshot, entries, device)
+    inferred = infer_capacity(entries, sum(size for size, _, _ in segs.values()))
+    if capacity is None:
+        capacity = inferred["capacity"]  # None: the trace never reached the limit, and the replay needs none
     pending: list[tuple[int, int]] = []  # the trace's segment_alloc not yet consumed
     synthetic = [1 << 56]
 
@@ -92,7 +141,11 @@ def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | No
                 if j is not None and j not in done and seen == len(model.events):
                     serve(j)
             elif prev_action != "segment_free" and seen == len(model.events):
-                model.empty_cache()  # an explicit torch.cuda.empty_cache() of the user's
+                j = _retried_alloc(entries, i) if capacity is not None else None
+                if j is not None and j not in done:
+                    serve(j)  # the allocator frees its cache and retries by itself at this capacity
+                else:
+                    model.empty_cache()  # an explicit torch.cuda.empty_cache() of the user's
             if seen < len(model.events):  # one model segment event per trace segment event, in order
                 ev = model.events[seen]
                 shown += ev.size if ev.kind == "segment_alloc" else -ev.size
@@ -149,7 +202,20 @@ def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | No
         "ooms": ooms,
         "start_segments": len(segs),
         "start_blocks": len(blocks),
+        "capacity": capacity,
+        "capacity_inferred": inferred,
     }
+
+
+def _retried_alloc(entries: list[dict], i: int) -> int | None:
+    """The alloc a free-and-retry run starting at entry `i` made room for: the run is followed at once by a
+    segment_alloc, whose alloc is the next one (None when the run is not followed by a segment_alloc)."""
+    j = i
+    while j < len(entries) and entries[j]["action"] == "segment_free":
+        j += 1
+    if j == len(entries) or entries[j]["action"] != "segment_alloc":
+        return None
+    return next((k for k in range(j + 1, len(entries)) if entries[k]["action"] == "alloc"), None)
 
 
 def replay_snapshot(path: str | Path, config: AllocatorConfig | str | None = None,

@@ -607,6 +607,13 @@ def cmd_replay(args) -> int:
               f"{f(d['allocated_block_peak_predicted'])})")
         print(f"  block addresses         {d['block_addresses_matched']:,} of {d['allocs']:,} equal; final layout "
               f"{'equal block by block' if d['final_layout_matches'] else 'differs'}")
+        inf = d["capacity_inferred"]
+        given = args.capacity is not None
+        print("  device capacity         " + (f"{f(d['capacity'])} (given)" if given else
+              f"{f(inf['capacity'])} inferred" + (f" (anything up to {f(inf['high'])} fits the trace)"
+                                                  if inf["high"] not in (None, inf["capacity"]) else "")
+              if inf["capacity"] is not None else f"at least {f(inf['low'])}, not needed by the replay")
+              + ("" if given else f": {inf['how']}"))
         for oom in d["ooms"]:
             print(f"  OOM: {oom}")
     return 0

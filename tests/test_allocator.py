@@ -244,3 +244,41 @@ def test_replay_command_bad_input_exits_2(tmp_path, capsys, argv, words):
     from peakledger.cli import main
     assert main(["replay", str(_small_snapshot_file(tmp_path)), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def _retry_snapshot() -> dict:
+    """15 MiB allocated and freed (a 16 MiB segment cached), then 17 MiB asked: its 18 MiB segment does not fit beside
+    the cached one, so torch frees the cache and retries: segment_free 16 MiB, then segment_alloc 18 MiB."""
+    S1, S2 = 0x7000_0000, 0x8000_0000
+    return {"segments": [{"device": 0, "address": S2, "total_size": 18 * MB, "stream": 0, "segment_type": "large",
+                          "blocks": [{"address": S2, "size": 18 * MB, "requested_size": 17 * MB,
+                                      "state": "active_allocated"}]}],
+            "device_traces": [[{"action": "segment_alloc", "addr": S1, "size": 16 * MB, "stream": 0},
+                               {"action": "alloc", "addr": S1, "size": 15 * MB, "stream": 0},
+                               {"action": "free_requested", "addr": S1, "size": 15 * MB, "stream": 0},
+                               {"action": "free_completed", "addr": S1, "size": 15 * MB, "stream": 0},
+                               {"action": "segment_free", "addr": S1, "size": 16 * MB, "stream": 0},
+                               {"action": "segment_alloc", "addr": S2, "size": 18 * MB, "stream": 0},
+                               {"action": "alloc", "addr": S2, "size": 17 * MB, "stream": 0}]]}
+
+
+def test_capacity_inferred_from_a_free_and_retry_and_the_retry_replayed():
+    r = replay_entries(_retry_snapshot())
+    # the cudaMalloc of 18 MiB failed beside 16 MiB reserved (capacity < 34 MiB) and succeeded once they were
+    # freed (capacity >= 18 MiB): the least consistent capacity, 18 MiB, reproduces the retry by the rule alone
+    assert (r["capacity_inferred"]["low"], r["capacity_inferred"]["high"]) == (18 * MB, 34 * MB - 1)
+    assert r["capacity"] == 18 * MB and "free-and-retry" in r["capacity_inferred"]["how"]
+    assert r["segments_matched"] == r["segments_measured"] == 3 and r["reserved_exact_fraction"] == 1.0
+    # a trace that never reaches the limit: the capacity is only bounded below, and the replay needs none
+    quiet = replay_entries({"segments": [{"device": 0, "address": 0x7000_0000, "total_size": 16 * MB, "stream": 0,
+                                          "segment_type": "large", "blocks": [{"address": 0x7000_0000, "size": 16 * MB,
+                                                                              "state": "inactive"}]}],
+                            "device_traces": [_retry_snapshot()["device_traces"][0][:4]]})
+    assert quiet["capacity"] is None and quiet["capacity_inferred"]["low"] == 16 * MB
+
+
+def test_capacity_from_an_oom_entry():
+    entries = [{"action": "segment_alloc", "addr": 0, "size": 20 * MB}, {"action": "alloc", "addr": 0, "size": 4 * MB},
+               {"action": "oom", "addr": 0, "size": 30 * MB, "device_free": 12 * MB}]
+    from peakledger.analysis.allocator_replay import infer_capacity
+    assert infer_capacity(entries, 2 * MB)["capacity"] == 2 * MB + 20 * MB + 12 * MB
