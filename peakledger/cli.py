@@ -3,6 +3,7 @@
     peakledger simulate [--preset gpt2 | --hf-config config.json | --scenario file.toml] [flags] [--json] [--plot F]
     peakledger max-batch --budget 80GiB [same model/training flags]
     peakledger compare [--case "name: key=value key=value" ...] [same flags for the base scenario]
+    peakledger explain | replay | calibrate ...   (cmd_explain.py, cmd_calibrate.py; shared flags: cli_common.py)
 
 Bad input exits 2 with one line naming the field and the allowed values.
 """
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import signal
 import sys
 import threading
@@ -19,24 +19,20 @@ import traceback
 
 from . import api
 from .analysis.device import gpu_memory
-from .cmd_calibrate import register as register_calibrate
-from .analysis.explain import moment_json, render_moment
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.plot import plot_overlay, plot_timeline
-from .analysis.validate import render_validation, validation_json
 from .analysis.report import render_text, report_json
-from .analysis.units import format_bytes, parse_bytes
-from .inputs import (DP_INT_FLAGS, MODEL_FLAG_TYPES, VALIDATE_DEFAULTS, check_command_outputs, check_common,
-                     check_real_run, real_run_scenario, scenario_flags_given, scenario_for_trace,
-                     scenario_from_args)
-from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PRECISIONS, QUANTIZE, SAVE_MODES, ConfigError)
-from .models.costs import DEVICES
+from .analysis.units import format_bytes
+from .analysis.validate import render_validation, validation_json
+from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
+from .cmd_calibrate import register as register_calibrate
+from .cmd_explain import cmd_explain, cmd_replay
+from .inputs import (VALIDATE_DEFAULTS, check_command_outputs, check_common, check_real_run, real_run_scenario,
+                     scenario_for_trace, scenario_from_args)
+from .models.config import ConfigError
 from .models.training import StepPlan
-from .models.presets import PRESETS
-from .scenario import parse_value
 from .simulator.files import InputError
 from .simulator.timeline import timeline
 from .traces.store import load_trace, save_log, with_event_index_times
@@ -44,104 +40,6 @@ from .traces.store import load_trace, save_log, with_event_index_times
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
-
-
-def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
-    g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
-    g.add_argument("--hf-config", help="a HF transformers config.json (any model type transformers builds)")
-    g.add_argument("--module", metavar="FILE.py:FACTORY",
-                   help="your own model: FACTORY() returns (model, batch, loss_fn); traced on fake tensors")
-    g.add_argument("--describer", help="auto (default), traced, hand-written: how --hf-config is described")
-    for name, kind in MODEL_FLAG_TYPES:
-        g.add_argument("--" + name.replace("_", "-"), type=kind, dest=f"model_{name}", help=argparse.SUPPRESS)
-    t = p.add_argument_group("training")
-    t.add_argument("--micro-batch", type=int)
-    t.add_argument("--seq-len", type=int)
-    t.add_argument("--grad-accum", type=int)
-    t.add_argument("--steps", type=int, help="default 2, so the steady state is visible")
-    t.add_argument("--precision", help=", ".join(PRECISIONS))
-    t.add_argument("--passes", choices=PASSES, help="train (default): forward, loss, backward, optimizer step; "
-                   "forward: `out = model(batch)` with autograd on, no loss, backward or step")
-    t.add_argument("--fp32-grads", action="store_true", default=None, help="mixed precision: fp32 gradients")
-    t.add_argument("--optimizer", help=", ".join(OPTIMIZERS))
-    t.add_argument("--optimizer-impl", help=", ".join(OPTIMIZER_IMPLS))
-    t.add_argument("--no-set-to-none", dest="set_to_none", action="store_false", default=None,
-                   help="zero_grad(set_to_none=False): gradients stay allocated between steps")
-    t.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters matching a glob")
-    t.add_argument("--world-size", type=int)
-    t.add_argument("--zero-stage", type=int)
-    t.add_argument("--checkpointing", help=", ".join(CHECKPOINTING))
-    t.add_argument("--checkpoint-every-k", type=int, help="checkpointing every-k: layers 0, k, 2k, ... (default 2)")
-    t.add_argument("--checkpoint-layers", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
-                   help="checkpointing layers: exactly these layer indices, e.g. 0,3,7")
-    k = p.add_argument_group("checkpoint save / load")
-    k.add_argument("--checkpoint-every", type=int, help="save a checkpoint after every N-th optimizer step (0: never)")
-    k.add_argument("--save-mode", help=", ".join(SAVE_MODES))
-    k.add_argument("--load-mode", help=", ".join(LOAD_MODES) + " (a checkpoint loaded before the first step)")
-    o = p.add_argument_group("optimizer-state offload")
-    o.add_argument("--optimizer-offload", help=", ".join(OPTIMIZER_OFFLOADS) + " (states in host memory between steps)")
-    o.add_argument("--offload-chunk-params", type=int,
-                   help="chunked: parameter elements whose states are copied and updated together (default 100000000)")
-    o.add_argument("--offload-prefetch", type=int, help="chunked: chunks copied in ahead of the one updated (default 1)")
-    o.add_argument("--offload-first-step", help=", ".join(OFFLOAD_FIRST_STEPS) +
-                   " (chunked: step 1 as one torch step, or chunk by chunk)")
-    lo = p.add_argument_group("LoRA / QLoRA (peft; the whole base model frozen)")
-    lo.add_argument("--lora-r", type=int, help="adapter rank (0: no LoRA)")
-    lo.add_argument("--lora-alpha", type=float, help="scaling = alpha / r (default 8, peft's)")
-    lo.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input, in [0, 1) (default 0)")
-    lo.add_argument("--lora-targets", type=lambda v: tuple(x.strip() for x in v.split(",")),
-                    help="peft target_modules, e.g. q_proj,k_proj,v_proj,o_proj (default: peft's for the family)")
-    lo.add_argument("--quantize", help=", ".join(QUANTIZE) + " (nf4: bitsandbytes 4-bit base linears, QLoRA)")
-    me = p.add_argument_group("mixture of experts")
-    me.add_argument("--moe-routing", metavar="ROUTING", help="tokens per expert: balanced (default), worst (every token "
-                    "to the same top-k experts) or counts:FILE (measured, from capture --moe-counts)")
-    d = p.add_argument_group("data parallelism")
-    d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
-    d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
-                   help="fsdp2: keep unsharded parameters from forward to backward")
-    for name in DP_INT_FLAGS:
-        d.add_argument("--" + name.replace("_", "-"), type=int, help=argparse.SUPPRESS)
-    r = p.add_argument_group("run")
-    r.add_argument("--device", help=", ".join(DEVICES))
-    r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
-    r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings on GPU device profiles, in "
-                   "PYTORCH_CUDA_ALLOC_CONF syntax, e.g. expandable_segments:True,max_split_size_mb:128")
-    r.add_argument("--empty-cache-before-save", action="store_true", default=None,
-                   help="the program calls torch.cuda.empty_cache() before each checkpoint save (GPU profiles)")
-    r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply: 2.6 (default) or 2.11")
-    r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
-                   help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
-    r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
-
-
-def _budget(args, name: str = "budget") -> int | None:
-    """A size flag as bytes (None when not given; an empty value is an error, never "no budget")."""
-    value = getattr(args, name, None)
-    return None if value is None else parse_bytes(value, name)
-
-
-def _parse_case(text: str) -> tuple[str, dict]:
-    name, sep, rest = text.partition(":")
-    if not sep or not name.strip():
-        raise ConfigError("case", f"expected 'name: key=value ...', got {text!r}")
-    changes = {}
-    for item in rest.split():
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError("case", f"expected key=value in {text!r}, got {item!r}")
-        if key == "name":
-            raise ConfigError("case", f"the case's name is the text before ':' in {text!r}; 'name' is not a field "
-                                      "to change")
-        if key in changes:
-            raise ConfigError("case", f"{key} is given twice in {text!r}")
-        changes[key] = parse_value(value)
-    return name.strip(), changes
-
-
-def _write_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
 def cmd_simulate(args) -> int:
@@ -248,122 +146,6 @@ def cmd_compare(args) -> int:
     for name, r in results:
         e = r.peaks.peak.event
         print(f"  {name}: {e.op} ({e.phase.value}, step {e.step})")
-    return 0
-
-
-def cmd_explain(args) -> int:
-    budget = _budget(args)
-    host_budget = _budget(args, "host_budget")
-    u = args.unit
-    if args.trace:
-        return _explain_trace(args, budget, host_budget)
-    scenario = scenario_from_args(args)
-    x = api.explain(scenario, budget, host_budget)
-    setup = dataclasses.asdict(scenario.setup)
-    if args.json:
-        _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
-                     "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
-                     "moment": moment_json(x.moment, setup),
-                     "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
-                     "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
-                                                             for k, v in fx.changes.items()},
-                                "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
-                                "step_time_s": fx.step_time, "changes_training": fx.changes_training,
-                                "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x)})
-        return 0
-    f = lambda n: format_bytes(n, u)  # noqa: E731
-    print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
-    print("\n".join(render_moment(x.moment, u, setup)))
-    print("\n".join(_explain_gpu_lines(x, u)))
-    if x.host_moment is not None:
-        print("\n".join(render_moment(x.host_moment, u, setup)))
-    elif host_budget is not None:
-        print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
-              "host staging), so it always fits")
-    print("")
-    print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
-    print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
-    for fx in x.fixes:
-        ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
-        cost = fx.note + ("; changes the training" if fx.changes_training else "")
-        print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
-    return 0
-
-
-def _explain_gpu_json(x) -> dict | None:
-    if x.gpu is None:
-        return None
-    oom = x.gpu_oom
-    return {"alloc_conf": x.gpu.alloc_conf, "reserved_peak": x.gpu.reserved_peak.reserved,
-            "device_total_peak": x.gpu.total_peak.total, "fragmentation": x.fragmentation,
-            "oom": None if oom is None else {"message": oom.message, "op": oom.point.event.op,
-                                             "phase": oom.point.event.phase.value, "step": oom.point.event.step,
-                                             "tensor": oom.point.event.block.name, "requested": oom.requested,
-                                             "allocated": oom.point.allocated_blocks, "reserved": oom.point.reserved,
-                                             "device_total": oom.point.total}}
-
-
-def _explain_gpu_lines(x, u: str) -> list[str]:
-    """The GPU's side of an explanation: the caching allocator's first OOM in torch's words, and whether the
-    cache's fragmentation, not the tensors, causes it."""
-    if x.gpu is None:
-        return []
-    f = lambda n: format_bytes(n, u)  # noqa: E731
-    oom, conf = x.gpu_oom, x.gpu.alloc_conf or "default settings"
-    if oom is None:
-        return [f"on the GPU (caching allocator, {conf}): reserved peak {f(x.gpu.reserved_peak.reserved)}, device total "
-                f"{f(x.gpu.total_peak.total)} (with the CUDA context, assumed): fits, the allocator freeing its cache "
-                "and retrying where it must"]
-    e = oom.point.event
-    lines = [f"on the GPU (caching allocator, {conf}): OUT OF MEMORY at {e.op} ({e.phase.value}, step {e.step}), "
-             f"allocating {e.block.name}; torch would say:", f"  {oom.message}"]
-    if x.fragmentation:
-        lines.append(f"  fragmentation: the live blocks ({f(oom.point.allocated_blocks)}) and this request fit, but "
-                     f"{f(oom.point.fragmentation)} reserved by the cache is unallocated in pieces too small for it "
-                     "(largest free block " + f(oom.point.largest_free) + "), even after freeing the whole free segments")
-    return lines
-
-
-def _explain_trace(args, budget: int, host_budget: int | None) -> int:
-    """explain --trace: the measured trace alone decides; scenario flags would be silently ignored, so they
-    are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
-    allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
-    its first moment over the budget, or its peak."""
-    from .analysis.explain import live_at_moment, render_reserved_moment, reserved_moment_json
-
-    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
-    if ignored:
-        raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
-                                   "ignored: drop them (or explain the scenario without --trace)")
-    trace = load_trace(args.trace)
-    log = trace.log
-    if trace.reserved is None:
-        moment, reserved = api.explain_trace(log, budget), None
-    else:
-        moment, reserved = api.explain_trace(log, budget, trace.reserved)
-    # the other view at each moment (a snapshot numbers both views' events together)
-    at_reserved = live_at_moment(log, reserved) if reserved else None
-    at_moment = live_at_moment(trace.reserved, moment) if reserved else None
-    warning = trace.warning()
-    if args.json:
-        _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
-                     "lower_bound": trace.truncated, "warning": warning,
-                     "moment": {**moment_json(moment, log.metadata.get("setup")),
-                                **({"reserved_bytes": at_moment} if at_moment is not None else {})},
-                     "reserved_moment": reserved_moment_json(reserved, at_reserved) if reserved else None})
-        return 0
-    print(f"{args.trace}: {trace.kind} ({log.source}), budget {format_bytes(budget, args.unit)}")
-    if warning:
-        print(f"WARNING: {warning}")
-    if reserved is not None:
-        print("allocated (bytes handed to tensors):")
-    print("\n".join(render_moment(moment, args.unit, log.metadata.get("setup"))))
-    if at_moment is not None:
-        print(f"  reserved then {format_bytes(at_moment, args.unit)}")
-    if reserved is not None:
-        print("")
-        print("reserved (segments cudaMalloc holds: what the device must have):")
-        print("\n".join(render_reserved_moment(reserved, args.unit, at_reserved)))
     return 0
 
 
@@ -582,41 +364,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_replay)
     register_calibrate(sub)
     return parser
-
-
-def cmd_replay(args) -> int:
-    """The allocator model (simulator/allocator.py) on a measured snapshot (analysis/allocator_replay.py)."""
-    from .analysis.allocator_replay import replay_snapshot
-
-    capacity = parse_bytes(args.capacity, "capacity") if args.capacity is not None else None
-    result = replay_snapshot(args.snapshot, args.alloc_conf, capacity)
-    if args.json:
-        print(json.dumps(result, sort_keys=True, default=str))
-        return 0
-    f = lambda n: format_bytes(n, args.unit)  # noqa: E731
-    for d in result["devices"]:
-        print(f"replay {args.snapshot} device {d['device']}: {d['trace_events']:,} trace events, start state "
-              f"{d['start_segments']} segments / {d['start_blocks']} blocks (rebuilt from the final segments)")
-        print(f"  segment events matched  {d['segments_matched']:,} of {d['segments_measured']:,} measured "
-              f"({d['segments_predicted']:,} predicted)"
-              + (f"; first difference: {d['first_segment_difference']}" if d["first_segment_difference"] else ""))
-        print(f"  reserved peak           measured {f(d['reserved_peak']['measured'])}, predicted "
-              f"{f(d['reserved_peak']['predicted'])}; reserved equal after {d['reserved_exact_fraction']:.1%} of events")
-        print(f"  allocated peak          measured {f(d['allocated_peak']['measured'])}, predicted "
-              f"{f(d['allocated_peak']['predicted'])} (requested bytes; in blocks: "
-              f"{f(d['allocated_block_peak_predicted'])})")
-        print(f"  block addresses         {d['block_addresses_matched']:,} of {d['allocs']:,} equal; final layout "
-              f"{'equal block by block' if d['final_layout_matches'] else 'differs'}")
-        inf = d["capacity_inferred"]
-        given = args.capacity is not None
-        print("  device capacity         " + (f"{f(d['capacity'])} (given)" if given else
-              f"{f(inf['capacity'])} inferred" + (f" (anything up to {f(inf['high'])} fits the trace)"
-                                                  if inf["high"] not in (None, inf["capacity"]) else "")
-              if inf["capacity"] is not None else f"at least {f(inf['low'])}, not needed by the replay")
-              + ("" if given else f": {inf['how']}"))
-        for oom in d["ooms"]:
-            print(f"  OOM: {oom}")
-    return 0
 
 
 class _Terminated(KeyboardInterrupt):

@@ -341,7 +341,7 @@ def cmd_apply(args) -> int:
 
 def register(subparsers) -> None:
     """Add `calibrate fit` and `calibrate apply` to the `peakledger` parser's sub-commands."""
-    from .cli import _add_scenario_flags  # here, not at import: cli may import this module
+    from .cli_common import _add_scenario_flags
 
     c = subparsers.add_parser("calibrate", help="fit the predicted peaks to your own measured ones (per seq_len) "
                                                 "and apply that calibration")

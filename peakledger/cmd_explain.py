@@ -1,0 +1,166 @@
+"""`peakledger explain` (a scenario against a budget, or a measured trace) and `peakledger replay` (a CUDA snapshot
+through the caching-allocator model): why memory runs out, in allocated and in reserved terms."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from . import api
+from .analysis.explain import moment_json, render_moment
+from .analysis.units import format_bytes, parse_bytes
+from .cli_common import _budget, _write_json
+from .inputs import scenario_flags_given, scenario_from_args
+from .models.config import ConfigError
+from .traces.store import load_trace
+
+
+def cmd_explain(args) -> int:
+    budget = _budget(args)
+    host_budget = _budget(args, "host_budget")
+    u = args.unit
+    if args.trace:
+        return _explain_trace(args, budget, host_budget)
+    scenario = scenario_from_args(args)
+    x = api.explain(scenario, budget, host_budget)
+    setup = dataclasses.asdict(scenario.setup)
+    if args.json:
+        _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
+                     "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
+                     "moment": moment_json(x.moment, setup),
+                     "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
+                     "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
+                                                             for k, v in fx.changes.items()},
+                                "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
+                                "step_time_s": fx.step_time, "changes_training": fx.changes_training,
+                                "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x)})
+        return 0
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
+    print("\n".join(render_moment(x.moment, u, setup)))
+    print("\n".join(_explain_gpu_lines(x, u)))
+    if x.host_moment is not None:
+        print("\n".join(render_moment(x.host_moment, u, setup)))
+    elif host_budget is not None:
+        print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
+              "host staging), so it always fits")
+    print("")
+    print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
+    print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
+    for fx in x.fixes:
+        ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
+        cost = fx.note + ("; changes the training" if fx.changes_training else "")
+        print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+    return 0
+
+
+def _explain_gpu_json(x) -> dict | None:
+    if x.gpu is None:
+        return None
+    oom = x.gpu_oom
+    return {"alloc_conf": x.gpu.alloc_conf, "reserved_peak": x.gpu.reserved_peak.reserved,
+            "device_total_peak": x.gpu.total_peak.total, "fragmentation": x.fragmentation,
+            "oom": None if oom is None else {"message": oom.message, "op": oom.point.event.op,
+                                             "phase": oom.point.event.phase.value, "step": oom.point.event.step,
+                                             "tensor": oom.point.event.block.name, "requested": oom.requested,
+                                             "allocated": oom.point.allocated_blocks, "reserved": oom.point.reserved,
+                                             "device_total": oom.point.total}}
+
+
+def _explain_gpu_lines(x, u: str) -> list[str]:
+    """The GPU's side of an explanation: the caching allocator's first OOM in torch's words, and whether the
+    cache's fragmentation, not the tensors, causes it."""
+    if x.gpu is None:
+        return []
+    f = lambda n: format_bytes(n, u)  # noqa: E731
+    oom, conf = x.gpu_oom, x.gpu.alloc_conf or "default settings"
+    if oom is None:
+        return [f"on the GPU (caching allocator, {conf}): reserved peak {f(x.gpu.reserved_peak.reserved)}, device total "
+                f"{f(x.gpu.total_peak.total)} (with the CUDA context, assumed): fits, the allocator freeing its cache "
+                "and retrying where it must"]
+    e = oom.point.event
+    lines = [f"on the GPU (caching allocator, {conf}): OUT OF MEMORY at {e.op} ({e.phase.value}, step {e.step}), "
+             f"allocating {e.block.name}; torch would say:", f"  {oom.message}"]
+    if x.fragmentation:
+        lines.append(f"  fragmentation: the live blocks ({f(oom.point.allocated_blocks)}) and this request fit, but "
+                     f"{f(oom.point.fragmentation)} reserved by the cache is unallocated in pieces too small for it "
+                     "(largest free block " + f(oom.point.largest_free) + "), even after freeing the whole free segments")
+    return lines
+
+
+def _explain_trace(args, budget: int, host_budget: int | None) -> int:
+    """explain --trace: the measured trace alone decides; scenario flags would be silently ignored, so they
+    are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
+    allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
+    its first moment over the budget, or its peak."""
+    from .analysis.explain import live_at_moment, render_reserved_moment, reserved_moment_json
+
+    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
+    if ignored:
+        raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
+                                   "ignored: drop them (or explain the scenario without --trace)")
+    trace = load_trace(args.trace)
+    log = trace.log
+    if trace.reserved is None:
+        moment, reserved = api.explain_trace(log, budget), None
+    else:
+        moment, reserved = api.explain_trace(log, budget, trace.reserved)
+    # the other view at each moment (a snapshot numbers both views' events together)
+    at_reserved = live_at_moment(log, reserved) if reserved else None
+    at_moment = live_at_moment(trace.reserved, moment) if reserved else None
+    warning = trace.warning()
+    if args.json:
+        _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
+                     "lower_bound": trace.truncated, "warning": warning,
+                     "moment": {**moment_json(moment, log.metadata.get("setup")),
+                                **({"reserved_bytes": at_moment} if at_moment is not None else {})},
+                     "reserved_moment": reserved_moment_json(reserved, at_reserved) if reserved else None})
+        return 0
+    print(f"{args.trace}: {trace.kind} ({log.source}), budget {format_bytes(budget, args.unit)}")
+    if warning:
+        print(f"WARNING: {warning}")
+    if reserved is not None:
+        print("allocated (bytes handed to tensors):")
+    print("\n".join(render_moment(moment, args.unit, log.metadata.get("setup"))))
+    if at_moment is not None:
+        print(f"  reserved then {format_bytes(at_moment, args.unit)}")
+    if reserved is not None:
+        print("")
+        print("reserved (segments cudaMalloc holds: what the device must have):")
+        print("\n".join(render_reserved_moment(reserved, args.unit, at_reserved)))
+    return 0
+
+
+def cmd_replay(args) -> int:
+    """The allocator model (simulator/allocator.py) on a measured snapshot (analysis/allocator_replay.py)."""
+    from .analysis.allocator_replay import replay_snapshot
+
+    capacity = parse_bytes(args.capacity, "capacity") if args.capacity is not None else None
+    result = replay_snapshot(args.snapshot, args.alloc_conf, capacity)
+    if args.json:
+        print(json.dumps(result, sort_keys=True, default=str))
+        return 0
+    f = lambda n: format_bytes(n, args.unit)  # noqa: E731
+    for d in result["devices"]:
+        print(f"replay {args.snapshot} device {d['device']}: {d['trace_events']:,} trace events, start state "
+              f"{d['start_segments']} segments / {d['start_blocks']} blocks (rebuilt from the final segments)")
+        print(f"  segment events matched  {d['segments_matched']:,} of {d['segments_measured']:,} measured "
+              f"({d['segments_predicted']:,} predicted)"
+              + (f"; first difference: {d['first_segment_difference']}" if d["first_segment_difference"] else ""))
+        print(f"  reserved peak           measured {f(d['reserved_peak']['measured'])}, predicted "
+              f"{f(d['reserved_peak']['predicted'])}; reserved equal after {d['reserved_exact_fraction']:.1%} of events")
+        print(f"  allocated peak          measured {f(d['allocated_peak']['measured'])}, predicted "
+              f"{f(d['allocated_peak']['predicted'])} (requested bytes; in blocks: "
+              f"{f(d['allocated_block_peak_predicted'])})")
+        print(f"  block addresses         {d['block_addresses_matched']:,} of {d['allocs']:,} equal; final layout "
+              f"{'equal block by block' if d['final_layout_matches'] else 'differs'}")
+        inf = d["capacity_inferred"]
+        given = args.capacity is not None
+        print("  device capacity         " + (f"{f(d['capacity'])} (given)" if given else
+              f"{f(inf['capacity'])} inferred" + (f" (anything up to {f(inf['high'])} fits the trace)"
+                                                  if inf["high"] not in (None, inf["capacity"]) else "")
+              if inf["capacity"] is not None else f"at least {f(inf['low'])}, not needed by the replay")
+              + ("" if given else f": {inf['how']}"))
+        for oom in d["ooms"]:
+            print(f"  OOM: {oom}")
+    return 0
