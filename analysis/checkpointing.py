@@ -41,6 +41,7 @@ from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerCo
 from ..models.trace import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
+from .device import device_settings, gpu_memory
 from ..simulator.events import Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
 from .peaks import with_headroom
@@ -60,7 +61,7 @@ class SimulatedRun:
     graph: OpGraph
     log: EventLog
     peak: int  # device pool, the worst rank
-    capacity_needed: int  # peak with the scenario's headroom
+    capacity_needed: int  # peak (on a CUDA profile: the device total) with the scenario's headroom
     rank: int
 
 
@@ -68,9 +69,12 @@ def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
     """Describe and simulate `scenario`; `ranks`: the representative ranks when already known (their
     classes do not depend on checkpointing, and finding them is most of a large data-parallel describe)."""
     graph = describe(scenario.model, scenario.setup, scenario.device, ranks=ranks)
+    graph.metadata.update(device_settings(scenario))
     log = simulate(graph)
     rank, peak = device_peak(log)
-    return SimulatedRun(graph, log, peak, with_headroom(peak, scenario.headroom), rank)
+    gpu = gpu_memory(log, rank)  # on a CUDA profile a budget holds the device total (analysis/device.py)
+    needed = gpu.total_peak.total if gpu is not None else peak
+    return SimulatedRun(graph, log, peak, with_headroom(needed, scenario.headroom), rank)
 
 
 def _representatives(run: SimulatedRun) -> list[int]:
@@ -596,7 +600,10 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
                                            "GPT2LMHeadModel is modelled with none or full only")
     n = n_layers(scenario.model, scenario.setup)
     costs, plain, full = layer_costs(scenario)
-    limit = _raw_limit(budget, scenario.headroom)
+    # on a GPU the device needs more than the tensors (context, the allocator's cache): start from the plain
+    # run's overhead, then tighten by what a verified set still lacks
+    overhead = max(0, plain.capacity_needed - with_headroom(plain.peak, scenario.headroom))
+    limit = _raw_limit(budget - overhead, scenario.headroom) if budget >= overhead else -1
     simulations = 2
     known = {(): plain, tuple(range(n)): full}
     tightened = limit
@@ -616,13 +623,34 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
                            simulations)
         gap = run.peak - costs.peak(layers)
         notes.append(f"round {round_}: {len(layers)} layers verified {run.peak:,} B, model said "
-                     f"{costs.peak(layers):,} B")
-        tightened -= max(gap, 1)
+                     f"{costs.peak(layers):,} B" + (f", needs {run.capacity_needed:,} B of the device"
+                                                    if run.capacity_needed != with_headroom(run.peak, scenario.headroom)
+                                                    else ""))
+        # the per-layer model's error, or on a GPU what the device needs beyond the budget (context, the cache)
+        tightened -= max(gap, run.capacity_needed - budget, 1)
     every = tuple(range(n))
     fits = full.capacity_needed <= budget
+    if fits and overhead:  # a GPU: the cache's layout is not additive per layer; verify by size instead
+        for layers in _by_size(costs, n):
+            run = known.get(layers)
+            if run is None:
+                run = known[layers] = simulate_run(with_checkpointed_layers(scenario, layers),
+                                                   _representatives(plain))
+                simulations += 1
+            if run.capacity_needed <= budget:
+                notes.append(f"the cheapest verified set of each size, up to {len(layers)} layers")
+                return _result(scenario, layers, n, budget, True, run, costs, "; ".join(notes), simulations)
     note = ("; ".join(notes + ["fell back to checkpointing every layer"]) if fits else
             "does not fit even with every layer checkpointed")
     return _result(scenario, every, n, budget, fits, full, costs, note, simulations)
+
+
+def _by_size(costs: LayerCosts, n: int):
+    """For k = 1 .. n: the k layers of least recompute, then of lowest modelled peak (the set a device-total
+    search verifies when the per-layer model's additive limit misses: at most n simulations)."""
+    order = sorted(range(n), key=lambda j: (costs.recompute[j], costs.peak((j,)), j))
+    for k in range(1, n + 1):
+        yield tuple(sorted(order[:k]))
 
 
 def _result(scenario, layers, n, budget, fits, run: SimulatedRun, costs: LayerCosts, note, simulations):

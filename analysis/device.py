@@ -19,6 +19,12 @@ from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Pha
 from .units import format_bytes
 
 
+def device_settings(scenario) -> dict:
+    """A scenario's run fields the allocator reads, as the log's metadata carries them."""
+    return {"alloc_conf": scenario.alloc_conf, "torch_version": scenario.torch_version,
+            "empty_cache_before_save": scenario.empty_cache_before_save}
+
+
 def cuda_profile(log: EventLog) -> DeviceProfile | None:
     profile = DEVICES.get(log.metadata.get("device", ""))
     return profile if profile is not None and profile.is_cuda else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .analysis.device import first_gpu_oom, gpu_fits, with_gpu_oom
+from .analysis.device import device_settings, first_gpu_oom, gpu_fits, with_gpu_oom
 from .analysis.explain import Moment
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
@@ -46,9 +46,7 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak)."""
     graph = describe(scenario.model, scenario.setup, scenario.device)
-    graph.metadata["alloc_conf"] = scenario.alloc_conf
-    graph.metadata["empty_cache_before_save"] = scenario.empty_cache_before_save
-    graph.metadata["torch_version"] = scenario.torch_version
+    graph.metadata.update(device_settings(scenario))
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None

@@ -102,12 +102,12 @@ def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
         return out
     pk = report.peaks
     out.update(peak_bytes=pk.peak.bytes, first_step_peak_bytes=pk.first_step.bytes,
-               steady_peak_bytes=pk.steady.bytes if pk.steady else "", capacity_needed_bytes=pk.capacity_needed,
+               steady_peak_bytes=pk.steady.bytes if pk.steady else "", capacity_needed_bytes=report.capacity_needed,
                peak_op=pk.peak.event.op if pk.peak.event else "", peak_phase=pk.peak.event.phase.value
                if pk.peak.event else "", peak_step=pk.peak.event.step if pk.peak.event else "",
                step_time_s=report.time_per_step_s)
     if budget is not None:
-        out["fits"] = pk.capacity_needed <= budget
+        out["fits"] = api.fits(report, budget)  # on a GPU profile: the caching allocator within the budget
         if max_batch:
             out["max_micro_batch"] = api.max_micro_batch(scenario, budget)
     return out
