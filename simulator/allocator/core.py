@@ -240,6 +240,17 @@ class CachingAllocator(ExpandableSegments):
 
     empty_cache = release_cached_blocks
 
+    def _split_after(self, block: Block, size: int, mapped: bool = True) -> Block:
+        """Cut `block` to `size` bytes; the rest of it becomes the next block of its segment (registered, not
+        indexed: the caller files it as cached or unmapped) and is returned."""
+        rest = Block(block.addr + size, block.size - size, block.segment, mapped=mapped, prev=block, next=block.next)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = size
+        self.blocks[rest.addr] = rest
+        return rest
+
     def malloc(self, size: int, stream: int = 0) -> int:
         """Allocate `size` bytes on `stream`; returns the block's address (raises OutOfMemory)."""
         self.process_events()
@@ -259,13 +270,7 @@ class CachingAllocator(ExpandableSegments):
                 raise OutOfMemory(size, self.reserved, self.allocated, self.capacity or 0)
         remaining = block.size - rounded
         if self._should_split(pool, rounded, remaining):  # alloc_found_block: the rest stays cached
-            rest = Block(block.addr + rounded, remaining, block.segment, prev=block, next=block.next)
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = rounded
-            self.blocks[rest.addr] = rest
-            self._index(rest)
+            self._index(self._split_after(block, rounded))
         block.allocated = True
         block.requested = size
         self.allocated += block.size

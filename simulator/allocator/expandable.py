@@ -74,13 +74,7 @@ class ExpandableSegments:
         self._unindex_unmapped(to_map)
         to_map.mapped = True
         if nbytes < to_map.size:
-            rest = Block(to_map.addr + nbytes, to_map.size - nbytes, seg, mapped=False, prev=to_map, next=to_map.next)
-            if to_map.next is not None:
-                to_map.next.prev = rest
-            to_map.next = rest
-            to_map.size = nbytes
-            self.blocks[rest.addr] = rest
-            self._index_unmapped(rest)
+            self._index_unmapped(self._split_after(to_map, nbytes, mapped=False))
         self.events.append(SegmentEvent("segment_map", to_map.addr, nbytes, seg.stream))
         self._try_merge(to_map, to_map.prev)
         self._try_merge(to_map, to_map.next)
@@ -123,14 +117,10 @@ class ExpandableSegments:
             b.prev = bf
             self.blocks[bf.addr] = bf
             self._index(bf)
+        b.addr, b.size = start, nbytes + after  # the pages to unmap, then the mapped rest after them
         if after > 0:
-            af = Block(start + nbytes, after, seg, prev=b, next=b.next)
-            if b.next is not None:
-                b.next.prev = af
-            b.next = af
-            self.blocks[af.addr] = af
-            self._index(af)
-        b.addr, b.size, b.mapped = start, nbytes, False
+            self._index(self._split_after(b, nbytes))
+        b.mapped = False
         self.blocks[start] = b
         self._try_merge(b, b.prev)
         self._try_merge(b, b.next)
