@@ -12,7 +12,13 @@ activation with its shape and dtype. What each op saves follows torch's autograd
 - Eager attention (nanoGPT): q and k are copied contiguous for the batched matmul and saved, the
   B*heads*T*T scores are masked, the softmax output is saved (plus the dropout mask and output), v is
   copied and saved, and the head-merged output is copied contiguous. SDPA/flash saves q, k, v (views
-  of the projection), its output and the logsumexp (B*heads*T, fp32) only.
+  of the projection), its output and the logsumexp (B*heads*T, fp32) only. On a CUDA profile SDPA is the
+  kernel torch picks there (models/gpu.py `sdpa_backend`, for `GPU_TARGET`) with what it allocates and saves
+  (`sdpa_kernel`): flash's logsumexp, padded copies and backward workspaces, memory-efficient attention's
+  logsumexp padded to 32 rows; where CUDA falls back to the math backend (fp32 with GQA on torch 2.6, head
+  dims no fused kernel takes) the nanoGPT/Llama writer writes eager attention, an approximation of torch's
+  composite (which also keeps scaled copies of q and k and a (T, T) float mask), and the HF writer the
+  composite itself (`_hf_sdpa_math`).
 - Cross-entropy: log_softmax output (B*T*vocab, fp32 under autocast) is saved; the caller holds the
   logits until backward ends (`TrainingSetup.logits_held`).
 
@@ -41,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 
-from . import lora
+from . import gpu, lora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 from .moe import moe_params
@@ -357,16 +363,59 @@ def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: Ten
     return y
 
 
+# What a GPU profile's tape is written for: build_tape passes only `cpu`, so one target stands for the GPU
+# profiles (A100 sm80, H100/H200 sm90 choose the same SDPA kernels under torch 2.6's rules) and the torch of
+# the real GPU snapshots.
+GPU_TARGET = ((9, 0), "2.6")
+
+
+def _cuda_sdpa_backend(q: TensorSpec, n_head: int, n_kv: int, head_dim: int, dropout: float) -> str:
+    cc, version = GPU_TARGET
+    T = q.shape[1]
+    return gpu.sdpa_backend(q.dtype, head_dim, dropout, False, True, cc, version, seq_q=T, seq_k=T, n_head=n_head,
+                            n_kv_head=n_kv, enable_gqa=n_kv != n_head)
+
+
 def _attention_sdpa(w: _Writer, prefix: str, q: TensorSpec, k: TensorSpec, v: TensorSpec,
-                    n_head: int, head_dim: int) -> TensorSpec:
+                    n_head: int, head_dim: int, n_kv: int | None = None, dropout: float = 0.0) -> TensorSpec:
     B, T = q.shape[0], q.shape[1]
     D = n_head * head_dim
+    if not w.cpu:
+        return _attention_sdpa_cuda(w, prefix, q, k, v, n_head, n_kv or n_head, head_dim, dropout)
     with w.attention_core():
         out, lse = w.op(f"{prefix}.sdpa", "sdpa", [q, k, v],
                         [w.t(f"{prefix}.sdpa.out", (B, T, D)),
                          w.t(f"{prefix}.sdpa.lse", (B, n_head, T), "fp32", False)],
                         saves=(q.name, k.name, v.name, f"{prefix}.sdpa.out", f"{prefix}.sdpa.lse"),
                         flops=4 * B * n_head * T * T * head_dim)
+    return out
+
+
+def _attention_sdpa_cuda(w: _Writer, prefix: str, q: TensorSpec, k: TensorSpec, v: TensorSpec, n_head: int,
+                         n_kv: int, head_dim: int, dropout: float) -> TensorSpec:
+    """`F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, enable_gqa=...)` on CUDA: the kernel
+    models/gpu.py picks, its outputs (named as the CPU op's: .sdpa.out, .sdpa.lse), the tensors its backward
+    keeps and its temporaries. The math fallback is written as eager attention (see the module docstring)."""
+    backend = _cuda_sdpa_backend(q, n_head, n_kv, head_dim, dropout)
+    if backend == "math":
+        return _attention_eager(w, prefix, q, k, v, n_head, n_kv, head_dim, dropout, fp32_softmax=True)
+    B, T = q.shape[0], q.shape[1]
+    kernel = gpu.sdpa_kernel(backend, B, n_head, T, T, head_dim, q.dtype, dropout, GPU_TARGET[1], n_kv_head=n_kv)
+    roles = {"out": f"{prefix}.sdpa.out", "logsumexp": f"{prefix}.sdpa.lse"}
+    name = {"q": q.name, "k": k.name, "v": v.name}
+    outputs = []
+    for piece in kernel.outputs:
+        name[piece.role] = roles.get(piece.role, f"{prefix}.sdpa.{piece.role}")
+        shape = (B, T, piece.shape[1] * piece.shape[2] * piece.shape[3] // T) if piece.role == "out" else piece.shape
+        outputs.append(w.t(name[piece.role], shape, piece.dtype, piece.role == "out"))
+    temps = lambda pieces: tuple(w.t(f"{prefix}.sdpa.{p.role}", p.shape, p.dtype, False) for p in pieces)  # noqa: E731
+    with w.attention_core():
+        out = w.op(f"{prefix}.sdpa", "sdpa", [q, k, v], outputs, saves=tuple(name[r] for r in kernel.saved),
+                   workspace=temps(kernel.workspace), bwd_workspace=temps(kernel.bwd_workspace),
+                   flops=4 * B * n_head * T * T * head_dim)[[p.role for p in kernel.outputs].index("out")]
+    if out.shape[-1] != n_head * head_dim:  # head_dim padded to 8: the sliced output is copied contiguous
+        (out,) = w.op(f"{prefix}.sdpa.unpad", "clone", [out],
+                      [w.t(f"{prefix}.sdpa.unpadded", (B, T, n_head * head_dim))])
     return out
 
 
@@ -377,7 +426,7 @@ def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> Te
     if cfg.attention == "eager":
         y = _attention_eager(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.dropout)
     else:
-        y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size)
+        y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size, cfg.kv_heads, cfg.dropout)
     y = w.linear(f"{h}.attn.c_proj", y, cfg.d_model, cfg.has_bias)
     y = w.dropout(f"{h}.attn.resid_dropout", y, cfg.dropout)
     lora.module_return(w, f"{h}.attn", a)
@@ -425,7 +474,7 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
         y = _attention_eager(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.dropout,
                              fp32_softmax=True)
     else:
-        y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_size)
+        y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_size, cfg.kv_heads, cfg.dropout)
     y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, cfg.has_out_bias)
     lora.module_return(w, f"{h}.self_attn", a)
     x = w.add(f"{h}.attn_residual", x, y)
@@ -577,11 +626,11 @@ def _hf_gpt2_block(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, 
     D, p = cfg.d_model, cfg.dropout
     a = w.layernorm(f"{h}.ln_1", x, True)
     qkv = w.addmm(f"{h}.attn.c_attn", a, 3 * D)
-    sdpa_kernel = cfg.attention == "sdpa" and not _sdpa_runs_math(w, p)
+    sdpa_kernel = cfg.attention == "sdpa" and not _sdpa_runs_math(w, p, qkv, cfg)
     if cfg.attention == "eager":
         y, weights = _hf_eager_attention(w, cfg, f"{h}.attn", qkv, mask)
     elif sdpa_kernel:
-        y, weights = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size), None
+        y, weights = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size, cfg.n_head, p), None
     else:
         y, weights = _hf_sdpa_math(w, cfg, f"{h}.attn", qkv), None
     y = w.addmm(f"{h}.attn.c_proj", y, D)
@@ -601,9 +650,12 @@ def _hf_gpt2_block(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, 
     return out
 
 
-def _sdpa_runs_math(w: _HFWriter, dropout: float) -> bool:
-    """On a CPU, SDPA with dropout falls back from the flash kernel to torch's composite math path."""
-    return dropout > 0 and w.cpu
+def _sdpa_runs_math(w: _HFWriter, dropout: float, qkv: TensorSpec, cfg: TransformerConfig) -> bool:
+    """On a CPU, SDPA with dropout falls back from the flash kernel to torch's composite math path; on CUDA,
+    where no fused kernel takes the inputs (models/gpu.py `sdpa_backend`)."""
+    if w.cpu:
+        return dropout > 0
+    return _cuda_sdpa_backend(qkv, cfg.n_head, cfg.n_head, cfg.head_size, dropout) == "math"
 
 
 def _hf_eager_attention(w: _HFWriter, cfg: TransformerConfig, prefix: str, qkv: TensorSpec, mask: TensorSpec):

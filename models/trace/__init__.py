@@ -172,10 +172,16 @@ def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
 
 
 def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    """The recording as a tape; on a GPU profile (`cpu` False) its CPU kernels that CUDA runs differently are
+    rewritten as the CUDA ones (gpu_paths.py: SDPA)."""
     from .convert import to_tape
 
     rec = recording(model, setup)
-    return to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
+    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
+    if cpu:
+        return tape
+    from .gpu_paths import cuda_tape
+    return cuda_tape(tape)
 
 
 def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
