@@ -37,12 +37,17 @@ def outside_allocator(log: EventLog) -> dict[str, int]:
 
 
 def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bool = False) -> DeviceMemory | None:
+    """The rank through the allocator; `capacity` defaults to the run's budget (`device_capacity` in the log's
+    metadata: a run given a budget is a device of that size)."""
     profile = cuda_profile(log)
     if profile is None:
         return None
+    stop = capacity is not None  # an explicit capacity asks where the OOM is; the run's budget, what it needs
+    if capacity is None:
+        capacity = log.metadata.get("device_capacity")
     before = frozenset({Phase.CHECKPOINT}) if log.metadata.get("empty_cache_before_save") else frozenset()
     return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, profile.context_bytes,
-                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"))
+                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"), stop)
 
 
 def device_ledger(dm: DeviceMemory) -> list[dict]:

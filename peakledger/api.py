@@ -46,7 +46,7 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak)."""
     graph = describe(scenario.model, scenario.setup, scenario.device)
-    graph.metadata.update(device_settings(scenario))
+    graph.metadata.update(device_settings(scenario), device_capacity=budget)
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None

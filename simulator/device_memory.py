@@ -114,9 +114,12 @@ def torch_oom_message(segment: int, capacity: int, in_use: int, allocated: int, 
 
 def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: int | None = None,
                   context: int = 0, outside: dict[str, int] | None = None, series: bool = False,
-                  empty_cache_before: frozenset[Phase] = frozenset(), torch_version: str = "2.6") -> DeviceMemory:
+                  empty_cache_before: frozenset[Phase] = frozenset(), torch_version: str = "2.6",
+                  stop_at_oom: bool = True) -> DeviceMemory:
     """Replay rank `rank`'s device events through the caching allocator (see the module docstring).
-    `empty_cache_before`: phases the program enters with a torch.cuda.empty_cache() call (e.g. a checkpoint save)."""
+    `empty_cache_before`: phases the program enters with a torch.cuda.empty_cache() call (e.g. a checkpoint save).
+    `stop_at_oom` False: after the first OOM the replay goes on without a capacity (what the run would need).
+    The garbage-collection threshold stays tied to the capacity it was given (the allowed bytes) until then."""
     outside = dict(outside or {})
     fixed = context + sum(outside.values())
     limit = None if capacity is None else max(0, capacity - fixed)
@@ -148,7 +151,10 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
                 except OutOfMemory:
                     oom = DeviceOOM(i, point(i - 1, e, True), b.nbytes, allocation_size(round_size(b.nbytes)),
                                     capacity, rank)
-                    break
+                    if stop_at_oom or alloc.config.garbage_collection_threshold:
+                        break  # (the threshold is a share of the capacity: no going on without one)
+                    alloc.capacity = None  # go on as if the device were larger: what the run would need
+                    addr[b.id] = alloc.malloc(b.nbytes, STREAM_IDS[e.stream])
             live += b.nbytes
         else:
             a = addr.pop(b.id, None)

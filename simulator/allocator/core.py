@@ -27,7 +27,8 @@ class CachingAllocator(ExpandableSegments):
         if self._gc and capacity is None:
             raise AllocatorConfigError(
                 "garbage_collection_threshold needs a capacity (the allowed bytes): torch applies it only under a "
-                "per-process memory fraction (set_per_process_memory_fraction) and ignores it otherwise")
+                "per-process memory fraction (set_per_process_memory_fraction) and ignores it otherwise; give the "
+                "device's bytes (peakledger: --budget; replay: --capacity)")
         self.capacity = capacity
         self._counter = 1 << 44
         self.segment_address = segment_address or self._next_address
@@ -364,4 +365,13 @@ class CachingAllocator(ExpandableSegments):
         return dict(sorted(out.items()))
 
     def largest_free(self) -> int:
-        return max((t[1] for lst in self._free.values() for t in lst), default=0)
+        """The largest cached free block: each pool's index is ordered by (stream, size, address), so each
+        stream's largest is the last entry before the next stream's first."""
+        best = 0
+        for lst in self._free.values():
+            i = len(lst)
+            while i:
+                stream, size, _ = lst[i - 1]
+                best = max(best, size)
+                i = bisect_left(lst, (stream, -1, -1), 0, i - 1)
+        return best
