@@ -50,8 +50,8 @@ from .hf_mixtral import hf_mixtral_tape
 from .moe import active_params, check_routing, has_experts
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
-TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (CPU autocast op lists, CPU SDPA "
-                 "kernels); a GPU's kernel choices are not applied")
+TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (CPU autocast op lists) except "
+                 "SDPA, rewritten to the CUDA kernel torch picks (models/trace/gpu_paths.py)")
 
 
 def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
