@@ -1,0 +1,78 @@
+"""Data parallelism: which bytes each rank holds, and the collectives that move them.
+
+N ranks train one model on different data. A data-parallel *engine* decides, for each rank:
+
+- the layout: how many elements of each parameter, gradient, fp32 master weight and optimizer state
+  the rank stores (padding for uneven shards included), and which tensors its optimizer steps over;
+- the transient buffers: all-gather buffers that rebuild a unit's full parameters for its compute,
+  reduce / reduce-scatter buckets that carry gradients, and when each is allocated and freed;
+- the collectives, as ops on the rank's communication stream that overlap compute in SimPy time.
+
+Engines (`TrainingSetup.dp_engine`):
+
+- "deepspeed" with `zero_stage` (DeepSpeed ZeRO semantics):
+  0  full replicas; gradients all-reduced through flat buckets of `reduce_bucket_size` elements.
+  1  bit16 parameters flattened into one buffer padded to a multiple of 2N elements; each rank keeps
+     the fp32 master copy and optimizer states of its 1/N flat partition; full gradients until the
+     step, then reduced and the rank's partition turned fp32 for the update; updated partitions are
+     all-gathered in place.
+  2  as 1, but gradients are reduced during backward: each gradient is copied into the `ipg` bucket
+     (`reduce_bucket_size` elements, allocated once) and dropped; the rank keeps only its partition
+     (`grads_in_partition`, allocated at the first reduce).
+  3  every parameter split into N partitions of ceil(numel / N) (parameters of at most
+     `stage3_param_persistence_threshold` elements stay whole); before each module runs its
+     parameters are all-gathered into a buffer (prefetching up to `stage3_prefetch_bucket_size`
+     elements ahead from the second step on, when the trace is known, never holding more than
+     `stage3_max_live_parameters`), and released after; gradients go through the ipg bucket into a
+     flat partition buffer allocated at start; fp32 partitions and states per sub-group.
+- "fsdp2" (torch `fully_shard` per transformer block / per MLP Linear, then the root): each parameter
+  is chunked on dim 0 and padded to ceil(dim0 / N) rows on every rank; optimizer states follow the
+  rank's unpadded local rows. A unit's all-gather fills one flat output buffer, copied out into each
+  parameter's unsharded storage; after the unit (forward with `reshard_after_forward`, and backward)
+  the unsharded storage is freed; the unit's gradients are reduce-scattered through a flat input
+  buffer into one flat sharded-gradient buffer. The root is not resharded after forward.
+- "ddp": full replicas; the gradient buckets of torch DDP (`ddp_bucket_cap_mb`) all-reduced as
+  backward ends.
+- "zero-redundancy-optimizer": DDP plus torch's ZeroRedundancyOptimizer: whole parameters are
+  assigned to ranks greedily, largest first, to the rank with the fewest elements so far; a rank
+  keeps optimizer states for its own parameters only and broadcasts them after its step.
+
+The layout functions are pure. `Engine` objects receive hooks from the describer (`training.py`) and
+the autograd replay (`autograd.py`) at the moments the real engine acts.
+
+Modules: layout.py (the pure layout functions and constants), engine.py (`Engine`, the hooks and the single-rank
+behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
+deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup.
+"""
+
+from __future__ import annotations
+
+from .ddp import DDP, ZeroRedundancy
+from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket
+from .engine import Engine
+from .fsdp import FSDP2
+from .gathering import Gathering
+from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, ROOT, UNIT_PATTERN, OptimTensor, ceil_div,
+                     dim0_shard, flat_partition, greedy_partition, own_dtype, sub_groups, unit_of)
+
+
+def make_engine(b) -> Engine:
+    """The engine for `b.setup` (dp_engine, zero_stage, world_size)."""
+    s = b.setup
+    if s.dp_engine == "fsdp2":
+        return FSDP2(b)
+    if s.dp_engine == "ddp":
+        return DDP(b)
+    if s.dp_engine == "zero-redundancy-optimizer":
+        return ZeroRedundancy(b)
+    if s.zero_stage == 3:
+        return DeepSpeedZero3(b)
+    if s.zero_stage in (1, 2):
+        return DeepSpeedZero12(b)
+    return DeepSpeedReplica(b) if s.world_size > 1 else Engine(b)
+
+
+__all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
+           "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT", "UNIT_PATTERN",
+           "OptimTensor", "ceil_div", "dim0_shard", "flat_partition", "greedy_partition", "own_dtype", "sub_groups",
+           "unit_of", "make_engine"]

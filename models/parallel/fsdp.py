@@ -1,0 +1,194 @@
+"""torch FSDP2 (`fully_shard`): dim-0 chunked parameters, per-unit all-gather and reduce-scatter buffers."""
+
+from __future__ import annotations
+
+from ...simulator.events import Block, Category, Phase, Stream
+from ..config import dtype_bytes
+from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_shard, unit_of
+from .gathering import Gathering
+
+
+class FSDP2(Gathering):
+    """torch FSDP2 `fully_shard`: one unit per transformer block / MLP Linear, the rest in the root.
+
+    The order of allocations and frees is the one measured on torch 2.13 (gloo, CPU; see
+    bench/DISTRIBUTED_FINDINGS.md):
+    forward   unit pre-forward: all-gather output (flat, N x the padded shards), copy-out into each
+              parameter's unsharded storage, then the previous unit's all-gather output is freed (FSDP2
+              keeps the last one as `all_gather_state`; the root's post-forward frees the last);
+              post-forward: the unsharded storages are freed (`reshard_after_forward`, never the root).
+    backward  the root's pre-backward all-gathers the first unit in backward order ahead
+              (`backward_prefetch` units ahead at every pre-backward); a unit's pre-backward copies out
+              and frees its all-gather output at once; its post-backward reshards, frees the previous
+              unit's reduce-scatter input, allocates its own (N x padded shards), frees the unsharded
+              gradients and reduce-scatters into one flat sharded-gradient buffer (summed into the
+              existing one in later micro-batches); the last input is freed by the final callback.
+    Not modelled: gloo's reduce-scatter clones its input on its worker threads, freed at a moment that
+    varies from run to run (NCCL makes no such copy); measured logs drop it (`without_backend_copies`).
+    """
+
+    prefix = "fsdp"
+    symmetric = False  # the last ranks' local shards can be shorter (or empty)
+
+    def __init__(self, b) -> None:
+        super().__init__(b)
+        self.units = set(b.tape.layers) or {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
+        self.unit_params: dict[str, list] = {}
+        for p in b.tape.params:
+            self.unit_params.setdefault(unit_of(p.name, self.units), []).append(p)
+        self.op_unit = [unit_of(op.name, self.units) for op in b.tape.ops]
+        self.forward_order = list(dict.fromkeys(u for u in self.op_unit if u != ROOT))
+        self.kept_gather: Block | None = None  # all_gather_state: the last forward all-gather output
+        self.kept_reduce_input: Block | None = None  # reduce_scatter_state: the last reduce-scatter input
+        self.sharded_grads: dict[str, Block] = {}
+        self.last_backward: dict[str, int] = {}
+        self.backward_started = False
+
+    # layout ----------------------------------------------------------------------------------------------
+    def param_numel(self, name: str) -> tuple[int, int]:
+        return dim0_shard(self.params[name].shape, self.n, self.rank)[0], self.n
+
+    def param_storage_dtype(self) -> str:
+        return "fp32" if self.setup.master_dtype else self.setup.param_dtype
+
+    def master_dtype(self) -> str | None:
+        return None  # the fp32 sharded parameters are the master weights under mixed precision
+
+    def state_shard(self) -> int:
+        return self.n
+
+    def optim_tensors(self) -> list[OptimTensor]:
+        out = []
+        for p in self.trainable:
+            local = dim0_shard(p.shape, self.n, self.rank)[1]
+            rest = p.numel // p.shape[0] if p.shape else 1
+            out.append(OptimTensor(p.name, local, (local // rest, *p.shape[1:]) if p.shape else ()))
+        return out
+
+    def group_params(self, group: str) -> list:
+        return self.unit_params.get(group, [])
+
+    # unshard / reshard -----------------------------------------------------------------------------------
+    def copy_out(self, unit: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
+        """Copy the unit's gathered parameters into their unsharded storages; the all-gather output is freed
+        at once in backward, and kept as `all_gather_state` until the next unit's copy-out in forward."""
+        output = self.buffers.pop(unit)
+        b = self.b
+        size = dtype_bytes(self.gather_dtype)
+        blocks = [b.block(f"{p.name}.unsharded", self.padded_full(p.name) * size, Category.PARAMETER,
+                          self.gather_dtype, p.shape) for p in self.group_params(unit)]
+        if phase is Phase.FORWARD:
+            frees = [self.kept_gather.id] if self.kept_gather is not None else []
+            self.kept_gather = output
+        else:
+            frees = [output.id]
+        b.op(f"fsdp.copy_out.{unit}", phase, step, mb, blocks, frees, bytes_moved=2 * sum(x.nbytes for x in blocks),
+             after=(gather_op,))
+        self.live[unit] = blocks
+
+    def prefetch_backward(self, unit: str | None, step: int, mb: int) -> None:
+        """Issue the all-gathers of the next `backward_prefetch` units in backward order after `unit`."""
+        order = list(reversed(self.forward_order))
+        k = 0 if unit is None else order.index(unit) + 1
+        for ahead in order[k:k + self.setup.backward_prefetch]:
+            if ahead not in self.live:
+                self.gather(ahead, Phase.BACKWARD, step, mb)
+
+    # hooks -----------------------------------------------------------------------------------------------
+    def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        step, mb = replay.step, replay.mb
+        unit = self.op_unit[i]
+        if phase is Phase.FORWARD:
+            if i == 0:
+                self.backward_started = False
+                self.wait(ROOT, phase, step, mb)
+            if unit != ROOT:
+                self.wait(unit, phase, step, mb)
+                k = self.forward_order.index(unit)
+                for ahead in self.forward_order[k + 1:k + 1 + self.setup.forward_prefetch]:
+                    self.gather(ahead, phase, step, mb)
+            return
+        if not self.backward_started:  # the root's pre-backward
+            self.backward_started = True
+            self.last_backward = {}
+            for j in replay.backward_order():
+                if self.op_unit[j] != ROOT:
+                    self.last_backward[self.op_unit[j]] = j
+            self.wait(ROOT, phase, step, mb)
+            self.prefetch_backward(None, step, mb)
+        if unit != ROOT and unit not in self.live:
+            self.wait(unit, phase, step, mb)
+            self.prefetch_backward(unit, step, mb)
+
+    def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        unit = self.op_unit[i]
+        if recompute:
+            return
+        if phase is Phase.FORWARD:
+            last = i + 1 == len(self.op_unit)
+            if unit != ROOT and (last or self.op_unit[i + 1] != unit) and self.setup.reshard_after_forward:
+                self.release(unit, phase, replay.step, replay.mb)
+            if last and self.kept_gather is not None:  # the root's post-forward drops all_gather_state
+                self.b.op("fsdp.root_post_forward", phase, replay.step, replay.mb, [], [self.kept_gather.id])
+                self.kept_gather = None
+        elif unit != ROOT and self.last_backward.get(unit) == i:
+            self.post_backward(unit, replay.step, replay.mb)
+
+    def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
+        b, spec = self.b, self.params[p]
+        if p in self.unsharded_grads:  # a tied weight's second use: summed into the first
+            tmp = b.block(f"{p}.grad_contribution", spec.numel * dtype_bytes(self.gather_dtype), Category.TEMPORARY,
+                          self.gather_dtype, spec.shape)
+            allocs.append(tmp)
+            frees.append(tmp.id)
+            return
+        blk = b.block(f"{p}.unsharded.grad", spec.numel * dtype_bytes(self.gather_dtype), Category.GRADIENT,
+                      self.gather_dtype, spec.shape)
+        self.unsharded_grads[p] = blk
+        allocs.append(blk)
+
+    def post_backward(self, unit: str, step: int, mb: int) -> None:
+        """Reshard the unit, then reduce-scatter its gradients into the flat sharded-gradient buffer."""
+        b = self.b
+        self.release(unit, Phase.BACKWARD, step, mb)
+        params = [p for p in self.group_params(unit) if p.name in self.unsharded_grads]
+        if not params:
+            return
+        dt = self.gather_dtype
+        full = sum(self.padded_full(p.name) for p in self.group_params(unit))
+        rs_input = b.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
+                           dt, (full,))
+        frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
+        self.kept_reduce_input = rs_input
+        b.op(f"fsdp.reduce_scatter_copy_in.{unit}", Phase.BACKWARD, step, mb, [rs_input],
+             frees + [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
+        shard = full // self.n
+        grad_dt = self.param_storage_dtype()
+        first = unit not in self.sharded_grads
+        out = b.block(f"{unit}.sharded_grads" if first else f"{unit}.reduce_scatter_output", shard * dtype_bytes(grad_dt),
+                      Category.GRADIENT if first else Category.TEMPORARY, grad_dt, (shard,), shard=self.n)
+        allocs, out_frees = [out], [] if first else [out.id]
+        if first:
+            self.sharded_grads[unit] = out
+        self.collective(f"fsdp.reduce_scatter.{unit}", "reduce_scatter", rs_input.nbytes, Phase.BACKWARD, step, mb,
+                        allocs=allocs, frees=out_frees, after=(b.last(Stream.COMPUTE),))
+
+    def end_backward(self, step: int, mb: int) -> None:
+        for unit in [u for u in self.forward_order if u in self.live]:
+            self.post_backward(unit, step, mb)
+        self.post_backward(ROOT, step, mb)
+        # the final callback: wait for the last reduce-scatter and drop reduce_scatter_state
+        frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
+        self.kept_reduce_input = None
+        self.b.op("fsdp.post_backward_final_callback", Phase.BACKWARD, step, mb, [], frees,
+                  after=(self.b.last(Stream.COMMUNICATION),))
+
+    def zero_grad_frees(self, grads) -> list[int]:
+        if not self.setup.set_to_none:
+            return []
+        frees = [blk.id for blk in self.sharded_grads.values()]
+        self.sharded_grads.clear()
+        return frees
+
+    def before_step(self, step: int, grads) -> list[Block]:
+        return []
