@@ -324,7 +324,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  torch would say: {o.message}")
     if md.get("assumptions"):
         lines.append("")
-        lines.append("assumptions (timing only; bytes do not depend on them):")
+        lines.append("assumptions (timing, and on a GPU what lies outside the allocator; the tensors' bytes do not "
+                     "depend on them):")
         lines += [f"  - {a}" for a in md["assumptions"]]
     plan = run_plan(r.log)
     lines.append(f"{len(r.log.events):,} events" if not plan.truncated else
