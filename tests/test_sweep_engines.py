@@ -127,6 +127,8 @@ CHILD = textwrap.dedent("""
     def main():
         engine, out = sys.argv[1], sys.argv[2]
         signal.signal(signal.SIGTERM, on_sigterm)
+        # a terminal's command gets Ctrl-C; a test run started in the background inherits SIGINT ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         advance = sweep._progress.advance
         def first_advance(self, n=1):
             if not getattr(sweep, "_said", False):
