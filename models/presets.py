@@ -29,6 +29,9 @@ PRESETS: dict[str, TransformerConfig | MLPConfig] = {
                                     n_kv_head=8, d_ff=14336, vocab_size=128256, max_seq_len=8192),
     "llama-3-70b": TransformerConfig(name="llama-3-70b", family="llama", n_layer=80, d_model=8192, n_head=64,
                                      n_kv_head=8, d_ff=28672, vocab_size=128256, max_seq_len=8192),
+    # Llama-3.1-405B's config.json (meta-llama): 126 layers, so pipeline stages split unevenly
+    "llama-3.1-405b": TransformerConfig(name="llama-3.1-405b", family="llama", n_layer=126, d_model=16384,
+                                        n_head=128, n_kv_head=8, d_ff=53248, vocab_size=128256, max_seq_len=131072),
     "mistral-7b": TransformerConfig(name="mistral-7b", family="llama", n_layer=32, d_model=4096, n_head=32,
                                     n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768),
     # Mixtral-8x7B-v0.1's config.json: 8 experts of width 14336 per layer, top-2 routing, no sliding window
