@@ -12,9 +12,10 @@ simulated; `events_all_steps` what a simulation of every requested step would re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..models.training import StepPlan
+from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.events import EventLog, Pool
 from ..simulator.timeline import PeakPoint, timeline
 from .explain import cause
@@ -29,14 +30,19 @@ REPORT_VERSION = 1
 
 @dataclass(frozen=True)
 class RankPeak:
-    """One simulated (or measured) rank's peak, and the ranks whose layout is identical to it."""
+    """One simulated (or measured) rank's peak, and the ranks whose layout is identical to it.
+
+    JSON: `ranks` lists them (null for a class of more than RANK_LIST_LIMIT ranks: a million-rank class
+    would be megabytes of numbers), `rank_ranges` gives them as inclusive [first, last] ranges, always."""
 
     rank: int
-    same_as: tuple[int, ...]  # every rank this one stands for, itself included
+    same_as: Sequence[int]  # every rank this one stands for, itself included (a RankRanges from rank_peaks)
     peak: PeakPoint
 
     def as_json(self) -> dict:
-        return {"rank": self.rank, "ranks": list(self.same_as), **_peak_json(self.peak)}
+        ranks = self.same_as if isinstance(self.same_as, RankRanges) else RankRanges.of(self.same_as)
+        return {"rank": self.rank, "ranks": list(ranks) if len(ranks) <= RANK_LIST_LIMIT else None,
+                "rank_ranges": ranks.as_json(), **_peak_json(self.peak)}
 
 
 @dataclass
@@ -105,10 +111,15 @@ def run_events(log: EventLog) -> int:
 
 
 def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
-    """The peak of every rank in the log, with the ranks each stands for (`metadata["rank_classes"]`)."""
-    classes = {int(r): tuple(m) for r, m in log.metadata.get("rank_classes", {}).items()}
+    """The peak of every rank in the log, with the ranks each stands for (`metadata["rank_class_ranges"]`; a
+    log written before it was there lists them in `metadata["rank_classes"]`)."""
+    if "rank_class_ranges" in log.metadata:
+        classes = {int(r): RankRanges.from_json(m) for r, m in log.metadata["rank_class_ranges"].items()}
+    else:
+        classes = {int(r): RankRanges.of(m) for r, m in log.metadata.get("rank_classes", {}).items()}
     ranks = sorted({e.block.rank for e in log.events if e.block.pool is pool})
-    return [RankPeak(rank=r, same_as=classes.get(r, (r,)), peak=timeline(log, r, pool).peak()) for r in ranks]
+    return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=timeline(log, r, pool).peak())
+            for r in ranks]
 
 
 def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,
@@ -228,8 +239,8 @@ def _engine_text(setup: dict) -> str:
     return f"{engine} on {setup['world_size']} ranks"
 
 
-def _rank_range(ranks: tuple[int, ...]) -> str:
-    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+def _rank_range(ranks: Sequence[int]) -> str:
+    if len(ranks) > 1 and len(ranks) == ranks[-1] - ranks[0] + 1:  # ascending distinct ranks: one range
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "rank " + ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks from {ranks[0]}"
 

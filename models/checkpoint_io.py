@@ -112,6 +112,7 @@ at STORAGE_BANDWIDTH (an assumption).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
@@ -209,16 +210,29 @@ def dcp_writers(rank0_state: tuple[StateTensor, ...], world_size: int) -> dict[s
     """The rank that writes each replicated tensor in a DCP save: torch.distributed.checkpoint's
     `dedup_save_plans` (save_to_lowest_rank=False) walks rank 0's plan in order, counts the rank's own
     tensors into its planned bytes, and gives each tensor every rank holds to the rank with the fewest
-    planned bytes so far (the lowest rank on ties)."""
-    planned = [0] * world_size
+    planned bytes so far (the lowest rank on ties).
+
+    The ranks planned something so far sit in a heap (rank 0 from the start), against the lowest rank
+    not yet planned anything (0 bytes, as every rank after it): O(T log T) for T tensors, any world size."""
+    planned = {0: 0}
+    heap = [(0, 0)]  # (planned bytes, rank); an entry whose bytes are no longer the rank's is stale
+    fresh = 1  # the lowest rank planned nothing
     writers: dict[str, int] = {}
     for t in rank0_state:
         if t.replicated:
-            r = planned.index(min(planned))
+            while heap[0][0] != planned[heap[0][1]]:
+                heapq.heappop(heap)
+            if fresh < world_size and heap[0][0] > 0:  # 0 bytes beat any; on a tie the lower rank (heap's) wins
+                r, fresh = fresh, fresh + 1
+                planned[r] = 0
+            else:
+                r = heapq.heappop(heap)[1]
             writers[t.name] = r
             planned[r] += t.nbytes or 1
+            heapq.heappush(heap, (planned[r], r))
         else:
             planned[0] += t.nbytes or 1
+            heapq.heappush(heap, (planned[0], 0))
     return writers
 
 
@@ -233,17 +247,26 @@ def state_dict_items(b, state: tuple[StateTensor, ...]) -> tuple[StateTensor, ..
     return (*params, *aliases, *state[len(params):])
 
 
-def written_by(b, state: tuple[StateTensor, ...]) -> tuple[StateTensor, ...]:
+def written_by(b, state: tuple[StateTensor, ...], writers: dict[str, int] | None = None) -> tuple[StateTensor, ...]:
     """The tensors rank `b.rank` writes in a per-rank save ("torch-save", "sharded"): its own, and the
-    replicated ones it is given (rank 0 for torch-save; DCP's deduplication for sharded)."""
+    replicated ones it is given (rank 0 for torch-save; DCP's deduplication for sharded: `writers`, as
+    `sharded_writers(b)` gives them, computed here when not given)."""
     if b.setup.save_mode == "sharded":
         items = state_dict_items(b, state)
         if b.setup.world_size == 1:
             return items
-        rank0 = items if b.rank == 0 else state_dict_items(b, rank_state(type(b)(b.tape, b.setup, b.device)))
-        writers = dcp_writers(rank0, b.setup.world_size)
+        if writers is None:
+            writers = sharded_writers(b, items if b.rank == 0 else None)
         return tuple(t for t in items if not t.replicated or writers[t.name] == b.rank)
     return tuple(t for t in state if not t.replicated or b.rank == 0)
+
+
+def sharded_writers(b, rank0_items: tuple[StateTensor, ...] | None = None) -> dict[str, int]:
+    """`dcp_writers` of a sharded save: the plan every rank shares, from rank 0's state-dict items
+    (`rank0_items`, else rank 0's state built here; `b` is any rank's builder)."""
+    if rank0_items is None:
+        rank0_items = state_dict_items(b, rank_state(type(b)(b.tape, b.setup, b.device)))
+    return dcp_writers(rank0_items, b.setup.world_size)
 
 
 def saves_after(setup, step: int) -> bool:
@@ -251,17 +274,59 @@ def saves_after(setup, step: int) -> bool:
     return setup.checkpoint_every > 0 and step % setup.checkpoint_every == 0
 
 
-def rank_signature(b) -> tuple:
+def rank_signature(b, writers: dict[str, int] | None = None) -> tuple:
     """What a checkpoint makes differ between ranks of identical layout (empty when nothing is saved):
-    rank 0 alone keeps a full state dict; per-rank saves write different replicated tensors."""
+    rank 0 alone keeps a full state dict; per-rank saves write different replicated tensors (`writers`:
+    a sharded save's `sharded_writers`, computed when not given)."""
     s = b.setup
     if not any(saves_after(s, step) for step in range(1, s.steps + 1)):
         return ()
     if s.save_mode in FULL_MODES:
         return ("rank0" if b.rank == 0 else "other",)
     if s.save_mode in ("torch-save", "sharded"):
-        return tuple(t.nbytes for t in written_by(b, rank_state(b)))
+        return tuple(t.nbytes for t in written_by(b, rank_state(b), writers))
     return ()
+
+
+def signature_ranks(b) -> set[int]:
+    """Where `rank_signature` can change along the ranks beyond the engine's layout (`Engine.rank_segments`):
+    at rank 1 (rank 0 keeps the full state dict, writes the replicated tensors of a torch-save) and, with a
+    sharded save, at every DCP writer and the rank after it. `b` is rank 0's builder."""
+    s = b.setup
+    out = {1}
+    if s.save_mode == "sharded" and s.world_size > 1 and any(saves_after(s, t) for t in range(1, s.steps + 1)):
+        out |= {r + k for r in set(sharded_writers(b, state_dict_items(b, rank_state(b))).values()) for k in (0, 1)}
+    return {r for r in out if r < s.world_size}
+
+
+def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
+    """`rank_signature` of each of `ranks` at once. `b` is rank 0's builder; `builder(r)` makes rank r's, and
+    is called only where a rank's own state tells it apart: a torch-save or sharded save by an engine whose
+    layout is not the same on every rank. A symmetric engine's ranks share rank 0's state and one DCP
+    plan: rank r's sharded signature is the state's rank-own tensors merged, in state-dict order, with the
+    replicated ones r writes (O(tensors + ranks x what each writes), not O(tensors x ranks))."""
+    s = b.setup
+    ranks = list(ranks)
+    saves = any(saves_after(s, step) for step in range(1, s.steps + 1))
+    if not saves or s.save_mode not in ("torch-save", "sharded"):
+        return {r: ("rank0" if r == 0 else "other",) if saves and s.save_mode in FULL_MODES else () for r in ranks}
+    state = rank_state(b)
+    items = state_dict_items(b, state) if s.save_mode == "sharded" else state
+    writers = dcp_writers(items, s.world_size) if s.save_mode == "sharded" and s.world_size > 1 else None
+    if not b.engine.symmetric:
+        return {r: rank_signature(b if r == b.rank else builder(r), writers) for r in ranks}
+    if writers is None:  # torch-save (rank 0 writes the replicated tensors), or a sharded save on one rank
+        mine = tuple(t.nbytes for t in items if not t.replicated or s.save_mode == "sharded")
+        everything = tuple(t.nbytes for t in items)
+        return {r: everything if r == 0 else mine for r in ranks}
+    own = [i for i, t in enumerate(items) if not t.replicated]
+    by_writer: dict[int, list[int]] = {}
+    for i, t in enumerate(items):
+        if t.replicated:
+            by_writer.setdefault(writers[t.name], []).append(i)
+    common = tuple(items[i].nbytes for i in own)
+    return {r: tuple(items[i].nbytes for i in heapq.merge(own, by_writer[r])) if r in by_writer else common
+            for r in ranks}
 
 
 # -- saving -------------------------------------------------------------------------------------------
@@ -458,6 +523,6 @@ def _load_to_device(b, state: tuple[StateTensor, ...], keep_params: bool) -> Non
     b.op("checkpoint.load.release", ph, 0, -1, [], [x.id for x in copies])
 
 
-__all__ = ["StateTensor", "rank_state", "state_dict_items", "written_by", "dcp_writers", "saves_after",
-           "rank_signature", "save_checkpoint", "load_checkpoint", "host_pool", "step_pool", "FULL_MODES",
+__all__ = ["StateTensor", "rank_state", "state_dict_items", "written_by", "sharded_writers", "dcp_writers",
+           "saves_after", "rank_signature", "signature_ranks", "rank_signatures", "save_checkpoint", "load_checkpoint", "host_pool", "step_pool", "FULL_MODES",
            "STORAGE_BANDWIDTH"]

@@ -28,14 +28,17 @@ its source's shifted by whole periods. 20000 steps cost what 4 do.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
 import itertools
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from ..simulator.ops import Op, OpGraph
 from .autograd import GradState, MicroBatchReplay
-from .checkpoint_io import load_checkpoint, rank_signature, save_checkpoint, saves_after
+from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
 from .gpu import cublas_workspace_bytes
@@ -246,7 +249,12 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
 
     With data parallelism each rank is described by its engine (models/parallel.py) into the same graph.
     `ranks=None` describes one representative of each class of ranks whose layouts are identical (one
-    rank when they are symmetric); the classes are in `metadata["rank_classes"]`."""
+    rank when they are symmetric, its lowest rank); the classes are in the metadata, keyed by that rank
+    (a string):
+      `rank_class_ranges`  every class's ranks as inclusive [first, last] ranges, ascending
+                           ({"0": [[0, 1016], [1018, 1023]], "1017": [[1017, 1017]]}): any world size;
+      `rank_classes`       every class's ranks listed ({"0": [0, 1, ...]}), or null for a class of more than
+                           RANK_LIST_LIMIT (65,536) ranks, whose list would outweigh the rest of the run."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     tape = build_tape(model, setup, profile.is_cpu)
@@ -257,7 +265,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < setup.world_size)]
         if bad:
             raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.world_size - 1}")
-        classes = {r: [r] for r in ranks}
+        classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
     for rank in classes:
         b = GraphBuilder(tape, setup, profile, rank, graph, ids)
         _describe_rank(b, plan.simulated)
@@ -273,7 +281,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,
         "tokens_per_step": setup.effective_batch * setup.seq_len,
-        "rank_classes": {str(r): members for r, members in classes.items()},
+        "rank_classes": {str(r): list(members) if len(members) <= RANK_LIST_LIMIT else None
+                         for r, members in classes.items()},
+        "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
@@ -282,24 +292,112 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     return graph
 
 
-def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> dict[int, list[int]]:
+RANK_LIST_LIMIT = 65_536  # metadata["rank_classes"] lists a class's ranks up to this many (rank_class_ranges always)
+
+
+class RankRanges(Sequence):
+    """A set of ranks as ascending, disjoint ranges [start, stop): a rank class at any world size in
+    O(ranges) memory. A sequence of the ranks (len, iteration, indexing, `in`), equal to a list or tuple
+    of the same ranks; `as_json` gives inclusive [first, last] pairs, `text` "0-1016,1018-1023"."""
+
+    __slots__ = ("ranges", "_ends")
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []
+        for start, stop in sorted((a, b) for a, b in ranges if a < b):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        self.ranges = tuple((a, b) for a, b in merged)
+        self._ends = list(itertools.accumulate(b - a for a, b in self.ranges))  # ranks up to each range's end
+
+    @classmethod
+    def of(cls, ranks: Iterable[int]) -> "RankRanges":
+        """From ranks listed in any order (duplicates ignored)."""
+        out: list[tuple[int, int]] = []
+        for r in sorted(set(ranks)):
+            if out and out[-1][1] == r:
+                out[-1] = (out[-1][0], r + 1)
+            else:
+                out.append((r, r + 1))
+        return cls(out)
+
+    @classmethod
+    def from_json(cls, pairs) -> "RankRanges":
+        return cls((int(first), int(last) + 1) for first, last in pairs)
+
+    def as_json(self) -> list[list[int]]:
+        return [[a, b - 1] for a, b in self.ranges]
+
+    def text(self) -> str:
+        return ",".join(f"{a}" if b == a + 1 else f"{a}-{b - 1}" for a, b in self.ranges)
+
+    def __len__(self) -> int:
+        return self._ends[-1] if self._ends else 0
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("rank index out of range")
+        k = bisect.bisect_right(self._ends, i)
+        return self.ranges[k][0] + i - (self._ends[k - 1] if k else 0)
+
+    def __iter__(self):
+        for a, b in self.ranges:
+            yield from range(a, b)
+
+    def __contains__(self, rank) -> bool:
+        k = bisect.bisect_right(self.ranges, (rank, float("inf"))) - 1
+        return k >= 0 and self.ranges[k][0] <= rank < self.ranges[k][1]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, RankRanges):
+            return self.ranges == other.ranges
+        if isinstance(other, (list, tuple, range)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.ranges)
+
+    def __repr__(self) -> str:
+        return f"RankRanges({self.text()!r})"
+
+
+def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> dict[int, RankRanges]:
     """Ranks grouped by identical layout (bytes of every parameter shard and optimizer tensor, and what
-    each saves): each class is simulated once, by its lowest rank. Engines whose layout is the same on
-    every rank by construction (`Engine.symmetric`) are checked on ranks 0 and 1 only, unless the
-    checkpoint saves spread tensors over ranks."""
+    each saves): each class is simulated once, by its lowest rank; classes in the order of their lowest rank.
+
+    Two ranks are in one class when their engines' `signature()` and their checkpoints' `rank_signature` are
+    equal. Neither is asked rank by rank: the engine gives its signatures by ranges of ranks
+    (`Engine.rank_segments`, from its layout functions: one range when symmetric, a few per distinct dim 0
+    for FSDP2, one per owning rank and one for the rest for ZeroRedundancyOptimizer), the checkpoint the
+    ranks where what a rank saves can change (`signature_ranks`: rank 1, a sharded save's writers). Cut at
+    all of them, the ranks fall into ranges of equal signatures; a range whose engine signature no other
+    range has is a class of its own, and the others are told apart by `rank_signatures` of their first
+    ranks. O(ranges x parameters), whatever the world size."""
     n = setup.world_size
     first = GraphBuilder(tape, setup, profile, 0)
-    key = (first.engine.signature(), rank_signature(first))
-    if first.engine.symmetric and n > 2 and key[1] in ((), ("rank0",)):
-        second = GraphBuilder(tape, setup, profile, 1)
-        if (second.engine.signature(), rank_signature(second)) == key:
-            return {0: list(range(n))}
-        return {0: [0], 1: list(range(1, n))}
-    classes: dict[tuple, list[int]] = {key: [0]}
-    for rank in range(1, n):
-        builder = GraphBuilder(tape, setup, profile, rank)
-        classes.setdefault((builder.engine.signature(), rank_signature(builder)), []).append(rank)
-    return {members[0]: members for members in classes.values()}
+    segments = first.engine.rank_segments()
+    starts = sorted({start for start, _ in segments} | signature_ranks(first))
+    sigs, j = [], 0
+    for start in starts:
+        while j + 1 < len(segments) and segments[j + 1][0] <= start:
+            j += 1
+        sigs.append(segments[j][1])
+    counts = Counter(sigs)
+    saved = rank_signatures(first, [s for s, sig in zip(starts, sigs) if counts[sig] > 1],
+                            lambda r: GraphBuilder(tape, setup, profile, r))
+    classes: dict[tuple, list[tuple[int, int]]] = {}
+    for k, (start, sig) in enumerate(zip(starts, sigs)):
+        stop = starts[k + 1] if k + 1 < len(starts) else n
+        classes.setdefault((sig, saved[start]) if start in saved else (sig,), []).append((start, stop))
+    return {ranges[0][0]: RankRanges(ranges) for ranges in classes.values()}
 
 
 def check_repeats(graph: OpGraph, plan: StepPlan) -> None:

@@ -53,7 +53,8 @@ from .engine import Engine
 from .fsdp import FSDP2
 from .gathering import Gathering
 from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, ROOT, UNIT_PATTERN, OptimTensor, ceil_div,
-                     dim0_shard, flat_partition, greedy_partition, own_dtype, sub_groups, unit_of)
+                     dim0_ranges, dim0_shard, flat_partition, greedy_owners, greedy_partition, own_dtype, sub_groups,
+                     unit_of)
 
 
 def make_engine(b) -> Engine:
@@ -74,5 +75,5 @@ def make_engine(b) -> Engine:
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
            "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT", "UNIT_PATTERN",
-           "OptimTensor", "ceil_div", "dim0_shard", "flat_partition", "greedy_partition", "own_dtype", "sub_groups",
-           "unit_of", "make_engine"]
+           "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners", "greedy_partition",
+           "own_dtype", "sub_groups", "unit_of", "make_engine"]

@@ -3,9 +3,11 @@ states of whole parameters assigned to ranks greedily)."""
 
 from __future__ import annotations
 
+from functools import cached_property
+
 from ...simulator.events import Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_partition
+from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_owners
 from .engine import Engine
 
 
@@ -47,15 +49,34 @@ class ZeroRedundancy(DDP):
     shards_optimizer = True
     symmetric = False  # whole parameters per rank: uneven by nature
 
+    @cached_property
+    def owners(self) -> list[list[str]]:
+        """`greedy_owners`: the parameters of ranks 0..k-1; the ranks from k on own none."""
+        return greedy_owners([(p.name, p.numel) for p in self.trainable], self.n)
+
     def owned(self) -> list[str]:
-        return greedy_partition([(p.name, p.numel) for p in self.trainable], self.n)[self.rank]
+        return self.owners[self.rank] if self.rank < len(self.owners) else []
 
     def optim_tensors(self) -> list[OptimTensor]:
         mine = set(self.owned())
         return [OptimTensor(p.name, p.numel, p.shape) for p in self.trainable if p.name in mine]
 
+    def rank_segments(self) -> list[tuple[int, tuple]]:
+        """One range per rank that owns parameters (ranks 0..k-1, k <= parameters), and one for the ranks that
+        own none (k..N-1, when N > k): O(P log P) from the greedy, not O(world)."""
+        stored = tuple(self.param_numel(p.name) for p in self.b.tape.params)
+        order = {p.name: i for i, p in enumerate(self.trainable)}
+        out = []
+        for r, names in enumerate(self.owners):
+            mine = sorted(order[name] for name in names)
+            out.append((r, (stored, tuple((self.trainable[i].name, self.trainable[i].numel) for i in mine))))
+        if len(self.owners) < self.n:
+            out.append((len(self.owners), (stored, ())))
+        return out
+
     def after_step(self, step: int) -> None:
-        owners = greedy_partition([(p.name, p.numel) for p in self.trainable], self.n)
-        for r, names in enumerate(owners):
+        owners = self.owners
+        for r in range(self.n):
+            names = owners[r] if r < len(owners) else []
             nbytes = sum(self.params[n].numel for n in names) * dtype_bytes(self.setup.param_dtype)
             self.collective(f"zero.broadcast.rank{r}", "broadcast", nbytes, Phase.OPTIMIZER, step, -1)

@@ -48,6 +48,18 @@ class Engine:
         return (tuple(self.param_numel(p.name) for p in self.b.tape.params),
                 tuple((t.name, t.numel) for t in self.optim_tensors()))
 
+    def rank_segments(self) -> list[tuple[int, tuple]]:
+        """Every rank's `signature()`, by ranges: (first rank, signature) of consecutive ranges of ranks,
+        ascending from rank 0, each running to the next one's first rank (the last to N - 1). Within a range
+        every rank has the same signature and the same training state (what models/checkpoint_io.rank_state
+        reads from the engine); two ranges may be equal. A symmetric engine is one range; an engine that is
+        not overrides this from its layout functions, or is asked rank by rank here (O(world) engines)."""
+        if self.symmetric:
+            return [(0, self.signature())]
+        b = self.b
+        return [(r, self.signature() if r == self.rank else type(b)(b.tape, self.setup, b.device, r).engine.signature())
+                for r in range(self.n)]
+
     # load --------------------------------------------------------------------------------------------
     def load(self, grads) -> None:
         b, s = self.b, self.setup

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_shard, unit_of
+from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_ranges, dim0_shard, unit_of
 from .gathering import Gathering
 
 
@@ -63,6 +63,20 @@ class FSDP2(Gathering):
             local = dim0_shard(p.shape, self.n, self.rank)[1]
             rest = p.numel // p.shape[0] if p.shape else 1
             out.append(OptimTensor(p.name, local, (local // rest, *p.shape[1:]) if p.shape else ()))
+        return out
+
+    def rank_segments(self) -> list[tuple[int, tuple]]:
+        """From `dim0_ranges`: a parameter's local shard changes only where its full chunks end and after its
+        partial one, so the ranks split at those ranks of every parameter (frozen ones too: a checkpoint saves
+        their local shards), at most 2 per distinct dim 0 whatever the world size; each range's signature is
+        `signature()` of its first rank."""
+        ranges = {p.name: dim0_ranges(p.shape, self.n) for p in self.b.tape.params}
+        stored = tuple(self.param_numel(p.name) for p in self.b.tape.params)
+        out = []
+        for start in sorted({r for rs in ranges.values() for r, _ in rs}):
+            local = [(p.name, next(numel for first, numel in reversed(ranges[p.name]) if first <= start))
+                     for p in self.trainable]
+            out.append((start, (stored, tuple(local))))
         return out
 
     def group_params(self, group: str) -> list:

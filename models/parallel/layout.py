@@ -3,6 +3,7 @@ assignment), DeepSpeed's and DDP's constants, and which unit (FSDP2 / ZeRO-3 mod
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 
@@ -42,16 +43,52 @@ def flat_partition(total_numel: int, world_size: int, alignment: int = DS_ALIGNM
     return padded, padded // world_size
 
 
+def dim0_ranges(shape: tuple[int, ...], world_size: int) -> list[tuple[int, int]]:
+    """FSDP2: the ranks of `dim0_shard` by their local shard, as (first rank, local elements) of consecutive
+    ranges, ascending from rank 0 (each runs to the next one's first rank, the last to world_size - 1):
+    the full chunks, the one partial chunk (when dim0 is not a multiple of the chunk), the empty ones. At
+    most three ranges, whatever the world size; `dim0_shard(shape, N, r)[1]` is the local elements of the
+    range holding r."""
+    rows = shape[0] if shape else 1
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    chunk = ceil_div(rows, world_size)
+    if not chunk:  # no rows at all
+        return [(0, 0)]
+    full, left = divmod(rows, chunk)  # ranks 0..full-1 hold `chunk` rows; rank `full` the `left` rows, if any
+    out = [(0, chunk * rest)] if full else []
+    if left:
+        out.append((full, left * rest))
+    end = full + (1 if left else 0)
+    if end < world_size:
+        out.append((end, 0))
+    return out
+
+
+def greedy_owners(numels: list[tuple[str, int]], world_size: int) -> list[list[str]]:
+    """`greedy_partition` without the ranks that own nothing: the parameters of ranks 0..k-1, where every
+    rank from k on owns none (k <= min(world_size, parameters)). A heap of the ranks given something so far,
+    against the lowest rank not yet given anything (its size 0): O(P log P) for P parameters, any world."""
+    heap: list[tuple[int, int]] = []  # (elements so far, rank) of ranks 0..len(owned)-1
+    owned: list[list[str]] = []
+    for name, numel in sorted(numels, key=lambda item: -item[1]):
+        if len(owned) < world_size and not (heap and heap[0][0] == 0):
+            rank, size = len(owned), 0  # the lowest rank with nothing yet: fewest elements, lowest on ties
+            owned.append([])
+        else:
+            size, rank = heapq.heappop(heap)
+        owned[rank].append(name)
+        heapq.heappush(heap, (size + numel, rank))
+    return owned
+
+
 def greedy_partition(numels: list[tuple[str, int]], world_size: int) -> list[list[str]]:
     """torch ZeroRedundancyOptimizer: parameters sorted by size (largest first, stable), each to the rank
-    with the fewest elements so far (the lowest rank on ties)."""
-    sizes = [0] * world_size
-    owned: list[list[str]] = [[] for _ in range(world_size)]
-    for name, numel in sorted(numels, key=lambda item: -item[1]):
-        rank = sizes.index(min(sizes))
-        owned[rank].append(name)
-        sizes[rank] += numel
-    return owned
+    with the fewest elements so far (the lowest rank on ties). One list per rank (`greedy_owners` leaves
+    out the ranks that own nothing)."""
+    owned = greedy_owners(numels, world_size)
+    return owned + [[] for _ in range(world_size - len(owned))]
 
 
 def unit_of(name: str, units: set[str]) -> str:
