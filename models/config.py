@@ -66,6 +66,8 @@ COUNT_LIMITS = {
     "hidden": (1000, "layers of an MLP"),
     "grad_accum": (1024, "micro-batches per optimizer step; each one is simulated op by op"),
     "world_size": (1 << 24, "ranks; identical ranks are simulated once"),
+    "pp": (1024, "pipeline stages; every pipeline rank is simulated"),
+    "virtual_stages": (64, "stages per pipeline rank"),
 }
 
 
@@ -392,6 +394,87 @@ def _lora_fields(setup) -> None:
                                     "none")
 
 
+def _model_parallel_fields(setup) -> None:
+    """The model-parallel degrees: positive, dividing world_size (= dp x tp x pp x cp), ep borrowed from dp x cp
+    as torchtitan's ParallelDims._validate takes it (ep % cp == 0 and (dp x cp) % ep == 0, its etp = tp case);
+    the schedule's own micro-batch rules, as torch.distributed.pipelining checks them; and what pipeline
+    parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
+    needing experts) is checked when the model is described (models/parallel/pipeline.py `check_model_parallel`),
+    and so is the "not simulated yet" of tp, cp, ep and sequence_parallel."""
+    _positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
+    _at_most(setup, "pp", "virtual_stages")
+    _choice(setup, "pp_schedule", PP_SCHEDULES)
+    n = setup.world_size
+    for name in ("tp", "pp", "cp", "ep"):
+        degree = getattr(setup, name)
+        if n % degree:
+            raise ConfigError(name, f"{name}={degree} does not divide world_size={n} (world_size = dp x tp x pp x cp): "
+                                    f"give a world_size that is a multiple of {degree}")
+    model_parallel = setup.tp * setup.pp * setup.cp
+    if n % model_parallel:
+        raise ConfigError("world_size", f"world_size={n} is not a multiple of tp x pp x cp = {setup.tp} x {setup.pp} x "
+                                        f"{setup.cp} = {model_parallel} (world_size = dp x tp x pp x cp)")
+    dp = n // model_parallel
+    if setup.ep > 1 and (setup.ep % setup.cp or (dp * setup.cp) % setup.ep):
+        raise ConfigError("ep", f"ep={setup.ep} takes its ranks from dp x cp = {dp} x {setup.cp} (torchtitan "
+                                "ParallelDims): ep must be a multiple of cp and divide dp x cp")
+    if setup.sequence_parallel and setup.tp == 1:
+        raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel ranks: "
+                                               "it needs tp > 1")
+    _pipeline_schedule(setup)
+
+
+def _pipeline_schedule(setup) -> None:
+    """Stages per rank and micro-batches per step for `pp_schedule`, as torch/distributed/pipelining/schedules.py
+    refuses them (torch 2.13): ScheduleGPipe and Schedule1F1B are single-stage schedules (one stage per rank);
+    Schedule1F1B.__init__ raises when n_microbatches < the number of stages; ScheduleInterleaved1F1B.__init__
+    when n_microbatches % number_of_rounds != 0, number_of_rounds = max(1, n_microbatches // pp_group_size) (a
+    multi-stage schedule: torchtitan's pipeline_llm asks for >= 2 stages per rank); ScheduleZBVZeroBubble.__init__
+    when a rank does not hold exactly 2 stages. grad_accum is the number of micro-batches (n_microbatches)."""
+    schedule, v, pp, m = setup.pp_schedule, setup.virtual_stages, setup.pp, setup.grad_accum
+    if schedule in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError("virtual_stages", f"{schedule} runs one stage per rank (a single-stage schedule), got "
+                                            f"virtual_stages={v}; allowed: 1, or pp_schedule interleaved-1f1b / zbv")
+    if schedule == "interleaved-1f1b" and v < 2:
+        raise ConfigError("virtual_stages", f"interleaved-1f1b runs several stages per rank: virtual_stages must be "
+                                            f">= 2, got {v}")
+    if schedule == "zbv" and v != 2:
+        raise ConfigError("virtual_stages", f"zbv runs exactly 2 stages per rank (a V: stages r and 2 x pp - 1 - r), "
+                                            f"got virtual_stages={v}")
+    if pp == 1:
+        return
+    if schedule == "1f1b" and m < pp:
+        raise ConfigError("grad_accum", f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B): "
+                                        f"grad_accum={m} < pp={pp}; give grad_accum >= {pp}")
+    rounds = max(1, m // pp)
+    if schedule == "interleaved-1f1b" and m % rounds:
+        raise ConfigError("grad_accum", f"interleaved-1f1b runs the micro-batches in rounds of pp: number_of_rounds = "
+                                        f"max(1, {m} // {pp}) = {rounds} must divide grad_accum={m} (torch's "
+                                        f"ScheduleInterleaved1F1B); allowed e.g. {', '.join(map(str, _rounds_ok(pp)))}")
+    not_yet = [("world_size", setup.tp * setup.pp * setup.cp == setup.world_size,
+                f"pp with data parallelism (dp = {setup.dp}) is not simulated yet: world_size must be "
+                f"tp x pp x cp = {setup.tp * setup.pp * setup.cp}"),
+               ("zero_stage", setup.zero_stage == 0, "pp with ZeRO is not simulated yet: zero_stage 0"),
+               ("dp_engine", setup.dp_engine == "deepspeed", "pp with a data-parallel engine is not simulated yet: "
+                                                              "leave dp_engine out"),
+               ("checkpointing", setup.checkpointing == "none", "pp with activation checkpointing is not simulated "
+                                                                 "yet: checkpointing none"),
+               ("optimizer_offload", setup.optimizer_offload == "none", "pp with optimizer-state offload is not "
+                                                                         "simulated yet: optimizer_offload none"),
+               ("checkpoint_every", setup.checkpoint_every == 0 and setup.load_mode == "none",
+                "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
+               ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
+               ("passes", setup.passes == "train", "pp runs training steps: passes train")]
+    for name, ok, why in not_yet:
+        if not ok:
+            raise ConfigError(name, why)
+
+
+def _rounds_ok(pp: int) -> list[int]:
+    """The first few micro-batch counts ScheduleInterleaved1F1B accepts on `pp` ranks."""
+    return [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0][:6]
+
+
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -404,6 +487,9 @@ SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sha
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
 OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
+# pipeline schedules (models/parallel/pipeline.py), as torch.distributed.pipelining names their classes:
+# ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 
 
 # A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what).
@@ -428,6 +514,8 @@ KNOB_APPLIES = {
     "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "frozen": (lambda s: s.lora_r == 0, "lora_r 0 (LoRA freezes the whole base model itself)"),
+    "pp_schedule": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
+    "virtual_stages": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
 }
 
 
@@ -500,6 +588,15 @@ class TrainingSetup:
     lora_dropout: float = 0.0  # dropout on the adapters' input (0: nn.Identity, nothing saved)
     lora_targets: tuple[str, ...] = ()  # peft target_modules; () = peft's default for the model family
     quantize: str = "none"  # base linears: "none" or "nf4" (bitsandbytes Linear4bit, double quant: QLoRA)
+    # model parallelism: world_size = dp x tp x pp x cp (`_model_parallel_fields`); pipeline parallelism is
+    # simulated (models/parallel/pipeline.py), tp / cp / ep / sequence_parallel are checked, not simulated yet
+    pp: int = 1  # pipeline-parallel ranks (one stage each, `virtual_stages` each when interleaved)
+    pp_schedule: str = "1f1b"  # see PP_SCHEDULES; grad_accum is the number of micro-batches of a step
+    virtual_stages: int = 1  # stages per pipeline rank: interleaved-1f1b >= 2, zbv exactly 2, else 1
+    tp: int = 1  # tensor-parallel ranks
+    cp: int = 1  # context-parallel ranks
+    ep: int = 1  # expert-parallel ranks (a mixture-of-experts model; borrowed from dp x cp)
+    sequence_parallel: bool = False  # Megatron-style sequence parallelism (needs tp > 1)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -536,6 +633,7 @@ class TrainingSetup:
             raise ConfigError("moe_routing", f"unknown value {self.moe_routing!r}; allowed: balanced, worst, "
                                              "counts:PATH (a peakledger-moe-counts JSON file)")
         _lora_fields(self)
+        _model_parallel_fields(self)
         _choice(self, "passes", PASSES)
         if self.passes == "forward":
             for name, ok, allowed in (("world_size", self.world_size == 1, "1"),
@@ -569,11 +667,16 @@ class TrainingSetup:
         return "fp32" if self.precision != "bf16" else "bf16"
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: world_size / (tp x pp x cp)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
     def effective_batch(self) -> int:
-        """B_eff = micro-batch x accumulation x data-parallel world size."""
-        return self.micro_batch * self.grad_accum * self.world_size
+        """B_eff = micro-batch x accumulation x data-parallel degree (world_size without tp, pp, cp)."""
+        return self.micro_batch * self.grad_accum * self.dp
 
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
            "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING",
-           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS", "QUANTIZE"]
+           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS", "QUANTIZE", "PP_SCHEDULES"]

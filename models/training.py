@@ -45,6 +45,7 @@ from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
+from .parallel.pipeline import check_model_parallel
 from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
@@ -58,6 +59,7 @@ TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (C
 
 
 def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
+    check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/pipeline.py)
     if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
         from .trace import traced_tape
         return traced_tape(model, setup, cpu)

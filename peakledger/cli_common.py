@@ -11,7 +11,8 @@ import sys
 from .analysis.units import parse_bytes
 from .inputs import DP_INT_FLAGS, MODEL_FLAG_TYPES
 from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PRECISIONS, QUANTIZE, SAVE_MODES, ConfigError)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, SAVE_MODES,
+                            ConfigError)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import parse_value
@@ -74,6 +75,16 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    help="fsdp2: keep unsharded parameters from forward to backward")
     for name in DP_INT_FLAGS:
         d.add_argument("--" + name.replace("_", "-"), type=int, help=argparse.SUPPRESS)
+    mp = p.add_argument_group("model parallelism (world_size = dp x tp x pp x cp)")
+    mp.add_argument("--pp", type=int, help="pipeline-parallel ranks, one stage each (default 1); --grad-accum is the "
+                    "number of micro-batches per step")
+    mp.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (default 1f1b; torch.distributed.pipelining's)")
+    mp.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b: >= 2, zbv: 2)")
+    mp.add_argument("--tp", type=int, help="tensor-parallel ranks (checked, not simulated yet)")
+    mp.add_argument("--cp", type=int, help="context-parallel ranks (checked, not simulated yet)")
+    mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models (checked, not simulated yet)")
+    mp.add_argument("--sequence-parallel", action="store_true", default=None,
+                    help="sequence parallelism over the tp ranks (checked, not simulated yet)")
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
