@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.events import EventLog, Pool
-from ..simulator.timeline import PeakPoint, timeline
+from ..simulator.timeline import PeakPoint, rank_peak_points, timeline
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .device import device_json, device_lines, gpu_memory
@@ -117,9 +117,8 @@ def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
         classes = {int(r): RankRanges.from_json(m) for r, m in log.metadata["rank_class_ranges"].items()}
     else:
         classes = {int(r): RankRanges.of(m) for r, m in log.metadata.get("rank_classes", {}).items()}
-    ranks = sorted({e.block.rank for e in log.events if e.block.pool is pool})
-    return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=timeline(log, r, pool).peak())
-            for r in ranks]
+    points = rank_peak_points(log, pool)
+    return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=points[r]) for r in sorted(points)]
 
 
 def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,

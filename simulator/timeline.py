@@ -66,6 +66,33 @@ class Timeline:
         return list(live.values())
 
 
+def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE) -> dict[int, PeakPoint]:
+    """Every rank's `timeline(log, rank, pool).peak()`, in two passes over the log instead of a timeline per rank:
+    the first finds each rank's peak (ties to the earliest event), the second its live bytes by category."""
+    running: dict[int, int] = {}
+    count: dict[int, int] = {}
+    best: dict[int, tuple[int, int, Event]] = {}  # rank -> (bytes, index in the rank's events, event)
+    for e in log.events:
+        if e.block.pool is not pool:
+            continue
+        r = e.block.rank
+        total = running[r] = running.get(r, 0) + e.delta
+        i = count[r] = count.get(r, 0) + 1
+        if r not in best or total > best[r][0]:
+            best[r] = (total, i - 1, e)
+    live: dict[int, dict[Category, int]] = {r: {} for r in best}
+    seen: dict[int, int] = {}
+    for e in log.events:
+        if e.block.pool is not pool:
+            continue
+        r = e.block.rank
+        i = seen[r] = seen.get(r, 0) + 1
+        if i - 1 <= best[r][1]:
+            live[r][e.block.category] = live[r].get(e.block.category, 0) + e.delta
+    return {r: PeakPoint(bytes=b, event=e, live_by_category={c: v for c, v in live[r].items() if v}, index=i)
+            if b >= 0 else PeakPoint(bytes=0, event=None, live_by_category={}) for r, (b, i, e) in best.items()}
+
+
 def _array(values: list[int]) -> np.ndarray:
     if values and (max(values) > INT64_MAX or min(values) < -INT64_MAX):
         return np.array(values, dtype=object)
