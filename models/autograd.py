@@ -56,25 +56,34 @@ class GradState:
 
 
 class _Storage:
-    """An activation gradient's memory, shared by the tensors an add hands it to."""
+    """An activation gradient's memory, shared by the tensors an add hands it to. A `pinned` one is owned
+    outside the replay (a pipeline stage's gradient receive buffer): never freed here, and a gradient summed
+    into it is summed out of place (autograd's input buffer adds in place only into a tensor it holds the
+    last reference to: torch/csrc/autograd/input_buffer.cpp `can_accumulate_inplace`)."""
 
-    def __init__(self, block: Block, refs: int = 1) -> None:
+    def __init__(self, block: Block, refs: int = 1, pinned: bool = False) -> None:
         self.block = block
         self.refs = refs
+        self.pinned = pinned
 
 
 class MicroBatchReplay(RecordedBackward):
     """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py); a traced
     tape's backward follows its recording (replay_recorded.py)."""
 
-    def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState) -> None:
+    def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState,
+                 external: dict[str, tuple[TensorSpec, Block]] | None = None) -> None:
+        """`external`: tensors the tape reads that exist outside this replay (a pipeline stage's received
+        activation, the views of a whole batch), with their blocks: read and saved, never freed here."""
         self.b = builder
+        self.external = external or {}
         self.tape = tape
         self.step = step
         self.mb = micro_batch
         self.grads = grads
         self.trainable = builder.trainable
         self.specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
+        self.specs.update({name: spec for name, (spec, _) in self.external.items()})
         for op in tape.ops:
             for o in op.outputs:
                 self.specs[o.name] = o
@@ -94,6 +103,7 @@ class MicroBatchReplay(RecordedBackward):
     def _plan(self) -> None:
         ops = self.tape.ops
         rg: dict[str, bool] = {t.name: False for t in self.tape.inputs}
+        rg.update({name: spec.requires_grad for name, (spec, _) in self.external.items()})
         self.needs_backward: list[bool] = []
         for op in ops:
             trainable_param = any(p in self.trainable for p in op.params)
@@ -196,7 +206,11 @@ class MicroBatchReplay(RecordedBackward):
             self.live[t.name] = blk
             allocs.append(blk)
             self._hold(t.name, 2 if t.name in self.last_use else 1)  # the caller's reference + forward use
-        b.op("batch.load", Phase.FORWARD, self.step, self.mb, allocs, [])
+        for name, (_, blk) in self.external.items():  # their owner's reference (never let go here) + forward use
+            self.live[name] = blk
+            self._hold(name, 2 if name in self.last_use else 1)
+        if allocs or not self.external:
+            b.op("batch.load", Phase.FORWARD, self.step, self.mb, allocs, [])
         for name in self.tape.held:
             self._hold(name)
         for r, names in self.region_inputs.items():
@@ -439,16 +453,15 @@ class MicroBatchReplay(RecordedBackward):
             if op.passthrough and grad_out is not None and spec.shape == out0.shape and spec.dtype == out0.dtype:
                 # (a mixed-dtype add casts grad_output for its 16-bit input: a new tensor, below)
                 if name in self.grad_of:
+                    if self.grad_of[name].pinned:  # summed out of place: a new tensor becomes its gradient
+                        self._sum_into_pinned(name)
                     continue  # accumulated in place into the existing gradient
                 grad_out.refs += 1
                 self.grad_of[name] = grad_out
                 continue
             blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
             allocs.append(blk)
-            if name in self.grad_of:
-                frees.append(blk.id)  # summed into the gradient already there
-            else:
-                self.grad_of[name] = _Storage(blk)
+            self._add_grad(name, blk, frees)
         cast_grads = []  # autocast: the op's gradient of a 16-bit weight copy, turned fp32 by the next node
         for p in op.params:
             if p in op.casts and p in self.trainable:
@@ -466,7 +479,7 @@ class MicroBatchReplay(RecordedBackward):
             storage = self.grad_of.pop(o.name, None)
             if storage is not None:
                 storage.refs -= 1
-                if storage.refs == 0:
+                if storage.refs == 0 and not storage.pinned:
                     frees.append(storage.block.id)
         saved = self.saved_at.get(i, ())
         for s in dict.fromkeys(saved):  # a tensor saved twice goes when its first listing would
@@ -483,13 +496,11 @@ class MicroBatchReplay(RecordedBackward):
             allocs, frees = [], []
             blk = self.b.block(f"{name}.grad", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
             allocs.append(blk)
-            if name in self.grad_of:
-                frees.append(blk.id)
-            else:
-                self.grad_of[name] = _Storage(blk)
+            self._add_grad(name, blk, frees)
             frees += [p.id for p in pieces]
             self.b.op(f"{op.name}.split.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                       bytes_moved=2 * spec.nbytes)
+            self._flush_after_node()
         if cast_grads:  # ToCopyBackward: after the op's node released its saved tensors and grad_output
             allocs, frees = [], []
             for p, tmp in cast_grads:
@@ -498,6 +509,38 @@ class MicroBatchReplay(RecordedBackward):
             self.b.op(f"{op.name}.autocast_copy.backward", Phase.BACKWARD, self.step, self.mb, allocs, frees,
                       bytes_moved=sum(a.nbytes for a in allocs))
             self._flush_after_node()
+
+    def _add_grad(self, name: str, blk: Block, frees: list[int]) -> None:
+        """`blk`, a new gradient of `name`, becomes its gradient, or is summed into the one there: in place (`blk`
+        goes with the node), or into a pinned one out of place (`_sum_into_pinned`)."""
+        storage = self.grad_of.get(name)
+        if storage is None:
+            self.grad_of[name] = _Storage(blk)
+        elif storage.pinned:
+            self._sum_into_pinned(name, blk)
+        else:
+            frees.append(blk.id)  # summed into the gradient already there
+
+    def _sum_into_pinned(self, name: str, contribution: Block | None = None) -> None:
+        """A gradient summed into `name`'s pinned gradient: out of place, once the node that made it is done
+        (the engine adds a node's outputs to the next input buffers then), the sum a new tensor that becomes
+        `name`'s gradient; the contribution goes with it (one handed on unchanged, `None`, stays its node's)."""
+        spec = self.specs[name]
+        total = self.b.block(f"{name}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        self.after_node.append((f"{name}.grad_accumulate", [total], [contribution.id] if contribution else []))
+        self.grad_of[name].refs -= 1
+        self.grad_of[name] = _Storage(total)
+
+    def receive_grad(self, name: str, block: Block) -> None:
+        """`name`'s gradient arrives from outside the replay, in `block` (a pipeline stage's gradient receive
+        buffer, its owner's for good): pinned, before `backward()`."""
+        self.grad_of[name] = _Storage(block, pinned=True)
+
+    def take_grad(self, name: str) -> Block | None:
+        """The gradient the backward left for `name`, a tensor no op of the tape made (a pipeline stage's
+        received input): handed to the caller, who frees it."""
+        storage = self.grad_of.pop(name, None)
+        return None if storage is None or storage.pinned else storage.block
 
     def _flush_after_node(self) -> None:
         """Out-of-place sums in AccumulateGrad input buffers (tied weights), after the node that fed them."""

@@ -419,8 +419,8 @@ def _model_parallel_fields(setup) -> None:
         raise ConfigError("ep", f"ep={setup.ep} takes its ranks from dp x cp = {dp} x {setup.cp} (torchtitan "
                                 "ParallelDims): ep must be a multiple of cp and divide dp x cp")
     if setup.sequence_parallel and setup.tp == 1:
-        raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel ranks: "
-                                               "it needs tp > 1")
+        raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel "
+                                               "ranks: it needs tp > 1")
     _pipeline_schedule(setup)
 
 

@@ -45,7 +45,8 @@ from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
-from .parallel.pipeline import check_model_parallel
+from .parallel.pipeline import (PipelineEngine, check_model_parallel, pipeline_metadata, pipeline_timing,
+                                rank_tape)
 from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
@@ -92,6 +93,8 @@ class GraphBuilder:
 
     def __init__(self, tape: Tape, setup: TrainingSetup, device: DeviceProfile, rank: int = 0,
                  graph: OpGraph | None = None, block_ids: itertools.count | None = None) -> None:
+        if setup.pp > 1:  # a pipeline rank: its stages' parameters and ops (models/parallel/pipeline.py)
+            tape = rank_tape(tape, setup, rank)
         self.tape = tape
         self.setup = setup
         self.device = device
@@ -103,7 +106,7 @@ class GraphBuilder:
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
-        self.engine = make_engine(self)
+        self.engine = PipelineEngine(self) if setup.pp > 1 else make_engine(self)
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
               shard: int = 1, pool: Pool = Pool.DEVICE) -> Block:
@@ -261,7 +264,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     tape = build_tape(model, setup, profile.is_cpu)
     graph, ids = OpGraph(), itertools.count(1)
-    if ranks is None:
+    if ranks is None and setup.pp > 1:  # every pipeline rank holds other stages
+        classes = {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}
+    elif ranks is None:
         classes = rank_classes(tape, setup, profile)
     else:
         bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < setup.world_size)]
@@ -288,6 +293,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
+    if setup.pp > 1:
+        trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
+        graph.metadata["n_trainable"] = sum(p.numel for p in tape.params if p.name in trainable)
+        graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)
         graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"
@@ -435,7 +444,9 @@ def _describe_rank(b: GraphBuilder, steps: int) -> None:
     states_loaded = load_checkpoint(b)
     offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.optimizer_offload != "none" else None
     for step in range(1, steps + 1):
-        for mb in range(setup.grad_accum):
+        if setup.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
+            b.engine.run_step(step, grads)
+        for mb in range(setup.grad_accum if setup.pp == 1 else 0):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
             if setup.passes == "forward":
                 break

@@ -18,7 +18,8 @@ Schedules (`rank_actions`), each derived from torch/distributed/pipelining/sched
 - gpipe (`ScheduleGPipe._step_microbatches`): every forward, then every backward, in micro-batch order.
 - 1f1b (`Schedule1F1B._step_microbatches`): min(m, pp - r) warm-up forwards, then backward / forward pairs
   (1B1F) while forwards remain, then the remaining backwards: in compute order F0 .. F(pp-r-1), B0, F(pp-r),
-  B1, ..., the textbook pp - r - 1 warm-up forwards and steady 1F1B (`_get_pipeline_order` writes it so).
+  B1, ..., the textbook pp - r - 1 warm-up forwards and steady 1F1B, as `_get_pipeline_order` writes it (its
+  IR starts the last rank at F1, skipping F0: the runtime runs F0 first).
 - interleaved-1f1b (`ScheduleInterleaved1F1B._calculate_single_rank_operations` + `_get_1f1b_rank_ops`):
   rounds = max(1, m // pp), mb_per_round = m // rounds; warm-up = min((v - 1) x mb_per_round + 2 x (pp - 1 - r),
   m x v) forwards, then forward / backward pairs, then backwards; the forward of step k runs local stage
@@ -32,9 +33,13 @@ The step (`PipelineRank`) as `PipelineStage` and the schedules allocate and free
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from ...simulator.events import Block, Category, Phase, Stream
+from ..autograd import MicroBatchReplay
 from ..config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from ..tape import Tape, TensorSpec
+from .engine import Engine
 
 F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward for inputs, backward for weights
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
@@ -80,8 +85,9 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
     if s.pp == 1:
         return
     if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
-        kind = ("an MLP" if isinstance(model, MLPConfig) else "a traced model" if not isinstance(model, TransformerConfig)
-                else "a mixture of experts" if model.num_local_experts else f"implementation {model.implementation!r}")
+        kind = ("an MLP" if isinstance(model, MLPConfig) else
+                "a traced model" if not isinstance(model, TransformerConfig) else
+                "a mixture of experts" if model.num_local_experts else f"implementation {model.implementation!r}")
         raise ConfigError("pp", f"pipeline parallelism is simulated for the hand-written GPT-2 and Llama "
                                 f"(implementation nanogpt, dense), not {kind} yet")
     if s.pp_schedule not in SIMULATED_SCHEDULES:
@@ -89,10 +95,6 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
                                          "rank_actions) but its split backward (input gradients, then weight "
                                          "gradients) is not simulated yet; allowed: " + ", ".join(SIMULATED_SCHEDULES))
     stages = s.pp * s.virtual_stages
-    if stages > model.n_layer + 2:
-        pass  # checked below, once simulated
-    raise ConfigError("pp", "pipeline parallelism is not simulated yet (its stage layout and schedules are "
-                            "models/parallel/pipeline.py's); allowed for now: pp 1")
     if stages > model.n_layer + 2:
         raise ConfigError("pp", f"pp x virtual_stages = {s.pp} x {s.virtual_stages} = {stages} stages is more than "
                                 f"the model's n_layer + 2 = {model.n_layer + 2} (its blocks, the embeddings and the "
@@ -264,3 +266,515 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     out += [Action(W, s1, k) for k in range(w1, b1)] + [Action(W, s0, k) for k in range(w0, b0)]
     return [a for a in out if a.mb < m]
 
+
+# -- the tapes of a pipeline rank --------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int | None:
+    hit = _LAYER.match(name)
+    return int(hit.group(1)) if hit else None
+
+
+@dataclass
+class StageTape:
+    """One stage's share of the model's tape: its ops (in tape order), the tensor it receives (`input`: the
+    residual stream entering its first block; None on the first stage), the tensor it sends (`output`: None on
+    the last stage, whose output is the loss), the batch tensors it reads, and its parameters, named as its
+    module names them (a tied head weight is the last stage's own `lm_head.weight`)."""
+
+    spec: StageSpec
+    tape: Tape
+    input: TensorSpec | None
+    output: TensorSpec | None
+    batch: tuple[TensorSpec, ...]
+    params: tuple[str, ...]
+
+
+@dataclass
+class RankTape(Tape):
+    """The tape of one pipeline rank: the parameters and buffers of its stages (what it loads, steps and
+    zeroes), and the stages themselves (`stages`, ascending), each replayed on its own."""
+
+    stages: tuple[StageTape, ...] = ()
+    full_params: int = 0  # the whole model's parameter count
+
+
+def _stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
+    """Cut a hand-written GPT-2 / Llama tape into the stages of `stage_layout`."""
+    ops = tape.ops
+    layer = [_layer_of(op.name) for op in ops]
+    n_layer = max((x for x in layer if x is not None), default=-1) + 1
+    first_block = next(i for i, x in enumerate(layer) if x is not None)
+    last_block = max(i for i, x in enumerate(layer) if x is not None)
+    prologue, epilogue = range(0, first_block), range(last_block + 1, len(ops))
+    produced = {o.name: i for i, op in enumerate(ops) for o in op.outputs}
+    batch = {t.name: t for t in tape.inputs}
+    batch_derived: set[str] = set(batch)
+    for op in ops:
+        if any(x in batch_derived for x in op.inputs):
+            batch_derived.update(o.name for o in op.outputs)
+    block_ends = {}  # layer -> the residual stream leaving it (its last op's output)
+    for i, x in enumerate(layer):
+        if x is not None:
+            block_ends[x] = ops[i].outputs[0]
+    stream_in = [t for i in range(first_block, last_block + 1) if layer[i] == 0 for t in ops[i].inputs
+                 if t in produced and produced[t] in prologue and t in batch_derived][0]
+    specs = {o.name: o for op in ops for o in op.outputs}
+
+    def stream_before(k: int) -> TensorSpec:  # the residual stream entering block k (k == n_layer: the output)
+        return specs[stream_in] if k == 0 else block_ends[k - 1]
+
+    tied = [p for p in tape.params if sum(p.name in op.params for op in ops) > 1]
+    out = []
+    for spec in stage_layout(setup, n_layer):
+        own = [i for i, x in enumerate(layer) if x is not None and x in spec.layers]
+        if spec.last:
+            own += list(epilogue)
+        needed = {t for i in own for t in ops[i].inputs}
+        output = None if spec.last else stream_before(spec.layers.stop)
+        if output is not None:
+            needed.add(output.name)
+        chosen = set(own)
+        for i in reversed(prologue):  # what of the prologue this stage computes itself
+            makes = {o.name for o in ops[i].outputs} & needed
+            if makes and (spec.first or not (makes & batch_derived)):
+                chosen.add(i)
+                needed |= set(ops[i].inputs)
+        chosen_ops = [ops[i] for i in sorted(chosen)]
+        inp = None if spec.first else stream_before(spec.layers.start)
+        if spec.last and not spec.first:  # a tied weight (the embedding as head) is the last stage's own copy
+            chosen_ops = [replace(op, params=tuple("lm_head.weight" if p in {t.name for t in tied} else p
+                                                   for p in op.params))
+                          if any(p in {t.name for t in tied} for p in op.params) and op.name == "lm_head" else op
+                          for op in chosen_ops]
+        used = {p for op in chosen_ops for p in op.params}
+        params = [p.name for p in tape.params if p.name in used]
+        if "lm_head.weight" in used and "lm_head.weight" not in params:
+            params.append("lm_head.weight")
+        made = {o.name for op in chosen_ops for o in op.outputs}
+        reads = [batch[t] for t in dict.fromkeys(t for op in chosen_ops for t in op.inputs) if t in batch]
+        held = tuple(h for h in tape.held if h in made) + ((output.name,) if output is not None else ()) + \
+            ((tape.loss,) if tape.loss in made else ())
+        head = [replace(t, name="lm_head.weight") for t in tied[:1]] if "lm_head.weight" in used else []
+        stage = Tape(params=[p for p in tape.params if p.name in used] + head, ops=chosen_ops, inputs=[], buffers=[],
+                     held=held, loss=tape.loss, describer=tape.describer, param_dtypes=tape.param_dtypes)
+        out.append(StageTape(spec, stage, inp, output, tuple(reads), tuple(params)))
+    return out
+
+
+def rank_tape(tape: Tape, setup: TrainingSetup, rank: int) -> RankTape:
+    """The tape one pipeline rank loads and steps: its stages' parameters (the last stage's own head weight when
+    the embedding is tied to it), the buffers of its blocks, and a copy of every model-level buffer per stage."""
+    stages = [st for st in _stage_tapes(tape, setup) if st.spec.rank == rank]
+    by_name = {p.name: p for p in tape.params}
+    head = next((p for p in tape.params if p.name.endswith("wte.weight") or p.name.endswith("embed_tokens.weight")),
+                None)
+    params, seen = [], set()
+    for st in stages:
+        for name in st.params:
+            if name not in seen:
+                seen.add(name)
+                params.append(by_name[name] if name in by_name else replace(head, name=name))
+    buffers = [t for st in stages for t in tape.buffers  # a model-level buffer: one copy per stage module
+               if _layer_of(t.name) is None or _layer_of(t.name) in st.spec.layers]
+    return RankTape(params=params, ops=[op for st in stages for op in st.tape.ops], inputs=[], buffers=buffers,
+                    held=(), loss=tape.loss, describer=tape.describer, param_dtypes=tape.param_dtypes,
+                    buffers_follow_params=tape.buffers_follow_params, stages=tuple(stages),
+                    full_params=tape.n_params)
+
+
+# -- one pipeline rank's step ----------------------------------------------------------------------------------
+
+class _Held:
+    """A tensor the schedule's own Python code references (a variable, a list of P2POps or of send Works,
+    `bwd_cache`): the stage output or logits a replay owns (one reason of the replay's per reference), or an
+    input gradient the pipeline took from its replay (freed when the last reference goes)."""
+
+    def __init__(self, replay=None, name: str | None = None, block: Block | None = None) -> None:
+        self.replay, self.name, self.block, self.count = replay, name, block, 0
+
+    def hold(self) -> None:
+        if self.replay is not None:
+            self.replay._hold(self.name)
+        else:
+            self.count += 1
+
+    def drop(self, frees: list[int]) -> None:
+        if self.replay is not None:
+            self.replay._release(self.name, frees)
+            return
+        self.count -= 1
+        if self.count == 0:
+            frees.append(self.block.id)
+
+
+class _Var:
+    """A Python name (or list) of the schedule's code: assigning holds the new tensors first, then lets go of
+    the old ones (`set`); `extend` adds to a list that lives until the step returns."""
+
+    def __init__(self) -> None:
+        self.refs: list[_Held] = []
+
+    def set(self, refs: list[_Held], frees: list[int]) -> None:
+        for r in refs:
+            r.hold()
+        old, self.refs = self.refs, list(refs)
+        for r in old:
+            r.drop(frees)
+
+    def extend(self, refs: list[_Held]) -> None:
+        for r in refs:
+            r.hold()
+        self.refs += refs
+
+
+class PipelineEngine(Engine):
+    """A pipeline rank: its own parameters, gradients and optimizer states (the rank tape's, no data
+    parallelism), and the schedule's step (`run_step`)."""
+
+    def __init__(self, b) -> None:
+        super().__init__(b)
+        self.pipeline = PipelineRank(b)
+
+    def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        hook = self.pipeline.module_end.get(id(replay))
+        if hook is not None and phase is Phase.FORWARD and i == hook[0]:
+            hook[1]()
+
+    def run_step(self, step: int, grads) -> None:
+        self.pipeline.run_step(step, grads)
+
+
+class PipelineRank:
+    """One pipeline rank's step, as torch.distributed.pipelining runs it (torch 2.13, `PipelineStage` with
+    static shapes, `return_outputs=False` as torchtitan calls `step`):
+
+    - the caller's whole batch (m x B, T) is allocated at the start of the step on the ranks that read it
+      (token ids: the first stage's; targets: the last stage's) and dropped when the step returns; the
+      schedule splits it into views (micro-batch `tensor_split`, no copy);
+    - step 1 only (`_initialize_pp_stages`: `_prepare_forward_infra`, then `_prepare_backward_infra` with
+      the stages in reverse): every non-first stage allocates m activation receive buffers, every non-last
+      stage m gradient receive buffers (`_make_tensor_from_meta`), kept for good; a micro-batch's forward
+      reads its activation buffer as a leaf, its backward starts from its gradient buffer (a gradient
+      summed into it is summed out of place: autograd does not own it);
+    - a forward (`forward_one_chunk`) replays the stage's ops; its output stays in `fwd_cache` until the
+      micro-batch's backward (the last stage: its logits, and the loss after them); a backward
+      (`stage_backward`) replays the backward and leaves the gradient of the stage's input in `bwd_cache`;
+    - what the schedule's Python code still references keeps a tensor alive past that: the `output`
+      variable (the latest forward's output), the P2POps of the latest sends (`fwd_sends`, `bwd_sends` in
+      Schedule1F1B), the send Works it keeps (Schedule1F1B's `send_work`; every send of the step in
+      ScheduleGPipe's `fwd_sends_to_wait` / `bwd_sends_to_wait` and in the runtime's `send_ops` of the
+      multi-stage schedules, all waited on, and dropped, only when the step returns);
+    - sends and receives are ops on the communication stream and waits on the compute stream, linked across
+      ranks (`_p2p`): the idle time of each rank (the bubble) comes out of the simulation.
+    The last stage's losses (4 bytes each) are kept until the step returns (`_internal_losses`). Not modelled:
+    the 4-byte int32 tensors of the first step's P2P warm-up vote, the 4-byte `ones_like` of each loss's
+    backward."""
+
+    def __init__(self, b) -> None:
+        self.b = b
+        self.setup = b.setup
+        self.stages: tuple[StageTape, ...] = b.tape.stages
+        self.by_index = {st.spec.index: st for st in self.stages}
+        self.recv_act: dict[tuple[int, int], Block] = {}
+        self.recv_grad: dict[tuple[int, int], Block] = {}
+        self.module_end: dict[int, tuple[int, object]] = {}
+        self.links = b.graph.__dict__.setdefault("pipeline_p2p", {})
+
+    # -- the step --------------------------------------------------------------------------------------
+    def run_step(self, step: int, grads) -> None:
+        b, s = self.b, self.setup
+        self.step, self.grads = step, grads
+        self.replays: dict[tuple[int, int], MicroBatchReplay] = {}
+        self.outputs: dict[tuple[int, int], _Held] = {}
+        self.input_grads: dict[tuple[int, int], _Held] = {}
+        m = s.grad_accum
+        self.batch = {}
+        for st in self.stages:
+            for t in st.batch:
+                if t.name not in self.batch:
+                    shape = (t.shape[0] * m,) + tuple(t.shape[1:])
+                    self.batch[t.name] = b.block(t.name, t.nbytes * m, Category.INPUT, t.dtype, shape)
+        if self.batch:
+            b.op("batch.load", Phase.FORWARD, step, -1, list(self.batch.values()), [])
+        if not self.recv_act and not self.recv_grad:
+            self._init_buffers()
+        self.vars: list[_Var] = []
+        self.losses = self._var()
+        if s.pp_schedule == "gpipe":
+            self._gpipe(self.stages[0])
+        elif s.pp_schedule == "1f1b":
+            self._one_f_one_b(self.stages[0])
+        else:
+            self._runtime()
+        frees: list[int] = []
+        for var in self.vars:  # the step returns: its locals and lists go
+            var.set([], frees)
+        frees += [blk.id for blk in self.batch.values()]
+        grad_bytes = sum(blk.nbytes for blk in grads.blocks.values())
+        b.op("pp.step_end", Phase.FORWARD, step, -1, [], frees, bytes_moved=2 * grad_bytes)  # scale_grads: in place
+
+    def _var(self) -> _Var:
+        var = _Var()
+        self.vars.append(var)
+        return var
+
+    def _release(self, frees: list[int]) -> None:
+        if frees:
+            self.b.op("pp.release", Phase.FORWARD, self.step, -1, [], frees)
+
+    def _init_buffers(self) -> None:
+        b, m = self.b, self.setup.grad_accum
+        acts, grads = [], []
+        for st in self.stages:
+            if st.input is not None:
+                for i in range(m):
+                    t = st.input
+                    self.recv_act[(st.spec.index, i)] = blk = b.block(
+                        f"pp.stage{st.spec.index}.recv_activation.mb{i}", t.nbytes, Category.ACTIVATION, t.dtype,
+                        t.shape)
+                    acts.append(blk)
+        for st in reversed(self.stages):
+            if st.output is not None:
+                for i in range(m):
+                    t = st.output
+                    self.recv_grad[(st.spec.index, i)] = blk = b.block(
+                        f"pp.stage{st.spec.index}.recv_grad.mb{i}", t.nbytes, Category.TEMPORARY, t.dtype, t.shape)
+                    grads.append(blk)
+        if acts:
+            b.op("pp.init.recv_activations", Phase.FORWARD, self.step, -1, acts, [])
+        if grads:
+            b.op("pp.init.recv_grads", Phase.FORWARD, self.step, -1, grads, [])
+
+    # -- compute actions ---------------------------------------------------------------------------------
+    def forward(self, st: StageTape, mb: int, after_module=None) -> None:
+        """`forward_one_chunk` (after waiting for its activation), with `after_module` run between the
+        stage module's last op and the loss (the schedule's code between the two calls)."""
+        key = (st.spec.index, mb)
+        if st.input is not None:
+            self._wait("F", st.spec.index, mb)
+        external = {t.name: (t, self.batch[t.name]) for t in st.batch}
+        if st.input is not None:
+            external[st.input.name] = (st.input, self.recv_act[key])
+        replay = MicroBatchReplay(self.b, st.tape, self.step, mb, self.grads, external=external)
+        self.replays[key] = replay
+        out = st.output.name if st.output is not None else st.tape.held[0]
+        self.outputs[key] = _Held(replay, out)
+        if after_module is not None:
+            end = max(i for i, op in enumerate(st.tape.ops) if not op.name.startswith("loss."))
+            self.module_end[id(replay)] = (end, after_module)
+        replay.forward()
+        self.module_end.pop(id(replay), None)
+        if st.tape.loss in replay.live:  # the schedule keeps every loss (`_internal_losses`) until the step returns
+            self.losses.extend([_Held(replay, st.tape.loss)])
+
+    def backward(self, st: StageTape, mb: int) -> _Held | None:
+        """`backward_one_chunk` (after waiting for its gradient): the input's gradient, in `bwd_cache`."""
+        key = (st.spec.index, mb)
+        replay = self.replays.pop(key)
+        if st.output is not None:
+            self._wait("B", st.spec.index, mb)
+            replay.receive_grad(st.output.name, self.recv_grad[key])
+        replay.backward()
+        if st.input is None:
+            return None
+        blk = replay.take_grad(st.input.name)
+        held = self.input_grads[key] = _Held(block=blk)
+        held.hold()  # bwd_cache
+        return held
+
+    def send_output(self, st: StageTape, mb: int) -> None:
+        if st.output is not None:
+            self._send("F", st.spec.index + 1, mb, st.output.nbytes)
+
+    def send_grad(self, st: StageTape, mb: int) -> None:
+        if st.input is not None:
+            self._send("B", st.spec.index - 1, mb, st.input.nbytes)
+
+    # -- point to point ----------------------------------------------------------------------------------
+    def _send(self, kind: str, to_stage: int, mb: int, nbytes: int) -> None:
+        b = self.b
+        name = f"pp.send_{'activation' if kind == 'F' else 'grad'}.stage{to_stage}.mb{mb}"
+        issue = b.op(f"{name}.issue", Phase.FORWARD, self.step, -1, [], [], duration=0.0)
+        send = b.op(name, Phase.FORWARD, self.step, -1, [], [], stream=Stream.COMMUNICATION,
+                    duration=b.device.collective_duration("broadcast", nbytes, 2), after=(issue.id,))
+        link = self.links.setdefault((kind, to_stage, mb, self.step), {"send": None, "waits": []})
+        link["send"] = send.id
+        for w in link["waits"]:
+            b.graph.graph.add_edge(send.id, w)
+
+    def _wait(self, kind: str, stage: int, mb: int) -> None:
+        link = self.links.setdefault((kind, stage, mb, self.step), {"send": None, "waits": []})
+        after = (link["send"],) if link["send"] is not None else ()
+        wait = self.b.op(f"pp.recv_{'activation' if kind == 'F' else 'grad'}.stage{stage}.mb{mb}", Phase.FORWARD,
+                         self.step, -1, [], [], duration=0.0, after=after)
+        if link["send"] is None:
+            link["waits"].append(wait.id)
+
+    # -- the schedules -----------------------------------------------------------------------------------
+    def _gpipe(self, st: StageTape) -> None:
+        """ScheduleGPipe._step_microbatches: the variables `output`, `ops`, `works`, and the lists of every
+        send's Works (`fwd_sends_to_wait`, `bwd_sends_to_wait`), all alive until the step returns."""
+        m = self.setup.grad_accum
+        output, ops, works, fwd_list, bwd_list = (self._var() for _ in range(5))
+        for i in range(m):
+            frees: list[int] = []
+            ops.set([], frees)  # the receive ops: they reference the receive buffers only
+            works.set([], frees)
+            self._release(frees)
+
+            def after_module(i=i):
+                frees: list[int] = []
+                output.set([self.outputs[(st.spec.index, i)]], frees)
+                if st.output is not None:
+                    ops.set([self.outputs[(st.spec.index, i)]], frees)
+                    self.send_output(st, i)
+                    works.set([self.outputs[(st.spec.index, i)]], frees)
+                    fwd_list.extend([self.outputs[(st.spec.index, i)]])
+                else:
+                    ops.set([], frees)
+                    works.set([], frees)
+                self._release(frees)
+            self.forward(st, i, after_module)
+        for i in range(m):
+            frees = []
+            ops.set([], frees)
+            works.set([], frees)
+            self._release(frees)
+            g = self.backward(st, i)
+            frees = []
+            if g is not None:
+                ops.set([g], frees)
+                g.drop(frees)  # out of bwd_cache
+                self.send_grad(st, i)
+                works.set([g], frees)
+                bwd_list.extend([g])
+            else:
+                ops.set([], frees)
+                works.set([], frees)
+            self._release(frees)
+
+    def _one_f_one_b(self, st: StageTape) -> None:
+        """Schedule1F1B._step_microbatches: warm-up forwards (the last one's send fused with the first
+        backward's receive), 1B1F, cool-down; its variables `output`, `fwd_sends`, `bwd_sends` (P2POps) and
+        `send_work` (the Works of the latest unfused send) keep their tensors until reassigned."""
+        s, m = st.spec.index, self.setup.grad_accum
+        warmup = min(m, self.setup.pp - s)
+        output, fwd_sends, bwd_sends, send_work = (self._var() for _ in range(4))
+        out = lambda k: [self.outputs[(s, k)]] if st.output is not None else []  # noqa: E731
+        fwd = bwd = 0
+        for _ in range(warmup):
+            def after_module(k=fwd):
+                frees: list[int] = []
+                output.set([self.outputs[(s, k)]], frees)
+                fwd_sends.set(out(k), frees)
+                if k != warmup - 1:
+                    if st.output is not None:
+                        self.send_output(st, k)
+                    send_work.set(out(k), frees)
+                self._release(frees)
+            self.forward(st, fwd, after_module)
+            fwd += 1
+        while True:
+            if st.output is not None:
+                self.send_output(st, fwd - 1)  # fwd_sends fused with this backward's receive
+            g = self.backward(st, bwd)
+            frees: list[int] = []
+            bwd_sends.set([g] if g is not None else [], frees)
+            if g is not None:
+                g.drop(frees)  # out of bwd_cache
+            self._release(frees)
+            bwd += 1
+            if fwd == m:
+                break
+            if g is not None:
+                self.send_grad(st, bwd - 1)  # bwd_sends fused with this forward's receive
+
+            def after_module(k=fwd):
+                frees: list[int] = []
+                output.set([self.outputs[(s, k)]], frees)
+                self._release(frees)
+            self.forward(st, fwd, after_module)
+            frees = []
+            fwd_sends.set(out(fwd), frees)
+            self._release(frees)
+            fwd += 1
+        frees = []
+        if st.input is not None:
+            self.send_grad(st, bwd - 1)
+        send_work.set(bwd_sends.refs, frees)
+        self._release(frees)
+        while bwd < m:
+            g = self.backward(st, bwd)
+            frees = []
+            bwd_sends.set([g] if g is not None else [], frees)
+            if g is not None:
+                g.drop(frees)
+                self.send_grad(st, bwd)
+            send_work.set(bwd_sends.refs, frees)
+            self._release(frees)
+            bwd += 1
+
+    def _runtime(self) -> None:
+        """_PipelineScheduleRuntime._step_microbatches over the rank's actions (interleaved-1f1b): each
+        forward's output and each backward's input gradient is sent right after it (`_add_send_recv`), and
+        the send Works are kept in `send_ops` until the step returns."""
+        s = self.setup
+        send_ops = self._var()
+        rank = self.stages[0].spec.rank
+        for a in rank_actions(s.pp_schedule, s.pp, s.grad_accum, rank, s.virtual_stages):
+            st = self.by_index[a.stage]
+            if a.kind == F:
+                self.forward(st, a.mb)
+                if st.output is not None:
+                    self.send_output(st, a.mb)
+                    send_ops.extend([self.outputs[(a.stage, a.mb)]])
+            else:
+                g = self.backward(st, a.mb)
+                if g is not None:
+                    self.send_grad(st, a.mb)
+                    send_ops.extend([g])
+                    frees: list[int] = []
+                    g.drop(frees)  # out of bwd_cache
+                    self._release(frees)
+
+
+def pipeline_metadata(tape: Tape, setup: TrainingSetup) -> dict:
+    """The layout and schedule a pipeline graph records (`metadata["pipeline"]`)."""
+    stages = _stage_tapes(tape, setup)
+    return {"pp": setup.pp, "schedule": setup.pp_schedule, "virtual_stages": setup.virtual_stages,
+            "micro_batches": setup.grad_accum,
+            "stages": [{"index": st.spec.index, "rank": st.spec.rank, "layers": [st.spec.layers.start,
+                                                                                st.spec.layers.stop],
+                        "embeddings": st.spec.first, "output": st.spec.last, "parameters": list(st.params)}
+                       for st in stages],
+            "actions": {r: [str(a) for a in rank_actions(setup.pp_schedule, setup.pp, setup.grad_accum, r,
+                                                         setup.virtual_stages)] for r in range(setup.pp)}}
+
+
+def pipeline_timing(graph) -> dict[int, dict]:
+    """Each rank's last simulated step in time, from the op graph as the simulator runs it (an op starts when
+    the op before it on its stream and every op it depends on have ended): the step's length on that rank
+    (its first op's start to its last op's end), the compute stream's busy time in it, and the bubble, the
+    idle fraction 1 - busy / length (waiting for activations and gradients from the other stages)."""
+    import networkx as nx
+
+    end: dict[int, float] = {}
+    start: dict[int, float] = {}
+    ops = {op.id: op for op in graph.ops_in_order()}
+    for op_id in nx.topological_sort(graph.graph):  # the op before on a stream is a predecessor too
+        t0 = max([end[d] for d in graph.predecessors(op_id)], default=0.0)
+        start[op_id], end[op_id] = t0, t0 + ops[op_id].duration
+    last_step = max((op.step for op in graph.ops_in_order()), default=0)
+    out = {}
+    for rank in sorted({op.rank for op in graph.ops_in_order()}):
+        ops = [op for op in graph.ops_in_order() if op.rank == rank and op.step == last_step]
+        if not ops:
+            continue
+        length = max(end[op.id] for op in ops) - min(start[op.id] for op in ops)
+        busy = sum(op.duration for op in ops if op.stream is Stream.COMPUTE and not op.name.startswith("pp.recv"))
+        out[rank] = {"step": last_step, "step_time_s": length, "busy_s": busy,
+                     "bubble": 1 - busy / length if length > 0 else 0.0}
+    return out

@@ -1,0 +1,298 @@
+"""Measure every rank of a real pipeline-parallel CPU run: torch.distributed.pipelining on gloo, 127.0.0.1.
+
+`measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as traces/distributed.py joins
+its ranks (rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`). Each process
+builds the same reference model (`models.reference.build_model`, same seed), cuts its stages out of it as
+torchtitan's `pipeline_module_split` does (the stage layout is models/parallel/pipeline.py `stage_layout`:
+a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one parameter on the
+first stage and one on the last), wraps each in a `PipelineStage` with its input and output shapes given
+(static metadata: no shape-inference forward), and runs `setup.steps` steps of
+
+    schedule.step(x, target=y, return_outputs=False)   # torchtitan's call; x on the first stage, y on the last
+    optimizer.step(); optimizer.zero_grad(set_to_none)
+
+with the schedule of `setup.pp_schedule` (ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B over
+`setup.grad_accum` micro-batches of `setup.micro_batch`, loss_fn = the reference model's own cross-entropy,
+scale_grads=True: the gradients are divided in place by the micro-batch count after the last backward) under
+the rank's own `AllocationTracker(rank=r)`. The whole batch (x: (m x B, T) token ids, y: targets) is built at
+the start of each step on the rank that reads it, as INPUT; the schedule splits it into views. Each stage's
+forward (and the last stage's loss) and backward of a micro-batch are labelled FORWARD / BACKWARD with that
+micro-batch; the schedule's own work between them (its first-step buffers, sends, what it lets go of, the end
+of the step) is FORWARD with micro-batch -1, as the simulation labels it (models/parallel/pipeline.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..models.config import TrainingSetup, TransformerConfig
+from ..models.parallel.pipeline import StageSpec, rank_stages
+from ..simulator.events import Category, EventLog, Phase
+from .distributed import LOOPBACK, _kill_all, _loopback_listener, free_loopback_port
+from .store import load_log, save_log
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class PipelineJob:
+    model_cfg: TransformerConfig
+    setup: TrainingSetup
+    port: int
+    out_dir: str
+    seed: int = 0
+    lr: float = 1e-3
+    timeout_s: float = 120.0
+
+
+def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: int = 0,
+                     timeout_s: float = 120.0) -> list[EventLog]:
+    """Run `setup.steps` real pipeline-parallel training steps of `model_cfg` on `setup.pp` CPU processes (gloo,
+    loopback only); one tracked `EventLog` per pipeline rank, in rank order. Uses micro_batch, seq_len,
+    grad_accum (the micro-batches of a step), steps, precision ("fp32" or "bf16"), optimizer, optimizer_impl,
+    set_to_none, pp, pp_schedule and virtual_stages. Call under `if __name__ == "__main__":` in a script;
+    every process is joined within `timeout_s` seconds, else all are killed and TimeoutError is raised."""
+    _check(model_cfg, setup)
+    with tempfile.TemporaryDirectory(prefix="peakledger-pp-") as tmp:
+        job = PipelineJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
+        _spawn_and_join(job)
+        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.pp)]
+
+
+def _check(model_cfg, setup: TrainingSetup) -> None:
+    from ..models.parallel.pipeline import check_model_parallel
+    from ..models.reference import optimizer_class
+
+    if setup.pp < 2:
+        raise ValueError(f"a pipeline run needs pp >= 2, got {setup.pp}")
+    if setup.pp_schedule not in SCHEDULES:
+        raise NotImplementedError(f"real pipeline runs use {', '.join(SCHEDULES)}, not {setup.pp_schedule!r}")
+    if setup.precision not in ("fp32", "bf16"):
+        raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision!r}")
+    check_model_parallel(model_cfg, setup)
+    optimizer_class(setup)
+
+
+def _spawn_and_join(job: PipelineJob) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.setup.pp, join=False, start_method="spawn")
+    deadline = time.monotonic() + job.timeout_s
+    try:
+        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job.setup.pp_schedule} x {job.setup.pp} ranks did not finish in "
+                                   f"{job.timeout_s:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise RuntimeError(f"a rank failed:\n{e}") from None
+    finally:
+        _kill_all(context.processes)
+
+
+def _rank_main(rank: int, job: PipelineJob) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    n = job.setup.pp
+    with _loopback_listener(rank, job.port) as listener:
+        store = dist.TCPStore(LOOPBACK, job.port, n, is_master=rank == 0, timeout=timeout,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
+        try:
+            save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+# -- the stages ---------------------------------------------------------------------------------------------
+
+class StageModule(nn.Module):
+    """The modules of one stage, cut out of the reference `GPT` (models/reference.py) with their names kept:
+    GPT-2: `transformer.{wte, wpe, drop}` (first), `transformer.h.<i>` (as a ModuleDict keyed by the block's
+    index), `transformer.ln_f` and `lm_head` (last); Llama: `model.embed_tokens` (first), `model.layers.<i>`,
+    `model.norm` and `lm_head` (last), and the rotary `inv_freq` buffer on every stage. `forward` is the
+    reference model's, restricted to the stage: GPT.forward and LlamaModel.forward (Llama's cos / sin tables
+    computed on each stage that runs blocks)."""
+
+    def __init__(self, full: nn.Module, cfg: TransformerConfig, spec: StageSpec) -> None:
+        super().__init__()
+        self.cfg, self.first, self.last, self.n_blocks = cfg, spec.first, spec.last, len(spec.layers)
+        self.gpt2 = cfg.family == "gpt2"
+        if self.gpt2:
+            parts = {}
+            if spec.first:
+                parts.update(wte=copy.deepcopy(full.transformer.wte), wpe=copy.deepcopy(full.transformer.wpe),
+                             drop=copy.deepcopy(full.transformer.drop))
+            parts["h"] = nn.ModuleDict({str(i): copy.deepcopy(full.transformer.h[i]) for i in spec.layers})
+            if spec.last:
+                parts["ln_f"] = copy.deepcopy(full.transformer.ln_f)
+            self.transformer = nn.ModuleDict(parts)
+        else:
+            self.model = nn.Module()
+            if spec.first:
+                self.model.embed_tokens = copy.deepcopy(full.model.embed_tokens)
+            self.model.layers = nn.ModuleDict({str(i): copy.deepcopy(full.model.layers[i]) for i in spec.layers})
+            if spec.last:
+                self.model.norm = copy.deepcopy(full.model.norm)
+            self.model.register_buffer("inv_freq", full.model.inv_freq.clone(), persistent=False)
+            self.eager = full.model.eager
+        if spec.last:
+            self.lm_head = copy.deepcopy(full.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gpt2:
+            t = self.transformer
+            if self.first:
+                pos = torch.arange(0, x.size(1), dtype=torch.long, device=x.device)
+                x = t.drop(t.wte(x) + t.wpe(pos))
+            for block in t.h.values():
+                x = block(x)
+            if self.last:
+                x = t.ln_f(x)
+        else:
+            m = self.model
+            if self.first:
+                x = m.embed_tokens(x)
+            if self.n_blocks:
+                T = x.shape[1]
+                pos = torch.arange(T, device=x.device, dtype=torch.float32)
+                freqs = torch.outer(pos, m.inv_freq)
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if self.eager else None
+                for layer in m.layers.values():
+                    x = layer(x, cos, sin, causal)
+            if self.last:
+                x = m.norm(x)
+        return self.lm_head(x) if self.last else x
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The reference model's loss (GPT.forward): cross-entropy over the flattened logits."""
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def _stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec: StageSpec, dtype: torch.dtype):
+    """Example input and output tensors of one stage's micro-batch (PipelineStage's static metadata)."""
+    B, T = setup.micro_batch, setup.seq_len
+    hidden = torch.empty(B, T, cfg.d_model, dtype=dtype, requires_grad=True)
+    x = torch.zeros(B, T, dtype=torch.long) if spec.first else hidden
+    out = torch.empty(B, T, cfg.vocab_size, dtype=dtype, requires_grad=True) if spec.last else hidden
+    return x, out
+
+
+def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
+    import gc
+
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    from ..models.reference import build_model, make_batch, torch_optimizer
+    from .tracker import AllocationTracker
+
+    torch.set_num_threads(1)
+    cfg, setup = job.model_cfg, job.setup
+    specs = rank_stages(setup, cfg.n_layer, rank)
+    full = build_model(cfg, setup, seed=job.seed)
+    dtype = next(full.parameters()).dtype
+    modules = [StageModule(full, cfg, spec).train() for spec in specs]
+    del full
+    gc.collect()
+    n_stages = setup.pp * setup.virtual_stages
+    stages = []
+    for spec, module in zip(specs, modules):
+        x, out = _stage_shapes(cfg, setup, spec, dtype)
+        stages.append(PipelineStage(module, spec.index, n_stages, torch.device("cpu"), input_args=(x,),
+                                    output_args=(out,)))
+        del x, out
+    cls = getattr(schedules, SCHEDULES[setup.pp_schedule])
+    m = setup.grad_accum
+    schedule = cls(stages if setup.pp_schedule == "interleaved-1f1b" else stages[0], n_microbatches=m,
+                   loss_fn=pipeline_loss)
+    tracked = modules[0] if len(modules) == 1 else nn.ModuleDict({f"stage{s.index}": mod
+                                                                  for s, mod in zip(specs, modules)})
+    optimizer = torch_optimizer([p for mod in modules for p in mod.parameters()], setup, job.lr)
+    batches = make_batch(cfg, setup, seed=job.seed + 1)  # the m micro-batches of a step, the same every step
+    whole = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    first, last = any(s.first for s in specs), any(s.last for s in specs)
+    tracker = AllocationTracker(tracked, optimizer, known=whole + tuple(t for b in batches for t in b), rank=rank)
+    step_now = [0]
+    for stage in stages:
+        _label_stage(stage, tracker, step_now)
+    _label_loss(schedule, tracker, step_now)
+    torch.manual_seed(job.seed)
+    with tracker:
+        for step in range(1, setup.steps + 1):
+            step_now[0] = step
+            with tracker.phase(Phase.FORWARD, step, -1):
+                x = whole[0].clone() if first else None
+                y = whole[1].clone() if last else None
+                if first:
+                    tracker.mark(x, Category.INPUT, name="batch.idx")
+                if last:
+                    tracker.mark(y, Category.INPUT, name="batch.targets")
+                args = (x,) if first else ()
+                schedule.step(*args, target=y, return_outputs=False)
+                tracker.scan()
+                del x, y, args
+            with tracker.phase(Phase.OPTIMIZER, step):
+                optimizer.step()
+                tracker.scan()
+            with tracker.phase(Phase.ZERO_GRAD, step):
+                optimizer.zero_grad(set_to_none=setup.set_to_none)
+                tracker.scan()
+    metadata = {"engine": "pipeline", "pp": setup.pp, "pp_schedule": setup.pp_schedule,
+                "virtual_stages": setup.virtual_stages, "world_size": setup.pp, "rank": rank,
+                "stages": [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "first": s.first,
+                            "last": s.last} for s in specs],
+                "backend": "gloo", "torch_version": torch.__version__, "model": dataclasses.asdict(cfg),
+                "model_kind": type(cfg).__name__, "setup": dataclasses.asdict(setup), "steps": setup.steps,
+                "grad_accum": m, "set_to_none": setup.set_to_none}
+    return tracker.log(metadata)
+
+
+def _label_loss(schedule, tracker, step_now: list[int]) -> None:
+    """The last stage's loss of a micro-batch (the schedule's `_maybe_compute_loss`, right after the stage's
+    forward) is labelled FORWARD with that micro-batch, as the stage's forward is."""
+    compute = schedule._maybe_compute_loss
+
+    def maybe_compute_loss(stage, output, target_mbs, mb_index, *args, **kwargs):
+        with tracker.phase(Phase.FORWARD, step_now[0], mb_index):
+            return compute(stage, output, target_mbs, mb_index, *args, **kwargs)
+
+    schedule._maybe_compute_loss = maybe_compute_loss
+
+
+def _label_stage(stage, tracker, step_now: list[int]) -> None:
+    """Run each forward / backward of `stage` under its own phase and micro-batch, mark what the stage keeps
+    of a forward (its output, held for the backward) as ACTIVATION, and label gradients after a backward."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        with tracker.phase(Phase.FORWARD, step_now[0], fwd_chunk_id):
+            out = forward(fwd_chunk_id, *args, **kwargs)
+            tracker.mark(out, Category.ACTIVATION)
+        return out
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        with tracker.phase(Phase.BACKWARD, step_now[0], bwd_chunk_id):
+            result = backward(bwd_chunk_id, *args, **kwargs)
+            tracker.scan()
+        return result
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+
+
+__all__ = ["measure_pipeline", "StageModule", "pipeline_loss", "PipelineJob", "SCHEDULES"]
