@@ -373,6 +373,8 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     from .traces.distributed import measure_distributed, without_backend_copies
 
     setup = scenario.setup
+    if setup.pp > 1:
+        return validate_pipeline(scenario, backend)
     if setup.optimizer_offload != "none" and setup.dp_engine == "zero-redundancy-optimizer":
         raise ConfigError("optimizer_offload", "real runs wrap FSDP2's and DDP's optimizers in the offload, not "
                                                "ZeroRedundancyOptimizer's local one; allowed there: none")
@@ -384,6 +386,32 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
         backend=backend)]
     simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r}", rank=r), log)
+            for r, log in enumerate(logs)], simulated
+
+
+def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
+    """`validate_ranks` for pipeline parallelism (`setup.pp` > 1): the scenario's stages run for real with
+    torch.distributed.pipelining on `pp` CPU processes (gloo, 127.0.0.1; traces/pipeline_run.py), every rank
+    measured and held against its simulated rank. Returns [(Validation, measured log)] in rank order, and
+    the simulated log."""
+    from .analysis.validate import compare_logs
+    from .traces.pipeline_run import SCHEDULES, measure_pipeline
+
+    setup = scenario.setup
+    if backend != "gloo":
+        raise ConfigError("pg_backend", "a pipeline runs over gloo (its sends and receives move real activations); "
+                                        "drop --pg-backend or give gloo")
+    if setup.pp_schedule not in SCHEDULES:
+        raise ConfigError("pp_schedule", f"real pipeline runs use {', '.join(SCHEDULES)}; {setup.pp_schedule} is "
+                                         "not simulated yet")
+    if setup.precision not in ("fp32", "bf16"):
+        raise ConfigError("precision", f"real pipeline runs are fp32 or bf16, not {setup.precision!r}")
+    logs = measure_pipeline(scenario.model, setup)
+    simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True))
+    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (pipeline stage"
+                                                f"{'s' if setup.virtual_stages > 1 else ''} "
+                                                f"{', '.join(str(st['index']) for st in log.metadata['stages'])})",
+                          rank=r), log)
             for r, log in enumerate(logs)], simulated
 
 

@@ -236,6 +236,10 @@ def cmd_validate_ranks(args, scenario) -> int:
         for v, _ in results:
             print(render_validation(v, args.unit or "MiB"))
             print("")
+    if scenario.setup.pp > 1 and not args.json:  # what the stages hold apart: first stage vs last stage
+        first, last = results[0][0].overall, results[-1][0].overall
+        print(f"last stage - first stage peak: measured {last.measured - first.measured:+,} B, predicted "
+              f"{last.predicted - first.predicted:+,} B")
     if args.tolerance is not None:
         worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
         ok = worst.passes(args.tolerance)

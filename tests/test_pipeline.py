@@ -177,8 +177,24 @@ def _against_real(name, pp, schedule, m, v=1, n_layer=None):
 
 
 def test_two_stages_1f1b_match_a_real_run():
-    measured = _against_real("tiny", 2, "1f1b", 4)
-    assert [log.metadata["stages"][0]["index"] for log in measured] == [0, 1]
+    """`validate --pp 2` (api.validate_ranks): each rank of a real run against its simulated rank."""
+    from peakledger import api
+    from peakledger.analysis.validate import static_rows
+    from peakledger.scenario import Scenario
+
+    setup = TrainingSetup(micro_batch=2, seq_len=32, grad_accum=4, steps=2, world_size=2, pp=2)
+    results, simulated = api.validate_ranks(Scenario(name="tiny", model=preset("tiny"), setup=setup, device="cpu"))
+    assert [log.metadata["stages"][0]["index"] for _, log in results] == [0, 1]
+    for rank, (val, log) in enumerate(results):
+        assert static_rows(log, rank) == static_rows(simulated, rank)
+        assert val.passes(0.01) and abs(val.overall.predicted - val.overall.measured) <= 64, val.overall
+    first, last = results[0][0].overall, results[-1][0].overall
+    assert abs((last.measured - first.measured) - (last.predicted - first.predicted)) <= 64
+
+
+def test_validate_pipeline_refuses_the_fake_process_group(capsys):
+    assert main(["validate", "--pp", "2", "--world-size", "2", "--grad-accum", "2", "--pg-backend", "fake"]) == 2
+    assert "pg_backend" in capsys.readouterr().err
 
 
 @slow

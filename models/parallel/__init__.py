@@ -42,7 +42,8 @@ the autograd replay (`autograd.py`) at the moments the real engine acts.
 
 Modules: layout.py (the pure layout functions and constants), engine.py (`Engine`, the hooks and the single-rank
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
-deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup.
+deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Pipeline parallelism (`setup.pp`) is
+pipeline.py: each rank a `PipelineEngine` over its stages' tape, its micro-batches in its schedule's order.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from .gathering import Gathering
 from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, ROOT, UNIT_PATTERN, OptimTensor, ceil_div,
                      dim0_ranges, dim0_shard, flat_partition, greedy_owners, greedy_partition, own_dtype, sub_groups,
                      unit_of)
+from .pipeline import PipelineEngine, check_model_parallel, rank_actions, stage_layout
 
 
 def make_engine(b) -> Engine:
@@ -76,4 +78,5 @@ def make_engine(b) -> Engine:
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
            "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT", "UNIT_PATTERN",
            "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners", "greedy_partition",
-           "own_dtype", "sub_groups", "unit_of", "make_engine"]
+           "own_dtype", "sub_groups", "unit_of", "make_engine", "PipelineEngine", "check_model_parallel", "rank_actions",
+           "stage_layout"]
