@@ -221,21 +221,33 @@ def report_json(r: Report) -> dict:
     return out
 
 
+def _dp(setup: dict) -> int:
+    """Data-parallel ranks: world_size / (tp x pp x cp) (models/config.py TrainingSetup.dp)."""
+    return setup["world_size"] // (setup.get("tp", 1) * setup.get("pp", 1) * setup.get("cp", 1))
+
+
 def _engine_short(setup: dict) -> str:
     engine = setup.get("dp_engine", "deepspeed")
     name = f"ZeRO-{setup['zero_stage']}" if engine == "deepspeed" else engine
-    return f"{name} x {setup['world_size']}"
+    pp = f", pp {setup['pp']} ({setup['pp_schedule']})" if setup.get("pp", 1) > 1 else ""
+    return f"{name} x {_dp(setup)}{pp}"
 
 
 def _engine_text(setup: dict) -> str:
-    engine = setup.get("dp_engine", "deepspeed")
+    engine, dp = setup.get("dp_engine", "deepspeed"), _dp(setup)
     if engine == "deepspeed":
-        return f"DeepSpeed ZeRO-{setup['zero_stage']} on {setup['world_size']} ranks"
+        return f"DeepSpeed ZeRO-{setup['zero_stage']} on {dp} ranks"
     if engine == "fsdp2":
-        return (f"FSDP2 fully_shard on {setup['world_size']} ranks, reshard_after_forward="
+        return (f"FSDP2 fully_shard on {dp} ranks, reshard_after_forward="
                 f"{setup['reshard_after_forward']}, prefetch forward {setup['forward_prefetch']} / backward "
                 f"{setup['backward_prefetch']}")
-    return f"{engine} on {setup['world_size']} ranks"
+    return f"{engine} on {dp} ranks"
+
+
+def _pipeline_text(setup: dict) -> str:
+    v = setup.get("virtual_stages", 1)
+    return (f"{setup['pp']} stages ({setup['pp']} x {v} virtual)" if v > 1 else f"{setup['pp']} stages") + \
+        f", schedule {setup['pp_schedule']}, {setup['grad_accum']} micro-batches per step"
 
 
 def _rank_range(ranks: Sequence[int]) -> str:
@@ -276,12 +288,14 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             if md.get("describer_note"):
                 lines.append(f"  note: {md['describer_note']}")
             lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                         f"{setup['world_size']} = {b_eff}; {steps_text(run_plan(r.log))}")
+                         f"{_dp(setup)} = {b_eff}; {steps_text(run_plan(r.log))}")
         else:
             lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                         f"{setup['world_size']} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
-        if setup.get("world_size", 1) > 1:
+                         f"{_dp(setup)} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
+        if _dp(setup) > 1:
             lines.append(f"  data parallel: {_engine_text(setup)}")
+        if setup.get("pp", 1) > 1:
+            lines.append(f"  pipeline parallel: {_pipeline_text(setup)}")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")

@@ -451,23 +451,6 @@ def _pipeline_schedule(setup) -> None:
         raise ConfigError("grad_accum", f"interleaved-1f1b runs the micro-batches in rounds of pp: number_of_rounds = "
                                         f"max(1, {m} // {pp}) = {rounds} must divide grad_accum={m} (torch's "
                                         f"ScheduleInterleaved1F1B); allowed e.g. {', '.join(map(str, _rounds_ok(pp)))}")
-    not_yet = [("world_size", setup.tp * setup.pp * setup.cp == setup.world_size,
-                f"pp with data parallelism (dp = {setup.dp}) is not simulated yet: world_size must be "
-                f"tp x pp x cp = {setup.tp * setup.pp * setup.cp}"),
-               ("zero_stage", setup.zero_stage == 0, "pp with ZeRO is not simulated yet: zero_stage 0"),
-               ("dp_engine", setup.dp_engine == "deepspeed", "pp with a data-parallel engine is not simulated yet: "
-                                                              "leave dp_engine out"),
-               ("checkpointing", setup.checkpointing == "none", "pp with activation checkpointing is not simulated "
-                                                                 "yet: checkpointing none"),
-               ("optimizer_offload", setup.optimizer_offload == "none", "pp with optimizer-state offload is not "
-                                                                         "simulated yet: optimizer_offload none"),
-               ("checkpoint_every", setup.checkpoint_every == 0 and setup.load_mode == "none",
-                "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
-               ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
-               ("passes", setup.passes == "train", "pp runs training steps: passes train")]
-    for name, ok, why in not_yet:
-        if not ok:
-            raise ConfigError(name, why)
 
 
 def _rounds_ok(pp: int) -> list[int]:

@@ -125,6 +125,28 @@ def peers(scenario: Scenario) -> list[dict]:
     return rows
 
 
+def parallel_peers(scenario: Scenario) -> list[dict]:
+    """Model parallelism (tp / pp / cp): Megatron's theoretical memory and llm-analysis's formulas
+    (analysis/peers_parallel.py) beside peakledger's simulation of the same layout, its worst rank first; where
+    peakledger does not simulate the layout yet, its row says why instead of a number."""
+    from .analysis.peers import model_state_peak
+    from .analysis.peers_parallel import parallel_peers as formulas
+
+    s = scenario.setup
+    rows = formulas(scenario.model, s, tp=s.tp, pp=s.pp, cp=s.cp, sequence_parallel=s.sequence_parallel,
+                    virtual_stages=s.virtual_stages, pp_schedule=s.pp_schedule)
+    try:
+        report = run(scenario)
+    except ConfigError as e:
+        return [{"source": "peakledger", "why": [f"not simulated: {e}"]}] + rows
+    ours = {"source": "peakledger", "peak": report.peaks.peak.bytes,
+            "model_states": max(model_state_peak(report.log, rp.rank) for rp in report.ranks),
+            "why": [f"simulated: rank {report.peaks.rank}'s peak (the worst of {len(report.ranks)} rank classes) at "
+                    f"{report.peaks.peak.event.op if report.peaks.peak.event else '-'}, the schedule run op by op; "
+                    "activations, temporaries and buffers are all in the peak"]}
+    return [ours] + rows
+
+
 @dataclass(frozen=True)
 class Fix:
     """One change to the scenario, re-simulated: its worst-rank peak and simulated step time."""

@@ -80,7 +80,7 @@ def cmd_max_batch(args) -> int:
     if best > 0:
         at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
         result["peak_at_max"] = at.peaks.peak.bytes
-        result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.world_size
+        result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.dp
     if args.json:
         _write_json(result)
         return 0
@@ -100,6 +100,15 @@ def cmd_max_batch(args) -> int:
 
 
 def cmd_peers(args, base) -> int:
+    s = base.setup
+    if s.tp * s.pp * s.cp > 1:  # model parallelism: Megatron's and llm-analysis's formulas
+        from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
+        rows = api.parallel_peers(base)
+        if args.json:
+            _write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
+            return 0
+        print(render_parallel_peers(rows, args.unit, base.name))
+        return 0
     rows = api.peers(base)
     if args.json:
         _write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})

@@ -216,9 +216,6 @@ def test_more_schedules_match_real_runs(name, pp, schedule, m, v, n_layer):
     (dict(pp=2, world_size=2, grad_accum=2, virtual_stages=2), "virtual_stages", "one stage per rank"),
     (dict(pp=4, world_size=4, grad_accum=9, pp_schedule="interleaved-1f1b", virtual_stages=2), "grad_accum",
      "number_of_rounds"),
-    (dict(pp=2, world_size=4, grad_accum=2), "world_size", "not simulated yet"),
-    (dict(pp=2, world_size=2, grad_accum=2, checkpointing="full"), "checkpointing", "not simulated yet"),
-    (dict(pp=2, world_size=2, grad_accum=2, dp_engine="fsdp2"), "dp_engine", "not simulated yet"),
     (dict(tp=2, world_size=3), "tp", "does not divide world_size"),
     (dict(sequence_parallel=True), "sequence_parallel", "needs tp > 1"),
     (dict(ep=2, cp=4, world_size=4), "ep", "dp x cp"),
@@ -240,6 +237,11 @@ def test_bad_setups_name_the_field(fields, field, words):
     ("tiny", dict(pp=2, world_size=2, grad_accum=2, pp_schedule="zbv", virtual_stages=2), "pp_schedule",
      "not simulated yet"),
     ("tiny-mlp", dict(pp=2, world_size=2, grad_accum=2), "pp", "not an MLP"),
+    # what pp is not simulated with yet is refused when the model is described (a scenario with it can still be
+    # compared with Megatron's and llm-analysis's formulas: compare --peers)
+    ("tiny", dict(pp=2, world_size=4, grad_accum=2), "world_size", "not simulated yet"),
+    ("tiny", dict(pp=2, world_size=2, grad_accum=2, checkpointing="full"), "checkpointing", "not simulated yet"),
+    ("tiny", dict(pp=2, world_size=2, grad_accum=2, dp_engine="fsdp2"), "dp_engine", "not simulated yet"),
 ])
 def test_bad_setups_for_the_model_name_the_field(model, fields, field, words):
     with pytest.raises(ConfigError) as e:

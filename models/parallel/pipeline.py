@@ -84,6 +84,7 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
                                     "parallel degrees only pp, pipeline parallelism, is simulated)")
     if s.pp == 1:
         return
+    check_pipeline_supported(s)
     if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
         kind = ("an MLP" if isinstance(model, MLPConfig) else
                 "a traced model" if not isinstance(model, TransformerConfig) else
@@ -778,3 +779,27 @@ def pipeline_timing(graph) -> dict[int, dict]:
         out[rank] = {"step": last_step, "step_time_s": length, "busy_s": busy,
                      "bubble": 1 - busy / length if length > 0 else 0.0}
     return out
+
+
+def check_pipeline_supported(setup: TrainingSetup) -> None:
+    """What pipeline parallelism is not simulated with yet (checked when the model is described, so a scenario
+    with these degrees can still be compared with the formulas of `compare --peers`)."""
+    if setup.pp == 1:
+        return
+    not_yet = [("world_size", setup.tp * setup.pp * setup.cp == setup.world_size,
+                f"pp with data parallelism (dp = {setup.dp}) is not simulated yet: world_size must be "
+                f"tp x pp x cp = {setup.tp * setup.pp * setup.cp}"),
+               ("zero_stage", setup.zero_stage == 0, "pp with ZeRO is not simulated yet: zero_stage 0"),
+               ("dp_engine", setup.dp_engine == "deepspeed", "pp with a data-parallel engine is not simulated yet: "
+                                                              "leave dp_engine out"),
+               ("checkpointing", setup.checkpointing == "none", "pp with activation checkpointing is not simulated "
+                                                                 "yet: checkpointing none"),
+               ("optimizer_offload", setup.optimizer_offload == "none", "pp with optimizer-state offload is not "
+                                                                         "simulated yet: optimizer_offload none"),
+               ("checkpoint_every", setup.checkpoint_every == 0 and setup.load_mode == "none",
+                "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
+               ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
+               ("passes", setup.passes == "train", "pp runs training steps: passes train")]
+    for name, ok, why in not_yet:
+        if not ok:
+            raise ConfigError(name, why)
