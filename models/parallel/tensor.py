@@ -1,0 +1,491 @@
+"""Tensor parallelism (TP) and sequence parallelism (SP) as torch's DTensor runs them: one rank's tape.
+
+`tensor_parallel_tape(tape, tp, sequence_parallel, rank)` rewrites a hand-written GPT-2 (nanoGPT) or Llama tape
+(models/transformer.py) into what one tensor-parallel rank allocates under `parallelize_module` with the plan of
+traces/tensor_run.py `tp_plan` (torchtitan's `apply_tp`, torchtitan/models/llama3/infra/parallelize.py):
+
+- parameters (ParamSpec shapes are the rank's local shards, torch.chunk's split: ceil(n / tp) rows, the last
+  ranks fewer):
+    ColwiseParallel q/k/v, c_attn, gate/up, c_fc, lm_head: weight and bias Shard(0)
+        # torch/distributed/tensor/parallel/style.py ColwiseParallel._partition_linear_fn
+    RowwiseParallel o_proj, c_proj, down_proj: weight Shard(1), bias replicated
+        # style.py RowwiseParallel._partition_linear_fn
+    RowwiseParallel embedding (vocab-parallel): weight Shard(0), rows of the vocabulary
+        # style.py RowwiseParallel._partition_embedding_fn
+    norms, GPT-2's position table: replicated (SequenceParallel wraps norms in place: style.py
+        SequenceParallel._replicate_module_fn)
+- activations between a column- and a row-parallel linear: heads / tp (attention), ffn / tp (MLP); with SP,
+  everything between the embedding and the head (norms, residual stream) is sequence-sharded, T / tp.
+- collectives, each a TapeOp whose output is the collective's result (what `_c10d_functional` allocates, funcol
+  is out of place: torch/distributed/_functional_collectives.py `all_reduce` / `all_gather_tensor` /
+  `reduce_scatter_tensor`):
+    "all_reduce"      Partial -> Replicate (row-parallel output, embedding without SP): a new tensor of the
+                      output's shape; the partial goes after it; backward hands the gradient on (the
+                      Replicate gradient needs no collective: torch/distributed/tensor/_redistribute.py
+                      `Redistribute.backward` turns a Partial source into Replicate)
+    "reduce_scatter"  Partial -> Shard(1) (SP row-parallel output and embedding): gathered along dim 1, so funcol
+                      first concatenates the dim-1 chunks on dim 0 (a full-size copy, workspace), then the
+                      (B, T / tp, D) result; backward: the gradient all-gathered (workspace: the dim-0 gather
+                      buffer, then the dim-1 concatenation, the gradient)
+    "all_gather"      Shard(1) -> Replicate before the column-parallel linears with SP (PrepareModuleInput,
+                      style.py; and lm_head's input_layouts=Shard(1)): a dim-0 gather buffer (tp x B, T / tp, D)
+                      then the concatenation (B, T, D); backward: the reduce-scatter of the summed Partial
+                      gradient (a full-size concatenation, workspace, then the (B, T / tp, D) gradient)
+    "shard"           Replicate -> Shard(0) of GPT-2's (T, D) position rows with SP (PrepareModuleOutput): a
+                      contiguous copy of this rank's rows; backward: the gradient all-gathered (T, D)
+- the loss under `loss_parallel()` (torch/distributed/tensor/parallel/loss.py `_log_softmax_handler`,
+  `_nll_loss_forward_handler`, `_nll_loss_and_log_softmax_backward`) on (B, T, V / tp) logits: max, all-reduce,
+  x - max (kept until the log-softmax is made), exp, sum, all-reduce, log, the log-softmax (saved); the nll
+  loss gathers the local targets' values (masked) and all-reduces them; its backward writes the gradient of the
+  logits from exp(log-softmax) in three (B, T, V / tp) tensors at its highest point.
+
+What no TapeOp can say is kept on the returned `TensorParallelTape` and done by `TensorParallelEngine`, a thin
+wrapper of the rank's data-parallel engine that the replay's hooks reach (models/autograd.py calls
+`engine.before_op` / `after_op` around every op, `engine.param_grad` for every parameter gradient):
+- `grad_hooks`: after an op's backward node, (a) "sum": a gradient contribution that DTensor sums out of place
+  (Partial input gradients of the q/k/v and gate/up linears, measured as `ViewBackward0.add`; SP: the residual
+  stream's gradient where a SequenceParallel norm's `DTensor.from_local` hands back an alias of its DTensor's
+  local tensor, so autograd's input buffer cannot add in place: `_FromTorchTensorBackward.add`), and (b)
+  "all_reduce": without SP, the input gradient of the column-parallel linears, Partial, all-reduced by the
+  backward of the `DTensor.from_local` that ColwiseParallel / PrepareModuleInput wrapped the replicated input
+  in (style.py `_prepare_input_fn`; torch/distributed/tensor/_api.py `_FromTorchTensor.backward`): a new
+  tensor, the partial freed. Neither has a forward allocation to hang a TapeOp on (`from_local` makes no
+  memory), hence the hook.
+- `grad_shapes`: a vocab-parallel embedding's gradient, when nothing else adds into it (an untied embedding),
+  is the full (V, D) table on every rank: DTensor's embedding_dense_backward strategy makes it Replicate
+  (measured: `model.embed_tokens.weight.grad` (V, D), while the weight and its AdamW states are (V / tp, D)).
+- collective TapeOps also get an op on the rank's communication stream (timing only; their buffers are allocated
+  in program order on the compute stream, as the CPU run shows them).
+
+Everything here was measured on real DTensor runs (traces/tensor_run.py: gloo, 127.0.0.1, torch 2.13 CPU, the
+tracker seeing the plain ops inside DTensor's dispatch), see /tmp/readme_tp.md for the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ...simulator.events import Category, Phase, Stream
+from ..tape import ParamSpec, Tape, TapeOp, TensorSpec
+
+COLWISE = ("attn.c_attn", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.c_fc", "mlp.gate_proj",
+           "mlp.up_proj")
+ROWWISE = ("attn.c_proj", "self_attn.o_proj", "mlp.c_proj", "mlp.down_proj")
+EMBEDDINGS = ("transformer.wte", "model.embed_tokens")
+FINAL_NORMS = ("transformer.ln_f", "model.norm")
+NORM_KINDS = ("layernorm", "rmsnorm")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "shard")
+
+
+@dataclass
+class TensorParallelTape(Tape):
+    """A rank's tape under tensor parallelism, plus what the replay's engine hooks do for it (see the module
+    docstring): `grad_hooks` op name -> (("sum" | "all_reduce", tensor name), ...) after that op's backward node;
+    `grad_shapes` parameter -> shape of its gradient where that is not its local shard's."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    rank: int = 0
+    grad_hooks: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
+    grad_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def chunk(n: int, tp: int, rank: int) -> int:
+    """Elements of a dimension of `n` on `rank` when torch.chunk splits it in `tp` (DTensor's Shard: ceil(n / tp)
+    per rank, the last ones fewer or none: torch/distributed/tensor/placement_types.py `Shard._split_tensor`)."""
+    size = -(-n // tp)
+    return max(0, min(size, n - rank * size))
+
+
+def _with_dim(spec: TensorSpec, dim: int, size: int, name: str | None = None) -> TensorSpec:
+    shape = list(spec.shape)
+    shape[dim] = size
+    return replace(spec, shape=tuple(shape), name=name or spec.name)
+
+
+def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int) -> Tape:
+    """One tensor-parallel rank's tape (see the module docstring); `tape` is a hand-written nanoGPT GPT-2 or Llama
+    tape (models/transformer.py `transformer_tape`), without checkpointing, LoRA or dropout."""
+    if tp == 1:
+        return tape
+    return _Transform(tape, tp, sequence_parallel, rank).run()
+
+
+class _Transform:
+    def __init__(self, tape: Tape, tp: int, sp: bool, rank: int) -> None:
+        names = {p.name for p in tape.params}
+        if "transformer.wte.weight" in names:
+            self.gpt2 = True
+        elif "model.embed_tokens.weight" in names:
+            self.gpt2 = False
+        else:
+            raise ValueError("tensor_parallel_tape rewrites the hand-written GPT-2 / Llama tapes only")
+        if any(op.region is not None or op.offloaded or op.cached for op in tape.ops):
+            raise NotImplementedError("tensor parallelism with activation checkpointing is not simulated yet")
+        if any(op.kind == "dropout" for op in tape.ops) or tape.backward:
+            raise NotImplementedError("tensor parallelism is simulated for hand-written tapes without dropout")
+        self.tape, self.tp, self.sp, self.rank = tape, tp, sp, rank
+        idx = tape.inputs[0]
+        self.B, self.T = idx.shape
+        self.Ts = chunk(self.T, tp, rank)  # this rank's sequence rows with SP
+        self.ops: list[TapeOp] = []
+        self.rename: dict[str, str] = {}  # tensor -> the name later readers take instead (a collective's result)
+        self.hooks: dict[str, list[tuple[str, str]]] = {}
+        self.specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
+        self.param_shape = {p.name: p.shape for p in tape.params}
+        self.readers: dict[str, list[str]] = {}
+        for op in tape.ops:
+            for n in op.inputs:
+                self.readers.setdefault(n, []).append(op.name)
+        self.embedding = next(op for op in tape.ops if op.name in EMBEDDINGS)
+        self.embedding_weight = self.embedding.params[0]
+        self.tied = any(self.embedding_weight in op.params for op in tape.ops if op is not self.embedding)
+        self.head_index = next(i for i, op in enumerate(tape.ops) if op.name == "lm_head")
+        self.final_norm = next(op for op in tape.ops if op.name in FINAL_NORMS)
+
+    # -- shapes ------------------------------------------------------------------------------------------
+    def c(self, n: int) -> int:
+        return chunk(n, self.tp, self.rank)
+
+    def heads(self, spec: TensorSpec) -> TensorSpec:
+        """A tensor between a column- and a row-parallel linear: (B, heads, ...) on dim 1, (B, T, width) on its
+        last dim; masks (1, 1, T, T) and tables without the batch stay whole."""
+        s = spec.shape
+        if len(s) == 4 and s[0] == self.B and s[0] != 1:
+            return _with_dim(spec, 1, self.c(s[1]))
+        if len(s) == 3 and spec.name.endswith(".lse"):
+            return _with_dim(spec, 1, self.c(s[1]))
+        if len(s) == 3 and s[:2] == (self.B, self.T):
+            return _with_dim(spec, 2, self.c(s[2]))
+        return spec
+
+    def seq(self, spec: TensorSpec) -> TensorSpec:
+        """With SP, a (B, T, ...) tensor of the residual stream: this rank's T / tp rows."""
+        if self.sp and len(spec.shape) >= 2 and spec.shape[:2] == (self.B, self.T):
+            return _with_dim(spec, 1, self.Ts)
+        return spec
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def params(self) -> list[ParamSpec]:
+        out = []
+        for p in self.tape.params:
+            module, _, leaf = p.name.rpartition(".")
+            shape = p.shape
+            if p.name == self.embedding_weight or module == "lm_head" or module.endswith(COLWISE):
+                shape = (self.c(shape[0]),) + shape[1:]  # Shard(0)
+            elif module.endswith(ROWWISE) and leaf == "weight":
+                shape = (shape[0], self.c(shape[1]))  # Shard(1); the bias stays replicated
+            out.append(ParamSpec(p.name, shape))
+        return out
+
+    # -- ops -----------------------------------------------------------------------------------------------
+    def emit(self, op: TapeOp) -> None:
+        op = replace(op, inputs=tuple(self.rename.get(n, n) for n in op.inputs),
+                     saves=tuple(self.rename.get(n, n) for n in op.saves),
+                     views=tuple(self.rename.get(n, n) for n in op.views),
+                     releases=tuple(self.rename.get(n, n) for n in op.releases))
+        for o in op.outputs:
+            self.specs[o.name] = o
+        self.ops.append(op)
+
+    def hook(self, op_name: str, kind: str, tensor: str) -> None:
+        self.hooks.setdefault(op_name, []).append((kind, tensor))
+
+    def run(self) -> TensorParallelTape:
+        ops = self.tape.ops
+        region: str | None = None  # the attention / MLP module whose ops run on sharded heads / columns
+        pending_release: dict[str, str] = {}  # module -> its (SP) input, an argument alive until it returns
+        for i, op in enumerate(ops):
+            module = self._module(op.name)
+            if op is self.embedding:
+                self._embedding(op)
+            elif self.gpt2 and op.name == "transformer.wpe" and self.sp:
+                self._positions(op)
+            elif op.name == "lm_head":
+                self._head(op)
+            elif op.name.startswith("loss."):
+                if op.name == "loss.log_softmax":
+                    self._loss(op, ops[i + 1])
+                elif op.name != "loss.nll":
+                    raise NotImplementedError(f"{op.name}: the parallel loss is simulated for fp32 logits only")
+            elif module is not None:
+                if module != region:
+                    region = module
+                self._region_op(op, module, pending_release)
+            else:
+                region = None
+                self._plain(op)
+        if self.sp:  # the final norm's output is a local of the model's forward until it returns
+            self.emit(TapeOp("model.return", "release", (self.final_norm.outputs[0].name,), ()))
+        return TensorParallelTape(
+            params=self.params(), ops=self.ops, inputs=list(self.tape.inputs), buffers=list(self.tape.buffers),
+            held=self.tape.held, loss=self.tape.loss, layers=self.tape.layers,
+            buffers_follow_params=self.tape.buffers_follow_params, describer=self.tape.describer,
+            gradless=self.tape.gradless, param_dtypes=dict(self.tape.param_dtypes), tp=self.tp,
+            sequence_parallel=self.sp, rank=self.rank, grad_hooks={k: tuple(v) for k, v in self.hooks.items()},
+            grad_shapes=self._grad_shapes())
+
+    def _grad_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.tied:  # summed with the head's Shard(0) contribution: the rank's rows
+            return {}
+        return {self.embedding_weight: self.param_shape[self.embedding_weight]}  # Replicate: the whole table
+
+    @staticmethod
+    def _module(name: str) -> str | None:
+        """The attention or MLP module an op belongs to ("...h.0.attn", "...layers.0.mlp"), or None."""
+        for part in (".attn.", ".self_attn.", ".mlp."):
+            if part in name:
+                return name[: name.index(part) + len(part) - 1]
+        return None
+
+    def _plain(self, op: TapeOp) -> None:
+        """Norms, residual adds, the block-return releases: sequence-sharded with SP, else unchanged."""
+        op = replace(op, outputs=tuple(self.seq(o) for o in op.outputs),
+                     workspace=tuple(self.seq(w) for w in op.workspace),
+                     bwd_workspace=tuple(self.seq(w) for w in op.bwd_workspace),
+                     flops=op.flops // self.tp if self.sp else op.flops)
+        self.emit(op)
+        if self.sp and op.kind in NORM_KINDS:  # SequenceParallel's from_local: the residual's gradient sum
+            self.hook(op.name, "sum", op.inputs[0])  # is out of place
+
+    def _embedding(self, op: TapeOp) -> None:
+        """RowwiseParallel(input_layouts=Replicate()) on the embedding: DTensor's vocab-parallel lookup (the ids
+        outside this rank's rows masked: a bool mask and the shifted ids, torch/distributed/tensor/_ops/
+        _embedding_ops.py `MaskPartial._partition_value`) gives a Partial (B, T, D), all-reduced (reduce-
+        scattered with SP). Its backward makes the whole (V, D) gradient table (embedding_dense_backward on
+        Replicate), then this rank's rows where a tied head's Shard(0) gradient is added to it."""
+        B, T = self.B, self.T
+        out = op.outputs[0]
+        partial = replace(out, name=f"{op.name}.partial")
+        V, D = self.param_shape[self.embedding_weight]
+        dense = TensorSpec(f"{op.name}.grad_dense", (V, D), out.dtype, False)
+        bwd = (dense,) + ((TensorSpec(f"{op.name}.grad_rows", (self.c(V), D), out.dtype, False),) if self.tied else ())
+        self.emit(replace(op, outputs=(partial,), workspace=(
+            TensorSpec(f"{op.name}.mask", (B, T), "bool", False),
+            TensorSpec(f"{op.name}.masked_ids", (B, T), "int64", False)), bwd_workspace=bwd))
+        self._row_collective(op.name, partial, out)
+
+    def _row_collective(self, name: str, partial: TensorSpec, out: TensorSpec) -> None:
+        """The Partial output of a row-parallel op made Replicate (all-reduce) or, with SP, Shard(1)
+        (reduce-scatter) under the output's own name."""
+        B, T = self.B, self.T
+        if not self.sp:
+            self.emit(TapeOp(f"{name}.all_reduce", "all_reduce", (partial.name,), (out,), passthrough=True))
+            return
+        rest = partial.shape[2:]
+        cat = TensorSpec(f"{name}.reduce_scatter.cat", (self.tp * B, self.Ts) + rest, partial.dtype, False)
+        gather = TensorSpec(f"{name}.reduce_scatter.grad_gather", (self.tp * B, self.Ts) + rest, partial.dtype, False)
+        self.emit(TapeOp(f"{name}.reduce_scatter", "reduce_scatter", (partial.name,),
+                         (_with_dim(out, 1, self.Ts),), workspace=(cat,), bwd_workspace=(gather,)))
+
+    def _all_gather(self, name: str, source: TensorSpec) -> TensorSpec:
+        """SP: Shard(1) -> Replicate of `source` (B, T / tp, D) before column-parallel linears."""
+        B, T = self.B, self.T
+        rest = source.shape[2:]
+        out = TensorSpec(f"{name}.all_gather.out", (B, T) + rest, source.dtype, source.requires_grad)
+        buf = TensorSpec(f"{name}.all_gather.buffer", (self.tp * B, self.Ts) + rest, source.dtype, False)
+        cat = TensorSpec(f"{name}.all_gather.grad_cat", (self.tp * B, self.Ts) + rest, source.dtype, False)
+        self.emit(TapeOp(f"{name}.all_gather", "all_gather", (source.name,), (out,), workspace=(buf,),
+                         bwd_workspace=(cat,)))
+        return out
+
+    def _positions(self, op: TapeOp) -> None:
+        """SP on GPT-2: PrepareModuleOutput(Replicate -> Shard(0)) on wpe: the whole (T, D) rows, then a copy of
+        this rank's."""
+        out = op.outputs[0]
+        full = replace(out, name=f"{op.name}.full")
+        self.emit(replace(op, outputs=(full,)))
+        self.emit(TapeOp(f"{op.name}.shard", "shard", (full.name,), (_with_dim(out, 0, self.Ts),)))
+
+    def _region_op(self, op: TapeOp, module: str, pending: dict[str, str]) -> None:
+        layer = op.name[len(module) + 1:]
+        linear = f"{module.rpartition('.')[2]}.{layer}"  # "attn.c_attn", "mlp.down_proj"
+        if linear.endswith(COLWISE) and op.kind in ("linear", "addmm"):
+            x = op.inputs[0]
+            if self.sp:
+                if module not in pending:  # PrepareModuleInput: one all-gather per module
+                    pending[module] = x
+                    gathered = self._all_gather(module, self.specs[x])
+                    self.rename[x] = gathered.name
+                self.hook(op.name, "sum", self.rename[x])
+            else:
+                self.hook(op.name, "sum", x)
+            self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+            return
+        if linear.endswith(ROWWISE) and op.kind in ("linear", "addmm"):
+            out = op.outputs[0]
+            partial = replace(out, name=f"{op.name}.partial")
+            bias = f"{op.name}.bias"
+            # a replicated bias joins the Partial sum divided by the ranks (Replicate -> Partial, a temporary)
+            ws = (TensorSpec(f"{op.name}.bias_share", self.param_shape[bias], out.dtype, False),) \
+                if bias in op.params else ()
+            self.emit(replace(op, outputs=(partial,), workspace=op.workspace + ws, flops=op.flops // self.tp))
+            self._row_collective(op.name, partial, out)
+            if module in pending:  # the module returns: its SP input argument goes
+                self.emit(TapeOp(f"{module}.return", "release", (pending.pop(module),), ()))
+            return
+        self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs),
+                          workspace=tuple(self.heads(w) for w in op.workspace),
+                          bwd_workspace=tuple(self.heads(w) for w in op.bwd_workspace), flops=op.flops // self.tp))
+
+    def _head(self, op: TapeOp) -> None:
+        """ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) on lm_head: (B, T, V / tp) logits."""
+        x = op.inputs[0]
+        if self.sp:
+            gathered = self._all_gather("lm_head", self.specs[x])
+            self.rename[x] = gathered.name
+        else:
+            self.hook(op.name, "all_reduce", x)
+        self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+
+    def _loss(self, lsm_op: TapeOp, nll_op: TapeOp) -> None:
+        """`F.cross_entropy` under `loss_parallel()` (module docstring): two ops, the max-shifted logits (kept
+        until the log-softmax exists) and the log-softmax with the nll loss, whose backward is one node."""
+        logits = self.specs[lsm_op.inputs[0]]
+        B, T, Vl = logits.shape
+        dt = logits.dtype
+        t = lambda n, shape, dtype=dt: TensorSpec(f"loss.{n}", shape, dtype, False)  # noqa: E731
+        row = (B, T, 1)
+        shifted = t("shifted", logits.shape)
+        self.emit(TapeOp("loss.shift", "log_softmax", (logits.name,), (shifted,),
+                         workspace=(t("max_reduced", row), t("exp", logits.shape), t("sum", row)),
+                         flops=3 * B * T * Vl))
+        lsm = TensorSpec("loss.log_softmax.out", logits.shape, dt, False)
+        loss = replace(nll_op.outputs[0], requires_grad=True)
+        total = nll_op.outputs[1]
+        targets = nll_op.inputs[1]
+        self.emit(TapeOp("loss.log_softmax", "log_softmax", (logits.name, shifted.name, targets),
+                         (loss, lsm, total), saves=(lsm.name, targets, total.name),
+                         workspace=(t("max_reduced_kept", row), t("sum_reduced", row), t("log_sum", row),
+                                    t("local_targets", (B * T,), "int64"), t("masked_targets", row, "int64"),
+                                    t("picked", row), t("picked_reduced", row)),
+                         bwd_workspace=(t("grad_zeros", logits.shape), t("grad_sum", logits.shape),
+                                        t("grad_targets", row, "int64"), t("grad_local_targets", (B * T,), "int64"),
+                                        t("grad_rows", (B * T,)), t("grad_arange", (B * T,), "int64"),
+                                        t("grad_weight", row)),
+                         flops=2 * B * T * Vl))
+
+
+# -- the engine hooks --------------------------------------------------------------------------------------
+
+class TensorParallelEngine:
+    """A rank's data-parallel engine (`inner`) plus what a `TensorParallelTape` needs from the replay's hooks:
+    the gradient hooks, the gradient shapes and communication-stream ops for the collective TapeOps. Every
+    other attribute is the inner engine's."""
+
+    def __init__(self, inner, tape: TensorParallelTape) -> None:
+        self.inner = inner
+        self.tape = tape
+        self._before: dict[str, object] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        self.inner.before_op(replay, i, phase, recompute)
+        if phase is Phase.BACKWARD and not recompute:
+            for kind, tensor in self.tape.grad_hooks.get(replay.tape.ops[i].name, ()):
+                if kind == "sum":
+                    self._before[tensor] = replay.grad_of.get(tensor)
+
+    def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        self.inner.after_op(replay, i, phase, recompute)
+        op = replay.tape.ops[i]
+        b = replay.b
+        if phase is Phase.FORWARD and op.kind in COLLECTIVES and op.kind != "shard":
+            nbytes = sum(o.nbytes for o in op.outputs)
+            kind = op.kind
+            b.op(f"{op.name}.transfer", phase, replay.step, replay.mb, [], [], stream=Stream.COMMUNICATION,
+                 duration=b.device.collective_duration(kind, nbytes, self.tape.tp), after=(b.last(Stream.COMPUTE),))
+        if phase is not Phase.BACKWARD or recompute:
+            return
+        for kind, tensor in self.tape.grad_hooks.get(op.name, ()):
+            if kind == "sum":
+                self._sum_out_of_place(replay, tensor)
+            elif kind == "all_reduce":
+                self._all_reduce(replay, tensor)
+
+    def _sum_out_of_place(self, replay, tensor: str) -> None:
+        """The node just added a contribution to `tensor`'s gradient that the replay summed in place; DTensor
+        sums it out of place: the contribution (a shadow here, the replay freed it already) and the sum are
+        live together, then the old gradient goes."""
+        from ..autograd import _Storage
+
+        had = self._before.pop(tensor, None)
+        storage = replay.grad_of.get(tensor)
+        if had is None or storage is not had:
+            return
+        spec = replay.specs[tensor]
+        b = replay.b
+        shadow = b.block(f"{tensor}.grad_contribution", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        total = b.block(f"{tensor}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        frees = [shadow.id]
+        storage.refs -= 1
+        if storage.refs == 0:
+            frees.append(storage.block.id)
+        replay.grad_of[tensor] = _Storage(total)
+        b.op(f"{tensor}.grad_sum", Phase.BACKWARD, replay.step, replay.mb, [shadow, total], frees,
+             bytes_moved=3 * spec.nbytes)
+
+    def _all_reduce(self, replay, tensor: str) -> None:
+        """`_FromTorchTensor.backward`: the Partial gradient of a replicated input all-reduced into a new tensor."""
+        from ..autograd import _Storage
+
+        storage = replay.grad_of.get(tensor)
+        if storage is None:
+            return
+        spec = replay.specs[tensor]
+        b = replay.b
+        reduced = b.block(f"{tensor}.grad_all_reduce", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        frees = []
+        storage.refs -= 1
+        if storage.refs == 0:
+            frees.append(storage.block.id)
+        replay.grad_of[tensor] = _Storage(reduced)
+        issue = b.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,
+                     duration=0.0)
+        b.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
+             stream=Stream.COMMUNICATION, duration=b.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
+             after=(issue.id,))
+
+    def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
+        shape = self.tape.grad_shapes.get(p)
+        if shape is None:
+            return self.inner.param_grad(replay, p, allocs, frees)
+        stored = self.inner.params[p]
+        self.inner.params[p] = ParamSpec(p, shape)  # the gradient's size, for this call only
+        try:
+            return self.inner.param_grad(replay, p, allocs, frees)
+        finally:
+            self.inner.params[p] = stored
+
+
+# -- one rank, simulated ---------------------------------------------------------------------------------------
+
+def describe_tensor_parallel_rank(model, setup, tp: int, sequence_parallel: bool, rank: int,
+                                  device: str = "cpu", graph=None, block_ids=None):
+    """The op graph of one tensor-parallel rank (no data parallelism): the setup's tape with tp = 1, transformed,
+    replayed by a GraphBuilder whose engine is wrapped in `TensorParallelEngine`. What build_tape / describe will
+    do once they call the transform themselves (they refuse tp > 1 for now: models/parallel/pipeline.py
+    `check_model_parallel`)."""
+    import itertools
+
+    from ..costs import device_profile
+    from ..training import GraphBuilder, _describe_rank, build_tape, step_plan
+    from ...simulator.ops import OpGraph
+
+    base = replace(setup, tp=1, sequence_parallel=False, world_size=1)
+    profile = device_profile(device)
+    tape = tensor_parallel_tape(build_tape(model, base, profile.is_cpu), tp, sequence_parallel, rank)
+    graph = graph if graph is not None else OpGraph()
+    b = GraphBuilder(tape, base, profile, rank, graph, block_ids if block_ids is not None else itertools.count(1))
+    b.engine = TensorParallelEngine(b.engine, tape)
+    plan = step_plan(base)
+    _describe_rank(b, plan.simulated)
+    graph.metadata = {"model": model.name, "setup": {**vars(base), "tp": tp, "sequence_parallel": sequence_parallel},
+                      "device": profile.name, **plan.metadata(), "describer": tape.describer}
+    return graph
+
+
+__all__ = ["tensor_parallel_tape", "TensorParallelTape", "TensorParallelEngine", "chunk",
+           "describe_tensor_parallel_rank"]

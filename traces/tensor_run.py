@@ -1,0 +1,303 @@
+"""Measure every rank of a real tensor-parallel CPU run: torch's DTensor TP (`parallelize_module`) on gloo.
+
+`measure_tensor_parallel` spawns `tp` processes joined as traces/distributed.py joins its ranks (rendezvous on
+a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), builds a one-dimensional DeviceMesh over
+"cpu", builds the same reference model on every rank (`models.reference.build_model`, same seed), applies
+`tp_plan` with `parallelize_module`, and runs `setup.steps` training steps (forward and loss under
+`loss_parallel()`, backward, the optimizer's step, zero_grad) on the same micro-batches on every rank (tensor
+parallelism splits the model, not the data) under the rank's own tracker. One `EventLog` per rank, rank order.
+
+The plan (`tp_plan`) is torchtitan's `apply_tp` (torchtitan/models/llama3/infra/parallelize.py) written for
+the reference models' module names, with sequence parallelism switched by `sequence_parallel`:
+
+  embedding         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if SP else Replicate())
+                    (vocab-parallel: the weight is Shard(0), rows of the vocabulary)
+  norms             SequenceParallel() with SP; without it plain replicated modules (nothing applied)
+  attention / mlp   PrepareModuleInput(input_layouts=(Shard(1) if SP else Replicate(),), desired=(Replicate(),))
+                    (use_local_output=False: the q/k/v (gate/up) input gradients are summed as one Partial
+                    DTensor and reduced once, a reduce-scatter with SP, an all-reduce without)
+  q/k/v, c_attn,
+  gate/up, c_fc     ColwiseParallel() (weights and biases Shard(0): heads / tp, ffn / tp per rank)
+  o_proj, c_proj,
+  down_proj         RowwiseParallel(output_layouts=Shard(1) if SP else Replicate()) (weight Shard(1), bias
+                    replicated)
+  lm_head           ColwiseParallel(input_layouts=Shard(1) if SP else Replicate(), output_layouts=Shard(-1),
+                    use_local_output=False), the loss under `loss_parallel()` (the logits stay vocab-sharded)
+  GPT-2 positions   with SP: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)) on
+                    wpe (each rank adds its own rows of the (T, D) table to its sequence shard)
+
+The attention modules run on their local heads (n_head / tp, n_kv_head / tp), as the PyTorch TP tutorial
+adjusts them (`attn_layer.n_heads = attn_layer.n_heads // tp_mesh.size()`); nanoGPT's fused c_attn is
+split at the local widths (Megatron's fused QKV keeps q, k, v of a head group together on one rank: the
+same shapes; the even Shard(0) split of this un-permuted weight mixes q / k / v rows, which changes values,
+not bytes). A tied GPT-2 embedding and head are tied again after parallelize_module (each style
+distributes its own module's copy of the shared Parameter): one Shard(0) parameter, as RowwiseParallel
+(embedding) and ColwiseParallel (linear) both shard it on the vocabulary.
+
+The tracker (`DTensorTracker`) is `traces.tracker.AllocationTracker` whose dispatch mode steps aside for ops
+on DTensors (returns NotImplemented): DTensor's own dispatch then runs with the mode still active, so the
+plain aten ops it runs on the local shards (the masked lookup of a vocab-parallel embedding, loss_parallel's
+softmax pieces, collectives it issues while propagating shardings) are seen one by one. Without that they
+would run under the popped mode and only their final outputs would be seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import tempfile
+import time
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..models.config import TrainingSetup, TransformerConfig
+from ..simulator.events import EventLog
+from .distributed import LOOPBACK, _kill_all, _loopback_listener, free_loopback_port
+from .store import load_log, save_log
+from . import tracker as _tracker
+
+
+@dataclass(frozen=True)
+class TPJob:
+    model_cfg: TransformerConfig
+    setup: TrainingSetup
+    tp: int
+    sequence_parallel: bool
+    port: int
+    out_dir: str
+    seed: int = 0
+    lr: float = 1e-3
+    timeout_s: float = 120.0
+
+
+def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, tp: int,
+                            sequence_parallel: bool = False, *, seed: int = 0,
+                            timeout_s: float = 120.0) -> list[EventLog]:
+    """Run `setup.steps` real DTensor tensor-parallel training steps of `model_cfg` on `tp` CPU processes (gloo,
+    loopback only); one tracked `EventLog` per rank, in rank order. Uses micro_batch, seq_len, grad_accum, steps,
+    precision ("fp32", "bf16" or "bf16-autocast"), optimizer, optimizer_impl and set_to_none. Call under
+    `if __name__ == "__main__":` in a script; every process is joined within `timeout_s` seconds, else all are
+    killed and TimeoutError is raised; a failing rank's traceback is raised as RuntimeError."""
+    _check(model_cfg, setup, tp, sequence_parallel)
+    with tempfile.TemporaryDirectory(prefix="peakledger-tp-") as tmp:
+        job = TPJob(model_cfg, setup, tp, sequence_parallel, free_loopback_port(), tmp, seed=seed,
+                    timeout_s=timeout_s)
+        _spawn_and_join(job)
+        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(tp)]
+
+
+def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) -> None:
+    from ..models.reference import optimizer_class
+
+    if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
+            or model_cfg.num_local_experts:
+        raise NotImplementedError("real tensor-parallel runs use the hand-written GPT-2 / Llama reference models")
+    if tp < 2:
+        raise ValueError(f"a tensor-parallel run needs tp >= 2, got {tp}")
+    for what, heads in (("n_head", model_cfg.n_head), ("n_kv_head", model_cfg.kv_heads)):
+        if heads % tp:
+            raise ValueError(f"tp={tp} does not divide {what}={heads}")
+    if sequence_parallel and setup.seq_len % tp:
+        raise ValueError(f"seq_len={setup.seq_len} is not a multiple of tp={tp}")
+    if setup.precision not in ("fp32", "bf16", "bf16-autocast"):
+        raise NotImplementedError(f"tensor-parallel measurement runs fp32, bf16 or bf16-autocast, not {setup.precision!r}")
+    if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout:
+        raise NotImplementedError("tensor-parallel measurement runs without checkpointing, frozen parameters, "
+                                  "LoRA or dropout")
+    optimizer_class(setup)
+
+
+def _spawn_and_join(job: TPJob) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.tp, join=False, start_method="spawn")
+    deadline = time.monotonic() + job.timeout_s
+    try:
+        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tp={job.tp} ranks did not finish in {job.timeout_s:.0f} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise RuntimeError(f"a rank failed:\n{e}") from None
+    finally:
+        _kill_all(context.processes)
+
+
+def _rank_main(rank: int, job: TPJob) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    with _loopback_listener(rank, job.port) as listener:
+        store = dist.TCPStore(LOOPBACK, job.port, job.tp, is_master=rank == 0, timeout=timeout,
+                              master_listen_fd=listener.fileno() if listener is not None else None)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=job.tp, timeout=timeout)
+        try:
+            save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+
+def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict:
+    """The `parallelize_module` plan of a reference GPT (nanoGPT GPT-2 or the small Llama): see the module
+    docstring."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    sp = sequence_parallel
+    act = Shard(1) if sp else Replicate()  # the layout of the activations between blocks
+    plan: dict = {}
+    gpt2 = hasattr(model, "transformer")
+    if gpt2:
+        plan["transformer.wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+        if sp:
+            plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        blocks = [(f"transformer.h.{i}", "ln_1", "attn", ("c_attn",), "c_proj", "ln_2", ("c_fc",), "c_proj")
+                  for i in range(len(model.transformer.h))]
+        final_norm = "transformer.ln_f"
+    else:
+        plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+        blocks = [(f"model.layers.{i}", "input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
+                   "post_attention_layernorm", ("gate_proj", "up_proj"), "down_proj")
+                  for i in range(len(model.model.layers))]
+        final_norm = "model.norm"
+    for h, norm1, attn, cols, out, norm2, mlp_cols, mlp_out in blocks:
+        n_args = 1 if gpt2 else 4  # Llama's attention takes (x, cos, sin, causal)
+        if sp:
+            plan[f"{h}.{norm1}"] = SequenceParallel()
+            plan[f"{h}.{norm2}"] = SequenceParallel()
+        plan[f"{h}.{attn}"] = PrepareModuleInput(input_layouts=(act,) + (None,) * (n_args - 1),
+                                                 desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1))
+        for c in cols:
+            plan[f"{h}.{attn}.{c}"] = ColwiseParallel()
+        plan[f"{h}.{attn}.{out}"] = RowwiseParallel(output_layouts=act)
+        plan[f"{h}.mlp"] = PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))
+        for c in mlp_cols:
+            plan[f"{h}.mlp.{c}"] = ColwiseParallel()
+        plan[f"{h}.mlp.{mlp_out}"] = RowwiseParallel(output_layouts=act)
+    if sp:
+        plan[final_norm] = SequenceParallel()
+    plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+def _gpt2_local_attention(self, x: torch.Tensor) -> torch.Tensor:
+    """nanoGPT's CausalSelfAttention.forward on this rank's heads: c_attn's local output is q, k, v of
+    n_head / tp heads each (the same ops as the reference forward, at the local widths)."""
+    B, T = x.shape[0], x.shape[1]
+    C, kv = self.n_head * self.head_dim, self.n_kv * self.head_dim
+    q, k, v = self.c_attn(x).split([C, kv, kv], dim=2)
+    q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+    k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    y = self.core(q, k, v)
+    y = y.transpose(1, 2).contiguous().view(B, T, C)
+    return self.resid_dropout(self.c_proj(y))
+
+
+def parallelize(model: nn.Module, tp: int, sequence_parallel: bool, mesh=None) -> nn.Module:
+    """Apply `tp_plan` to a reference GPT on a one-dimensional "cpu" mesh of `tp` ranks, attention on local
+    heads, a tied embedding re-tied."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = mesh if mesh is not None else init_device_mesh("cpu", (tp,))
+    gpt2 = hasattr(model, "transformer")
+    tied = model.cfg.tied
+    parallelize_module(model, mesh, tp_plan(model, sequence_parallel))
+    blocks = model.transformer.h if gpt2 else model.model.layers
+    for block in blocks:
+        attn = block.attn if gpt2 else block.self_attn
+        attn.n_head //= tp
+        attn.n_kv //= tp
+        if gpt2:
+            attn.forward = types.MethodType(_gpt2_local_attention, attn)
+    if tied:  # both styles shard the shared weight on dim 0 (the vocabulary): one parameter again
+        if gpt2:
+            model.lm_head.weight = model.transformer.wte.weight
+        else:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def optimizer_groups(model: nn.Module) -> list[dict]:
+    """The parameters as torch.optim parameter groups: the DTensors, then the plain tensors the plan leaves
+    (norms without SP, GPT-2's position embedding), when there are both. One group mixing them fails in
+    torch.optim's foreach kernels ("got mixed torch.Tensor and DTensor"), and each group is stepped on its
+    own (torch/optim/adam.py `step`: one `adam(...)` call per group)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": g} for g in (dtensors, plain) if g]
+
+
+# -- the tracker ----------------------------------------------------------------------------------------------
+
+class _DTensorAwareMode(_tracker._Mode):
+    """The tracker's dispatch mode, stepping aside for ops on tensor subclasses (DTensor): the subclass's
+    dispatch then runs with this mode active, and every plain op it runs on local tensors comes back here."""
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+        from torch.utils._pytree import tree_flatten
+
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        if fake or any(isinstance(a, FakeTensor) for a in tensors):  # DTensor's shape propagation: no memory
+            return func(*args, **(kwargs or {}))
+        if any(is_traceable_wrapper_subclass(a) for a in tensors):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types_, args, kwargs)
+
+
+class DTensorTracker(_tracker.AllocationTracker):
+    """`AllocationTracker` that sees the plain ops inside DTensor's dispatch (see the module docstring)."""
+
+    def __enter__(self):
+        original = _tracker._Mode
+        _tracker._Mode = _DTensorAwareMode
+        try:
+            return super().__enter__()
+        finally:
+            _tracker._Mode = original
+
+
+# -- one rank -------------------------------------------------------------------------------------------------
+
+def _measure_rank(rank: int, job: TPJob) -> EventLog:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from ..models.reference import build_model, make_batch, torch_optimizer
+    from .tracker import training_loop
+
+    torch.set_num_threads(1)
+    setup = job.setup
+    model = build_model(job.model_cfg, setup, seed=job.seed)
+    parallelize(model, job.tp, job.sequence_parallel)
+    optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
+    batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every tensor-parallel rank
+    known = tuple(t for b in batches for t in b)
+    tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
+    autocast = torch.bfloat16 if setup.precision == "bf16-autocast" else None
+    torch.manual_seed(job.seed)
+    with tracker, loss_parallel():
+        training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none,
+                      autocast)
+    return tracker.log({"engine": "dtensor-tp", "tp": job.tp, "sequence_parallel": job.sequence_parallel,
+                        "world_size": job.tp, "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
+                        "model": dataclasses.asdict(job.model_cfg), "setup": dataclasses.asdict(setup),
+                        "steps": setup.steps, "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none})
+
+
+__all__ = ["measure_tensor_parallel", "tp_plan", "parallelize", "DTensorTracker", "TPJob"]
