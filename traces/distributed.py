@@ -143,19 +143,21 @@ def _log_path(out_dir: str, rank: int) -> Path:
 
 
 def _spawn_and_join(job: RankJob) -> None:
-    """Start one process per rank and wait for all of them, bounded by `job.timeout_s`. A rank that
-    raises makes torch.multiprocessing terminate the others and raise ProcessRaisedException (re-raised
-    as RuntimeError); past the deadline every still running rank is killed."""
+    spawn_ranks(_rank_main, job, job.world_size, job.timeout_s, f"{job.engine} x {job.world_size} ranks")
+
+
+def spawn_ranks(main, job, nprocs: int, timeout_s: float, what: str) -> None:
+    """Start `main(rank, job)` in one process per rank and wait for all of them, bounded by `timeout_s`. A rank
+    that raises makes torch.multiprocessing terminate the others and raise ProcessRaisedException (re-raised as
+    RuntimeError); past the deadline every still running rank is killed."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.world_size, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + job.timeout_s
+    context = mp.start_processes(main, args=(job,), nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{job.engine} x {job.world_size} ranks did not finish in "
-                                   f"{job.timeout_s:.0f} s")
+                raise TimeoutError(f"{what} did not finish in {timeout_s:.0f} s")
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         raise RuntimeError(f"a rank failed:\n{e}") from None
     finally:
@@ -184,15 +186,25 @@ def _rank_main(rank: int, job: RankJob) -> None:
         finally:
             dist.destroy_process_group()
         return
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
-    timeout = datetime.timedelta(seconds=job.timeout_s)
-    with _loopback_listener(rank, job.port) as listener:
-        store = dist.TCPStore(LOOPBACK, job.port, job.world_size, is_master=rank == 0, timeout=timeout,
+    with gloo_group(rank, job.world_size, job.port, job.timeout_s):
+        save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world_size: int, port: int, timeout_s: float):
+    """Join a gloo process group over 127.0.0.1 (rank 0 serves the TCPStore on a loopback socket); on a normal
+    exit no rank leaves (tearing the group down) while another still communicates; always leave the group."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    with _loopback_listener(rank, port) as listener:
+        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=rank == 0, timeout=timeout,
                               master_listen_fd=listener.fileno() if listener is not None else None)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=job.world_size, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
-            save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
-            dist.barrier()  # no rank leaves (tearing the group down) while another still communicates
+            yield
+            dist.barrier()
         finally:
             dist.destroy_process_group()
 

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import datetime
 import os
 import tempfile
-import time
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +36,7 @@ import torch.nn.functional as F
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.pipeline import StageSpec, rank_stages
 from ..simulator.events import Category, EventLog, Phase
-from .distributed import LOOPBACK, _kill_all, _loopback_listener, free_loopback_port
+from .distributed import free_loopback_port, gloo_group, spawn_ranks
 from .store import load_log, save_log
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
@@ -84,36 +82,12 @@ def _check(model_cfg, setup: TrainingSetup) -> None:
 
 
 def _spawn_and_join(job: PipelineJob) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.setup.pp, join=False, start_method="spawn")
-    deadline = time.monotonic() + job.timeout_s
-    try:
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{job.setup.pp_schedule} x {job.setup.pp} ranks did not finish in "
-                                   f"{job.timeout_s:.0f} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise RuntimeError(f"a rank failed:\n{e}") from None
-    finally:
-        _kill_all(context.processes)
+    spawn_ranks(_rank_main, job, job.setup.pp, job.timeout_s, f"{job.setup.pp_schedule} x {job.setup.pp} ranks")
 
 
 def _rank_main(rank: int, job: PipelineJob) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
-    timeout = datetime.timedelta(seconds=job.timeout_s)
-    n = job.setup.pp
-    with _loopback_listener(rank, job.port) as listener:
-        store = dist.TCPStore(LOOPBACK, job.port, n, is_master=rank == 0, timeout=timeout,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=n, timeout=timeout)
-        try:
-            save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    with gloo_group(rank, job.setup.pp, job.port, job.timeout_s):
+        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
 # -- the stages ---------------------------------------------------------------------------------------------
