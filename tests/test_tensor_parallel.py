@@ -59,7 +59,8 @@ def test_tiny_gpt_shapes_by_hand():
     assert out["transformer.h.0.attn.c_proj.out"] == (2, 32, 64)
     assert out["lm_head.out"] == (2, 32, 128)  # vocab-sharded logits (loss_parallel)
     assert out["loss.log_softmax.out"] == (2, 32, 128)
-    assert tape.grad_hooks["transformer.h.0.attn.c_attn"] == (("sum", "transformer.h.0.ln_1.out"),)
+    assert tape.grad_hooks["transformer.h.0.attn.c_attn"] == (("sum", "transformer.h.0.ln_1.out"),
+                                                            ("all_reduce", "transformer.h.0.ln_1.out"))
     assert tape.grad_hooks["lm_head"] == (("all_reduce", "transformer.ln_f.out"),)
     assert tape.grad_shapes == {}  # tied: the embedding's gradient is its rows
 

@@ -242,11 +242,66 @@ def optimizer_groups(model: nn.Module) -> list[dict]:
 
 # -- the tracker ----------------------------------------------------------------------------------------------
 
+FUNCOL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single")
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    """The data pointer of a plain tensor's storage (a wrapper subclass: None)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t):
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 class _DTensorAwareMode(_tracker._Mode):
     """The tracker's dispatch mode, stepping aside for ops on tensor subclasses (DTensor): the subclass's
-    dispatch then runs with this mode active, and every plain op it runs on local tensors comes back here."""
+    dispatch then runs with this mode active, and every plain op it runs on local tensors comes back here.
+
+    It also makes gloo's frees land where DTensor drops its references. A functional collective
+    (`_c10d_functional.*`) is a gloo work that holds its input and output tensors until gloo's worker thread
+    resets it, a moment after `wait_tensor` returned on the caller (torch/csrc/distributed/c10d/
+    ProcessGroupGloo.cpp `runLoop`, as traces/distributed.py `BackendReleased` explains for FSDP2): a
+    reduce-scatter's concatenated input, or an all-gather's buffer, that DTensor drops right after the wait
+    would then be freed on the worker thread at a moment that varies run to run. After each `wait_tensor`
+    this mode waits until the collective's inputs have no more holders than before it was issued, and yields
+    the GIL for a moment so the worker can let go of the output (allocates nothing)."""
+
+    def __init__(self, tracker) -> None:
+        super().__init__(tracker)
+        self.pending: dict[int, tuple[list, list]] = {}  # output's storage -> (inputs, their holders before the call)
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional":
+            return self._collective(func, types_, args, kwargs)
+        return self._dispatch(func, types_, args, kwargs)
+
+    def _collective(self, func, types_, args, kwargs):
+        from .distributed import ReleaseCount, holders, wait_released
+
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return self._dispatch(func, types_, args, kwargs)
+        name = func.name().split("::")[-1].split(".")[0]
+        if name == "wait_tensor":
+            out = self._dispatch(func, types_, args, kwargs)
+            key = _storage_key(args[0])
+            inputs, before = self.pending.pop(key, ([], [])) if key is not None else ([], [])
+            if inputs:
+                wait_released(inputs, before, ReleaseCount(), 5.0)
+            time.sleep(0.001)
+            return out
+        inputs = [a for a in args if isinstance(a, torch.Tensor)] if name in FUNCOL else []
+        before = holders(inputs) if inputs else []
+        out = self._dispatch(func, types_, args, kwargs)
+        key = _storage_key(out) if isinstance(out, torch.Tensor) else None
+        if inputs and key is not None:
+            self.pending[key] = (inputs, before)
+        return out
+
+    def _dispatch(self, func, types_, args=(), kwargs=None):
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
         from torch.utils._pytree import tree_flatten
 

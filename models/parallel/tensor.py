@@ -201,13 +201,15 @@ class _Transform:
                 self._embedding(op)
             elif self.gpt2 and op.name == "transformer.wpe" and self.sp:
                 self._positions(op)
-            elif op.name == "lm_head":
+            elif op.name in ("lm_head", "lm_head.autocast_input"):
                 self._head(op)
             elif op.name.startswith("loss."):
                 if op.name == "loss.log_softmax":
                     self._loss(op, ops[i + 1])
+                elif op.name == "loss.autocast_input":  # autocast's fp32 copy of this rank's logits
+                    self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs)))
                 elif op.name != "loss.nll":
-                    raise NotImplementedError(f"{op.name}: the parallel loss is simulated for fp32 logits only")
+                    raise NotImplementedError(f"{op.name}: not a loss op the parallel loss knows")
             elif module is not None:
                 if module != region:
                     region = module
@@ -240,6 +242,15 @@ class _Transform:
 
     def _plain(self, op: TapeOp) -> None:
         """Norms, residual adds, the block-return releases: sequence-sharded with SP, else unchanged."""
+        if op.kind == "rmsnorm" and not op.bwd_workspace:
+            # torch's composite RMSNorm backward (fp32): its highest point is in the pow node, five x-shaped
+            # tensors (the x * rstd gradient, MeanBackward1.div, PowBackward0.pow / .mul / .mul; measured) once
+            # the output's gradient and the saved normed x are gone. The replay's one node holds those two and
+            # the input gradient until its end: two more make the five. transformer.py writes these temporaries
+            # for 16-bit CPU inputs only; next to TP's sharded everything else they become the peak
+            x = self.specs.get(op.inputs[0]) or op.outputs[0]
+            op = replace(op, bwd_workspace=tuple(TensorSpec(f"{op.name}.grad_temp{k}", x.shape, x.dtype, False)
+                                                 for k in range(2)))
         op = replace(op, outputs=tuple(self.seq(o) for o in op.outputs),
                      workspace=tuple(self.seq(w) for w in op.workspace),
                      bwd_workspace=tuple(self.seq(w) for w in op.bwd_workspace),
@@ -300,8 +311,13 @@ class _Transform:
     def _region_op(self, op: TapeOp, module: str, pending: dict[str, str]) -> None:
         layer = op.name[len(module) + 1:]
         linear = f"{module.rpartition('.')[2]}.{layer}"  # "attn.c_attn", "mlp.down_proj"
-        if linear.endswith(COLWISE) and op.kind in ("linear", "addmm"):
+        cast = linear.endswith(".autocast_input")  # autocast's 16-bit copy of a linear's fp32 input
+        base = linear.removesuffix(".autocast_input")
+        if base.endswith(COLWISE) and (cast or op.kind in ("linear", "addmm")):
             x = op.inputs[0]
+            if not cast and x.endswith(".in_cast"):  # reads its own cast: the cast op read the module's input
+                self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+                return
             if self.sp:
                 if module not in pending:  # PrepareModuleInput: one all-gather per module
                     pending[module] = x
@@ -310,7 +326,11 @@ class _Transform:
                 self.hook(op.name, "sum", self.rename[x])
             else:
                 self.hook(op.name, "sum", x)
-            self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+                if module not in pending:  # the module's first reader, the last in backward: the Partial sum of
+                    pending[module] = x  # its input gradients is all-reduced after its node
+                    self.hook(op.name, "all_reduce", x)
+            self.emit(op if cast else replace(op, outputs=tuple(self.heads(o) for o in op.outputs),
+                                              flops=op.flops // self.tp))
             return
         if linear.endswith(ROWWISE) and op.kind in ("linear", "addmm"):
             out = op.outputs[0]
@@ -321,8 +341,9 @@ class _Transform:
                 if bias in op.params else ()
             self.emit(replace(op, outputs=(partial,), workspace=op.workspace + ws, flops=op.flops // self.tp))
             self._row_collective(op.name, partial, out)
-            if module in pending:  # the module returns: its SP input argument goes
+            if module in pending and self.sp:  # the module returns: its SP input argument goes
                 self.emit(TapeOp(f"{module}.return", "release", (pending.pop(module),), ()))
+            pending.pop(module, None)
             return
         self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs),
                           workspace=tuple(self.heads(w) for w in op.workspace),
@@ -331,34 +352,47 @@ class _Transform:
     def _head(self, op: TapeOp) -> None:
         """ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) on lm_head: (B, T, V / tp) logits."""
         x = op.inputs[0]
+        if op.name == "lm_head" and x.endswith(".in_cast"):  # autocast: its cast op read the final norm's output
+            self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+            return
         if self.sp:
             gathered = self._all_gather("lm_head", self.specs[x])
             self.rename[x] = gathered.name
         else:
             self.hook(op.name, "all_reduce", x)
-        self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs), flops=op.flops // self.tp))
+        cast = op.name.endswith(".autocast_input")
+        self.emit(op if cast else replace(op, outputs=tuple(self.heads(o) for o in op.outputs),
+                                          flops=op.flops // self.tp))
 
     def _loss(self, lsm_op: TapeOp, nll_op: TapeOp) -> None:
         """`F.cross_entropy` under `loss_parallel()` (module docstring): two ops, the max-shifted logits (kept
-        until the log-softmax exists) and the log-softmax with the nll loss, whose backward is one node."""
+        until the log-softmax exists) and the log-softmax with the nll loss, whose backward is one node. 16-bit
+        logits are computed on in fp32 (loss.py `_log_softmax`: `x.to(computation_dtype)`, the result cast back):
+        the fp32 copy, the shifted logits and the fp32 log-softmax live until its 16-bit copy is made."""
         logits = self.specs[lsm_op.inputs[0]]
         B, T, Vl = logits.shape
         dt = logits.dtype
         t = lambda n, shape, dtype=dt: TensorSpec(f"loss.{n}", shape, dtype, False)  # noqa: E731
         row = (B, T, 1)
-        shifted = t("shifted", logits.shape)
-        self.emit(TapeOp("loss.shift", "log_softmax", (logits.name,), (shifted,),
-                         workspace=(t("max_reduced", row), t("exp", logits.shape), t("sum", row)),
+        upcast = dt != "fp32"
+        cdt = "fp32"
+        shifted = t("shifted", logits.shape, cdt)
+        copies = (t("logits_fp32", logits.shape, cdt),) if upcast else ()
+        self.emit(TapeOp("loss.shift", "log_softmax", (logits.name,), copies + (shifted,),
+                         workspace=(t("max_reduced", row, cdt), t("exp", logits.shape, cdt), t("sum", row, cdt)),
                          flops=3 * B * T * Vl))
         lsm = TensorSpec("loss.log_softmax.out", logits.shape, dt, False)
         loss = replace(nll_op.outputs[0], requires_grad=True)
         total = nll_op.outputs[1]
         targets = nll_op.inputs[1]
-        self.emit(TapeOp("loss.log_softmax", "log_softmax", (logits.name, shifted.name, targets),
+        result = (t("log_softmax_fp32", logits.shape, cdt),) if upcast else ()
+        self.emit(TapeOp("loss.log_softmax", "log_softmax",
+                         (logits.name,) + tuple(c.name for c in copies) + (shifted.name, targets),
                          (loss, lsm, total), saves=(lsm.name, targets, total.name),
-                         workspace=(t("max_reduced_kept", row), t("sum_reduced", row), t("log_sum", row),
-                                    t("local_targets", (B * T,), "int64"), t("masked_targets", row, "int64"),
-                                    t("picked", row), t("picked_reduced", row)),
+                         workspace=result + (t("max_reduced_kept", row, cdt), t("sum_reduced", row, cdt),
+                                             t("log_sum", row, cdt), t("local_targets", (B * T,), "int64"),
+                                             t("masked_targets", row, "int64"), t("picked", row),
+                                             t("picked_reduced", row)),
                          bwd_workspace=(t("grad_zeros", logits.shape), t("grad_sum", logits.shape),
                                         t("grad_targets", row, "int64"), t("grad_local_targets", (B * T,), "int64"),
                                         t("grad_rows", (B * T,)), t("grad_arange", (B * T,), "int64"),
