@@ -82,13 +82,13 @@ def test_tiny_gpt_shapes_by_hand():
     assert llama.grad_shapes == {"model.embed_tokens.weight": (256, 64)}  # untied: a Replicate (V, D) gradient
 
 
-def _check(name: str, tp: int, sp: bool, model=None):
+def _check(name: str, tp: int, sp: bool, model=None, setup: TrainingSetup = SETUP):
     from peakledger.traces.tensor_run import measure_tensor_parallel
 
     model = model or preset(name)
-    logs = measure_tensor_parallel(model, SETUP, tp, sp)
+    logs = measure_tensor_parallel(model, setup, tp, sp)
     for rank, log in enumerate(logs):
-        sim = simulate(describe_tensor_parallel_rank(model, SETUP, tp, sp, rank))
+        sim = simulate(describe_tensor_parallel_rank(model, setup, tp, sp, rank))
         assert static_rows(log, rank) == static_rows(sim, rank)
         v = compare_logs(log, sim, rank=rank)
         assert v.passes(0.01), (rank, v.overall, v.unexplained)
@@ -110,3 +110,21 @@ def test_more_cases_match_dtensor(name, tp, sp):
 def test_tiny_llama_tp4_matches_dtensor(sp):
     """tiny-llama has 2 kv heads: tp=4 takes its variant with 4 (every rank holds whole heads)."""
     _check("tiny-llama", 4, sp, replace(preset("tiny-llama"), n_kv_head=4))
+
+
+@slow
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+@pytest.mark.parametrize("name, sp", [("tiny", True), ("tiny-llama", False)])
+def test_16_bit_matches_dtensor(precision, name, sp):
+    """Pure bf16 (loss_parallel computes 16-bit logits in fp32: the forward's peak) and CPU bf16 autocast."""
+    _check(name, 2, sp, setup=replace(SETUP, micro_batch=4, seq_len=64, precision=precision))
+
+
+@slow
+@pytest.mark.parametrize("sp", [False, True])
+def test_small_vocabulary_llama(sp):
+    """Vocabulary 32, d_model 128: the peak leaves the loss for the norms' backward (the composite RMSNorm's
+    temporaries) and the sharded blocks."""
+    model = replace(preset("tiny-llama"), name="tiny-llama-v32", vocab_size=32, d_model=128, n_head=8, n_kv_head=4,
+                    d_ff=352)
+    _check("tiny-llama", 2, sp, model, replace(SETUP, micro_batch=4, seq_len=64))

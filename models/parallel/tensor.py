@@ -217,8 +217,9 @@ class _Transform:
             else:
                 region = None
                 self._plain(op)
-        if self.sp:  # the final norm's output is a local of the model's forward until it returns
-            self.emit(TapeOp("model.return", "release", (self.final_norm.outputs[0].name,), ()))
+        if self.sp:  # the final norm's own (sequence-sharded) output is a local of the model's forward until it
+            # returns (not the all-gathered copy lm_head reads: no renaming here)
+            self.ops.append(TapeOp("model.return", "release", (self.final_norm.outputs[0].name,), ()))
         return TensorParallelTape(
             params=self.params(), ops=self.ops, inputs=list(self.tape.inputs), buffers=list(self.tape.buffers),
             held=self.tape.held, loss=self.tape.loss, layers=self.tape.layers,
@@ -390,14 +391,17 @@ class _Transform:
                          (logits.name,) + tuple(c.name for c in copies) + (shifted.name, targets),
                          (loss, lsm, total), saves=(lsm.name, targets, total.name),
                          workspace=result + (t("max_reduced_kept", row, cdt), t("sum_reduced", row, cdt),
-                                             t("log_sum", row, cdt), t("local_targets", (B * T,), "int64"),
-                                             t("masked_targets", row, "int64"), t("picked", row),
-                                             t("picked_reduced", row)),
+                                             t("log_sum", row, cdt)),
                          bwd_workspace=(t("grad_zeros", logits.shape), t("grad_sum", logits.shape),
                                         t("grad_targets", row, "int64"), t("grad_local_targets", (B * T,), "int64"),
                                         t("grad_rows", (B * T,)), t("grad_arange", (B * T,), "int64"),
                                         t("grad_weight", row)),
                          flops=2 * B * T * Vl))
+        # the nll loss's own temporaries, once the log-softmax's are gone: the local targets (masked to this
+        # rank's vocabulary rows), the picked log-probabilities and their all-reduce (its backward is above)
+        self.emit(TapeOp("loss.nll", "nll_loss", (lsm.name, targets), (),
+                         workspace=(t("local_targets", (B * T,), "int64"), t("masked_targets", row, "int64"),
+                                    t("picked", row), t("picked_reduced", row))))
 
 
 # -- the engine hooks --------------------------------------------------------------------------------------
