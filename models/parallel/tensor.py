@@ -180,6 +180,9 @@ class _Transform:
 
     # -- ops -----------------------------------------------------------------------------------------------
     def emit(self, op: TapeOp) -> None:
+        if op.kind == "release":  # a scope end lets go of the Python local: the tensor itself, not a collective's copy
+            self.ops.append(op)
+            return
         op = replace(op, inputs=tuple(self.rename.get(n, n) for n in op.inputs),
                      saves=tuple(self.rename.get(n, n) for n in op.saves),
                      views=tuple(self.rename.get(n, n) for n in op.views),
@@ -193,7 +196,6 @@ class _Transform:
 
     def run(self) -> TensorParallelTape:
         ops = self.tape.ops
-        region: str | None = None  # the attention / MLP module whose ops run on sharded heads / columns
         pending_release: dict[str, str] = {}  # module -> its (SP) input, an argument alive until it returns
         for i, op in enumerate(ops):
             module = self._module(op.name)
@@ -210,12 +212,9 @@ class _Transform:
                     self.emit(replace(op, outputs=tuple(self.heads(o) for o in op.outputs)))
                 elif op.name != "loss.nll":
                     raise NotImplementedError(f"{op.name}: not a loss op the parallel loss knows")
-            elif module is not None:
-                if module != region:
-                    region = module
+            elif module is not None:  # attention / MLP: sharded heads / columns between the linears
                 self._region_op(op, module, pending_release)
             else:
-                region = None
                 self._plain(op)
         if self.sp:  # the final norm's own (sequence-sharded) output is a local of the model's forward until it
             # returns (not the all-gathered copy lm_head reads: no renaming here)
@@ -280,7 +279,7 @@ class _Transform:
     def _row_collective(self, name: str, partial: TensorSpec, out: TensorSpec) -> None:
         """The Partial output of a row-parallel op made Replicate (all-reduce) or, with SP, Shard(1)
         (reduce-scatter) under the output's own name."""
-        B, T = self.B, self.T
+        B = self.B
         if not self.sp:
             self.emit(TapeOp(f"{name}.all_reduce", "all_reduce", (partial.name,), (out,), passthrough=True))
             return
@@ -399,7 +398,7 @@ class _Transform:
                          flops=2 * B * T * Vl))
         # the nll loss's own temporaries, once the log-softmax's are gone: the local targets (masked to this
         # rank's vocabulary rows), the picked log-probabilities and their all-reduce (its backward is above)
-        self.emit(TapeOp("loss.nll", "nll_loss", (lsm.name, targets), (),
+        self.emit(TapeOp("loss.nll", "nll_loss", (logits.name, lsm.name, targets), (),  # the logits: a local until here
                          workspace=(t("local_targets", (B * T,), "int64"), t("masked_targets", row, "int64"),
                                     t("picked", row), t("picked_reduced", row))))
 
