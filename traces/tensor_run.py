@@ -44,7 +44,6 @@ would run under the popped mode and only their final outputs would be seen.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import tempfile
 import time
@@ -56,7 +55,7 @@ import torch.nn as nn
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..simulator.events import EventLog
-from .distributed import LOOPBACK, _kill_all, _loopback_listener, free_loopback_port
+from .distributed import free_loopback_port, gloo_group, spawn_ranks
 from .store import load_log, save_log
 from . import tracker as _tracker
 
@@ -112,34 +111,12 @@ def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) ->
 
 
 def _spawn_and_join(job: TPJob) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_rank_main, args=(job,), nprocs=job.tp, join=False, start_method="spawn")
-    deadline = time.monotonic() + job.timeout_s
-    try:
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"tp={job.tp} ranks did not finish in {job.timeout_s:.0f} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise RuntimeError(f"a rank failed:\n{e}") from None
-    finally:
-        _kill_all(context.processes)
+    spawn_ranks(_rank_main, job, job.tp, job.timeout_s, f"tp={job.tp} ranks")
 
 
 def _rank_main(rank: int, job: TPJob) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(job.port), GLOO_SOCKET_IFNAME="lo")
-    timeout = datetime.timedelta(seconds=job.timeout_s)
-    with _loopback_listener(rank, job.port) as listener:
-        store = dist.TCPStore(LOOPBACK, job.port, job.tp, is_master=rank == 0, timeout=timeout,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=job.tp, timeout=timeout)
-        try:
-            save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    with gloo_group(rank, job.tp, job.port, job.timeout_s):
+        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
 # -- the plan ---------------------------------------------------------------------------------------------
