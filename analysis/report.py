@@ -230,7 +230,8 @@ def _engine_short(setup: dict) -> str:
     engine = setup.get("dp_engine", "deepspeed")
     name = f"ZeRO-{setup['zero_stage']}" if engine == "deepspeed" else engine
     pp = f", pp {setup['pp']} ({setup['pp_schedule']})" if setup.get("pp", 1) > 1 else ""
-    return f"{name} x {_dp(setup)}{pp}"
+    tp = f", tp {setup['tp']}" + (" + SP" if setup.get("sequence_parallel") else "") if setup.get("tp", 1) > 1 else ""
+    return f"{name} x {_dp(setup)}{pp}{tp}"
 
 
 def _engine_text(setup: dict) -> str:
@@ -296,6 +297,9 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  data parallel: {_engine_text(setup)}")
         if setup.get("pp", 1) > 1:
             lines.append(f"  pipeline parallel: {_pipeline_text(setup)}")
+        if setup.get("tp", 1) > 1:
+            lines.append(f"  tensor parallel: tp {setup['tp']} (DTensor, torchtitan's plan, loss_parallel), sequence "
+                         f"parallel {'on' if setup.get('sequence_parallel') else 'off'}")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")

@@ -45,6 +45,7 @@ from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
+from .parallel.tensor import tensor_parallel_builder, tensor_parallel_classes
 from .parallel.pipeline import (PipelineEngine, check_model_parallel, pipeline_metadata, pipeline_timing,
                                 rank_tape)
 from .offload import OffloadedStates
@@ -266,6 +267,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     graph, ids = OpGraph(), itertools.count(1)
     if ranks is None and setup.pp > 1:  # every pipeline rank holds other stages
         classes = {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}
+    elif ranks is None and setup.tp > 1:  # tensor parallelism alone: ranks whose local tapes are the same
+        classes = tensor_parallel_classes(tape, setup)
     elif ranks is None:
         classes = rank_classes(tape, setup, profile)
     else:
@@ -274,7 +277,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
             raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.world_size - 1}")
         classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
     for rank in classes:
-        b = GraphBuilder(tape, setup, profile, rank, graph, ids)
+        b = (tensor_parallel_builder(tape, setup, profile, rank, graph, ids) if setup.tp > 1
+             else GraphBuilder(tape, setup, profile, rank, graph, ids))
         _describe_rank(b, plan.simulated)
     if plan.truncated:
         check_repeats(graph, plan)
@@ -293,9 +297,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
-    if setup.pp > 1:
+    if setup.pp > 1 or setup.tp > 1:  # a rank holds a part: count the whole model's
         trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         graph.metadata["n_trainable"] = sum(p.numel for p in tape.params if p.name in trainable)
+    if setup.pp > 1:
         graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)

@@ -397,6 +397,8 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     setup = scenario.setup
     if setup.pp > 1:
         return validate_pipeline(scenario, backend)
+    if setup.tp > 1:
+        return validate_tensor_parallel(scenario, backend)
     if setup.optimizer_offload != "none" and setup.dp_engine == "zero-redundancy-optimizer":
         raise ConfigError("optimizer_offload", "real runs wrap FSDP2's and DDP's optimizers in the offload, not "
                                                "ZeroRedundancyOptimizer's local one; allowed there: none")
@@ -434,6 +436,24 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
                                                 f"{'s' if setup.virtual_stages > 1 else ''} "
                                                 f"{', '.join(str(st['index']) for st in log.metadata['stages'])})",
                           rank=r), log)
+            for r, log in enumerate(logs)], simulated
+
+
+def validate_tensor_parallel(scenario: Scenario, backend: str = "gloo"):
+    """`validate_ranks` for tensor parallelism (`setup.tp` > 1): the model parallelized with DTensor
+    (`parallelize_module`, torchtitan's plan, loss_parallel) on `tp` CPU processes (gloo, 127.0.0.1;
+    traces/tensor_run.py), every rank measured and held against its simulated rank."""
+    from .analysis.validate import compare_logs
+    from .traces.tensor_run import measure_tensor_parallel
+
+    setup = scenario.setup
+    if backend != "gloo":
+        raise ConfigError("pg_backend", "tensor parallelism runs over gloo (its collectives move real activations); "
+                                        "drop --pg-backend or give gloo")
+    describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
+    logs = measure_tensor_parallel(scenario.model, setup, setup.tp, setup.sequence_parallel)
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.tp)), all_steps=True))
+    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (tensor parallel)", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
 

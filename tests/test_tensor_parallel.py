@@ -128,3 +128,20 @@ def test_small_vocabulary_llama(sp):
     model = replace(preset("tiny-llama"), name="tiny-llama-v32", vocab_size=32, d_model=128, n_head=8, n_kv_head=4,
                     d_ff=352)
     _check("tiny-llama", 2, sp, model, replace(SETUP, micro_batch=4, seq_len=64))
+
+
+def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(capsys):
+    """Wired in: `describe` transforms the tape per rank class (build_tape's tp = 1 tape), and `validate --tp` holds
+    every rank of a real DTensor run against it."""
+    from peakledger import api
+    from peakledger.cli import main
+    from peakledger.scenario import build_scenario
+
+    sc = build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 32, "precision": "fp32", "tp": 2,
+                                             "world_size": 2}, {"device": "cpu"})
+    report = api.run(sc)
+    assert [list(rp.same_as) for rp in report.ranks] == [[0, 1]] and report.metadata["n_params"] == 120_576
+    results, _ = api.validate_ranks(sc)
+    assert all(abs(v.overall.error) <= 0.01 for v, _ in results)
+    assert main(["simulate", "--preset", "tiny", "--tp", "2", "--world-size", "4"]) == 2
+    assert "world_size" in capsys.readouterr().err

@@ -75,13 +75,13 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
                                     f"{getattr(model, 'name', 'this model')!r} has none: drop ep")
         if experts % s.ep:
             raise ConfigError("ep", f"ep={s.ep} does not divide num_local_experts={experts}")
-    for name, what, on in (("tp", "tensor parallelism", s.tp > 1), ("cp", "context parallelism", s.cp > 1),
-                           ("ep", "expert parallelism", s.ep > 1),
-                           ("sequence_parallel", "sequence parallelism", s.sequence_parallel)):
+    if s.tp > 1:
+        check_tensor_parallel_supported(model, s)
+    for name, what, on in (("cp", "context parallelism", s.cp > 1), ("ep", "expert parallelism", s.ep > 1)):
         if on:
             raise ConfigError(name, f"{what} ({name}={getattr(s, name)}) is not simulated yet; allowed for now: "
                                     f"{name} {'false' if name == 'sequence_parallel' else '1'} (of the model-"
-                                    "parallel degrees only pp, pipeline parallelism, is simulated)")
+                                    "parallel degrees pp and tp / sequence parallelism are simulated)")
     if s.pp == 1:
         return
     check_pipeline_supported(s)
@@ -800,6 +800,31 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
                 "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
                ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
                ("passes", setup.passes == "train", "pp runs training steps: passes train")]
+    for name, ok, why in not_yet:
+        if not ok:
+            raise ConfigError(name, why)
+
+
+def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
+    """What tensor parallelism is simulated with (models/parallel/tensor.py, checked against real DTensor runs):
+    the hand-written dense GPT-2 / Llama, alone on its ranks (world_size = tp), fp32, bf16 or bf16 autocast,
+    without activation checkpointing, LoRA or dropout."""
+    s = setup
+    kind = None
+    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+        kind = "the model: tensor parallelism is simulated for the hand-written dense GPT-2 and Llama"
+    not_yet = [("tp", kind is None, kind or ""),
+               ("world_size", s.world_size == s.tp, f"tp with data or pipeline parallelism is not simulated yet: "
+                                                    f"world_size must be tp = {s.tp}"),
+               ("precision", s.precision in ("fp32", "bf16", "bf16-autocast"),
+                f"tp with precision {s.precision} is not simulated yet; allowed: fp32, bf16, bf16-autocast"),
+               ("checkpointing", s.checkpointing == "none", "tp with activation checkpointing is not simulated yet"),
+               ("lora_r", s.lora_r == 0, "tp with LoRA is not simulated yet"),
+               ("dropout", getattr(model, "dropout", 0) == 0, "tp with dropout is not simulated yet"),
+               ("optimizer_offload", s.optimizer_offload == "none", "tp with optimizer offload is not simulated yet"),
+               ("checkpoint_every", s.checkpoint_every == 0 and s.load_mode == "none",
+                "tp with checkpoint saves or loads is not simulated yet"),
+               ("passes", s.passes == "train", "tp runs training steps: passes train")]
     for name, ok, why in not_yet:
         if not ok:
             raise ConfigError(name, why)

@@ -524,5 +524,29 @@ def describe_tensor_parallel_rank(model, setup, tp: int, sequence_parallel: bool
     return graph
 
 
-__all__ = ["tensor_parallel_tape", "TensorParallelTape", "TensorParallelEngine", "chunk",
+def tensor_parallel_classes(tape: Tape, setup) -> dict:
+    """The tensor-parallel ranks grouped by identical local tapes (an uneven vocabulary split makes the last
+    rank's differ): {representative rank: RankRanges}."""
+    from ..training import RankRanges
+
+    groups: dict[tuple, list[int]] = {}
+    for r in range(setup.tp):
+        local = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, r)
+        key = tuple((p.name, p.shape) for p in local.params) + tuple(o.shape for op in local.ops for o in op.outputs)
+        groups.setdefault(key, []).append(r)
+    return {members[0]: RankRanges.of(members) for members in groups.values()}
+
+
+def tensor_parallel_builder(tape: Tape, setup, profile, rank: int, graph, block_ids):
+    """A GraphBuilder of tensor-parallel rank `rank`: the tp = 1 tape transformed, its engine wrapped."""
+    from ..training import GraphBuilder
+
+    base = replace(setup, tp=1, sequence_parallel=False, world_size=1)
+    local = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, rank)
+    b = GraphBuilder(local, base, profile, rank, graph, block_ids)
+    b.engine = TensorParallelEngine(b.engine, local)
+    return b
+
+
+__all__ = ["tensor_parallel_classes", "tensor_parallel_builder", "tensor_parallel_tape", "TensorParallelTape", "TensorParallelEngine", "chunk",
            "describe_tensor_parallel_rank"]
