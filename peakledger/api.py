@@ -195,6 +195,26 @@ def allocator_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
     return out
 
 
+def model_parallel_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
+    """Pipeline schedules that hold fewer micro-batches in flight on the same GPUs, and more tensor- or
+    pipeline-parallel ranks, which say that they take more GPUs (models/parallel/)."""
+    s = scenario.setup
+    out: list[tuple[str, dict, bool, str]] = []
+    if s.pp > 1 and s.pp_schedule == "gpipe" and s.grad_accum >= s.pp:
+        out.append(("pipeline schedule gpipe -> 1f1b", {"pp_schedule": "1f1b"}, False,
+                    "same GPUs: at most pp micro-batches in flight on the first stage instead of all of them"))
+    if s.tp > 1 or (s.pp == 1 and s.world_size == 1 and isinstance(scenario.model, TransformerConfig)):
+        tp = s.tp * 2
+        out.append((f"tp {s.tp} -> {tp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"tp": tp, "world_size": s.world_size * 2}, False,
+                    f"twice the GPUs: each holds 1/{tp} of the weights and of the activations between linears"))
+    if s.pp > 1:
+        out.append((f"pp {s.pp} -> {2 * s.pp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"pp": 2 * s.pp, "world_size": s.world_size * 2, "grad_accum": max(s.grad_accum, 2 * s.pp)},
+                    False, "twice the GPUs: each stage holds half as many layers"))
+    return out
+
+
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[tuple[str, dict, bool, str]]:
     """(name, setup changes, changes the training?, what it costs) for every fix worth re-simulating; with
     `fragmentation` (the allocator's cached free blocks cause the OOM) the allocator's fixes first."""
@@ -239,6 +259,7 @@ def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[tup
                     "none: the first step creates and offloads the states chunk by chunk"))
     if s.precision == "fp32":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
+    out += model_parallel_fixes(scenario)
     if traced and s.checkpointing == "none":
         from .models.trace import traced_layers
         layers = traced_layers(model, s)
