@@ -104,10 +104,12 @@ def first_gpu_oom(log: EventLog, budget: int) -> tuple[DeviceMemory, int] | None
     return min(found, key=lambda x: (x[0].oom.index, x[1]), default=None)
 
 
-def with_gpu_oom(log: EventLog, budget: int, stop: bool) -> EventLog:
+def with_gpu_oom(log: EventLog, budget: int, stop: bool, found=False) -> EventLog:
     """The log with the allocator's first OOM under `budget` recorded (as the engine records one, plus torch's
-    message); with `stop`, cut at that allocation, which never happened."""
-    found = first_gpu_oom(log, budget)
+    message); with `stop`, cut at that allocation, which never happened. `found`: `first_gpu_oom(log, budget)`
+    when the caller has it already."""
+    if found is False:
+        found = first_gpu_oom(log, budget)
     if found is None:
         return log
     dm, rank = found

@@ -285,7 +285,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     moment = worst_moment(base.log, budget)
     found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
     if found is not None:  # on a GPU the allocator's OOM is the moment (torch raises there)
-        moment = from_record(with_gpu_oom(base.log, budget, stop=False).ooms[0])
+        moment = from_record(with_gpu_oom(base.log, budget, stop=False, found=found).ooms[0])
     gpu_oom = found[0].oom if found else None
     # fragmentation: the live blocks and the request would fit what the allocator may hold, the cache's gaps not
     fragmentation = gpu_oom is not None and (gpu_oom.point.allocated_blocks + round_size(gpu_oom.requested)

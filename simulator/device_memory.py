@@ -79,12 +79,16 @@ class DeviceMemory:
     outside: dict[str, int]  # name -> bytes outside the allocator, besides the context
     capacity: int | None
     reserved_peak: DevicePoint
-    total_peak: DevicePoint
     at_allocated_peak: DevicePoint  # the first moment of the highest tensor bytes
     oom: DeviceOOM | None
     segment_allocs: int
     segment_frees: int
     series: list[tuple[float, int, int]] = field(default_factory=list)  # (time, allocated, reserved) per event
+
+    @property
+    def total_peak(self) -> DevicePoint:
+        """The device total's peak: the reserved peak's moment (the context and outside buffers are constant)."""
+        return self.reserved_peak
 
     @property
     def outside_total(self) -> int:
@@ -170,7 +174,6 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
     kinds = [s.kind for s in alloc.events]
     return DeviceMemory(rank=rank, alloc_conf=alloc_conf, context=context, outside=outside, capacity=capacity,
                         reserved_peak=best_reserved,
-                        total_peak=best_reserved,  # the context and outside buffers are constant over the run
                         at_allocated_peak=best_live, oom=oom, segment_allocs=kinds.count("segment_alloc")
                         + kinds.count("segment_map"), segment_frees=kinds.count("segment_free")
                         + kinds.count("segment_unmap"), series=out)
