@@ -45,9 +45,8 @@ from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
-from .parallel.tensor import tensor_parallel_builder, tensor_parallel_classes
-from .parallel.pipeline import (PipelineEngine, check_model_parallel, pipeline_metadata, pipeline_timing,
-                                rank_tape)
+from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_builder, simulated_ranks
+from .parallel.pipeline import PipelineEngine, check_model_parallel, pipeline_metadata, pipeline_timing
 from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
@@ -83,7 +82,8 @@ def trainable_params(tape: Tape, frozen: tuple[str, ...]) -> set[str]:
         return adapter_parameters(tape)
     names = [p.name for p in tape.params]
     for pattern in frozen:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names) and not getattr(tape, "stages", ()):
+            # (a pipeline rank's tape holds its stages' parameters only: the whole tape is checked in describe)
             raise ConfigError("frozen", f"pattern {pattern!r} matches no parameter (names look like {names[0]!r})")
     return {n for n in names if not any(fnmatch.fnmatchcase(n, pat) for pat in frozen)}
 
@@ -93,13 +93,17 @@ class GraphBuilder:
     builders (one per rank) can share one graph and one block counter."""
 
     def __init__(self, tape: Tape, setup: TrainingSetup, device: DeviceProfile, rank: int = 0,
-                 graph: OpGraph | None = None, block_ids: itertools.count | None = None) -> None:
-        if setup.pp > 1:  # a pipeline rank: its stages' parameters and ops (models/parallel/pipeline.py)
-            tape = rank_tape(tape, setup, rank)
+                 graph: OpGraph | None = None, block_ids: itertools.count | None = None, *,
+                 dp_rank: int | None = None, pipeline_group: int = 0) -> None:
+        """`tape` is the rank's own (models/parallel/mesh.py `rank_builder` makes it for a model-parallel rank,
+        with the local setup); `rank` is global (blocks and ops carry it), `dp_rank` the rank's place in its
+        data-parallel group (default: `rank`), `pipeline_group` names the pipeline its stages' sends link."""
         self.tape = tape
         self.setup = setup
         self.device = device
         self.rank = rank
+        self.dp_rank = rank if dp_rank is None else dp_rank
+        self.pipeline_group = pipeline_group
         self.graph = graph if graph is not None else OpGraph()
         self._block_ids = block_ids if block_ids is not None else itertools.count(1)
         self._last_on_stream: dict[Stream, int] = {}
@@ -107,7 +111,9 @@ class GraphBuilder:
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
-        self.engine = PipelineEngine(self) if setup.pp > 1 else make_engine(self)
+        self.engine = make_engine(self)
+        if setup.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
+            self.engine = PipelineEngine(self, self.engine)
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
               shard: int = 1, pool: Pool = Pool.DEVICE) -> Block:
@@ -265,10 +271,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     tape = build_tape(model, setup, profile.is_cpu)
     graph, ids = OpGraph(), itertools.count(1)
-    if ranks is None and setup.pp > 1:  # every pipeline rank holds other stages
-        classes = {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}
-    elif ranks is None and setup.tp > 1:  # tensor parallelism alone: ranks whose local tapes are the same
-        classes = tensor_parallel_classes(tape, setup)
+    model_parallel = is_model_parallel(setup)
+    tapes = MeshTapes(tape, setup) if model_parallel else None
+    if ranks is None and model_parallel:  # classes on the mesh: tp class x pipeline stage x dp class
+        classes = mesh_classes(tapes, profile, engine_classes)
     elif ranks is None:
         classes = rank_classes(tape, setup, profile)
     else:
@@ -276,8 +282,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         if bad:
             raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.world_size - 1}")
         classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
-    for rank in classes:
-        b = (tensor_parallel_builder(tape, setup, profile, rank, graph, ids) if setup.tp > 1
+    for rank in simulated_ranks(classes, setup) if model_parallel else classes:
+        b = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
              else GraphBuilder(tape, setup, profile, rank, graph, ids))
         _describe_rank(b, plan.simulated)
     if plan.truncated:
@@ -414,6 +420,15 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
         stop = starts[k + 1] if k + 1 < len(starts) else n
         classes.setdefault((sig, saved[start]) if start in saved else (sig,), []).append((start, stop))
     return {ranges[0][0]: RankRanges(ranges) for ranges in classes.values()}
+
+
+def engine_classes(b: GraphBuilder) -> dict[tuple, list[tuple[int, int]]]:
+    """The data-parallel ranks of `b`'s group by the engine's signature: {signature: [(start, stop), ...]}."""
+    segments = b.engine.rank_segments()
+    out: dict[tuple, list[tuple[int, int]]] = {}
+    for k, (start, sig) in enumerate(segments):
+        out.setdefault(sig, []).append((start, segments[k + 1][0] if k + 1 < len(segments) else b.engine.n))
+    return out
 
 
 def check_repeats(graph: OpGraph, plan: StepPlan) -> None:

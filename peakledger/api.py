@@ -159,6 +159,7 @@ class Fix:
     step_time: float
     changes_training: bool  # True when the model trained or its data changes, not only how memory is spent
     note: str
+    more_gpus: bool = False  # the fix takes more GPUs than the scenario (a model-parallel degree raised)
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,8 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
         combined = _combine(scenario, budget, candidates, fixes)
         if combined is not None:
             fixes.append(combined)
-    fixes.sort(key=lambda f: (0, f.changes_training, f.step_time) if f.fits else (1, f.capacity_needed, f.changes_training))
+    fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits
+               else (1, f.capacity_needed, f.changes_training))  # on the same GPUs before more GPUs
     return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
                        host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.capacity_needed,
                        step_time=base_time, fixes=fixes, gpu=found[0] if found else base.gpu, gpu_oom=gpu_oom,
@@ -315,7 +317,8 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
 def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
     report = run(scenario.with_changes(**changes))
     return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=report.capacity_needed,
-               fits=fits(report, budget), step_time=_step_time(report), changes_training=changes_training, note=note)
+               fits=fits(report, budget), step_time=_step_time(report), changes_training=changes_training, note=note,
+               more_gpus=changes.get("world_size", scenario.setup.world_size) > scenario.setup.world_size)
 
 
 def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:

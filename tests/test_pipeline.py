@@ -229,7 +229,7 @@ def test_bad_setups_name_the_field(fields, field, words):
 
 @pytest.mark.parametrize("model, fields, field, words", [
     ("tiny", dict(tp=3, world_size=3), "tp", "does not divide the model's n_head=4"),
-    ("tiny", dict(tp=2, world_size=4), "world_size", "not simulated yet"),  # tp with data parallelism
+    ("tiny", dict(tp=2, world_size=2, dp_engine="fsdp2", optimizer_offload="states"), "optimizer_offload", "not simulated yet"),
     ("tiny", dict(cp=2, world_size=2), "cp", "not simulated yet"),
     ("tiny", dict(ep=2, world_size=2), "ep", "has none"),
     ("tiny", dict(pp=4, world_size=4, grad_accum=4, pp_schedule="interleaved-1f1b", virtual_stages=2), "pp",
@@ -239,9 +239,8 @@ def test_bad_setups_name_the_field(fields, field, words):
     ("tiny-mlp", dict(pp=2, world_size=2, grad_accum=2), "pp", "not an MLP"),
     # what pp is not simulated with yet is refused when the model is described (a scenario with it can still be
     # compared with Megatron's and llm-analysis's formulas: compare --peers)
-    ("tiny", dict(pp=2, world_size=4, grad_accum=2), "world_size", "not simulated yet"),
-    ("tiny", dict(pp=2, world_size=2, grad_accum=2, checkpointing="full"), "checkpointing", "not simulated yet"),
-    ("tiny", dict(pp=2, world_size=2, grad_accum=2, dp_engine="fsdp2"), "dp_engine", "not simulated yet"),
+    ("tiny", dict(pp=2, world_size=4, grad_accum=2, zero_stage=2), "zero_stage", "not simulated yet"),
+    ("tiny", dict(pp=2, world_size=4, grad_accum=2, dp_engine="fsdp2"), "dp_engine", "not simulated yet"),
 ])
 def test_bad_setups_for_the_model_name_the_field(model, fields, field, words):
     with pytest.raises(ConfigError) as e:
@@ -252,7 +251,8 @@ def test_bad_setups_for_the_model_name_the_field(model, fields, field, words):
 def test_cli_bad_degrees_exit_2(capsys):
     assert main(["simulate", "--preset", "tiny", "--pp", "2", "--world-size", "2", "--grad-accum", "1"]) == 2
     assert "grad_accum" in capsys.readouterr().err
-    assert main(["simulate", "--preset", "tiny", "--tp", "2", "--world-size", "4"]) == 2
+    assert main(["simulate", "--preset", "tiny", "--pp", "2", "--world-size", "4", "--grad-accum", "2",
+                 "--dp-engine", "fsdp2"]) == 2
     assert "not simulated yet" in capsys.readouterr().err
     assert main(["simulate", "--preset", "tiny", "--pp-schedule", "gpipe"]) == 2  # a knob nothing reads
     assert "pp_schedule" in capsys.readouterr().err

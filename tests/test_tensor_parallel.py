@@ -12,10 +12,10 @@ import pytest
 
 from peakledger.analysis.validate import compare_logs, static_rows
 from peakledger.models.config import TrainingSetup
-from peakledger.models.parallel.tensor import (TensorParallelTape, chunk, describe_tensor_parallel_rank,
+from peakledger.models.parallel.tensor import (TensorParallelTape, chunk, 
                                                tensor_parallel_tape)
 from peakledger.models.presets import preset
-from peakledger.models.training import build_tape
+from peakledger.models.training import build_tape, describe
 from peakledger.simulator.engine import simulate
 
 SETUP = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", steps=2)
@@ -88,7 +88,8 @@ def _check(name: str, tp: int, sp: bool, model=None, setup: TrainingSetup = SETU
     model = model or preset(name)
     logs = measure_tensor_parallel(model, setup, tp, sp)
     for rank, log in enumerate(logs):
-        sim = simulate(describe_tensor_parallel_rank(model, setup, tp, sp, rank))
+        sim = simulate(describe(model, replace(setup, tp=tp, sequence_parallel=sp, world_size=tp), "cpu", ranks=[rank],
+                                all_steps=True))
         assert static_rows(log, rank) == static_rows(sim, rank)
         v = compare_logs(log, sim, rank=rank)
         assert v.passes(0.01), (rank, v.overall, v.unexplained)
@@ -143,5 +144,5 @@ def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(
     assert [list(rp.same_as) for rp in report.ranks] == [[0, 1]] and report.metadata["n_params"] == 120_576
     results, _ = api.validate_ranks(sc)
     assert all(abs(v.overall.error) <= 0.01 for v, _ in results)
-    assert main(["simulate", "--preset", "tiny", "--tp", "2", "--world-size", "4"]) == 2
-    assert "world_size" in capsys.readouterr().err
+    assert main(["simulate", "--preset", "tiny", "--tp", "2", "--cp", "2", "--world-size", "4"]) == 2
+    assert "cp" in capsys.readouterr().err

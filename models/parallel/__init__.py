@@ -72,7 +72,7 @@ def make_engine(b) -> Engine:
         return DeepSpeedZero3(b)
     if s.zero_stage in (1, 2):
         return DeepSpeedZero12(b)
-    return DeepSpeedReplica(b) if s.world_size > 1 else Engine(b)
+    return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
 
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",

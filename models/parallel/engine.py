@@ -22,8 +22,8 @@ class Engine:
     def __init__(self, b) -> None:
         self.b = b
         self.setup = b.setup
-        self.n = b.setup.world_size
-        self.rank = b.rank
+        self.n = b.setup.dp  # the rank's data-parallel group (world_size without tp, pp, cp)
+        self.rank = b.dp_rank
         self.params = {p.name: p for p in b.tape.params}
         self.trainable = [p for p in b.tape.params if p.name in b.trainable]
         self.grad_dtype = b.setup.grad_dtype

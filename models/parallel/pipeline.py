@@ -33,6 +33,7 @@ The step (`PipelineRank`) as `PipelineStage` and the schedules allocate and free
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from ...simulator.events import Block, Category, Phase, Stream
@@ -302,7 +303,7 @@ class RankTape(Tape):
     full_params: int = 0  # the whole model's parameter count
 
 
-def _stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
+def stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
     """Cut a hand-written GPT-2 / Llama tape into the stages of `stage_layout`."""
     ops = tape.ops
     layer = [_layer_of(op.name) for op in ops]
@@ -318,7 +319,7 @@ def _stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
             batch_derived.update(o.name for o in op.outputs)
     block_ends = {}  # layer -> the residual stream leaving it (its last op's output)
     for i, x in enumerate(layer):
-        if x is not None:
+        if x is not None and ops[i].outputs:  # (a scope end's release has none)
             block_ends[x] = ops[i].outputs[0]
     stream_in = [t for i in range(first_block, last_block + 1) if layer[i] == 0 for t in ops[i].inputs
                  if t in produced and produced[t] in prologue and t in batch_derived][0]
@@ -327,7 +328,8 @@ def _stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
     def stream_before(k: int) -> TensorSpec:  # the residual stream entering block k (k == n_layer: the output)
         return specs[stream_in] if k == 0 else block_ends[k - 1]
 
-    tied = [p for p in tape.params if sum(p.name in op.params for op in ops) > 1]
+    uses = Counter(name for op in ops for name in op.params)
+    tied = [p for p in tape.params if uses[p.name] > 1]
     out = []
     for spec in stage_layout(setup, n_layer):
         own = [i for i, x in enumerate(layer) if x is not None and x in spec.layers]
@@ -365,10 +367,11 @@ def _stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
     return out
 
 
-def rank_tape(tape: Tape, setup: TrainingSetup, rank: int) -> RankTape:
+def rank_tape(tape: Tape, setup: TrainingSetup, rank: int, cut: list[StageTape] | None = None) -> RankTape:
     """The tape one pipeline rank loads and steps: its stages' parameters (the last stage's own head weight when
-    the embedding is tied to it), the buffers of its blocks, and a copy of every model-level buffer per stage."""
-    stages = [st for st in _stage_tapes(tape, setup) if st.spec.rank == rank]
+    the embedding is tied to it), the buffers of its blocks, and a copy of every model-level buffer per stage.
+    `cut`: the tape's stages already cut (`stage_tapes(tape, setup)`), shared by the ranks of one pipeline."""
+    stages = [st for st in (cut if cut is not None else stage_tapes(tape, setup)) if st.spec.rank == rank]
     by_name = {p.name: p for p in tape.params}
     head = next((p for p in tape.params if p.name.endswith("wte.weight") or p.name.endswith("embed_tokens.weight")),
                 None)
@@ -431,21 +434,28 @@ class _Var:
         self.refs += refs
 
 
-class PipelineEngine(Engine):
-    """A pipeline rank: its own parameters, gradients and optimizer states (the rank tape's, no data
-    parallelism), and the schedule's step (`run_step`)."""
+class PipelineEngine:
+    """A pipeline rank: its data-parallel engine (`inner`: the stages' parameters, gradients and optimizer
+    states; replicas, or ZeRO-1's partitioned states, whose hooks act at load and step only) and the schedule's
+    step (`run_step`), which replays the micro-batches of its stages. Every other attribute is the inner
+    engine's."""
 
-    def __init__(self, b) -> None:
-        super().__init__(b)
+    def __init__(self, b, inner: Engine) -> None:
+        self.inner = inner
         self.pipeline = PipelineRank(b)
 
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        self.inner.after_op(replay, i, phase, recompute)
         hook = self.pipeline.module_end.get(id(replay))
         if hook is not None and phase is Phase.FORWARD and i == hook[0]:
             hook[1]()
 
     def run_step(self, step: int, grads) -> None:
         self.pipeline.run_step(step, grads)
+        self.inner.end_backward(step, self.pipeline.setup.grad_accum - 1)  # the data-parallel reduction, once
 
 
 class PipelineRank:
@@ -601,13 +611,15 @@ class PipelineRank:
         issue = b.op(f"{name}.issue", Phase.FORWARD, self.step, -1, [], [], duration=0.0)
         send = b.op(name, Phase.FORWARD, self.step, -1, [], [], stream=Stream.COMMUNICATION,
                     duration=b.device.collective_duration("broadcast", nbytes, 2), after=(issue.id,))
-        link = self.links.setdefault((kind, to_stage, mb, self.step), {"send": None, "waits": []})
+        link = self.links.setdefault((self.b.pipeline_group, kind, to_stage, mb, self.step),
+                                     {"send": None, "waits": []})
         link["send"] = send.id
         for w in link["waits"]:
             b.graph.graph.add_edge(send.id, w)
 
     def _wait(self, kind: str, stage: int, mb: int) -> None:
-        link = self.links.setdefault((kind, stage, mb, self.step), {"send": None, "waits": []})
+        link = self.links.setdefault((self.b.pipeline_group, kind, stage, mb, self.step),
+                                     {"send": None, "waits": []})
         after = (link["send"],) if link["send"] is not None else ()
         wait = self.b.op(f"pp.recv_{'activation' if kind == 'F' else 'grad'}.stage{stage}.mb{mb}", Phase.FORWARD,
                          self.step, -1, [], [], duration=0.0, after=after)
@@ -744,7 +756,7 @@ class PipelineRank:
 
 def pipeline_metadata(tape: Tape, setup: TrainingSetup) -> dict:
     """The layout and schedule a pipeline graph records (`metadata["pipeline"]`)."""
-    stages = _stage_tapes(tape, setup)
+    stages = stage_tapes(tape, setup)
     return {"pp": setup.pp, "schedule": setup.pp_schedule, "virtual_stages": setup.virtual_stages,
             "micro_batches": setup.grad_accum,
             "stages": [{"index": st.spec.index, "rank": st.spec.rank, "layers": [st.spec.layers.start,
@@ -769,11 +781,12 @@ def pipeline_timing(graph) -> dict[int, dict]:
         t0 = max([end[d] for d in graph.predecessors(op_id)], default=0.0)
         start[op_id], end[op_id] = t0, t0 + ops[op_id].duration
     last_step = max((op.step for op in graph.ops_in_order()), default=0)
+    by_rank: dict[int, list] = {}
+    for op in graph.ops_in_order():
+        if op.step == last_step:
+            by_rank.setdefault(op.rank, []).append(op)
     out = {}
-    for rank in sorted({op.rank for op in graph.ops_in_order()}):
-        ops = [op for op in graph.ops_in_order() if op.rank == rank and op.step == last_step]
-        if not ops:
-            continue
+    for rank, ops in sorted(by_rank.items()):
         length = max(end[op.id] for op in ops) - min(start[op.id] for op in ops)
         busy = sum(op.duration for op in ops if op.stream is Stream.COMPUTE and not op.name.startswith("pp.recv"))
         out[rank] = {"step": last_step, "step_time_s": length, "busy_s": busy,
@@ -786,14 +799,15 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
     with these degrees can still be compared with the formulas of `compare --peers`)."""
     if setup.pp == 1:
         return
-    not_yet = [("world_size", setup.tp * setup.pp * setup.cp == setup.world_size,
-                f"pp with data parallelism (dp = {setup.dp}) is not simulated yet: world_size must be "
-                f"tp x pp x cp = {setup.tp * setup.pp * setup.cp}"),
-               ("zero_stage", setup.zero_stage == 0, "pp with ZeRO is not simulated yet: zero_stage 0"),
-               ("dp_engine", setup.dp_engine == "deepspeed", "pp with a data-parallel engine is not simulated yet: "
-                                                              "leave dp_engine out"),
-               ("checkpointing", setup.checkpointing == "none", "pp with activation checkpointing is not simulated "
-                                                                 "yet: checkpointing none"),
+    not_yet = [("dp_engine", setup.dp == 1 or setup.dp_engine == "deepspeed",
+                f"pp with data parallelism runs DeepSpeed's replicas or ZeRO-1 (dp_engine deepspeed, zero_stage 0 "
+                f"or 1) for now; {setup.dp_engine} under a pipeline schedule is not simulated yet"),
+               ("zero_stage", setup.zero_stage in (0, 1), f"pp with ZeRO-{setup.zero_stage} is not simulated yet: "
+                                                          "zero_stage 0 or 1 (partitioned optimizer states)"),
+               ("checkpointing", setup.checkpointing != "offload", "pp with activations offloaded to the host "
+                                                                     "(save_on_cpu) is not simulated yet; allowed: "
+                                                                     "none, full, every-k, selective, sqrt, "
+                                                                     "op-policy, layers"),
                ("optimizer_offload", setup.optimizer_offload == "none", "pp with optimizer-state offload is not "
                                                                          "simulated yet: optimizer_offload none"),
                ("checkpoint_every", setup.checkpoint_every == 0 and setup.load_mode == "none",
@@ -814,11 +828,12 @@ def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
     if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
         kind = "the model: tensor parallelism is simulated for the hand-written dense GPT-2 and Llama"
     not_yet = [("tp", kind is None, kind or ""),
-               ("world_size", s.world_size == s.tp, f"tp with data or pipeline parallelism is not simulated yet: "
-                                                    f"world_size must be tp = {s.tp}"),
-               ("precision", s.precision in ("fp32", "bf16", "bf16-autocast"),
-                f"tp with precision {s.precision} is not simulated yet; allowed: fp32, bf16, bf16-autocast"),
-               ("checkpointing", s.checkpointing == "none", "tp with activation checkpointing is not simulated yet"),
+               ("precision", s.precision != "fp16-mixed",
+                "tp with precision fp16-mixed is not simulated yet (its loss scaler under DTensor); allowed: fp32, "
+                "bf16, bf16-autocast, bf16-mixed"),
+               ("checkpointing", s.checkpointing in ("none", "full", "every-k", "sqrt", "layers"),
+                f"tp with checkpointing {s.checkpointing} is not simulated yet (a region inside a layer); allowed: "
+                "none, full, every-k, sqrt, layers"),
                ("lora_r", s.lora_r == 0, "tp with LoRA is not simulated yet"),
                ("dropout", getattr(model, "dropout", 0) == 0, "tp with dropout is not simulated yet"),
                ("optimizer_offload", s.optimizer_offload == "none", "tp with optimizer offload is not simulated yet"),

@@ -88,6 +88,7 @@ class TensorParallelTape(Tape):
     rank: int = 0
     grad_hooks: dict[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     grad_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    chunked: tuple[int, ...] = ()  # the sizes of the dimensions split over the ranks (torch.chunk's)
 
 
 def chunk(n: int, tp: int, rank: int) -> int:
@@ -111,6 +112,16 @@ def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int
     return _Transform(tape, tp, sequence_parallel, rank).run()
 
 
+def _partial_regions(tape: Tape) -> bool:
+    """Whether a checkpoint region covers part of a layer (selective: the attention core alone)."""
+    layer_of: dict[str, set] = {}
+    for op in tape.ops:
+        if ".h." in op.name or ".layers." in op.name:
+            key = op.name.split(".h.")[-1].split(".layers.")[-1].split(".")[0]
+            layer_of.setdefault(key, set()).add(op.region)
+    return any(len(regions) > 1 for regions in layer_of.values())
+
+
 class _Transform:
     def __init__(self, tape: Tape, tp: int, sp: bool, rank: int) -> None:
         names = {p.name for p in tape.params}
@@ -120,13 +131,16 @@ class _Transform:
             self.gpt2 = False
         else:
             raise ValueError("tensor_parallel_tape rewrites the hand-written GPT-2 / Llama tapes only")
-        if any(op.region is not None or op.offloaded or op.cached for op in tape.ops):
-            raise NotImplementedError("tensor parallelism with activation checkpointing is not simulated yet")
+        if any(op.offloaded or op.cached for op in tape.ops) or _partial_regions(tape):
+            raise NotImplementedError("tensor parallelism with checkpointing other than whole layers (full, every-k, "
+                                      "sqrt, layers) is not simulated yet")
         if any(op.kind == "dropout" for op in tape.ops) or tape.backward:
             raise NotImplementedError("tensor parallelism is simulated for hand-written tapes without dropout")
         self.tape, self.tp, self.sp, self.rank = tape, tp, sp, rank
+        self.region: int | None = None  # the checkpoint region of the op being rewritten
         idx = tape.inputs[0]
         self.B, self.T = idx.shape
+        self.chunked: set[int] = {self.T} if sp else set()
         self.Ts = chunk(self.T, tp, rank)  # this rank's sequence rows with SP
         self.ops: list[TapeOp] = []
         self.rename: dict[str, str] = {}  # tensor -> the name later readers take instead (a collective's result)
@@ -145,6 +159,7 @@ class _Transform:
 
     # -- shapes ------------------------------------------------------------------------------------------
     def c(self, n: int) -> int:
+        self.chunked.add(n)
         return chunk(n, self.tp, self.rank)
 
     def heads(self, spec: TensorSpec) -> TensorSpec:
@@ -180,6 +195,8 @@ class _Transform:
 
     # -- ops -----------------------------------------------------------------------------------------------
     def emit(self, op: TapeOp) -> None:
+        if op.region is None and self.region is not None:  # a collective or scope end the rewrite adds inside a
+            op = replace(op, region=self.region)  # checkpointed layer: recomputed with it (Megatron re-runs them too)
         if op.kind == "release":  # a scope end lets go of the Python local: the tensor itself, not a collective's copy
             self.ops.append(op)
             return
@@ -198,6 +215,7 @@ class _Transform:
         ops = self.tape.ops
         pending_release: dict[str, str] = {}  # module -> its (SP) input, an argument alive until it returns
         for i, op in enumerate(ops):
+            self.region = op.region
             module = self._module(op.name)
             if op is self.embedding:
                 self._embedding(op)
@@ -225,7 +243,7 @@ class _Transform:
             buffers_follow_params=self.tape.buffers_follow_params, describer=self.tape.describer,
             gradless=self.tape.gradless, param_dtypes=dict(self.tape.param_dtypes), tp=self.tp,
             sequence_parallel=self.sp, rank=self.rank, grad_hooks={k: tuple(v) for k, v in self.hooks.items()},
-            grad_shapes=self._grad_shapes())
+            grad_shapes=self._grad_shapes(), chunked=tuple(sorted(self.chunked)))
 
     def _grad_shapes(self) -> dict[str, tuple[int, ...]]:
         if self.tied:  # summed with the head's Shard(0) contribution: the rank's rows
@@ -497,56 +515,17 @@ class TensorParallelEngine:
             self.inner.params[p] = stored
 
 
-# -- one rank, simulated ---------------------------------------------------------------------------------------
-
-def describe_tensor_parallel_rank(model, setup, tp: int, sequence_parallel: bool, rank: int,
-                                  device: str = "cpu", graph=None, block_ids=None):
-    """The op graph of one tensor-parallel rank (no data parallelism): the setup's tape with tp = 1, transformed,
-    replayed by a GraphBuilder whose engine is wrapped in `TensorParallelEngine`. What build_tape / describe will
-    do once they call the transform themselves (they refuse tp > 1 for now: models/parallel/pipeline.py
-    `check_model_parallel`)."""
-    import itertools
-
-    from ..costs import device_profile
-    from ..training import GraphBuilder, _describe_rank, build_tape, step_plan
-    from ...simulator.ops import OpGraph
-
-    base = replace(setup, tp=1, sequence_parallel=False, world_size=1)
-    profile = device_profile(device)
-    tape = tensor_parallel_tape(build_tape(model, base, profile.is_cpu), tp, sequence_parallel, rank)
-    graph = graph if graph is not None else OpGraph()
-    b = GraphBuilder(tape, base, profile, rank, graph, block_ids if block_ids is not None else itertools.count(1))
-    b.engine = TensorParallelEngine(b.engine, tape)
-    plan = step_plan(base)
-    _describe_rank(b, plan.simulated)
-    graph.metadata = {"model": model.name, "setup": {**vars(base), "tp": tp, "sequence_parallel": sequence_parallel},
-                      "device": profile.name, **plan.metadata(), "describer": tape.describer}
-    return graph
-
-
 def tensor_parallel_classes(tape: Tape, setup) -> dict:
     """The tensor-parallel ranks grouped by identical local tapes (an uneven vocabulary split makes the last
-    rank's differ): {representative rank: RankRanges}."""
+    rank's differ): {representative rank: RankRanges}. A rank's tape depends on its rank only through the
+    chunks of the dimensions the transform splits (`TensorParallelTape.chunked`, recorded on rank 0's)."""
     from ..training import RankRanges
 
+    first = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, 0)
     groups: dict[tuple, list[int]] = {}
     for r in range(setup.tp):
-        local = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, r)
-        key = tuple((p.name, p.shape) for p in local.params) + tuple(o.shape for op in local.ops for o in op.outputs)
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(tuple(chunk(n, setup.tp, r) for n in first.chunked), []).append(r)
     return {members[0]: RankRanges.of(members) for members in groups.values()}
 
 
-def tensor_parallel_builder(tape: Tape, setup, profile, rank: int, graph, block_ids):
-    """A GraphBuilder of tensor-parallel rank `rank`: the tp = 1 tape transformed, its engine wrapped."""
-    from ..training import GraphBuilder
-
-    base = replace(setup, tp=1, sequence_parallel=False, world_size=1)
-    local = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, rank)
-    b = GraphBuilder(local, base, profile, rank, graph, block_ids)
-    b.engine = TensorParallelEngine(b.engine, local)
-    return b
-
-
-__all__ = ["tensor_parallel_classes", "tensor_parallel_builder", "tensor_parallel_tape", "TensorParallelTape", "TensorParallelEngine", "chunk",
-           "describe_tensor_parallel_rank"]
+__all__ = ["tensor_parallel_classes", "tensor_parallel_tape", "TensorParallelTape", "TensorParallelEngine", "chunk"]

@@ -1,0 +1,188 @@
+"""The device mesh: where a global rank sits in the pp x dp x cp x tp grid, and what it runs.
+
+torchtitan lays its ranks out as `init_device_mesh(dims=("pp", "dp_replicate", "dp_shard", "cp", "tp"))`
+(torchtitan/distributed/parallel_dims.py `ParallelDims._build_mesh`): row-major, tp innermost, so the tp ranks of
+one group are consecutive global ranks (one node's GPUs) and pp outermost:
+
+    rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank
+
+A rank's work composes the dimensions one after the other, each a transform owned by its module:
+  1. tp (tensor.py): the whole model's tape rewritten into the rank's shards and collectives (`tp_rank`);
+  2. pp (pipeline.py): that tape cut into the rank's stages (`pp_rank`), replayed in the schedule's order;
+  3. dp (ddp.py, fsdp.py, deepspeed.py): the data-parallel engine over the dp ranks of the rank's group
+     (`dp_rank` of `dp`), on the already tp-sharded and stage-cut parameters, as torchtitan applies FSDP
+     after TP and PP.
+`rank_builder` puts them together into one GraphBuilder. `mesh_classes` groups the ranks whose work is the same
+(one simulation each), as ranges of global ranks, so a million-rank world costs a handful of simulations: a rank's
+bytes depend on its tp class (an uneven vocabulary split), its pipeline stage, and its dp class (uneven dim-0
+shards); every rank of one pipeline group (same dp, cp and tp coordinates) is simulated together, as the
+schedule's sends and receives link them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from ..config import TrainingSetup
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    """A rank's coordinate on each mesh dimension."""
+
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+
+
+def mesh_coords(setup: TrainingSetup, rank: int) -> MeshCoords:
+    """The coordinates of global `rank` (tp innermost, pp outermost)."""
+    rest, tp = divmod(rank, setup.tp)
+    rest, cp = divmod(rest, setup.cp)
+    pp, dp = divmod(rest, setup.dp)
+    return MeshCoords(pp=pp, dp=dp, cp=cp, tp=tp)
+
+
+def mesh_rank(setup: TrainingSetup, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+    """The global rank at these coordinates."""
+    return ((pp * setup.dp + dp) * setup.cp + cp) * setup.tp + tp
+
+
+def is_model_parallel(setup: TrainingSetup) -> bool:
+    return setup.tp > 1 or setup.pp > 1 or setup.cp > 1
+
+
+def local_setup(setup: TrainingSetup) -> TrainingSetup:
+    """The setup one rank's data-parallel engine and pipeline see: its tape is already tensor-parallel, so tp = 1,
+    and the world is its pipeline's ranks times its data-parallel group (`dp` unchanged)."""
+    if setup.tp == 1 and setup.cp == 1:
+        return setup
+    return replace(setup, tp=1, cp=1, sequence_parallel=False, world_size=setup.dp * setup.pp)
+
+
+class MeshTapes:
+    """The tapes of a mesh's positions, each made once and shared by the ranks at that position: the tensor-parallel
+    tape of a tp rank (`tp_tape`), and the pipeline rank tape of a (tp rank, pp rank) (`rank_tape`)."""
+
+    def __init__(self, tape, setup: TrainingSetup) -> None:
+        self.tape, self.setup, self.local = tape, setup, local_setup(setup)
+        self._tp: dict[int, object] = {}
+        self._cuts: dict[int, list] = {}
+        self._ranks: dict[tuple[int, int], object] = {}
+
+    def tp_tape(self, tp: int):
+        from .tensor import tensor_parallel_tape
+
+        if tp not in self._tp:
+            s = self.setup
+            self._tp[tp] = tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp) if s.tp > 1 else self.tape
+        return self._tp[tp]
+
+    def rank_tape(self, tp: int, pp: int):
+        from .pipeline import rank_tape, stage_tapes
+
+        if self.setup.pp == 1:
+            return self.tp_tape(tp)
+        if (tp, pp) not in self._ranks:
+            if tp not in self._cuts:
+                self._cuts[tp] = stage_tapes(self.tp_tape(tp), self.local)
+            self._ranks[(tp, pp)] = rank_tape(self.tp_tape(tp), self.local, pp, self._cuts[tp])
+        return self._ranks[(tp, pp)]
+
+
+def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, block_ids=None,
+                 tapes: MeshTapes | None = None):
+    """The GraphBuilder of global `rank`: the tape made tensor-parallel (its tp coordinate), cut into its
+    pipeline stages (its pp coordinate), replayed under the data-parallel engine of its dp coordinate; the
+    tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
+    between the builders of one description."""
+    from ..training import GraphBuilder
+    from .tensor import TensorParallelEngine
+
+    tapes = tapes if tapes is not None else MeshTapes(tape, setup)
+    at = mesh_coords(setup, rank)
+    b = GraphBuilder(tapes.rank_tape(at.tp, at.pp), tapes.local, profile, rank, graph, block_ids, dp_rank=at.dp,
+                     pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
+    if setup.tp > 1:
+        b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp))
+    return b
+
+
+def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
+    """{representative global rank: RankRanges} for a model-parallel setup. `dp_classes(builder)` gives the
+    data-parallel classes of one (tp, pp) position as [(first dp rank, stop)] ranges keyed by signature
+    ({signature: [(start, stop), ...]}). A pipeline group is simulated whole, so the dp classes of all stages
+    of a tp class are refined together: one pipeline group per refined dp range."""
+    from ..training import RankRanges
+    from .tensor import tensor_parallel_classes
+
+    setup = tapes.setup
+    tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: [0]}
+    out: dict[int, RankRanges] = {}
+    for tp_rep, tp_members in tp_groups.items():
+        per_stage = []
+        for pp in range(setup.pp):
+            b = rank_builder(tapes.tape, setup, profile, mesh_rank(setup, pp, 0, 0, tp_rep), tapes=tapes)
+            per_stage.append(dp_classes(b))
+        cuts = sorted({start for classes in per_stage for ranges in classes.values() for start, _ in ranges})
+        refined = [(a, cuts[k + 1] if k + 1 < len(cuts) else setup.dp) for k, a in enumerate(cuts)]
+        # a stage's class: the refined ranges inside one of its own classes; one rep per refined range is simulated
+        reps = {}
+        for pp, classes in enumerate(per_stage):
+            owner = {start: key for key, ranges in classes.items() for start, stop in ranges}
+            starts = sorted(owner)
+            groups: dict = {}
+            for a, stop in refined:
+                key = owner[max(s for s in starts if s <= a)]
+                groups.setdefault(key, []).append((a, stop))
+            for ranges in groups.values():
+                first = ranges[0][0]
+                members = _member_ranges(setup, pp, ranges, tp_members)
+                reps[(pp, first)] = RankRanges(members)
+        # every refined range's pipeline group is simulated: its stages that share a class with a lower range are
+        # simulated again (their bytes are the same), and only the class representatives are reported
+        for (pp, first), members in sorted(reps.items()):
+            out[mesh_rank(setup, pp, first, 0, tp_rep)] = members
+    return dict(sorted(out.items()))
+
+
+def _member_ranges(setup: TrainingSetup, pp: int, ranges, tp_members):
+    """Global rank ranges of (pp, dp in ranges, any cp, tp in tp_members): consecutive tp members form one range;
+    with every tp rank a member, consecutive dp ranks do too."""
+    tp_runs = _runs(sorted(tp_members))
+    whole_tp = tp_runs == [(0, setup.tp)]
+    for a, stop in ranges:
+        if whole_tp:
+            yield mesh_rank(setup, pp, a, 0, 0), mesh_rank(setup, pp, stop - 1, setup.cp - 1, setup.tp - 1) + 1
+            continue
+        for d, cp in itertools.product(range(a, stop), range(setup.cp)):
+            for t0, t1 in tp_runs:
+                yield mesh_rank(setup, pp, d, cp, t0), mesh_rank(setup, pp, d, cp, t1 - 1) + 1
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][1] == v:
+            out[-1][1] = v + 1
+        else:
+            out.append([v, v + 1])
+    return [(a, b) for a, b in out]
+
+
+def simulated_ranks(classes: dict, setup: TrainingSetup) -> list[int]:
+    """The global ranks to simulate for `classes`: with pipeline parallelism every stage of each representative's
+    pipeline group (the schedule needs them all), else the representatives."""
+    if setup.pp == 1:
+        return list(classes)
+    ranks = set()
+    for rep in classes:
+        at = mesh_coords(setup, rep)
+        ranks.update(mesh_rank(setup, pp, at.dp, at.cp, at.tp) for pp in range(setup.pp))
+    return sorted(ranks)
+
+
+__all__ = ["MeshTapes", "MeshCoords", "mesh_coords", "mesh_rank", "is_model_parallel", "local_setup", "rank_builder",
+           "mesh_classes", "simulated_ranks"]
