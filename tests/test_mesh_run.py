@@ -1,17 +1,17 @@
 """Real multi-dimensional runs (traces/mesh_run.py: gloo over 127.0.0.1, one process per global rank of a
-(pp, dp, tp) device mesh, each measured with the tracker): FSDP2 x TP (2D, torchtitan's order) and TP x PP.
+(pp, dp, tp) device mesh, each measured with the tracker): FSDP2 x TP (2D, torchtitan's order), TP x PP, and
+FSDP2 x PP and FSDP2 x TP x PP (torchtitan's per-stage FSDP2).
 
 Without a simulator to compare against yet, the real runs check what the layout alone decides: one log per
 global rank, every Block carrying that rank, the mesh coordinates in the metadata, each rank's parameter,
 gradient and optimizer-state bytes against the local shards worked out here by hand from the config, and
 the same event sequence on ranks that must allocate alike (and, for one case, across two runs). The real
-4-process runs take 15-25 s each on two cores: they run with PEAKLEDGER_SLOW=1."""
+4-process runs take 15-25 s each on two cores, the 8-process 3D one about 45 s: they run with PEAKLEDGER_SLOW=1."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import pytest
 
@@ -141,8 +141,8 @@ def test_unsupported_layouts_are_refused_before_any_process():
         check_mesh(gpt, TrainingSetup(**BASE, world_size=2, tp=2))
     with pytest.raises(NotImplementedError, match="tp >= 2"):
         check_mesh(gpt, TrainingSetup(**BASE, world_size=2, pp=2, grad_accum=2))
-    with pytest.raises(NotImplementedError, match="FSDP2 x TP x PP"):
-        check_mesh(gpt, TrainingSetup(**BASE, world_size=8, tp=2, pp=2, grad_accum=2, dp_engine="fsdp2"))
+    with pytest.raises(NotImplementedError, match="dp_engine fsdp2"):
+        check_mesh(gpt, TrainingSetup(**BASE, world_size=8, tp=2, pp=2, grad_accum=2, dp_engine="ddp"))
     with pytest.raises(NotImplementedError, match="dp_engine fsdp2"):
         check_mesh(gpt, TrainingSetup(**BASE, world_size=4, tp=2, dp_engine="ddp"))
     with pytest.raises(NotImplementedError, match="bf16-mixed"):
@@ -231,3 +231,31 @@ def test_tiny_llama_tp2_x_pp2_gpipe():
     blocks = {(e.block.name, e.block.shape, e.block.category.value) for e in logs[-1].events}
     assert ("lm_head.mm", (2 * 32, cfg.vocab_size // 2), "activation") in blocks
     assert not any(shape and shape[-1] == cfg.vocab_size for _, shape, _ in blocks)
+
+
+@slow
+def test_tiny_gpt_fsdp2_x_pp2():
+    """torchtitan's FSDP2 on each stage (blocks, then the stage module as the root); the stages' embedding and
+    head are separate parameters, each sharded over dp."""
+    from peakledger.traces.mesh_run import measure_mesh
+
+    cfg = preset("tiny")
+    setup = TrainingSetup(**BASE, world_size=4, pp=2, grad_accum=4, pp_schedule="1f1b", dp_engine="fsdp2")
+    logs = measure_mesh(cfg, setup)
+    _check_logs(cfg, setup, logs)
+    assert logs[0].metadata["engines"] == ["pipeline", "fsdp2"]
+    assert set(logs[0].metadata["fsdp_units"]) == {"model", "transformer.h.0"}
+
+
+@slow
+def test_tiny_llama_fsdp2_x_tp2_x_pp2_sequence_parallel():
+    """8 processes: (pp 2, dp 2, tp 2)."""
+    from peakledger.traces.mesh_run import measure_mesh
+
+    cfg = preset("tiny-llama")
+    setup = TrainingSetup(**BASE, world_size=8, tp=2, pp=2, grad_accum=4, pp_schedule="1f1b", dp_engine="fsdp2",
+                          sequence_parallel=True)
+    logs = measure_mesh(cfg, setup, timeout_s=240)
+    _check_logs(cfg, setup, logs)
+    assert logs[5].metadata["mesh"] == {"pp": 1, "dp": 0, "tp": 1}
+    assert logs[0].metadata["engines"] == ["pipeline", "dtensor-tp", "fsdp2"]

@@ -1,5 +1,5 @@
-"""Measure every rank of a real multi-dimensional (device-mesh) CPU run: tensor parallelism combined with FSDP2
-(2D) or with pipeline parallelism, on gloo over 127.0.0.1, one tracked `EventLog` per global rank.
+"""Measure every rank of a real multi-dimensional (device-mesh) CPU run: FSDP2 x TP (2D), TP x PP, FSDP2 x PP and
+FSDP2 x TP x PP, on gloo over 127.0.0.1, one tracked `EventLog` per global rank.
 
 `measure_mesh` spawns `setup.world_size` processes joined as traces/distributed.py joins its ranks
 (`spawn_ranks`, `gloo_group`: a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), and every
@@ -31,6 +31,11 @@ Layouts
   (B, T / tp, D) with sequence parallelism. Steps and phases are labelled as pipeline_run labels them
   (`_label_stage`, `_label_loss`: each stage's forward and backward of a micro-batch FORWARD / BACKWARD with
   that micro-batch, the schedule's own work FORWARD with micro-batch -1, then OPTIMIZER and ZERO_GRAD).
+- FSDP2 x PP and FSDP2 x TP x PP (dp > 1, pp > 1, dp_engine "fsdp2"): as torchtitan applies FSDP2 to each model
+  part, each stage module (tensor-parallelized first when tp > 1) gets `fully_shard` on its blocks
+  (`setup.reshard_after_forward`) and then on itself as the root (fully_shard's default), with the "dp"
+  sub-mesh; PipelineStage drives the FSDP2 root (no reduce-scatter before the last micro-batch's backward,
+  whose post-backward then reduce-scatters the accumulated unsharded gradients).
 
 Data: every data-parallel rank trains on its own micro-batches (`make_batch(seed = seed + 1 + dp_i)`: dp_i = 0
 is the data tensor_run and pipeline_run use); the tensor-parallel ranks of one group read the same data.
@@ -44,6 +49,7 @@ coordinates {"pp": i, "dp": j, "tp": k} (every dimension, size-1 ones at 0) and 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -77,10 +83,11 @@ def measure_mesh(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: in
                  timeout_s: float = 180.0) -> list[EventLog]:
     """Run `setup.steps` real training steps of `model_cfg` on `setup.world_size` CPU processes laid out as a
     (pp, dp, tp) device mesh (gloo, loopback only); one tracked `EventLog` per global rank, in rank order. Uses
-    tp (>= 2), sequence_parallel, pp, pp_schedule, virtual_stages, world_size (dp = world_size / (tp x pp)),
+    tp, sequence_parallel, pp, pp_schedule, virtual_stages, world_size (dp = world_size / (tp x pp)),
     dp_engine ("fsdp2" when dp > 1), reshard_after_forward, micro_batch, seq_len, grad_accum (micro-batches of
     a step), steps, precision ("fp32" or "bf16"), optimizer, optimizer_impl and set_to_none. Supported: FSDP2 x
-    TP (pp = 1) and TP x PP (dp = 1). Call under `if __name__ == "__main__":` in a script; every process is
+    TP (pp = 1), TP x PP (dp = 1), FSDP2 x PP (tp = 1) and FSDP2 x TP x PP; pp_schedule gpipe, 1f1b or
+    interleaved-1f1b. Call under `if __name__ == "__main__":` in a script; every process is
     joined within `timeout_s` seconds, else all are killed and TimeoutError is raised; a failing rank's
     traceback is raised as RuntimeError."""
     check_mesh(model_cfg, setup)
@@ -126,17 +133,15 @@ def check_mesh(model_cfg, setup: TrainingSetup) -> None:
                                   "(implementation nanogpt, no experts)")
     if setup.cp != 1 or setup.ep != 1:
         raise NotImplementedError("mesh runs have no context or expert parallelism: cp 1, ep 1")
-    if setup.tp < 2:
-        raise NotImplementedError(f"mesh runs combine tensor parallelism (tp >= 2, got {setup.tp}) with FSDP2 or "
-                                  "pipeline parallelism; without tp use traces/distributed.py measure_distributed "
-                                  "or traces/pipeline_run.py measure_pipeline")
     dp, pp = setup.dp, setup.pp
+    if setup.tp < 2 and not (dp > 1 and pp > 1):
+        raise NotImplementedError(f"mesh runs combine at least two of FSDP2, TP and PP: tp >= 2 (got {setup.tp}) "
+                                  "with dp > 1 or pp > 1, or FSDP2 x PP (dp > 1 and pp > 1); one dimension alone "
+                                  "is traces/distributed.py measure_distributed or traces/pipeline_run.py "
+                                  "measure_pipeline")
     if dp == 1 and pp == 1:
         raise ValueError(f"tp={setup.tp} alone is a one-dimensional layout: use traces/tensor_run.py "
                          "measure_tensor_parallel (or give world_size = dp x tp x pp with dp > 1 or pp > 1)")
-    if dp > 1 and pp > 1:
-        raise NotImplementedError(f"FSDP2 x TP x PP (dp={dp}, tp={setup.tp}, pp={pp}) is not measured yet: "
-                                  "dp = 1 (TP x PP) or pp = 1 (FSDP2 x TP)")
     if dp > 1 and setup.dp_engine != "fsdp2":
         raise NotImplementedError(f"the data-parallel dimension of a mesh run is FSDP2 (dp_engine fsdp2), "
                                   f"not {setup.dp_engine!r}")
@@ -183,7 +188,7 @@ def _measure_rank(rank: int, job: MeshJob) -> EventLog:
     mesh = build_mesh(job.setup)
     coords = mesh_coords(job.setup, rank)
     if job.setup.pp > 1:
-        log, details = _measure_tp_pp(rank, job, mesh, coords)
+        log, details = _measure_pipeline(rank, job, mesh, coords)
     else:
         log, details = _measure_fsdp_tp(rank, job, mesh, coords)
     return log(_metadata(rank, job, coords, details))
@@ -201,17 +206,28 @@ def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
 
 # -- FSDP2 x TP -----------------------------------------------------------------------------------------------
 
-def apply_fsdp2(model: nn.Module, dp_mesh, reshard_after_forward: bool, root_reshard_after_forward=None):
-    """traces/distributed.py's FSDP2 engine on the "dp" sub-mesh: `fully_shard` on each `fsdp_units` module,
-    then the root; every unit's collectives released by gloo before they return (`BackendReleased`)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def apply_fsdp2(model: nn.Module, dp_mesh, reshard_after_forward: bool, root_reshard_after_forward=None,
+                units: list[nn.Module] | None = None, release=None):
+    """traces/distributed.py's FSDP2 engine on the "dp" sub-mesh: `fully_shard` on each of `units` (default:
+    its `fsdp_units`, the transformer blocks), then the root; every unit's collectives released by gloo before
+    they return (`BackendReleased`), counted in `release` (a new `ReleaseCount` by default), which is returned."""
+    from torch.distributed.fsdp import fully_shard
 
-    from .distributed import BackendReleased, ReleaseCount, fsdp_units
+    from .distributed import ReleaseCount, fsdp_units
 
-    for unit in fsdp_units(model):
+    for unit in (fsdp_units(model) if units is None else units):
         fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward)
-    release = ReleaseCount()
+    return wrap_released(model, ReleaseCount() if release is None else release)
+
+
+def wrap_released(model: nn.Module, release):
+    """Every FSDP2 unit of `model` with its all-gather and reduce-scatter released by gloo before they return
+    (traces/distributed.py `BackendReleased`), counted in `release`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from .distributed import BackendReleased
+
     for unit in model.modules():
         if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
             group = unit._get_fsdp_state()._fsdp_param_groups[0]
@@ -343,7 +359,16 @@ def _tp_stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec, dtype: 
     return x, out
 
 
-def _measure_tp_pp(rank: int, job: MeshJob, mesh, coords: dict):
+def _stage_blocks(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a stage module (ModuleDicts keyed by the blocks' indices)."""
+    return list(module.transformer.h.values() if hasattr(module, "transformer") else module.model.layers.values())
+
+
+def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
+    """TP x PP, FSDP2 x PP or FSDP2 x TP x PP as torchtitan builds them (torchtitan/models/llama3/infra/
+    parallelize.py applied to each model part): each stage module tensor-parallelized on "tp", then
+    `fully_shard` on its blocks and on the stage module itself with "dp" (the stage is the FSDP2 root that
+    PipelineStage drives: no gradient sync before the last micro-batch's backward, then its post-backward)."""
     import gc
 
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -358,13 +383,18 @@ def _measure_tp_pp(rank: int, job: MeshJob, mesh, coords: dict):
     specs = rank_stages(setup, cfg.n_layer, coords["pp"])
     full = build_model(cfg, setup, seed=job.seed)
     dtype = next(full.parameters()).dtype
-    plan = tp_plan(full, setup.sequence_parallel)
+    plan = tp_plan(full, setup.sequence_parallel) if setup.tp > 1 else {}
     cls_stage = _tp_stage_module_class()
     modules = [cls_stage(full, cfg, spec, setup.seq_len).train() for spec in specs]
     del full
     gc.collect()
+    release = None
     for module in modules:
-        parallelize_stage(module, plan, mesh["tp"], setup.tp)
+        if setup.tp > 1:
+            parallelize_stage(module, plan, mesh["tp"], setup.tp)
+        if setup.dp > 1:  # the stage module is the root (fully_shard's default for a root: kept unsharded)
+            release = apply_fsdp2(module, mesh["dp"], setup.reshard_after_forward, units=_stage_blocks(module),
+                                  release=release)
     n_stages = setup.pp * setup.virtual_stages
     pp_group = mesh["pp"].get_group()
     stages = []
@@ -389,13 +419,20 @@ def _measure_tp_pp(rank: int, job: MeshJob, mesh, coords: dict):
         _label_stage(stage, tracker, step_now)
     _label_loss(schedule, tracker, step_now)
     torch.manual_seed(job.seed)
-    with tracker, loss_parallel():
+    with tracker, (loss_parallel() if setup.tp > 1 else contextlib.nullcontext()):
         _pipeline_steps(tracker, schedule, optimizer, whole, first, last, setup, step_now)
-    details = {"engines": ["pipeline", "dtensor-tp"], "pp_schedule": setup.pp_schedule,
+    engines = ["pipeline"] + (["dtensor-tp"] if setup.tp > 1 else []) + (["fsdp2"] if setup.dp > 1 else [])
+    fsdp = {}
+    if setup.dp > 1:
+        from .distributed import _unit_params
+        fsdp = {"dp_engine": "fsdp2", "reshard_after_forward": setup.reshard_after_forward,
+                "root_reshard_after_forward": None, "fsdp_units": _unit_params(tracked),
+                "backend_release": dataclasses.asdict(release)}
+    details = {"engines": engines, **fsdp, "pp_schedule": setup.pp_schedule,
                "virtual_stages": setup.virtual_stages,
                "stages": [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "first": s.first,
                            "last": s.last} for s in specs],
-               "loss_parallel": True, "placements": _placements(tracked)}
+               "loss_parallel": setup.tp > 1, "placements": _placements(tracked)}
     return tracker.log, details
 
 
