@@ -185,7 +185,12 @@ def _check_training_keys(training: dict) -> None:
 
 def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scenario:
     """The scenario: the caller's base training values under the user's (each of which must apply), the run."""
-    setup = TrainingSetup(**{**base_setup, **training})
+    values = {**base_setup, **training}
+    if values.get("pp", 1) > 1 and "grad_accum" not in training:
+        # a pipeline's step is its micro-batches: by default pp of them, the fewest 1F1B (and one round of
+        # interleaved 1F1B) runs; GPipe runs any number
+        values["grad_accum"] = values["pp"]
+    setup = TrainingSetup(**values)
     check_given_knobs(setup, set(training))
     for key in run:
         if key not in RUN_FIELDS:

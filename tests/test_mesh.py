@@ -78,6 +78,24 @@ def test_zero1_partitions_a_pipeline_stage_over_its_dp_group():
         assert static[Category.MASTER_PARAMETER] == flat_partition(numel, 3)[1] * 4
 
 
+def test_fsdp2_under_a_pipeline_shards_each_stage_and_reduces_once():
+    """FSDP2 x PP (torchtitan: fully_shard on each stage module): a stage's parameters chunked on dim 0 over its dp
+    group; the schedule's backward neither reshards nor reduce-scatters (stage.py `backward_maybe_with_nosync`):
+    one reduce-scatter per unit per step, after the last micro-batch (`perform_reduce_grad`)."""
+    s = _setup(pp=2, world_size=4, dp_engine="fsdp2")  # dp 2, 4 micro-batches
+    tape = build_tape(TINY, s, True)
+    log = simulate(describe(TINY, s, "cpu", ranks=[0, 1, 2, 3]))
+    for rank in range(4):
+        at = mesh_coords(s, rank)
+        mine = rank_tape(tape, s, at.pp)
+        assert _static(log, rank)[Category.PARAMETER] == sum(dim0_shard(p.shape, 2, at.dp)[0] for p in mine.params) * 4
+        units = {op.split("fsdp.reduce_scatter.")[1].removesuffix(".issue") for op in
+                 {e.op for e in log.events if e.block.rank == rank and e.step == 1 and "fsdp.reduce_scatter." in e.op}}
+        scatters = [e for e in log.events if e.block.rank == rank and e.step == 1 and e.action is Action.ALLOC
+                    and e.op.startswith("fsdp.reduce_scatter.") and e.op.endswith(".issue")]
+        assert len(scatters) == len(units) and all(e.micro_batch == s.grad_accum - 1 for e in scatters)
+
+
 def test_tp_then_pp_cuts_the_tensor_parallel_tape():
     s = _setup(tp=2, pp=2, world_size=4)
     tape = build_tape(TINY, s, True)
@@ -101,6 +119,8 @@ def test_tp_then_pp_cuts_the_tensor_parallel_tape():
     dict(pp=2, world_size=4, zero_stage=1),
     dict(tp=2, pp=2, world_size=8, zero_stage=0),
     dict(tp=2, pp=2, world_size=4, sequence_parallel=True),
+    dict(pp=2, world_size=6, dp_engine="fsdp2"),  # dp 3: uneven shards on a pipeline
+    dict(tp=2, pp=2, world_size=8, dp_engine="fsdp2"),
 ])
 def test_mesh_classes_equal_the_definition(kw):
     """A class: the ranks with the same pipeline stage, the same tensor-parallel shapes and the same engine
@@ -147,7 +167,8 @@ def test_pipeline_ranks_under_full_checkpointing_hold_less():
 
 
 @pytest.mark.parametrize("kw, field", [
-    (dict(pp=2, world_size=4, dp_engine="fsdp2"), "dp_engine"),
+    (dict(pp=2, world_size=4, dp_engine="ddp"), "dp_engine"),
+    (dict(pp=2, world_size=4, dp_engine="fsdp2", pp_schedule="interleaved-1f1b", virtual_stages=2), "pp_schedule"),
     (dict(pp=2, world_size=4, zero_stage=3), "zero_stage"),
     (dict(pp=2, world_size=2, checkpointing="offload"), "checkpointing"),
     (dict(tp=2, world_size=2, checkpointing="selective"), "checkpointing"),

@@ -240,7 +240,7 @@ def test_bad_setups_name_the_field(fields, field, words):
     # what pp is not simulated with yet is refused when the model is described (a scenario with it can still be
     # compared with Megatron's and llm-analysis's formulas: compare --peers)
     ("tiny", dict(pp=2, world_size=4, grad_accum=2, zero_stage=2), "zero_stage", "not simulated yet"),
-    ("tiny", dict(pp=2, world_size=4, grad_accum=2, dp_engine="fsdp2"), "dp_engine", "not simulated yet"),
+    ("tiny", dict(pp=2, world_size=4, grad_accum=2, dp_engine="ddp"), "dp_engine", "not simulated yet"),
 ])
 def test_bad_setups_for_the_model_name_the_field(model, fields, field, words):
     with pytest.raises(ConfigError) as e:
@@ -252,7 +252,7 @@ def test_cli_bad_degrees_exit_2(capsys):
     assert main(["simulate", "--preset", "tiny", "--pp", "2", "--world-size", "2", "--grad-accum", "1"]) == 2
     assert "grad_accum" in capsys.readouterr().err
     assert main(["simulate", "--preset", "tiny", "--pp", "2", "--world-size", "4", "--grad-accum", "2",
-                 "--dp-engine", "fsdp2"]) == 2
+                 "--dp-engine", "ddp"]) == 2
     assert "not simulated yet" in capsys.readouterr().err
     assert main(["simulate", "--preset", "tiny", "--pp-schedule", "gpipe"]) == 2  # a knob nothing reads
     assert "pp_schedule" in capsys.readouterr().err

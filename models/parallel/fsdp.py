@@ -43,6 +43,14 @@ class FSDP2(Gathering):
         self.sharded_grads: dict[str, Block] = {}
         self.last_backward: dict[str, int] = {}
         self.backward_started = False
+        self.sync_grads = True  # False between a pipeline's micro-batches (models/parallel/pipeline.py)
+        self.outside: set[int] = set()  # ops the module does not run (a pipeline's loss: the schedule's loss_fn)
+        self.module_last = len(self.op_unit) - 1  # the module's last op: the root's post-forward follows it
+
+    def run_outside(self, ops: set[int]) -> None:
+        """Ops `ops` run outside the FSDP module (no hook fires for them)."""
+        self.outside = set(ops)
+        self.module_last = max(i for i in range(len(self.op_unit)) if i not in self.outside)
 
     # layout ----------------------------------------------------------------------------------------------
     def param_numel(self, name: str) -> tuple[int, int]:
@@ -110,6 +118,8 @@ class FSDP2(Gathering):
 
     # hooks -----------------------------------------------------------------------------------------------
     def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
+        if i in self.outside:  # no hook of the module's fires: its pre-backward waits for the output's gradient
+            return
         step, mb = replay.step, replay.mb
         unit = self.op_unit[i]
         if phase is Phase.FORWARD:
@@ -136,10 +146,10 @@ class FSDP2(Gathering):
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         unit = self.op_unit[i]
-        if recompute:
+        if recompute or i in self.outside:
             return
         if phase is Phase.FORWARD:
-            last = i + 1 == len(self.op_unit)
+            last = i == self.module_last
             if unit != ROOT and (last or self.op_unit[i + 1] != unit) and self.setup.reshard_after_forward:
                 self.release(unit, phase, replay.step, replay.mb)
             if last and self.kept_gather is not None:  # the root's post-forward drops all_gather_state
@@ -162,7 +172,11 @@ class FSDP2(Gathering):
         allocs.append(blk)
 
     def post_backward(self, unit: str, step: int, mb: int) -> None:
-        """Reshard the unit, then reduce-scatter its gradients into the flat sharded-gradient buffer."""
+        """Reshard the unit, then reduce-scatter its gradients into the flat sharded-gradient buffer; under a
+        pipeline schedule (`sync_grads` off) neither, until the schedule's reduction: the unsharded gradients
+        accumulate (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `post_backward`)."""
+        if not self.sync_grads:
+            return
         b = self.b
         self.release(unit, Phase.BACKWARD, step, mb)
         params = [p for p in self.group_params(unit) if p.name in self.unsharded_grads]

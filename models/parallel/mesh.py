@@ -77,7 +77,8 @@ class MeshTapes:
 
         if tp not in self._tp:
             s = self.setup
-            self._tp[tp] = tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp) if s.tp > 1 else self.tape
+            self._tp[tp] = (tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp, untied=s.pp > 1)
+                            if s.tp > 1 else self.tape)
         return self._tp[tp]
 
     def rank_tape(self, tp: int, pp: int):

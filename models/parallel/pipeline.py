@@ -443,9 +443,26 @@ class PipelineEngine:
     def __init__(self, b, inner: Engine) -> None:
         self.inner = inner
         self.pipeline = PipelineRank(b)
+        self.pipeline.reduce_grads = self.reduce_grads
+        if hasattr(inner, "sync_grads"):  # FSDP2: no reduce-scatter, no reshard after the micro-batches' backward
+            inner.sync_grads = False
+            # the loss is the schedule's loss_fn on the stage module's output, outside the module's hooks
+            inner.run_outside({i for i, op in enumerate(b.tape.ops) if op.name.startswith("loss.")})
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def reduce_grads(self, step: int) -> None:
+        """The end of the schedule's `_step_microbatches` (torch/distributed/pipelining/schedules.py
+        `perform_reduce_grad`, stage.py): FSDP2's post-backward of every unit, gradient sync and reshard on
+        (each backward ran with `set_requires_gradient_sync(False)` and `set_reshard_after_backward(False)`:
+        stage.py `backward_maybe_with_nosync`), then its final callback; replicas all-reduce here."""
+        sync = hasattr(self.inner, "sync_grads")
+        if sync:
+            self.inner.sync_grads = True
+        self.inner.end_backward(step, self.pipeline.setup.grad_accum - 1)
+        if sync:
+            self.inner.sync_grads = False
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         self.inner.after_op(replay, i, phase, recompute)
@@ -455,7 +472,6 @@ class PipelineEngine:
 
     def run_step(self, step: int, grads) -> None:
         self.pipeline.run_step(step, grads)
-        self.inner.end_backward(step, self.pipeline.setup.grad_accum - 1)  # the data-parallel reduction, once
 
 
 class PipelineRank:
@@ -520,6 +536,7 @@ class PipelineRank:
             self._one_f_one_b(self.stages[0])
         else:
             self._runtime()
+        self.reduce_grads(step)  # perform_reduce_grad: the data-parallel reduction, the schedule's locals alive
         frees: list[int] = []
         for var in self.vars:  # the step returns: its locals and lists go
             var.set([], frees)
@@ -799,9 +816,13 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
     with these degrees can still be compared with the formulas of `compare --peers`)."""
     if setup.pp == 1:
         return
-    not_yet = [("dp_engine", setup.dp == 1 or setup.dp_engine == "deepspeed",
-                f"pp with data parallelism runs DeepSpeed's replicas or ZeRO-1 (dp_engine deepspeed, zero_stage 0 "
-                f"or 1) for now; {setup.dp_engine} under a pipeline schedule is not simulated yet"),
+    fsdp = setup.dp > 1 and setup.dp_engine == "fsdp2"
+    not_yet = [("dp_engine", setup.dp == 1 or setup.dp_engine in ("deepspeed", "fsdp2"),
+                f"pp with data parallelism runs FSDP2, DeepSpeed's replicas or ZeRO-1 (dp_engine fsdp2, or deepspeed "
+                f"with zero_stage 0 or 1) for now; {setup.dp_engine} under a pipeline schedule is not simulated yet"),
+               ("pp_schedule", not fsdp or setup.pp_schedule in ("gpipe", "1f1b"),
+                f"pp with FSDP2 runs gpipe or 1f1b for now; {setup.pp_schedule} (its runtime's unshard and reshard "
+                "actions) is not simulated yet"),
                ("zero_stage", setup.zero_stage in (0, 1), f"pp with ZeRO-{setup.zero_stage} is not simulated yet: "
                                                           "zero_stage 0 or 1 (partitioned optimizer states)"),
                ("checkpointing", setup.checkpointing != "offload", "pp with activations offloaded to the host "

@@ -104,12 +104,15 @@ def _with_dim(spec: TensorSpec, dim: int, size: int, name: str | None = None) ->
     return replace(spec, shape=tuple(shape), name=name or spec.name)
 
 
-def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int) -> Tape:
+def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int, untied: bool = False) -> Tape:
     """One tensor-parallel rank's tape (see the module docstring); `tape` is a hand-written nanoGPT GPT-2 or Llama
-    tape (models/transformer.py `transformer_tape`), without checkpointing, LoRA or dropout."""
+    tape (models/transformer.py `transformer_tape`), without dropout, checkpointed by whole layers if at all.
+    `untied`: a tied embedding and head are separate parameters, as on pipeline ranks (the last stage holds its
+    own `lm_head.weight`): the embedding's gradient is then the whole Replicate (V, D) table (measured: TP x PP,
+    traces/mesh_run.py)."""
     if tp == 1:
         return tape
-    return _Transform(tape, tp, sequence_parallel, rank).run()
+    return _Transform(tape, tp, sequence_parallel, rank, untied).run()
 
 
 def _partial_regions(tape: Tape) -> bool:
@@ -123,7 +126,7 @@ def _partial_regions(tape: Tape) -> bool:
 
 
 class _Transform:
-    def __init__(self, tape: Tape, tp: int, sp: bool, rank: int) -> None:
+    def __init__(self, tape: Tape, tp: int, sp: bool, rank: int, untied: bool = False) -> None:
         names = {p.name for p in tape.params}
         if "transformer.wte.weight" in names:
             self.gpt2 = True
@@ -153,7 +156,7 @@ class _Transform:
                 self.readers.setdefault(n, []).append(op.name)
         self.embedding = next(op for op in tape.ops if op.name in EMBEDDINGS)
         self.embedding_weight = self.embedding.params[0]
-        self.tied = any(self.embedding_weight in op.params for op in tape.ops if op is not self.embedding)
+        self.tied = not untied and any(self.embedding_weight in op.params for op in tape.ops if op is not self.embedding)
         self.head_index = next(i for i, op in enumerate(tape.ops) if op.name == "lm_head")
         self.final_norm = next(op for op in tape.ops if op.name in FINAL_NORMS)
 
