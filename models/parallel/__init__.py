@@ -42,8 +42,11 @@ the autograd replay (`autograd.py`) at the moments the real engine acts.
 
 Modules: layout.py (the pure layout functions and constants), engine.py (`Engine`, the hooks and the single-rank
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
-deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Pipeline parallelism (`setup.pp`) is
-pipeline.py: each rank a `PipelineEngine` over its stages' tape, its micro-batches in its schedule's order.
+deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Model parallelism composes on the device
+mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor.py rewrites the tape into a
+tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; pipeline.py cuts it into
+a pipeline rank's stages and wraps the engine in `PipelineEngine`, its micro-batches in its schedule's order. The
+data-parallel engine sees its dp group only (`setup.dp` ranks, the builder's `dp_rank`).
 """
 
 from __future__ import annotations
