@@ -44,7 +44,8 @@ def dtype_name(value: str, field_name: str = "dtype") -> str:
 
 
 def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES[dtype_name(dtype)]
+    size = DTYPE_BYTES.get(dtype)  # the canonical names, on the hot path (every block of every op)
+    return size if size is not None else DTYPE_BYTES[dtype_name(dtype)]
 
 
 INT64_MAX = 2**63 - 1  # torch sizes are int64 (c10::SymInt): no dimension, count or element number is larger

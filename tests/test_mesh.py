@@ -96,6 +96,17 @@ def test_fsdp2_under_a_pipeline_shards_each_stage_and_reduces_once():
         assert len(scatters) == len(units) and all(e.micro_batch == s.grad_accum - 1 for e in scatters)
 
 
+def test_the_last_stage_gathers_for_backward_after_the_loss():
+    """The schedule's loss_fn runs outside the stage module: FSDP2's root pre-backward (and its prefetch) fires when
+    the module output's gradient arrives, after the loss's backward (measured: traces/mesh_run.py)."""
+    s = _setup(pp=2, world_size=4, dp_engine="fsdp2")
+    log = simulate(describe(TINY, s, "cpu", ranks=[2]))
+    ops = [e.op for e in log.events if e.block.rank == 2 and e.step == 1 and e.micro_batch == 0
+           and e.phase.value == "backward"]
+    first_gather = next(i for i, op in enumerate(ops) if op.startswith("fsdp.all_gather."))
+    assert all(not op.startswith("loss.") for op in ops[first_gather:])
+
+
 def test_tp_then_pp_cuts_the_tensor_parallel_tape():
     s = _setup(tp=2, pp=2, world_size=4)
     tape = build_tape(TINY, s, True)
