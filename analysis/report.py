@@ -110,6 +110,17 @@ def run_events(log: EventLog) -> int:
             + sum(per_step.get(first + i, 0) for i in range(rest)))
 
 
+def _stages(metadata: dict, rank: int) -> str:
+    """", stage 3" / ", stages 3, 19": the pipeline stages of global `rank` (its pp coordinate on the mesh)."""
+    pipeline = metadata.get("pipeline")
+    if not pipeline:
+        return ""
+    s = metadata["setup"]
+    pp = rank // (s["world_size"] // s["pp"])  # pp is the mesh's outermost dimension (models/parallel/mesh.py)
+    stages = [str(st["index"]) for st in pipeline["stages"] if st["rank"] == pp]
+    return f", stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
+
+
 def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
     """The peak of every rank in the log, with the ranks each stands for (`metadata["rank_class_ranges"]`; a
     log written before it was there lists them in `metadata["rank_classes"]`)."""
@@ -118,7 +129,9 @@ def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
     else:
         classes = {int(r): RankRanges.of(m) for r, m in log.metadata.get("rank_classes", {}).items()}
     points = rank_peak_points(log, pool)
-    return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=points[r]) for r in sorted(points)]
+    # a pipeline group is simulated whole: its stages that stand for no class of their own are not reported
+    return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=points[r]) for r in sorted(points)
+            if not classes or r in classes]
 
 
 def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,
@@ -329,11 +342,12 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             what = "device total" if r.gpu is not None else "peak"
             lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
-        lines.append("per rank (ranks with identical layouts are simulated once):")
-        for rp in r.ranks:
+        lines.append("per rank, the worst first (ranks with identical layouts are simulated once):")
+        for rp in sorted(r.ranks, key=lambda rp: (-rp.peak.bytes, rp.rank)):
             e = rp.peak.event
             lines.append(f"  {_rank_range(rp.same_as):<16}{f(rp.peak.bytes):>14}  at "
-                         f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})")
+                         f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})"
+                         f"{_stages(r.metadata, rp.rank)}")
     if r.gpu is not None:
         lines += [""] + device_lines(r.gpu, unit)
     lines.append("")
