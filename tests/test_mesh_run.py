@@ -158,6 +158,32 @@ def test_unsupported_layouts_are_refused_before_any_process():
         check_mesh(preset("tiny-mlp"), TrainingSetup(**BASE, world_size=4, tp=2, dp_engine="fsdp2"))
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_stage_plan_is_the_whole_models_plan_on_its_modules(name, sequence_parallel):
+    """A pipeline stage is tensor-parallelized with tensor_run's own plan of the stage (its blocks keyed by their
+    index in the whole model): the entries naming one of its modules are those of the whole model's plan, same
+    styles, same order; its blocks are those the FSDP2 units are made of."""
+    from peakledger.models.parallel.pipeline import rank_stages
+    from peakledger.models.reference import build_model
+    from peakledger.traces.distributed import fsdp_units
+    from peakledger.traces.pipeline_run import StageModule
+    from peakledger.traces.tensor_run import tp_plan
+
+    cfg = preset(name)
+    setup = TrainingSetup(**{**BASE, "grad_accum": 4}, world_size=2, pp=2, pp_schedule="1f1b")
+    full = build_model(cfg, setup, seed=0)
+    whole = tp_plan(full, sequence_parallel)
+    for pp_rank in range(setup.pp):
+        for spec in rank_stages(setup, cfg.n_layer, pp_rank):
+            stage = StageModule(full, cfg, spec, setup.seq_len)
+            names = {n for n, _ in stage.named_modules()}
+            own = [(k, repr(v)) for k, v in tp_plan(stage, sequence_parallel).items() if k in names]
+            assert own == [(k, repr(v)) for k, v in whole.items() if k in names]
+            blocks = "transformer.h" if cfg.family == "gpt2" else "model.layers"
+            assert fsdp_units(stage) == [stage.get_submodule(f"{blocks}.{i}") for i in spec.layers]
+
+
 def test_expected_shards_by_hand():
     """The hand-written expectations themselves, on the tiny GPT (d 64, ffn 256, V 256, 64 positions, tied)."""
     setup = TrainingSetup(**BASE, world_size=4, tp=2, dp_engine="fsdp2")

@@ -15,7 +15,8 @@ Engines
 -------
 - "fsdp2": `torch.distributed.fsdp.fully_shard` on each transformer block (`transformer.h[i]` for
   GPT-2, `model.layers[i]` for Llama; each Linear for the MLP), then on the root, with
-  `reshard_after_forward`; the optimizer is built after sharding, over the DTensor parameters.
+  `reshard_after_forward` (`apply_fsdp2`, which traces/mesh_run.py applies on its "dp" sub-mesh); the
+  optimizer is built after sharding, over the DTensor parameters.
   The tracker labels shards, unsharded parameters, all-gather and reduce-scatter buffers
   (`tracker.FSDPLabels`). Each unit's collectives return only once the process group has released
   their tensors (`BackendReleased`: gloo's worker thread otherwise drops the last reference to a
@@ -284,15 +285,51 @@ class Running:
 
 
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules that each become one FSDP2 unit before the root: transformer blocks, or MLP Linears; a traced
-    model's repeated blocks (models/trace `real_model` names them)."""
+    """The modules that each become one FSDP2 unit before the root: transformer blocks (`transformer_blocks`:
+    of a reference GPT or of a pipeline stage cut from one), or MLP Linears; a traced model's repeated blocks
+    (models/trace `real_model` names them)."""
     if getattr(model, "peakledger_layers", None):
         return [model.get_submodule(name) for name in model.peakledger_layers]
-    if hasattr(model, "transformer"):
-        return list(model.transformer.h)
-    if hasattr(model, "model"):
-        return list(model.model.layers)
+    if hasattr(model, "transformer") or hasattr(model, "model"):
+        return transformer_blocks(model)
     return [m for m in model.layers if isinstance(m, torch.nn.Linear)]
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a reference GPT (`transformer.h` for GPT-2, `model.layers` for Llama: a
+    ModuleList) or of a pipeline stage cut from one (traces/pipeline_run.py `StageModule`: a ModuleDict keyed by
+    the blocks' indices in the whole model), in order."""
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    return list(blocks.values() if isinstance(blocks, torch.nn.ModuleDict) else blocks)
+
+
+def apply_fsdp2(model: torch.nn.Module, reshard_after_forward: bool, root_reshard_after_forward: bool | None = None,
+                *, mesh=None, release: "ReleaseCount | None" = None) -> "ReleaseCount":
+    """`fully_shard` on each of `model`'s `fsdp_units` with `reshard_after_forward`, then on `model` as the root
+    with `root_reshard_after_forward` (None: fully_shard's default), over `mesh` (None: fully_shard's default,
+    the whole world; a "dp" sub-mesh in a device-mesh run); every unit's collectives then released by the
+    process group before they return (`wrap_released`), counted in `release` (a new `ReleaseCount` when None),
+    which is returned."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard_after_forward)
+    return wrap_released(model, ReleaseCount() if release is None else release)
+
+
+def wrap_released(model: torch.nn.Module, release: "ReleaseCount") -> "ReleaseCount":
+    """Every FSDP2 unit of `model` with its all-gather and reduce-scatter returning only once the process group
+    has released their tensors (`BackendReleased`), counted in `release`, which is returned. The tracker's
+    labelling comms (`tracker.FSDPLabels`) wrap these."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
+            group = unit._get_fsdp_state()._fsdp_param_groups[0]
+            unit.set_custom_all_gather(BackendReleased.all_gather(group._all_gather_comm, release))
+            unit.set_custom_reduce_scatter(BackendReleased.reduce_scatter(group._reduce_scatter_comm, release))
+    return release
 
 
 class FSDP2:
@@ -304,23 +341,14 @@ class FSDP2:
 
     @staticmethod
     def before_tracking(model: torch.nn.Module, job: RankJob) -> Prepared:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        for unit in fsdp_units(model):
-            fully_shard(unit, reshard_after_forward=job.reshard_after_forward)
-        fully_shard(model, reshard_after_forward=job.root_reshard_after_forward)
-        release = ReleaseCount()
-        for unit in model.modules():  # the tracker's labelling comms (FSDPLabels) will wrap these
-            if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
-                group = unit._get_fsdp_state()._fsdp_param_groups[0]
-                unit.set_custom_all_gather(BackendReleased.all_gather(group._all_gather_comm, release))
-                unit.set_custom_reduce_scatter(BackendReleased.reduce_scatter(group._reduce_scatter_comm, release))
+        """`apply_fsdp2` over the whole world, then the optimizer over the sharded parameters."""
+        release = apply_fsdp2(model, job.reshard_after_forward, job.root_reshard_after_forward)
         optimizer = torch_optimizer(model.parameters(), job.setup, job.lr)
         return Prepared(model, optimizer, model, optimizer, release)
 
     @staticmethod
     def inside_tracking(prepared: Prepared, tracker, job: RankJob) -> Running:
-        return Running(prepared.model, prepared.optimizer, {"fsdp_units": _unit_params(prepared.model)})
+        return Running(prepared.model, prepared.optimizer, {"fsdp_units": unit_params(prepared.model)})
 
 
 @dataclass
@@ -422,7 +450,7 @@ def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: fl
         time.sleep(1e-5)
 
 
-def _unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
+def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
     """Each FSDP2 unit (module path, the root as "model") with the parameters it shards."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -539,6 +567,6 @@ def rank_peak(log: EventLog) -> RankPeak:
                     by_category=live_bytes(log, index))
 
 
-__all__ = ["measure_distributed", "ENGINES", "BACKENDS", "free_loopback_port", "fsdp_units", "RankJob",
-           "BackendReleased", "ReleaseCount", "holders", "wait_released",
-           "without_backend_copies", "RankPeak", "rank_peak"]
+__all__ = ["measure_distributed", "ENGINES", "BACKENDS", "free_loopback_port", "fsdp_units", "transformer_blocks",
+           "apply_fsdp2", "wrap_released", "unit_params", "RankJob", "BackendReleased", "ReleaseCount", "holders",
+           "wait_released", "without_backend_copies", "RankPeak", "rank_peak"]

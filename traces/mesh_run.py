@@ -15,27 +15,33 @@ Layouts
 - 2D, FSDP2 + TP (pp = 1, dp > 1, dp_engine "fsdp2"), torchtitan's order (models/llama3/infra/parallelize.py:
   `apply_tp`, then `apply_fsdp`): traces/tensor_run.py `parallelize` on the "tp" sub-mesh (its `tp_plan`,
   attention on local heads, a tied embedding re-tied), then `fully_shard` on each transformer block and on the
-  root with the "dp" sub-mesh, as traces/distributed.py's FSDP2 engine applies it (`fsdp_units`; every block
-  with `setup.reshard_after_forward`, the root with fully_shard's default; each unit's collectives return
-  once gloo has let go of their tensors: `BackendReleased`). The loop is `traces.tracker.training_loop` under
-  `loss_parallel()`, as tensor_run runs it (`grad_accum` micro-batches per step, each a FORWARD and a BACKWARD
-  with its micro-batch index, then OPTIMIZER and ZERO_GRAD).
-- TP + PP (dp = 1, pp > 1): the stages of the pipeline rank (traces/pipeline_run.py `StageModule`, the layout
-  of models/parallel/pipeline.py `rank_stages`), each stage module tensor-parallelized on the "tp" sub-mesh
-  with the entries of the whole model's `tp_plan` that name one of its modules, wrapped in a `PipelineStage`
-  whose peers are the "pp" sub-mesh's group, scheduled by `setup.pp_schedule` (gpipe, 1f1b,
+  root with the "dp" sub-mesh, traces/distributed.py's `apply_fsdp2` as its FSDP2 engine applies it (its
+  `fsdp_units`; every block with `setup.reshard_after_forward`, the root with fully_shard's default; each
+  unit's collectives return once gloo has let go of their tensors: `wrap_released`, `BackendReleased`). The
+  optimizer takes tensor_run's `optimizer_groups` (one group per device mesh). The loop is
+  `traces.tracker.training_loop` under `loss_parallel()`, as tensor_run runs it (`grad_accum` micro-batches per
+  step, each a FORWARD and a BACKWARD with its micro-batch index, then OPTIMIZER and ZERO_GRAD).
+- TP + PP (dp = 1, pp > 1): the stages of the pipeline rank (traces/pipeline_run.py `stage_modules`,
+  `StageModule`s in the layout of models/parallel/pipeline.py `rank_stages`), each stage module
+  tensor-parallelized on the "tp" sub-mesh by tensor_run's `parallelize` (the entries of `tp_plan` that name one
+  of its modules; no tie to restore: a stage holds the embedding or the head, never both once pp > 1), wrapped
+  in a `PipelineStage` whose peers are the "pp" sub-mesh's group (pipeline_run's `build_pipeline`, with
+  `group` and the local sequence length), scheduled by `setup.pp_schedule` (gpipe, 1f1b,
   interleaved-1f1b) over `setup.grad_accum` micro-batches with the reference cross-entropy as loss_fn; the
   whole step runs under `loss_parallel()` (torchtitan's train context does the same around
   `pp_schedule.step`): the last stage's logits stay vocabulary-sharded DTensors and the loss is computed on
   the shards. The activations between stages are the tensor-parallel rank's local tensors: (B, T, D), or
-  (B, T / tp, D) with sequence parallelism. Steps and phases are labelled as pipeline_run labels them
-  (`_label_stage`, `_label_loss`: each stage's forward and backward of a micro-batch FORWARD / BACKWARD with
-  that micro-batch, the schedule's own work FORWARD with micro-batch -1, then OPTIMIZER and ZERO_GRAD).
+  (B, T / tp, D) with sequence parallelism (a Llama stage takes the whole sequence length for its rotary tables
+  and causal mask from `StageModule.seq_len`). Steps run and are labelled as in pipeline_run
+  (`run_pipeline_steps`; `label_pipeline`: `label_stage`, `label_loss`: each stage's forward and backward of a
+  micro-batch FORWARD / BACKWARD with that micro-batch, the schedule's own work FORWARD with micro-batch -1,
+  then OPTIMIZER and ZERO_GRAD).
 - FSDP2 x PP and FSDP2 x TP x PP (dp > 1, pp > 1, dp_engine "fsdp2"): as torchtitan applies FSDP2 to each model
   part, each stage module (tensor-parallelized first when tp > 1) gets `fully_shard` on its blocks
   (`setup.reshard_after_forward`) and then on itself as the root (fully_shard's default), with the "dp"
-  sub-mesh; PipelineStage drives the FSDP2 root (no reduce-scatter before the last micro-batch's backward,
-  whose post-backward then reduce-scatters the accumulated unsharded gradients).
+  sub-mesh (`apply_fsdp2`: a stage's `fsdp_units` are its blocks); PipelineStage drives the FSDP2 root (no
+  reduce-scatter before the last micro-batch's backward, whose post-backward then reduce-scatters the
+  accumulated unsharded gradients).
 
 Data: every data-parallel rank trains on its own micro-batches (`make_batch(seed = seed + 1 + dp_i)`: dp_i = 0
 is the data tensor_run and pipeline_run use); the tensor-parallel ranks of one group read the same data.
@@ -53,15 +59,15 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from ..models.config import TrainingSetup, TransformerConfig
-from ..simulator.events import Category, EventLog, Phase
+from ..simulator.events import EventLog
 from .distributed import free_loopback_port, gloo_group, spawn_ranks
+from .pipeline_run import PipelineJob
 from .store import load_log, save_log
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -69,13 +75,10 @@ PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
-class MeshJob:
-    model_cfg: TransformerConfig
-    setup: TrainingSetup
-    port: int
-    out_dir: str
-    seed: int = 0
-    lr: float = 1e-3
+class MeshJob(PipelineJob):
+    """What every process of a mesh run is sent: pipeline_run's job (the whole setup says the layout), with
+    measure_mesh's longer default timeout."""
+
     timeout_s: float = 180.0
 
 
@@ -206,51 +209,6 @@ def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
 
 # -- FSDP2 x TP -----------------------------------------------------------------------------------------------
 
-def apply_fsdp2(model: nn.Module, dp_mesh, reshard_after_forward: bool, root_reshard_after_forward=None,
-                units: list[nn.Module] | None = None, release=None):
-    """traces/distributed.py's FSDP2 engine on the "dp" sub-mesh: `fully_shard` on each of `units` (default:
-    its `fsdp_units`, the transformer blocks), then the root; every unit's collectives released by gloo before
-    they return (`BackendReleased`), counted in `release` (a new `ReleaseCount` by default), which is returned."""
-    from torch.distributed.fsdp import fully_shard
-
-    from .distributed import ReleaseCount, fsdp_units
-
-    for unit in (fsdp_units(model) if units is None else units):
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=root_reshard_after_forward)
-    return wrap_released(model, ReleaseCount() if release is None else release)
-
-
-def wrap_released(model: nn.Module, release):
-    """Every FSDP2 unit of `model` with its all-gather and reduce-scatter released by gloo before they return
-    (traces/distributed.py `BackendReleased`), counted in `release`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from .distributed import BackendReleased
-
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
-            group = unit._get_fsdp_state()._fsdp_param_groups[0]
-            unit.set_custom_all_gather(BackendReleased.all_gather(group._all_gather_comm, release))
-            unit.set_custom_reduce_scatter(BackendReleased.reduce_scatter(group._reduce_scatter_comm, release))
-    return release
-
-
-def mesh_optimizer_groups(model: nn.Module) -> list[dict]:
-    """The parameters as torch.optim groups, one per device mesh (plain tensors last): after FSDP2 x TP the
-    tensor-parallel parameters are DTensors on the (dp, tp) mesh, the others on the dp mesh alone, and DTensor's
-    foreach kernels take one mesh per call (each group is stepped on its own). Without FSDP2 these are
-    tensor_run's `optimizer_groups` (the DTensors, then the plain tensors)."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for p in model.parameters():
-        key = id(p.device_mesh) if isinstance(p, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    plain = groups.pop(None, [])
-    return [{"params": g} for g in (*groups.values(), plain) if g]
-
-
 def _placements(model: nn.Module) -> dict[str, str]:
     """Each parameter's placements and local shape (what FSDP2 and TP made of it)."""
     from torch.distributed.tensor import DTensor
@@ -264,202 +222,82 @@ def _placements(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _fsdp_details(setup: TrainingSetup, model: nn.Module, release) -> dict:
+    """What the metadata records of FSDP2 on the dp sub-mesh (as traces/distributed.py records its engine)."""
+    from .distributed import unit_params
+
+    return {"dp_engine": "fsdp2", "reshard_after_forward": setup.reshard_after_forward,
+            "root_reshard_after_forward": None, "fsdp_units": unit_params(model),
+            "backend_release": dataclasses.asdict(release)}
+
+
 def _measure_fsdp_tp(rank: int, job: MeshJob, mesh, coords: dict):
     from torch.distributed.tensor.parallel import loss_parallel
 
     from ..models.reference import build_model, make_batch, torch_optimizer
-    from .distributed import _unit_params
-    from .tensor_run import DTensorTracker, parallelize
+    from .distributed import apply_fsdp2
+    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
     from .tracker import training_loop
 
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)
     parallelize(model, setup.tp, setup.sequence_parallel, mesh=mesh["tp"])
-    release = apply_fsdp2(model, mesh["dp"], setup.reshard_after_forward)
-    optimizer = torch_optimizer(mesh_optimizer_groups(model), setup, job.lr)
+    release = apply_fsdp2(model, setup.reshard_after_forward, mesh=mesh["dp"])
+    optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + coords["dp"])  # the tp group's own data
     known = tuple(t for b in batches for t in b)
     tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
     torch.manual_seed(job.seed)
     with tracker, loss_parallel():
         training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none)
-    details = {"engines": ["dtensor-tp", "fsdp2"], "dp_engine": "fsdp2",
-               "reshard_after_forward": setup.reshard_after_forward, "root_reshard_after_forward": None,
-               "fsdp_units": _unit_params(model), "backend_release": dataclasses.asdict(release),
+    details = {"engines": ["dtensor-tp", "fsdp2"], **_fsdp_details(setup, model, release),
                "placements": _placements(model)}
     return tracker.log, details
 
 
-# -- TP x PP --------------------------------------------------------------------------------------------------
-
-def _tp_stage_module_class():
-    from .pipeline_run import StageModule
-
-    class TPStageModule(StageModule):
-        """pipeline_run's StageModule whose Llama blocks take the whole sequence length for their rotary
-        tables and causal mask: with sequence parallelism a stage's input holds T / tp positions of the
-        sequence (the reference LlamaModel takes T from the token ids), the attention all-gathers the rest."""
-
-        def __init__(self, full, cfg, spec, seq_len: int) -> None:
-            super().__init__(full, cfg, spec)
-            self.seq_len = seq_len
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.gpt2:  # GPT-2's positions come from the token ids (first stage): the whole sequence
-                return super().forward(x)
-            m = self.model
-            if self.first:
-                x = m.embed_tokens(x)
-            if self.n_blocks:
-                T = self.seq_len
-                pos = torch.arange(T, device=x.device, dtype=torch.float32)
-                freqs = torch.outer(pos, m.inv_freq)
-                emb = torch.cat((freqs, freqs), dim=-1)
-                cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-                causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril() if self.eager else None
-                for layer in m.layers.values():
-                    x = layer(x, cos, sin, causal)
-            if self.last:
-                x = m.norm(x)
-            return self.lm_head(x) if self.last else x
-
-    return TPStageModule
-
-
-def parallelize_stage(module: nn.Module, plan: dict, tp_mesh, tp: int) -> nn.Module:
-    """tensor_run's `parallelize` on one pipeline stage: the entries of the whole model's `tp_plan` that name
-    a module of the stage (StageModule keeps the model's module names), attention on local heads. A stage
-    holds the embedding or the head, never both once pp > 1: no tie to restore."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from .tensor_run import _gpt2_local_attention
-
-    names = {n for n, _ in module.named_modules()}
-    parallelize_module(module, tp_mesh, {k: v for k, v in plan.items() if k in names})
-    gpt2 = hasattr(module, "transformer")
-    blocks = module.transformer.h.values() if gpt2 else module.model.layers.values()
-    for block in blocks:
-        attn = block.attn if gpt2 else block.self_attn
-        attn.n_head //= tp
-        attn.n_kv //= tp
-        if gpt2:
-            attn.forward = types.MethodType(_gpt2_local_attention, attn)
-    return module
-
-
-def _tp_stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec, dtype: torch.dtype):
-    """pipeline_run's `_stage_shapes` on a tensor-parallel rank: the activations between stages are this rank's
-    local tensors, (B, T / tp, D) with sequence parallelism; the last stage's output (not sent) is the
-    vocabulary-sharded logits, given at their global shape."""
-    B, T = setup.micro_batch, setup.seq_len
-    t_local = T // setup.tp if setup.sequence_parallel else T
-    hidden = torch.empty(B, t_local, cfg.d_model, dtype=dtype, requires_grad=True)
-    x = torch.zeros(B, T, dtype=torch.long) if spec.first else hidden
-    out = torch.empty(B, T, cfg.vocab_size, dtype=dtype, requires_grad=True) if spec.last else hidden
-    return x, out
-
-
-def _stage_blocks(module: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of a stage module (ModuleDicts keyed by the blocks' indices)."""
-    return list(module.transformer.h.values() if hasattr(module, "transformer") else module.model.layers.values())
-
+# -- TP x PP, FSDP2 x PP, FSDP2 x TP x PP ---------------------------------------------------------------------
 
 def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     """TP x PP, FSDP2 x PP or FSDP2 x TP x PP as torchtitan builds them (torchtitan/models/llama3/infra/
     parallelize.py applied to each model part): each stage module tensor-parallelized on "tp", then
     `fully_shard` on its blocks and on the stage module itself with "dp" (the stage is the FSDP2 root that
     PipelineStage drives: no gradient sync before the last micro-batch's backward, then its post-backward)."""
-    import gc
-
-    from torch.distributed.pipelining import PipelineStage, schedules
     from torch.distributed.tensor.parallel import loss_parallel
 
     from ..models.parallel.pipeline import rank_stages
-    from ..models.reference import build_model, make_batch, torch_optimizer
-    from .pipeline_run import SCHEDULES, _label_loss, _label_stage, pipeline_loss
-    from .tensor_run import DTensorTracker, tp_plan
+    from ..models.reference import make_batch, torch_optimizer
+    from .distributed import apply_fsdp2
+    from .pipeline_run import build_pipeline, label_pipeline, run_pipeline_steps, stage_modules, stage_records
+    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, coords["pp"])
-    full = build_model(cfg, setup, seed=job.seed)
-    dtype = next(full.parameters()).dtype
-    plan = tp_plan(full, setup.sequence_parallel) if setup.tp > 1 else {}
-    cls_stage = _tp_stage_module_class()
-    modules = [cls_stage(full, cfg, spec, setup.seq_len).train() for spec in specs]
-    del full
-    gc.collect()
+    modules, dtype = stage_modules(cfg, setup, specs, job.seed)
     release = None
     for module in modules:
         if setup.tp > 1:
-            parallelize_stage(module, plan, mesh["tp"], setup.tp)
+            parallelize(module, setup.tp, setup.sequence_parallel, mesh=mesh["tp"])
         if setup.dp > 1:  # the stage module is the root (fully_shard's default for a root: kept unsharded)
-            release = apply_fsdp2(module, mesh["dp"], setup.reshard_after_forward, units=_stage_blocks(module),
-                                  release=release)
-    n_stages = setup.pp * setup.virtual_stages
-    pp_group = mesh["pp"].get_group()
-    stages = []
-    for spec, module in zip(specs, modules):
-        x, out = _tp_stage_shapes(cfg, setup, spec, dtype)
-        stages.append(PipelineStage(module, spec.index, n_stages, torch.device("cpu"), input_args=(x,),
-                                    output_args=(out,), group=pp_group))
-        del x, out
-    m = setup.grad_accum
-    cls = getattr(schedules, SCHEDULES[setup.pp_schedule])
-    schedule = cls(stages if setup.pp_schedule == "interleaved-1f1b" else stages[0], n_microbatches=m,
-                   loss_fn=pipeline_loss)
-    tracked = modules[0] if len(modules) == 1 else nn.ModuleDict({f"stage{s.index}": mod
-                                                                  for s, mod in zip(specs, modules)})
-    optimizer = torch_optimizer(mesh_optimizer_groups(tracked), setup, job.lr)
+            release = apply_fsdp2(module, setup.reshard_after_forward, mesh=mesh["dp"], release=release)
+    # between stages: this rank's local activations, (B, T / tp, D) with sequence parallelism
+    local_seq_len = setup.seq_len // setup.tp if setup.sequence_parallel else setup.seq_len
+    stages, schedule, tracked = build_pipeline(modules, specs, cfg, setup, dtype, group=mesh["pp"].get_group(),
+                                               local_seq_len=local_seq_len)
+    optimizer = torch_optimizer(optimizer_groups(tracked), setup, job.lr)
     batches = make_batch(cfg, setup, seed=job.seed + 1 + coords["dp"])
     whole = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    first, last = any(s.first for s in specs), any(s.last for s in specs)
     tracker = DTensorTracker(tracked, optimizer, known=whole + tuple(t for b in batches for t in b), rank=rank)
-    step_now = [0]
-    for stage in stages:
-        _label_stage(stage, tracker, step_now)
-    _label_loss(schedule, tracker, step_now)
+    step_now = label_pipeline(stages, schedule, tracker)
     torch.manual_seed(job.seed)
     with tracker, (loss_parallel() if setup.tp > 1 else contextlib.nullcontext()):
-        _pipeline_steps(tracker, schedule, optimizer, whole, first, last, setup, step_now)
+        run_pipeline_steps(tracker, schedule, optimizer, whole, any(s.first for s in specs),
+                           any(s.last for s in specs), setup, step_now)
     engines = ["pipeline"] + (["dtensor-tp"] if setup.tp > 1 else []) + (["fsdp2"] if setup.dp > 1 else [])
-    fsdp = {}
-    if setup.dp > 1:
-        from .distributed import _unit_params
-        fsdp = {"dp_engine": "fsdp2", "reshard_after_forward": setup.reshard_after_forward,
-                "root_reshard_after_forward": None, "fsdp_units": _unit_params(tracked),
-                "backend_release": dataclasses.asdict(release)}
+    fsdp = _fsdp_details(setup, tracked, release) if setup.dp > 1 else {}
     details = {"engines": engines, **fsdp, "pp_schedule": setup.pp_schedule,
-               "virtual_stages": setup.virtual_stages,
-               "stages": [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "first": s.first,
-                           "last": s.last} for s in specs],
+               "virtual_stages": setup.virtual_stages, "stages": stage_records(specs),
                "loss_parallel": setup.tp > 1, "placements": _placements(tracked)}
     return tracker.log, details
 
 
-def _pipeline_steps(tracker, schedule, optimizer, whole, first: bool, last: bool, setup: TrainingSetup,
-                    step_now: list[int]) -> None:
-    """pipeline_run's step loop (its `_measure_rank`): the whole batch built on the rank that reads it (INPUT),
-    `schedule.step`, then the optimizer's step and zero_grad."""
-    for step in range(1, setup.steps + 1):
-        step_now[0] = step
-        with tracker.phase(Phase.FORWARD, step, -1):
-            x = whole[0].clone() if first else None
-            y = whole[1].clone() if last else None
-            if first:
-                tracker.mark(x, Category.INPUT, name="batch.idx")
-            if last:
-                tracker.mark(y, Category.INPUT, name="batch.targets")
-            args = (x,) if first else ()
-            schedule.step(*args, target=y, return_outputs=False)
-            tracker.scan()
-            del x, y, args
-        with tracker.phase(Phase.OPTIMIZER, step):
-            optimizer.step()
-            tracker.scan()
-        with tracker.phase(Phase.ZERO_GRAD, step):
-            optimizer.zero_grad(set_to_none=setup.set_to_none)
-            tracker.scan()
-
-
-__all__ = ["measure_mesh", "check_mesh", "mesh_sizes", "mesh_coords", "mesh_rank", "build_mesh", "apply_fsdp2",
-           "mesh_optimizer_groups", "parallelize_stage", "MeshJob"]
+__all__ = ["measure_mesh", "check_mesh", "mesh_sizes", "mesh_coords", "mesh_rank", "build_mesh", "MeshJob"]

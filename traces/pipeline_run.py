@@ -3,10 +3,11 @@
 `measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as traces/distributed.py joins
 its ranks (rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`). Each process
 builds the same reference model (`models.reference.build_model`, same seed), cuts its stages out of it as
-torchtitan's `pipeline_module_split` does (the stage layout is models/parallel/pipeline.py `stage_layout`:
-a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one parameter on the
-first stage and one on the last), wraps each in a `PipelineStage` with its input and output shapes given
-(static metadata: no shape-inference forward), and runs `setup.steps` steps of
+torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/pipeline.py
+`stage_layout`: a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one
+parameter on the first stage and one on the last), wraps each in a `PipelineStage` with its input and output
+shapes given (`build_pipeline`; static metadata: no shape-inference forward), and runs `setup.steps` steps of
+(`run_pipeline_steps`)
 
     schedule.step(x, target=y, return_outputs=False)   # torchtitan's call; x on the first stage, y on the last
     optimizer.step(); optimizer.zero_grad(set_to_none)
@@ -17,8 +18,10 @@ scale_grads=True: the gradients are divided in place by the micro-batch count af
 the rank's own `AllocationTracker(rank=r)`. The whole batch (x: (m x B, T) token ids, y: targets) is built at
 the start of each step on the rank that reads it, as INPUT; the schedule splits it into views. Each stage's
 forward (and the last stage's loss) and backward of a micro-batch are labelled FORWARD / BACKWARD with that
-micro-batch; the schedule's own work between them (its first-step buffers, sends, what it lets go of, the end
-of the step) is FORWARD with micro-batch -1, as the simulation labels it (models/parallel/pipeline.py).
+micro-batch (`label_pipeline`: `label_stage`, `label_loss`); the schedule's own work between them (its
+first-step buffers, sends, what it lets go of, the end of the step) is FORWARD with micro-batch -1, as the
+simulation labels it (models/parallel/pipeline.py). traces/mesh_run.py runs the same pieces on the "pp"
+sub-mesh of a device mesh, its stage modules tensor-parallelized and / or sharded by FSDP2 first.
 """
 
 from __future__ import annotations
@@ -98,11 +101,13 @@ class StageModule(nn.Module):
     index), `transformer.ln_f` and `lm_head` (last); Llama: `model.embed_tokens` (first), `model.layers.<i>`,
     `model.norm` and `lm_head` (last), and the rotary `inv_freq` buffer on every stage. `forward` is the
     reference model's, restricted to the stage: GPT.forward and LlamaModel.forward (Llama's cos / sin tables
-    computed on each stage that runs blocks)."""
+    computed on each stage that runs blocks, for the whole sequence of `seq_len` positions: under sequence
+    parallelism a stage's input holds only this rank's T / tp positions, traces/mesh_run.py)."""
 
-    def __init__(self, full: nn.Module, cfg: TransformerConfig, spec: StageSpec) -> None:
+    def __init__(self, full: nn.Module, cfg: TransformerConfig, spec: StageSpec, seq_len: int) -> None:
         super().__init__()
         self.cfg, self.first, self.last, self.n_blocks = cfg, spec.first, spec.last, len(spec.layers)
+        self.seq_len = seq_len
         self.gpt2 = cfg.family == "gpt2"
         if self.gpt2:
             parts = {}
@@ -140,7 +145,7 @@ class StageModule(nn.Module):
             if self.first:
                 x = m.embed_tokens(x)
             if self.n_blocks:
-                T = x.shape[1]
+                T = self.seq_len
                 pos = torch.arange(T, device=x.device, dtype=torch.float32)
                 freqs = torch.outer(pos, m.inv_freq)
                 emb = torch.cat((freqs, freqs), dim=-1)
@@ -158,85 +163,130 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def _stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec: StageSpec, dtype: torch.dtype):
-    """Example input and output tensors of one stage's micro-batch (PipelineStage's static metadata)."""
+def _stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec: StageSpec, dtype: torch.dtype,
+                  local_seq_len: int | None = None):
+    """Example input and output tensors of one stage's micro-batch (PipelineStage's static metadata). The
+    activations between stages hold `local_seq_len` positions (None: setup.seq_len; with sequence parallelism a
+    tensor-parallel rank's T / tp); the token ids and the last stage's output (its logits, not sent) the whole
+    sequence."""
     B, T = setup.micro_batch, setup.seq_len
-    hidden = torch.empty(B, T, cfg.d_model, dtype=dtype, requires_grad=True)
+    hidden = torch.empty(B, T if local_seq_len is None else local_seq_len, cfg.d_model, dtype=dtype,
+                         requires_grad=True)
     x = torch.zeros(B, T, dtype=torch.long) if spec.first else hidden
     out = torch.empty(B, T, cfg.vocab_size, dtype=dtype, requires_grad=True) if spec.last else hidden
     return x, out
 
 
-def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
+def stage_modules(cfg: TransformerConfig, setup: TrainingSetup, specs: list[StageSpec],
+                  seed: int) -> tuple[list[StageModule], torch.dtype]:
+    """The stage modules of `specs` (training mode) cut out of the reference model, built as every rank builds it
+    (`seed`) and dropped again, and the dtype of its parameters."""
     import gc
 
+    from ..models.reference import build_model
+
+    full = build_model(cfg, setup, seed=seed)
+    dtype = next(full.parameters()).dtype
+    modules = [StageModule(full, cfg, spec, setup.seq_len).train() for spec in specs]
+    del full
+    gc.collect()
+    return modules, dtype
+
+
+def build_pipeline(modules: list[nn.Module], specs: list[StageSpec], cfg: TransformerConfig,
+                   setup: TrainingSetup, dtype: torch.dtype, *, group=None, local_seq_len: int | None = None):
+    """Each stage module in a `PipelineStage` (static input / output shapes, `_stage_shapes`: no shape-inference
+    forward) whose peers are the ranks of `group` (None: the default group), scheduled by `setup.pp_schedule`
+    over `setup.grad_accum` micro-batches with `pipeline_loss`. Returns (stages, schedule, the module the
+    tracker names: the one stage module, or a ModuleDict of them keyed "stage<index>")."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
-    from ..models.reference import build_model, make_batch, torch_optimizer
+    n_stages = setup.pp * setup.virtual_stages
+    stages = []
+    for spec, module in zip(specs, modules):
+        x, out = _stage_shapes(cfg, setup, spec, dtype, local_seq_len)
+        stages.append(PipelineStage(module, spec.index, n_stages, torch.device("cpu"), input_args=(x,),
+                                    output_args=(out,), group=group))
+        del x, out
+    cls = getattr(schedules, SCHEDULES[setup.pp_schedule])
+    schedule = cls(stages if setup.pp_schedule == "interleaved-1f1b" else stages[0], n_microbatches=setup.grad_accum,
+                   loss_fn=pipeline_loss)
+    tracked = modules[0] if len(modules) == 1 else nn.ModuleDict({f"stage{s.index}": mod
+                                                                  for s, mod in zip(specs, modules)})
+    return stages, schedule, tracked
+
+
+def stage_records(specs: list[StageSpec]) -> list[dict]:
+    """The rank's stages as its metadata records them."""
+    return [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "first": s.first, "last": s.last}
+            for s in specs]
+
+
+def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
+    from ..models.reference import make_batch, torch_optimizer
     from .tracker import AllocationTracker
 
     torch.set_num_threads(1)
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, rank)
-    full = build_model(cfg, setup, seed=job.seed)
-    dtype = next(full.parameters()).dtype
-    modules = [StageModule(full, cfg, spec).train() for spec in specs]
-    del full
-    gc.collect()
-    n_stages = setup.pp * setup.virtual_stages
-    stages = []
-    for spec, module in zip(specs, modules):
-        x, out = _stage_shapes(cfg, setup, spec, dtype)
-        stages.append(PipelineStage(module, spec.index, n_stages, torch.device("cpu"), input_args=(x,),
-                                    output_args=(out,)))
-        del x, out
-    cls = getattr(schedules, SCHEDULES[setup.pp_schedule])
-    m = setup.grad_accum
-    schedule = cls(stages if setup.pp_schedule == "interleaved-1f1b" else stages[0], n_microbatches=m,
-                   loss_fn=pipeline_loss)
-    tracked = modules[0] if len(modules) == 1 else nn.ModuleDict({f"stage{s.index}": mod
-                                                                  for s, mod in zip(specs, modules)})
+    modules, dtype = stage_modules(cfg, setup, specs, job.seed)
+    stages, schedule, tracked = build_pipeline(modules, specs, cfg, setup, dtype)
     optimizer = torch_optimizer([p for mod in modules for p in mod.parameters()], setup, job.lr)
     batches = make_batch(cfg, setup, seed=job.seed + 1)  # the m micro-batches of a step, the same every step
     whole = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    first, last = any(s.first for s in specs), any(s.last for s in specs)
     tracker = AllocationTracker(tracked, optimizer, known=whole + tuple(t for b in batches for t in b), rank=rank)
-    step_now = [0]
-    for stage in stages:
-        _label_stage(stage, tracker, step_now)
-    _label_loss(schedule, tracker, step_now)
+    step_now = label_pipeline(stages, schedule, tracker)
     torch.manual_seed(job.seed)
     with tracker:
-        for step in range(1, setup.steps + 1):
-            step_now[0] = step
-            with tracker.phase(Phase.FORWARD, step, -1):
-                x = whole[0].clone() if first else None
-                y = whole[1].clone() if last else None
-                if first:
-                    tracker.mark(x, Category.INPUT, name="batch.idx")
-                if last:
-                    tracker.mark(y, Category.INPUT, name="batch.targets")
-                args = (x,) if first else ()
-                schedule.step(*args, target=y, return_outputs=False)
-                tracker.scan()
-                del x, y, args
-            with tracker.phase(Phase.OPTIMIZER, step):
-                optimizer.step()
-                tracker.scan()
-            with tracker.phase(Phase.ZERO_GRAD, step):
-                optimizer.zero_grad(set_to_none=setup.set_to_none)
-                tracker.scan()
+        run_pipeline_steps(tracker, schedule, optimizer, whole, any(s.first for s in specs),
+                           any(s.last for s in specs), setup, step_now)
     metadata = {"engine": "pipeline", "pp": setup.pp, "pp_schedule": setup.pp_schedule,
                 "virtual_stages": setup.virtual_stages, "world_size": setup.pp, "rank": rank,
-                "stages": [{"index": s.index, "layers": [s.layers.start, s.layers.stop], "first": s.first,
-                            "last": s.last} for s in specs],
+                "stages": stage_records(specs),
                 "backend": "gloo", "torch_version": torch.__version__, "model": dataclasses.asdict(cfg),
                 "model_kind": type(cfg).__name__, "setup": dataclasses.asdict(setup), "steps": setup.steps,
-                "grad_accum": m, "set_to_none": setup.set_to_none}
+                "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none}
     return tracker.log(metadata)
 
 
-def _label_loss(schedule, tracker, step_now: list[int]) -> None:
+def run_pipeline_steps(tracker, schedule, optimizer, whole: tuple[torch.Tensor, torch.Tensor], first: bool,
+                       last: bool, setup: TrainingSetup, step_now: list[int]) -> None:
+    """`setup.steps` steps under `tracker` (already entered): the whole batch `whole` (x, y) cloned on the rank
+    that reads it (x on the `first` stage's rank, y on the `last` one's) and marked INPUT, `schedule.step`, all
+    FORWARD with micro-batch -1 (the stages' own work relabelled by `label_pipeline`, whose `step_now` is kept
+    at the current step); then OPTIMIZER (optimizer.step()) and ZERO_GRAD (zero_grad(setup.set_to_none))."""
+    for step in range(1, setup.steps + 1):
+        step_now[0] = step
+        with tracker.phase(Phase.FORWARD, step, -1):
+            x = whole[0].clone() if first else None
+            y = whole[1].clone() if last else None
+            if first:
+                tracker.mark(x, Category.INPUT, name="batch.idx")
+            if last:
+                tracker.mark(y, Category.INPUT, name="batch.targets")
+            args = (x,) if first else ()
+            schedule.step(*args, target=y, return_outputs=False)
+            tracker.scan()
+            del x, y, args
+        with tracker.phase(Phase.OPTIMIZER, step):
+            optimizer.step()
+            tracker.scan()
+        with tracker.phase(Phase.ZERO_GRAD, step):
+            optimizer.zero_grad(set_to_none=setup.set_to_none)
+            tracker.scan()
+
+
+def label_pipeline(stages, schedule, tracker) -> list[int]:
+    """`label_stage` on each of `stages` and `label_loss` on `schedule`; returns the one-element list holding the
+    current step that they read (`run_pipeline_steps` sets it)."""
+    step_now = [0]
+    for stage in stages:
+        label_stage(stage, tracker, step_now)
+    label_loss(schedule, tracker, step_now)
+    return step_now
+
+
+def label_loss(schedule, tracker, step_now: list[int]) -> None:
     """The last stage's loss of a micro-batch (the schedule's `_maybe_compute_loss`, right after the stage's
     forward) is labelled FORWARD with that micro-batch, as the stage's forward is."""
     compute = schedule._maybe_compute_loss
@@ -248,7 +298,7 @@ def _label_loss(schedule, tracker, step_now: list[int]) -> None:
     schedule._maybe_compute_loss = maybe_compute_loss
 
 
-def _label_stage(stage, tracker, step_now: list[int]) -> None:
+def label_stage(stage, tracker, step_now: list[int]) -> None:
     """Run each forward / backward of `stage` under its own phase and micro-batch, mark what the stage keeps
     of a forward (its output, held for the backward) as ACTIVATION, and label gradients after a backward."""
     forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
@@ -269,4 +319,5 @@ def _label_stage(stage, tracker, step_now: list[int]) -> None:
     stage.backward_one_chunk = backward_one_chunk
 
 
-__all__ = ["measure_pipeline", "StageModule", "pipeline_loss", "PipelineJob", "SCHEDULES"]
+__all__ = ["measure_pipeline", "StageModule", "pipeline_loss", "stage_modules", "build_pipeline", "stage_records",
+           "run_pipeline_steps", "label_pipeline", "label_stage", "label_loss", "PipelineJob", "SCHEDULES"]

@@ -32,7 +32,9 @@ split at the local widths (Megatron's fused QKV keeps q, k, v of a head group to
 same shapes; the even Shard(0) split of this un-permuted weight mixes q / k / v rows, which changes values,
 not bytes). A tied GPT-2 embedding and head are tied again after parallelize_module (each style
 distributes its own module's copy of the shared Parameter): one Shard(0) parameter, as RowwiseParallel
-(embedding) and ColwiseParallel (linear) both shard it on the vocabulary.
+(embedding) and ColwiseParallel (linear) both shard it on the vocabulary. `parallelize` takes a pipeline stage
+as well (traces/mesh_run.py, TP x PP): the plan's entries that name one of the stage's modules, its blocks'
+attention on local heads (`localize_attention`), no tie to restore where the stage holds only one of the two.
 
 The tracker (`DTensorTracker`) is `traces.tracker.AllocationTracker` whose dispatch mode steps aside for ops
 on DTensors (returns NotImplemented): DTensor's own dispatch then runs with the mode still active, so the
@@ -122,8 +124,10 @@ def _rank_main(rank: int, job: TPJob) -> None:
 # -- the plan ---------------------------------------------------------------------------------------------
 
 def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict:
-    """The `parallelize_module` plan of a reference GPT (nanoGPT GPT-2 or the small Llama): see the module
-    docstring."""
+    """The `parallelize_module` plan of a reference GPT (nanoGPT GPT-2 or the small Llama), or of a pipeline stage
+    cut from one (traces/pipeline_run.py `StageModule`: the model's module names, its blocks keyed by their index
+    in the whole model): see the module docstring. Every entry outside the blocks is written; `parallelize` drops
+    those naming a module the stage does not hold."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
@@ -137,13 +141,13 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict:
         if sp:
             plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
         blocks = [(f"transformer.h.{i}", "ln_1", "attn", ("c_attn",), "c_proj", "ln_2", ("c_fc",), "c_proj")
-                  for i in range(len(model.transformer.h))]
+                  for i, _ in model.transformer.h.named_children()]
         final_norm = "transformer.ln_f"
     else:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
         blocks = [(f"model.layers.{i}", "input_layernorm", "self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj",
                    "post_attention_layernorm", ("gate_proj", "up_proj"), "down_proj")
-                  for i in range(len(model.model.layers))]
+                  for i, _ in model.model.layers.named_children()]
         final_norm = "model.norm"
     for h, norm1, attn, cols, out, norm2, mlp_cols, mlp_out in blocks:
         n_args = 1 if gpt2 else 4  # Llama's attention takes (x, cos, sin, causal)
@@ -180,41 +184,55 @@ def _gpt2_local_attention(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def parallelize(model: nn.Module, tp: int, sequence_parallel: bool, mesh=None) -> nn.Module:
-    """Apply `tp_plan` to a reference GPT on a one-dimensional "cpu" mesh of `tp` ranks, attention on local
-    heads, a tied embedding re-tied."""
+    """Apply `tp_plan` to a reference GPT, or to a pipeline stage cut from one, on a one-dimensional "cpu" mesh of
+    `tp` ranks (`mesh`: that mesh or a "tp" sub-mesh; None: a new one over the whole world): the plan's entries
+    that name a module of `model` (a stage holds some of the model's modules), attention on local heads
+    (`localize_attention`), a tied embedding re-tied when `model` holds both the embedding and the head."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from .distributed import transformer_blocks
+
     mesh = mesh if mesh is not None else init_device_mesh("cpu", (tp,))
-    gpt2 = hasattr(model, "transformer")
-    tied = model.cfg.tied
-    parallelize_module(model, mesh, tp_plan(model, sequence_parallel))
-    blocks = model.transformer.h if gpt2 else model.model.layers
+    names = {n for n, _ in model.named_modules()}
+    parallelize_module(model, mesh, {k: v for k, v in tp_plan(model, sequence_parallel).items() if k in names})
+    localize_attention(transformer_blocks(model), tp)
+    embedding = "transformer.wte" if hasattr(model, "transformer") else "model.embed_tokens"
+    if model.cfg.tied and embedding in names and "lm_head" in names:
+        # both styles shard the shared weight on dim 0 (the vocabulary): one parameter again
+        model.lm_head.weight = model.get_submodule(embedding).weight
+    return model
+
+
+def localize_attention(blocks, tp: int) -> None:
+    """The attention of each of `blocks` (reference GPT-2 or Llama blocks) on this rank's heads after
+    ColwiseParallel split its projections: n_head / tp and n_kv_head / tp heads, GPT-2's fused c_attn output
+    split at the local widths (`_gpt2_local_attention`)."""
     for block in blocks:
+        gpt2 = hasattr(block, "attn")
         attn = block.attn if gpt2 else block.self_attn
         attn.n_head //= tp
         attn.n_kv //= tp
         if gpt2:
             attn.forward = types.MethodType(_gpt2_local_attention, attn)
-    if tied:  # both styles shard the shared weight on dim 0 (the vocabulary): one parameter again
-        if gpt2:
-            model.lm_head.weight = model.transformer.wte.weight
-        else:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    return model
 
 
 def optimizer_groups(model: nn.Module) -> list[dict]:
-    """The parameters as torch.optim parameter groups: the DTensors, then the plain tensors the plan leaves
-    (norms without SP, GPT-2's position embedding), when there are both. One group mixing them fails in
-    torch.optim's foreach kernels ("got mixed torch.Tensor and DTensor"), and each group is stepped on its
-    own (torch/optim/adam.py `step`: one `adam(...)` call per group)."""
+    """The parameters as torch.optim parameter groups, one per device mesh (the DTensors of each mesh, in order
+    of appearance), then the plain tensors the plan leaves (norms without SP, GPT-2's position embedding): one
+    group mixing them fails in torch.optim's foreach kernels ("got mixed torch.Tensor and DTensor"), as one
+    mixing DTensors of two meshes does (after FSDP2 x TP, traces/mesh_run.py: the tensor-parallel parameters
+    on the (dp, tp) mesh, the others on the dp mesh alone), and each group is stepped on its own
+    (torch/optim/adam.py `step`: one `adam(...)` call per group). Tensor parallelism alone: the DTensors, then
+    the plain tensors."""
     from torch.distributed.tensor import DTensor
 
-    params = list(model.parameters())
-    dtensors = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
-    return [{"params": g} for g in (dtensors, plain) if g]
+    groups: dict = {}
+    for p in model.parameters():
+        key = id(p.device_mesh) if isinstance(p, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    plain = groups.pop(None, [])
+    return [{"params": g} for g in (*groups.values(), plain) if g]
 
 
 # -- the tracker ----------------------------------------------------------------------------------------------
@@ -332,4 +350,5 @@ def _measure_rank(rank: int, job: TPJob) -> EventLog:
                         "steps": setup.steps, "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none})
 
 
-__all__ = ["measure_tensor_parallel", "tp_plan", "parallelize", "DTensorTracker", "TPJob"]
+__all__ = ["measure_tensor_parallel", "tp_plan", "parallelize", "localize_attention", "optimizer_groups",
+           "DTensorTracker", "TPJob"]
