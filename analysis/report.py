@@ -313,6 +313,9 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if setup.get("tp", 1) > 1:
             lines.append(f"  tensor parallel: tp {setup['tp']} (DTensor, torchtitan's plan, loss_parallel), sequence "
                          f"parallel {'on' if setup.get('sequence_parallel') else 'off'}")
+        if setup.get("cp", 1) > 1:
+            lines.append(f"  context parallel: cp {setup['cp']} (torch's context_parallel: ring attention, head-tail "
+                         f"load balancing, T / cp = {setup['seq_len'] // setup['cp']} tokens a rank)")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")

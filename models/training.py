@@ -270,6 +270,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     tape = build_tape(model, setup, profile.is_cpu)
+    if setup.cp > 1 and not profile.is_cpu:
+        raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
+                                    "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
+                                    "simulated yet; allowed: cpu")
     graph, ids = OpGraph(), itertools.count(1)
     model_parallel = is_model_parallel(setup)
     tapes = MeshTapes(tape, setup) if model_parallel else None

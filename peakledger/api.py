@@ -421,6 +421,8 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     from .traces.distributed import measure_distributed, without_backend_copies
 
     setup = scenario.setup
+    if setup.cp > 1:
+        return validate_context_parallel(scenario, backend)
     if sum(d > 1 for d in (setup.tp, setup.pp, setup.dp)) > 1:  # two mesh dimensions or more
         return validate_mesh(scenario, backend)
     if setup.pp > 1:
@@ -500,6 +502,24 @@ def validate_mesh(scenario: Scenario, backend: str = "gloo"):
     logs = measure_mesh(scenario.model, setup)
     simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (mesh {_coords_text(log)})", rank=r), log)
+            for r, log in enumerate(logs)], simulated
+
+
+def validate_context_parallel(scenario: Scenario, backend: str = "gloo"):
+    """`validate_ranks` for context parallelism: torch's `context_parallel` (ring attention) on `cp` CPU processes
+    (gloo, 127.0.0.1; traces/context_run.py, with the CPU SDPA kernel routed to torch's own ring attention),
+    every rank measured and held against its simulated rank."""
+    from .analysis.validate import compare_logs
+    from .traces.context_run import measure_context_parallel
+
+    setup = scenario.setup
+    if backend != "gloo":
+        raise ConfigError("pg_backend", "context parallelism runs over gloo (its ring moves real keys and values); "
+                                        "drop --pg-backend or give gloo")
+    describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
+    logs = measure_context_parallel(scenario.model, setup)
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
+    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (context parallel)", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
 

@@ -62,7 +62,7 @@ class Engine:
 
     # load --------------------------------------------------------------------------------------------
     def load(self, grads) -> None:
-        b, s = self.b, self.setup
+        b = self.b
         params = []
         for p in b.tape.params:
             numel, shard = self.param_numel(p.name)
@@ -72,7 +72,9 @@ class Engine:
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
         buffers = []
         for t in b.tape.buffers:  # a traced tape's buffers keep the dtype they were traced in
-            dtype = self.param_storage_dtype() if b.tape.buffers_follow_params else t.dtype
+            # `module.to(dtype)` casts floating-point buffers only (an int64 position buffer stays int64)
+            floating = t.dtype in ("fp32", "bf16", "fp16")
+            dtype = self.param_storage_dtype() if b.tape.buffers_follow_params and floating else t.dtype
             buffers.append(b.block(t.name, prod(t.shape) * dtype_bytes(dtype), Category.BUFFER, dtype, t.shape))
         b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
         master_dtype = self.master_dtype()

@@ -68,29 +68,32 @@ class MeshTapes:
 
     def __init__(self, tape, setup: TrainingSetup) -> None:
         self.tape, self.setup, self.local = tape, setup, local_setup(setup)
-        self._tp: dict[int, object] = {}
-        self._cuts: dict[int, list] = {}
-        self._ranks: dict[tuple[int, int], object] = {}
+        self._tp: dict[tuple[int, int], object] = {}
+        self._cuts: dict[tuple[int, int], list] = {}
+        self._ranks: dict[tuple[int, int, int], object] = {}
 
-    def tp_tape(self, tp: int):
+    def tp_tape(self, tp: int, cp: int = 0):
+        """The tape of tensor-parallel rank `tp` and context-parallel rank `cp` (tensor.py, then context.py)."""
+        from .context import context_parallel_tape
         from .tensor import tensor_parallel_tape
 
-        if tp not in self._tp:
+        if (tp, cp) not in self._tp:
             s = self.setup
-            self._tp[tp] = (tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp, untied=s.pp > 1)
-                            if s.tp > 1 else self.tape)
-        return self._tp[tp]
+            local = (tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp, untied=s.pp > 1)
+                     if s.tp > 1 else self.tape)
+            self._tp[(tp, cp)] = context_parallel_tape(local, s.cp, cp) if s.cp > 1 else local
+        return self._tp[(tp, cp)]
 
-    def rank_tape(self, tp: int, pp: int):
+    def rank_tape(self, tp: int, pp: int, cp: int = 0):
         from .pipeline import rank_tape, stage_tapes
 
         if self.setup.pp == 1:
-            return self.tp_tape(tp)
-        if (tp, pp) not in self._ranks:
-            if tp not in self._cuts:
-                self._cuts[tp] = stage_tapes(self.tp_tape(tp), self.local)
-            self._ranks[(tp, pp)] = rank_tape(self.tp_tape(tp), self.local, pp, self._cuts[tp])
-        return self._ranks[(tp, pp)]
+            return self.tp_tape(tp, cp)
+        if (tp, cp, pp) not in self._ranks:
+            if (tp, cp) not in self._cuts:
+                self._cuts[(tp, cp)] = stage_tapes(self.tp_tape(tp, cp), self.local)
+            self._ranks[(tp, cp, pp)] = rank_tape(self.tp_tape(tp, cp), self.local, pp, self._cuts[(tp, cp)])
+        return self._ranks[(tp, cp, pp)]
 
 
 def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, block_ids=None,
@@ -104,10 +107,10 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
 
     tapes = tapes if tapes is not None else MeshTapes(tape, setup)
     at = mesh_coords(setup, rank)
-    b = GraphBuilder(tapes.rank_tape(at.tp, at.pp), tapes.local, profile, rank, graph, block_ids, dp_rank=at.dp,
-                     pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
+    b = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
+                     dp_rank=at.dp, pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
     if setup.tp > 1:
-        b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp))
+        b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp, at.cp))
     return b
 
 
@@ -120,6 +123,8 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     from .tensor import tensor_parallel_classes
 
     setup = tapes.setup
+    if setup.cp > 1:  # context parallelism alone (models/parallel/pipeline.py check_context_parallel_supported):
+        return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank
     tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: [0]}
     out: dict[int, RankRanges] = {}
     for tp_rep, tp_members in tp_groups.items():

@@ -78,7 +78,9 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
             raise ConfigError("ep", f"ep={s.ep} does not divide num_local_experts={experts}")
     if s.tp > 1:
         check_tensor_parallel_supported(model, s)
-    for name, what, on in (("cp", "context parallelism", s.cp > 1), ("ep", "expert parallelism", s.ep > 1)):
+    if s.cp > 1:
+        check_context_parallel_supported(model, s)
+    for name, what, on in (("ep", "expert parallelism", s.ep > 1),):
         if on:
             raise ConfigError(name, f"{what} ({name}={getattr(s, name)}) is not simulated yet; allowed for now: "
                                     f"{name} {'false' if name == 'sequence_parallel' else '1'} (of the model-"
@@ -835,6 +837,33 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
                 "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
                ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
                ("passes", setup.passes == "train", "pp runs training steps: passes train")]
+    for name, ok, why in not_yet:
+        if not ok:
+            raise ConfigError(name, why)
+
+
+def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
+    """What context parallelism is simulated with (models/parallel/context.py, checked against real runs of torch's
+    ring attention, traces/context_run.py): the hand-written dense GPT-2 / Llama with SDPA attention, alone on its
+    ranks (world_size = cp), fp32 or bf16, no activation checkpointing, LoRA or dropout."""
+    s = setup
+    kind = None
+    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+        kind = "the model: context parallelism is simulated for the hand-written dense GPT-2 and Llama"
+    not_yet = [("cp", kind is None, kind or ""),
+               ("attention", getattr(model, "attention", "sdpa") == "sdpa",
+                "context parallelism replaces SDPA calls (torch's context_parallel): attention must be sdpa"),
+               ("world_size", s.world_size == s.cp, f"cp with data, tensor or pipeline parallelism is not simulated "
+                                                    f"yet: world_size must be cp = {s.cp}"),
+               ("precision", s.precision in ("fp32", "bf16"),
+                f"cp with precision {s.precision} is not simulated yet; allowed: fp32, bf16"),
+               ("checkpointing", s.checkpointing == "none", "cp with activation checkpointing is not simulated yet"),
+               ("lora_r", s.lora_r == 0, "cp with LoRA is not simulated yet"),
+               ("dropout", getattr(model, "dropout", 0) == 0, "cp with dropout is not simulated yet"),
+               ("optimizer_offload", s.optimizer_offload == "none", "cp with optimizer offload is not simulated yet"),
+               ("checkpoint_every", s.checkpoint_every == 0 and s.load_mode == "none",
+                "cp with checkpoint saves or loads is not simulated yet"),
+               ("passes", s.passes == "train", "cp runs training steps: passes train")]
     for name, ok, why in not_yet:
         if not ok:
             raise ConfigError(name, why)
