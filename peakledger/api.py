@@ -199,7 +199,7 @@ def allocator_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
 
 
 def model_parallel_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]]:
-    """Pipeline schedules that hold fewer micro-batches in flight on the same GPUs, and more tensor- or
+    """Pipeline schedules that hold fewer micro-batches in flight on the same GPUs, and more tensor-, context- or
     pipeline-parallel ranks, which say that they take more GPUs (models/parallel/)."""
     s = scenario.setup
     out: list[tuple[str, dict, bool, str]] = []
@@ -211,6 +211,11 @@ def model_parallel_fixes(scenario: Scenario) -> list[tuple[str, dict, bool, str]
         out.append((f"tp {s.tp} -> {tp} ({s.world_size} -> {s.world_size * 2} GPUs)",
                     {"tp": tp, "world_size": s.world_size * 2}, False,
                     f"twice the GPUs: each holds 1/{tp} of the weights and of the activations between linears"))
+    if s.cp > 1 or (s.world_size == 1 and isinstance(scenario.model, TransformerConfig) and s.seq_len % 4 == 0):
+        cp = s.cp * 2  # skipped (a ConfigError) where context parallelism is not simulated for the scenario
+        out.append((f"cp {s.cp} -> {cp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"cp": cp, "world_size": s.world_size * 2}, False,
+                    f"twice the GPUs: each holds 1/{cp} of the sequence's activations (ring attention)"))
     if s.pp > 1:
         out.append((f"pp {s.pp} -> {2 * s.pp} ({s.world_size} -> {s.world_size * 2} GPUs)",
                     {"pp": 2 * s.pp, "world_size": s.world_size * 2, "grad_accum": max(s.grad_accum, 2 * s.pp)},
