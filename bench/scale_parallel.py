@@ -133,7 +133,8 @@ def main() -> int:
                 worst[w] = float("inf")
                 continue
             worst[w] = max(worst[w], m["seconds"])
-            cells.append(f"{m['seconds']:.2f} s, {m['classes']:,} classes ({m['simulated']:,} simulated), "
+            cells.append(f"{m['seconds']:.2f} s, {m['classes']:,} class{'' if m['classes'] == 1 else 'es'} "
+                         f"({m['simulated']:,} simulated), "
                          f"{m['rss_mib']:.0f} MiB")
         lines.append(f"| {label} | {model} | " + " | ".join(cells) + " |")
     met = all(worst[w] < CLASS_TARGET[w] for w in WORLDS)
