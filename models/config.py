@@ -400,7 +400,7 @@ def _model_parallel_fields(setup) -> None:
     as torchtitan's ParallelDims._validate takes it (ep % cp == 0 and (dp x cp) % ep == 0, its etp = tp case);
     the schedule's own micro-batch rules, as torch.distributed.pipelining checks them; and what pipeline
     parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
-    needing experts) is checked when the model is described (models/parallel/pipeline.py `check_model_parallel`),
+    needing experts) is checked when the model is described (models/parallel/checks.py `check_model_parallel`),
     and so is the "not simulated yet" of tp, cp, ep and sequence_parallel."""
     _positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
     _at_most(setup, "pp", "virtual_stages")

@@ -46,7 +46,8 @@ from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
 from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_builder, simulated_ranks
-from .parallel.pipeline import PipelineEngine, check_model_parallel, pipeline_metadata, pipeline_timing
+from .parallel.checks import check_model_parallel
+from .parallel.pipeline import PipelineEngine, pipeline_metadata, pipeline_timing
 from .offload import OffloadedStates
 from .tape import Tape
 from .trace.model import TracedModel
@@ -60,7 +61,7 @@ TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (C
 
 
 def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
-    check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/pipeline.py)
+    check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
     if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
         from .trace import traced_tape
         return traced_tape(model, setup, cpu)

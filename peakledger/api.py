@@ -474,58 +474,49 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
             for r, log in enumerate(logs)], simulated
 
 
-def validate_tensor_parallel(scenario: Scenario, backend: str = "gloo"):
-    """`validate_ranks` for tensor parallelism (`setup.tp` > 1): the model parallelized with DTensor
-    (`parallelize_module`, torchtitan's plan, loss_parallel) on `tp` CPU processes (gloo, 127.0.0.1;
-    traces/tensor_run.py), every rank measured and held against its simulated rank."""
+def _validate_model_parallel(scenario: Scenario, backend: str, what: str, measure, label):
+    """Run `measure(model, setup)` (real CPU processes over gloo, 127.0.0.1) and hold every rank's log against its
+    simulated rank (`label(rank, log)` names it); the simulation's refusals come before any process starts."""
     from .analysis.validate import compare_logs
-    from .traces.tensor_run import measure_tensor_parallel
 
     setup = scenario.setup
     if backend != "gloo":
-        raise ConfigError("pg_backend", "tensor parallelism runs over gloo (its collectives move real activations); "
+        raise ConfigError("pg_backend", f"{what} runs over gloo (its collectives move real activations); "
                                         "drop --pg-backend or give gloo")
     describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
-    logs = measure_tensor_parallel(scenario.model, setup, setup.tp, setup.sequence_parallel)
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.tp)), all_steps=True))
-    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (tensor parallel)", rank=r), log)
+    logs = measure(scenario.model, setup)
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
+    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} ({label(r, log)})", rank=r), log)
             for r, log in enumerate(logs)], simulated
+
+
+def validate_tensor_parallel(scenario: Scenario, backend: str = "gloo"):
+    """`validate_ranks` for tensor parallelism (`setup.tp` > 1): the model parallelized with DTensor
+    (`parallelize_module`, torchtitan's plan, loss_parallel) on `tp` CPU processes (traces/tensor_run.py)."""
+    from .traces.tensor_run import measure_tensor_parallel
+
+    return _validate_model_parallel(
+        scenario, backend, "tensor parallelism",
+        lambda model, setup: measure_tensor_parallel(model, setup, setup.tp, setup.sequence_parallel),
+        lambda r, log: "tensor parallel")
 
 
 def validate_mesh(scenario: Scenario, backend: str = "gloo"):
     """`validate_ranks` for two mesh dimensions or more (FSDP2 x TP, TP x PP, FSDP2 x PP, FSDP2 x TP x PP): the mesh
-    (pp, dp, tp) runs for real on `world_size` CPU processes (gloo, 127.0.0.1; traces/mesh_run.py), every rank
-    measured and held against its simulated rank."""
-    from .analysis.validate import compare_logs
+    (pp, dp, tp) runs for real on `world_size` CPU processes (traces/mesh_run.py)."""
     from .traces.mesh_run import measure_mesh
 
-    setup = scenario.setup
-    if backend != "gloo":
-        raise ConfigError("pg_backend", "a device mesh runs over gloo (its collectives move real activations); "
-                                        "drop --pg-backend or give gloo")
-    describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
-    logs = measure_mesh(scenario.model, setup)
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
-    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (mesh {_coords_text(log)})", rank=r), log)
-            for r, log in enumerate(logs)], simulated
+    return _validate_model_parallel(scenario, backend, "a device mesh", measure_mesh,
+                                    lambda r, log: f"mesh {_coords_text(log)}")
 
 
 def validate_context_parallel(scenario: Scenario, backend: str = "gloo"):
     """`validate_ranks` for context parallelism: torch's `context_parallel` (ring attention) on `cp` CPU processes
-    (gloo, 127.0.0.1; traces/context_run.py, with the CPU SDPA kernel routed to torch's own ring attention),
-    every rank measured and held against its simulated rank."""
-    from .analysis.validate import compare_logs
+    (traces/context_run.py, with the CPU SDPA kernel routed to torch's own ring attention)."""
     from .traces.context_run import measure_context_parallel
 
-    setup = scenario.setup
-    if backend != "gloo":
-        raise ConfigError("pg_backend", "context parallelism runs over gloo (its ring moves real keys and values); "
-                                        "drop --pg-backend or give gloo")
-    describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
-    logs = measure_context_parallel(scenario.model, setup)
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
-    return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (context parallel)", rank=r), log)
-            for r, log in enumerate(logs)], simulated
+    return _validate_model_parallel(scenario, backend, "context parallelism", measure_context_parallel,
+                                    lambda r, log: "context parallel")
 
 
 def _coords_text(log) -> str:

@@ -71,7 +71,7 @@ def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed
 
 
 def _check(model_cfg, setup: TrainingSetup) -> None:
-    from ..models.parallel.pipeline import check_model_parallel
+    from ..models.parallel.checks import check_model_parallel
     from ..models.reference import optimizer_class
 
     if setup.pp < 2:

@@ -123,7 +123,7 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     from .tensor import tensor_parallel_classes
 
     setup = tapes.setup
-    if setup.cp > 1:  # context parallelism alone (models/parallel/pipeline.py check_context_parallel_supported):
+    if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
         return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank
     tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: [0]}
     out: dict[int, RankRanges] = {}

@@ -1,0 +1,155 @@
+"""What the model-parallel degrees are checked against, and what is not simulated yet: each refusal a ConfigError
+naming the field (checked when the model is described, so a scenario with these degrees can still be compared with
+the formulas of `compare --peers`). `check_model_parallel` is the entry: the degrees against the model, then each
+dimension's own check (tensor.py, context.py, pipeline.py simulate what passes)."""
+
+from __future__ import annotations
+
+from ..config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+
+SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def check_model_parallel(model, setup: TrainingSetup) -> None:
+    """The model-parallel degrees against the model (ConfigError naming the field): tp divides the query and
+    key/value heads, sequence parallelism and context parallelism divide the sequence (torchtitan's
+    ParallelDims.seq_len_divisor: tp, 2 x cp with load balancing), ep needs a mixture-of-experts model whose
+    experts it divides; then each dimension's check (what it is not simulated with yet); ep is refused as not
+    simulated yet. pp needs a hand-written GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2
+    stages."""
+    s = setup
+    if s.tp > 1:
+        if not isinstance(model, TransformerConfig):
+            raise ConfigError("tp", f"tensor parallelism splits attention heads and MLP columns: modelled for "
+                                    f"transformers, not {type(model).__name__}")
+        for what, heads in (("n_head", model.n_head), ("n_kv_head", model.kv_heads)):
+            if heads % s.tp:
+                raise ConfigError("tp", f"tp={s.tp} does not divide the model's {what}={heads}: each tensor-parallel "
+                                        f"rank holds whole heads")
+    if s.sequence_parallel and s.seq_len % s.tp:
+        raise ConfigError("sequence_parallel", f"seq_len={s.seq_len} is not a multiple of tp={s.tp}: sequence "
+                                               "parallelism splits the sequence over the tensor-parallel ranks")
+    if s.cp > 1 and s.seq_len % (2 * s.cp):
+        raise ConfigError("cp", f"seq_len={s.seq_len} is not a multiple of 2 x cp = {2 * s.cp} (load-balanced "
+                                "context parallelism splits it into 2 x cp chunks)")
+    if s.ep > 1:
+        experts = getattr(model, "num_local_experts", None)
+        if not experts:
+            raise ConfigError("ep", f"expert parallelism splits the experts of a mixture-of-experts model; "
+                                    f"{getattr(model, 'name', 'this model')!r} has none: drop ep")
+        if experts % s.ep:
+            raise ConfigError("ep", f"ep={s.ep} does not divide num_local_experts={experts}")
+    if s.tp > 1:
+        check_tensor_parallel_supported(model, s)
+    if s.cp > 1:
+        check_context_parallel_supported(model, s)
+    for name, what, on in (("ep", "expert parallelism", s.ep > 1),):
+        if on:
+            raise ConfigError(name, f"{what} ({name}={getattr(s, name)}) is not simulated yet; allowed for now: "
+                                    f"{name} {'false' if name == 'sequence_parallel' else '1'} (of the model-"
+                                    "parallel degrees pp and tp / sequence parallelism are simulated)")
+    if s.pp == 1:
+        return
+    check_pipeline_supported(s)
+    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+        kind = ("an MLP" if isinstance(model, MLPConfig) else
+                "a traced model" if not isinstance(model, TransformerConfig) else
+                "a mixture of experts" if model.num_local_experts else f"implementation {model.implementation!r}")
+        raise ConfigError("pp", f"pipeline parallelism is simulated for the hand-written GPT-2 and Llama "
+                                f"(implementation nanogpt, dense), not {kind} yet")
+    if s.pp_schedule not in SIMULATED_SCHEDULES:
+        raise ConfigError("pp_schedule", f"{s.pp_schedule}: its order is derived (models/parallel/pipeline.py "
+                                         "rank_actions) but its split backward (input gradients, then weight "
+                                         "gradients) is not simulated yet; allowed: " + ", ".join(SIMULATED_SCHEDULES))
+    stages = s.pp * s.virtual_stages
+    if stages > model.n_layer + 2:
+        raise ConfigError("pp", f"pp x virtual_stages = {s.pp} x {s.virtual_stages} = {stages} stages is more than "
+                                f"the model's n_layer + 2 = {model.n_layer + 2} (its blocks, the embeddings and the "
+                                "output each count as one layer, as torchtitan splits a model): use fewer stages")
+
+
+def _refuse(not_yet: list[tuple[str, bool, str]]) -> None:
+    """The first (field, allowed?, why) that is not allowed, as a ConfigError naming the field."""
+    for name, ok, why in not_yet:
+        if not ok:
+            raise ConfigError(name, why)
+
+
+def check_pipeline_supported(setup: TrainingSetup) -> None:
+    """What pipeline parallelism is not simulated with yet (checked when the model is described, so a scenario
+    with these degrees can still be compared with the formulas of `compare --peers`)."""
+    if setup.pp == 1:
+        return
+    fsdp = setup.dp > 1 and setup.dp_engine == "fsdp2"
+    not_yet = [("dp_engine", setup.dp == 1 or setup.dp_engine in ("deepspeed", "fsdp2"),
+                f"pp with data parallelism runs FSDP2, DeepSpeed's replicas or ZeRO-1 (dp_engine fsdp2, or deepspeed "
+                f"with zero_stage 0 or 1) for now; {setup.dp_engine} under a pipeline schedule is not simulated yet"),
+               ("pp_schedule", not fsdp or setup.pp_schedule in ("gpipe", "1f1b"),
+                f"pp with FSDP2 runs gpipe or 1f1b for now; {setup.pp_schedule} (its runtime's unshard and reshard "
+                "actions) is not simulated yet"),
+               ("zero_stage", setup.zero_stage in (0, 1), f"pp with ZeRO-{setup.zero_stage} is not simulated yet: "
+                                                          "zero_stage 0 or 1 (partitioned optimizer states)"),
+               ("checkpointing", setup.checkpointing != "offload", "pp with activations offloaded to the host "
+                                                                     "(save_on_cpu) is not simulated yet; allowed: "
+                                                                     "none, full, every-k, selective, sqrt, "
+                                                                     "op-policy, layers"),
+               ("optimizer_offload", setup.optimizer_offload == "none", "pp with optimizer-state offload is not "
+                                                                         "simulated yet: optimizer_offload none"),
+               ("checkpoint_every", setup.checkpoint_every == 0 and setup.load_mode == "none",
+                "pp with checkpoint saves or loads is not simulated yet: checkpoint_every 0, load_mode none"),
+               ("lora_r", setup.lora_r == 0, "pp with LoRA is not simulated yet: lora_r 0"),
+               ("passes", setup.passes == "train", "pp runs training steps: passes train")]
+    _refuse(not_yet)
+
+
+def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
+    """What context parallelism is simulated with (models/parallel/context.py, checked against real runs of torch's
+    ring attention, traces/context_run.py): the hand-written dense GPT-2 / Llama with SDPA attention, alone on its
+    ranks (world_size = cp), fp32 or bf16, no activation checkpointing, LoRA or dropout."""
+    s = setup
+    kind = None
+    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+        kind = "the model: context parallelism is simulated for the hand-written dense GPT-2 and Llama"
+    not_yet = [("cp", kind is None, kind or ""),
+               ("attention", getattr(model, "attention", "sdpa") == "sdpa",
+                "context parallelism replaces SDPA calls (torch's context_parallel): attention must be sdpa"),
+               ("world_size", s.world_size == s.cp, f"cp with data, tensor or pipeline parallelism is not simulated "
+                                                    f"yet: world_size must be cp = {s.cp}"),
+               ("precision", s.precision in ("fp32", "bf16"),
+                f"cp with precision {s.precision} is not simulated yet; allowed: fp32, bf16"),
+               ("checkpointing", s.checkpointing == "none", "cp with activation checkpointing is not simulated yet"),
+               ("lora_r", s.lora_r == 0, "cp with LoRA is not simulated yet"),
+               ("dropout", getattr(model, "dropout", 0) == 0, "cp with dropout is not simulated yet"),
+               ("optimizer_offload", s.optimizer_offload == "none", "cp with optimizer offload is not simulated yet"),
+               ("checkpoint_every", s.checkpoint_every == 0 and s.load_mode == "none",
+                "cp with checkpoint saves or loads is not simulated yet"),
+               ("passes", s.passes == "train", "cp runs training steps: passes train")]
+    _refuse(not_yet)
+
+
+def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
+    """What tensor parallelism is simulated with (models/parallel/tensor.py, checked against real DTensor runs):
+    the hand-written dense GPT-2 / Llama, alone on its ranks (world_size = tp), fp32, bf16 or bf16 autocast,
+    without activation checkpointing, LoRA or dropout."""
+    s = setup
+    kind = None
+    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+        kind = "the model: tensor parallelism is simulated for the hand-written dense GPT-2 and Llama"
+    not_yet = [("tp", kind is None, kind or ""),
+               ("precision", s.precision != "fp16-mixed",
+                "tp with precision fp16-mixed is not simulated yet (its loss scaler under DTensor); allowed: fp32, "
+                "bf16, bf16-autocast, bf16-mixed"),
+               ("checkpointing", s.checkpointing in ("none", "full", "every-k", "sqrt", "layers"),
+                f"tp with checkpointing {s.checkpointing} is not simulated yet (a region inside a layer); allowed: "
+                "none, full, every-k, sqrt, layers"),
+               ("lora_r", s.lora_r == 0, "tp with LoRA is not simulated yet"),
+               ("dropout", getattr(model, "dropout", 0) == 0, "tp with dropout is not simulated yet"),
+               ("optimizer_offload", s.optimizer_offload == "none", "tp with optimizer offload is not simulated yet"),
+               ("checkpoint_every", s.checkpoint_every == 0 and s.load_mode == "none",
+                "tp with checkpoint saves or loads is not simulated yet"),
+               ("passes", s.passes == "train", "tp runs training steps: passes train")]
+    _refuse(not_yet)
+
+
+__all__ = ["SIMULATED_SCHEDULES", "check_model_parallel", "check_pipeline_supported", "check_tensor_parallel_supported",
+           "check_context_parallel_supported"]
