@@ -2,7 +2,7 @@
 parallelism, FSDP2 x TP (2D) and TP x PP.
 
 For each case the tiny GPT-2 (or Llama) is cut into pp x virtual_stages stages as torchtitan cuts a model
-(models/parallel/pipeline.py `stage_layout`), run for real with `PipelineStage` and ScheduleGPipe /
+(models/parallel/stages.py `stage_layout`), run for real with `PipelineStage` and ScheduleGPipe /
 Schedule1F1B / ScheduleInterleaved1F1B on `pp` CPU processes, every rank measured with the project's tracker
 (traces/pipeline_run.py), and simulated with the same setup on the "cpu" profile. Prints the
 "Model parallelism (real CPU runs)" section of bench/VALIDATION.md; `--write` swaps it into the file (the

@@ -471,7 +471,7 @@ SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sha
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
 OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
-# pipeline schedules (models/parallel/pipeline.py), as torch.distributed.pipelining names their classes:
+# pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
 # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 

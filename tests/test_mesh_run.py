@@ -92,7 +92,7 @@ def _event_sequence(log):
 
 def _check_logs(cfg, setup: TrainingSetup, logs) -> None:
     from peakledger.analysis.validate import static_rows
-    from peakledger.models.parallel.pipeline import rank_stages
+    from peakledger.models.parallel.stages import rank_stages
     from peakledger.traces.distributed import without_backend_copies
     from peakledger.traces.mesh_run import mesh_coords
 
@@ -164,7 +164,7 @@ def test_stage_plan_is_the_whole_models_plan_on_its_modules(name, sequence_paral
     """A pipeline stage is tensor-parallelized with tensor_run's own plan of the stage (its blocks keyed by their
     index in the whole model): the entries naming one of its modules are those of the whole model's plan, same
     styles, same order; its blocks are those the FSDP2 units are made of."""
-    from peakledger.models.parallel.pipeline import rank_stages
+    from peakledger.models.parallel.stages import rank_stages
     from peakledger.models.reference import build_model
     from peakledger.traces.distributed import fsdp_units
     from peakledger.traces.pipeline_run import StageModule

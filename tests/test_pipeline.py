@@ -13,7 +13,7 @@ import pytest
 
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
-from peakledger.models.parallel.pipeline import rank_actions, rank_stages, stage_layers, stage_layout
+from peakledger.models.parallel.stages import rank_actions, rank_stages, stage_layers, stage_layout
 from peakledger.models.presets import preset
 from peakledger.models.training import build_tape, describe
 from peakledger.simulator.engine import simulate

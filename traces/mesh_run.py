@@ -22,7 +22,7 @@ Layouts
   `traces.tracker.training_loop` under `loss_parallel()`, as tensor_run runs it (`grad_accum` micro-batches per
   step, each a FORWARD and a BACKWARD with its micro-batch index, then OPTIMIZER and ZERO_GRAD).
 - TP + PP (dp = 1, pp > 1): the stages of the pipeline rank (traces/pipeline_run.py `stage_modules`,
-  `StageModule`s in the layout of models/parallel/pipeline.py `rank_stages`), each stage module
+  `StageModule`s in the layout of models/parallel/stages.py `rank_stages`), each stage module
   tensor-parallelized on the "tp" sub-mesh by tensor_run's `parallelize` (the entries of `tp_plan` that name one
   of its modules; no tie to restore: a stage holds the embedding or the head, never both once pp > 1), wrapped
   in a `PipelineStage` whose peers are the "pp" sub-mesh's group (pipeline_run's `build_pipeline`, with
@@ -126,7 +126,7 @@ def _describe(setup: TrainingSetup) -> str:
 def check_mesh(model_cfg, setup: TrainingSetup) -> None:
     """Refuse, before any process starts, what `measure_mesh` does not run (ValueError for a layout that
     cannot be, NotImplementedError for one not measured yet)."""
-    from ..models.parallel.pipeline import stage_layout
+    from ..models.parallel.stages import stage_layout
     from ..models.reference import optimizer_class
     from .pipeline_run import SCHEDULES
 
@@ -264,7 +264,7 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     PipelineStage drives: no gradient sync before the last micro-batch's backward, then its post-backward)."""
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from ..models.parallel.pipeline import rank_stages
+    from ..models.parallel.stages import rank_stages
     from ..models.reference import make_batch, torch_optimizer
     from .distributed import apply_fsdp2
     from .pipeline_run import build_pipeline, label_pipeline, run_pipeline_steps, stage_modules, stage_records

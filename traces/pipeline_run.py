@@ -3,7 +3,7 @@
 `measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as traces/distributed.py joins
 its ranks (rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`). Each process
 builds the same reference model (`models.reference.build_model`, same seed), cuts its stages out of it as
-torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/pipeline.py
+torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/stages.py
 `stage_layout`: a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one
 parameter on the first stage and one on the last), wraps each in a `PipelineStage` with its input and output
 shapes given (`build_pipeline`; static metadata: no shape-inference forward), and runs `setup.steps` steps of
@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.config import TrainingSetup, TransformerConfig
-from ..models.parallel.pipeline import StageSpec, rank_stages
+from ..models.parallel.stages import StageSpec, rank_stages
 from ..simulator.events import Category, EventLog, Phase
 from .distributed import free_loopback_port, gloo_group, spawn_ranks
 from .store import load_log, save_log

@@ -44,9 +44,11 @@ Modules: layout.py (the pure layout functions and constants), engine.py (`Engine
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
 deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Model parallelism composes on the device
 mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor.py rewrites the tape into a
-tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; pipeline.py cuts it into
-a pipeline rank's stages and wraps the engine in `PipelineEngine`, its micro-batches in its schedule's order. checks.py says what each degree
-is checked against and what is not simulated yet. The data-parallel engine sees its dp group only (`setup.dp` ranks, the builder's `dp_rank`).
+tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; context.py (with
+ring.py) into a context-parallel rank's; stages.py cuts it into a pipeline rank's stages (the layout, the schedules'
+actions) and pipeline.py wraps the engine in `PipelineEngine`, which replays them in the schedule's order. checks.py
+says what each degree is checked against and what is not simulated yet. The data-parallel engine sees its dp group
+only (`setup.dp` ranks, the builder's `dp_rank`).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, RO
                      dim0_ranges, dim0_shard, flat_partition, greedy_owners, greedy_partition, own_dtype, sub_groups,
                      unit_of)
 from .checks import check_model_parallel
-from .pipeline import PipelineEngine, rank_actions, stage_layout
+from .pipeline import PipelineEngine
+from .stages import rank_actions, stage_layout
 
 
 def make_engine(b) -> Engine:

@@ -58,7 +58,7 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
         raise ConfigError("pp", f"pipeline parallelism is simulated for the hand-written GPT-2 and Llama "
                                 f"(implementation nanogpt, dense), not {kind} yet")
     if s.pp_schedule not in SIMULATED_SCHEDULES:
-        raise ConfigError("pp_schedule", f"{s.pp_schedule}: its order is derived (models/parallel/pipeline.py "
+        raise ConfigError("pp_schedule", f"{s.pp_schedule}: its order is derived (models/parallel/stages.py "
                                          "rank_actions) but its split backward (input gradients, then weight "
                                          "gradients) is not simulated yet; allowed: " + ", ".join(SIMULATED_SCHEDULES))
     stages = s.pp * s.virtual_stages

@@ -85,7 +85,7 @@ class MeshTapes:
         return self._tp[(tp, cp)]
 
     def rank_tape(self, tp: int, pp: int, cp: int = 0):
-        from .pipeline import rank_tape, stage_tapes
+        from .stages import rank_tape, stage_tapes
 
         if self.setup.pp == 1:
             return self.tp_tape(tp, cp)
