@@ -17,10 +17,10 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import time
 
+from child import run_child  # bench/child.py, beside this script
 from sections import replace_section  # bench/sections.py, beside this script
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
@@ -86,15 +86,7 @@ def child(spec: dict) -> dict:
 
 
 def measure(model: str, training: dict, whole: bool, timeout: float) -> dict | None:
-    spec = json.dumps({"model": model, "training": training, "whole": whole})
-    try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
-    if p.returncode:
-        raise RuntimeError(f"{training}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_child(__file__, {"model": model, "training": training, "whole": whole}, timeout)
 
 
 def gib(n: int) -> str:

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from ..models.config import TrainingSetup, TransformerConfig
 from ..simulator.events import Category, EventLog, Phase
 from .distributed import free_loopback_port, gloo_group, spawn_ranks
+from .pipeline_run import PipelineJob
 from .store import load_log, save_log
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -88,15 +89,11 @@ GRAD_REDUCE = "all_reduce-average"
 
 
 @dataclass(frozen=True)
-class CPJob:
-    model_cfg: TransformerConfig
-    setup: TrainingSetup
-    cp: int
-    rotate_method: str
-    port: int
-    out_dir: str
-    seed: int = 0
-    lr: float = 1e-3
+class CPJob(PipelineJob):
+    """What every process of a context-parallel run is sent: pipeline_run's job (the setup says cp), the k / v
+    rotate method, and measure_context_parallel's longer default timeout."""
+
+    rotate_method: str = "allgather"
     timeout_s: float = 180.0
 
 
@@ -112,10 +109,10 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
     rank's traceback is raised as RuntimeError."""
     _check(model_cfg, setup, rotate_method)
     with tempfile.TemporaryDirectory(prefix="peakledger-cp-") as tmp:
-        job = CPJob(model_cfg, setup, setup.cp, rotate_method, free_loopback_port(), tmp, seed=seed,
-                    timeout_s=timeout_s)
-        spawn_ranks(_rank_main, job, job.cp, job.timeout_s, f"cp={job.cp} ranks")
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(job.cp)]
+        job = CPJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s,
+                    rotate_method=rotate_method)
+        spawn_ranks(_rank_main, job, setup.cp, job.timeout_s, f"cp={setup.cp} ranks")
+        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.cp)]
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
@@ -146,7 +143,7 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
 
 
 def _rank_main(rank: int, job: CPJob) -> None:
-    with gloo_group(rank, job.cp, job.port, job.timeout_s):
+    with gloo_group(rank, job.setup.cp, job.port, job.timeout_s):
         save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
@@ -323,13 +320,13 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     enable_cpu_ring_attention()
     set_rotate_method(job.rotate_method)
     setup = job.setup
-    mesh = init_device_mesh("cpu", (job.cp,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh("cpu", (setup.cp,), mesh_dim_names=("cp",))
     model = build_cp_model(job.model_cfg, setup, seed=job.seed)
     optimizer = torch_optimizer(model.parameters(), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every cp rank
     known = tuple(t for b in batches for t in b)
     options = cp_options()
-    balancer = _create_default_load_balancer(setup.seq_len, job.cp, "cpu")
+    balancer = _create_default_load_balancer(setup.seq_len, setup.cp, "cpu")
     tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
     positions = position_buffer(model)
     losses: list[list] = []
@@ -361,7 +358,7 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                             for p in model.parameters():
                                 if p.grad is not None:
                                     dist.all_reduce(p.grad)
-                                    p.grad.div_(job.cp)
+                                    p.grad.div_(setup.cp)
                     tracker.scan()
             with tracker.phase(Phase.OPTIMIZER, step):
                 optimizer.step()
@@ -369,11 +366,11 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
             with tracker.phase(Phase.ZERO_GRAD, step):
                 optimizer.zero_grad(set_to_none=setup.set_to_none)
                 tracker.scan()
-    return tracker.log({"engine": "context-parallel", "cp": job.cp, "cp_rank": rank, "world_size": job.cp,
+    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank, "world_size": setup.cp,
                         "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
                         "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,
                         "grad_reduce": GRAD_REDUCE, "attention": "sdpa",
-                        "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // job.cp,
+                        "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // setup.cp,
                         "losses": losses, "model": dataclasses.asdict(run_config(job.model_cfg)),
                         "setup": dataclasses.asdict(setup), "steps": setup.steps, "grad_accum": setup.grad_accum,
                         "set_to_none": setup.set_to_none})

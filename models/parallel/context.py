@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..config import dtype_bytes
 from ..tape import Tape, TapeOp, TensorSpec
 from .ring import _Heap, ring_backward, ring_forward
 
@@ -120,6 +121,7 @@ class _Transform:
             prologue = i < first_block
             new = replace(op, inputs=tuple(self.rename.get(n, n) for n in op.inputs),
                           saves=tuple(self.rename.get(n, n) for n in op.saves),
+                          views=tuple(self.rename.get(n, n) for n in op.views),
                           releases=tuple(self.rename.get(n, n) for n in op.releases),
                           outputs=tuple(self.shard(o, prologue) for o in op.outputs),
                           workspace=tuple(self.shard(w, prologue) for w in op.workspace),
@@ -137,12 +139,10 @@ class _Transform:
         q, k, v = (self.shard(self._spec(n)) for n in op.inputs)
         fused = len(set(op.inputs)) == 1  # GPT-2: q, k, v split from one c_attn output (views, not contiguous)
         eq = out.nbytes
-        ek = ev = q.nbytes // 3 if fused else None
-        if not fused:
-            ek, ev = k.nbytes, v.nbytes
+        ek, ev = (q.nbytes // 3, q.nbytes // 3) if fused else (k.nbytes, v.nbytes)
         contiguous = [not fused and self.produced[n].kind == "rotary" for n in op.inputs[1:]]
         L = lse.nbytes // 4
-        args = (self.rank, self.cp, eq, ek, ev, L, contiguous[0], contiguous[1], _itemsize(out))
+        args = (self.rank, self.cp, eq, ek, ev, L, contiguous[0], contiguous[1], dtype_bytes(out.dtype))
         fwd, bwd = ring_forward(*args), ring_backward(*args)
         if fwd.kept != out.nbytes + lse.nbytes:
             raise AssertionError((fwd, out, lse))
@@ -162,13 +162,6 @@ class _Transform:
         if name in self.produced:
             return next(o for o in self.produced[name].outputs if o.name == name)
         return next(t for t in self.tape.inputs if t.name == name)
-
-
-def _itemsize(spec: TensorSpec) -> int:
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return spec.nbytes // n
 
 
 __all__ = ["context_parallel_tape", "context_entry", "POSITIONS"]

@@ -98,8 +98,9 @@ class MeshTapes:
 
 def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, block_ids=None,
                  tapes: MeshTapes | None = None):
-    """The GraphBuilder of global `rank`: the tape made tensor-parallel (its tp coordinate), cut into its
-    pipeline stages (its pp coordinate), replayed under the data-parallel engine of its dp coordinate; the
+    """The GraphBuilder of global `rank`: the tape made tensor-parallel (its tp coordinate) and context-parallel
+    (its cp coordinate), cut into its pipeline stages (its pp coordinate), replayed under the data-parallel engine
+    of its dp coordinate; the
     tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
     between the builders of one description."""
     from ..training import GraphBuilder
@@ -125,7 +126,7 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     setup = tapes.setup
     if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
         return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank
-    tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: [0]}
+    tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: RankRanges([(0, 1)])}
     out: dict[int, RankRanges] = {}
     for tp_rep, tp_members in tp_groups.items():
         per_stage = []
@@ -155,10 +156,10 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
 
 
 def _member_ranges(setup: TrainingSetup, pp: int, ranges, tp_members):
-    """Global rank ranges of (pp, dp in ranges, any cp, tp in tp_members): consecutive tp members form one range;
-    with every tp rank a member, consecutive dp ranks do too."""
-    tp_runs = _runs(sorted(tp_members))
-    whole_tp = tp_runs == [(0, setup.tp)]
+    """Global rank ranges of (pp, dp in ranges, any cp, tp in `tp_members`, a RankRanges): each of its ranges of tp
+    ranks is one range of global ranks; with every tp rank a member, consecutive dp ranks are too."""
+    tp_runs = tp_members.ranges
+    whole_tp = tp_runs == ((0, setup.tp),)
     for a, stop in ranges:
         if whole_tp:
             yield mesh_rank(setup, pp, a, 0, 0), mesh_rank(setup, pp, stop - 1, setup.cp - 1, setup.tp - 1) + 1
@@ -166,16 +167,6 @@ def _member_ranges(setup: TrainingSetup, pp: int, ranges, tp_members):
         for d, cp in itertools.product(range(a, stop), range(setup.cp)):
             for t0, t1 in tp_runs:
                 yield mesh_rank(setup, pp, d, cp, t0), mesh_rank(setup, pp, d, cp, t1 - 1) + 1
-
-
-def _runs(values: list[int]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for v in values:
-        if out and out[-1][1] == v:
-            out[-1][1] = v + 1
-        else:
-            out.append([v, v + 1])
-    return [(a, b) for a, b in out]
 
 
 def simulated_ranks(classes: dict, setup: TrainingSetup) -> list[int]:

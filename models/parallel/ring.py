@@ -54,6 +54,14 @@ class _Heap:
         self.peak = max(self.peak, self.live + nbytes)
 
 
+def _contiguous_kv(h: _Heap, ek: int, ev: int, k_contiguous: bool, v_contiguous: bool) -> None:
+    """`key = key.contiguous(); value = value.contiguous()`, both loops' first lines: a copy of each strided one."""
+    if not k_contiguous:
+        h.set("key", h.new(ek))
+    if not v_contiguous:
+        h.set("value", h.new(ev))
+
+
 @dataclass(frozen=True)
 class RingCall:
     """One rank's ring attention call: `peak` bytes above what was live before it, `kept` bytes it returns."""
@@ -72,10 +80,7 @@ def ring_forward(rank: int, cp: int, eq: int, ek: int, ev: int, lse: int, k_cont
                  dsize: int) -> RingCall:
     h = _Heap()
     f32 = lambda n: n * 4 // dsize  # noqa: E731  the fp32 size of n bytes of the model's dtype
-    if not k_contiguous:
-        h.set("key", h.new(ek))
-    if not v_contiguous:
-        h.set("value", h.new(ev))
+    _contiguous_kv(h, ek, ev, k_contiguous, v_contiguous)
     gathered = None
     for i in range(cp):
         if i > 0:
@@ -140,10 +145,7 @@ def ring_backward(rank: int, cp: int, eq: int, ek: int, ev: int, lse: int, k_con
     h.set("grad_query", h.new(f32(eq)))  # zeros_like(..., dtype=float32) accumulators
     h.set("grad_key", h.new(f32(ek)))
     h.set("grad_value", h.new(f32(ev)))
-    if not k_contiguous:
-        h.set("key", h.new(ek))
-    if not v_contiguous:
-        h.set("value", h.new(ev))
+    _contiguous_kv(h, ek, ev, k_contiguous, v_contiguous)
     gathered = None
     for i in range(cp):
         if i > 0:

@@ -214,7 +214,8 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
 _LAYER = re.compile(r"^(?:transformer\.h|model\.layers)\.(\d+)\.")
 
 
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The transformer block an op or tensor name belongs to (transformer.h.<i>. / model.layers.<i>.), or None."""
     hit = _LAYER.match(name)
     return int(hit.group(1)) if hit else None
 
@@ -246,7 +247,7 @@ class RankTape(Tape):
 def stage_tapes(tape: Tape, setup: TrainingSetup) -> list[StageTape]:
     """Cut a hand-written GPT-2 / Llama tape into the stages of `stage_layout`."""
     ops = tape.ops
-    layer = [_layer_of(op.name) for op in ops]
+    layer = [layer_of(op.name) for op in ops]
     n_layer = max((x for x in layer if x is not None), default=-1) + 1
     first_block = next(i for i, x in enumerate(layer) if x is not None)
     last_block = max(i for i, x in enumerate(layer) if x is not None)
@@ -322,7 +323,7 @@ def rank_tape(tape: Tape, setup: TrainingSetup, rank: int, cut: list[StageTape] 
                 seen.add(name)
                 params.append(by_name[name] if name in by_name else replace(head, name=name))
     buffers = [t for st in stages for t in tape.buffers  # a model-level buffer: one copy per stage module
-               if _layer_of(t.name) is None or _layer_of(t.name) in st.spec.layers]
+               if layer_of(t.name) is None or layer_of(t.name) in st.spec.layers]
     return RankTape(params=params, ops=[op for st in stages for op in st.tape.ops], inputs=[], buffers=buffers,
                     held=(), loss=tape.loss, describer=tape.describer, param_dtypes=tape.param_dtypes,
                     buffers_follow_params=tape.buffers_follow_params, stages=tuple(stages),

@@ -117,12 +117,14 @@ def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int
 
 def _partial_regions(tape: Tape) -> bool:
     """Whether a checkpoint region covers part of a layer (selective: the attention core alone)."""
-    layer_of: dict[str, set] = {}
+    from .stages import layer_of
+
+    regions: dict[int, set] = {}
     for op in tape.ops:
-        if ".h." in op.name or ".layers." in op.name:
-            key = op.name.split(".h.")[-1].split(".layers.")[-1].split(".")[0]
-            layer_of.setdefault(key, set()).add(op.region)
-    return any(len(regions) > 1 for regions in layer_of.values())
+        layer = layer_of(op.name)
+        if layer is not None:
+            regions.setdefault(layer, set()).add(op.region)
+    return any(len(r) > 1 for r in regions.values())
 
 
 class _Transform:
