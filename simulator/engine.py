@@ -1,11 +1,20 @@
 """The discrete-event engine: op graph in, exact allocate/free event log out.
 
-Each (rank, stream) pair is one SimPy process that runs its ops in graph order. An op waits until
-every dependency has ended, allocates its blocks from their pools, holds its stream for its duration,
-then frees its blocks. Pools (device memory per rank, host memory per rank) have an optional capacity;
-the first allocation that exceeds it is recorded as an `OOMRecord` with the live set at that exact
-event, and the run either stops there (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or
-continues to show how far over it goes.
+Each (rank, stream) pair is one process that runs its ops in graph order. An op waits until every
+dependency has ended, allocates its blocks from their pools, holds its stream for its duration, then frees
+its blocks. Pools (device memory per rank, host memory per rank) have an optional capacity; the first
+allocation that exceeds it is recorded as an `OOMRecord` with the live set at that exact event, and the run
+either stops there (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or continues to show how
+far over it goes.
+
+The scheduler is SimPy's discipline (simpy 4: `Environment.run` over processes, `Timeout`, `AllOf`), kept
+step for step without its objects, so that the events come out in the order a SimPy run records them: one
+queue ordered by (time, priority, the order things were scheduled); the processes start, in (rank, stream)
+order, as urgent events at time 0; an op's duration is a timeout; an op that must wait for ops of other
+streams waits on the condition "all of them ended", which is scheduled when the last of their end events is
+processed and resumes the process when it is processed in turn. An op's end is scheduled only when a
+condition waits for it (processing it does nothing else), and a process that hits a stopping OOM ends the
+run when its failure, scheduled then, is processed.
 
 The graph's metadata travels to the log (with the steps it describes: models/training.StepPlan).
 """
@@ -13,13 +22,14 @@ The graph's metadata travels to the log (with the steps it describes: models/tra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import simpy
+from heapq import heappop, heappush
 
 from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
 from .ops import Op, OpGraph
 
 PoolKey = tuple[int, Pool]  # (rank, pool)
+ALLOC, FREE = Action.ALLOC, Action.FREE
+_new = object.__new__
 
 
 class OutOfMemory(Exception):
@@ -36,6 +46,10 @@ class MemoryPool:
     oom_seen: bool = False
 
 
+URGENT, NORMAL = 0, 1  # SimPy's priorities: a process's start before anything else at the same time
+_RESUME, _ENDED, _STOP = 0, 1, 2  # what a queue entry does: resume a process, end an op others wait for, stop
+
+
 class Simulation:
     def __init__(self, graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
                  stop_on_oom: bool = True) -> None:
@@ -43,36 +57,10 @@ class Simulation:
         self.graph = graph
         self.capacities = dict(capacities or {})
         self.stop_on_oom = stop_on_oom
-        self.env = simpy.Environment()
-        self.pools: dict[PoolKey, MemoryPool] = {}
+        self.pools: dict[PoolKey, MemoryPool] = {key: MemoryPool(capacity=cap)
+                                                 for key, cap in self.capacities.items() if cap is not None}
         self.events: list[Event] = []
         self.ooms: list[OOMRecord] = []
-
-    def _pool(self, block: Block) -> MemoryPool:
-        key = (block.rank, block.pool)
-        pool = self.pools.get(key)
-        if pool is None:
-            pool = self.pools[key] = MemoryPool(capacity=self.capacities.get(key))
-        return pool
-
-    def _record(self, action: Action, block: Block, op: Op) -> Event:
-        event = Event(seq=len(self.events), time=self.env.now, action=action, block=block,
-                      phase=op.phase, step=op.step, micro_batch=op.micro_batch,
-                      stream=op.stream, op=op.name)
-        self.events.append(event)
-        return event
-
-    def _alloc(self, block: Block, op: Op) -> None:
-        pool = self._pool(block)
-        event = self._record(Action.ALLOC, block, op)
-        if pool.capacity is not None and not pool.oom_seen and pool.in_use + block.nbytes > pool.capacity:
-            pool.oom_seen = True
-            self.ooms.append(self._oom_record(pool, event))
-            if self.stop_on_oom:
-                self.events.pop()  # the allocation never happened; the OOM record keeps it
-                raise OutOfMemory()
-        pool.live[block.id] = block
-        pool.in_use += block.nbytes
 
     def _oom_record(self, pool: MemoryPool, event: Event) -> OOMRecord:
         by_cat: dict[Category, int] = {}
@@ -82,44 +70,118 @@ class Simulation:
         return OOMRecord(event=event, capacity=pool.capacity, live_bytes=pool.in_use,
                          live_by_category=by_cat, largest_live=largest)
 
-    def _free(self, block_id: int, op: Op, owner: dict[int, Block]) -> None:
-        block = owner[block_id]
-        pool = self._pool(block)
-        del pool.live[block_id]
-        pool.in_use -= block.nbytes
-        self._record(Action.FREE, block, op)
+    def _start(self, op: Op, now: float, owner: dict[int, Block]) -> None:
+        """`op`'s allocations, at `now`; the pools with a capacity (the only ones kept) checked first."""
+        events, pools, new = self.events, self.pools, _new
+        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.stream, op.name
+        for b in op.allocs:
+            owner[b.id] = b
+            e = new(Event)
+            d = e.__dict__  # Event(...) field by field (simulator/events.py new_event), inline: the hot path
+            d["seq"] = len(events)
+            d["time"] = now
+            d["action"] = ALLOC
+            d["block"] = b
+            d["phase"] = phase
+            d["step"] = step
+            d["micro_batch"] = mb
+            d["stream"] = stream
+            d["op"] = name
+            events.append(e)
+            if pools:
+                pool = pools.get((b.rank, b.pool))
+                if pool is not None:
+                    if not pool.oom_seen and pool.in_use + b.nbytes > pool.capacity:
+                        pool.oom_seen = True
+                        self.ooms.append(self._oom_record(pool, e))
+                        if self.stop_on_oom:
+                            events.pop()  # the allocation never happened; the OOM record keeps it
+                            raise OutOfMemory()
+                    pool.live[b.id] = b
+                    pool.in_use += b.nbytes
+
+    def _end(self, op: Op, now: float, owner: dict[int, Block]) -> None:
+        """`op`'s frees, at `now`."""
+        events, pools, new = self.events, self.pools, _new
+        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.stream, op.name
+        for bid in op.frees:
+            b = owner[bid]
+            if pools:
+                pool = pools.get((b.rank, b.pool))
+                if pool is not None:
+                    del pool.live[bid]
+                    pool.in_use -= b.nbytes
+            e = new(Event)
+            d = e.__dict__
+            d["seq"] = len(events)
+            d["time"] = now
+            d["action"] = FREE
+            d["block"] = b
+            d["phase"] = phase
+            d["step"] = step
+            d["micro_batch"] = mb
+            d["stream"] = stream
+            d["op"] = name
+            events.append(e)
 
     def run(self) -> EventLog:
-        ops = self.graph.ops_in_order()
-        done = {op.id: self.env.event() for op in ops}
-        finished: set[int] = set()
-        owner: dict[int, Block] = {}
         by_stream: dict[tuple[int, object], list[Op]] = {}
-        for op in ops:
+        for op in self.graph.ops_in_order():
             by_stream.setdefault((op.rank, op.stream), []).append(op)
-
-        def stream_process(stream_ops: list[Op]):
-            for op in stream_ops:
-                waits = [done[d] for d in self.graph.predecessors(op.id) if d not in finished]
-                if waits:
-                    yield self.env.all_of(waits)
-                for b in op.allocs:
-                    owner[b.id] = b
-                    self._alloc(b, op)
-                if op.duration > 0:
-                    yield self.env.timeout(op.duration)
-                for bid in op.frees:
-                    self._free(bid, op, owner)
-                finished.add(op.id)
-                done[op.id].succeed()
-
-        for key in sorted(by_stream, key=lambda k: (k[0], k[1].value)):
-            self.env.process(stream_process(by_stream[key]))
+        preds = self.graph.predecessor_lists()
+        owner: dict[int, Block] = {}
+        finished: set[int] = set()
+        waiting: dict[int, list[list]] = {}  # op id -> the conditions [ops not ended yet, process] waiting for it
+        # a process: [its ops, the index of the op it is at, 0 = before its wait, 1 = before its allocations,
+        # 2 = before its frees]; the queue: (time, priority, order scheduled, what, process or op id); the clock starts
+        # at the int 0, as SimPy's does (the events before the first timeout say time 0, not 0.0)
+        queue = [(0, URGENT, n, _RESUME, [by_stream[key], 0, 0])
+                 for n, key in enumerate(sorted(by_stream, key=lambda k: (k[0], k[1].value)))]  # a heap: sorted
+        eid = len(queue)
+        start, end = self._start, self._end
         metadata = dict(self.graph.metadata)
-        try:
-            self.env.run()
-        except OutOfMemory:
-            metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+        while queue:
+            now, _, _, what, target = heappop(queue)
+            if what == _ENDED:
+                for cond in waiting.pop(target):
+                    cond[0] -= 1
+                    if cond[0] == 0:  # all of them ended: the condition is scheduled, and resumes its process
+                        heappush(queue, (now, NORMAL, eid, _RESUME, cond[1]))
+                        eid += 1
+                continue
+            if what == _STOP:
+                metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+                break
+            ops, i, stage = target
+            try:
+                while i < len(ops):
+                    op = ops[i]
+                    if stage == 0:
+                        waits = [d for d in preds[op.id] if d not in finished]
+                        if waits:
+                            cond = [len(waits), target]
+                            for d in waits:
+                                waiting.setdefault(d, []).append(cond)
+                            target[1], target[2] = i, 1
+                            break
+                    if stage < 2:
+                        if op.allocs:
+                            start(op, now, owner)
+                        if op.duration > 0:
+                            heappush(queue, (now + op.duration, NORMAL, eid, _RESUME, target))
+                            eid += 1
+                            target[1], target[2] = i, 2
+                            break
+                    if op.frees:
+                        end(op, now, owner)
+                    finished.add(op.id)
+                    if op.id in waiting:
+                        heappush(queue, (now, NORMAL, eid, _ENDED, op.id))
+                        eid += 1
+                    i, stage = i + 1, 0
+            except OutOfMemory:  # the process fails; the run stops when its failure is processed
+                heappush(queue, (now, NORMAL, eid, _STOP, None))
+                eid += 1
         return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
 
 

@@ -123,6 +123,47 @@ class Event:
         return self.block.nbytes if self.action is Action.ALLOC else -self.block.nbytes
 
 
+_new = object.__new__
+
+
+def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, shape: tuple[int, ...] = (),
+              state: OptimizerState | None = None, shard_factor: int = 1, rank: int = 0,
+              pool: Pool = Pool.DEVICE) -> Block:
+    """`Block(...)`, equal to it field for field, made without the frozen dataclass's `__init__` (one
+    `object.__setattr__` per field): the describers make hundreds of thousands. `shape` must be a tuple."""
+    b = _new(Block)
+    d = b.__dict__
+    d["id"] = id
+    d["nbytes"] = nbytes
+    d["category"] = category
+    d["name"] = name
+    d["dtype"] = dtype
+    d["shape"] = shape
+    d["state"] = state
+    d["shard_factor"] = shard_factor
+    d["rank"] = rank
+    d["pool"] = pool
+    return b
+
+
+def new_event(seq: int, time: float, action: Action, block: Block, phase: Phase, step: int, micro_batch: int,
+              stream: Stream, op: str) -> Event:
+    """`Event(...)`, equal to it field for field, made as `new_block` makes a block (the simulator records
+    one per allocation and free)."""
+    e = _new(Event)
+    d = e.__dict__
+    d["seq"] = seq
+    d["time"] = time
+    d["action"] = action
+    d["block"] = block
+    d["phase"] = phase
+    d["step"] = step
+    d["micro_batch"] = micro_batch
+    d["stream"] = stream
+    d["op"] = op
+    return e
+
+
 @dataclass(frozen=True)
 class OOMRecord:
     """The first allocation that did not fit a pool's capacity, with what was live when it failed."""

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from .events import Block, Phase, Stream
 
 
@@ -38,38 +36,101 @@ class Op:
 
 
 class OpGraph:
-    """A networkx DiGraph of ops (node = op id, attribute `op`), with a stable insertion order.
+    """Ops (node = op id) and their dependencies (edges), with a stable insertion order.
 
-    Describers add ops with `add(op, after=...)`; the simulator reads `ops_in_order()` and the edges.
-    `blocks` holds every block any op allocates; `preexisting` are blocks live before the first op.
+    Describers add ops with `add(op, after=...)` (and, for an edge to an op added earlier, `add_edge`); the
+    simulator reads `ops_in_order()` and `predecessors`. Each op's predecessors are kept in the order their
+    edges were added, each once. `metadata` travels to the event log.
     """
 
     def __init__(self) -> None:
-        self.graph = nx.DiGraph()
         self._order: list[Op] = []
+        self._preds: dict[int, list[int]] = {}  # every node (an op, or an id an edge names) -> its predecessors
+        self._topological: list[int] | None = None  # cached: `topological_order()` until the graph changes
         self.metadata: dict = {}
 
     def add(self, op: Op, after: tuple[int, ...] | list[int] = ()) -> Op:
-        if op.id in self.graph:
+        preds = self._preds
+        if op.id in preds:
             raise ValueError(f"op id {op.id} added twice")
-        self.graph.add_node(op.id, op=op)
-        for dep in after:
-            self.graph.add_edge(dep, op.id)
+        deps = list(dict.fromkeys(after)) if len(after) > 1 else list(after)
+        for dep in deps:
+            if dep not in preds:
+                preds[dep] = []  # an edge from an id not added (yet): a node without an op
+        preds[op.id] = deps
         self._order.append(op)
+        self._topological = None
         return op
+
+    def add_edge(self, before: int, after: int) -> None:
+        """`after` also waits for `before` (ids of ops, typically `before` added after `after`)."""
+        preds = self._preds
+        for node in (before, after):
+            if node not in preds:
+                preds[node] = []
+        if before not in preds[after]:
+            preds[after].append(before)
+        self._topological = None
 
     def ops_in_order(self) -> list[Op]:
         return list(self._order)
 
     def predecessors(self, op_id: int) -> list[int]:
-        return list(self.graph.predecessors(op_id))
+        return list(self._preds[op_id])
+
+    def predecessor_lists(self) -> dict[int, list[int]]:
+        """Every node's predecessors, the graph's own lists (read them, do not change them)."""
+        return self._preds
 
     def __len__(self) -> int:
         return len(self._order)
 
+    def topological_order(self) -> list[int]:
+        """Every node, each after all of its predecessors (depth first over the predecessors, in insertion
+        order: an insertion-ordered graph comes out as it is); shorter than the graph when it has a cycle."""
+        if self._topological is None:
+            preds = self._preds
+            done: set[int] = set()
+            out: list[int] = []
+            for node, ps in preds.items():
+                if node in done:
+                    continue
+                for d in ps:
+                    if d not in done:
+                        break
+                else:  # every predecessor placed already: the usual case
+                    done.add(node)
+                    out.append(node)
+                    continue
+                if not self._place(node, done, out):
+                    break
+            self._topological = out
+        return self._topological
+
+    def _place(self, node: int, done: set[int], out: list[int]) -> bool:
+        """Place `node` after its predecessors not placed yet (an explicit stack); False on a cycle."""
+        preds = self._preds
+        on_stack = {node}
+        stack = [(node, iter(preds[node]))]
+        while stack:
+            n, it = stack[-1]
+            for d in it:
+                if d not in done:
+                    if d in on_stack:
+                        return False
+                    on_stack.add(d)
+                    stack.append((d, iter(preds[d])))
+                    break
+            else:
+                stack.pop()
+                on_stack.discard(n)
+                done.add(n)
+                out.append(n)
+        return True
+
     def check(self) -> None:
-        """Every freed block was allocated by an op that precedes the freeing op, exactly once."""
-        if not nx.is_directed_acyclic_graph(self.graph):
+        """No cycle; every freed block was allocated by an op that precedes the freeing op, exactly once."""
+        if len(self.topological_order()) < len(self._preds):
             raise ValueError("op graph has a cycle")
         allocated: set[int] = set()
         freed: set[int] = set()

@@ -258,7 +258,7 @@ class PipelineRank:
                                      {"send": None, "waits": []})
         link["send"] = send.id
         for w in link["waits"]:
-            b.graph.graph.add_edge(send.id, w)
+            b.graph.add_edge(send.id, w)
 
     def _wait(self, kind: str, stage: int, mb: int) -> None:
         link = self.links.setdefault((self.b.pipeline_group, kind, stage, mb, self.step),
@@ -415,13 +415,13 @@ def pipeline_timing(graph) -> dict[int, dict]:
     the op before it on its stream and every op it depends on have ended): the step's length on that rank
     (its first op's start to its last op's end), the compute stream's busy time in it, and the bubble, the
     idle fraction 1 - busy / length (waiting for activations and gradients from the other stages)."""
-    import networkx as nx
-
     end: dict[int, float] = {}
     start: dict[int, float] = {}
     ops = {op.id: op for op in graph.ops_in_order()}
-    for op_id in nx.topological_sort(graph.graph):  # the op before on a stream is a predecessor too
-        t0 = max([end[d] for d in graph.predecessors(op_id)], default=0.0)
+    preds = graph.predecessor_lists()
+    for op_id in graph.topological_order():  # the op before on a stream is a predecessor too
+        ps = preds[op_id]
+        t0 = (end[ps[0]] if len(ps) == 1 else max([end[d] for d in ps])) if ps else 0.0
         start[op_id], end[op_id] = t0, t0 + ops[op_id].duration
     last_step = max((op.step for op in graph.ops_in_order()), default=0)
     by_rank: dict[int, list] = {}
