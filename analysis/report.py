@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.events import EventLog, Pool
+from ..simulator.gcpause import gc_paused
 from ..simulator.timeline import PeakPoint, rank_peak_points, timeline
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
@@ -134,6 +135,7 @@ def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
             if not classes or r in classes]
 
 
+@gc_paused  # simulator/gcpause.py: the log's events are walked several times, nothing cyclic is made
 def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,
               pool: Pool = Pool.DEVICE) -> Report:
     """The report of one rank: `rank`, or by default the rank with the highest peak (the lowest on ties)."""
@@ -219,6 +221,8 @@ def report_json(r: Report) -> dict:
         out["training_flops_per_step"] = {
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
+        if md.get("expert_parallel"):
+            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             out["training_flops_per_step"] = {
                 "value": md["counted_flops_per_step"],
@@ -245,6 +249,15 @@ def _engine_short(setup: dict) -> str:
     pp = f", pp {setup['pp']} ({setup['pp_schedule']})" if setup.get("pp", 1) > 1 else ""
     tp = f", tp {setup['tp']}" + (" + SP" if setup.get("sequence_parallel") else "") if setup.get("tp", 1) > 1 else ""
     return f"{name} x {_dp(setup)}{pp}{tp}"
+
+
+def _expert_text(ep: dict) -> str:
+    """ep, experts per rank, routing, and the rows the ranks receive per MoE layer (max over layers) vs send."""
+    got = {r: max(rows) for r, rows in ep["received_rows"].items()}
+    low, high = min(got.values()), max(got.values())
+    received = f"{high:,}" if low == high else f"{low:,} .. {high:,} (rank {max(got, key=got.get)} the most)"
+    return (f"ep {ep['ep']}, {ep['experts_per_rank']} experts a rank (torchtitan's all-to-all dispatch), routing "
+            f"{ep['routing']}: each rank sends {ep['sent_rows']:,} rows a layer and receives {received}")
 
 
 def _engine_text(setup: dict) -> str:
@@ -316,6 +329,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if setup.get("cp", 1) > 1:
             lines.append(f"  context parallel: cp {setup['cp']} (torch's context_parallel: ring attention, head-tail "
                          f"load balancing, T / cp = {setup['seq_len'] // setup['cp']} tokens a rank)")
+        if md.get("expert_parallel"):
+            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")

@@ -52,11 +52,12 @@ class DeviceProfile:
         return self.compute_capability is not None
 
     def collective_duration(self, kind: str, nbytes: int, world_size: int) -> float:
-        """Seconds for one ring collective over `nbytes` (the full, unsharded size) on `world_size` ranks."""
+        """Seconds for one ring collective over `nbytes` (the full, unsharded size) on `world_size` ranks; an
+        all-to-all's `nbytes` is what the rank sends or receives, the larger, (n - 1) / n of it crossing the link."""
         n = world_size
         if n <= 1:
             return self.launch_latency
-        hops = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1}[kind]
+        hops = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "all_to_all": 1}[kind]
         volume = nbytes if kind == "broadcast" else nbytes * (n - 1) / n
         latency = self.interconnect_latency * (1 if kind == "broadcast" else n - 1)
         return hops * (volume / self.interconnect + latency)

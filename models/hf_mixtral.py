@@ -18,8 +18,11 @@ from peakledger's own Llama (`_llama_block`), every item read from transformers/
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .config import ConfigError, TrainingSetup, TransformerConfig
 from .moe import moe_block
+from .parallel.expert import EXPERT_WEIGHTS, ExpertParallelTape
 from .tape import Tape, TensorSpec
 from .transformer import _HFWriter, _hf_causal_lm_loss, transformer_params
 
@@ -51,8 +54,10 @@ class _MixtralWriter(_HFWriter):
         return y
 
 
-def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
-    """`MixtralForCausalLM.forward(input_ids=idx, labels=idx)` (see the notes above)."""
+def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False, ep_rank: int = 0) -> Tape:
+    """`MixtralForCausalLM.forward(input_ids=idx, labels=idx)` (see the notes above); with expert parallelism
+    (`setup.ep` > 1) the tape of expert-parallel rank `ep_rank` (models/parallel/expert.py): its own experts and
+    its token dispatch and combine."""
     if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
         raise ConfigError("checkpointing", f"HF Mixtral (experts) is modelled without activation checkpointing, "
                                            f"not {setup.checkpointing!r}; allowed: none")
@@ -61,8 +66,15 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
                                                     "weight slices, not cached) is not modelled; allowed there: "
                                                     "grouped_mm")
     B, T, D, hd = setup.micro_batch, setup.seq_len, cfg.d_model, cfg.head_size
-    tape = Tape(params=transformer_params(cfg))
+    params = transformer_params(cfg)
+    if setup.ep > 1:  # Shard(0) of the experts' 3-D weights: this rank's E / ep experts
+        local = tuple(p.name for p in params if p.name.endswith(EXPERT_WEIGHTS))
+        params = [replace(p, shape=(p.shape[0] // setup.ep,) + p.shape[1:]) if p.name in local else p for p in params]
+        tape = ExpertParallelTape(params=params, ep=setup.ep, ep_rank=ep_rank, local_params=local)
+    else:
+        tape = Tape(params=params)
     w = _MixtralWriter(tape, setup, cpu)
+    w.ep_rank = ep_rank
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     tape.inputs = [idx, TensorSpec("batch.targets", (B, T), "int64", False)]
     tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False) for n in ("inv_freq", "original_inv_freq")]

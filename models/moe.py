@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 
 from .config import ConfigError, TrainingSetup, TransformerConfig, read_config_file
+from .parallel.expert import expert_combine, expert_dispatch
 from .tape import ParamSpec, TensorSpec
 
 COUNTS_FORMAT = "peakledger-moe-counts"
@@ -193,20 +194,28 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
                         saves=(perm.name,), bwd_workspace=(w.t(f"{x}.weights_g.zeros", (S,), "fp32", False),))
     (ids_f,) = w.op(f"{x}.histc_input", "to_copy", [ids_g], [w.t(f"{x}.histc_input", (S,), "fp32", False)])
     (hist,) = w.op(f"{x}.histc", "histc", [ids_f], [w.t(f"{x}.tokens_per_expert", (E,), "fp32", False)])
-    (offs,) = w.op(f"{x}.offsets", "cumsum", [hist], [w.t(f"{x}.offsets", (E,), "int32", False)])
+    ep_locals = ()
+    if w.setup.ep > 1:  # torchtitan's token dispatch: this rank's experts get their rows from every rank
+        rows, ep_idx, offs, ep_locals = expert_dispatch(w, x, gathered, hist, counts, E)
+        routed = sum(w.tape.received_rows[-1])
+    else:
+        (offs,) = w.op(f"{x}.offsets", "cumsum", [hist], [w.t(f"{x}.offsets", (E,), "int32", False)])
+        rows, routed = gathered, S
     pdt = w.setup.param_dtype  # grouped_mm is not autocast-enabled: `input.to(weight.dtype)`, in the weights' dtype
-    gathered = _to(w, f"{x}.gate_up_proj", gathered, pdt)
-    up_flops = sum(2 * n * D * 2 * F for n in counts)
-    (proj,) = w.op(f"{x}.gate_up_proj", "grouped_mm", [gathered, offs], [w.t(f"{x}.gate_up_out", (S, 2 * F), pdt)],
-                   saves=(gathered.name, offs.name), params=(f"{x}.gate_up_proj",),
-                   saved_params=(f"{x}.gate_up_proj",), flops=up_flops)
+    rows = _to(w, f"{x}.gate_up_proj", rows, pdt)
+    M = rows.shape[0]
+    (proj,) = w.op(f"{x}.gate_up_proj", "grouped_mm", [rows, offs], [w.t(f"{x}.gate_up_out", (M, 2 * F), pdt)],
+                   saves=(rows.name, offs.name), params=(f"{x}.gate_up_proj",),
+                   saved_params=(f"{x}.gate_up_proj",), flops=2 * routed * D * 2 * F)
     # gate, up = chunk(2): views; silu(gate) saves gate, gate * up saves both (one gradient piece per view)
-    (act,) = w.op(f"{x}.act", "silu", [proj], [w.t(f"{x}.act", (S, F), pdt)], saves=(proj.name,), views=(proj.name,))
-    (prod,) = w.op(f"{x}.mul", "mul", [act, proj], [w.t(f"{x}.mul", (S, F), pdt)], saves=(act.name, proj.name),
+    (act,) = w.op(f"{x}.act", "silu", [proj], [w.t(f"{x}.act", (M, F), pdt)], saves=(proj.name,), views=(proj.name,))
+    (prod,) = w.op(f"{x}.mul", "mul", [act, proj], [w.t(f"{x}.mul", (M, F), pdt)], saves=(act.name, proj.name),
                    views=(proj.name,))
-    (down,) = w.op(f"{x}.down_proj", "grouped_mm", [prod, offs], [w.t(f"{x}.down_out", (S, D), pdt)],
+    (down,) = w.op(f"{x}.down_proj", "grouped_mm", [prod, offs], [w.t(f"{x}.down_out", (M, D), pdt)],
                    saves=(prod.name, offs.name), params=(f"{x}.down_proj",), saved_params=(f"{x}.down_proj",),
-                   flops=sum(2 * n * F * D for n in counts))
+                   flops=2 * routed * F * D)
+    if w.setup.ep > 1:  # torchtitan's combine: the rows back to the ranks of their tokens
+        down = expert_combine(w, x, down, ep_idx, S)
     wdt = "fp32" if "fp32" in (pdt, weights_g.dtype) else pdt
     (weighted,) = w.op(f"{x}.weigh", "mul", [down, weights_g], [w.t(f"{x}.weighted", (S, D), wdt)],
                        saves=(down.name, weights_g.name), bwd_workspace=(w.t(f"{x}.weigh.grad_temp", (S, D), wdt, False),))
@@ -218,7 +227,7 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
                        [w.t(f"{x}.out", (B, T, D), wdt), w.t(f"{x}.unpermuted", (S, D), wdt, False)],
                        saves=(inv.name,), bwd_workspace=(w.t(f"{x}.unpermute.view_clone", (S, D), wdt, False),
                                                          w.t(f"{x}.unpermute.zeros", (S, D), wdt, False)))
-    w.release(f"{x}.return", [ids_g, ids_f, hist, unperm])
+    w.release(f"{x}.return", [ids_g, ids_f, hist, unperm, *ep_locals])
     out = _to(w, f"{x}.out", out, m.dtype)  # `.to(hidden_states.dtype)`
     w.release(f"{p}.return", [m, logits, scores, idx])  # `_`, the top-k locals and the block's input
     return w.add(f"{h}.moe_residual", residual, out)

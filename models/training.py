@@ -45,6 +45,7 @@ from .gpu import cublas_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
+from .parallel.expert import expert_metadata
 from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_builder, simulated_ranks
 from .parallel.checks import check_model_parallel
 from .parallel.pipeline import PipelineEngine, pipeline_metadata, pipeline_timing
@@ -60,7 +61,8 @@ TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (C
                  "SDPA, rewritten to the CUDA kernel torch picks (models/trace/gpu_paths.py)")
 
 
-def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
+def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_rank: int = 0) -> Tape:
+    """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
     if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
         from .trace import traced_tape
@@ -69,7 +71,8 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False) -> T
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
         check_routing(model, setup)
-        tape = hf_mixtral_tape(model, setup, cpu) if model.num_local_experts else transformer_tape(model, setup, cpu)
+        tape = hf_mixtral_tape(model, setup, cpu, ep_rank) if model.num_local_experts else \
+            transformer_tape(model, setup, cpu)
     else:
         check_routing(model, setup)
         tape = mlp_tape(model, setup, cpu)
@@ -277,7 +280,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
                                     "simulated yet; allowed: cpu")
     graph, ids = OpGraph(), itertools.count(1)
     model_parallel = is_model_parallel(setup)
-    tapes = MeshTapes(tape, setup) if model_parallel else None
+    tapes = MeshTapes(tape, setup, lambda ep_rank: build_tape(model, setup, profile.is_cpu, ep_rank)) \
+        if model_parallel else None
     if ranks is None and model_parallel:  # classes on the mesh: tp class x pipeline stage x dp class
         classes = mesh_classes(tapes, profile, engine_classes)
     elif ranks is None:
@@ -308,11 +312,15 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
-    if setup.pp > 1 or setup.tp > 1:  # a rank holds a part: count the whole model's
+    if setup.pp > 1 or setup.tp > 1 or setup.ep > 1:  # a rank holds a part: count the whole model's
         trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
-        graph.metadata["n_trainable"] = sum(p.numel for p in tape.params if p.name in trainable)
+        experts = getattr(tape, "local_params", ())  # an expert-parallel rank's experts: 1 / ep of them
+        graph.metadata["n_trainable"] = sum(p.numel * (setup.ep if p.name in experts else 1)
+                                            for p in tape.params if p.name in trainable)
     if setup.pp > 1:
         graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
+    if setup.ep > 1:
+        graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup)
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)
         graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"

@@ -80,11 +80,12 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
                     "number of micro-batches per step")
     mp.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (default 1f1b; torch.distributed.pipelining's)")
     mp.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b: >= 2, zbv: 2)")
-    mp.add_argument("--tp", type=int, help="tensor-parallel ranks (checked, not simulated yet)")
-    mp.add_argument("--cp", type=int, help="context-parallel ranks (checked, not simulated yet)")
-    mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models (checked, not simulated yet)")
+    mp.add_argument("--tp", type=int, help="tensor-parallel ranks (DTensor column / row-parallel linears, vocab-parallel embedding and loss)")
+    mp.add_argument("--cp", type=int, help="context-parallel ranks (torch's context_parallel ring attention; cpu profile)")
+    mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models: experts placed on ranks, tokens all-to-all'd as torchtitan does "
+                    "(world_size = dp = ep, dp_engine ddp)")
     mp.add_argument("--sequence-parallel", action="store_true", default=None,
-                    help="sequence parallelism over the tp ranks (checked, not simulated yet)")
+                    help="sequence parallelism over the tp ranks (norms and residual stream sharded on the sequence)")
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
     r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")

@@ -14,8 +14,7 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
     """The model-parallel degrees against the model (ConfigError naming the field): tp divides the query and
     key/value heads, sequence parallelism and context parallelism divide the sequence (torchtitan's
     ParallelDims.seq_len_divisor: tp, 2 x cp with load balancing), ep needs a mixture-of-experts model whose
-    experts it divides; then each dimension's check (what it is not simulated with yet); ep is refused as not
-    simulated yet. pp needs a hand-written GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2
+    experts it divides; then each dimension's check (what it is not simulated with yet). pp needs a hand-written GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2
     stages."""
     s = setup
     if s.tp > 1:
@@ -43,11 +42,8 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
         check_tensor_parallel_supported(model, s)
     if s.cp > 1:
         check_context_parallel_supported(model, s)
-    for name, what, on in (("ep", "expert parallelism", s.ep > 1),):
-        if on:
-            raise ConfigError(name, f"{what} ({name}={getattr(s, name)}) is not simulated yet; allowed for now: "
-                                    f"{name} {'false' if name == 'sequence_parallel' else '1'} (of the model-"
-                                    "parallel degrees pp and tp / sequence parallelism are simulated)")
+    if s.ep > 1:
+        check_expert_parallel_supported(model, s)
     if s.pp == 1:
         return
     check_pipeline_supported(s)
@@ -127,6 +123,28 @@ def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
     _refuse(not_yet)
 
 
+def check_expert_parallel_supported(model, setup: TrainingSetup) -> None:
+    """What expert parallelism is simulated with (models/parallel/expert.py, checked against real runs of HF Mixtral
+    under torchtitan's token dispatch, traces/expert_run.py): the experts of HF Mixtral on their grouped_mm path,
+    one expert-parallel group over the whole world (world_size = dp = ep) with DDP for the dense parameters."""
+    s = setup
+    not_yet = [("experts_implementation", getattr(model, "experts_implementation", None) in (None, "grouped_mm"),
+                "expert parallelism replaces the grouped_mm experts path (torchtitan's dispatch); allowed: "
+                "grouped_mm"),
+               ("world_size", s.world_size == s.ep and s.dp == s.ep,
+                f"ep with tensor, pipeline or context parallelism, or with data-parallel replicas of the experts, is "
+                f"not simulated yet: world_size must be ep = {s.ep} (dp = ep)"),
+               ("dp_engine", s.dp_engine == "ddp", f"ep runs the dense parameters under DDP for now (dp_engine ddp, "
+                                                  f"the experts ignored by it); {s.dp_engine} with ep is not "
+                                                  "simulated yet"),
+               ("lora_r", s.lora_r == 0, "ep with LoRA is not simulated yet"),
+               ("optimizer_offload", s.optimizer_offload == "none", "ep with optimizer offload is not simulated yet"),
+               ("checkpoint_every", s.checkpoint_every == 0 and s.load_mode == "none",
+                "ep with checkpoint saves or loads is not simulated yet"),
+               ("passes", s.passes == "train", "ep runs training steps: passes train")]
+    _refuse(not_yet)
+
+
 def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
     """What tensor parallelism is simulated with (models/parallel/tensor.py, checked against real DTensor runs):
     the hand-written dense GPT-2 / Llama, alone on its ranks (world_size = tp), fp32, bf16 or bf16 autocast,
@@ -152,4 +170,4 @@ def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
 
 
 __all__ = ["SIMULATED_SCHEDULES", "check_model_parallel", "check_pipeline_supported", "check_tensor_parallel_supported",
-           "check_context_parallel_supported"]
+           "check_context_parallel_supported", "check_expert_parallel_supported"]

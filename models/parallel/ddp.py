@@ -19,7 +19,10 @@ class DDP(Engine):
         cap = self.setup.ddp_bucket_cap_mb * 1024 * 1024
         size = dtype_bytes(self.grad_dtype)
         buckets, current, limit = [], 0, DDP_FIRST_BUCKET_BYTES
+        ignored = set(getattr(self.b.tape, "local_params", ()))  # expert parallelism's experts: each rank's own
         for p in reversed(self.trainable):
+            if p.name in ignored:  # `_set_params_and_buffers_to_ignore_for_model` (torch/nn/parallel/distributed.py)
+                continue
             current += p.numel
             if current * size >= limit:
                 buckets.append(current)

@@ -51,7 +51,7 @@ def mesh_rank(setup: TrainingSetup, pp: int = 0, dp: int = 0, cp: int = 0, tp: i
 
 
 def is_model_parallel(setup: TrainingSetup) -> bool:
-    return setup.tp > 1 or setup.pp > 1 or setup.cp > 1
+    return setup.tp > 1 or setup.pp > 1 or setup.cp > 1 or setup.ep > 1
 
 
 def local_setup(setup: TrainingSetup) -> TrainingSetup:
@@ -64,10 +64,13 @@ def local_setup(setup: TrainingSetup) -> TrainingSetup:
 
 class MeshTapes:
     """The tapes of a mesh's positions, each made once and shared by the ranks at that position: the tensor-parallel
-    tape of a tp rank (`tp_tape`), and the pipeline rank tape of a (tp rank, pp rank) (`rank_tape`)."""
+    tape of a tp rank (`tp_tape`), the pipeline rank tape of a (tp rank, pp rank) (`rank_tape`), the tape of an
+    expert-parallel rank (`ep_tape`: `build(ep_rank)` describes it, its own experts and dispatch)."""
 
-    def __init__(self, tape, setup: TrainingSetup) -> None:
+    def __init__(self, tape, setup: TrainingSetup, build=None) -> None:
         self.tape, self.setup, self.local = tape, setup, local_setup(setup)
+        self.build = build
+        self._ep: dict[int, object] = {0: tape}
         self._tp: dict[tuple[int, int], object] = {}
         self._cuts: dict[tuple[int, int], list] = {}
         self._ranks: dict[tuple[int, int, int], object] = {}
@@ -83,6 +86,11 @@ class MeshTapes:
                      if s.tp > 1 else self.tape)
             self._tp[(tp, cp)] = context_parallel_tape(local, s.cp, cp) if s.cp > 1 else local
         return self._tp[(tp, cp)]
+
+    def ep_tape(self, ep_rank: int):
+        if ep_rank not in self._ep:
+            self._ep[ep_rank] = self.build(ep_rank)
+        return self._ep[ep_rank]
 
     def rank_tape(self, tp: int, pp: int, cp: int = 0):
         from .stages import rank_tape, stage_tapes
@@ -104,10 +112,16 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
     tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
     between the builders of one description."""
     from ..training import GraphBuilder
+    from .expert import ExpertParallelEngine
     from .tensor import TensorParallelEngine
 
     tapes = tapes if tapes is not None else MeshTapes(tape, setup)
     at = mesh_coords(setup, rank)
+    if setup.ep > 1:  # expert parallelism alone (checks.py): world_size = dp = ep, the rank's own experts
+        local = tapes.ep_tape(at.dp % setup.ep)
+        b = GraphBuilder(local, setup, profile, rank, graph, block_ids)
+        b.engine = ExpertParallelEngine(b.engine, local)
+        return b
     b = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
                      dp_rank=at.dp, pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
     if setup.tp > 1:
@@ -124,6 +138,9 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     from .tensor import tensor_parallel_classes
 
     setup = tapes.setup
+    if setup.ep > 1:  # expert parallelism alone: ranks that receive the same rows in every layer are alike
+        from .expert import expert_classes
+        return expert_classes(tapes.ep_tape, setup)
     if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
         return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank
     tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: RankRanges([(0, 1)])}

@@ -1,0 +1,281 @@
+"""Measure every rank of a real expert-parallel CPU run: HF Mixtral with its experts placed on `ep` ranks and the
+tokens moved by all-to-all, as torchtitan's `ExpertParallel` moves them, on gloo over 127.0.0.1.
+
+torch has no expert-parallel module of its own, and transformers' (`distributed_config` "ep" plans) keeps every
+token on every rank and all-reduces the experts' outputs: no all-to-all. torchtitan's, the layout Megatron-LM and
+DeepSpeed-MoE share, sends each token to the rank that owns its expert and back. `measure_expert_parallel` runs
+that, with nothing in it that torch does not run: `ep` processes joined as traces/distributed.py joins its ranks
+(`spawn_ranks`, `gloo_group`), each building the same reference model (`models.reference.build_model`, HF's
+MixtralForCausalLM, same seed), then on every decoder layer:
+
+- the experts' 3-D weights cut to this rank's `num_local_experts / ep` experts (rank r owns experts
+  [r x E_l, (r + 1) x E_l), torchtitan's `ExpertParallel._partition_fn`: Shard(0));
+- `experts.forward` replaced by `ep_experts_forward`: transformers' `grouped_mm_experts_forward`
+  (transformers/integrations/moe.py) up to its histogram, torchtitan's token dispatch (torchtitan/distributed/
+  expert_parallel.py `ExpertParallel._token_dispatch` and `_permute`: the per-expert counts exchanged by an
+  all-to-all, the (token, expert) rows by an all-to-all into this rank's experts, regrouped by local expert with
+  each group padded to TOKEN_GROUP_ALIGN_SIZE_M rows from an appended zero row), the two grouped matmuls on the
+  local experts, torchtitan's combine (`_unpermute`, then the all-to-all back), and transformers' weighting and
+  un-sorting again.
+- the all-to-all of the rows is `AllToAll` (Megatron-LM's `_AllToAll`, megatron/core/tensor_parallel/mappings.py:
+  `dist.all_to_all_single` into a new tensor; backward the same with the splits swapped), returning only once gloo
+  has let go of its tensors (traces/distributed.py `wait_released`), so every free lands where Python drops the
+  reference.
+
+The dense parameters (attention, norms, routers, embeddings) are replicas trained by `DistributedDataParallel`,
+which is told to leave the experts alone (`_set_params_and_buffers_to_ignore_for_model`, torch/nn/parallel/
+distributed.py): with ep = dp every expert lives on one rank and needs no gradient sync.
+
+Routing: every rank trains on the same micro-batch (the same one for every micro-batch and step) with lr 0, so
+every rank routes every token the same way in every forward, and one counts table (`RoutingRecorder`, recorded in
+an untracked forward before the run) says what each rank sends and receives: the simulation's "every rank routes
+like the counts file" holds exactly. `routing="worst"` zeroes the routers (ties in top-k send every token to
+experts 0..k-1, all on rank 0 when k <= E / ep).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ..models.config import TrainingSetup, TransformerConfig
+from ..simulator.events import EventLog, Phase
+from .distributed import free_loopback_port, gloo_group, holders, spawn_ranks, wait_released, ReleaseCount
+from .store import load_log, save_log
+
+TOKEN_GROUP_ALIGN_SIZE_M = 8  # torchtitan/distributed/expert_parallel.py: rows of each expert's group, bf16 / fp32
+ROUTINGS = ("measured", "worst")
+RELEASE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class ExpertJob:
+    model_cfg: TransformerConfig
+    setup: TrainingSetup
+    routing: str
+    port: int
+    out_dir: str
+    seed: int = 0
+    timeout_s: float = 120.0
+
+
+def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, *, routing: str = "measured",
+                            seed: int = 0, timeout_s: float = 120.0) -> tuple[list[EventLog], dict]:
+    """Run `setup.steps` real training steps of an HF Mixtral `model_cfg` on `setup.ep` CPU processes (gloo,
+    loopback only), experts placed on ranks; (one tracked `EventLog` per rank, the routing counts document every
+    rank routed by: "peakledger-moe-counts", what `moe_routing="counts:FILE"` reads). Uses ep (= world_size = dp),
+    micro_batch, seq_len, grad_accum, steps, precision ("fp32" or "bf16"), optimizer and set_to_none. Call under
+    `if __name__ == "__main__":` in a script; a failing rank's traceback is raised as RuntimeError."""
+    check_expert_run(model_cfg, setup, routing)
+    with tempfile.TemporaryDirectory(prefix="peakledger-ep-") as tmp:
+        job = ExpertJob(model_cfg, setup, routing, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
+        spawn_ranks(_rank_main, job, setup.ep, timeout_s, f"expert parallel ep{setup.ep}")
+        logs = [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.ep)]
+    return logs, logs[0].metadata["routing_counts"]
+
+
+def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
+    """Refuse, before any process starts, what `measure_expert_parallel` does not run."""
+    if not isinstance(model_cfg, TransformerConfig) or not model_cfg.num_local_experts:
+        raise ValueError("expert-parallel runs need a mixture-of-experts model (num_local_experts)")
+    if model_cfg.experts_implementation not in (None, "grouped_mm"):
+        raise NotImplementedError("expert-parallel runs replace the grouped_mm experts path, not "
+                                  f"{model_cfg.experts_implementation!r}")
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r}; allowed: {', '.join(ROUTINGS)}")
+    if setup.ep < 2 or setup.world_size != setup.ep or setup.dp != setup.ep:
+        raise NotImplementedError(f"expert-parallel runs put one expert-parallel group on the whole world: ep >= 2 "
+                                  f"and world_size = dp = ep (got ep {setup.ep}, world_size {setup.world_size})")
+    if model_cfg.num_local_experts % setup.ep:
+        raise ValueError(f"ep={setup.ep} does not divide num_local_experts={model_cfg.num_local_experts}")
+    if setup.precision not in ("fp32", "bf16"):
+        raise NotImplementedError(f"expert-parallel runs measure fp32 or bf16, not {setup.precision!r}")
+    if setup.checkpointing != "none" or setup.frozen or setup.lora_r:
+        raise NotImplementedError("expert-parallel runs measure without checkpointing, frozen parameters or LoRA")
+    if setup.optimizer_offload != "none" or setup.checkpoint_every or setup.load_mode != "none":
+        raise NotImplementedError("expert-parallel runs measure without offload or checkpoint saves / loads")
+
+
+# -- the all-to-all and the experts' forward ---------------------------------------------------------------
+
+class AllToAll(torch.autograd.Function):
+    """Megatron-LM's `_AllToAll` (megatron/core/tensor_parallel/mappings.py): rows to the ranks, `input_splits`
+    rows to each, `output_splits` from each, into a new tensor; the backward the same with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad.contiguous(), input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(x, output_splits, input_splits, group):
+    import torch.distributed as dist
+
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    before = holders((out, x))
+    dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
+    wait_released((out, x), before, ReleaseCount(), RELEASE_TIMEOUT_S)
+    return out
+
+
+def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' `grouped_mm_experts_forward` with torchtitan's token dispatch and combine around the grouped
+    matmuls (see the module notes); `self` is a MixtralExperts cut to `self.ep_local` experts."""
+    import torch.distributed as dist
+    from transformers.integrations.moe import _grouped_linear
+
+    ep, E_l, E = self.ep_size, self.ep_local, self.num_experts
+    num_top_k = top_k_index.size(-1)
+    num_tokens, hidden_dim = hidden_states.size(0), hidden_states.size(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    expert_ids = top_k_index.reshape(-1)
+    expert_ids_g, perm = torch.sort(expert_ids)
+    selected_hidden_states_g = hidden_states[perm // num_top_k]
+    sample_weights_g = sample_weights[perm]
+    histc_input = expert_ids_g.float()
+    tokens_per_expert = torch.histc(histc_input, bins=E, min=0, max=E - 1)
+    # torchtitan ExpertParallel._token_dispatch: the counts, then the rows, to the experts' ranks
+    with torch.no_grad():
+        counts = tokens_per_expert.long()
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+    sent, got = counts.tolist(), received.tolist()  # got[j x E_l + e]: rows rank j sends local expert e
+    input_splits = [sum(sent[j * E_l:(j + 1) * E_l]) for j in range(ep)]
+    output_splits = [sum(got[j * E_l:(j + 1) * E_l]) for j in range(ep)]
+    routed = AllToAll.apply(selected_hidden_states_g, output_splits, input_splits, self.ep_group)
+    input_shape, routed, permuted_indices, offsets = _permute(routed, got, ep, E_l)
+    proj_out = _grouped_linear(routed, self.gate_up_proj, offsets, is_transposed=self.is_transposed)
+    proj_out = self._apply_gate(proj_out)
+    proj_out = _grouped_linear(proj_out, self.down_proj, offsets, is_transposed=self.is_transposed)
+    # torchtitan ExpertParallel._token_combine: unpermute, then the rows back to their tokens' ranks
+    proj_out = _unpermute(proj_out, input_shape, permuted_indices)
+    proj_out = AllToAll.apply(proj_out, input_splits, output_splits, self.ep_group)
+    weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+    weighted_out = weighted_out[inv_perm]
+    final_hidden_states = weighted_out.view(num_tokens, num_top_k, hidden_dim).sum(dim=1)
+    return final_hidden_states.to(hidden_states.dtype)
+
+
+def permute_indices(got: list[int], ep: int, E_l: int, align: int = TOKEN_GROUP_ALIGN_SIZE_M):
+    """torchtitan's `generate_permute_indices` (torchtitan/experiments/kernels/moe/indices.py, `fill_indices_cpu`):
+    the received rows (source-rank major, local-expert minor) regrouped by local expert, each group's size
+    round_up(max(rows, align), align), the rest -1 (the appended zero row), in a buffer of
+    round_up(rows + E_l x align, align) rows; (indices, the groups' end offsets)."""
+    max_len = -(-(sum(got) + E_l * align) // align) * align
+    starts, k = [], 0
+    for n in got:
+        starts.append(k)
+        k += n
+    indices, offsets, end = [-1] * max_len, [], 0
+    for e in range(E_l):
+        at = end
+        for j in range(ep):
+            n = got[j * E_l + e]
+            indices[at:at + n] = range(starts[j * E_l + e], starts[j * E_l + e] + n)
+            at += n
+        total = sum(got[j * E_l + e] for j in range(ep))
+        end += -(-max(total, align) // align) * align
+        offsets.append(end)
+    return indices, offsets
+
+
+def _permute(x, got, ep, E_l):
+    """torchtitan's `_permute`: the indices (no grad), a zero row appended (vstack), the rows gathered."""
+    indices, offsets = permute_indices(got, ep, E_l)
+    with torch.no_grad():
+        permuted_indices = torch.tensor(indices, dtype=torch.int32)
+        offs = torch.tensor(offsets, dtype=torch.int32)
+    x = torch.vstack((x, x.new_zeros((x.shape[-1]))))
+    input_shape = x.shape
+    x = x[permuted_indices, :]
+    return input_shape, x, permuted_indices, offs
+
+
+def _unpermute(out, input_shape, permuted_indices):
+    """torchtitan's `_unpermute`: the rows put back in received order, the zero row dropped (a view)."""
+    out_unpermuted = out.new_empty(input_shape)
+    out_unpermuted[permuted_indices, :] = out
+    return out_unpermuted[:-1]
+
+
+def place_experts(model, ep: int, rank: int, group) -> list[str]:
+    """Every decoder layer's experts cut to rank `rank`'s E / ep and run by `ep_experts_forward`; the names of the
+    experts' parameters (what DDP leaves alone)."""
+    names = []
+    for name, module in model.named_modules():
+        if not name.endswith(".mlp.experts"):
+            continue
+        E = module.num_experts
+        E_l = E // ep
+        for p in ("gate_up_proj", "down_proj"):
+            full = getattr(module, p)
+            setattr(module, p, torch.nn.Parameter(full.detach()[rank * E_l:(rank + 1) * E_l].clone()))
+            names.append(f"{name}.{p}")
+        module.ep_size, module.ep_local, module.ep_group = ep, E_l, group
+        module.forward = types.MethodType(ep_experts_forward, module)
+    return names
+
+
+# -- one process --------------------------------------------------------------------------------------------
+
+def _rank_main(rank: int, job: ExpertJob) -> None:
+    with gloo_group(rank, job.setup.ep, job.port, job.timeout_s):
+        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
+
+
+def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..models.reference import build_model, make_batch, torch_optimizer
+    from ..models.reference_moe import RoutingRecorder
+    from .tracker import AllocationTracker, training_loop
+
+    torch.set_num_threads(1)
+    cfg, setup = job.model_cfg, job.setup
+    model = build_model(cfg, setup, seed=job.seed)
+    if job.routing == "worst":
+        for name, module in model.named_modules():
+            if name.endswith(".mlp.gate"):
+                torch.nn.init.zeros_(module.weight)
+    group = dist.group.WORLD
+    ignored = place_experts(model, setup.ep, rank, group)
+    batch = make_batch(cfg, setup, seed=job.seed + 1, n=1)[0]  # the same micro-batch on every rank, every time
+    batches = [batch] * setup.grad_accum
+    recorder = RoutingRecorder().attach(model)
+    with torch.no_grad():  # untracked: the routing every forward of the run repeats (lr 0: the weights stay)
+        model(*batch)
+    recorder.detach()
+    counts = recorder.document(setup.micro_batch, setup.seq_len, cfg.name)
+    optimizer = torch_optimizer(model.parameters(), setup, 0.0)
+    tracker = AllocationTracker(model, optimizer, known=batch, rank=rank, ddp_buckets=True)
+    torch.manual_seed(job.seed)
+    with tracker:
+        with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+            wrapped = DistributedDataParallel(model)
+        tracker.name_module(wrapped, "ddp")
+        training_loop(tracker, wrapped, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none)
+    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"], "world_size": setup.ep,
+                        "rank": rank, "ep": setup.ep, "routing": job.routing, "routing_counts": counts,
+                        "ddp_ignored": ignored, "ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap),
+                        "backend": "gloo", "torch_version": torch.__version__,
+                        "model": dataclasses.asdict(cfg), "model_kind": type(cfg).__name__,
+                        "setup": dataclasses.asdict(setup), "steps": setup.steps, "grad_accum": setup.grad_accum,
+                        "set_to_none": setup.set_to_none})
+
+
+__all__ = ["measure_expert_parallel", "check_expert_run", "ep_experts_forward", "place_experts", "permute_indices",
+           "AllToAll", "TOKEN_GROUP_ALIGN_SIZE_M", "ROUTINGS"]
