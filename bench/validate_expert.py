@@ -6,6 +6,7 @@ with the project's tracker, and simulated (models/parallel/expert.py) on the "cp
 recorded (`moe_routing="counts:FILE"`). Routing "measured" is the randomly initialised routers' own; "worst" zeroes
 the routers, so ties in top-k send every token of every rank to the same k experts, all on one or two ranks.
 Prints the "Expert parallelism (real CPU runs)" section of bench/VALIDATION.md; `--write` swaps it into the file.
+bench/validate_parallel.py runs it too, after its own section.
 
     python bench/validate_expert.py [--write]
 """
@@ -62,12 +63,11 @@ def compare_case(cfg: TransformerConfig, ep: int, precision: str, routing: str, 
     return {"rows": rows, "seconds": seconds, "sent": graph.metadata["expert_parallel"]["sent_rows"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="swap the section into bench/VALIDATION.md")
-    args = parser.parse_args()
+def expert_section() -> str:
+    """The section: every case run for real and simulated."""
     lines = [SECTION, "",
-             "Regenerate with `python bench/validate_expert.py --write` (real runs, gloo on 127.0.0.1, torch 2.13, "
+             "Regenerate with `python bench/validate_expert.py --write` (or bench/validate_parallel.py, which writes it after "
+             "its own section; real runs, gloo on 127.0.0.1, torch 2.13, "
              "transformers 5.25; AdamW foreach, micro-batch 2, seq 32, 2 steps, world_size = dp = ep, DDP for the "
              "dense parameters with the experts ignored). Every rank trains on the same micro-batch with lr 0, so "
              "every rank routes like the one counts table the run records, which the simulation reads. Rows: the "
@@ -98,7 +98,14 @@ def main() -> None:
               f"{'every' if all_static else 'NOT every'} rank; the real runs took {runs:.0f} s. The bytes apart are "
               "DDP's: an 8-byte tensor of its construction freed later than modelled, and its initial broadcast's "
               "coalesced copy in the load phase.", ""]
-    section = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="swap the section into bench/VALIDATION.md")
+    args = parser.parse_args()
+    section = expert_section()
     if args.write:
         replace_section(SECTION, section)
     sys.stdout.write(section)

@@ -1,5 +1,6 @@
 """Model-parallel ranks on real runs (gloo, 127.0.0.1) vs the simulator, per rank: pipelines, DTensor tensor
-parallelism, FSDP2 x TP (2D) and TP x PP.
+parallelism, FSDP2 x TP (2D) and TP x PP, context parallelism; then expert parallelism (bench/validate_expert.py,
+its own section).
 
 For each case the tiny GPT-2 (or Llama) is cut into pp x virtual_stages stages as torchtitan cuts a model
 (models/parallel/stages.py `stage_layout`), run for real with `PipelineStage` and ScheduleGPipe /
@@ -19,6 +20,7 @@ import sys
 import time
 
 from sections import replace_section  # bench/sections.py, beside this script
+from validate_expert import SECTION as EXPERT_SECTION, expert_section  # beside this script
 
 from peakledger.analysis.validate import compare_logs, static_rows
 from peakledger.models.config import TrainingSetup
@@ -234,6 +236,10 @@ def main() -> None:
     if args.write:
         replace_section(SECTION, section)
     sys.stdout.write(section)
+    experts = expert_section()  # bench/validate_expert.py: expert parallelism, its own section
+    if args.write:
+        replace_section(EXPERT_SECTION, experts)
+    sys.stdout.write("\n" + experts)
 
 
 if __name__ == "__main__":
