@@ -67,6 +67,10 @@ class _Storage:
         self.pinned = pinned
 
 
+PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
+        "region_inputs", "cached", "kept_in_forward", "kept_in_recompute")  # what `_plan` sets (read-only after)
+
+
 class MicroBatchReplay(RecordedBackward):
     """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py); a traced
     tape's backward follows its recording (replay_recorded.py)."""
@@ -84,9 +88,6 @@ class MicroBatchReplay(RecordedBackward):
         self.trainable = builder.trainable
         self.specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
         self.specs.update({name: spec for name, (spec, _) in self.external.items()})
-        for op in tape.ops:
-            for o in op.outputs:
-                self.specs[o.name] = o
         self.live: dict[str, Block] = {}
         self.reasons: dict[str, int] = {}
         self.grad_of: dict[str, _Storage] = {}
@@ -97,7 +98,23 @@ class MicroBatchReplay(RecordedBackward):
         self.grad_had: dict[str, bool] = {}  # whether it had a `.grad` when its first contribution came
         self.after_node: list[tuple[str, list, list]] = []  # input-buffer sums to emit once a node is done
         self.autocast_cache: list[str] = []  # weight casts autocast keeps until the forward pass ends
-        self._plan()
+        self.view_pieces: dict[str, list[Block]] = {}  # the pieces of a viewed tensor's gradient in so far
+        self.cache_pending: dict[int, set[str]] = {}  # region -> cached outputs its recompute has not reused yet
+        # the plan depends on the tape, which external tensors require grad, and what trains: every micro-batch
+        # of a tape replays the same one, made once per builder (`GraphBuilder.replay_plans`)
+        plans = getattr(builder, "replay_plans", None)
+        key = (id(tape), id(self.trainable),
+               tuple((name, spec.requires_grad) for name, (spec, _) in self.external.items()))
+        cached = plans.get(key) if plans is not None else None
+        if cached is not None and cached[0] is tape and cached[1] is self.trainable:
+            self.specs.update(cached[2])
+            self.__dict__.update(cached[3])
+        else:
+            outputs = {o.name: o for op in tape.ops for o in op.outputs}
+            self.specs.update(outputs)
+            self._plan()
+            if plans is not None:
+                plans[key] = (tape, self.trainable, outputs, {name: getattr(self, name) for name in PLAN})
 
     # -- planning: what requires grad, what is saved, last uses, regions ---------------------------
     def _plan(self) -> None:
@@ -155,7 +172,6 @@ class MicroBatchReplay(RecordedBackward):
             self.view_reads.append(reads)
             for n in reads:
                 self.view_count[n] = self.view_count.get(n, 0) + 1
-        self.view_pieces: dict[str, list[Block]] = {}  # the pieces in so far
         self.regions: dict[int, list[int]] = {}
         for i, op in enumerate(ops):
             if op.region is not None:
@@ -171,7 +187,6 @@ class MicroBatchReplay(RecordedBackward):
             self.region_inputs[r] = seen
         # outputs selective checkpointing keeps from a region's first pass for its recompute
         self.cached: set[str] = {o.name for op in ops if op.cached and op.region is not None for o in op.outputs}
-        self.cache_pending: dict[int, set[str]] = {}  # region -> cached outputs its recompute has not reused yet
         # tensors that outlive their forward use in the first pass (recomputed ones always do)
         self.kept_in_forward: set[str] = {s for i, saves in enumerate(self.saves)
                                           if ops[i].region is None and not ops[i].offloaded for s in saves}

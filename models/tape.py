@@ -16,6 +16,7 @@ for real and held against its simulation. See `checkpoint_segments`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from math import isqrt, prod
 
 from .config import ConfigError, TrainingSetup, dtype_bytes
@@ -28,7 +29,7 @@ class TensorSpec:
     dtype: str
     requires_grad: bool = True  # float activations on the path to the loss
 
-    @property
+    @cached_property  # the replay reads it for every block it makes (frozen: computed once per spec)
     def nbytes(self) -> int:
         return prod(self.shape) * dtype_bytes(self.dtype)
 
@@ -40,7 +41,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return prod(self.shape)
 

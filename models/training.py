@@ -35,8 +35,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
-from ..simulator.ops import Op, OpGraph
+from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream, new_block
+from ..simulator.gcpause import gc_paused
+from ..simulator.ops import Op, OpGraph, new_op
 from .autograd import GradState, MicroBatchReplay
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
@@ -115,30 +116,38 @@ class GraphBuilder:
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
+        self.replay_plans: dict = {}  # models/autograd.py: each tape's replay plan, made once for this rank
+        # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
+        self._flop_rate = device.flops.get(setup.compute_dtype, device.flops["fp32"]) * device.flops_efficiency
+        self._byte_rate = device.bandwidth * device.bandwidth_efficiency
+        self._cuda = device.is_cuda
         self.engine = make_engine(self)
         if setup.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
             self.engine = PipelineEngine(self, self.engine)
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
               shard: int = 1, pool: Pool = Pool.DEVICE) -> Block:
-        return Block(id=next(self._block_ids), nbytes=nbytes, category=category, name=name, dtype=dtype,
-                     shape=tuple(shape), state=state, shard_factor=shard, rank=self.rank, pool=pool)
+        return new_block(next(self._block_ids), nbytes, category, name, dtype,
+                         shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool)
 
     def op(self, name: str, phase: Phase, step: int, micro_batch: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,
            duration: float | None = None, after=()) -> Op:
         """Add an op after the previous op of its stream (streams run in order) and after `after`."""
-        if duration is None:
-            duration = self.device.duration(flops, bytes_moved, self.setup.compute_dtype)
-        if self.device.is_cuda and flops and stream is Stream.COMPUTE and phase in (Phase.FORWARD, Phase.BACKWARD):
+        if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.compute_dtype), inline
+            duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
+        if self._cuda and flops and stream is Stream.COMPUTE and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
             allocs = self._cublas_workspace(phase, recompute) + tuple(allocs)
-        op = Op(id=len(self.graph), name=name, stream=stream, phase=phase, step=step, micro_batch=micro_batch,
-                duration=duration, rank=self.rank, allocs=tuple(allocs), frees=tuple(frees), flops=flops,
-                recompute=recompute)
+        op_id = len(self.graph)
+        op = new_op(op_id, name, stream, phase, step, micro_batch, duration, self.rank, tuple(allocs), tuple(frees),
+                    flops, recompute)
         previous = self._last_on_stream.get(stream)
-        self._last_on_stream[stream] = op.id
-        deps = tuple(dict.fromkeys(d for d in ((previous,) if previous is not None else ()) + tuple(after)
-                                   if d is not None))
+        self._last_on_stream[stream] = op_id
+        if after:
+            deps = tuple(dict.fromkeys(d for d in ((previous,) if previous is not None else ()) + tuple(after)
+                                       if d is not None))
+        else:
+            deps = (previous,) if previous is not None else ()
         return self.graph.add(op, after=deps)
 
     def _cublas_workspace(self, phase: Phase, recompute: bool) -> tuple[Block, ...]:
@@ -258,6 +267,7 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
 
 # -- the graph ---------------------------------------------------------------------------------------------
 
+@gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
              ranks: list[int] | None = None, all_steps: bool = False) -> OpGraph:
     """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
 from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
+from .gcpause import paused_gc
 from .ops import Op, OpGraph
 
 PoolKey = tuple[int, Pool]  # (rank, pool)
@@ -188,4 +189,5 @@ class Simulation:
 def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
              stop_on_oom: bool = True) -> EventLog:
     """Run the op graph; return the event log (with any OOM records)."""
-    return Simulation(graph, capacities, stop_on_oom).run()
+    with paused_gc():
+        return Simulation(graph, capacities, stop_on_oom).run()

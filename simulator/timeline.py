@@ -67,30 +67,35 @@ class Timeline:
 
 
 def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE) -> dict[int, PeakPoint]:
-    """Every rank's `timeline(log, rank, pool).peak()`, in two passes over the log instead of a timeline per rank:
-    the first finds each rank's peak (ties to the earliest event), the second its live bytes by category."""
-    running: dict[int, int] = {}
-    count: dict[int, int] = {}
-    best: dict[int, tuple[int, int, Event]] = {}  # rank -> (bytes, index in the rank's events, event)
+    """Every rank's `timeline(log, rank, pool).peak()`, in one pass over the log instead of a timeline per rank:
+    each rank's running total and bytes by category, the latter copied whenever the total passes the rank's
+    highest so far (ties to the earliest event)."""
+    states: dict[int, list] = {}  # rank -> [total, events seen, best, its index, its event, by category, at best]
+    alloc = Action.ALLOC
+    last_rank, st, cats = None, None, None
     for e in log.events:
-        if e.block.pool is not pool:
+        b = e.block
+        if b.pool is not pool:
             continue
-        r = e.block.rank
-        total = running[r] = running.get(r, 0) + e.delta
-        i = count[r] = count.get(r, 0) + 1
-        if r not in best or total > best[r][0]:
-            best[r] = (total, i - 1, e)
-    live: dict[int, dict[Category, int]] = {r: {} for r in best}
-    seen: dict[int, int] = {}
-    for e in log.events:
-        if e.block.pool is not pool:
-            continue
-        r = e.block.rank
-        i = seen[r] = seen.get(r, 0) + 1
-        if i - 1 <= best[r][1]:
-            live[r][e.block.category] = live[r].get(e.block.category, 0) + e.delta
-    return {r: PeakPoint(bytes=b, event=e, live_by_category={c: v for c, v in live[r].items() if v}, index=i)
-            if b >= 0 else PeakPoint(bytes=0, event=None, live_by_category={}) for r, (b, i, e) in best.items()}
+        r = b.rank
+        if r != last_rank:
+            st = states.get(r)
+            if st is None:
+                st = states[r] = [0, 0, None, -1, None, {}, None]
+            last_rank, cats = r, st[5]
+        c = b.category
+        if e.action is alloc:
+            n = b.nbytes
+        else:
+            n = -b.nbytes
+        total = st[0] = st[0] + n
+        cats[c] = cats.get(c, 0) + n
+        st[1] += 1
+        if st[2] is None or total > st[2]:
+            st[2], st[3], st[4], st[6] = total, st[1] - 1, e, cats.copy()
+    return {r: PeakPoint(bytes=st[2], event=st[4], live_by_category={c: v for c, v in st[6].items() if v},
+                         index=st[3])
+            if st[2] >= 0 else PeakPoint(bytes=0, event=None, live_by_category={}) for r, st in states.items()}
 
 
 def _array(values: list[int]) -> np.ndarray:
