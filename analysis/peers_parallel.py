@@ -198,13 +198,14 @@ def _row(source: str, states: float, activations: float, detail: dict, why: list
 def megatron_theoretical(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, seq, micro_batch, tp=1, pp=1, dp=1,
                          cp=1, sequence_parallel=False, recompute="none", virtual_stages=None, num_microbatches=None,
                          distributed_optimizer=False, swiglu=False, rmsnorm=False, untied=False, num_experts=None,
-                         moe_ffn=None, bias=False, precision="bf16-mixed", pp_schedule="1f1b") -> dict:
-    """Megatron's report_theoretical_memory for a setup, as a row with its breakdown and why it differs."""
+                         moe_ffn=None, bias=False, precision="bf16-mixed", pp_schedule="1f1b", ep=1) -> dict:
+    """Megatron's report_theoretical_memory for a setup, as a row with its breakdown and why it differs (`ep`:
+    expert_model_parallel_size, inside dp)."""
     padded = megatron_padded_vocab(vocab, tp)
     states = megatron_weight_and_optimizer(
         h=h, ffn=ffn, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, padded_vocab=padded, tp=tp,
         pp=pp, dp=dp, swiglu=swiglu, rmsnorm=rmsnorm, untied=untied, distributed_optimizer=distributed_optimizer,
-        num_experts=num_experts, moe_ffn=moe_ffn, world_size=tp * pp * dp * cp, bias=bias)
+        num_experts=num_experts, moe_ffn=moe_ffn, world_size=tp * pp * dp * cp, bias=bias, ep=ep)
     acts = megatron_activations(h=h, ffn=ffn, layers=layers, padded_vocab=padded, seq=seq, micro_batch=micro_batch,
                                 tp=tp, pp=pp, sequence_parallel=sequence_parallel, recompute=recompute,
                                 virtual_stages=virtual_stages, num_microbatches=num_microbatches)
@@ -225,7 +226,9 @@ def megatron_theoretical(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, se
                       "full": "; full recompute is not modelled (it would keep only each layer's input)"}
                    .get(recompute, "") + ("; sequence parallelism ignored" if sequence_parallel else ""))
     if num_experts:
-        why.append("MoE: expert weights counted, expert activations not (the dense ffn formula for every layer)")
+        why.append("MoE: expert weights counted, expert activations not (the dense ffn formula for every layer)"
+                   + (f"; experts split over ep {ep}, no all-to-all dispatch / combine buffers, whatever the routing"
+                      if ep > 1 else ""))
     if cp > 1:
         why.append(f"context parallelism is not in the formula: activations are for the whole sequence (x{cp} of a "
                    "rank's share), d excludes cp")
@@ -282,7 +285,7 @@ def _get(setup, name, default=None):
 
 def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
                    virtual_stages: int = 1, pp_schedule: str = "1f1b", distributed_optimizer: bool | None = None,
-                   recompute: str | None = None) -> list[dict]:
+                   recompute: str | None = None, ep: int = 1) -> list[dict]:
     """Megatron's and llm-analysis's rows for a peakledger TransformerConfig and a TrainingSetup (or a dict with its
     fields). tp/pp/cp/... are arguments until the setup has them. `distributed_optimizer` None: zero_stage >= 1;
     `recompute` None: from setup.checkpointing (none -> none, selective -> selective, any layer policy -> full)."""
@@ -307,12 +310,15 @@ def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequenc
                   num_microbatches=_get(setup, "grad_accum", 1))
     mega = megatron_theoretical(**common, distributed_optimizer=distributed_optimizer, rmsnorm=cfg.family == "llama",
                                 num_experts=experts, moe_ffn=cfg.ffn if experts else None, bias=cfg.has_bias,
-                                precision=precision, pp_schedule=pp_schedule)
+                                precision=precision, pp_schedule=pp_schedule, ep=ep)
     weight_bytes = 2 if precision in ("bf16-mixed", "fp16-mixed", "bf16") else 4  # autocast keeps fp32 weights
     llm = llm_analysis(**common, zero_stage=max(zero, 1 if distributed_optimizer else 0),
                        flash_attn=cfg.attention == "sdpa", weight_bytes=weight_bytes,
                        act_bytes=4 if precision == "fp32" else 2, num_experts=experts or 1,
                        top_k=getattr(cfg, "num_experts_per_tok", None) or 1)
+    if ep > 1:
+        llm["why"].insert(1, f"expert parallelism (ep {ep}) is not passed to this formula: every expert is counted on "
+                             "every rank")
     if precision.endswith("-mixed") and not _get(setup, "fp32_grads", False):
         note = f"gradients: {precision} here keeps 16-bit gradients (fp32_grads off); the formula counts fp32 ones"
         mega["why"].insert(1, note)

@@ -126,7 +126,7 @@ def peers(scenario: Scenario) -> list[dict]:
 
 
 def parallel_peers(scenario: Scenario) -> list[dict]:
-    """Model parallelism (tp / pp / cp): Megatron's theoretical memory and llm-analysis's formulas
+    """Model parallelism (tp / pp / cp / ep): Megatron's theoretical memory and llm-analysis's formulas
     (analysis/peers_parallel.py) beside peakledger's simulation of the same layout, its worst rank first; where
     peakledger does not simulate the layout yet, its row says why instead of a number."""
     from .analysis.peers import model_state_peak
@@ -134,7 +134,7 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
 
     s = scenario.setup
     rows = formulas(scenario.model, s, tp=s.tp, pp=s.pp, cp=s.cp, sequence_parallel=s.sequence_parallel,
-                    virtual_stages=s.virtual_stages, pp_schedule=s.pp_schedule)
+                    virtual_stages=s.virtual_stages, pp_schedule=s.pp_schedule, ep=s.ep)
     try:
         report = run(scenario)
     except ConfigError as e:

@@ -101,7 +101,7 @@ def cmd_max_batch(args) -> int:
 
 def cmd_peers(args, base) -> int:
     s = base.setup
-    if s.tp * s.pp * s.cp > 1:  # model parallelism: Megatron's and llm-analysis's formulas
+    if s.tp * s.pp * s.cp * s.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
         from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
         rows = api.parallel_peers(base)
         if args.json:
