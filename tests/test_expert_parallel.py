@@ -142,3 +142,12 @@ def test_cli_ep_reports_the_rows(capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "expert parallel: ep 8, 1 experts a rank" in out and "(rank 0 the most)" in out
+
+
+def test_compare_peers_with_ep(capsys):
+    code = main(["compare", "--preset", "mixtral-8x7b", "--ep", "8", "--world-size", "8", "--dp-engine", "ddp",
+                 "--micro-batch", "1", "--seq-len", "512", "--steps", "1", "--peers"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "experts split over ep 8" in out and "expert parallelism (ep 8) is not passed" in out
+    assert out.index("peakledger") < out.index("Megatron-LM theoretical")
