@@ -1,0 +1,133 @@
+"""The reference the engine is checked against: peakledger's discrete-event engine as it ran on SimPy's own
+objects (simulator/engine.py up to commit 5a3656a), kept here verbatim but for its imports.
+
+simulator/engine.py now runs SimPy's scheduling discipline without SimPy's objects (for speed);
+tests/test_engine_simpy.py checks that both give the same event log, event for event, on every kind of graph.
+
+Each (rank, stream) pair is one SimPy process that runs its ops in graph order. An op waits until
+every dependency has ended, allocates its blocks from their pools, holds its stream for its duration,
+then frees its blocks. Pools (device memory per rank, host memory per rank) have an optional capacity;
+the first allocation that exceeds it is recorded as an `OOMRecord` with the live set at that exact
+event, and the run either stops there (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or
+continues to show how far over it goes.
+
+The graph's metadata travels to the log (with the steps it describes: models/training.StepPlan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import simpy
+
+from peakledger.simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
+from peakledger.simulator.ops import Op, OpGraph
+
+PoolKey = tuple[int, Pool]  # (rank, pool)
+
+
+class OutOfMemory(Exception):
+    """Raised inside the engine to stop the run at the first OOM (when asked to stop)."""
+
+
+@dataclass
+class MemoryPool:
+    """Live blocks of one (rank, pool) and their total; exact ints."""
+
+    capacity: int | None = None
+    live: dict[int, Block] = field(default_factory=dict)
+    in_use: int = 0
+    oom_seen: bool = False
+
+
+class Simulation:
+    def __init__(self, graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
+                 stop_on_oom: bool = True) -> None:
+        graph.check()
+        self.graph = graph
+        self.capacities = dict(capacities or {})
+        self.stop_on_oom = stop_on_oom
+        self.env = simpy.Environment()
+        self.pools: dict[PoolKey, MemoryPool] = {}
+        self.events: list[Event] = []
+        self.ooms: list[OOMRecord] = []
+
+    def _pool(self, block: Block) -> MemoryPool:
+        key = (block.rank, block.pool)
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = MemoryPool(capacity=self.capacities.get(key))
+        return pool
+
+    def _record(self, action: Action, block: Block, op: Op) -> Event:
+        event = Event(seq=len(self.events), time=self.env.now, action=action, block=block,
+                      phase=op.phase, step=op.step, micro_batch=op.micro_batch,
+                      stream=op.stream, op=op.name)
+        self.events.append(event)
+        return event
+
+    def _alloc(self, block: Block, op: Op) -> None:
+        pool = self._pool(block)
+        event = self._record(Action.ALLOC, block, op)
+        if pool.capacity is not None and not pool.oom_seen and pool.in_use + block.nbytes > pool.capacity:
+            pool.oom_seen = True
+            self.ooms.append(self._oom_record(pool, event))
+            if self.stop_on_oom:
+                self.events.pop()  # the allocation never happened; the OOM record keeps it
+                raise OutOfMemory()
+        pool.live[block.id] = block
+        pool.in_use += block.nbytes
+
+    def _oom_record(self, pool: MemoryPool, event: Event) -> OOMRecord:
+        by_cat: dict[Category, int] = {}
+        for b in pool.live.values():
+            by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
+        largest = tuple(sorted(pool.live.values(), key=lambda b: (-b.nbytes, b.id))[:10])
+        return OOMRecord(event=event, capacity=pool.capacity, live_bytes=pool.in_use,
+                         live_by_category=by_cat, largest_live=largest)
+
+    def _free(self, block_id: int, op: Op, owner: dict[int, Block]) -> None:
+        block = owner[block_id]
+        pool = self._pool(block)
+        del pool.live[block_id]
+        pool.in_use -= block.nbytes
+        self._record(Action.FREE, block, op)
+
+    def run(self) -> EventLog:
+        ops = self.graph.ops_in_order()
+        done = {op.id: self.env.event() for op in ops}
+        finished: set[int] = set()
+        owner: dict[int, Block] = {}
+        by_stream: dict[tuple[int, object], list[Op]] = {}
+        for op in ops:
+            by_stream.setdefault((op.rank, op.stream), []).append(op)
+
+        def stream_process(stream_ops: list[Op]):
+            for op in stream_ops:
+                waits = [done[d] for d in self.graph.predecessors(op.id) if d not in finished]
+                if waits:
+                    yield self.env.all_of(waits)
+                for b in op.allocs:
+                    owner[b.id] = b
+                    self._alloc(b, op)
+                if op.duration > 0:
+                    yield self.env.timeout(op.duration)
+                for bid in op.frees:
+                    self._free(bid, op, owner)
+                finished.add(op.id)
+                done[op.id].succeed()
+
+        for key in sorted(by_stream, key=lambda k: (k[0], k[1].value)):
+            self.env.process(stream_process(by_stream[key]))
+        metadata = dict(self.graph.metadata)
+        try:
+            self.env.run()
+        except OutOfMemory:
+            metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+        return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
+
+
+def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
+             stop_on_oom: bool = True) -> EventLog:
+    """Run the op graph; return the event log (with any OOM records)."""
+    return Simulation(graph, capacities, stop_on_oom).run()
