@@ -231,11 +231,11 @@ class MicroBatchReplay(RecordedBackward):
         for r, names in self.region_inputs.items():
             for name in names:
                 self._hold(name)
-        engine = self.b.engine
+        before_op, after_op, run = self.b.engine.before_op, self.b.engine.after_op, self._run_forward
         for i, op in enumerate(self.tape.ops):
-            engine.before_op(self, i, Phase.FORWARD)
-            self._run_forward(i, op, recomputing=False, uses=self.last_use)
-            engine.after_op(self, i, Phase.FORWARD)
+            before_op(self, i, Phase.FORWARD)
+            run(i, op, recomputing=False, uses=self.last_use)
+            after_op(self, i, Phase.FORWARD)
         frees: list[int] = []
         for name in self.autocast_cache:
             self._release(name, frees)
@@ -383,7 +383,7 @@ class MicroBatchReplay(RecordedBackward):
             self._recorded_backward()
             return
         ops = self.tape.ops
-        engine = self.b.engine
+        before_op, after_op = self.b.engine.before_op, self.b.engine.after_op
         region_done: set[int] = set()
         for i in range(len(ops) - 1, -1, -1):
             op = ops[i]
@@ -391,9 +391,9 @@ class MicroBatchReplay(RecordedBackward):
                 region_done.add(op.region)
                 self._recompute(op.region)
             if self.needs_backward[i]:
-                engine.before_op(self, i, Phase.BACKWARD)
+                before_op(self, i, Phase.BACKWARD)
                 self._run_backward(i, op)
-                engine.after_op(self, i, Phase.BACKWARD)
+                after_op(self, i, Phase.BACKWARD)
             if op.region is not None and i == self.regions[op.region][0]:
                 self._end_region(op.region)
         self._end_batch([])
@@ -435,12 +435,12 @@ class MicroBatchReplay(RecordedBackward):
         # op is one, its own outputs are never recomputed
         last = self.tape.ops[last_saving]
         early_stop = not set(self.saves[last_saving]) & {o.name for o in last.outputs}
-        engine = self.b.engine
+        before_op, after_op = self.b.engine.before_op, self.b.engine.after_op
         for i in todo:
-            engine.before_op(self, i, Phase.BACKWARD, recompute=True)
+            before_op(self, i, Phase.BACKWARD, recompute=True)
             self._run_forward(i, self.tape.ops[i], recomputing=True, uses=uses,
                               skip_outputs=early_stop and i == last_saving)
-            engine.after_op(self, i, Phase.BACKWARD, recompute=True)
+            after_op(self, i, Phase.BACKWARD, recompute=True)
 
     def _param_grad(self, p: str, allocs: list, frees: list) -> None:
         if p in self.trainable:

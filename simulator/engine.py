@@ -140,6 +140,8 @@ class Simulation:
                  for n, key in enumerate(sorted(by_stream, key=lambda k: (k[0], k[1].value)))]  # a heap: sorted
         eid = len(queue)
         start, end = self._start, self._end
+        checked, events, new = bool(self.pools), self.events, _new
+        append = events.append
         metadata = dict(self.graph.metadata)
         while queue:
             now, _, _, what, target = heappop(queue)
@@ -166,15 +168,50 @@ class Simulation:
                             target[1], target[2] = i, 1
                             break
                     if stage < 2:
-                        if op.allocs:
+                        if not op.allocs:
+                            pass
+                        elif checked:
                             start(op, now, owner)
+                        else:  # no capacity to check: `_start` without the pools, inline (the hot path)
+                            phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.stream, op.name
+                            for b in op.allocs:
+                                owner[b.id] = b
+                                e = new(Event)
+                                d = e.__dict__
+                                d["seq"] = len(events)
+                                d["time"] = now
+                                d["action"] = ALLOC
+                                d["block"] = b
+                                d["phase"] = phase
+                                d["step"] = step
+                                d["micro_batch"] = mb
+                                d["stream"] = stream
+                                d["op"] = name
+                                append(e)
                         if op.duration > 0:
                             heappush(queue, (now + op.duration, NORMAL, eid, _RESUME, target))
                             eid += 1
                             target[1], target[2] = i, 2
                             break
-                    if op.frees:
+                    if not op.frees:
+                        pass
+                    elif checked:
                         end(op, now, owner)
+                    else:  # `_end` without the pools, inline
+                        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.stream, op.name
+                        for bid in op.frees:
+                            e = new(Event)
+                            d = e.__dict__
+                            d["seq"] = len(events)
+                            d["time"] = now
+                            d["action"] = FREE
+                            d["block"] = owner[bid]
+                            d["phase"] = phase
+                            d["step"] = step
+                            d["micro_batch"] = mb
+                            d["stream"] = stream
+                            d["op"] = name
+                            append(e)
                     finished.add(op.id)
                     if op.id in waiting:
                         heappush(queue, (now, NORMAL, eid, _ENDED, op.id))

@@ -3,9 +3,11 @@
 A describe, a simulation or a summary makes hundreds of thousands of long-lived objects (blocks, ops, events),
 none of them in a reference cycle that must be broken early. While they pile up, the collector's generation-2
 passes walk all of them again and again: seconds of a large run. Paused, nothing is walked until the block ends;
-reference counting frees as usual, and the collector, if it was on, is turned back on (its thresholds count
-from there). Nested pauses keep it off until the outermost ends.
-"""
+reference counting frees as usual. At the end the collector, if it was on, is turned back on, and what the
+young generations hold is first moved to the oldest (`gc.freeze()` then `gc.unfreeze()`, two list splices),
+where the next full collection looks at it as usual: otherwise the first allocation after the block would walk
+every object the block made in one young-generation pass. (Not done when something else froze objects before:
+unfreezing would let go of them.) Nested pauses keep it off until the outermost ends."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ def paused_gc():
         yield
     finally:
         if enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
