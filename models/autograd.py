@@ -68,7 +68,8 @@ class _Storage:
 
 
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
-        "region_inputs", "cached", "kept_in_forward", "kept_in_recompute")  # what `_plan` sets (read-only after)
+        "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
+        "input_bytes")  # and the bytes each op reads
 
 
 class MicroBatchReplay(RecordedBackward):
@@ -104,7 +105,7 @@ class MicroBatchReplay(RecordedBackward):
         # of a tape replays the same one, made once per builder (`GraphBuilder.replay_plans`)
         plans = getattr(builder, "replay_plans", None)
         key = (id(tape), id(self.trainable),
-               tuple((name, spec.requires_grad) for name, (spec, _) in self.external.items()))
+               tuple((name, spec.requires_grad, spec.nbytes) for name, (spec, _) in self.external.items()))
         cached = plans.get(key) if plans is not None else None
         if cached is not None and cached[0] is tape and cached[1] is self.trainable:
             self.specs.update(cached[2])
@@ -113,6 +114,8 @@ class MicroBatchReplay(RecordedBackward):
             outputs = {o.name: o for op in tape.ops for o in op.outputs}
             self.specs.update(outputs)
             self._plan()
+            specs = self.specs
+            self.input_bytes = [sum([specs[n].nbytes for n in op.inputs]) for op in tape.ops]
             if plans is not None:
                 plans[key] = (tape, self.trainable, outputs, {name: getattr(self, name) for name in PLAN})
 
@@ -245,7 +248,7 @@ class MicroBatchReplay(RecordedBackward):
     def _run_forward(self, i: int, op: TapeOp, recomputing: bool, uses: dict[str, int],
                      skip_outputs: bool = False) -> None:
         allocs, frees = [], []
-        saves = self._effective_saves(i, recomputing)
+        saves = () if op.region is not None and not recomputing else self.saves[i]  # _effective_saves, inline
         kept = self.kept_in_recompute if recomputing else self.kept_in_forward
         duplicates = set()
         outputs = () if skip_outputs else op.outputs
@@ -311,7 +314,7 @@ class MicroBatchReplay(RecordedBackward):
         for o in outputs:
             if o.name not in uses and o.name not in duplicates:
                 self._release(o.name, frees)
-        bytes_moved = sum(a.nbytes for a in allocs) + sum(self.specs[n].nbytes for n in op.inputs)
+        bytes_moved = sum([a.nbytes for a in allocs]) + self.input_bytes[i]
         suffix = ".cached" if reused else ".recompute" if recomputing else ""
         self.b.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, self.step, self.mb, allocs,
                   frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
