@@ -74,7 +74,10 @@ MESH_CASES = [  # (preset, tp, pp, dp, schedule, micro-batches, sequence paralle
     ("tiny", 1, 2, 2, "1f1b", 4, False), ("tiny-llama", 1, 2, 2, "gpipe", 4, False),  # FSDP2 x PP
     ("tiny-llama", 2, 2, 2, "gpipe", 4, True),  # FSDP2 x TP x PP (3D), 8 processes
 ]
-CP_CASES = [("tiny", 2), ("tiny", 4), ("tiny-llama", 2)]  # context parallelism: (preset, cp)
+CP_CASES = [  # context parallelism: (preset, cp, world_size, dp_engine or None for cp alone)
+    ("tiny", 2, 2, None), ("tiny", 4, 4, None), ("tiny-llama", 2, 2, None),
+    ("tiny", 2, 2, "fsdp2"), ("tiny", 2, 4, "fsdp2"), ("tiny-llama", 2, 4, "fsdp2"),
+]
 
 
 def mesh_setup(tp: int, pp: int, dp: int, schedule: str | None, m: int, sp: bool) -> TrainingSetup:
@@ -143,39 +146,45 @@ def mesh_lines() -> tuple[list[str], float, bool, float]:
 
 
 def context_lines() -> tuple[list[str], float, bool, float]:
-    """Context parallelism: torch's `context_parallel` measured for real (traces/context_run.py) vs simulated."""
+    """Context parallelism: torch's `context_parallel` measured for real (traces/context_run.py) vs simulated, alone
+    and with FSDP2 over dp x cp (torchtitan's dp_shard_cp)."""
     from peakledger.traces.context_run import measure_context_parallel
+    from peakledger.traces.distributed import without_backend_copies
 
     lines = ["### Context parallelism (ring attention)", "",
              "torch's `context_parallel` around each micro-batch's forward and backward (head-tail load balancing, "
              "k / v all-gathered once per attention call, partial results merged in fp32, k / v gradients rotated by "
-             "all-to-all; the inputs, labels and an int64 position buffer sharded on the sequence), on `cp` CPU "
+             "all-to-all; the inputs, labels and an int64 position buffer sharded on the sequence), on CPU "
              "processes (traces/context_run.py). torch 2.13's ring attention knows the CUDA SDPA kernels only: on "
              "CPU the harness adds the Shard(2) sharding rule of the CPU flash SDPA op and routes it to torch's own "
-             "`_templated_ring_attention` (nothing else); the models run `attention=\"sdpa\"`. Gradients are "
-             "averaged over the cp ranks in place. fp32 AdamW, micro-batch 2, seq 32, 2 steps. The simulation walks "
-             "torch's ring loops (models/parallel/ring.py) and gives each call's highest point as one workspace "
-             "block.", "",
-             "| model | cp | rank | measured peak B | predicted peak B | error | forward peak measured / predicted B "
-             "| backward peak measured / predicted B | static rows exact |", "|---|---|---|---|---|---|---|---|---|"]
+             "`_templated_ring_attention` (nothing else); the models run `attention=\"sdpa\"`. cp alone: gradients "
+             "averaged over the cp ranks in place. FSDP2: `fully_shard` on every block and the root over dp x cp "
+             "(torchtitan's dp_shard_cp mesh, flattened from (dp, cp)), which reduce-scatters the gradients; gloo's "
+             "reduce-scatter copies are dropped from the measurement (`without_backend_copies`). fp32 AdamW, "
+             "micro-batch 2, seq 32, 2 steps. The simulation walks torch's ring loops (models/parallel/ring.py) and "
+             "gives each call's highest point as one workspace block; FSDP2 shards over dp x cp "
+             "(models/parallel/mesh.py `folds_cp`).", "",
+             "| model | dp x cp | data parallel | rank | measured peak B | predicted peak B | error | forward peak "
+             "measured / predicted B | backward peak measured / predicted B | static rows exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, runs = 0.0, True, 0.0
-    for name, cp in CP_CASES:
+    for name, cp, world, engine in CP_CASES:
         cfg = dataclasses.replace(preset(name), attention="sdpa")
         setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", steps=2, optimizer="adamw", cp=cp,
-                              world_size=cp)
+                              world_size=world, **({"dp_engine": engine} if engine else {}))
         t0 = time.perf_counter()
-        measured = measure_context_parallel(cfg, setup)
+        measured = [without_backend_copies(log) for log in measure_context_parallel(cfg, setup)]
         runs += time.perf_counter() - t0
-        simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(cp)), all_steps=True))
+        simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(world)), all_steps=True))
         for rank, log in enumerate(measured):
             v = compare_logs(log, simulated, rank=rank)
             phase = {p.label: p for p in v.phases}
             fwd, bwd = phase["forward step 1"], phase["backward step 1"]
             exact = static_rows(log, rank) == static_rows(simulated, rank)
             worst, all_static = max(worst, abs(v.overall.error)), all_static and exact
-            lines.append(f"| {name} | {cp} | {rank} | {v.overall.measured:,} | {v.overall.predicted:,} | "
-                         f"{v.overall.error:+.3%} | {fwd.measured:,} / {fwd.predicted:,} | {bwd.measured:,} / "
-                         f"{bwd.predicted:,} | {'yes' if exact else 'NO'} |")
+            lines.append(f"| {name} | {world // cp} x {cp} | {engine or '-'} | {rank} | {v.overall.measured:,} | "
+                         f"{v.overall.predicted:,} | {v.overall.error:+.3%} | {fwd.measured:,} / {fwd.predicted:,} | "
+                         f"{bwd.measured:,} / {bwd.predicted:,} | {'yes' if exact else 'NO'} |")
     return lines + [""], worst, all_static, runs
 
 

@@ -13,6 +13,7 @@ from peakledger.models.parallel.context import context_entry, context_parallel_t
 from peakledger.models.parallel.ring import ring_backward, ring_forward
 from peakledger.models.presets import preset
 from peakledger.models.training import build_tape, describe
+from peakledger.simulator.engine import simulate
 
 GPT = replace(preset("tiny"), attention="sdpa")
 SETUP = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", cp=2, world_size=2)
@@ -47,7 +48,8 @@ def test_a_cp_rank_holds_its_sequence_rows():
 
 @pytest.mark.parametrize("model, fields, device, field", [
     (preset("tiny"), {}, "cpu", "attention"),  # eager attention: context_parallel replaces SDPA calls only
-    (GPT, dict(world_size=4), "cpu", "world_size"),
+    (GPT, dict(world_size=4), "cpu", "dp_engine"),  # cp with data parallelism: FSDP2 over dp x cp only
+    (GPT, dict(world_size=4, tp=2), "cpu", "world_size"),
     (GPT, dict(precision="bf16-mixed"), "cpu", "precision"),
     (GPT, dict(checkpointing="full"), "cpu", "checkpointing"),
     (GPT, {}, "H100-80GB", "device"),
@@ -68,3 +70,16 @@ def test_explain_offers_context_parallelism_saying_it_takes_more_gpus():
     fixes = {f.name: f for f in api.explain(sc, peak - 1).fixes}
     cp = fixes["cp 1 -> 2 (1 -> 2 GPUs)"]
     assert cp.peak < peak and cp.more_gpus and "twice the GPUs" in cp.note
+
+
+def test_fsdp2_shards_over_dp_x_cp():
+    """With cp, FSDP2 shards the parameters and optimizer states over dp x cp (torchtitan's dp_shard_cp): rank r
+    holds what FSDP2 rank r of dp x cp ranks holds without cp (its static rows), whatever its sequence chunk."""
+    from peakledger.analysis.validate import static_rows
+
+    cp = replace(SETUP, world_size=4, dp_engine="fsdp2")
+    plain = replace(SETUP, cp=1, world_size=4, dp_engine="fsdp2")
+    with_cp = simulate(describe(GPT, cp, "cpu", ranks=[0, 1, 2, 3]))
+    without = simulate(describe(GPT, plain, "cpu", ranks=[0, 1, 2, 3]))
+    for rank in range(4):
+        assert static_rows(with_cp, rank) == static_rows(without, rank)

@@ -1,10 +1,11 @@
 """Measure every rank of a real context-parallel CPU run: torch's `context_parallel` (ring attention) on gloo.
 
-`measure_context_parallel` spawns `setup.cp` processes (world = cp; no data parallelism) joined as
+`measure_context_parallel` spawns `setup.world_size` processes (cp alone, or dp x cp with FSDP2) joined as
 traces/distributed.py joins its ranks (`spawn_ranks`, `gloo_group`: a TCPStore rank 0 binds to 127.0.0.1 at a
-free port, gloo on `lo`), builds torchtitan's one-dimensional CP mesh
+free port, gloo on `lo`), builds torchtitan's CP mesh
 
-    init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))                       # cp alone
+    init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))               # dp x cp: rank = dp_i x cp + cp_i
 
 and the same reference model on every rank (`models.reference.build_model`, same seed: the parameters are
 replicated over the cp ranks), and runs `setup.steps` training steps the way torchtitan's trainer runs them
@@ -25,11 +26,14 @@ become `Shard(2)` DTensors whose SDPA runs torch's ring attention (`_templated_r
 backward: k and v rotated around the cp group, all-gathered once by default; the k / v gradients always
 rotated by all-to-all; partial outputs merged in fp32 by `_SDPAMerger`).
 
-After the last micro-batch's backward each gradient is all-reduced over the cp group with a plain
+cp alone: after the last micro-batch's backward each gradient is all-reduced over the cp group with a plain
 `dist.all_reduce` (sum) and divided by cp: the *average*, so the step equals a single-process step on the
 whole micro-batch (every rank holds the same number of tokens; the mean of the rank losses is the loss of the
-whole sequence). torchtitan instead folds cp into FSDP2's "dp_shard_cp" mesh (reduce-scatter, sharded
-optimizer); this harness keeps the parameters, gradients and optimizer states whole on every rank.
+whole sequence); parameters, gradients and optimizer states stay whole on every rank. With `dp_engine="fsdp2"`
+the harness folds cp into FSDP2's mesh as torchtitan does ("dp_shard_cp": the (dp, cp) mesh flattened):
+traces/distributed.py `apply_fsdp2` on every block and the root over it, whose reduce-scatter averages the
+gradients of all dp x cp ranks; each data-parallel rank trains on its own batch (`seed + 1 + dp_i`), the same
+on its cp ranks.
 
 Deviations from the reference models, all local to this harness
 ---------------------------------------------------------------
@@ -111,8 +115,8 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
     with tempfile.TemporaryDirectory(prefix="peakledger-cp-") as tmp:
         job = CPJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s,
                     rotate_method=rotate_method)
-        spawn_ranks(_rank_main, job, setup.cp, job.timeout_s, f"cp={setup.cp} ranks")
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.cp)]
+        spawn_ranks(_rank_main, job, setup.world_size, job.timeout_s, f"cp={setup.cp} x dp={setup.dp} ranks")
+        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.world_size)]
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
@@ -124,9 +128,12 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
     cp = setup.cp
     if cp < 2:
         raise ValueError(f"a context-parallel run needs cp >= 2, got {cp}")
-    if setup.world_size != cp:
-        raise NotImplementedError(f"context-parallel measurement runs cp alone: world_size must equal cp={cp}, "
-                                  f"got {setup.world_size}")
+    if setup.world_size % cp or setup.tp != 1 or setup.pp != 1:
+        raise NotImplementedError(f"context-parallel measurement runs dp x cp: world_size a multiple of cp={cp}, "
+                                  f"tp 1, pp 1 (got world_size {setup.world_size}, tp {setup.tp}, pp {setup.pp})")
+    if setup.world_size != cp and setup.dp_engine != "fsdp2":
+        raise NotImplementedError("context parallelism with data parallelism runs FSDP2 over dp x cp (torchtitan's "
+                                  f"dp_shard_cp): dp_engine fsdp2, not {setup.dp_engine!r}")
     if setup.seq_len % (2 * cp):
         raise ValueError(f"seq_len={setup.seq_len} is not a multiple of 2 x cp={2 * cp} (the load balancer's chunks)")
     if setup.seq_len > model_cfg.max_seq_len:
@@ -143,7 +150,7 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
 
 
 def _rank_main(rank: int, job: CPJob) -> None:
-    with gloo_group(rank, job.setup.cp, job.port, job.timeout_s):
+    with gloo_group(rank, job.setup.world_size, job.port, job.timeout_s):
         save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
@@ -314,16 +321,24 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
         _create_default_load_balancer
 
     from ..models.reference import make_batch, torch_optimizer
+    from .distributed import apply_fsdp2, unit_params
     from .tensor_run import DTensorTracker
 
     torch.set_num_threads(1)
     enable_cpu_ring_attention()
     set_rotate_method(job.rotate_method)
     setup = job.setup
-    mesh = init_device_mesh("cpu", (setup.cp,), mesh_dim_names=("cp",))
+    fsdp = setup.dp_engine == "fsdp2"
+    dp_rank = rank // setup.cp
+    if setup.dp > 1:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over both flattened ("dp_shard_cp")
+        world = init_device_mesh("cpu", (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
+        mesh, shard_mesh = world["cp"], world["dp", "cp"]._flatten("dp_cp")
+    else:
+        mesh = shard_mesh = init_device_mesh("cpu", (setup.cp,), mesh_dim_names=("cp",))
     model = build_cp_model(job.model_cfg, setup, seed=job.seed)
+    release = apply_fsdp2(model, setup.reshard_after_forward, mesh=shard_mesh) if fsdp else None
     optimizer = torch_optimizer(model.parameters(), setup, job.lr)
-    batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every cp rank
+    batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + dp_rank)  # the same data on every cp rank
     known = tuple(t for b in batches for t in b)
     options = cp_options()
     balancer = _create_default_load_balancer(setup.seq_len, setup.cp, "cpu")
@@ -353,7 +368,7 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                             ctx.__exit__(None, None, None)
                 with tracker.phase(Phase.BACKWARD, step, mb):
                     del inputs, labels, ctx
-                    if mb == setup.grad_accum - 1:
+                    if mb == setup.grad_accum - 1 and not fsdp:  # FSDP2 reduce-scatters (averages) itself
                         with tracker.scope("cp.grad_all_reduce"):
                             for p in model.parameters():
                                 if p.grad is not None:
@@ -366,10 +381,15 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
             with tracker.phase(Phase.ZERO_GRAD, step):
                 optimizer.zero_grad(set_to_none=setup.set_to_none)
                 tracker.scan()
-    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank, "world_size": setup.cp,
+    fsdp_details = {"dp_engine": "fsdp2", "fsdp_mesh": "dp_shard_cp", "reshard_after_forward":
+                    setup.reshard_after_forward, "fsdp_units": unit_params(model),
+                    "backend_release": dataclasses.asdict(release)} if fsdp else {}
+    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank % setup.cp, "dp": setup.dp,
+                        "dp_rank": dp_rank, "world_size": setup.world_size,
                         "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
                         "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,
-                        "grad_reduce": GRAD_REDUCE, "attention": "sdpa",
+                        "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE, "attention": "sdpa",
+                        **fsdp_details,
                         "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // setup.cp,
                         "losses": losses, "model": dataclasses.asdict(run_config(job.model_cfg)),
                         "setup": dataclasses.asdict(setup), "steps": setup.steps, "grad_accum": setup.grad_accum,

@@ -101,7 +101,8 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
 def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
     """What context parallelism is simulated with (models/parallel/context.py, checked against real runs of torch's
     ring attention, traces/context_run.py): the hand-written dense GPT-2 / Llama with SDPA attention, alone on its
-    ranks (world_size = cp), fp32 or bf16, no activation checkpointing, LoRA or dropout."""
+    ranks (world_size = cp) or with FSDP2 over dp x cp (torchtitan's dp_shard_cp), fp32 or bf16, no activation
+    checkpointing, LoRA or dropout."""
     s = setup
     kind = None
     if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
@@ -109,8 +110,11 @@ def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
     not_yet = [("cp", kind is None, kind or ""),
                ("attention", getattr(model, "attention", "sdpa") == "sdpa",
                 "context parallelism replaces SDPA calls (torch's context_parallel): attention must be sdpa"),
-               ("world_size", s.world_size == s.cp, f"cp with data, tensor or pipeline parallelism is not simulated "
-                                                    f"yet: world_size must be cp = {s.cp}"),
+               ("world_size", s.tp == 1 and s.pp == 1, "cp with tensor or pipeline parallelism is not simulated yet: "
+                                                        "tp 1, pp 1"),
+               ("dp_engine", s.world_size == s.cp or s.dp_engine == "fsdp2",
+                f"cp with data parallelism runs FSDP2 over dp x cp (torchtitan's dp_shard_cp): dp_engine fsdp2; "
+                f"{s.dp_engine} with cp is not simulated yet (or give world_size = cp = {s.cp})"),
                ("precision", s.precision in ("fp32", "bf16"),
                 f"cp with precision {s.precision} is not simulated yet; allowed: fp32, bf16"),
                ("checkpointing", s.checkpointing == "none", "cp with activation checkpointing is not simulated yet"),

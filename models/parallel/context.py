@@ -24,8 +24,10 @@ as traces/context_run.py runs it for real:
   difference to what the call returns is one workspace block of the op, forward and backward. On every rank but
   the last, a load-balanced partial step merges by `torch.cat` in (B, H, T, hd) order, so the model's
   `transpose(1, 2).contiguous()` copies the output (measured: 8 KiB a layer on rank 0 of tiny GPT-2, cp 2).
-- gradients: every rank holds whole parameters; after the last micro-batch each gradient is averaged over the cp
-  ranks in place (an all-reduce and a division: no new memory).
+- gradients: cp alone, every rank holds whole parameters; after the last micro-batch each gradient is averaged over
+  the cp ranks in place (an all-reduce and a division: no new memory). With FSDP2, torchtitan shards over dp x cp
+  (its "dp_shard_cp" mesh): the data-parallel engine's group is dp x cp ranks (models/parallel/mesh.py `folds_cp`),
+  and its reduce-scatter averages the cp ranks' gradients with the data-parallel ones.
 
 Checked against real runs (traces/context_run.py, torch 2.13 CPU, gloo) in bench/validate_parallel.py.
 """

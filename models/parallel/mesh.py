@@ -54,12 +54,26 @@ def is_model_parallel(setup: TrainingSetup) -> bool:
     return setup.tp > 1 or setup.pp > 1 or setup.cp > 1 or setup.ep > 1
 
 
+def folds_cp(setup: TrainingSetup) -> bool:
+    """FSDP2 shards over dp x cp with context parallelism (torchtitan's "dp_shard_cp" mesh: the cp ranks of one
+    data-parallel rank hold different sequence chunks of the same batch, and their gradients are reduced with
+    the data-parallel ones)."""
+    return setup.cp > 1 and setup.dp_engine == "fsdp2"
+
+
+def shard_rank(setup: TrainingSetup, at: MeshCoords) -> int:
+    """A rank's place in its data-parallel engine's group: its dp coordinate, or dp x cp + cp when FSDP2 folds cp."""
+    return at.dp * setup.cp + at.cp if folds_cp(setup) else at.dp
+
+
 def local_setup(setup: TrainingSetup) -> TrainingSetup:
     """The setup one rank's data-parallel engine and pipeline see: its tape is already tensor-parallel, so tp = 1,
-    and the world is its pipeline's ranks times its data-parallel group (`dp` unchanged)."""
+    and the world is its pipeline's ranks times its data-parallel group (`dp` unchanged; dp x cp when FSDP2
+    folds cp, `folds_cp`)."""
     if setup.tp == 1 and setup.cp == 1:
         return setup
-    return replace(setup, tp=1, cp=1, sequence_parallel=False, world_size=setup.dp * setup.pp)
+    group = setup.dp * setup.cp if folds_cp(setup) else setup.dp
+    return replace(setup, tp=1, cp=1, sequence_parallel=False, world_size=group * setup.pp)
 
 
 class MeshTapes:
@@ -108,8 +122,7 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
                  tapes: MeshTapes | None = None):
     """The GraphBuilder of global `rank`: the tape made tensor-parallel (its tp coordinate) and context-parallel
     (its cp coordinate), cut into its pipeline stages (its pp coordinate), replayed under the data-parallel engine
-    of its dp coordinate; the
-    tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
+    of its dp coordinate (with cp when FSDP2 folds it, `shard_rank`); the tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
     between the builders of one description."""
     from ..training import GraphBuilder
     from .expert import ExpertParallelEngine
@@ -123,7 +136,7 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
         b.engine = ExpertParallelEngine(b.engine, local)
         return b
     b = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
-                     dp_rank=at.dp, pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
+                     dp_rank=shard_rank(setup, at), pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
     if setup.tp > 1:
         b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp, at.cp))
     return b
@@ -199,4 +212,5 @@ def simulated_ranks(classes: dict, setup: TrainingSetup) -> list[int]:
 
 
 __all__ = ["MeshTapes", "MeshCoords", "mesh_coords", "mesh_rank", "is_model_parallel", "local_setup", "rank_builder",
+           "folds_cp", "shard_rank",
            "mesh_classes", "simulated_ranks"]
