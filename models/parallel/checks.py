@@ -83,8 +83,10 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
                ("pp_schedule", not fsdp or setup.pp_schedule in ("gpipe", "1f1b"),
                 f"pp with FSDP2 runs gpipe or 1f1b for now; {setup.pp_schedule} (its runtime's unshard and reshard "
                 "actions) is not simulated yet"),
-               ("zero_stage", setup.zero_stage in (0, 1), f"pp with ZeRO-{setup.zero_stage} is not simulated yet: "
-                                                          "zero_stage 0 or 1 (partitioned optimizer states)"),
+               ("zero_stage", setup.zero_stage in (0, 1),
+                f"pp with ZeRO-{setup.zero_stage}: DeepSpeed's PipelineEngine refuses ZeRO-2 and ZeRO-3 (\"ZeRO-2 and "
+                "ZeRO-3 are incompatible with pipeline parallelism\", deepspeed/runtime/pipe/engine.py); allowed: "
+                "zero_stage 0 or 1, or dp_engine fsdp2 (torchtitan's FSDP2 x PP)"),
                ("checkpointing", setup.checkpointing != "offload", "pp with activations offloaded to the host "
                                                                      "(save_on_cpu) is not simulated yet; allowed: "
                                                                      "none, full, every-k, selective, sqrt, "
