@@ -180,7 +180,6 @@ def test_pipeline_ranks_under_full_checkpointing_hold_less():
 @pytest.mark.parametrize("kw, field", [
     (dict(pp=2, world_size=4, dp_engine="ddp"), "dp_engine"),
     (dict(pp=2, world_size=4, dp_engine="fsdp2", pp_schedule="interleaved-1f1b", virtual_stages=2), "pp_schedule"),
-    (dict(pp=2, world_size=4, zero_stage=3), "zero_stage"),
     (dict(pp=2, world_size=2, checkpointing="offload"), "checkpointing"),
     (dict(tp=2, world_size=2, checkpointing="selective"), "checkpointing"),
 ])
@@ -188,3 +187,9 @@ def test_combinations_not_simulated_yet_name_the_field(kw, field):
     with pytest.raises(ConfigError) as e:
         build_tape(TINY, _setup(**kw), True)
     assert e.value.field == field and "not simulated yet" in str(e.value)
+
+
+def test_zero_3_under_pp_is_refused_as_deepspeed_refuses_it():
+    with pytest.raises(ConfigError) as e:
+        build_tape(TINY, _setup(pp=2, world_size=4, zero_stage=3), True)
+    assert e.value.field == "zero_stage" and "incompatible with pipeline parallelism" in str(e.value)
