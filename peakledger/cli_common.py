@@ -83,7 +83,7 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     mp.add_argument("--tp", type=int, help="tensor-parallel ranks (DTensor column / row-parallel linears, vocab-parallel embedding and loss)")
     mp.add_argument("--cp", type=int, help="context-parallel ranks (torch's context_parallel ring attention; cpu profile)")
     mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models: experts placed on ranks, tokens all-to-all'd as torchtitan does "
-                    "(world_size = dp = ep, dp_engine ddp)")
+                    "(world_size = dp, a multiple of ep; dp_engine ddp)")
     mp.add_argument("--sequence-parallel", action="store_true", default=None,
                     help="sequence parallelism over the tp ranks (norms and residual stream sharded on the sequence)")
     r = p.add_argument_group("run")

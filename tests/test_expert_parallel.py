@@ -41,7 +41,7 @@ def _compare(measured, counts, setup, tmp_path):
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(counts))
     routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
-    graph = describe(TINY, routed, "cpu", ranks=list(range(setup.ep)), all_steps=True)
+    graph = describe(TINY, routed, "cpu", ranks=list(range(setup.world_size)), all_steps=True)
     simulated = simulate(graph)
     for rank, log in enumerate(measured):
         v = compare_logs(log, simulated, rank=rank)
@@ -74,6 +74,15 @@ def test_real_expert_parallel_bf16_one_expert_a_rank(tmp_path):
     setup = _setup(4, precision="bf16")
     measured, counts = measure_expert_parallel(TINY, setup)
     _compare(measured, counts, setup, tmp_path)
+
+
+def test_real_expert_parallel_with_expert_replicas(tmp_path):
+    """dp 4, ep 2: ranks r and r + 2 hold the same experts (Megatron's layout) and average their gradients."""
+    setup = dataclasses.replace(_setup(2), world_size=4)
+    measured, counts = measure_expert_parallel(TINY, setup)
+    graph, _ = _compare(measured, counts, setup, tmp_path)
+    assert [log.metadata["ep_rank"] for log in measured] == [0, 1, 0, 1]
+    assert graph.metadata["expert_parallel"]["received_rows"]["2"] == graph.metadata["expert_parallel"]["received_rows"]["0"]
 
 
 def test_the_routing_sizes_each_ranks_rows():
@@ -113,7 +122,7 @@ def test_expert_parallel_params_and_counts():
 
 @pytest.mark.parametrize("extra, field", [
     (dict(dp_engine="fsdp2"), "dp_engine"),
-    (dict(world_size=4), "world_size"),
+    (dict(world_size=4, pp=2, grad_accum=2), "world_size"),
     (dict(lora_r=4), "lora_r"),
 ])
 def test_what_expert_parallelism_is_not_simulated_with(extra, field):

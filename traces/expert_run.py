@@ -24,7 +24,11 @@ MixtralForCausalLM, same seed), then on every decoder layer:
 
 The dense parameters (attention, norms, routers, embeddings) are replicas trained by `DistributedDataParallel`,
 which is told to leave the experts alone (`_set_params_and_buffers_to_ignore_for_model`, torch/nn/parallel/
-distributed.py): with ep = dp every expert lives on one rank and needs no gradient sync.
+distributed.py). Ranks are laid out as Megatron lays them with tp = 1: expert-parallel groups of `ep` consecutive
+ranks (ep rank = rank % ep); with dp = ep every expert lives on one rank and needs no gradient sync; with dp a
+multiple of ep, the ranks holding the same experts (rank % ep equal: the expert-data-parallel group) average their
+experts' gradients in place before the optimizer step (an all-reduce and a division, as Megatron-LM syncs expert
+gradients over its expert-data-parallel group).
 
 Routing: every rank trains on the same micro-batch (the same one for every micro-batch and step) with lr 0, so
 every rank routes every token the same way in every forward, and one counts table (`RoutingRecorder`, recorded in
@@ -68,14 +72,15 @@ def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
                             seed: int = 0, timeout_s: float = 120.0) -> tuple[list[EventLog], dict]:
     """Run `setup.steps` real training steps of an HF Mixtral `model_cfg` on `setup.ep` CPU processes (gloo,
     loopback only), experts placed on ranks; (one tracked `EventLog` per rank, the routing counts document every
-    rank routed by: "peakledger-moe-counts", what `moe_routing="counts:FILE"` reads). Uses ep (= world_size = dp),
+    rank routed by: "peakledger-moe-counts", what `moe_routing="counts:FILE"` reads). Uses ep, world_size (= dp, a
+    multiple of ep),
     micro_batch, seq_len, grad_accum, steps, precision ("fp32" or "bf16"), optimizer and set_to_none. Call under
     `if __name__ == "__main__":` in a script; a failing rank's traceback is raised as RuntimeError."""
     check_expert_run(model_cfg, setup, routing)
     with tempfile.TemporaryDirectory(prefix="peakledger-ep-") as tmp:
         job = ExpertJob(model_cfg, setup, routing, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
-        spawn_ranks(_rank_main, job, setup.ep, timeout_s, f"expert parallel ep{setup.ep}")
-        logs = [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.ep)]
+        spawn_ranks(_rank_main, job, setup.world_size, timeout_s, f"expert parallel ep{setup.ep} dp{setup.dp}")
+        logs = [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.world_size)]
     return logs, logs[0].metadata["routing_counts"]
 
 
@@ -88,9 +93,10 @@ def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
                                   f"{model_cfg.experts_implementation!r}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r}; allowed: {', '.join(ROUTINGS)}")
-    if setup.ep < 2 or setup.world_size != setup.ep or setup.dp != setup.ep:
-        raise NotImplementedError(f"expert-parallel runs put one expert-parallel group on the whole world: ep >= 2 "
-                                  f"and world_size = dp = ep (got ep {setup.ep}, world_size {setup.world_size})")
+    if setup.ep < 2 or setup.world_size != setup.dp or setup.dp % setup.ep:
+        raise NotImplementedError(f"expert-parallel runs are data parallel with experts placed: ep >= 2, world_size "
+                                  f"= dp a multiple of ep (got ep {setup.ep}, world_size {setup.world_size}, dp "
+                                  f"{setup.dp})")
     if model_cfg.num_local_experts % setup.ep:
         raise ValueError(f"ep={setup.ep} does not divide num_local_experts={model_cfg.num_local_experts}")
     if setup.precision not in ("fp32", "bf16"):
@@ -231,7 +237,7 @@ def place_experts(model, ep: int, rank: int, group) -> list[str]:
 # -- one process --------------------------------------------------------------------------------------------
 
 def _rank_main(rank: int, job: ExpertJob) -> None:
-    with gloo_group(rank, job.setup.ep, job.port, job.timeout_s):
+    with gloo_group(rank, job.setup.world_size, job.port, job.timeout_s):
         save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
@@ -250,8 +256,12 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
         for name, module in model.named_modules():
             if name.endswith(".mlp.gate"):
                 torch.nn.init.zeros_(module.weight)
-    group = dist.group.WORLD
-    ignored = place_experts(model, setup.ep, rank, group)
+    ep, dp = setup.ep, setup.dp
+    # Megatron's layout with tp = 1: expert-parallel groups of consecutive ranks, expert-data-parallel groups of the
+    # ranks that hold the same experts (every rank creates every group, as new_group requires)
+    ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(dp // ep)]
+    edp_groups = [dist.new_group(list(range(e, dp, ep))) for e in range(ep)] if dp > ep else None
+    ignored = place_experts(model, ep, rank % ep, ep_groups[rank // ep])
     batch = make_batch(cfg, setup, seed=job.seed + 1, n=1)[0]  # the same micro-batch on every rank, every time
     batches = [batch] * setup.grad_accum
     recorder = RoutingRecorder().attach(model)
@@ -260,6 +270,17 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
     recorder.detach()
     counts = recorder.document(setup.micro_batch, setup.seq_len, cfg.name)
     optimizer = torch_optimizer(model.parameters(), setup, 0.0)
+    if edp_groups is not None:  # the experts' replicas average their gradients in place before the step
+        experts = [p for n, p in model.named_parameters() if n in set(ignored)]
+        step = optimizer.step
+
+        def synced_step(*args, **kwargs):
+            for p in experts:
+                dist.all_reduce(p.grad, group=edp_groups[rank % ep])
+                p.grad.div_(dp // ep)
+            return step(*args, **kwargs)
+
+        optimizer.step = synced_step
     tracker = AllocationTracker(model, optimizer, known=batch, rank=rank, ddp_buckets=True)
     torch.manual_seed(job.seed)
     with tracker:
@@ -268,8 +289,10 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
             wrapped = DistributedDataParallel(model)
         tracker.name_module(wrapped, "ddp")
         training_loop(tracker, wrapped, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none)
-    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"], "world_size": setup.ep,
-                        "rank": rank, "ep": setup.ep, "routing": job.routing, "routing_counts": counts,
+    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"],
+                        "world_size": setup.world_size, "rank": rank, "ep": ep, "ep_rank": rank % ep, "dp": dp,
+                        "expert_grad_sync": "all_reduce-average over rank % ep" if dp > ep else None,
+                        "routing": job.routing, "routing_counts": counts,
                         "ddp_ignored": ignored, "ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap),
                         "backend": "gloo", "torch_version": torch.__version__,
                         "model": dataclasses.asdict(cfg), "model_kind": type(cfg).__name__,

@@ -132,14 +132,14 @@ def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
 def check_expert_parallel_supported(model, setup: TrainingSetup) -> None:
     """What expert parallelism is simulated with (models/parallel/expert.py, checked against real runs of HF Mixtral
     under torchtitan's token dispatch, traces/expert_run.py): the experts of HF Mixtral on their grouped_mm path,
-    one expert-parallel group over the whole world (world_size = dp = ep) with DDP for the dense parameters."""
+    data parallelism only besides (world_size = dp, a multiple of ep) with DDP for the dense parameters."""
     s = setup
     not_yet = [("experts_implementation", getattr(model, "experts_implementation", None) in (None, "grouped_mm"),
                 "expert parallelism replaces the grouped_mm experts path (torchtitan's dispatch); allowed: "
                 "grouped_mm"),
-               ("world_size", s.world_size == s.ep and s.dp == s.ep,
-                f"ep with tensor, pipeline or context parallelism, or with data-parallel replicas of the experts, is "
-                f"not simulated yet: world_size must be ep = {s.ep} (dp = ep)"),
+               ("world_size", s.world_size == s.dp,
+                f"ep with tensor, pipeline or context parallelism is not simulated yet: world_size must be dp (a "
+                f"multiple of ep = {s.ep}), tp, pp and cp 1"),
                ("dp_engine", s.dp_engine == "ddp", f"ep runs the dense parameters under DDP for now (dp_engine ddp, "
                                                   f"the experts ignored by it); {s.dp_engine} with ep is not "
                                                   "simulated yet"),

@@ -24,8 +24,11 @@ experts and this dispatch, on gloo).
 What no TapeOp can say is kept on `ExpertParallelTape` and done by `ExpertParallelEngine`, a thin wrapper of the
 rank's data-parallel engine: the backward of the unpermute view (SliceBackward: the R-row gradient the combine's
 backward made grows into a new (R + 1)-row one, the R-row one freed), and the all-to-alls' transfers on the
-communication stream. The dense parameters are the data-parallel engine's (DDP, which ignores the experts: with
-ep = dp every expert lives on one rank and needs no gradient sync).
+communication stream. The dense parameters are the data-parallel engine's (DDP, which ignores the experts).
+Ranks are laid out as Megatron-LM lays them with tp = 1: expert-parallel groups of ep consecutive ranks (ep rank =
+dp rank % ep). With dp = ep every expert lives on one rank; with dp a multiple of ep, the ranks holding the same
+experts average the experts' gradients in place before the optimizer step (Megatron's expert-data-parallel
+all-reduce: no memory, a transfer on the communication stream).
 """
 
 from __future__ import annotations
@@ -142,6 +145,16 @@ class ExpertParallelEngine:
         if phase is Phase.BACKWARD and not recompute and op.name in self.tape.slices:
             self._slice_backward(replay, *self.tape.slices[op.name])
 
+    def before_step(self, step: int, grads):
+        """With dp > ep, the experts' replicas all-reduce their gradients in place first (no new memory)."""
+        ep, dp = self.tape.ep, self.inner.setup.dp
+        if dp > ep:
+            b = self.inner.b
+            nbytes = sum(grads.blocks[p].nbytes for p in self.tape.local_params if p in grads.blocks)
+            b.op("experts.grad_all_reduce", Phase.OPTIMIZER, step, -1, [], [], stream=Stream.COMMUNICATION,
+                 duration=b.device.collective_duration("all_reduce", nbytes, dp // ep), after=(b.last(Stream.COMPUTE),))
+        return self.inner.before_step(step, grads)
+
     def _slice_backward(self, replay, view: str, full: TensorSpec) -> None:
         """SliceBackward of `out[:-1]`: a new gradient of the whole buffer, the view's gradient freed."""
         from ..autograd import _Storage
@@ -161,8 +174,8 @@ class ExpertParallelEngine:
 
 
 def expert_classes(tape_of, setup) -> dict:
-    """{representative rank: RankRanges}: with ep = dp = world_size, ranks whose tapes receive the same rows in
-    every layer are identical (balanced routing: one class)."""
+    """{representative rank: RankRanges}: with world_size = dp, ranks whose tapes receive the same rows in every
+    layer are identical (balanced routing: one class; otherwise one per ep rank, its ranks every ep-th)."""
     from ..training import RankRanges
 
     groups: dict[tuple, list[int]] = {}

@@ -130,7 +130,7 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
 
     tapes = tapes if tapes is not None else MeshTapes(tape, setup)
     at = mesh_coords(setup, rank)
-    if setup.ep > 1:  # expert parallelism alone (checks.py): world_size = dp = ep, the rank's own experts
+    if setup.ep > 1:  # expert parallelism with dp only (checks.py): the experts of ep rank dp % ep
         local = tapes.ep_tape(at.dp % setup.ep)
         b = GraphBuilder(local, setup, profile, rank, graph, block_ids)
         b.engine = ExpertParallelEngine(b.engine, local)
