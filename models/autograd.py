@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 from ..simulator.events import Block, Category, Phase, Pool
 from .config import dtype_bytes
+from . import replay_template
+from .replay_offload import OffloadedSaves
 from .replay_recorded import RecordedBackward
 from .tape import Tape, TapeOp, TensorSpec
 
@@ -69,10 +71,10 @@ class _Storage:
 
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
         "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
-        "input_bytes")  # and the bytes each op reads
+        "input_bytes", "plan_params")  # and the bytes each op reads, the parameters its ops read
 
 
-class MicroBatchReplay(RecordedBackward):
+class MicroBatchReplay(RecordedBackward, OffloadedSaves):
     """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py); a traced
     tape's backward follows its recording (replay_recorded.py)."""
 
@@ -106,6 +108,8 @@ class MicroBatchReplay(RecordedBackward):
         plans = getattr(builder, "replay_plans", None)
         key = (id(tape), id(self.trainable),
                tuple((name, spec.requires_grad, spec.nbytes) for name, (spec, _) in self.external.items()))
+        self.plan_key = key if plans is not None else None  # a pass may be played from a recording of the plan's
+        self.template = self.tab = self.tab_index = None  # (models/replay_template.py)
         cached = plans.get(key) if plans is not None else None
         if cached is not None and cached[0] is tape and cached[1] is self.trainable:
             self.specs.update(cached[2])
@@ -116,6 +120,7 @@ class MicroBatchReplay(RecordedBackward):
             self._plan()
             specs = self.specs
             self.input_bytes = [sum([specs[n].nbytes for n in op.inputs]) for op in tape.ops]
+            self.plan_params = tuple(dict.fromkeys(p for op in tape.ops for p in op.params))
             if plans is not None:
                 plans[key] = (tape, self.trainable, outputs, {name: getattr(self, name) for name in PLAN})
 
@@ -217,6 +222,9 @@ class MicroBatchReplay(RecordedBackward):
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self) -> None:
+        replay_template.forward(self, self._forward)
+
+    def _forward(self) -> None:
         b = self.b
         allocs = []
         for t in self.tape.inputs:
@@ -322,66 +330,11 @@ class MicroBatchReplay(RecordedBackward):
         if packed:
             self._copy_op(f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
 
-    # -- offloading (save_on_cpu) -------------------------------------------------------------------
-    def _host_pool(self) -> Pool:
-        """Where offloaded tensors go: the host, or on a CPU device the one memory there is."""
-        return Pool.DEVICE if self.b.device.is_cpu else Pool.HOST
-
-    def _pack(self, op: TapeOp, saves: tuple[str, ...], casts: list[Block]) -> dict[str, Block]:
-        """One host copy per tensor autograd saves for `op` (save_on_cpu's pack hook runs per save):
-        the saved activations (a tensor read as k equal views is saved as k view-sized pieces), the
-        autocast weight copies, and the parameters it saves. Each is held until the op's backward; the
-        keys are the names the op's backward node releases."""
-        pool = self._host_pool()
-        out: dict[str, Block] = {}
-
-        def pack(name: str, nbytes: int, dtype: str, shape) -> None:
-            key = f"{op.name}.saved.{len(out)}"
-            out[key] = self.live[key] = self.b.block(f"{name}.offloaded", nbytes, Category.ACTIVATION, dtype, shape,
-                                                     pool=pool)
-            self._hold(key)
-
-        for name in saves:
-            spec = self.specs[name]
-            views = op.inputs.count(name)
-            pack(name, spec.nbytes // views if views > 1 else spec.nbytes, spec.dtype, spec.shape)
-        for p, cast in zip(op.casts, casts):
-            if self._saves_param(op, p):
-                pack(cast.name, cast.nbytes, cast.dtype, cast.shape)
-        for p in op.saved_params:
-            if p in op.casts or not self._saves_param(op, p):
-                continue
-            dtype = self.b.setup.param_dtype
-            pack(p, self.b.param_numel[p] * dtype_bytes(dtype), dtype, self.b.param_shape[p])
-        return out
-
-    def _saves_param(self, op: TapeOp, p: str) -> bool:
-        """Whether autograd saves parameter `p` (or autocast's copy of it) for `op`: a linear saves its
-        weight only for its input's gradient (not for the batch), norms always save theirs."""
-        if p not in op.saved_params:
-            return False
-        return op.kind != "linear" or any(self.rg.get(n) for n in op.inputs)
-
-    def _unpack(self, i: int) -> list[Block]:
-        """save_on_cpu's unpack hook, before op `i`'s backward node runs: on a GPU profile a device copy
-        of each offloaded tensor (freed when the node is done); on a CPU profile nothing (the host
-        tensor is handed back as it is)."""
-        if self.b.device.is_cpu or not self.tape.ops[i].offloaded:
-            return []
-        blocks = [self.b.block(self.live[key].name.removesuffix(".offloaded") + ".reloaded", self.live[key].nbytes,
-                               Category.ACTIVATION, self.live[key].dtype, self.live[key].shape)
-                  for key in self.saved_at.get(i, ()) if key in self.live]
-        if blocks:
-            self._copy_op(f"{self.tape.ops[i].name}.reload", Phase.BACKWARD, sum(b.nbytes for b in blocks), blocks)
-        return blocks
-
-    def _copy_op(self, name: str, phase: Phase, nbytes: int, allocs=()) -> None:
-        """A device<->host copy over the host link, on the compute stream (save_on_cpu copies in line)."""
-        duration = nbytes / self.b.device.host_link + self.b.device.launch_latency
-        self.b.op(name, phase, self.step, self.mb, list(allocs), [], bytes_moved=nbytes, duration=duration)
-
     # -- backward -----------------------------------------------------------------------------------
     def backward(self) -> None:
+        replay_template.backward(self, self._backward)
+
+    def _backward(self) -> None:
         if self.tape.backward:
             self._recorded_backward()
             return

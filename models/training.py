@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, replace
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream, new_block
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import Op, OpGraph, new_op
+
+_new = object.__new__
 from .autograd import GradState, MicroBatchReplay
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
@@ -117,6 +119,7 @@ class GraphBuilder:
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
         self.replay_plans: dict = {}  # models/autograd.py: each tape's replay plan, made once for this rank
+        self.replay_templates: dict = {}  # models/replay_template.py: each plan's recorded passes
         # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
         self._flop_rate = device.flops.get(setup.compute_dtype, device.flops["fp32"]) * device.flops_efficiency
         self._byte_rate = device.bandwidth * device.bandwidth_efficiency
@@ -149,6 +152,44 @@ class GraphBuilder:
         else:
             deps = (previous,) if previous is not None else ()
         return self.graph.add(op, after=deps)
+
+    def gemm_thread(self, phase: Phase, flops: int, recompute: bool, stream: Stream) -> str | None:
+        """The thread whose cuBLAS workspace an op's GEMM needs (`op` adds it at the thread's first), or None."""
+        if self._cuda and flops and stream is Stream.COMPUTE and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
+            return "forward" if phase is Phase.FORWARD and not recompute else "autograd"
+        return None
+
+    def play(self, actions: list, tab: list[Block], step: int, micro_batch: int) -> None:
+        """A recorded pass made again (models/replay_template.py): each recorded `Block` made anew with the next id
+        (appended to `tab`), each recorded op added as `op` would add it, its blocks taken from `tab` by place,
+        `after` by place among the pass's ops; a recorded op is (name, phase, allocs, frees, flops, recompute,
+        stream, duration, after, its GEMM's thread)."""
+        ids, rank, last, graph = self._block_ids, self.rank, self._last_on_stream, self.graph
+        base = len(graph)
+        added: list[tuple[Op, list[int]]] = []
+        for act in actions:
+            if type(act) is Block:
+                blk = _new(Block)
+                d = blk.__dict__
+                d.update(act.__dict__)
+                d["id"] = next(ids)
+                tab.append(blk)
+                continue
+            name, phase, a, f, flops, recompute, stream, duration, after, thread = act
+            allocs = tuple([tab[j] for j in a])
+            if thread is not None and thread not in self._workspaces:
+                allocs = self._cublas_workspace(phase, recompute) + allocs
+            op_id = base + len(added)
+            op = new_op(op_id, name, stream, phase, step, micro_batch, duration, rank, allocs,
+                        tuple([tab[j].id for j in f]), flops, recompute)
+            previous = last.get(stream)
+            last[stream] = op_id
+            if after:
+                deps = list(dict.fromkeys(([previous] if previous is not None else []) + [base + k for k in after]))
+            else:
+                deps = [previous] if previous is not None else []
+            added.append((op, deps))
+        graph.extend(added)
 
     def _cublas_workspace(self, phase: Phase, recompute: bool) -> tuple[Block, ...]:
         """The cuBLAS workspace of the thread running this op's GEMM, at its first (models/gpu.py): the forward

@@ -86,6 +86,15 @@ class OpGraph:
         self._topological = None
         return op
 
+    def extend(self, added: list[tuple[Op, list[int]]]) -> None:
+        """`add` for each (op, its predecessors), where every predecessor is an op already in the graph, listed
+        once, and the ops' ids are new (a describer's recorded pass played again: models/training.py `play`)."""
+        preds, order = self._preds, self._order
+        for op, deps in added:
+            preds[op.id] = deps
+            order.append(op)
+        self._topological = None
+
     def add_edge(self, before: int, after: int) -> None:
         """`after` also waits for `before` (ids of ops, typically `before` added after `after`)."""
         preds = self._preds

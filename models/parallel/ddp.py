@@ -15,6 +15,8 @@ class DDP(Engine):
     """torch DDP: full replicas; gradient buckets (`ddp_bucket_cap_mb`, the first one 1 MiB) built at
     construction in reverse parameter order, all-reduced when backward ends."""
 
+    pure_replay_hooks = Engine.pure_replay_hooks  # its work is at load and when backward ends
+
     def bucket_numels(self) -> list[int]:
         cap = self.setup.ddp_bucket_cap_mb * 1024 * 1024
         size = dtype_bytes(self.grad_dtype)
@@ -48,6 +50,8 @@ class DDP(Engine):
 
 class ZeroRedundancy(DDP):
     """DDP + torch.distributed.optim.ZeroRedundancyOptimizer: states for this rank's own parameters only."""
+
+    pure_replay_hooks = Engine.pure_replay_hooks
 
     shards_optimizer = True
     symmetric = False  # whole parameters per rank: uneven by nature

@@ -13,6 +13,8 @@ from .gathering import Gathering
 class DeepSpeedReplica(Engine):
     """DeepSpeed without ZeRO on N ranks: gradients all-reduced through transient flat buckets."""
 
+    pure_replay_hooks = Engine.pure_replay_hooks  # its work is when backward ends
+
     def end_backward(self, step: int, mb: int) -> None:
         if self.n == 1 or mb != self.setup.grad_accum - 1:
             return
@@ -105,6 +107,9 @@ class DeepSpeedZero12(Engine):
             return []
         dt = self.setup.param_dtype
         return [self.b.block("flat_group0.padding", pad * dtype_bytes(dt), Category.PARAMETER, dt, (pad,))]
+
+    def pure_replay_hooks(self, replay) -> bool:
+        return self.setup.zero_stage == 1  # ZeRO-2's gradients go through the ipg bucket, the engine's state
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
         if self.setup.zero_stage == 1:

@@ -105,6 +105,12 @@ class Engine:
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         pass
 
+    def pure_replay_hooks(self, replay) -> bool:
+        """Whether the replay's hooks act on nothing but the op, the replay and its GradState (models/
+        replay_template.py `pure_hooks`, asked of each class itself): these do nothing, and `param_grad` reads and
+        writes nothing else."""
+        return True
+
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
         """A gradient contribution for parameter `p` in backward: the first in the step becomes `.grad`;
         later ones (more micro-batches, kept gradients) are temporaries summed in place.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..autograd import MicroBatchReplay
+from ..replay_template import pure_hooks
 from ..config import TrainingSetup
 from ..tape import Tape
 from .engine import Engine
@@ -89,6 +90,11 @@ class PipelineEngine:
         self.inner.end_backward(step, self.pipeline.setup.grad_accum - 1)
         if sync:
             self.inner.sync_grads = False
+
+    def pure_replay_hooks(self, replay) -> bool:
+        """No code of the schedule's runs inside this replay's forward (`module_end`), and the inner engine's hooks
+        are pure (models/replay_template.py)."""
+        return id(replay) not in self.pipeline.module_end and pure_hooks(self.inner, replay)
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         self.inner.after_op(replay, i, phase, recompute)

@@ -441,6 +441,13 @@ class TensorParallelEngine:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
+    def pure_replay_hooks(self, replay) -> bool:
+        """The hooks act on the op and the replay only (`_before` holds a gradient from an op's before_op to its
+        after_op), the rest is the inner engine's (models/replay_template.py)."""
+        from ..replay_template import pure_hooks
+
+        return pure_hooks(self.inner, replay)
+
     def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         self.inner.before_op(replay, i, phase, recompute)
         if phase is Phase.BACKWARD and not recompute:
