@@ -80,7 +80,7 @@ def forward(replay, run) -> None:
     except _Unnamed:
         templates[key] = None
         return
-    templates[key] = replay.template = _Template(rec.actions, end, len(replay.external))
+    templates[key] = replay.template = _Template(b.recorded(rec.actions), end, len(replay.external))
     replay.tab, replay.tab_index = tab, rec.index
 
 
@@ -121,7 +121,7 @@ def backward(replay, run) -> None:
         if any(p not in after for p in before):
             raise _Unnamed
         grads = tuple((p, rec.ref(blk)) for p, blk in after.items() if before.get(p) is not blk)
-        template.backward[start] = (rec.actions, _capture(replay, rec.index), grads)
+        template.backward[start] = (replay.b.recorded(rec.actions), _capture(replay, rec.index), grads)
     except _Unnamed:
         template.backward[start] = None
 
@@ -245,6 +245,5 @@ class _Recorder:
         finally:
             self.inside = False
         self.ops[op.id] = len(self.ops)
-        self.actions.append((name, phase, a, f, flops, recompute, stream, op.duration, deps,
-                             self.b.gemm_thread(phase, flops, recompute, stream)))
+        self.actions.append((op, a, f, deps))
         return op

@@ -153,19 +153,36 @@ class GraphBuilder:
             deps = (previous,) if previous is not None else ()
         return self.graph.add(op, after=deps)
 
-    def gemm_thread(self, phase: Phase, flops: int, recompute: bool, stream: Stream) -> str | None:
-        """The thread whose cuBLAS workspace an op's GEMM needs (`op` adds it at the thread's first), or None."""
-        if self._cuda and flops and stream is Stream.COMPUTE and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
-            return "forward" if phase is Phase.FORWARD and not recompute else "autograd"
-        return None
+    def recorded(self, actions: list) -> tuple[list, list]:
+        """A pass as `play` makes it again, from what models/replay_template.py recorded of it in order: each
+        `Block` made, and for each op emitted (the `Op` as `op` made it, the places in the pass's block table of
+        the blocks it was given to allocate and free, the places among the pass's ops of the ops it was to follow).
+        Each op keeps its fields but the id, step, micro-batch and blocks (a dict in `Op`'s order), the place of
+        the op before it on its stream in the pass (None: the rank's op before the pass), its `after`, and the
+        thread whose cuBLAS workspace `op` would give it at the thread's first GEMM; with the last op of each
+        stream in the pass."""
+        out: list = []
+        last: dict[Stream, int] = {}
+        k = 0
+        for act in actions:
+            if type(act) is Block:
+                out.append(act)
+                continue
+            op, allocs, frees, after = act
+            thread = None
+            if self._cuda and op.flops and op.stream is Stream.COMPUTE and op.phase in (Phase.FORWARD, Phase.BACKWARD):
+                thread = "forward" if op.phase is Phase.FORWARD and not op.recompute else "autograd"
+            out.append((dict(op.__dict__), op.stream, allocs, frees, last.get(op.stream), after, thread))
+            last[op.stream] = k
+            k += 1
+        return out, list(last.items())
 
-    def play(self, actions: list, tab: list[Block], step: int, micro_batch: int) -> None:
-        """A recorded pass made again (models/replay_template.py): each recorded `Block` made anew with the next id
-        (appended to `tab`), each recorded op added as `op` would add it, its blocks taken from `tab` by place,
-        `after` by place among the pass's ops; a recorded op is (name, phase, allocs, frees, flops, recompute,
-        stream, duration, after, its GEMM's thread)."""
-        ids, rank, last, graph = self._block_ids, self.rank, self._last_on_stream, self.graph
-        base = len(graph)
+    def play(self, recorded: tuple[list, list], tab: list[Block], step: int, micro_batch: int) -> None:
+        """A recorded pass (`recorded`) made again, as its own code would make it: each `Block` anew with the next
+        id (appended to `tab`), each op as `op` would add it, its blocks taken from `tab` by place."""
+        actions, ends = recorded
+        ids, last, workspaces = self._block_ids, self._last_on_stream, self._workspaces
+        base = len(self.graph)
         added: list[tuple[Op, list[int]]] = []
         for act in actions:
             if type(act) is Block:
@@ -175,21 +192,28 @@ class GraphBuilder:
                 d["id"] = next(ids)
                 tab.append(blk)
                 continue
-            name, phase, a, f, flops, recompute, stream, duration, after, thread = act
+            fields, stream, a, f, prev, after, thread = act
             allocs = tuple([tab[j] for j in a])
-            if thread is not None and thread not in self._workspaces:
-                allocs = self._cublas_workspace(phase, recompute) + allocs
+            if thread is not None and thread not in workspaces:
+                allocs = self._cublas_workspace(fields["phase"], fields["recompute"]) + allocs
             op_id = base + len(added)
-            op = new_op(op_id, name, stream, phase, step, micro_batch, duration, rank, allocs,
-                        tuple([tab[j].id for j in f]), flops, recompute)
-            previous = last.get(stream)
-            last[stream] = op_id
+            op = _new(Op)
+            d = op.__dict__
+            d.update(fields)
+            d["id"] = op_id
+            d["step"] = step
+            d["micro_batch"] = micro_batch
+            d["allocs"] = allocs
+            d["frees"] = tuple([tab[j].id for j in f])
+            previous = last.get(stream) if prev is None else base + prev
             if after:
                 deps = list(dict.fromkeys(([previous] if previous is not None else []) + [base + k for k in after]))
             else:
                 deps = [previous] if previous is not None else []
             added.append((op, deps))
-        graph.extend(added)
+        for stream, k in ends:
+            last[stream] = base + k
+        self.graph.extend(added)
 
     def _cublas_workspace(self, phase: Phase, recompute: bool) -> tuple[Block, ...]:
         """The cuBLAS workspace of the thread running this op's GEMM, at its first (models/gpu.py): the forward
