@@ -421,23 +421,36 @@ def pipeline_timing(graph) -> dict[int, dict]:
     the op before it on its stream and every op it depends on have ended): the step's length on that rank
     (its first op's start to its last op's end), the compute stream's busy time in it, and the bubble, the
     idle fraction 1 - busy / length (waiting for activations and gradients from the other stages)."""
-    end: dict[int, float] = {}
-    start: dict[int, float] = {}
-    ops = {op.id: op for op in graph.ops_in_order()}
+    order = graph.ops_in_order()
     preds = graph.predecessor_lists()
+    n = len(order)
+    if len(preds) == n and all(op.id == i for i, op in enumerate(order)):  # ids are places (a describer's graph)
+        duration = [op.duration for op in order]
+        end: list[float] | dict[int, float] = [0.0] * n
+        start: list[float] | dict[int, float] = [0.0] * n
+    else:
+        duration = {op.id: op.duration for op in order}
+        end, start = {}, {}
     for op_id in graph.topological_order():  # the op before on a stream is a predecessor too
         ps = preds[op_id]
-        t0 = (end[ps[0]] if len(ps) == 1 else max([end[d] for d in ps])) if ps else 0.0
-        start[op_id], end[op_id] = t0, t0 + ops[op_id].duration
-    last_step = max((op.step for op in graph.ops_in_order()), default=0)
+        if not ps:
+            t0 = 0.0
+        elif len(ps) == 1:
+            t0 = end[ps[0]]
+        else:
+            t0 = max([end[d] for d in ps])
+        start[op_id] = t0
+        end[op_id] = t0 + duration[op_id]
+    last_step = max([op.step for op in order], default=0)
     by_rank: dict[int, list] = {}
-    for op in graph.ops_in_order():
+    for op in order:
         if op.step == last_step:
             by_rank.setdefault(op.rank, []).append(op)
     out = {}
+    compute = Stream.COMPUTE
     for rank, ops in sorted(by_rank.items()):
-        length = max(end[op.id] for op in ops) - min(start[op.id] for op in ops)
-        busy = sum(op.duration for op in ops if op.stream is Stream.COMPUTE and not op.name.startswith("pp.recv"))
+        length = max([end[op.id] for op in ops]) - min([start[op.id] for op in ops])
+        busy = sum([op.duration for op in ops if op.stream is compute and not op.name.startswith("pp.recv")])
         out[rank] = {"step": last_step, "step_time_s": length, "busy_s": busy,
                      "bubble": 1 - busy / length if length > 0 else 0.0}
     return out
