@@ -36,9 +36,11 @@ def outside_allocator(log: EventLog) -> dict[str, int]:
     return {"nccl": nccl_buffer_bytes(world)} if world > 1 else {}
 
 
-def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bool = False) -> DeviceMemory | None:
+def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bool = False,
+               events: list | None = None) -> DeviceMemory | None:
     """The rank through the allocator; `capacity` defaults to the run's budget (`device_capacity` in the log's
-    metadata: a run given a budget is a device of that size)."""
+    metadata: a run given a budget is a device of that size). `events`: the rank's, if already found
+    (simulator/timeline.py `rank_events`)."""
     profile = cuda_profile(log)
     if profile is None:
         return None
@@ -47,7 +49,8 @@ def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bo
         capacity = log.metadata.get("device_capacity")
     before = frozenset({Phase.CHECKPOINT}) if log.metadata.get("empty_cache_before_save") else frozenset()
     return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, profile.context_bytes,
-                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"), stop)
+                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"), stop,
+                         events)
 
 
 def device_ledger(dm: DeviceMemory) -> list[dict]:

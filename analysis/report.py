@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
-from ..simulator.timeline import PeakPoint, rank_peak_points, timeline
+from ..simulator.timeline import PeakPoint, rank_events, rank_peak_points, timeline
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .device import device_json, device_lines, gpu_memory
@@ -142,13 +142,14 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     per_rank = rank_peaks(log, pool)
     if rank is None:
         rank = max(per_rank, key=lambda rp: (rp.peak.bytes, -rp.rank)).rank if per_rank else 0
-    tl = timeline(log, rank, pool)
+    events = rank_events(log, rank)  # the rank's events, found once for its timelines and its allocator replay
+    tl = timeline(log, rank, pool, events)
     pk = peaks(tl, headroom=headroom)
     rows = ledger_at(tl, pk.peak.index) if pk.peak.event is not None else []
     host = None
-    if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST and e.block.rank == rank for e in log.events):
-        host = peaks(timeline(log, rank, Pool.HOST))
-    gpu = gpu_memory(log, rank) if pool is Pool.DEVICE else None
+    if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
+        host = peaks(timeline(log, rank, Pool.HOST, events))
+    gpu = gpu_memory(log, rank, events=events) if pool is Pool.DEVICE else None
     return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host,
                   gpu=gpu)
 

@@ -119,11 +119,13 @@ def torch_oom_message(segment: int, capacity: int, in_use: int, allocated: int, 
 def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: int | None = None,
                   context: int = 0, outside: dict[str, int] | None = None, series: bool = False,
                   empty_cache_before: frozenset[Phase] = frozenset(), torch_version: str = "2.6",
-                  stop_at_oom: bool = True) -> DeviceMemory:
+                  stop_at_oom: bool = True, events: list[tuple[int, Event]] | None = None) -> DeviceMemory:
     """Replay rank `rank`'s device events through the caching allocator (see the module docstring).
     `empty_cache_before`: phases the program enters with a torch.cuda.empty_cache() call (e.g. a checkpoint save).
     `stop_at_oom` False: after the first OOM the replay goes on without a capacity (what the run would need).
-    The garbage-collection threshold stays tied to the capacity it was given (the allowed bytes) until then."""
+    The garbage-collection threshold stays tied to the capacity it was given (the allowed bytes) until then.
+    `events`: the rank's events with their places in the log, if already found (simulator/timeline.py
+    `rank_events`), instead of every event of the log."""
     outside = dict(outside or {})
     fixed = context + sum(outside.values())
     limit = None if capacity is None else max(0, capacity - fixed)
@@ -140,7 +142,7 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
     oom = None
     out: list[tuple[float, int, int]] = []
     phase = None
-    for i, e in enumerate(log.events):
+    for i, e in enumerate(log.events) if events is None else events:
         b = e.block
         if b.rank != rank or b.pool is not Pool.DEVICE:
             continue

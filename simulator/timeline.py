@@ -104,8 +104,19 @@ def _array(values: list[int]) -> np.ndarray:
     return np.array(values, dtype=np.int64)
 
 
-def timeline(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE) -> Timeline:
-    events = [e for e in log.events if e.block.rank == rank and e.block.pool is pool]
+def rank_events(log: EventLog, rank: int) -> list[tuple[int, Event]]:
+    """The events of `rank` (every pool) with their places in the log, in order: one pass over the log that a
+    rank's timelines and its allocator replay (simulator/device_memory.py) can share."""
+    return [(i, e) for i, e in enumerate(log.events) if e.block.rank == rank]
+
+
+def timeline(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE,
+             events: list[tuple[int, Event]] | None = None) -> Timeline:
+    """`rank`'s occupancy of `pool`; `events`: the rank's events if already found (`rank_events`)."""
+    if events is None:
+        events = [e for e in log.events if e.block.rank == rank and e.block.pool is pool]
+    else:
+        events = [e for _, e in events if e.block.pool is pool]
     categories = sorted({e.block.category for e in events}, key=lambda c: list(Category).index(c))
     running = {c: 0 for c in categories}
     columns: dict[Category, list[int]] = {c: [] for c in categories}
