@@ -160,7 +160,14 @@ class Simulation:
                 while i < len(ops):
                     op = ops[i]
                     if stage == 0:
-                        waits = [d for d in preds[op.id] if d not in finished]
+                        waits = preds[op.id]
+                        if not waits:
+                            pass
+                        elif len(waits) == 1:  # the usual case: the op before it on its stream, or one other
+                            if waits[0] in finished:
+                                waits = ()
+                        else:
+                            waits = [d for d in waits if d not in finished]
                         if waits:
                             cond = [len(waits), target]
                             for d in waits:
