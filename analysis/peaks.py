@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
+
 from ..simulator.events import EventLog, Pool
 from ..simulator.timeline import PeakPoint, Timeline, timeline
 
@@ -52,7 +54,7 @@ def with_headroom(nbytes: int, headroom: float) -> int:
 
 def peaks(log: EventLog | Timeline, rank: int = 0, pool: Pool = Pool.DEVICE, headroom: float = 0.0) -> Peaks:
     tl = log if isinstance(log, Timeline) else timeline(log, rank, pool)
-    steps = {e.step for e in tl.events}
-    steady = tl.peak(lambda e: e.step >= 2) if any(s >= 2 for s in steps) else None
-    return Peaks(rank=tl.rank, pool=tl.pool, peak=tl.peak(), first_step=tl.peak(lambda e: e.step <= 1),
+    steps = np.array([e.step for e in tl.events], dtype=np.int64)
+    steady = tl.peak_in(steps >= 2) if (steps >= 2).any() else None
+    return Peaks(rank=tl.rank, pool=tl.pool, peak=tl.peak_in(), first_step=tl.peak_in(steps <= 1),
                  steady=steady, headroom=headroom)

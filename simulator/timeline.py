@@ -49,6 +49,39 @@ class Timeline:
             return PeakPoint(bytes=0, event=None, live_by_category={})
         return PeakPoint(bytes=best, event=self.events[best_i], live_by_category=self.live_at(best_i), index=best_i)
 
+    def peak_in(self, mask: np.ndarray | None = None) -> PeakPoint:
+        """`peak(where)` for the events selected by a boolean array (`mask[i]`: event i counts; None: all),
+        from the totals and by-category columns (int64) instead of a pass over the events; `peak` itself when
+        the totals are Python ints (object arrays)."""
+        total = self.total
+        if total.dtype == object or not len(total):
+            return self.peak(None if mask is None else lambda e, it=iter(mask.tolist()): next(it))
+        if mask is None:
+            i = int(np.argmax(total))
+        else:
+            chosen = np.flatnonzero(mask)
+            if not len(chosen):
+                return PeakPoint(bytes=0, event=None, live_by_category={})
+            i = int(chosen[np.argmax(total[chosen])])
+        best = int(total[i])
+        if best < 0:  # `peak` counts only totals from 0 up
+            return PeakPoint(bytes=0, event=None, live_by_category={})
+        by = self.by_category
+        live = {c: int(by[c][i]) for c, first in self._first_seen() if first <= i}
+        return PeakPoint(bytes=best, event=self.events[i], live_by_category={c: b for c, b in live.items() if b},
+                         index=i)
+
+    def _first_seen(self) -> list[tuple[Category, int]]:
+        """Each category with the index of its first event, in that order (the order `live_at` meets them)."""
+        first: dict[Category, int] = {}
+        for i, e in enumerate(self.events):
+            c = e.block.category
+            if c not in first:
+                first[c] = i
+                if len(first) == len(self.by_category):
+                    break
+        return list(first.items())
+
     def live_at(self, index: int) -> dict[Category, int]:
         """Bytes live by category right after event `index` (exact ints)."""
         live: dict[Category, int] = {}
@@ -117,6 +150,15 @@ def timeline(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE,
         events = [e for e in log.events if e.block.rank == rank and e.block.pool is pool]
     else:
         events = [e for _, e in events if e.block.pool is pool]
+    alloc = Action.ALLOC
+    deltas = [e.block.nbytes if e.action is alloc else -e.block.nbytes for e in events]
+    if events and sum(map(abs, deltas)) <= INT64_MAX:  # no running sum leaves int64: numpy's cumsum, exact
+        order = list(Category)
+        codes = np.array([order.index(e.block.category) for e in events], dtype=np.int64)
+        d = np.array(deltas, dtype=np.int64)
+        return Timeline(rank=rank, pool=pool, events=events, times=np.array([e.time for e in events], dtype=float),
+                        total=np.cumsum(d), by_category={order[k]: np.cumsum(np.where(codes == k, d, 0))
+                                                         for k in np.unique(codes).tolist()})  # in Category order
     categories = sorted({e.block.category for e in events}, key=lambda c: list(Category).index(c))
     running = {c: 0 for c in categories}
     columns: dict[Category, list[int]] = {c: [] for c in categories}
