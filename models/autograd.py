@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..simulator.events import Block, Category, Phase, Pool
+from ..simulator.events import Block, Category, Phase
 from .config import dtype_bytes
 from . import replay_template
 from .replay_offload import OffloadedSaves
@@ -76,7 +76,9 @@ PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "vi
 
 class MicroBatchReplay(RecordedBackward, OffloadedSaves):
     """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py); a traced
-    tape's backward follows its recording (replay_recorded.py)."""
+    tape's backward follows its recording (replay_recorded.py), offloaded saves go through save_on_cpu's hooks
+    (replay_offload.py), and a pass the plan's first replay recorded is played from that recording where the
+    engine's hooks allow it (replay_template.py)."""
 
     def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState,
                  external: dict[str, tuple[TensorSpec, Block]] | None = None) -> None:
