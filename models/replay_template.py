@@ -44,11 +44,16 @@ class _Unnamed(Exception):
 
 
 class _Template:
-    """One plan's recordings: its forward pass, and its backward passes by the state each starts from."""
+    """One plan's recordings: its forward pass, and its backward passes by the state each starts from. It keeps the
+    tape and trainable set it was made for (the plan's key names them by id, as the plan cache does: `matches`)."""
 
-    def __init__(self, forward: list, end: tuple, n_external: int) -> None:
-        self.forward, self.end, self.n_external = forward, end, n_external
+    def __init__(self, replay, forward: tuple | None, end: tuple | None) -> None:
+        self.tape, self.trainable = replay.tape, replay.trainable
+        self.forward, self.end = forward, end  # None: the forward pass cannot be recorded
         self.backward: dict[tuple, tuple | None] = {}  # start -> (actions, end state, .grad changes); None: never
+
+    def matches(self, replay) -> bool:
+        return self.tape is replay.tape and self.trainable is replay.trainable
 
 
 def forward(replay, run) -> None:
@@ -62,13 +67,13 @@ def forward(replay, run) -> None:
         return
     tab = [blk for _, blk in replay.external.values()]
     template = templates.get(key)
-    if template is not None:
+    if template is not None and template.matches(replay):
+        if template.forward is None:  # never recordable
+            run()
+            return
         b.play(template.forward, tab, replay.step, replay.mb)
         _restore(replay, template.end, tab)
         replay.template, replay.tab = template, tab
-        return
-    if key in templates:  # never recordable
-        run()
         return
     rec = _Recorder(b, replay, tab)
     with rec:
@@ -78,9 +83,9 @@ def forward(replay, run) -> None:
             raise _Unnamed
         end = _capture(replay, rec.index)
     except _Unnamed:
-        templates[key] = None
+        templates[key] = _Template(replay, None, None)
         return
-    templates[key] = replay.template = _Template(b.recorded(rec.actions), end, len(replay.external))
+    templates[key] = replay.template = _Template(replay, b.recorded(rec.actions), end)
     replay.tab, replay.tab_index = tab, rec.index
 
 
