@@ -424,7 +424,7 @@ def pipeline_timing(graph) -> dict[int, dict]:
     order = graph.ops_in_order()
     preds = graph.predecessor_lists()
     n = len(order)
-    if len(preds) == n and all(op.id == i for i, op in enumerate(order)):  # ids are places (a describer's graph)
+    if len(preds) == n and [op.id for op in order] == list(range(n)):  # ids are places (a describer's graph)
         duration = [op.duration for op in order]
         end: list[float] | dict[int, float] = [0.0] * n
         start: list[float] | dict[int, float] = [0.0] * n
