@@ -498,13 +498,18 @@ def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded:
     tensors = b.engine.optim_tensors()
     create = step == 1 and not states_loaded
     chunked_first = create and offload is not None and b.setup.offload_first_step == "chunked"
+    groups = b.engine.optim_groups() if offload is None else [tensors]
     if create and not chunked_first:
-        created = _create_states(b, step, tensors, "optimizer.init_state")
+        created = _create_states(b, step, groups[0], "optimizer.init_state")
         if offload is not None:
             offload.adopt(created)
     fp32_grads = b.engine.before_step(step, grads)
     if offload is None:
-        _update(b, step, tensors, "optimizer")
+        _update(b, step, groups[0], "optimizer")
+        for k, group in enumerate(groups[1:], 1):  # torch.optim: each group's lazy states, then its update
+            if create:
+                _create_states(b, step, group, f"optimizer.group{k}.init_state")
+            _update(b, step, group, f"optimizer.group{k}")
     elif create and not chunked_first:  # one whole torch step made every state on the device: now offload them
         _update(b, step, tensors, "optimizer")
         for k in range(len(offload.chunks)):

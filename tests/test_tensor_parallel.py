@@ -146,3 +146,31 @@ def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(
     assert all(abs(v.overall.error) <= 0.01 for v, _ in results)
     assert main(["simulate", "--preset", "tiny-llama", "--tp", "2", "--cp", "2", "--world-size", "4"]) == 2
     assert "world_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, sp", [("tiny", False), ("tiny", True), ("tiny-llama", False), ("tiny-llama", True)])
+def test_optimizer_groups_are_the_real_plans(name, sp):
+    """The simulated optimizer's parameter groups (DTensors first, then plain tensors, each made and stepped before
+    the next) are the groups traces/tensor_run.py `optimizer_groups` builds (one per device mesh, then the plain
+    tensors) from the real plan: torchtitan's plan applied by `parallelize` on torch's fake process group (one
+    process, tp 2: real DTensor placements; split here by DTensor-ness, as one mesh makes it)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from peakledger.models.costs import device_profile
+    from peakledger.models.parallel.mesh import rank_builder
+    from peakledger.models.reference import build_model
+    from peakledger.traces.tensor_run import parallelize
+
+    setup = replace(SETUP, tp=2, sequence_parallel=sp, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = parallelize(build_model(preset(name), setup), 2, sp)
+        params = list(model.named_parameters())
+        real = [g for g in ([n for n, p in params if isinstance(p, DTensor)],
+                            [n for n, p in params if not isinstance(p, DTensor)]) if g]
+    finally:
+        dist.destroy_process_group()
+    b = rank_builder(build_tape(preset(name), setup, cpu=True), setup, device_profile("cpu"), 0)
+    assert [[t.name for t in g] for g in b.engine.optim_groups()] == real

@@ -37,6 +37,10 @@ class Engine:
     def optim_tensors(self) -> list[OptimTensor]:
         return [OptimTensor(p.name, p.numel, p.shape) for p in self.trainable]
 
+    def optim_groups(self) -> list[list[OptimTensor]]:
+        """The optimizer's parameter groups, each made (states) and stepped before the next: one here."""
+        return [self.optim_tensors()]
+
     def master_dtype(self) -> str | None:
         return self.setup.master_dtype
 

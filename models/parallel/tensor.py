@@ -91,6 +91,19 @@ class TensorParallelTape(Tape):
     chunked: tuple[int, ...] = ()  # the sizes of the dimensions split over the ranks (torch.chunk's)
 
 
+NORM_MODULES = ("ln_1", "ln_2", "input_layernorm", "post_attention_layernorm") + FINAL_NORMS
+
+
+def is_distributed(param: str, sequence_parallel: bool) -> bool:
+    """Whether torchtitan's plan (traces/tensor_run.py `tp_plan`) makes `param` a DTensor: the embedding, lm_head,
+    the column- and row-parallel linears (a row-parallel bias too: Replicate), and with sequence parallelism the
+    norms (SequenceParallel); GPT-2's position table, and the norms without SP, stay plain tensors."""
+    module = param.rpartition(".")[0]
+    if module in EMBEDDINGS or module == "lm_head" or module.endswith(COLWISE + ROWWISE):
+        return True
+    return sequence_parallel and (module in FINAL_NORMS or module.endswith(NORM_MODULES))
+
+
 def chunk(n: int, tp: int, rank: int) -> int:
     """Elements of a dimension of `n` on `rank` when torch.chunk splits it in `tp` (DTensor's Shard: ceil(n / tp)
     per rank, the last ones fewer or none: torch/distributed/tensor/placement_types.py `Shard._split_tensor`)."""
@@ -514,6 +527,18 @@ class TensorParallelEngine:
         b.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
              stream=Stream.COMMUNICATION, duration=b.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
              after=(issue.id,))
+
+    def optim_groups(self) -> list:
+        """torch.optim parameter groups as the real runs build them (traces/tensor_run.py `optimizer_groups`, one
+        per device mesh: foreach kernels refuse to mix DTensors and plain tensors): the DTensors, then the plain
+        tensors, each group's states made and stepped before the next's (torch/optim/adam.py `step`)."""
+        groups = self.inner.optim_groups()
+        if len(groups) != 1 or any(t.name not in self.inner.params for t in groups[0]):
+            return groups  # a flat partition (DeepSpeed): one group of its own
+        sp = self.tape.sequence_parallel
+        split = ([t for t in groups[0] if is_distributed(t.name, sp)],
+                 [t for t in groups[0] if not is_distributed(t.name, sp)])
+        return [g for g in split if g]
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
         shape = self.tape.grad_shapes.get(p)
