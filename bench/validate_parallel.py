@@ -74,9 +74,10 @@ MESH_CASES = [  # (preset, tp, pp, dp, schedule, micro-batches, sequence paralle
     ("tiny", 1, 2, 2, "1f1b", 4, False), ("tiny-llama", 1, 2, 2, "gpipe", 4, False),  # FSDP2 x PP
     ("tiny-llama", 2, 2, 2, "gpipe", 4, True),  # FSDP2 x TP x PP (3D), 8 processes
 ]
-CP_CASES = [  # context parallelism: (preset, cp, world_size, dp_engine or None for cp alone)
-    ("tiny", 2, 2, None), ("tiny", 4, 4, None), ("tiny-llama", 2, 2, None),
-    ("tiny", 2, 2, "fsdp2"), ("tiny", 2, 4, "fsdp2"), ("tiny-llama", 2, 4, "fsdp2"),
+CP_CASES = [  # context parallelism: (preset, cp, tp, world_size, dp_engine or None for cp alone)
+    ("tiny", 2, 1, 2, None), ("tiny", 4, 1, 4, None), ("tiny-llama", 2, 1, 2, None),
+    ("tiny", 2, 1, 2, "fsdp2"), ("tiny", 2, 1, 4, "fsdp2"), ("tiny-llama", 2, 1, 4, "fsdp2"),
+    ("tiny", 2, 2, 4, None), ("tiny-llama", 2, 2, 4, None),
 ]
 
 
@@ -160,17 +161,19 @@ def context_lines() -> tuple[list[str], float, bool, float]:
              "`_templated_ring_attention` (nothing else); the models run `attention=\"sdpa\"`. cp alone: gradients "
              "averaged over the cp ranks in place. FSDP2: `fully_shard` on every block and the root over dp x cp "
              "(torchtitan's dp_shard_cp mesh, flattened from (dp, cp)), which reduce-scatters the gradients; gloo's "
-             "reduce-scatter copies are dropped from the measurement (`without_backend_copies`). fp32 AdamW, "
+             "reduce-scatter copies are dropped from the measurement (`without_backend_copies`). cp x tp: the (cp, "
+             "tp) mesh, traces/tensor_run.py's DTensor plan on \"tp\" (no sequence parallelism), then "
+             "`context_parallel` on \"cp\" over the local heads, the loss under `loss_parallel()`. fp32 AdamW, "
              "micro-batch 2, seq 32, 2 steps. The simulation walks torch's ring loops (models/parallel/ring.py) and "
              "gives each call's highest point as one workspace block; FSDP2 shards over dp x cp "
              "(models/parallel/mesh.py `folds_cp`).", "",
-             "| model | dp x cp | data parallel | rank | measured peak B | predicted peak B | error | forward peak "
+             "| model | dp x cp x tp | data parallel | rank | measured peak B | predicted peak B | error | forward peak "
              "measured / predicted B | backward peak measured / predicted B | static rows exact |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, runs = 0.0, True, 0.0
-    for name, cp, world, engine in CP_CASES:
+    for name, cp, tp, world, engine in CP_CASES:
         cfg = dataclasses.replace(preset(name), attention="sdpa")
-        setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", steps=2, optimizer="adamw", cp=cp,
+        setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", steps=2, optimizer="adamw", cp=cp, tp=tp,
                               world_size=world, **({"dp_engine": engine} if engine else {}))
         t0 = time.perf_counter()
         measured = [without_backend_copies(log) for log in measure_context_parallel(cfg, setup)]
@@ -182,7 +185,8 @@ def context_lines() -> tuple[list[str], float, bool, float]:
             fwd, bwd = phase["forward step 1"], phase["backward step 1"]
             exact = static_rows(log, rank) == static_rows(simulated, rank)
             worst, all_static = max(worst, abs(v.overall.error)), all_static and exact
-            lines.append(f"| {name} | {world // cp} x {cp} | {engine or '-'} | {rank} | {v.overall.measured:,} | "
+            lines.append(f"| {name} | {world // (cp * tp)} x {cp} x {tp} | {engine or '-'} | {rank} | "
+                         f"{v.overall.measured:,} | "
                          f"{v.overall.predicted:,} | {v.overall.error:+.3%} | {fwd.measured:,} / {fwd.predicted:,} | "
                          f"{bwd.measured:,} / {bwd.predicted:,} | {'yes' if exact else 'NO'} |")
     return lines + [""], worst, all_static, runs

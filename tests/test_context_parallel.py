@@ -49,7 +49,9 @@ def test_a_cp_rank_holds_its_sequence_rows():
 @pytest.mark.parametrize("model, fields, device, field", [
     (preset("tiny"), {}, "cpu", "attention"),  # eager attention: context_parallel replaces SDPA calls only
     (GPT, dict(world_size=4), "cpu", "dp_engine"),  # cp with data parallelism: FSDP2 over dp x cp only
-    (GPT, dict(world_size=4, tp=2), "cpu", "world_size"),
+    (GPT, dict(world_size=4, pp=2, grad_accum=2), "cpu", "world_size"),
+    (GPT, dict(world_size=8, tp=2, dp_engine="fsdp2"), "cpu", "world_size"),  # cp x tp x dp: not yet
+    (GPT, dict(world_size=4, tp=2, sequence_parallel=True), "cpu", "sequence_parallel"),
     (GPT, dict(precision="bf16-mixed"), "cpu", "precision"),
     (GPT, dict(checkpointing="full"), "cpu", "checkpointing"),
     (GPT, {}, "H100-80GB", "device"),

@@ -6,6 +6,12 @@ free port, gloo on `lo`), builds torchtitan's CP mesh
 
     init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))                       # cp alone
     init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))               # dp x cp: rank = dp_i x cp + cp_i
+    init_device_mesh("cpu", (cp, tp), mesh_dim_names=("cp", "tp"))               # cp x tp: rank = cp_i x tp + tp_i
+
+(cp x tp: traces/tensor_run.py `parallelize` with torchtitan's plan on "tp" first, without sequence parallelism, so
+that attention runs on the rank's local heads, whose q, k and v `context_parallel` shards on the sequence over
+"cp"; the loss under `loss_parallel()`; the gradients' local shards averaged over "cp"; the optimizer over
+`optimizer_groups`.)
 
 and the same reference model on every rank (`models.reference.build_model`, same seed: the parameters are
 replicated over the cp ranks), and runs `setup.steps` training steps the way torchtitan's trainer runs them
@@ -73,6 +79,7 @@ local sequence length, torch version, model and setup.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
@@ -128,10 +135,10 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
     cp = setup.cp
     if cp < 2:
         raise ValueError(f"a context-parallel run needs cp >= 2, got {cp}")
-    if setup.world_size % cp or setup.tp != 1 or setup.pp != 1:
-        raise NotImplementedError(f"context-parallel measurement runs dp x cp: world_size a multiple of cp={cp}, "
-                                  f"tp 1, pp 1 (got world_size {setup.world_size}, tp {setup.tp}, pp {setup.pp})")
-    if setup.world_size != cp and setup.dp_engine != "fsdp2":
+    if setup.pp != 1 or (setup.tp > 1 and (setup.world_size != cp * setup.tp or setup.sequence_parallel)):
+        raise NotImplementedError(f"context-parallel measurement runs dp x cp, or cp x tp (no sequence parallelism): "
+                                  f"pp 1 (got world_size {setup.world_size}, tp {setup.tp}, pp {setup.pp})")
+    if setup.dp > 1 and setup.dp_engine != "fsdp2":
         raise NotImplementedError("context parallelism with data parallelism runs FSDP2 over dp x cp (torchtitan's "
                                   f"dp_shard_cp): dp_engine fsdp2, not {setup.dp_engine!r}")
     if setup.seq_len % (2 * cp):
@@ -322,22 +329,32 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
 
     from ..models.reference import make_batch, torch_optimizer
     from .distributed import apply_fsdp2, unit_params
-    from .tensor_run import DTensorTracker
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
     torch.set_num_threads(1)
     enable_cpu_ring_attention()
     set_rotate_method(job.rotate_method)
     setup = job.setup
     fsdp = setup.dp_engine == "fsdp2"
-    dp_rank = rank // setup.cp
-    if setup.dp > 1:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over both flattened ("dp_shard_cp")
+    dp_rank = rank // (setup.cp * setup.tp)
+    tp_mesh = None
+    if setup.tp > 1:  # torchtitan's mesh: (cp, tp), tp innermost; TP on "tp" first, then CP on "cp"
+        world = init_device_mesh("cpu", (setup.cp, setup.tp), mesh_dim_names=("cp", "tp"))
+        mesh = shard_mesh = world["cp"]
+        tp_mesh = world["tp"]
+    elif setup.dp > 1:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over both flattened ("dp_shard_cp")
         world = init_device_mesh("cpu", (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
         mesh, shard_mesh = world["cp"], world["dp", "cp"]._flatten("dp_cp")
     else:
         mesh = shard_mesh = init_device_mesh("cpu", (setup.cp,), mesh_dim_names=("cp",))
     model = build_cp_model(job.model_cfg, setup, seed=job.seed)
+    if tp_mesh is not None:
+        parallelize(model, setup.tp, False, mesh=tp_mesh)
     release = apply_fsdp2(model, setup.reshard_after_forward, mesh=shard_mesh) if fsdp else None
-    optimizer = torch_optimizer(model.parameters(), setup, job.lr)
+    optimizer = torch_optimizer(optimizer_groups(model) if tp_mesh is not None else model.parameters(), setup,
+                                job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + dp_rank)  # the same data on every cp rank
     known = tuple(t for b in batches for t in b)
     options = cp_options()
@@ -346,7 +363,7 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     positions = position_buffer(model)
     losses: list[list] = []
     torch.manual_seed(job.seed)
-    with tracker:
+    with tracker, (loss_parallel() if tp_mesh is not None else contextlib.nullcontext()):
         for step in range(1, setup.steps + 1):
             for mb in range(setup.grad_accum):
                 with tracker.phase(Phase.FORWARD, step, mb):
@@ -372,8 +389,9 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                         with tracker.scope("cp.grad_all_reduce"):
                             for p in model.parameters():
                                 if p.grad is not None:
-                                    dist.all_reduce(p.grad)
-                                    p.grad.div_(setup.cp)
+                                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                    dist.all_reduce(grad, group=mesh.get_group())
+                                    grad.div_(setup.cp)
                     tracker.scan()
             with tracker.phase(Phase.OPTIMIZER, step):
                 optimizer.step()
@@ -384,7 +402,7 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     fsdp_details = {"dp_engine": "fsdp2", "fsdp_mesh": "dp_shard_cp", "reshard_after_forward":
                     setup.reshard_after_forward, "fsdp_units": unit_params(model),
                     "backend_release": dataclasses.asdict(release)} if fsdp else {}
-    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank % setup.cp, "dp": setup.dp,
+    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp, "tp": setup.tp, "dp": setup.dp,
                         "dp_rank": dp_rank, "world_size": setup.world_size,
                         "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
                         "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,

@@ -112,11 +112,13 @@ def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
     not_yet = [("cp", kind is None, kind or ""),
                ("attention", getattr(model, "attention", "sdpa") == "sdpa",
                 "context parallelism replaces SDPA calls (torch's context_parallel): attention must be sdpa"),
-               ("world_size", s.tp == 1 and s.pp == 1, "cp with tensor or pipeline parallelism is not simulated yet: "
-                                                        "tp 1, pp 1"),
-               ("dp_engine", s.world_size == s.cp or s.dp_engine == "fsdp2",
+               ("world_size", s.pp == 1 and (s.tp == 1 or s.world_size == s.cp * s.tp),
+                "cp with pipeline parallelism, or with tensor and data parallelism together, is not simulated yet: pp "
+                "1, and world_size = cp x tp with tp > 1"),
+               ("sequence_parallel", not s.sequence_parallel, "cp with sequence parallelism is not simulated yet"),
+               ("dp_engine", s.dp == 1 or s.dp_engine == "fsdp2",
                 f"cp with data parallelism runs FSDP2 over dp x cp (torchtitan's dp_shard_cp): dp_engine fsdp2; "
-                f"{s.dp_engine} with cp is not simulated yet (or give world_size = cp = {s.cp})"),
+                f"{s.dp_engine} with cp is not simulated yet (or give world_size = cp x tp = {s.cp * s.tp})"),
                ("precision", s.precision in ("fp32", "bf16"),
                 f"cp with precision {s.precision} is not simulated yet; allowed: fp32, bf16"),
                ("checkpointing", s.checkpointing == "none", "cp with activation checkpointing is not simulated yet"),
