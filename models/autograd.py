@@ -69,6 +69,16 @@ class _Storage:
         self.pinned = pinned
 
 
+def replace_grad(replay, tensor: str, block: Block) -> list[int]:
+    """`block` becomes `tensor`'s gradient (a new storage of its own); the old storage's block id, in a list, when
+    that was its last reference, else an empty list (the engines' hooks that make a gradient anew: DTensor's
+    all-reduce and out-of-place sum, the backward of a slice)."""
+    storage = replay.grad_of[tensor]
+    storage.refs -= 1
+    replay.grad_of[tensor] = _Storage(block)
+    return [storage.block.id] if storage.refs == 0 else []
+
+
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
         "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
         "input_bytes", "plan_params")  # and the bytes each op reads, the parameters its ops read

@@ -157,18 +157,13 @@ class ExpertParallelEngine:
 
     def _slice_backward(self, replay, view: str, full: TensorSpec) -> None:
         """SliceBackward of `out[:-1]`: a new gradient of the whole buffer, the view's gradient freed."""
-        from ..autograd import _Storage
+        from ..autograd import replace_grad
 
-        storage = replay.grad_of.get(view)
-        if storage is None:
+        if view not in replay.grad_of:
             return
         b = replay.b
         grown = b.block(f"{view}.grad_slice_backward", full.nbytes, Category.TEMPORARY, full.dtype, full.shape)
-        frees = []
-        storage.refs -= 1
-        if storage.refs == 0:
-            frees.append(storage.block.id)
-        replay.grad_of[view] = _Storage(grown)
+        frees = replace_grad(replay, view, grown)
         b.op(f"{view}.slice.backward", Phase.BACKWARD, replay.step, replay.mb, [grown], frees,
              bytes_moved=2 * full.nbytes)
 

@@ -489,7 +489,7 @@ class TensorParallelEngine:
         """The node just added a contribution to `tensor`'s gradient that the replay summed in place; DTensor
         sums it out of place: the contribution (a shadow here, the replay freed it already) and the sum are
         live together, then the old gradient goes."""
-        from ..autograd import _Storage
+        from ..autograd import replace_grad
 
         had = self._before.pop(tensor, None)
         storage = replay.grad_of.get(tensor)
@@ -499,29 +499,20 @@ class TensorParallelEngine:
         b = replay.b
         shadow = b.block(f"{tensor}.grad_contribution", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         total = b.block(f"{tensor}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
-        frees = [shadow.id]
-        storage.refs -= 1
-        if storage.refs == 0:
-            frees.append(storage.block.id)
-        replay.grad_of[tensor] = _Storage(total)
+        frees = [shadow.id] + replace_grad(replay, tensor, total)
         b.op(f"{tensor}.grad_sum", Phase.BACKWARD, replay.step, replay.mb, [shadow, total], frees,
              bytes_moved=3 * spec.nbytes)
 
     def _all_reduce(self, replay, tensor: str) -> None:
         """`_FromTorchTensor.backward`: the Partial gradient of a replicated input all-reduced into a new tensor."""
-        from ..autograd import _Storage
+        from ..autograd import replace_grad
 
-        storage = replay.grad_of.get(tensor)
-        if storage is None:
+        if tensor not in replay.grad_of:
             return
         spec = replay.specs[tensor]
         b = replay.b
         reduced = b.block(f"{tensor}.grad_all_reduce", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
-        frees = []
-        storage.refs -= 1
-        if storage.refs == 0:
-            frees.append(storage.block.id)
-        replay.grad_of[tensor] = _Storage(reduced)
+        frees = replace_grad(replay, tensor, reduced)
         issue = b.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,
                      duration=0.0)
         b.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
