@@ -387,11 +387,12 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                     del inputs, labels, ctx
                     if mb == setup.grad_accum - 1 and not fsdp:  # FSDP2 reduce-scatters (averages) itself
                         with tracker.scope("cp.grad_all_reduce"):
-                            for p in model.parameters():
+                            for p in model.parameters():  # (no local name: it would keep the last gradient)
                                 if p.grad is not None:
-                                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                                    dist.all_reduce(grad, group=mesh.get_group())
-                                    grad.div_(setup.cp)
+                                    local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                                    dist.all_reduce(local, group=mesh.get_group())
+                                    local.div_(setup.cp)
+                                    del local
                     tracker.scan()
             with tracker.phase(Phase.OPTIMIZER, step):
                 optimizer.step()

@@ -300,13 +300,14 @@ class _Transform:
         outside this rank's rows masked: a bool mask and the shifted ids, torch/distributed/tensor/_ops/
         _embedding_ops.py `MaskPartial._partition_value`) gives a Partial (B, T, D), all-reduced (reduce-
         scattered with SP). Its backward makes the whole (V, D) gradient table (embedding_dense_backward on
-        Replicate), then this rank's rows where a tied head's Shard(0) gradient is added to it."""
+        Replicate), then this rank's rows where a tied head's Shard(0) gradient is added to it; untied, that table is
+        the gradient itself (`grad_shapes`: measured, one (V, D) block, no copy)."""
         B, T = self.B, self.T
         out = op.outputs[0]
         partial = replace(out, name=f"{op.name}.partial")
         V, D = self.param_shape[self.embedding_weight]
-        dense = TensorSpec(f"{op.name}.grad_dense", (V, D), out.dtype, False)
-        bwd = (dense,) + ((TensorSpec(f"{op.name}.grad_rows", (self.c(V), D), out.dtype, False),) if self.tied else ())
+        bwd = (TensorSpec(f"{op.name}.grad_dense", (V, D), out.dtype, False),
+               TensorSpec(f"{op.name}.grad_rows", (self.c(V), D), out.dtype, False)) if self.tied else ()
         self.emit(replace(op, outputs=(partial,), workspace=(
             TensorSpec(f"{op.name}.mask", (B, T), "bool", False),
             TensorSpec(f"{op.name}.masked_ids", (B, T), "int64", False)), bwd_workspace=bwd))
