@@ -46,9 +46,11 @@ deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Model 
 mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor.py rewrites the tape into a
 tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; context.py (with
 ring.py) into a context-parallel rank's; stages.py cuts it into a pipeline rank's stages (the layout, the schedules'
-actions) and pipeline.py wraps the engine in `PipelineEngine`, which replays them in the schedule's order. checks.py
-says what each degree is checked against and what is not simulated yet. The data-parallel engine sees its dp group
-only (`setup.dp` ranks, the builder's `dp_rank`).
+actions) and pipeline.py wraps the engine in `PipelineEngine`, which replays them in the schedule's order; expert.py
+holds an expert-parallel rank's experts and token dispatch (written into its Mixtral tape) and wraps the engine in
+`ExpertParallelEngine`. checks.py says what each degree is checked against and what is not simulated yet. The
+data-parallel engine sees its dp group only (`setup.dp` ranks, the builder's `dp_rank`; dp x cp when FSDP2 folds
+context parallelism in, mesh.py `folds_cp`).
 """
 
 from __future__ import annotations
