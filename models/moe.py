@@ -196,8 +196,7 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
     (hist,) = w.op(f"{x}.histc", "histc", [ids_f], [w.t(f"{x}.tokens_per_expert", (E,), "fp32", False)])
     ep_locals = ()
     if w.setup.ep > 1:  # torchtitan's token dispatch: this rank's experts get their rows from every rank
-        rows, ep_idx, offs, ep_locals = expert_dispatch(w, x, gathered, hist, counts, E)
-        routed = sum(w.tape.received_rows[-1])
+        rows, routed, ep_idx, offs, ep_locals = expert_dispatch(w, x, gathered, hist, counts, E)
     else:
         (offs,) = w.op(f"{x}.offsets", "cumsum", [hist], [w.t(f"{x}.offsets", (E,), "int32", False)])
         rows, routed = gathered, S
@@ -215,7 +214,7 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
                    saves=(prod.name, offs.name), params=(f"{x}.down_proj",), saved_params=(f"{x}.down_proj",),
                    flops=2 * routed * F * D)
     if w.setup.ep > 1:  # torchtitan's combine: the rows back to the ranks of their tokens
-        down = expert_combine(w, x, down, ep_idx, S)
+        down = expert_combine(w, x, down, ep_idx, routed, S)
     wdt = "fp32" if "fp32" in (pdt, weights_g.dtype) else pdt
     (weighted,) = w.op(f"{x}.weigh", "mul", [down, weights_g], [w.t(f"{x}.weighted", (S, D), wdt)],
                        saves=(down.name, weights_g.name), bwd_workspace=(w.t(f"{x}.weigh.grad_temp", (S, D), wdt, False),))

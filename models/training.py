@@ -393,7 +393,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     if setup.pp > 1:
         graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
     if setup.ep > 1:
-        graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup)
+        graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup, model.num_experts_per_tok)
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)
         graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"

@@ -48,11 +48,11 @@ from dataclasses import dataclass
 import torch
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.parallel.expert import TOKEN_GROUP_ALIGN_SIZE_M
 from ..simulator.events import EventLog, Phase
 from .distributed import free_loopback_port, gloo_group, holders, spawn_ranks, wait_released, ReleaseCount
 from .store import load_log, save_log
 
-TOKEN_GROUP_ALIGN_SIZE_M = 8  # torchtitan/distributed/expert_parallel.py: rows of each expert's group, bf16 / fp32
 ROUTINGS = ("measured", "worst")
 RELEASE_TIMEOUT_S = 5.0
 
@@ -271,7 +271,8 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
     counts = recorder.document(setup.micro_batch, setup.seq_len, cfg.name)
     optimizer = torch_optimizer(model.parameters(), setup, 0.0)
     if edp_groups is not None:  # the experts' replicas average their gradients in place before the step
-        experts = [p for n, p in model.named_parameters() if n in set(ignored)]
+        names = set(ignored)
+        experts = [p for n, p in model.named_parameters() if n in names]
         step = optimizer.step
 
         def synced_step(*args, **kwargs):

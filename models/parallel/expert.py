@@ -79,8 +79,9 @@ def padded_rows(got: list[int], ep: int, align: int = TOKEN_GROUP_ALIGN_SIZE_M) 
 
 def expert_dispatch(w, x: str, gathered: TensorSpec, hist: TensorSpec, counts, E: int):
     """The ops from the histogram to the permuted rows (see the module notes), on rank `w.ep_rank` of
-    `w.setup.ep`: returns (the P permuted rows, the permutation's indices, the groups' offsets, the locals released
-    when the experts return). The rows received in this layer are appended to `w.tape.received_rows`."""
+    `w.setup.ep`: returns (the P permuted rows, R the rows received, the permutation's indices, the groups' offsets,
+    the locals released when the experts return). The rows received in this layer are appended to
+    `w.tape.received_rows`."""
     ep = w.setup.ep
     S, D = gathered.shape
     got = received(counts, ep, w.ep_rank)
@@ -102,13 +103,13 @@ def expert_dispatch(w, x: str, gathered: TensorSpec, hist: TensorSpec, counts, E
     (permuted,) = w.op(f"{x}.permute", "index", [stacked, pad, idx], [w.t(f"{x}.permuted", (P, D), dt)],
                        saves=(idx.name,), bwd_workspace=(w.t(f"{x}.permute.zeros", (R + 1, D), dt, False),))
     w.release(f"{x}.permute.return", [stacked, pad, routed])
-    return permuted, idx, offs, (sent, recv, gathered)
+    return permuted, R, idx, offs, (sent, recv, gathered)
 
 
-def expert_combine(w, x: str, down: TensorSpec, idx: TensorSpec, S: int) -> TensorSpec:
+def expert_combine(w, x: str, down: TensorSpec, idx: TensorSpec, R: int, S: int) -> TensorSpec:
     """`_unpermute` into an (R + 1)-row buffer (written as its R-row view and its last row), the grouped matmul's
     output dropped, then the all-to-all back into the S rows (returned)."""
-    R, D = sum(w.tape.received_rows[-1]), down.shape[1]
+    D = down.shape[1]
     dt = down.dtype
     view, last = w.op(f"{x}.unpermute", "index_put", [down, idx], [w.t(f"{x}.returning", (R, D), dt),
                                                                    w.t(f"{x}.returning_last_row", (1, D), dt, False)],
@@ -179,19 +180,14 @@ def expert_classes(tape_of, setup) -> dict:
     return {ranks[0]: RankRanges([(r, r + 1) for r in ranks]) for ranks in groups.values()}
 
 
-def expert_metadata(tape_of, classes, setup) -> dict:
+def expert_metadata(tape_of, classes, setup, top_k: int) -> dict:
     """What the report says of expert parallelism: experts per rank, the routing, and the rows each class of
-    ranks receives per MoE layer (S = the rows each rank sends)."""
+    ranks receives per MoE layer (each rank sends tokens x `top_k`)."""
     first = tape_of(0)
     experts = next(p.shape[0] for p in first.params if p.name in first.local_params)
     return {"ep": setup.ep, "experts_per_rank": experts, "routing": setup.moe_routing or "balanced",
-            "sent_rows": setup.micro_batch * setup.seq_len * _top_k(first),
+            "sent_rows": setup.micro_batch * setup.seq_len * top_k,
             "received_rows": {str(r): [sum(rows) for rows in tape_of(r % setup.ep).received_rows] for r in classes}}
-
-
-def _top_k(tape) -> int:
-    """Rows a rank sends per layer over its tokens: tokens x top-k, read off the tape's router."""
-    return next(op.outputs[0].shape[1] for op in tape.ops if op.name.endswith(".gate.topk"))
 
 
 __all__ = ["ExpertParallelTape", "ExpertParallelEngine", "TOKEN_GROUP_ALIGN_SIZE_M", "EXPERT_WEIGHTS", "local_experts",
