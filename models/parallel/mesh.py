@@ -122,7 +122,8 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
                  tapes: MeshTapes | None = None):
     """The GraphBuilder of global `rank`: the tape made tensor-parallel (its tp coordinate) and context-parallel
     (its cp coordinate), cut into its pipeline stages (its pp coordinate), replayed under the data-parallel engine
-    of its dp coordinate (with cp when FSDP2 folds it, `shard_rank`); the tensor-parallel hooks wrap that engine. Blocks and ops carry the global rank. `tapes` shares the local tapes
+    of its dp coordinate (with cp when FSDP2 folds it, `shard_rank`); the tensor-parallel hooks wrap that engine.
+    Blocks and ops carry the global rank. `tapes` shares the local tapes
     between the builders of one description."""
     from ..training import GraphBuilder
     from .expert import ExpertParallelEngine
@@ -151,7 +152,7 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     from .tensor import tensor_parallel_classes
 
     setup = tapes.setup
-    if setup.ep > 1:  # expert parallelism alone: ranks that receive the same rows in every layer are alike
+    if setup.ep > 1:  # expert parallelism with dp only: ranks that receive the same rows in every layer are alike
         from .expert import expert_classes
         return expert_classes(tapes.ep_tape, setup)
     if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
