@@ -68,7 +68,7 @@ class SimulatedRun:
 def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
     """Describe and simulate `scenario`; `ranks`: the representative ranks when already known (their
     classes do not depend on checkpointing, and finding them is most of a large data-parallel describe)."""
-    graph = describe(scenario.model, scenario.setup, scenario.device, ranks=ranks)
+    graph = describe(scenario.model, scenario.setup, scenario.device, ranks=ranks, torch_version=scenario.torch_version)
     graph.metadata.update(device_settings(scenario))
     log = simulate(graph)
     rank, peak = device_peak(log)

@@ -18,7 +18,7 @@ CUDA device profile some ops run other kernels that allocate and save other tens
 from torch's sources: torch 2.6 (the version of the real GPU snapshots; aten/src/ATen/native/transformers/
 cuda/sdp_utils.cpp as of 2.5.1-2.6, with cuDNN after math in its priority order, flash on sm80-sm90) and the
 source stored for the latest torch ("2.13", the version pinned here: flash rng state on the device, cuDNN
-first on sm90/sm100 with cuDNN > 9.15, memory-efficient attention with GQA, flash/efficient up to sm121).
+first on sm90/sm100 with cuDNN > 9.15, flash/efficient up to sm121).
 - `sdpa_backend`: which SDPA kernel `F.scaled_dot_product_attention` runs on CUDA (select_sdp_backend).
 - `sdpa_kernel`: what that kernel allocates, saves for backward and uses as temporaries (the math backend is
   torch's composite of ordinary ops: the caller writes those).
@@ -80,6 +80,17 @@ def sdpa_rules(torch_version: str) -> str:
     return key
 
 
+def kernel_rules(torch_version: str) -> str:
+    """The SDPA rule set that holds for a torch version: "2.6" for 2.6.x and older, else "2.13" (the device rng
+    state of flash came with 2.7; the latest source stands for every later version)."""
+    m = str(torch_version).strip().split(".")
+    try:
+        major, minor = int(m[0]), int(m[1])
+    except (ValueError, IndexError):
+        raise ValueError(f"torch_version {torch_version!r} is not a version (e.g. 2.6, 2.11)") from None
+    return "2.6" if (major, minor) <= (2, 6) else "2.13"
+
+
 def _sm(cc, lo: tuple[int, int], hi: tuple[int, int]) -> bool:
     # sdp_utils.cpp check_sm_version<lower, upper>: inclusive on (major, minor)
     return lo <= tuple(cc) <= hi
@@ -129,8 +140,10 @@ def _can_efficient(v, dtype, hd, hd_v, cc, n_head, n_kv, gqa) -> bool:
     align = _gemm_alignment(dtype, cc)  # check_head_dim_size_mem_efficient
     if not (hd % align == 0 and hd_v % align == 0 and hd > 0 and hd_v > 0):
         return False
-    # dense constraints: 2.6 check_batch_size_and_num_heads_dense<false> (no GQA); 2.13 supports GQA
-    if not _heads_ok(n_head, n_kv, gqa, v == "2.13"):
+    # dense constraints: check_batch_size_and_num_heads_dense<false> (no GQA). Under "2.13" too: torch 2.13's own
+    # fake kernel of the backward (torch/_meta_registrations.py meta__scaled_dot_product_efficient_backward)
+    # returns grad_k / grad_v at the query's heads, which autograd refuses for fewer key heads
+    if not _heads_ok(n_head, n_kv, gqa, False):
         return False
     return dtype in (("fp16", "fp32", "bf16") if cc[0] >= 8 else ("fp16", "fp32"))  # check_tensor_dtype
 

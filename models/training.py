@@ -58,16 +58,18 @@ from .moe import active_params, check_routing, has_experts
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 _new = object.__new__
-TRACED_ON_CPU = ("traced on fake CPU tensors: the bytes are the CPU program's (CPU autocast op lists) except "
-                 "SDPA, rewritten to the CUDA kernel torch picks (models/trace/gpu_paths.py)")
+TRACED_ON_CPU = ("traced on fake CPU tensors as torch dispatches for CUDA tensors (models/trace/cuda_program.py): "
+                 "CUDA's autocast op lists, the SDPA kernel torch picks on this GPU, the fused dropout")
 
 
-def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_rank: int = 0) -> Tape:
-    """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s."""
+def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_rank: int = 0,
+               cuda: tuple[tuple[int, int], str] | None = None) -> Tape:
+    """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s. A
+    traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
     if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
         from .trace import traced_tape
-        return traced_tape(model, setup, cpu)
+        return traced_tape(model, setup, cpu, cuda)
     if isinstance(model, TransformerConfig):
         if setup.seq_len > model.max_seq_len:
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
@@ -332,7 +334,7 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
 
 @gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
-             ranks: list[int] | None = None, all_steps: bool = False) -> OpGraph:
+             ranks: list[int] | None = None, all_steps: bool = False, torch_version: str = "2.6") -> OpGraph:
     """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
     (metadata `steps_simulated`; later steps repeat them, see `StepPlan`), or every step (`all_steps`).
 
@@ -343,17 +345,19 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
       `rank_class_ranges`  every class's ranks as inclusive [first, last] ranges, ascending
                            ({"0": [[0, 1016], [1018, 1023]], "1017": [[1017, 1017]]}): any world size;
       `rank_classes`       every class's ranks listed ({"0": [0, 1, ...]}), or null for a class of more than
-                           RANK_LIST_LIMIT (65,536) ranks, whose list would outweigh the rest of the run."""
+                           RANK_LIST_LIMIT (65,536) ranks, whose list would outweigh the rest of the run.
+    On a GPU profile a traced model is the CUDA program of `torch_version`'s kernel rules (models/trace)."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
-    tape = build_tape(model, setup, profile.is_cpu)
+    cuda = (profile.compute_capability, torch_version) if profile.is_cuda else None
+    tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
     if setup.cp > 1 and not profile.is_cpu:
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
     graph, ids = OpGraph(), itertools.count(1)
     model_parallel = is_model_parallel(setup)
-    tapes = MeshTapes(tape, setup, lambda ep_rank: build_tape(model, setup, profile.is_cpu, ep_rank)) \
+    tapes = MeshTapes(tape, setup, lambda ep_rank: build_tape(model, setup, profile.is_cpu, ep_rank, cuda)) \
         if model_parallel else None
     if ranks is None and model_parallel:  # classes on the mesh: tp class x pipeline stage x dp class
         classes = mesh_classes(tapes, profile, engine_classes)

@@ -45,7 +45,7 @@ def trace(hf_config=None, *, module: str | None = None, name: str | None = None,
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak)."""
-    graph = describe(scenario.model, scenario.setup, scenario.device)
+    graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version)
     graph.metadata.update(device_settings(scenario), device_capacity=budget)
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
@@ -66,7 +66,8 @@ def fits(report: Report, budget: int) -> bool:
 
 def fixed_state_peak(scenario: Scenario) -> int:
     """Highest bytes of parameters + master weights + gradients + optimizer states at any moment."""
-    graph = describe(scenario.model, dataclasses.replace(scenario.setup, micro_batch=1), scenario.device)
+    graph = describe(scenario.model, dataclasses.replace(scenario.setup, micro_batch=1), scenario.device,
+                     torch_version=scenario.torch_version)
     log = simulate(graph)
     best = 0
     for rank in graph.metadata["rank_classes"]:

@@ -40,12 +40,13 @@ _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not 
 _REAL_BATCH: dict = {}
 
 
-def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
+def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
     mb = setup.micro_batch if "micro_batch" in model.varies else None
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
             tuple(setup.frozen), setup.checkpointing != "none",
-            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize), setup.passes)
+            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize), setup.passes,
+            target)
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:
@@ -57,9 +58,10 @@ def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
         raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's maximum positions {model.max_seq_len}")
 
 
-def recording(model: TracedModel, setup: TrainingSetup):
-    """The recording of one micro-batch of `model` under `setup` (cached, see the module docstring)."""
-    key = _key(model, setup)
+def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = None):
+    """The recording of one micro-batch of `model` under `setup` (cached, see the module docstring): the CPU
+    program, or with `target` = (compute capability, torch version) the CUDA program (cuda_program.py)."""
+    key = _key(model, setup, target)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -79,13 +81,18 @@ def recording(model: TracedModel, setup: TrainingSetup):
 
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_autocast_name(setup) or "")
     what = "module" if model.kind == "module" else "hf_config"
+    program = None
+    if target is not None:
+        from .cuda_program import cuda_program
+        program = cuda_program(*target)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
         _adopt(net, mode)
         freeze(net, setup.frozen)
         batch, values = _fake_batch(mode, batch)
         try:
-            rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast, values=values)
+            rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast, values=values,
+                         program=program)
         except ConfigError:
             raise
         except Exception as e:  # the user's code, or an op fake tensors cannot run
@@ -167,21 +174,27 @@ def freeze(net, patterns) -> None:
 
 
 def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
-    """The repeated blocks of a traced model (its checkpointable layers, FSDP units), from its recording."""
-    return recording(model, setup).layers
+    """The repeated blocks of a traced model (its checkpointable layers, FSDP units), from its recording (any
+    program's: the module tree is the same on every device)."""
+    key = _key(model, setup)[:-1]
+    hit = next((r for k, r in _CACHE.items() if k[:-1] == key), None)
+    return (hit or recording(model, setup)).layers
 
 
-def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False) -> Tape:
-    """The recording as a tape; on a GPU profile (`cpu` False) its CPU kernels that CUDA runs differently are
-    rewritten as the CUDA ones (gpu_paths.py: SDPA)."""
+def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
+                cuda: tuple[tuple[int, int], str] | None = None) -> Tape:
+    """The recording as a tape: the CPU program (`cpu`), or the CUDA program of `cuda` = (compute capability,
+    torch version), recorded as torch dispatches for CUDA tensors (cuda_program.py), with the CUDA kernels'
+    temporaries no fake kernel shows (gpu_paths.py)."""
     from .convert import to_tape
 
-    rec = recording(model, setup)
+    target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
+    rec = recording(model, setup, target)
     tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
     if cpu:
         return tape
     from .gpu_paths import cuda_tape
-    return cuda_tape(tape)
+    return cuda_tape(tape, *target)
 
 
 def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):

@@ -34,7 +34,8 @@ from .realpath import SCALAR_READS, Shadows, cpu_fake_kernels, real_code_paths
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
-          torch.float64: "fp64", torch.int16: "int16", torch.complex64: "complex64"}
+          torch.float64: "fp64", torch.int16: "int16", torch.complex64: "complex64",
+          torch.uint64: "int64"}  # uint64: the philox seed / offset of CUDA SDPA kernels (8 bytes, as int64)
 
 
 @dataclass
@@ -281,11 +282,12 @@ def _graph_nodes(*roots) -> list:
 
 
 def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None = None,
-           values: dict | None = None) -> Recording:
+           values: dict | None = None, program=None) -> Recording:
     """Run one micro-batch of `model` (built under a FakeTensorMode that is active now) and record it.
     `values` maps batch tensors (fake) to their real values (see `Shadows`). `loss_fn` None: a forward pass
     only (`out = model(batch)`, autograd on): the graph's saves are recorded, no backward runs, and `del out`
-    frees them (models/config.py PASSES)."""
+    frees them (models/config.py PASSES). `program`: a context the whole run (recomputation included) goes
+    through, e.g. cuda_program.py's, which makes it the CUDA program; None: the CPU program."""
     rec = Recorder(model)
     for fake, real in (values or {}).items():
         rec.shadows.add(fake, real)
@@ -329,7 +331,8 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
              torch.nn.modules.module.register_module_forward_hook(post, always_call=True)]
     try:
-        with cpu_fake_kernels(), real_code_paths(), rec, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with cpu_fake_kernels(), real_code_paths(), program or _null(), rec, \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             rec.phase = "forward"
             ctx = torch.autocast("cpu", dtype=autocast) if autocast is not None else _null()
             with ctx:
