@@ -1,10 +1,11 @@
 """A run's memory on a CUDA device profile: allocated, reserved, fragmentation and the device total.
 
 `gpu_memory(log, rank)` replays the log through the caching-allocator model (simulator/device_memory.py)
-with the device profile's assumptions: the CUDA context (outside the allocator) and, with data
-parallelism, NCCL's buffers (models/gpu.py). The allocator settings are the run's `alloc_conf`
-(PYTORCH_CUDA_ALLOC_CONF syntax, in the log's metadata). On the "cpu" profile there is no caching
-allocator to model, and the functions here return None.
+with what lies outside the allocator: the CUDA context, cuBLAS and the kernels a training step loads, measured
+for the device profile and the run's `torch_version` where models/cuda_context.py has a measurement, assumed
+(and labelled so) where not (`context_of`), and, with data parallelism, NCCL's buffers (models/gpu.py,
+assumed). The allocator settings are the run's `alloc_conf` (PYTORCH_CUDA_ALLOC_CONF syntax, in the log's
+metadata). On the "cpu" profile there is no caching allocator to model, and the functions here return None.
 
 `fits(log, rank, budget)` is the OOM decision on a GPU: the allocator under a capacity of `budget`,
 with its free-the-cache-and-retry rule, not the allocated bytes against the budget.
@@ -13,6 +14,7 @@ with its free-the-cache-and-retry rule, not the allocated bytes against the budg
 from __future__ import annotations
 
 from ..models.costs import DEVICES, DeviceProfile
+from ..models.cuda_context import ASSUMED_ROW, CudaContext
 from ..models.gpu import nccl_buffer_bytes
 from ..simulator.device_memory import DeviceMemory, device_memory
 from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Phase, Pool
@@ -28,6 +30,15 @@ def device_settings(scenario) -> dict:
 def cuda_profile(log: EventLog) -> DeviceProfile | None:
     profile = DEVICES.get(log.metadata.get("device", ""))
     return profile if profile is not None and profile.is_cuda else None
+
+
+def context_of(log: EventLog) -> CudaContext | None:
+    """What the run's device holds outside the allocator besides NCCL's buffers, measured or assumed, for its
+    profile and `torch_version` (models/cuda_context.py); None when the device is not a CUDA profile."""
+    profile = cuda_profile(log)
+    if profile is None:
+        return None
+    return profile.context(log.metadata.get("torch_version", "2.6"), log.metadata.get("setup"))
 
 
 def outside_allocator(log: EventLog) -> dict[str, int]:
@@ -48,40 +59,56 @@ def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bo
     if capacity is None:
         capacity = log.metadata.get("device_capacity")
     before = frozenset({Phase.CHECKPOINT}) if log.metadata.get("empty_cache_before_save") else frozenset()
-    return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, profile.context_bytes,
+    return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, context_of(log).bytes,
                          outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"), stop,
                          events)
 
 
-def device_ledger(dm: DeviceMemory) -> list[dict]:
+def _context_rows(dm: DeviceMemory, ctx: CudaContext | None) -> list[tuple[str, int, bool, str | None]]:
+    """(row, bytes, assumed, source) of what `ctx` says lies outside the allocator; without it (a caller that
+    does not know the run), one assumed row of the replay's context."""
+    if ctx is None or ctx.bytes != dm.context:
+        return [(ASSUMED_ROW, dm.context, True, None)]
+    return [(row, nbytes, not ctx.measured, ctx.source) for row, nbytes in ctx.parts]
+
+
+def device_ledger(dm: DeviceMemory, ctx: CudaContext | None = None) -> list[dict]:
     """The device total at its peak, row by row: the tensors (the allocated ledger), the allocator's rounding and
-    cached free blocks, and what lies outside the allocator (assumptions of the device profile)."""
+    cached free blocks, and what lies outside the allocator (`ctx`: measured or assumed; NCCL's buffers, assumed).
+    `source`: the measurement's folder, for a row read from one."""
     p = dm.total_peak
-    rows = [("allocated (tensors)", p.allocated, False), ("allocated: 512 B rounding and unsplit blocks",
-                                                           p.allocated_blocks - p.allocated, False),
-            ("reserved, unallocated (cached free blocks)", p.fragmentation, False),
-            ("CUDA context and kernels", dm.context, True)]
-    rows += [(f"{name} buffers", nbytes, True) for name, nbytes in dm.outside.items()]
-    return [{"row": name, "bytes": nbytes, "unit": "B", "assumed": assumed} for name, nbytes, assumed in rows]
+    rows = [("allocated (tensors)", p.allocated, False, None), ("allocated: 512 B rounding and unsplit blocks",
+                                                                 p.allocated_blocks - p.allocated, False, None),
+            ("reserved, unallocated (cached free blocks)", p.fragmentation, False, None)]
+    rows += _context_rows(dm, ctx)
+    rows += [(f"{name} buffers", nbytes, True, None) for name, nbytes in dm.outside.items()]
+    return [{"row": name, "bytes": nbytes, "unit": "B", "assumed": assumed, "source": source}
+            for name, nbytes, assumed, source in rows]
 
 
-def device_json(dm: DeviceMemory | None) -> dict:
+def device_json(dm: DeviceMemory | None, ctx: CudaContext | None = None) -> dict:
     """The report's GPU keys (None on the cpu profile): `reserved_peak` and `device_total_peak` read like `peak`
-    ({bytes, op, phase, step, ...}); `device_memory` holds the rest."""
+    ({bytes, op, phase, step, ...}); `device_memory` holds the rest: `context_bytes` and `cuda_context` (its rows,
+    bytes, whether measured and the measurement's source; `context_of`) are what lies outside the allocator
+    besides `outside_allocator` (NCCL's buffers, assumed: `outside_assumed`)."""
     if dm is None:
         return {"reserved_peak": None, "device_total_peak": None, "device_memory": None}
     total = dict(dm.total_peak.as_json(), bytes=dm.total_peak.total)
     at_alloc = dm.at_allocated_peak
+    context = ctx.as_json() if ctx is not None and ctx.bytes == dm.context else {
+        "bytes": dm.context, "unit": "B", "measured": False, "label": "assumed", "source": None,
+        "rows": [{"row": ASSUMED_ROW, "bytes": dm.context}], "measurement": None}
     return {"reserved_peak": dm.reserved_peak.as_json(), "device_total_peak": total, "device_memory": {
-        "alloc_conf": dm.alloc_conf, "context_bytes": dm.context, "outside_allocator": dm.outside,
-        "outside_assumed": True, "segments_allocated": dm.segment_allocs, "segments_freed": dm.segment_frees,
-        "at_allocated_peak": at_alloc.as_json(), "ledger_at_device_total_peak": device_ledger(dm),
+        "alloc_conf": dm.alloc_conf, "context_bytes": dm.context, "cuda_context": context,
+        "outside_allocator": dm.outside, "outside_assumed": True, "segments_allocated": dm.segment_allocs,
+        "segments_freed": dm.segment_frees,
+        "at_allocated_peak": at_alloc.as_json(), "ledger_at_device_total_peak": device_ledger(dm, ctx),
         "fragmentation_at_reserved_peak": dm.reserved_peak.fragmentation,
         "largest_free_block_at_reserved_peak": dm.reserved_peak.largest_free}}
 
 
-def device_lines(dm: DeviceMemory, unit: str) -> list[str]:
-    """The text report's GPU block."""
+def device_lines(dm: DeviceMemory, unit: str, ctx: CudaContext | None = None) -> list[str]:
+    """The text report's GPU block; `ctx` (`context_of` the run) labels what lies outside the allocator."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     rp, ap = dm.reserved_peak, dm.at_allocated_peak
     e = rp.event
@@ -94,7 +121,8 @@ def device_lines(dm: DeviceMemory, unit: str) -> list[str]:
         f"  reserved peak    {f(rp.reserved):>14}  {where}",
         f"  fragmentation    {f(rp.fragmentation):>14}  reserved but unallocated at the reserved peak; largest free "
         f"block {f(rp.largest_free)}",
-        f"  device total     {f(dm.total_peak.total):>14}  = CUDA context {f(dm.context)} (assumed)"
+        f"  device total     {f(dm.total_peak.total):>14}  = "
+        + (ctx.text() if ctx is not None and ctx.bytes == dm.context else f"CUDA context {f(dm.context)} (assumed)")
         + (f" + {outside} (assumed)" if outside else "") + f" + reserved; {dm.segment_allocs:,} cudaMalloc, "
         f"{dm.segment_frees:,} cudaFree",
     ]

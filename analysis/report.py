@@ -21,7 +21,7 @@ from ..simulator.gcpause import gc_paused
 from ..simulator.timeline import PeakPoint, rank_events, rank_peak_points, timeline
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
-from .device import device_json, device_lines, gpu_memory
+from .device import context_of, device_json, device_lines, gpu_memory
 from .peaks import Peaks, peaks, with_headroom
 from ..simulator.device_memory import DeviceMemory
 from .units import format_bytes
@@ -200,7 +200,7 @@ def report_json(r: Report) -> dict:
         "transient_bytes": r.peaks.transient,
         "headroom": r.peaks.headroom,
         "capacity_needed": r.capacity_needed,
-        **device_json(r.gpu),
+        **device_json(r.gpu, context_of(r.log)),
         "ledger": [row.as_json() for row in r.ledger],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.peak) if r.host else None,
@@ -213,7 +213,7 @@ def report_json(r: Report) -> dict:
                   "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes,
                   "message": o.message or None}
                  for o in r.log.ooms],
-        "assumptions": md.get("assumptions", []),
+        "assumptions": assumptions(r),
     }
     if setup:
         tokens = md["tokens_per_step"]
@@ -237,6 +237,14 @@ def report_json(r: Report) -> dict:
         if r.log.events:
             out["simulated_time_per_step_s"] = run_seconds(r.log) / setup["steps"]
     return out
+
+
+def assumptions(r: Report) -> list[str]:
+    """The run's assumptions, with the line of what lies outside the allocator for its profile and torch version
+    (measured or assumed, analysis/device.py `context_of`), in place of the one a log written before it carries."""
+    ctx = context_of(r.log)
+    kept = [a for a in r.metadata.get("assumptions", []) if not a.startswith("CUDA context and kernels")]
+    return kept + ([ctx.assumption()] if ctx is not None else [])
 
 
 def _dp(setup: dict) -> int:
@@ -368,7 +376,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                          f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})"
                          f"{_stages(r.metadata, rp.rank)}")
     if r.gpu is not None:
-        lines += [""] + device_lines(r.gpu, unit)
+        lines += [""] + device_lines(r.gpu, unit, context_of(r.log))
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
     lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"
@@ -383,11 +391,12 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      f"needs {f(o.event.block.nbytes)} with {f(o.live_bytes)} live of {f(o.capacity)}")
         if o.message:
             lines.append(f"  torch would say: {o.message}")
-    if md.get("assumptions"):
+    listed = assumptions(r)
+    if listed:
         lines.append("")
         lines.append("assumptions (timing, and on a GPU what lies outside the allocator; the tensors' bytes do not "
                      "depend on them):")
-        lines += [f"  - {a}" for a in md["assumptions"]]
+        lines += [f"  - {a}" for a in listed]
     plan = run_plan(r.log)
     lines.append(f"{len(r.log.events):,} events" if not plan.truncated else
                  f"{len(r.log.events):,} events simulated ({run_events(r.log):,} in all {plan.steps} steps)")

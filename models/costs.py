@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ConfigError
+from .cuda_context import CudaContext, cuda_context
 
 
 @dataclass(frozen=True)
@@ -33,18 +34,27 @@ class DeviceProfile:
     interconnect: float = 450e9  # data-parallel bus bandwidth per rank, bytes/s (assumption)
     interconnect_latency: float = 10e-6  # seconds per ring hop (assumption)
     compute_capability: tuple[int, int] | None = None  # a CUDA GPU's (major, minor); None: not a CUDA device
-    context_bytes: int = 0  # CUDA context + loaded kernels, outside the caching allocator (assumption)
+    # CUDA context + loaded kernels outside the caching allocator, assumed where models/cuda_context.py has no
+    # measurement for the torch version (`context`)
+    context_bytes: int = 0
 
-    def assumptions(self) -> list[str]:
+    def context(self, torch_version: str | None, setup: dict | None = None) -> CudaContext | None:
+        """What the device holds outside the caching allocator with torch `torch_version`: measured or assumed
+        (models/cuda_context.py); None on a device that is not a CUDA GPU."""
+        return cuda_context(self, torch_version, setup)
+
+    def assumptions(self, torch_version: str | None = None, setup: dict | None = None) -> list[str]:
+        """The timing assumptions; with `torch_version`, on a CUDA GPU, the line of what lies outside the
+        allocator too (measured or assumed: it depends on the torch version, which the profile alone does not
+        know; the report adds it from the run's `torch_version`)."""
+        ctx = self.context(torch_version, setup) if torch_version is not None else None
         peaks = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in self.flops.items())
         return [f"{self.name}: vendor peak {peaks}; memory {self.bandwidth / 1e12:g} TB/s; host link "
                 f"{self.host_link / 1e9:g} GB/s (assumed, not measured)",
                 f"efficiency assumed {self.flops_efficiency:.0%} of peak FLOP/s, {self.bandwidth_efficiency:.0%} "
                 f"of bandwidth, {self.launch_latency * 1e6:g} us per op",
                 f"collectives: ring over {self.interconnect / 1e9:g} GB/s per rank, "
-                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"] + ([
-                f"CUDA context and kernels {self.context_bytes / 2**20:g} MiB outside the caching allocator (assumed; "
-                f"sm{self.compute_capability[0]}{self.compute_capability[1]})"] if self.is_cuda else [])
+                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"] + ([ctx.assumption()] if ctx else [])
 
     @property
     def is_cuda(self) -> bool:
@@ -70,7 +80,8 @@ class DeviceProfile:
 
 
 GiB = 2**30
-CONTEXT = 512 << 20  # assumption: a torch 2.x process's CUDA context with lazily loaded kernels, ~0.5 GiB
+CONTEXT = 512 << 20  # assumption where nothing is measured (models/cuda_context.py): a torch 2.x process's CUDA
+# context with lazily loaded kernels, ~0.5 GiB
 DEVICES = {
     "A100-80GB": DeviceProfile("A100-80GB", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
                                bandwidth=2.039e12, host_link=25e9, interconnect=300e9, compute_capability=(8, 0),
