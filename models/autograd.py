@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from ..simulator.events import Block, Category, Phase
 from .config import dtype_bytes
+from .gpu import gemm_takes_cublaslt
 from . import replay_template
 from .replay_offload import OffloadedSaves
 from .replay_recorded import RecordedBackward
@@ -81,7 +82,7 @@ def replace_grad(replay, tensor: str, block: Block) -> list[int]:
 
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
         "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
-        "input_bytes", "plan_params")  # and the bytes each op reads, the parameters its ops read
+        "input_bytes", "plan_params", "lt")  # and the bytes each op reads, the parameters its ops read, their GEMMs' path
 
 
 class MicroBatchReplay(RecordedBackward, OffloadedSaves):
@@ -133,6 +134,11 @@ class MicroBatchReplay(RecordedBackward, OffloadedSaves):
             specs = self.specs
             self.input_bytes = [sum([specs[n].nbytes for n in op.inputs]) for op in tape.ops]
             self.plan_params = tuple(dict.fromkeys(p for op in tape.ops for p in op.params))
+            shape = builder.param_shape
+            # each op's GEMM takes the cuBLASLt path on CUDA (models/gpu.py; the builder adds its workspace)
+            self.lt = [bool(op.flops) and gemm_takes_cublaslt(
+                op.kind, [specs[n].shape for n in op.inputs] + [shape[p] for p in op.params if p in shape],
+                op.outputs[0].shape if op.outputs else (), op.outputs[0].dtype if op.outputs else "") for op in tape.ops]
             if plans is not None:
                 plans[key] = (tape, self.trainable, outputs, {name: getattr(self, name) for name in PLAN})
 
@@ -338,7 +344,7 @@ class MicroBatchReplay(RecordedBackward, OffloadedSaves):
         suffix = ".cached" if reused else ".recompute" if recomputing else ""
         self.b.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, self.step, self.mb, allocs,
                   frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
-                  recompute=recomputing)
+                  recompute=recomputing, lt=self.lt[i])
         if packed:
             self._copy_op(f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
 

@@ -9,6 +9,18 @@ lies outside the allocator (counted in the device total only):
   workspace). Handles are per thread: the forward runs on the Python thread, backward on autograd's
   device thread, so a training step holds two. Size (getChosenWorkspaceSize): 32 MiB (":4096:8") on sm90,
   else ":4096:2:16:8" = 8 MiB + 128 KiB. Seen in the shared H100 snapshots: 33,554,432 B blocks.
+- cuBLASLt workspace (torch 2.11): one more block per (cuBLAS handle, stream), allocated through the caching
+  allocator right after the cuBLAS workspace at the handle's first GEMM that takes the cuBLASLt path, and never
+  freed (CublasHandlePool.cpp getCUDABlasLtWorkspace, cublaslt_handle_stream_to_workspace; on CUDA the Lt handle
+  is the cuBLAS handle, so it is per thread too). Size getCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE,
+  default 1024 KiB (below the cuBLAS workspace, so the size's "unified" cap leaves it). Not shared with the cuBLAS
+  workspace unless TORCH_CUBLASLT_UNIFIED_WORKSPACE=1. Which GEMMs take the Lt path: `addmm_takes_cublaslt`.
+  Seen in the H200 snapshots (torch 2.11): 1,048,576 B after the 33,554,432 B workspace at the first biased
+  linear, a second one when a checkpointed region's recompute runs one on autograd's thread. Other versions
+  (`cublaslt_workspace_bytes`): torch 2.6 gave each Lt call a workspace of its own, freed when the call returned
+  (persistent per handle and stream only since pytorch#156495, June 2025), whose default size on sm90 in 2.6 is not
+  established here (pytorch#120925 raised it to 32 MiB on sm9x in 2024; 2.11's source is back at 1 MiB): not
+  modelled. After 2.11 (pytorch#175879) the Lt path uses the cuBLAS workspace by default: no block of its own.
 - CUDA context and the loaded kernels: outside the allocator; an assumption per device profile.
 - NCCL communicator buffers (world size > 1): outside the allocator; NCCL_BUFFSIZE (4 MiB, NCCL's default)
   per channel for the ring's send and receive peers, times an assumed channel count.
@@ -45,6 +57,7 @@ Not modelled (cannot be established from the sources with certainty, or needs wh
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import prod
 
@@ -58,6 +71,56 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
     if compute_capability == (9, 0):
         return 4096 * 1024 * 8
     return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+CUBLASLT_WORKSPACE_KIB = 1024  # CublasHandlePool.cpp parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE's default
+CUBLASLT_DTYPES = ("fp64", "fp32", "fp16", "bf16")  # Blas.cpp isInputCompliesAddmmCudaLt: the dtypes Lt takes
+LINEAR_KINDS = ("linear", "frozen_linear")  # the hand-written describers' F.linear (models/transformer.py, lora.py)
+
+
+def _major_minor(torch_version: str) -> tuple[int, int]:
+    m = re.match(r"\s*(\d+)\.(\d+)", str(torch_version))
+    if m is None:
+        raise ValueError(f"torch_version {torch_version!r} is not a version (e.g. 2.6, 2.11)")
+    return int(m.group(1)), int(m.group(2))
+
+
+def cublaslt_workspace_bytes(torch_version: str) -> int:
+    """The persistent cuBLASLt workspace of one (cuBLAS handle, stream) under `torch_version` (module docstring):
+    1 MiB in torch 2.11 (CublasHandlePool.cpp getCUDABlasLtWorkspace, a block of its own); 0 where none is
+    modelled (2.6: a workspace per call, size not established; after 2.11: the cuBLAS workspace is used)."""
+    return CUBLASLT_WORKSPACE_KIB * 1024 if _major_minor(torch_version) == (2, 11) else 0
+
+
+def addmm_takes_cublaslt(m: int, k: int, n: int, bias_shape: tuple[int, ...] | None, dtype: str) -> bool:
+    """Whether CUDA's addmm of a (m, k) by (k, n) product plus `bias` runs through cuBLASLt (gemm_and_bias):
+    aten/src/ATen/native/cuda/Blas.cpp addmm_out_cuda_impl / isInputCompliesAddmmCudaLt, with beta 1 (F.linear and
+    Conv1D's addmm), a new contiguous 2-D result, and DISABLE_ADDMM_CUDA_LT unset: a contiguous bias that is 1-D
+    (or squeezes to 1-D) of n elements, a dtype Lt takes, and every matrix dim above 1 (CUDA >= 12.1 builds: no
+    size limits). Everything else, mm (beta 0) included, runs cuBLAS's gemm (the default blas backend)."""
+    if bias_shape is None or not bias_shape or bias_shape[-1] != n or prod(bias_shape) != n:
+        return False
+    return dtype in CUBLASLT_DTYPES and m > 1 and k > 1 and n > 1
+
+
+def gemm_takes_cublaslt(kind: str, operands: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: str) -> bool:
+    """`addmm_takes_cublaslt` for a tape op: `operands` are the shapes of what it reads, in order (inputs, then
+    parameters). F.linear (`LINEAR_KINDS`: input, 2-D weight, 1-D bias) is addmm on the input flattened to 2-D
+    when it is 2-D or 3-D (aten/src/ATen/native/Linear.cpp linear, _flatten_nd_linear; the describers' inputs are
+    contiguous). A traced aten addmm (kind "addmm": bias, mat1, mat2 in some order, the bias 1-D) reads m and n
+    off its 2-D output and k off the operand of m rows."""
+    if kind in LINEAR_KINDS:
+        if not operands or len(operands[0]) not in (2, 3):
+            return False
+        x = operands[0]
+        bias = next((s for s in operands[1:] if len(s) == 1), None)
+        return addmm_takes_cublaslt(prod(x[:-1]), x[-1], out_shape[-1], bias, dtype)
+    if kind != "addmm" or len(out_shape) != 2:
+        return False
+    m, n = out_shape
+    bias = next((s for s in operands if len(s) == 1), None)
+    mat1 = next((s for s in operands if len(s) == 2 and s[0] == m), None)
+    return mat1 is not None and addmm_takes_cublaslt(m, mat1[1], n, bias, dtype)
 
 
 def nccl_buffer_bytes(world_size: int) -> int:

@@ -17,8 +17,8 @@ order, and the state it leaves, its blocks named by position), and each backward
 (the replay's, named the same way, plus which parameters hold a `.grad`): a micro-batch whose parameters have no
 `.grad` yet starts from another state than one accumulating into them, and gets a recording of its own. A later
 replay of the plan plays the forward (`GraphBuilder.play`: the same blocks with fresh ids, the same ops through the builder,
-which still adds what depends on the rank's history, the stream order and the cuBLAS workspace of a thread's
-first GEMM) and takes on the recorded state; its backward is played when it starts from a recorded state, and
+which still adds what depends on the rank's history, the stream order and the cuBLAS (and cuBLASLt) workspace of
+a thread's first GEMM) and takes on the recorded state; its backward is played when it starts from a recorded state, and
 otherwise runs and is recorded. A pass a recording cannot name (a block or op that is neither the pass's nor one
 of the state's, an op of another step or micro-batch) is never recorded: that plan's pass always runs.
 """
@@ -232,7 +232,7 @@ class _Recorder:
         return blk
 
     def op(self, name, phase, step, micro_batch, allocs, frees, flops=0, bytes_moved=0, recompute=False,
-           stream=Stream.COMPUTE, duration=None, after=()):
+           stream=Stream.COMPUTE, duration=None, after=(), lt=False):
         index = self.index
         try:
             if step != self.replay.step or micro_batch != self.replay.mb:
@@ -246,9 +246,9 @@ class _Recorder:
         self.inside = True
         try:
             op = type(self.b).op(self.b, name, phase, step, micro_batch, allocs, frees, flops, bytes_moved, recompute,
-                                 stream, duration, after)
+                                 stream, duration, after, lt)
         finally:
             self.inside = False
         self.ops[op.id] = len(self.ops)
-        self.actions.append((op, a, f, deps))
+        self.actions.append((op, a, f, deps, lt))
         return op

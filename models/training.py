@@ -41,7 +41,7 @@ from .rank_ranges import RankRanges
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
-from .gpu import cublas_workspace_bytes
+from .gpu import cublas_workspace_bytes, cublaslt_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine, own_dtype
@@ -101,10 +101,12 @@ class GraphBuilder:
 
     def __init__(self, tape: Tape, setup: TrainingSetup, device: DeviceProfile, rank: int = 0,
                  graph: OpGraph | None = None, block_ids: itertools.count | None = None, *,
-                 dp_rank: int | None = None, pipeline_group: int = 0) -> None:
+                 dp_rank: int | None = None, pipeline_group: int = 0, torch_version: str | None = None) -> None:
         """`tape` is the rank's own (models/parallel/mesh.py `rank_builder` makes it for a model-parallel rank,
         with the local setup); `rank` is global (blocks and ops carry it), `dp_rank` the rank's place in its
-        data-parallel group (default: `rank`), `pipeline_group` names the pipeline its stages' sends link."""
+        data-parallel group (default: `rank`), `pipeline_group` names the pipeline its stages' sends link.
+        `torch_version`: whose CUDA library rules apply (the cuBLASLt workspace); default: the one `describe`
+        puts in the graph's metadata while it builds, else "2.6"."""
         self.tape = tape
         self.setup = setup
         self.device = device
@@ -114,7 +116,11 @@ class GraphBuilder:
         self.graph = graph if graph is not None else OpGraph()
         self._block_ids = block_ids if block_ids is not None else itertools.count(1)
         self._last_on_stream: dict[Stream, int] = {}
-        self._workspaces: set[str] = set()  # threads whose cuBLAS handle holds its workspace
+        self._workspaces: set[str] = set()  # threads whose cuBLAS handle holds its workspace ("<thread>.lt": Lt's)
+        if torch_version is None:
+            torch_version = self.graph.metadata.get("torch_version", "2.6")
+        self.torch_version = torch_version
+        self._lt_workspace = cublaslt_workspace_bytes(torch_version) if device.is_cuda else 0
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
@@ -135,12 +141,13 @@ class GraphBuilder:
 
     def op(self, name: str, phase: Phase, step: int, micro_batch: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,
-           duration: float | None = None, after=()) -> Op:
-        """Add an op after the previous op of its stream (streams run in order) and after `after`."""
+           duration: float | None = None, after=(), lt: bool = False) -> Op:
+        """Add an op after the previous op of its stream (streams run in order) and after `after`. `lt`: the op's
+        GEMM takes the cuBLASLt path (models/gpu.py `gemm_takes_cublaslt`)."""
         if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.compute_dtype), inline
             duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
         if self._cuda and flops and stream is Stream.COMPUTE and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
-            allocs = self._cublas_workspace(phase, recompute) + tuple(allocs)
+            allocs = self._cublas_workspace(phase, recompute, lt) + tuple(allocs)
         op_id = len(self.graph)
         op = new_op(op_id, name, stream, phase, step, micro_batch, duration, self.rank, tuple(allocs), tuple(frees),
                     flops, recompute)
@@ -159,8 +166,8 @@ class GraphBuilder:
         the blocks it was given to allocate and free, the places among the pass's ops of the ops it was to follow).
         Each op keeps its fields but the id, step, micro-batch and blocks (a dict in `Op`'s order), the place of
         the op before it on its stream in the pass (None: the rank's op before the pass), its `after`, and the
-        thread whose cuBLAS workspace `op` would give it at the thread's first GEMM; with the last op of each
-        stream in the pass."""
+        workspaces `op` would give it at its thread's first GEMM (and first cuBLASLt GEMM): their keys and its
+        `lt`, or None; with the last op of each stream in the pass."""
         out: list = []
         last: dict[Stream, int] = {}
         k = 0
@@ -168,11 +175,12 @@ class GraphBuilder:
             if type(act) is Block:
                 out.append(act)
                 continue
-            op, allocs, frees, after = act
-            thread = None
+            op, allocs, frees, after, lt = act
+            workspaces = None
             if self._cuda and op.flops and op.stream is Stream.COMPUTE and op.phase in (Phase.FORWARD, Phase.BACKWARD):
-                thread = "forward" if op.phase is Phase.FORWARD and not op.recompute else "autograd"
-            out.append((dict(op.__dict__), op.stream, allocs, frees, last.get(op.stream), after, thread))
+                thread = self._thread(op.phase, op.recompute)
+                workspaces = ((thread, f"{thread}.lt") if lt and self._lt_workspace else (thread,)), lt
+            out.append((dict(op.__dict__), op.stream, allocs, frees, last.get(op.stream), after, workspaces))
             last[op.stream] = k
             k += 1
         return out, list(last.items())
@@ -192,10 +200,10 @@ class GraphBuilder:
                 d["id"] = next(ids)
                 tab.append(blk)
                 continue
-            fields, stream, a, f, prev, after, thread = act
+            fields, stream, a, f, prev, after, gemm = act
             allocs = tuple([tab[j] for j in a])
-            if thread is not None and thread not in workspaces:
-                allocs = self._cublas_workspace(fields["phase"], fields["recompute"]) + allocs
+            if gemm is not None and not workspaces.issuperset(gemm[0]):
+                allocs = self._cublas_workspace(fields["phase"], fields["recompute"], gemm[1]) + allocs
             op_id = base + len(added)
             op = _new(Op)
             d = op.__dict__
@@ -215,15 +223,30 @@ class GraphBuilder:
             last[stream] = base + k
         self.graph.extend(added)
 
-    def _cublas_workspace(self, phase: Phase, recompute: bool) -> tuple[Block, ...]:
-        """The cuBLAS workspace of the thread running this op's GEMM, at its first (models/gpu.py): the forward
-        runs on the Python thread; backward and its recomputation on autograd's device thread."""
-        thread = "forward" if phase is Phase.FORWARD and not recompute else "autograd"
-        if thread in self._workspaces:
-            return ()
-        self._workspaces.add(thread)
-        size = cublas_workspace_bytes(self.device.compute_capability)
-        return (self.block(f"cublas_workspace.{thread}_thread", size, Category.WORKSPACE, "uint8", (size,)),)
+    @staticmethod
+    def _thread(phase: Phase, recompute: bool) -> str:
+        """The thread an op runs on: the forward on the Python thread; backward and its recomputation on autograd's
+        device thread (each has its own cuBLAS handle)."""
+        return "forward" if phase is Phase.FORWARD and not recompute else "autograd"
+
+    def _cublas_workspace(self, phase: Phase, recompute: bool, lt: bool = False) -> tuple[Block, ...]:
+        """The workspaces of the handle of the thread running this op's GEMM (models/gpu.py), each at its first use
+        and kept for good: cuBLAS's at the thread's first GEMM; then, when the GEMM takes the cuBLASLt path (`lt`)
+        and the torch version keeps one (`cublaslt_workspace_bytes`), cuBLASLt's, at its first Lt GEMM
+        (CublasHandlePool.cpp: getCUDABlasLtWorkspace fetches the handle, which sets the cuBLAS workspace, then
+        allocates its own)."""
+        thread = self._thread(phase, recompute)
+        out: tuple[Block, ...] = ()
+        if thread not in self._workspaces:
+            self._workspaces.add(thread)
+            size = cublas_workspace_bytes(self.device.compute_capability)
+            out = (self.block(f"cublas_workspace.{thread}_thread", size, Category.WORKSPACE, "uint8", (size,)),)
+        key = f"{thread}.lt"
+        if lt and self._lt_workspace and key not in self._workspaces:
+            self._workspaces.add(key)
+            size = self._lt_workspace
+            out += (self.block(f"cublaslt_workspace.{thread}_thread", size, Category.WORKSPACE, "uint8", (size,)),)
+        return out
 
     def last(self, stream: Stream) -> int | None:
         """The id of the latest op on `stream` of this rank (None before the first)."""
@@ -356,6 +379,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
     graph, ids = OpGraph(), itertools.count(1)
+    graph.metadata["torch_version"] = torch_version  # read by the builders (GraphBuilder); replaced below
     model_parallel = is_model_parallel(setup)
     tapes = MeshTapes(tape, setup, lambda ep_rank: build_tape(model, setup, profile.is_cpu, ep_rank, cuda)) \
         if model_parallel else None

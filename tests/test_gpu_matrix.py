@@ -1,0 +1,60 @@
+"""CUDA library rules behind bench/validate_gpu.py's H200 matrix (torch 2.11), each worked out from shapes and the
+torch source it comes from: the cuBLASLt workspace (aten/src/ATen/cuda/CublasHandlePool.cpp) of the GEMMs that
+take the Lt path (aten/src/ATen/native/cuda/Blas.cpp)."""
+
+from __future__ import annotations
+
+from peakledger.models.config import TrainingSetup
+from peakledger.models.gpu import addmm_takes_cublaslt, cublaslt_workspace_bytes, gemm_takes_cublaslt
+from peakledger.models.presets import preset
+from peakledger.models.training import describe
+from peakledger.simulator.engine import simulate
+from peakledger.simulator.events import Action, Category, Phase
+
+MiB = 1 << 20
+
+
+def test_cublaslt_workspace_size_by_torch_version():
+    # parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE defaults to 1024 KiB; a block of its own in 2.11; not
+    # modelled in 2.6 (one per call) nor after 2.11 (the cuBLAS workspace is used)
+    assert cublaslt_workspace_bytes("2.11") == cublaslt_workspace_bytes("2.11.0+cu130") == 1024 * 1024
+    assert cublaslt_workspace_bytes("2.6") == cublaslt_workspace_bytes("2.13") == 0
+
+
+def test_which_addmm_takes_the_lt_path():
+    # isInputCompliesAddmmCudaLt: a 1-D bias (or one that squeezes to 1-D) of n, a dtype Lt takes, every dim > 1
+    assert addmm_takes_cublaslt(32, 512, 512, (512,), "fp32")
+    assert addmm_takes_cublaslt(256, 64, 192, (1, 192), "bf16")
+    assert not addmm_takes_cublaslt(32, 512, 512, None, "fp32")  # no bias: mm, beta 0
+    assert not addmm_takes_cublaslt(32, 512, 512, (32, 512), "fp32")  # a 2-D bias without an activation
+    assert not addmm_takes_cublaslt(1, 512, 512, (512,), "fp32")  # a dim of 1
+    assert not addmm_takes_cublaslt(32, 512, 512, (512,), "int64")
+    # F.linear of a (B, T, D) input: addmm on its (B*T, D) view (Linear.cpp _flatten_nd_linear)
+    assert gemm_takes_cublaslt("linear", [(4, 64, 64), (192, 64), (192,)], (4, 64, 192), "fp32")
+    assert not gemm_takes_cublaslt("linear", [(4, 64, 64), (192, 64)], (4, 64, 192), "fp32")
+    # a traced aten addmm: bias, mat1, mat2 read off its operands and its (m, n) output
+    assert gemm_takes_cublaslt("addmm", [(192,), (256, 64), (64, 192)], (256, 192), "bf16")
+    assert not gemm_takes_cublaslt("mm", [(256, 64), (64, 192)], (256, 192), "bf16")
+
+
+def _workspaces(model: str, torch_version: str, **training) -> list[tuple[str, int, Phase]]:
+    setup = TrainingSetup(micro_batch=32, seq_len=1, steps=2, **training)
+    log = simulate(describe(preset(model), setup, "H100-80GB", torch_version=torch_version))
+    ws = [(e.block.name, e.block.nbytes, e.phase) for e in log.events if e.block.category is Category.WORKSPACE]
+    assert all(e.action is Action.ALLOC for e in log.events if e.block.category is Category.WORKSPACE)  # never freed
+    return ws
+
+
+def test_tiny_mlp_holds_one_lt_workspace_per_thread_that_runs_a_biased_linear():
+    cublas = ("cublas_workspace.forward_thread", 32 * MiB, Phase.FORWARD)
+    lt = ("cublaslt_workspace.forward_thread", MiB, Phase.FORWARD)
+    autograd = ("cublas_workspace.autograd_thread", 32 * MiB, Phase.BACKWARD)
+    # nn.Linear with a bias on (32, 1, 512): the forward's first addmm takes the Lt path; backward's GEMMs are mm
+    assert _workspaces("tiny-mlp", "2.11") == [cublas, lt, autograd]
+    # two micro-batches (the second played from the first's recording): still one of each per thread
+    assert _workspaces("tiny-mlp", "2.11", grad_accum=2) == [cublas, lt, autograd]
+    assert _workspaces("tiny-mlp", "2.6") == [cublas, autograd]
+    # checkpointed: the recompute of a region runs its addmm again on autograd's thread, which gets its own
+    ws = _workspaces("tiny-mlp", "2.11", checkpointing="full")
+    assert ws[:2] == [cublas, lt] and sorted(ws[2:]) == sorted(
+        [autograd, ("cublaslt_workspace.autograd_thread", MiB, Phase.BACKWARD)])
