@@ -344,7 +344,7 @@ class MicroBatchReplay(RecordedBackward, OffloadedSaves):
         suffix = ".cached" if reused else ".recompute" if recomputing else ""
         self.b.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, self.step, self.mb, allocs,
                   frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
-                  recompute=recomputing, lt=self.lt[i])
+                  recompute=recomputing, gemm=None if skip_outputs else "cublaslt" if self.lt[i] else "cublas")
         if packed:
             self._copy_op(f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
 

@@ -232,7 +232,7 @@ class _Recorder:
         return blk
 
     def op(self, name, phase, step, micro_batch, allocs, frees, flops=0, bytes_moved=0, recompute=False,
-           stream=Stream.COMPUTE, duration=None, after=(), lt=False):
+           stream=Stream.COMPUTE, duration=None, after=(), gemm="cublas"):
         index = self.index
         try:
             if step != self.replay.step or micro_batch != self.replay.mb:
@@ -246,9 +246,9 @@ class _Recorder:
         self.inside = True
         try:
             op = type(self.b).op(self.b, name, phase, step, micro_batch, allocs, frees, flops, bytes_moved, recompute,
-                                 stream, duration, after, lt)
+                                 stream, duration, after, gemm)
         finally:
             self.inside = False
         self.ops[op.id] = len(self.ops)
-        self.actions.append((op, a, f, deps, lt))
+        self.actions.append((op, a, f, deps, gemm))
         return op

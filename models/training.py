@@ -141,13 +141,15 @@ class GraphBuilder:
 
     def op(self, name: str, phase: Phase, step: int, micro_batch: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,
-           duration: float | None = None, after=(), lt: bool = False) -> Op:
-        """Add an op after the previous op of its stream (streams run in order) and after `after`. `lt`: the op's
-        GEMM takes the cuBLASLt path (models/gpu.py `gemm_takes_cublaslt`)."""
+           duration: float | None = None, after=(), gemm: str | None = "cublas") -> Op:
+        """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
+        its FLOPs run through on CUDA, "cublas", or "cublaslt" (models/gpu.py `gemm_takes_cublaslt`); None when its
+        kernel never runs although its time is counted (a recompute that stops before it, models/autograd.py)."""
         if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.compute_dtype), inline
             duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
-        if self._cuda and flops and stream is Stream.COMPUTE and (phase is Phase.FORWARD or phase is Phase.BACKWARD):
-            allocs = self._cublas_workspace(phase, recompute, lt) + tuple(allocs)
+        if self._cuda and flops and gemm and stream is Stream.COMPUTE and (phase is Phase.FORWARD
+                                                                          or phase is Phase.BACKWARD):
+            allocs = self._cublas_workspace(phase, recompute, gemm == "cublaslt") + tuple(allocs)
         op_id = len(self.graph)
         op = new_op(op_id, name, stream, phase, step, micro_batch, duration, self.rank, tuple(allocs), tuple(frees),
                     flops, recompute)
@@ -167,7 +169,7 @@ class GraphBuilder:
         Each op keeps its fields but the id, step, micro-batch and blocks (a dict in `Op`'s order), the place of
         the op before it on its stream in the pass (None: the rank's op before the pass), its `after`, and the
         workspaces `op` would give it at its thread's first GEMM (and first cuBLASLt GEMM): their keys and its
-        `lt`, or None; with the last op of each stream in the pass."""
+        `gemm`, or None; with the last op of each stream in the pass."""
         out: list = []
         last: dict[Stream, int] = {}
         k = 0
@@ -175,11 +177,13 @@ class GraphBuilder:
             if type(act) is Block:
                 out.append(act)
                 continue
-            op, allocs, frees, after, lt = act
+            op, allocs, frees, after, gemm = act
             workspaces = None
-            if self._cuda and op.flops and op.stream is Stream.COMPUTE and op.phase in (Phase.FORWARD, Phase.BACKWARD):
+            runs = op.flops and gemm and op.stream is Stream.COMPUTE and op.phase in (Phase.FORWARD, Phase.BACKWARD)
+            if self._cuda and runs:
                 thread = self._thread(op.phase, op.recompute)
-                workspaces = ((thread, f"{thread}.lt") if lt and self._lt_workspace else (thread,)), lt
+                lt = gemm == "cublaslt" and self._lt_workspace
+                workspaces = ((thread, f"{thread}.lt") if lt else (thread,)), gemm == "cublaslt"
             out.append((dict(op.__dict__), op.stream, allocs, frees, last.get(op.stream), after, workspaces))
             last[op.stream] = k
             k += 1
@@ -200,10 +204,10 @@ class GraphBuilder:
                 d["id"] = next(ids)
                 tab.append(blk)
                 continue
-            fields, stream, a, f, prev, after, gemm = act
+            fields, stream, a, f, prev, after, blas = act
             allocs = tuple([tab[j] for j in a])
-            if gemm is not None and not workspaces.issuperset(gemm[0]):
-                allocs = self._cublas_workspace(fields["phase"], fields["recompute"], gemm[1]) + allocs
+            if blas is not None and not workspaces.issuperset(blas[0]):
+                allocs = self._cublas_workspace(fields["phase"], fields["recompute"], blas[1]) + allocs
             op_id = base + len(added)
             op = _new(Op)
             d = op.__dict__

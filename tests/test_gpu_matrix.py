@@ -58,3 +58,16 @@ def test_tiny_mlp_holds_one_lt_workspace_per_thread_that_runs_a_biased_linear():
     ws = _workspaces("tiny-mlp", "2.11", checkpointing="full")
     assert ws[:2] == [cublas, lt] and sorted(ws[2:]) == sorted(
         [autograd, ("cublaslt_workspace.autograd_thread", MiB, Phase.BACKWARD)])
+
+
+def test_a_recompute_that_stops_before_a_gemm_takes_no_workspace():
+    # torch/utils/checkpoint.py: the non-reentrant recompute stops (_StopRecomputationError) when the last tensor
+    # the first pass saved is packed again; a linear packs its input before its kernel runs (autograd saves inputs
+    # before redispatching), so the last layer's recompute runs no addmm. Autograd's first GEMM is that layer's
+    # AddmmBackward (an mm: cuBLAS), its first Lt GEMM the next region's recomputed addmm
+    setup = TrainingSetup(micro_batch=32, seq_len=1, steps=2, checkpointing="full")
+    log = simulate(describe(preset("tiny-mlp"), setup, "H100-80GB", torch_version="2.11"))
+    assert [(e.op, e.block.name) for e in log.events if e.block.category is Category.WORKSPACE] == [
+        ("layers.0", "cublas_workspace.forward_thread"), ("layers.0", "cublaslt_workspace.forward_thread"),
+        ("layers.4.backward", "cublas_workspace.autograd_thread"),
+        ("layers.2.recompute", "cublaslt_workspace.autograd_thread")]
