@@ -123,6 +123,15 @@ def gemm_takes_cublaslt(kind: str, operands: list[tuple[int, ...]], out_shape: t
     return mat1 is not None and addmm_takes_cublaslt(m, mat1[1], n, bias, dtype)
 
 
+def cuda_fused_rms_norm(torch_version: str) -> bool:
+    """Whether nn.RMSNorm / F.rms_norm on a CUDA tensor runs torch's fused kernel: aten::rms_norm calls
+    _fused_rms_norm (native_functions.yaml `CUDA: _fused_rms_norm_cuda`, added by pytorch#153666 in 2025), which
+    allocates the output and the fp32 rstd per row only and saves input, rstd and weight (derivatives.yaml); its
+    backward (_fused_rms_norm_backward) allocates the input's and the weight's gradients. Seen in the H200 snapshots
+    (torch 2.11). torch 2.6 has no such kernel: rms_norm is the composite of pow, mean, rsqrt and products."""
+    return _major_minor(torch_version) >= (2, 11)
+
+
 def nccl_buffer_bytes(world_size: int) -> int:
     """Assumed NCCL buffers of one rank's data-parallel communicator: send + receive per channel."""
     return 0 if world_size <= 1 else 2 * NCCL_CHANNELS * NCCL_BUFFSIZE

@@ -75,7 +75,7 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
             raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
         check_routing(model, setup)
         tape = hf_mixtral_tape(model, setup, cpu, ep_rank) if model.num_local_experts else \
-            transformer_tape(model, setup, cpu)
+            transformer_tape(model, setup, cpu, cuda[1] if cuda else "2.6")
     else:
         check_routing(model, setup)
         tape = mlp_tape(model, setup, cpu)

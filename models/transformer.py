@@ -67,6 +67,7 @@ class _Writer:
         self.sac = False  # "op-policy": matmul and SDPA outputs are kept by the region's first pass
         self.offload = False  # "offload": saved tensors go to the host
         self.lora_targets: tuple[str, ...] = ()  # setup.lora_r > 0: peft target_modules (models/lora.py)
+        self.fused_rms_norm = False  # nn.RMSNorm runs CUDA's fused kernel (models/gpu.py `cuda_fused_rms_norm`)
 
     def begin_layer(self, segment: Segment, layer: int) -> None:
         """The ops written next belong to `layer` of `segment`: mark them as its policy says."""
@@ -158,9 +159,19 @@ class _Writer:
         back), and the backward holds three more fp32 tensors of x's shape at its highest point
         (PowBackward's, measured with the tracker). A GPU runs nn.RMSNorm as a fused kernel in torch
         2.13 and HF's LlamaRMSNorm casts back before the weight: neither is measured here, and a GPU
-        profile keeps the first form."""
+        profile keeps the first form.
+
+        Where `fused_rms_norm` says so (nn.RMSNorm on CUDA under torch 2.11), the fused kernel instead: the output
+        and the fp32 rstd (one per row) only; its backward keeps the input and rstd (models/gpu.py
+        `cuda_fused_rms_norm`)."""
         B, T, D = x.shape
         dt = self.fp32_op_dtype()
+        if self.fused_rms_norm:
+            y, _ = self.op(name, "rmsnorm", [x], [self.t(f"{name}.out", x.shape, dt),
+                                                  self.t(f"{name}.rstd", (B, T, 1), "fp32", False)],
+                           saves=(x.name, f"{name}.rstd"), params=(f"{name}.weight",),
+                           saved_params=(f"{name}.weight",), flops=6 * B * T * D)
+            return y
         # a frozen weight (LoRA freezes every norm): `normed * weight` saves normed only for the weight's gradient
         weight_grad = () if self.lora_targets else (f"{name}.normed",)
         if self.cpu and dt != "fp32":
@@ -249,8 +260,10 @@ def _norm(name: str, d: int, bias: bool) -> list[ParamSpec]:
     return [ParamSpec(f"{name}.weight", (d,))] + ([ParamSpec(f"{name}.bias", (d,))] if bias else [])
 
 
-def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
-    """`cpu`: the device's autocast op lists are CPU's (see `_Writer.softmax_dtype`)."""
+def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False,
+                     torch_version: str = "2.6") -> Tape:
+    """`cpu`: the device's autocast op lists are CPU's (see `_Writer.softmax_dtype`); `torch_version`: on a GPU,
+    whose CUDA kernels nn.RMSNorm runs (`_Writer.rmsnorm`)."""
     chosen = lora.targets(cfg, setup) if setup.lora_r else ()
     if cfg.implementation == "hf":
         return hf_gpt2_tape(cfg, setup, cpu)
@@ -258,6 +271,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     tape = lora.lora_tape(cfg, setup, transformer_params(cfg)) if chosen else Tape(params=transformer_params(cfg))
     w = _Writer(tape, setup, cpu)
     w.lora_targets = chosen
+    w.fused_rms_norm = not cpu and gpu.cuda_fused_rms_norm(torch_version)
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]

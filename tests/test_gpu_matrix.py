@@ -5,7 +5,8 @@ take the Lt path (aten/src/ATen/native/cuda/Blas.cpp)."""
 from __future__ import annotations
 
 from peakledger.models.config import TrainingSetup
-from peakledger.models.gpu import addmm_takes_cublaslt, cublaslt_workspace_bytes, gemm_takes_cublaslt
+from peakledger.models.gpu import (addmm_takes_cublaslt, cublaslt_workspace_bytes, cuda_fused_rms_norm,
+                                   gemm_takes_cublaslt)
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
@@ -71,3 +72,19 @@ def test_a_recompute_that_stops_before_a_gemm_takes_no_workspace():
         ("layers.0", "cublas_workspace.forward_thread"), ("layers.0", "cublaslt_workspace.forward_thread"),
         ("layers.4.backward", "cublas_workspace.autograd_thread"),
         ("layers.2.recompute", "cublaslt_workspace.autograd_thread")]
+
+
+def test_rms_norm_on_cuda_is_the_fused_kernel_from_torch_2_11():
+    # native_functions.yaml: rms_norm calls _fused_rms_norm (CUDA: _fused_rms_norm_cuda): the output and an fp32 rstd
+    # per row; torch 2.6's composite also keeps the normalised input for the weight's product
+    assert cuda_fused_rms_norm("2.11") and not cuda_fused_rms_norm("2.6")
+    setup = TrainingSetup(micro_batch=4, seq_len=64, steps=1, passes="forward")
+
+    def norm_allocs(version: str) -> list[tuple[str, int]]:
+        log = simulate(describe(preset("tiny-llama"), setup, "H100-80GB", torch_version=version))
+        return [(e.block.name.rpartition(".")[2], e.block.nbytes) for e in log.events
+                if e.op == "model.layers.1.input_layernorm" and e.action is Action.ALLOC]
+
+    # (4, 64, 64) fp32: 65,536 B; rstd (4, 64, 1) fp32: 1,024 B
+    assert norm_allocs("2.11") == [("out", 65_536), ("rstd", 1_024)]
+    assert norm_allocs("2.6") == [("out", 65_536), ("rstd", 1_024), ("normed", 65_536)]
