@@ -323,6 +323,20 @@ def _input_outlives_its_uses(segment: Segment, layer: int) -> bool:
 
 
 def _cross_entropy(w: _Writer, logits: TensorSpec, targets: TensorSpec) -> None:
+    if w.autocast and not w.cpu:
+        # CUDA autocast: F.cross_entropy is aten/src/ATen/native/LossNLL.cpp cross_entropy_loss, which calls
+        # log_softmax(logits, dim, logits.dtype): an explicit dtype, which autocast's fp32_set_opt_dtype policy
+        # leaves (autocast_mode.cpp), so it runs in 16-bit; then nll_loss, on autocast's CUDA fp32 list, reads an
+        # fp32 copy of it, which it saves with the target and total_weight (derivatives.yaml nll_loss_forward)
+        B, T, V = logits.shape
+        (lsm,) = w.op("loss.log_softmax", "log_softmax", [logits],
+                      [w.t("loss.log_softmax.out", logits.shape, logits.dtype)], saves=("loss.log_softmax.out",),
+                      flops=5 * B * T * V)
+        (lsm32,) = w.op("loss.autocast_input", "to_copy", [lsm], [w.t("loss.log_softmax_fp32", logits.shape, "fp32")])
+        w.op("loss.nll", "nll_loss", [lsm32, targets],
+             [w.t("loss", (), "fp32"), w.t("loss.total_weight", (), "fp32", False)],
+             saves=(lsm32.name, targets.name, "loss.total_weight"))
+        return
     lsm_dtype = "fp32" if w.autocast else logits.dtype
     if lsm_dtype != logits.dtype:  # autocast runs the loss in fp32: a temporary fp32 copy of the logits
         (logits,) = w.op("loss.autocast_input", "to_copy", [logits],
@@ -364,12 +378,27 @@ def _attention_eager_core(w: _Writer, prefix: str, q_src: TensorSpec, k_src: Ten
     (masked,) = w.op(f"{prefix}.masked_fill", "masked_fill", [scaled, mask],
                      [w.t(f"{prefix}.masked", (B, n_head, T, T))], saves=(mask.name,))
     sm_dtype = "fp32" if fp32_softmax else w.softmax_dtype(masked)
-    (probs,) = w.op(f"{prefix}.softmax", "softmax", [masked], [w.t(f"{prefix}.softmax", (B, n_head, T, T), sm_dtype)],
-                    saves=(f"{prefix}.softmax",), flops=5 * B * n_head * T * T)
+    src, held, tmp = masked, (), ()
+    if not w.cpu:
+        # aten/src/ATen/native/cuda/SoftMax.cu softmax_backward_cuda_out: `tmp = grad * output` besides grad_input
+        tmp = (w.t(f"{prefix}.softmax.grad_times_output", (B, n_head, T, T), sm_dtype, False),)
+        if sm_dtype != masked.dtype and masked.dtype == "bf16":
+            # aten/src/ATen/native/SoftMax.cpp softmax(input, dim, dtype): only fp16 on CUDA takes the half-to-float
+            # kernel; a bf16 input is first converted (`input_.toType(dtype)`, a new tensor gone when the call
+            # returns; its ToCopyBackward turns the fp32 gradient back to bf16). The input is the caller's `att`
+            # until the call returns
+            (src,) = w.op(f"{prefix}.softmax_upcast", "to_copy", [masked],
+                          [w.t(f"{prefix}.softmax_upcast", masked.shape, sm_dtype)])
+            held = (masked.name,)
+    (probs,) = w.op(f"{prefix}.softmax", "softmax", [src], [w.t(f"{prefix}.softmax", (B, n_head, T, T), sm_dtype)],
+                    saves=(f"{prefix}.softmax",), flops=5 * B * n_head * T * T, bwd_workspace=tmp, releases=held)
     if fp32_softmax and masked.dtype != "fp32":
         (probs,) = w.op(f"{prefix}.softmax_cast", "to_copy", [probs],
                         [w.t(f"{prefix}.softmax_cast", probs.shape, masked.dtype)])
     probs = w.dropout(f"{prefix}.attn_dropout", probs, dropout)
+    # CUDA autocast: softmax ran in fp32 (autocast_mode.cpp's fp32 list), the @ v matmul casts it to 16-bit (a new
+    # tensor, saved by the matmul; the fp32 one stays saved by the softmax)
+    probs = w.autocast_input(f"{prefix}.pv", probs)
     (v,) = w.op(f"{prefix}.v_contig", "clone", [v_src], [w.t(f"{prefix}.v_contig", (B, n_head, T, hd))],
                 views=(v_src.name,) if split else ())
     (y,) = w.op(f"{prefix}.pv", "bmm", [probs, v], [w.t(f"{prefix}.pv", (B, n_head, T, hd))],
@@ -443,15 +472,27 @@ def _gpt2_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec) -> Te
         y = _attention_sdpa(w, f"{h}.attn", qkv, qkv, qkv, cfg.n_head, cfg.head_size, cfg.kv_heads, cfg.dropout)
     y = w.linear(f"{h}.attn.c_proj", y, cfg.d_model, cfg.has_bias)
     y = w.dropout(f"{h}.attn.resid_dropout", y, cfg.dropout)
-    lora.module_return(w, f"{h}.attn", a)
+    # nanoGPT's `q, k, v = self.c_attn(x).split(...)`: the views keep the projection until the attention returns
+    # (an SDPA kernel saves them anyway, and must stay their only reader: one gradient piece per view)
+    _module_return(w, f"{h}.attn", a, *([qkv] if cfg.attention == "eager" else []))
     x = w.add(f"{h}.attn_residual", x, y)
     n = w.layernorm(f"{h}.ln_2", x, cfg.has_bias)
     m = w.linear(f"{h}.mlp.c_fc", n, cfg.ffn, cfg.has_bias)
     m = w.pointwise(f"{h}.mlp.gelu", "gelu", m)
     m = w.linear(f"{h}.mlp.c_proj", m, cfg.d_model, cfg.has_bias)
     m = w.dropout(f"{h}.mlp.dropout", m, cfg.dropout)
-    lora.module_return(w, f"{h}.mlp", n)
+    _module_return(w, f"{h}.mlp", n)
     return w.add(f"{h}.mlp_residual", x, m)
+
+
+def _module_return(w: _Writer, module: str, x: TensorSpec, *locals_: TensorSpec) -> None:
+    """A module's `forward(x)` argument and its locals stay referenced by its Python frame until it returns. That
+    outlives their last use where nothing saves them: the input under LoRA (models/lora.py `module_return`) and,
+    on a GPU, under autocast (the linears save their 16-bit casts, aten/src/ATen/autocast_mode.cpp, not the fp32
+    input), and the `locals_` the caller names (on a GPU; CPU tapes are kept as validated)."""
+    held = ([x] if w.lora_targets or (w.autocast and not w.cpu) else []) + ([] if w.cpu else list(locals_))
+    if held:
+        w.op(f"{module}.return", "release", held, [])
 
 
 def _buffers(cfg: TransformerConfig) -> list[TensorSpec]:
@@ -490,7 +531,7 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
     else:
         y = _attention_sdpa(w, f"{h}.self_attn", q_rot, k_rot, v, cfg.n_head, cfg.head_size, cfg.kv_heads, cfg.dropout)
     y = w.linear(f"{h}.self_attn.o_proj", y, cfg.d_model, cfg.has_out_bias)
-    lora.module_return(w, f"{h}.self_attn", a)
+    _module_return(w, f"{h}.self_attn", a)
     x = w.add(f"{h}.attn_residual", x, y)
     m = w.rmsnorm(f"{h}.post_attention_layernorm", x)
     gate = w.linear(f"{h}.mlp.gate_proj", m, cfg.ffn, cfg.has_mlp_bias)
@@ -498,7 +539,7 @@ def _llama_block(w: _Writer, cfg: TransformerConfig, h: str, x: TensorSpec, rope
     act = w.pointwise(f"{h}.mlp.silu", "silu", gate)
     (prod_,) = w.op(f"{h}.mlp.mul", "mul", [act, up], [w.t(f"{h}.mlp.mul", act.shape)], saves=(act.name, up.name))
     down = w.linear(f"{h}.mlp.down_proj", prod_, cfg.d_model, cfg.has_mlp_bias)
-    lora.module_return(w, f"{h}.mlp", m)
+    _module_return(w, f"{h}.mlp", m)
     return w.add(f"{h}.mlp_residual", x, down)
 
 

@@ -88,3 +88,34 @@ def test_rms_norm_on_cuda_is_the_fused_kernel_from_torch_2_11():
     # (4, 64, 64) fp32: 65,536 B; rstd (4, 64, 1) fp32: 1,024 B
     assert norm_allocs("2.11") == [("out", 65_536), ("rstd", 1_024)]
     assert norm_allocs("2.6") == [("out", 65_536), ("rstd", 1_024), ("normed", 65_536)]
+
+
+def _op_allocs(log, op: str) -> list[tuple[str, int]]:
+    return [(e.block.name, e.block.nbytes) for e in log.events if e.op == op and e.action is Action.ALLOC]
+
+
+def _op_frees(log, op: str) -> list[str]:
+    return [e.block.name for e in log.events if e.op == op and e.action is Action.FREE]
+
+
+def test_eager_attention_and_loss_under_cuda_autocast():
+    # tiny GPT-2 (d 64, 4 heads, vocab 256), B 4, T 64, bf16 autocast on CUDA; (4, 4, 64, 64) is 65,536 elements
+    setup = TrainingSetup(micro_batch=4, seq_len=64, steps=1, precision="bf16-autocast")
+    log = simulate(describe(preset("tiny"), setup, "H100-80GB", torch_version="2.11"))
+    a = "transformer.h.0.attn"
+    # SoftMax.cpp softmax(x, dim, dtype=float): a bf16 input is converted first (fp32, gone with the call)
+    assert _op_allocs(log, f"{a}.softmax_upcast") == [(f"{a}.softmax_upcast", 262_144)]
+    assert _op_allocs(log, f"{a}.softmax") == [(f"{a}.softmax", 262_144)]
+    assert _op_frees(log, f"{a}.softmax") == [f"{a}.softmax_upcast", f"{a}.masked"]
+    # SoftMax.cu softmax_backward_cuda_out: tmp = grad * output (fp32) besides the fp32 gradient of the upcast
+    assert sorted(_op_allocs(log, f"{a}.softmax.backward")) == [(f"{a}.softmax.grad_times_output", 262_144),
+                                                                (f"{a}.softmax_upcast.grad", 262_144)]
+    # the @ v matmul casts the fp32 probabilities to bf16 (autocast's lower-precision list)
+    assert _op_allocs(log, f"{a}.pv.autocast_input") == [(f"{a}.pv.in_cast", 131_072)]
+    # LossNLL.cpp cross_entropy_loss: log_softmax in the logits' dtype (bf16), nll_loss's fp32 copy of it saved
+    assert _op_allocs(log, "loss.log_softmax") == [("loss.log_softmax.out", 4 * 64 * 256 * 2)]
+    assert _op_allocs(log, "loss.autocast_input") == [("loss.log_softmax_fp32", 4 * 64 * 256 * 4)]
+    # CausalSelfAttention.forward's argument (ln_1's fp32 output) and the q, k, v views of c_attn's output live
+    # until it returns: the linears saved their bf16 casts
+    assert _op_frees(log, f"{a}.return") == ["transformer.h.0.ln_1.out", f"{a}.c_attn.out"]
+    assert _op_frees(log, "transformer.h.0.mlp.return") == ["transformer.h.0.ln_2.out"]
