@@ -5,6 +5,11 @@ steady peaks, bytes by category at each side's peak, and the largest unexplained
 worst-matching phase peak, the live blocks of one side that have no block of the same category and
 size on the other side, largest first, with their tensor names. That is where an assumption of the
 describer (what an op saves, which temporaries it makes) disagrees with torch.
+
+Each side says what it is (`measured_by`, `predicted_by`, from the logs' source and metadata): a real torch
+run on the CPU (traces/tracker.py), a CUDA capture on a named GPU (traces/cuda_capture.py) or a CUDA memory
+snapshot; the simulator on the cpu profile, or on a GPU profile with a torch version's allocator rules. A CUDA
+trace can also carry the caching allocator's reserved peak (`reserved`, set by the caller).
 """
 
 from __future__ import annotations
@@ -39,9 +44,43 @@ class Validation:
     unexplained: list[tuple[str, Block]] = field(default_factory=list)  # ("measured only"/"predicted only", block)
     worst_phase: str = ""
     host: PeakPair | None = None  # the rank's host memory, when either side has any
+    measured_by: str = "real torch run on CPU"  # what the measured log is (`measured_description`)
+    predicted_by: str = "simulator"  # what the simulated log is (`predicted_description`)
+    reserved: PeakPair | None = None  # a CUDA trace: the caching allocator's reserved peak, each side
 
     def passes(self, tolerance: float) -> bool:
         return abs(self.overall.error) <= tolerance
+
+
+def measured_description(log: EventLog) -> str:
+    """What a measured log is, from its source and metadata: "real torch run on CPU", "CUDA capture on NVIDIA
+    H200 (cuda:0, torch 2.11.0)", "CUDA memory snapshot (device 0)", ..."""
+    meta = log.metadata
+    gpu = meta.get("gpu") or (meta.get("device") if isinstance(meta.get("device"), str) else None)
+    if meta.get("device_kind") == "cuda" or (log.source.startswith("cuda-snapshot") and gpu):
+        cc = meta.get("compute_capability")
+        details = ([f"cuda:{meta['cuda_device']}"] if isinstance(meta.get("cuda_device"), int) else []) + \
+            ([f"compute capability {'.'.join(str(x) for x in cc)}"] if isinstance(cc, list) and cc else []) + \
+            ([f"torch {meta['torch_version']}"] if meta.get("torch_version") else [])
+        return f"CUDA capture on {gpu or 'a CUDA GPU'}" + (f" ({', '.join(details)})" if details else "")
+    if log.source.startswith("cuda-snapshot"):
+        devices = meta.get("devices")
+        which = f"devices {devices}" if devices else f"device {meta.get('device', 0)}"
+        return f"CUDA memory snapshot ({which})"
+    if str(meta.get("device", "cpu")) == "cpu":
+        return "real torch run on CPU"
+    return f"{log.source} on {meta.get('device')}"
+
+
+def predicted_description(log: EventLog) -> str:
+    """What a simulated log is: "simulator" on the cpu profile; on a GPU profile, the profile and the torch
+    version whose allocator rules apply."""
+    from ..models.costs import DEVICES
+
+    profile = DEVICES.get(str(log.metadata.get("device", "")))
+    if profile is None or not profile.is_cuda:
+        return "simulator"
+    return f"simulator, {profile.name} profile, torch {log.metadata.get('torch_version', '2.6')} allocator rules"
 
 
 def _phase_peaks(tl) -> dict[tuple[Phase, int], tuple[int, int]]:
@@ -57,15 +96,30 @@ def _phase_peaks(tl) -> dict[tuple[Phase, int], tuple[int, int]]:
 
 
 def _unmatched(a: list[Block], b: list[Block]) -> list[Block]:
-    """Blocks of `a` with no partner of the same category and size in `b` (multiset difference)."""
+    """Blocks of `a` with no partner of the same category and size in `b` (multiset difference). A block of
+    unknown category (a CUDA snapshot's: the allocator knows sizes, not tensors) partners a block of the same
+    size whatever its category, once the exact partners are taken."""
     left = Counter((x.category, x.nbytes) for x in b)
-    out = []
+    rest = []
     for x in sorted(a, key=lambda x: -x.nbytes):
         key = (x.category, x.nbytes)
         if left[key]:
             left[key] -= 1
         else:
+            rest.append(x)
+    unknown = Category.UNKNOWN
+    categories: dict[int, list[Category]] = {}  # size -> the categories of `b` left with blocks of that size
+    for (c, n), k in left.items():
+        if k:
+            categories.setdefault(n, []).append(c)
+    out = []
+    for x in rest:
+        c = next((c for c in categories.get(x.nbytes, ()) if left[(c, x.nbytes)] and unknown in (c, x.category)),
+                 None)
+        if c is None:
             out.append(x)
+        else:
+            left[(c, x.nbytes)] -= 1
     return out
 
 
@@ -103,7 +157,8 @@ def compare_logs(measured: EventLog, simulated: EventLog, name: str = "", rank: 
                         timeline(simulated, rank, Pool.HOST).peak().bytes)
     return Validation(name=name, overall=PeakPair("overall", mp.bytes, sp.bytes), first_step=first, steady=steady,
                       phases=phases, categories_at_peak=cats, unexplained=unexplained[:10], worst_phase=worst_label,
-                      host=host)
+                      host=host, measured_by=measured_description(measured),
+                      predicted_by=predicted_description(simulated))
 
 
 def validation_json(v: Validation) -> dict:
@@ -113,18 +168,21 @@ def validation_json(v: Validation) -> dict:
             "steady_peak": pair(v.steady), "phases": {p.label: pair(p) for p in v.phases},
             "categories_at_peak": {c: {"measured": m, "predicted": s} for c, (m, s) in v.categories_at_peak.items()},
             "unexplained": [{"side": side, "tensor": b.name, "category": b.category.value, "bytes": b.nbytes}
-                            for side, b in v.unexplained], "worst_phase": v.worst_phase, "host_peak": pair(v.host)}
+                            for side, b in v.unexplained], "worst_phase": v.worst_phase, "host_peak": pair(v.host),
+            "measured_by": v.measured_by, "predicted_by": v.predicted_by, "reserved_peak": pair(v.reserved)}
 
 
 def render_validation(v: Validation, unit: str = "MiB") -> str:
     f = lambda n: format_bytes(n, unit)  # noqa: E731
-    lines = [f"validate {v.name}: measured (real torch run on CPU) vs predicted (simulator)", "",
+    lines = [f"validate {v.name}: measured ({v.measured_by}) vs predicted ({v.predicted_by})", "",
              f"  {'':<26}{'measured':>14}{'predicted':>14}{'error':>9}{'bytes':>14}"]
-    head = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + ([v.host] if v.host else [])
+    head = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + ([v.host] if v.host else []) + \
+        ([v.reserved] if v.reserved else [])
     rows = head + v.phases
     for i, p in enumerate(rows):
         if i == len(head):
-            lines.append("  by phase (device memory):" if v.host else "  by phase:")
+            lines.append("  by phase (device memory):" if v.host else
+                         "  by phase (allocated):" if v.reserved else "  by phase:")
         lines.append(f"  {p.label:<26}{f(p.measured):>14}{f(p.predicted):>14}{p.error:>+9.2%}"
                      f"{p.predicted - p.measured:>+14,}")
     lines += ["", "  at each side's overall peak, by category:"]
