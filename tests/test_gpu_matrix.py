@@ -4,6 +4,9 @@ take the Lt path (aten/src/ATen/native/cuda/Blas.cpp)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from peakledger.models.config import TrainingSetup
 from peakledger.models.gpu import (addmm_takes_cublaslt, cublaslt_workspace_bytes, cuda_fused_rms_norm,
                                    gemm_takes_cublaslt)
@@ -13,6 +16,8 @@ from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, Phase
 
 MiB = 1 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from gpu_snapshots import allocator_replay  # noqa: E402  (bench/, on the path above)
 
 
 def test_cublaslt_workspace_size_by_torch_version():
@@ -119,3 +124,25 @@ def test_eager_attention_and_loss_under_cuda_autocast():
     # until it returns: the linears saved their bf16 casts
     assert _op_frees(log, f"{a}.return") == ["transformer.h.0.ln_1.out", f"{a}.c_attn.out"]
     assert _op_frees(log, "transformer.h.0.mlp.return") == ["transformer.h.0.ln_2.out"]
+
+
+def test_allocator_replay_tells_segment_placement_from_the_allocator_rules():
+    # two 2 MiB small-pool segments, the second one cudaMalloc'd at the lower address. Best fit breaks ties between
+    # free blocks of one size by address (CUDACachingAllocator.cpp BlockComparatorSize): the 512 KiB request after
+    # A and D are freed takes D's slot at the recorded addresses (A's at the model's ascending ones), so freeing B
+    # merges A and B into 1 MiB there and the 1 MiB request fits; at the model's addresses it needs a third segment
+    K = 1024
+    hi, lo = 0x7F0000400000, 0x7F0000000000
+
+    def ev(action, addr, size):
+        return {"action": action, "addr": addr, "size": size, "stream": 0}
+
+    trace = [ev("segment_alloc", hi, 2 * MiB), ev("alloc", hi, 512 * K), ev("alloc", hi + 512 * K, 512 * K),
+             ev("alloc", hi + MiB, MiB), ev("segment_alloc", lo, 2 * MiB), ev("alloc", lo, 512 * K),
+             ev("alloc", lo + 512 * K, 512 * K), ev("alloc", lo + MiB, MiB),
+             ev("free_completed", hi, 512 * K), ev("free_completed", lo, 512 * K), ev("alloc", lo, 512 * K),
+             ev("free_completed", hi + 512 * K, 512 * K), ev("alloc", hi, MiB)]
+    assert allocator_replay({"device_traces": [trace], "segments": []}, "2.11") == {
+        "allocs": 8, "reserved": 6 * MiB, "reserved_at_recorded_addresses": 4 * MiB, "blocks_where_recorded": True}
+    # a trace that starts with live blocks (a free of a block it never allocated) is not replayed
+    assert allocator_replay({"device_traces": [[ev("alloc", lo, 512), ev("free_completed", hi, 512)]]}, "2.11") is None
