@@ -138,7 +138,8 @@ class MicroBatchReplay(RecordedBackward, OffloadedSaves):
             # each op's GEMM takes the cuBLASLt path on CUDA (models/gpu.py; the builder adds its workspace)
             self.lt = [bool(op.flops) and gemm_takes_cublaslt(
                 op.kind, [specs[n].shape for n in op.inputs] + [shape[p] for p in op.params if p in shape],
-                op.outputs[0].shape if op.outputs else (), op.outputs[0].dtype if op.outputs else "") for op in tape.ops]
+                op.outputs[0].shape if op.outputs else (), op.outputs[0].dtype if op.outputs else "", op.flops)
+                for op in tape.ops]
             if plans is not None:
                 plans[key] = (tape, self.trainable, outputs, {name: getattr(self, name) for name in PLAN})
 

@@ -103,24 +103,32 @@ def addmm_takes_cublaslt(m: int, k: int, n: int, bias_shape: tuple[int, ...] | N
     return dtype in CUBLASLT_DTYPES and m > 1 and k > 1 and n > 1
 
 
-def gemm_takes_cublaslt(kind: str, operands: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: str) -> bool:
+def gemm_takes_cublaslt(kind: str, operands: list[tuple[int, ...]], out_shape: tuple[int, ...], dtype: str,
+                        flops: int = 0) -> bool:
     """`addmm_takes_cublaslt` for a tape op: `operands` are the shapes of what it reads, in order (inputs, then
     parameters). F.linear (`LINEAR_KINDS`: input, 2-D weight, 1-D bias) is addmm on the input flattened to 2-D
     when it is 2-D or 3-D (aten/src/ATen/native/Linear.cpp linear, _flatten_nd_linear; the describers' inputs are
-    contiguous). A traced aten addmm (kind "addmm": bias, mat1, mat2 in some order, the bias 1-D) reads m and n
-    off its 2-D output and k off the operand of m rows."""
+    contiguous). An aten addmm (kind "addmm": bias, mat1, mat2 in some order, the bias 1-D; mat1 may be a view of
+    a larger storage, as F.linear's flattened input) reads m and n off its output (rows: all but the last dim) and
+    k off its `flops` (torch/utils/flop_counter.py addmm_flop: 2 m k n), else off an operand of m rows."""
     if kind in LINEAR_KINDS:
         if not operands or len(operands[0]) not in (2, 3):
             return False
         x = operands[0]
         bias = next((s for s in operands[1:] if len(s) == 1), None)
         return addmm_takes_cublaslt(prod(x[:-1]), x[-1], out_shape[-1], bias, dtype)
-    if kind != "addmm" or len(out_shape) != 2:
+    if kind != "addmm" or len(out_shape) < 2:
         return False
-    m, n = out_shape
+    m, n = prod(out_shape[:-1]), out_shape[-1]  # (the hand-written HF Conv1D's addmm writes its output 3-D)
     bias = next((s for s in operands if len(s) == 1), None)
-    mat1 = next((s for s in operands if len(s) == 2 and s[0] == m), None)
-    return mat1 is not None and addmm_takes_cublaslt(m, mat1[1], n, bias, dtype)
+    if flops and m and n:
+        k = flops // (2 * m * n)
+    else:
+        mat1 = next((s for s in operands if len(s) == 2 and s[0] == m), None)
+        if mat1 is None:
+            return False
+        k = mat1[1]
+    return addmm_takes_cublaslt(m, k, n, bias, dtype)
 
 
 def cuda_fused_rms_norm(torch_version: str) -> bool:

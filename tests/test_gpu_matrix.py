@@ -41,6 +41,10 @@ def test_which_addmm_takes_the_lt_path():
     # a traced aten addmm: bias, mat1, mat2 read off its operands and its (m, n) output
     assert gemm_takes_cublaslt("addmm", [(192,), (256, 64), (64, 192)], (256, 192), "bf16")
     assert not gemm_takes_cublaslt("mm", [(256, 64), (64, 192)], (256, 192), "bf16")
+    # F.linear's flattened (B*T, D) view of a (B, T, D) storage: k from the FLOPs (flop_counter addmm_flop: 2 m k n)
+    assert gemm_takes_cublaslt("addmm", [(32, 512, 768), (768, 768), (768,)], (16384, 768), "fp32",
+                               2 * 16384 * 768 * 768)
+    assert not gemm_takes_cublaslt("addmm", [(32, 512, 768), (768, 768)], (16384, 768), "fp32", 2 * 16384 * 768 * 768)
 
 
 def _workspaces(model: str, torch_version: str, **training) -> list[tuple[str, int, Phase]]:
