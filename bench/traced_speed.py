@@ -8,9 +8,12 @@ Writes the "Traced describer: speed" section of bench/RESULTS.md (the other sect
     python bench/traced_speed.py --skip-70b --skip-memtracker   # quicker
 
 Stages of a first `describe` (trace cache empty): model build + trace (`models.trace.recording`: the HF
-model built under FakeTensorMode, one micro-batch recorded), conversion to the tape (`convert.to_tape`),
-the op graph (the rest of `describe`); then `simulate`. The stage times are read by wrapping those two
-functions for the run (nothing is changed in them).
+model built under FakeTensorMode, one micro-batch recorded as the CUDA program of the profile; a model of many
+identical layers traced with 3 and 4 layers and derived, models/trace/depth.py), conversion to the tape
+(`convert.to_tape`), the op graph (the rest of `describe`); then `simulate`. The stage times are read by wrapping
+those two functions for the run (nothing is changed in them; a call made inside another counts once). Then the
+derivation is proven on the model itself: the derived recording against the trace of all its layers
+(`depth.same`: every op, storage, node, parameter and name equal), with the whole trace's time.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ import peakledger.models.trace.convert as convert
 from peakledger import api
 from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.config import TrainingSetup
+from peakledger.models.costs import device_profile
+from peakledger.models.trace import depth
 from peakledger.models.trace import from_hf_dict
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
+from peakledger.simulator.gcpause import paused_gc
 from peakledger.simulator.timeline import timeline
 
 SECTION = "## Traced describer: speed"
@@ -55,13 +61,18 @@ class Stopwatch:
         self.calls = {"trace": 0, "convert": 0}
 
     def wrap(self, key, fn):
+        depth = [0]
+
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            depth[0] += 1
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[key] += time.perf_counter() - t0
-                self.calls[key] += 1
+                depth[0] -= 1
+                if not depth[0]:  # the outermost call: a derivation's own recordings count inside it
+                    self.seconds[key] += time.perf_counter() - t0
+                    self.calls[key] += 1
         return timed
 
     def __enter__(self):
@@ -89,8 +100,14 @@ def one_model(name: str, config: dict) -> dict:
         t0 = time.perf_counter()
         describe(model, SETUP, DEVICE)
         t_again = time.perf_counter() - t0
-    rec = trace.recording(model, SETUP)
+    target = (device_profile(DEVICE).compute_capability, "2.6")  # the program describe recorded (its defaults)
+    rec = trace.recording(model, SETUP, target)
+    t0 = time.perf_counter()
+    with paused_gc():  # as describe records
+        whole = trace.recording(model, SETUP, target, by_depth=False)
+    t_whole = time.perf_counter() - t0
     return {"name": name, "trace": sw.seconds["trace"], "convert": sw.seconds["convert"],
+            "whole": t_whole, "derived_equal": depth.same(rec, whole),
             "graph": t_describe - sw.seconds["trace"] - sw.seconds["convert"], "describe": t_describe,
             "simulate": t_sim, "total": t_describe + t_sim, "again": t_again, "again_trace": sw2.seconds["trace"],
             "ops": len(graph), "events": len(log.events), "peak": peak, "aten_ops": len(rec.ops),
@@ -168,6 +185,10 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
                      f"{r['describe']:.2f} s | {r['simulate']:.2f} s | **{r['total']:.2f} s** | {r['again']:.2f} s "
                      f"(trace {r['again_trace']:.3f} s) | {r['aten_ops']:,} / {r['nodes']:,} | {r['ops']:,} | "
                      f"{r['events']:,} | {format_bytes(r['peak'])} |")
+    lines += ["", "The layers derived, not traced (models/trace/depth.py), and proven on each model: its recording "
+              "derived from 3 and 4 layers against the trace of all its layers, " + "; ".join(
+                  f"{r['name']} {'equal' if r['derived_equal'] else 'NOT EQUAL'} (whole trace {r['whole']:.1f} s)"
+                  for r in results) + "."]
     lines.append("")
     if search is not None:
         lines.append(f"Max micro-batch search (`peakledger.api.max_micro_batch`, budget {SEARCH_BUDGET}) on the "
@@ -211,8 +232,8 @@ def main() -> int:
         r = one_model(name, config)
         results.append(r)
         print(f"{name}: trace {r['trace']:.2f}s convert {r['convert']:.2f}s graph {r['graph']:.2f}s simulate "
-              f"{r['simulate']:.2f}s total {r['total']:.2f}s again {r['again']:.2f}s peak {format_bytes(r['peak'])}",
-              flush=True)
+              f"{r['simulate']:.2f}s total {r['total']:.2f}s again {r['again']:.2f}s peak {format_bytes(r['peak'])}; "
+              f"derived == whole trace: {r['derived_equal']} (whole {r['whole']:.1f}s)", flush=True)
     search = None
     if not args.skip_search:
         search = max_batch(results[0]["model"])

@@ -253,10 +253,15 @@ def _can_cudnn(dtype, hd, hd_v, dropout, cc, seq_q, seq_k, n_head, n_kv, gqa, cu
 def sdpa_backend(dtype: str, head_dim: int, dropout: float, has_mask: bool, is_causal: bool,
                  compute_capability: tuple[int, int], torch_version: str = "2.6", *, head_dim_v: int | None = None,
                  seq_q: int | None = None, seq_k: int | None = None, n_head: int = 1, n_kv_head: int | None = None,
-                 enable_gqa: bool = False, requires_grad: bool = True, cudnn_version: int | None = None) -> str:
+                 enable_gqa: bool = False, requires_grad: bool = True, cudnn_version: int | None = None,
+                 last_dims_contiguous: bool = True) -> str:
     """"flash", "efficient", "cudnn" or "math": select_sdp_backend (sdp_utils.cpp) with every backend enabled,
-    dense inputs, last dims contiguous and aligned storage offsets. 2.6: flash, efficient, math (cuDNN comes
-    after math, so never); 2.13: the same unless `_prefer_cudnn` (cuDNN first)."""
+    dense inputs and aligned storage offsets. 2.6: flash, efficient, math (cuDNN comes after math, so never);
+    2.13: the same unless `_prefer_cudnn` (cuDNN first). `last_dims_contiguous` False: q, k, v or the mask has
+    a last dimension of stride other than 1, which every fused kernel refuses on CUDA (sdp_utils_cpp.h
+    check_last_dim_stride_equals_1_dense: the mask's stride is checked on CUDA, not on the CPU): math."""
+    if not last_dims_contiguous:
+        return "math"
     v = sdpa_rules(torch_version)
     cc = tuple(compute_capability)
     hd_v = head_dim if head_dim_v is None else head_dim_v

@@ -143,7 +143,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
         raise ConfigError(sources[0], f"give one model source, not {' and '.join(sources)}")
     if describer not in DESCRIBERS:
         raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}")
-    base = _traced_source(hf, module, describer)
+    base = _traced_source(hf, module, describer, training)
     if base is not None:
         return _traced_scenario(base, model_table, training, run, name, defaults)
     if describer == "traced":
@@ -201,10 +201,22 @@ def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scena
 DESCRIBERS = ("auto", "traced", "hand-written")
 
 
-def _traced_source(hf, module, describer: str) -> TracedModel | None:
-    """The traced model a source names, or None where the hand-written describers take it: a module is always
-    traced; a HF config is traced unless its model type is one the hand-written describers read (GPT-2, the
-    Llama family, Mixtral) and `describer` is not "traced"."""
+def hand_written_only(training: dict) -> str | None:
+    """What in a setup only the hand-written describers simulate (model parallelism, bitsandbytes 4-bit
+    QLoRA), named; None if the traced describer takes it all."""
+    for key in ("tp", "pp", "cp", "ep"):
+        if training.get(key, 1) not in (1, None):
+            return f"{key} > 1 (model parallelism is simulated on the hand-written describers)"
+    if training.get("quantize", "none") not in ("none", None):
+        return "quantize (QLoRA is simulated on the hand-written describers)"
+    return None
+
+
+def _traced_source(hf, module, describer: str, training: dict) -> TracedModel | None:
+    """The traced model a source names, or None where the hand-written describers take it. A module is always
+    traced. A HF config is traced (the program transformers runs, whatever its version: bench/VALIDATION.md "GPU
+    prediction: HF training programs"), unless `describer` is "hand-written", or it is "auto" and the setup asks
+    for what only the hand-written describers simulate (`hand_written_only`) of a model type they read."""
     if module:
         if describer == "hand-written":
             raise ConfigError("describer", "a --module model can only be traced; allowed: auto, traced")
@@ -212,7 +224,8 @@ def _traced_source(hf, module, describer: str) -> TracedModel | None:
     if not hf:
         return None
     data = read_hf_json(hf)
-    if describer == "hand-written" or (describer == "auto" and data.get("model_type") in HAND_WRITTEN_HF):
+    if describer == "hand-written" or (describer == "auto" and data.get("model_type") in HAND_WRITTEN_HF
+                                       and hand_written_only(training)):
         return None
     path = Path(hf)
     return from_hf_dict(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")

@@ -221,3 +221,19 @@ def test_traced_llama_fp32_mha_runs_memory_efficient_and_gqa_math():
     math = traced_tape(_llama(), setup, cuda=(H100, "2.6"))
     assert not any("_scaled_dot_product" in op.kind for op in math.ops)
     assert any(op.kind == "_safe_softmax" and op.outputs[0].shape == (B, H, T, T) for op in math.ops)
+
+
+def test_a_mask_whose_last_dim_is_strided_sends_sdpa_to_math_on_cuda():
+    # sdp_utils_cpp.h check_last_dim_stride_equals_1_dense: on CUDA the mask's last stride must be 1 too (T5's
+    # relative position bias is a permuted view: stride 8); the CPU does not check it
+    assert sdpa_backend("fp32", 64, 0.1, True, False, H100, "2.6") == "efficient"
+    assert sdpa_backend("fp32", 64, 0.1, True, False, H100, "2.6", last_dims_contiguous=False) == "math"
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from peakledger.models.trace.cuda_program import cuda_program
+    with FakeTensorMode(), cuda_program(H100, "2.11") as program:
+        q = torch.empty(2, 4, 16, 64, requires_grad=True)
+        bias = torch.empty(1, 16, 16, 4).permute(0, 3, 1, 2)  # (1, H, T, T), last stride 4
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias.contiguous(), dropout_p=0.1)
+    assert program.backends == ["math", "efficient"]

@@ -220,8 +220,8 @@ def test_bias_keys_follow_each_modeling_file():
 def _scenario(tmp_path: Path, data: dict, precision: str):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(data))
-    return build_scenario({"hf_config": str(path)}, {"micro_batch": 4, "seq_len": 64, "steps": 2,
-                                                     "precision": precision, "optimizer": "adamw"})
+    return build_scenario({"hf_config": str(path), "describer": "hand-written"},
+                          {"micro_batch": 4, "seq_len": 64, "steps": 2, "precision": precision, "optimizer": "adamw"})
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

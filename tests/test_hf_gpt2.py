@@ -52,7 +52,7 @@ CASES = [  # attention, dropout, precision, checkpointing
 @pytest.mark.parametrize("attention,dropout,precision,checkpointing", CASES, ids=lambda v: str(v))
 def test_real_hf_gpt2_step_matches_the_simulation(tmp_path, attention, dropout, precision, checkpointing):
     path = hf_config_file(tmp_path, attention, dropout)
-    scenario = build_scenario({"hf_config": str(path)},
+    scenario = build_scenario({"hf_config": str(path), "describer": "hand-written"},
                               {"micro_batch": 4, "seq_len": 64, "steps": 2, "precision": precision,
                                "optimizer": "sgd-momentum", "checkpointing": checkpointing})
     assert scenario.model.implementation == "hf" and scenario.model.attention == attention

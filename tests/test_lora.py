@@ -177,7 +177,8 @@ def test_bad_lora_input_exits_2_naming_the_field(capsys, argv, field):
 
 @pytest.mark.parametrize("argv", [["--preset", "tiny-mlp", "--lora-r", "4"],
                                   ["--preset", "tiny-mlp", "--lora-r", "4", "--quantize", "nf4", "--precision", "bf16"],
-                                  ["--hf-config", "examples/hf-gpt2-tiny/config.json", "--lora-r", "4"]])
+                                  ["--hf-config", "examples/hf-gpt2-tiny/config.json", "--lora-r", "4",
+                                   "--describer", "hand-written"]])
 def test_lora_where_it_is_not_modelled_exits_2(capsys, argv, monkeypatch):
     from pathlib import Path
     monkeypatch.chdir(Path(__file__).resolve().parents[1])

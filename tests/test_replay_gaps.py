@@ -31,7 +31,8 @@ def _hf_scenario(tmp_path, config: dict, training: dict):
     """A scenario read from a small GPT-2 config.json (random weights, nothing downloaded)."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    return build_scenario({"hf_config": str(path)}, {"optimizer": "sgd", "precision": "fp32", **training})
+    return build_scenario({"hf_config": str(path), "describer": "hand-written"},
+                          {"optimizer": "sgd", "precision": "fp32", **training})
 
 
 def _peaks(scenario):

@@ -138,13 +138,16 @@ def test_simulate_module_names_the_describer_and_the_batch(capsys):
     assert data["batch"] == "the factory's batch (micro_batch=2, seq_len=16 passed)"
 
 
-@pytest.mark.parametrize("model_type,describer,expected", [
-    ("gemma2", None, "traced"), ("llama", None, "hand-written"), ("llama", "traced", "traced"),
-    ("llama", "hand-written", "hand-written")])
-def test_hf_config_routes_to_a_describer(capsys, tmp_path, model_type, describer, expected):
+@pytest.mark.parametrize("model_type,describer,extra,expected", [
+    ("gemma2", None, [], "traced"), ("llama", None, [], "traced"), ("llama", "traced", [], "traced"),
+    ("llama", "hand-written", [], "hand-written"),
+    # what only the hand-written describers simulate: model parallelism, QLoRA (peakledger/scenario.py)
+    ("llama", None, ["--tp", "2", "--world-size", "2"], "hand-written"),
+    ("llama", None, ["--lora-r", "4", "--quantize", "nf4", "--precision", "bf16"], "hand-written")])
+def test_hf_config_routes_to_a_describer(capsys, tmp_path, model_type, describer, extra, expected):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(HF[model_type]))
-    argv = ["simulate", "--hf-config", str(path), "--micro-batch", "2", "--seq-len", "16", "--json"]
+    argv = ["simulate", "--hf-config", str(path), "--micro-batch", "2", "--seq-len", "16", "--json", *extra]
     code, out, _ = run_cli(capsys, *argv, *(["--describer", describer] if describer else []))
     assert code == 0
     assert json.loads(out)["describer"].startswith(expected)

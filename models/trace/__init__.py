@@ -8,7 +8,11 @@ How the pieces compose:
                `realpath.py` keeps that run on the real run's code path.
 - `convert.py` turns a recording into the project's tape (models/tape.py) under a setup's checkpointing:
                forward ops with their saves, and the recorded backward nodes (`Tape.backward`).
+- `cuda_program.py` makes that run the CUDA program where the model trains on a GPU (CUDA's autocast lists,
+               the SDPA kernel torch picks, the fused dropout), and `gpu_paths.py` adds what the CUDA kernels
+               allocate inside themselves.
 - `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
+- `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers.
 - here         `traced_tape` (what `models.training.build_tape` calls), the trace cache, and the real
                (CPU, random weights) build of the same program for validation (`real_model`).
 
@@ -58,10 +62,14 @@ def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
         raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's maximum positions {model.max_seq_len}")
 
 
-def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = None):
+def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = None, by_depth: bool = True):
     """The recording of one micro-batch of `model` under `setup` (cached, see the module docstring): the CPU
-    program, or with `target` = (compute capability, torch version) the CUDA program (cuda_program.py)."""
+    program, or with `target` = (compute capability, torch version) the CUDA program (cuda_program.py). A model
+    of many identical layers is derived from 3 and 4 of them (depth.py) unless `by_depth` is False (then traced
+    whole, and not cached)."""
     key = _key(model, setup, target)
+    if not by_depth:
+        return _trace(model, setup, target)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -74,6 +82,11 @@ def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = N
         if derived is not None:
             _DERIVED.add(key)
             return _remember(key, derived)
+    deep = _by_depth(model, setup, target)
+    return _remember(key, deep if deep is not None else _trace(model, setup, target))
+
+
+def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -97,7 +110,30 @@ def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = N
             raise
         except Exception as e:  # the user's code, or an op fake tensors cannot run
             raise ConfigError(what, _trace_failure(e)) from None
-    return _remember(key, rec)
+    return rec
+
+
+def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
+    """The recording of a HF model of many identical layers derived from traces of 3 and 4 layers (depth.py), or
+    None where it cannot be shown exact: the derivation of 4 layers must equal their trace, and the n-layer
+    model's layers must be alike module for module (`depth.uniform`)."""
+    from . import depth
+
+    if model.kind != "hf":
+        return None
+    data = model.hf_dict()
+    key = depth.layer_key(data)
+    n = data.get(key) if key else None
+    if not isinstance(n, int) or n <= depth.TRACED + 1 or not depth.uniform(model, setup):
+        return None
+    shallow = [recording(from_hf_dict({**data, key: k}, model.name), setup, target)
+               for k in (depth.TRACED, depth.TRACED + 1)]
+    try:
+        if not depth.same(depth.derive(shallow[0], depth.TRACED + 1), shallow[1]):
+            return None
+        return depth.derive(shallow[0], n)
+    except depth.NotPeriodic:
+        return None
 
 
 def _remember(key: tuple, rec):

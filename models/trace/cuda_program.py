@@ -210,10 +210,13 @@ class _Sdpa:
                  enable_gqa=False):
         dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(query.dtype)
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        # sdp_utils_cpp.h check_last_dim_stride_equals_1_dense (a head dim of 1 is ignored for q, k, v)
+        contiguous = all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (query, key, value)) and (
+            attn_mask is None or attn_mask.stride(-1) == 1)
         backend = "math" if dtype is None or query.dim() != 4 else sdpa_backend(
             dtype, query.shape[-1], dropout_p, attn_mask is not None, is_causal, self.cc, self.rules,
             head_dim_v=value.shape[-1], seq_q=query.shape[-2], seq_k=key.shape[-2], n_head=query.shape[-3],
-            n_kv_head=key.shape[-3], enable_gqa=enable_gqa, requires_grad=grad)
+            n_kv_head=key.shape[-3], enable_gqa=enable_gqa, requires_grad=grad, last_dims_contiguous=contiguous)
         self.backends.append(backend)
         aten = torch.ops.aten
         if backend == "flash":

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, TrainingSetup
+from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
             "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq")
@@ -89,6 +89,7 @@ class TracedModel:
 
 def from_hf_dict(data: dict, name: str) -> TracedModel:
     hf_task(data)  # refuses a model type transformers does not know
+    check_hf_sizes(data)
     text = json.dumps(data, sort_keys=True)
     return TracedModel(name=name, kind="hf", source=text, digest=hashlib.sha256(text.encode()).hexdigest())
 
@@ -116,6 +117,27 @@ def check_traced_source(model: TracedModel) -> None:
 
 
 # -- HF --------------------------------------------------------------------------------------------------
+
+# config keys that count modules transformers builds one by one (layers, experts): bounded as the hand-written
+# describers bound n_layer (models/config.py COUNT_LIMITS), so no config makes unbounded work
+HF_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers", "encoder_layers",
+                 "decoder_layers", "num_local_experts", "num_experts", "n_routed_experts")
+
+
+def check_hf_sizes(data: dict, where: str = "hf_config") -> None:
+    """Every integer of the config fits torch's int64 sizes, and the module counts are within COUNT_LIMITS."""
+    limit, why = COUNT_LIMITS["n_layer"]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            check_hf_sizes(value, f"{where}.{key}")
+            continue
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
+                raise ConfigError(f"{where}.{key}", f"{v:,} is over 2^63 - 1, the largest size torch can hold (int64)")
+        if key in HF_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > limit:
+            raise ConfigError(f"{where}.{key}", f"{value:,} is over the limit of {limit:,} ({why})")
+
 
 def hf_task(data: dict):
     """(model class, auto class name) for a config dict, or a ConfigError naming what is wrong."""
@@ -170,8 +192,10 @@ def _hf_build(data: dict, setup: TrainingSetup):
         kwargs["use_cache"] = False    # (transformers/modeling_layers.py GradientCheckpointingLayer)
     try:
         config = CONFIG_MAPPING[data["model_type"]](**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError("hf_config", f"transformers refused the config: {e}") from None
+    except Exception as e:  # TypeError, ValueError, huggingface_hub's strict-dataclass validation errors
+        field = getattr(e, "field", None)  # huggingface_hub's StrictDataclassFieldValidationError names it
+        raise ConfigError(f"hf_config.{field}" if isinstance(field, str) else "hf_config",
+                          f"transformers refused the config: {' '.join(str(e).split())}") from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.param_dtype, torch.float32)
     try:
         with no_init_weights():

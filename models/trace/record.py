@@ -409,6 +409,12 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
         for h in hooks:
             h.remove()
     nodes = ([seed] if loss_fn is not None else []) + [rec.nodes[rec.node_index[k]] for k in order]
+    # a death in backward was noted by the index the node got when the graph was walked: now its place in `nodes`
+    place = {rec.node_index[k]: i for i, k in enumerate(order, start=1 if loss_fn is not None else 0)}
+    place[-1] = 0  # the grad seed
+    for s in rec.storages.values():
+        if s.death is not None and s.death[0] == "backward":
+            s.death = ("backward", place.get(s.death[1], s.death[1]))
     for f in rec.finalizers:
         f.detach()
     return Recording(params, buffers, inputs, rec.storages, rec.ops, nodes, param_grads,

@@ -1,0 +1,81 @@
+"""A deep HF model's recording derived from traces of 3 and 4 layers (models/trace/depth.py) equals the trace of the
+whole model, item for item, on the programs the derivation serves (decoders of one repeated layer, CPU and CUDA
+programs, mixed precision, checkpointing, LoRA, MoE), and is refused where layers differ."""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+
+from peakledger.models.config import TrainingSetup
+from peakledger.models import trace
+from peakledger.models.trace import from_hf_dict, recording
+from peakledger.models.trace import depth
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = ((9, 0), "2.11")
+
+
+def _config(name: str, **extra) -> dict:
+    return {**json.loads((ROOT / "examples" / name / "config.json").read_text()), **extra}
+
+
+CASES = [
+    ("hf-llama-tiny", {"num_hidden_layers": 6}, dict(precision="bf16-mixed"), H100),
+    ("hf-llama-tiny", {"num_hidden_layers": 5, "attn_implementation": "sdpa"}, dict(precision="bf16"), H100),
+    ("hf-llama-tiny", {"num_hidden_layers": 5}, dict(precision="fp32", checkpointing="full"), None),
+    ("hf-llama-tiny", {"num_hidden_layers": 5, "attn_implementation": "sdpa"},
+     dict(precision="bf16", lora_r=4, lora_alpha=8, lora_targets=("q_proj", "v_proj")), H100),
+    ("hf-gpt2-tiny", {"n_layer": 6}, dict(precision="bf16-autocast"), H100),
+    ("hf-mixtral-tiny", {"num_hidden_layers": 5}, dict(precision="bf16-autocast"), H100),
+]
+
+
+@pytest.mark.parametrize("name, extra, training, target", CASES)
+def test_derived_recording_equals_the_whole_trace(name, extra, training, target, monkeypatch):
+    model = from_hf_dict(_config(name, **extra), f"{name}-deep")
+    n = next(v for k, v in extra.items() if k in depth.LAYER_KEYS)
+    setup = TrainingSetup(micro_batch=2, seq_len=16, **training)
+    traced = []
+    whole_trace = trace._trace
+
+    def counted(m, s, t):
+        traced.append(json.loads(m.source).get(depth.layer_key(json.loads(m.source))))
+        return whole_trace(m, s, t)
+
+    monkeypatch.setattr(trace, "_trace", counted)
+    enabled = gc.isenabled()
+    gc.disable()  # as describe() records (simulator/gcpause.py): deaths by reference counts only
+    try:
+        assert depth.uniform(model, setup)
+        derived = recording(model, setup, target)
+        assert n not in traced and set(traced) <= {3, 4}  # derived from 3 and 4 layers, not traced whole
+        whole = recording(model, setup, target, by_depth=False)
+    finally:
+        if enabled:
+            gc.enable()
+    assert len(derived.layers) == len(whole.layers) == n
+    assert depth.same(derived, whole)
+
+
+def test_layers_that_differ_are_not_derived():
+    # Gemma2 alternates sliding-window and global attention: its layers are not alike module for module
+    model = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=6), "gemma2-deep")
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16")
+    assert not depth.uniform(model, setup)
+    # and a 3-layer recording does not stand for a model whose layers alternate (derivation refused or unequal)
+    three = recording(from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=3), "g3"), setup, H100)
+    four = recording(from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=4), "g4"), setup, H100)
+    try:
+        assert not depth.same(depth.derive(three, 4), four)
+    except depth.NotPeriodic:
+        pass
+
+
+def test_layer_key_names_one_stack():
+    assert depth.layer_key({"num_hidden_layers": 32}) == "num_hidden_layers"
+    assert depth.layer_key({"n_layer": 12}) == "n_layer"
+    assert depth.layer_key({"num_layers": 6, "num_decoder_layers": 6}) is None  # an encoder-decoder: two stacks
