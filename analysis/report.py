@@ -223,7 +223,7 @@ def report_json(r: Report) -> dict:
             "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
         if md.get("expert_parallel"):
-            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
+            out["expert_parallel"] = md["expert_parallel"]
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             out["training_flops_per_step"] = {
                 "value": md["counted_flops_per_step"],
@@ -321,6 +321,12 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                      + _offload_text(setup))
         if md.get("batch"):  # a traced model: its own batch
             lines.append(f"  described by: {md.get('describer')}; batch per micro-batch: {md['batch']}")
+        else:
+            lines.append(f"  described by: {md.get('describer')}")
+        if r.gpu is not None:
+            lines.append(f"  GPU rules: torch {md.get('torch_version', '2.6')}'s CUDA kernels and caching allocator "
+                         f"on {md.get('device')}")
+        if md.get("batch"):
             if md.get("describer_note"):
                 lines.append(f"  note: {md['describer_note']}")
             lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
@@ -339,7 +345,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  context parallel: cp {setup['cp']} (torch's context_parallel: ring attention, head-tail "
                          f"load balancing, T / cp = {setup['seq_len'] // setup['cp']} tokens a rank)")
         if md.get("expert_parallel"):
-            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
+            out["expert_parallel"] = md["expert_parallel"]
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")

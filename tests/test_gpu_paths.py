@@ -237,3 +237,30 @@ def test_a_mask_whose_last_dim_is_strided_sends_sdpa_to_math_on_cuda():
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=bias.contiguous(), dropout_p=0.1)
     assert program.backends == ["math", "efficient"]
+
+
+def test_a_linear_bias_gradient_on_cuda_holds_the_reduction_staging_buffer():
+    # ViT-base's fc2 on the H200 (B=64, 197 tokens, 768 outputs, bf16): grad.sum(0) over 12,608 rows splits the
+    # rows over blocks (Reduce.cuh): a 77,463,552 B staging buffer and 24 B of semaphores after the output, as
+    # the snapshot shows; the recording of the CUDA program carries them in the node, freed there
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from peakledger.models.gpu import reduce_staging_bytes
+    from peakledger.models.trace.cuda_program import reduction_temporaries
+    expected = reduce_staging_bytes(768, 12_608, 4, reduce_on_fastest=False, num_sms=132)
+    with FakeTensorMode():
+        g = torch.empty(12_608, 768, dtype=torch.bfloat16)
+        temps = reduction_temporaries(torch.ops.aten.sum.dim_IntList, (g, [0], True), {}, H100)
+        assert reduction_temporaries(torch.ops.aten.sum.dim_IntList, (g, [0], True), {}, (7, 5)) == ()
+        assert reduction_temporaries(torch.ops.aten.sum.dim_IntList, (g.t(), [0], True), {}, H100) != temps
+    assert temps == ((expected[0], "reduce_staging"), (expected[1], "reduce_semaphores"))
+    assert expected == (77_463_552, 24)
+    model = from_hf_dict({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 768, "num_attention_heads": 12,
+                          "intermediate_size": 3072, "vocab_size": 256, "max_position_embeddings": 256,
+                          "mlp_bias": True}, "biased")
+    tape = traced_tape(model, TrainingSetup(micro_batch=64, seq_len=197, precision="bf16"), cuda=(H100, "2.11"))
+    down = next(n for n in tape.backward if n.name == "model.layers.0.mlp.down_proj.AddmmBackward0")
+    allocs = [a for step in down.steps for a in step.allocs]
+    frees = {f for step in down.steps for f in step.frees}
+    staged = [a for a in allocs if ".reduce_staging." in a.name or ".reduce_semaphores." in a.name]
+    assert [a.nbytes for a in staged] == [77_463_552, 24] and {a.name for a in staged} <= frees

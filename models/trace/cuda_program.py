@@ -26,6 +26,12 @@ the CUDA decision at the same dispatch level, while it records, so the recording
   outputs and saved tensors come from their fake (meta) kernels; their backward temporaries, which no meta
   kernel shows, are added on the tape (gpu_paths.py).
 
+- reductions' global staging: a CUDA sum / mean / max-with-indices that splits its reduced dimension over several
+  blocks allocates a staging buffer and semaphores from the caching allocator after its output and frees them
+  as it returns (Reduce.cuh setReduceConfig / global_memory_size; models/gpu.py `reduce_staging_bytes`), e.g.
+  the bias gradient of every nn.Linear (`grad.sum(0)`); `temporaries` gives them to the recorder, from the
+  input's real strides, for the reductions TensorIterator coalesces to one reduced and at most one kept dim.
+
 Not changed (the CPU kernels' outputs are what the CUDA kernels return): every other op. Known composite
 branches on `is_cuda()` left out: fp16 softmax / log_softmax with dtype fp32 (`half_to_float`, fp16 only).
 
@@ -41,7 +47,7 @@ import weakref
 
 import torch
 
-from ..gpu import kernel_rules, sdpa_backend
+from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend
 
 # autocast_mode.h (torch 2.13): the CUDA policy of every op AutocastCUDA registers ("aten::name.overload")
 LOWER = ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -244,6 +250,55 @@ class _Sdpa:
                                                                scale=scale, enable_gqa=enable_gqa)[0]
 
 
+SMS = {(9, 0): 132, (8, 0): 108}  # streaming multiprocessors of the H100 / H200 (SXM) and A100 profiles
+REDUCTIONS = {"sum.dim_IntList": 4, "sum.default": 4, "mean.dim": 4, "mean.default": 4, "max.dim": 16,
+              "min.dim": 16}  # accumulator bytes of a floating input: float (at::acc_type), max/min a (value, index)
+
+
+def reduction_temporaries(func, args, kwargs, compute_capability) -> tuple[tuple[int, str], ...]:
+    """The staging buffer and semaphores of a CUDA reduction (module docstring), or () where it reduces within
+    blocks, is not one of REDUCTIONS, or its layout does not coalesce to one reduced and one kept dimension."""
+    name = f"{func._schema.name.split('::')[-1]}.{func._overloadname}"
+    arg_bytes = REDUCTIONS.get(name)
+    sms = SMS.get(tuple(compute_capability))
+    x = args[0] if args else None
+    if arg_bytes is None or sms is None or not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return ()
+    if not x.dtype.is_floating_point:
+        return ()
+    if x.dtype == torch.float64:
+        arg_bytes *= 2
+    dims = args[1] if len(args) > 1 and name != "max.dim" and name != "min.dim" else kwargs.get("dim")
+    if name in ("max.dim", "min.dim"):
+        dims = [args[1]]
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        dims = list(range(x.dim()))
+    dims = {d % x.dim() for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    # TensorIterator: size-1 dims dropped, dims ordered by input stride (fastest first), neighbours coalesced
+    # when one continues the other and both are reduced or both kept
+    axes = sorted(((x.stride(d), x.shape[d], d in dims) for d in range(x.dim()) if x.shape[d] != 1))
+    merged: list[list] = []
+    for stride, size, reduced in axes:
+        if merged and merged[-1][2] == reduced and merged[-1][0] * merged[-1][1] == stride:
+            merged[-1][1] *= size
+        else:
+            merged.append([stride, size, reduced])
+    kept = [m for m in merged if not m[2]]
+    red = [m for m in merged if m[2]]
+    if len(red) != 1 or len(kept) > 1:
+        return ()
+    num_outputs = kept[0][1] if kept else 1
+    inputs = red[0][1]
+    on_fastest = merged[0][2]
+    vec = 4  # get_output_vec_size: halved until it divides the output extent and the other strides
+    while vec > 1 and (num_outputs % vec or any(m[0] % vec for m in merged if m[0] != 1)):
+        vec //= 2
+    size, semaphores = reduce_staging_bytes(num_outputs, inputs, arg_bytes, reduce_on_fastest=on_fastest,
+                                            fastest_stride_is_element=merged[0][0] == 1, output_vec_size=vec,
+                                            num_sms=sms)
+    return ((size, "reduce_staging"), (semaphores, "reduce_semaphores")) if size else ()
+
+
 class cuda_program:
     """While active (around a recording on fake CPU tensors), torch dispatches as it does for CUDA tensors on a
     GPU of `compute_capability` under the kernel rules of `torch_version` (module docstring). `backends` lists
@@ -257,6 +312,10 @@ class cuda_program:
     @property
     def backends(self) -> list[str]:
         return self.sdpa.backends
+
+    def temporaries(self, func, args, kwargs, out) -> tuple[tuple[int, str], ...]:
+        """What the CUDA kernel of an aten call allocates and frees inside itself, after its outputs."""
+        return reduction_temporaries(func, args, kwargs or {}, self.cc)
 
     def __enter__(self):
         self.lib = torch.library.Library("aten", "IMPL")

@@ -125,6 +125,8 @@ class Recorder(TorchDispatchMode):
         self.finalizers: list[weakref.finalize] = []
         self.shadows = Shadows()
         self.last_where = "model"  # the module of the latest op (named when the model fails)
+        # the program's kernels' own temporaries of an aten call (cuda_program.py), or None: the CPU's, not shown
+        self.temporaries = None
 
     # -- storages -----------------------------------------------------------------------------------
     def _lookup(self, t: torch.Tensor):
@@ -215,6 +217,7 @@ class Recorder(TorchDispatchMode):
         short = str(func).replace("aten.", "").replace(".default", "")
         outs = _tensors(out)
         flops = self._flops(func, args, kwargs, out)
+        temps = self.temporaries(func, args, kwargs, out) if self.temporaries is not None else ()
         if self.phase == "forward":
             i = len(self.ops)
             for k, t in enumerate(outs):
@@ -223,6 +226,7 @@ class Recorder(TorchDispatchMode):
                     sid = self.see(t, "forward", f"{self._where()}.{short}.{i}" + (f".out{k}" if k else ""), op=i)
                     if sid is not None:
                         new.append(sid)
+            new += self._temporaries(temps, f"{self._where()}.{short}.{i}", i)
             reads = tuple(s for s in in_ids if s not in self.param_of)
             params = tuple(dict.fromkeys(self.param_of[s] for s in in_ids if s in self.param_of))
             self.ops.append(ForwardOp(f"{self._where()}.{short}", short, self._where(), reads, params, tuple(new),
@@ -235,7 +239,26 @@ class Recorder(TorchDispatchMode):
             for t in outs:
                 if self.storage_of(t) is None:
                     self.see(t, "backward", f"{where}.{short}")
+            self._temporaries(temps, f"{where}.{short}", -1)
         return out
+
+    def _temporaries(self, temps, name: str, op: int) -> list[int]:
+        """Storages a kernel allocates and frees inside itself after its outputs (`temporaries`, e.g. a CUDA
+        reduction's staging buffer), last made first freed: born and dead in this op (forward) or node."""
+        sids = []
+        for nbytes, role in temps:
+            sid = len(self.storages) + 1
+            born = "forward" if self.phase == "forward" else "backward"
+            self.storages[sid] = Storage(sid, nbytes, "uint8", (nbytes,), f"{name}.{role}", born, op,
+                                         death=("forward", op) if born == "forward" else None)
+            if born == "backward" and self.current is not None:
+                self.current.events.append(("alloc", sid))
+            sids.append(sid)
+        if self.phase != "forward" and self.current is not None:
+            for sid in reversed(sids):
+                self.storages[sid].death = ("backward", self.current_index)
+                self.current.events.append(("free", sid))
+        return sids
 
     @staticmethod
     def _flops(func, args, kwargs, out) -> int:
@@ -289,6 +312,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     frees them (models/config.py PASSES). `program`: a context the whole run (recomputation included) goes
     through, e.g. cuda_program.py's, which makes it the CUDA program; None: the CPU program."""
     rec = Recorder(model)
+    rec.temporaries = getattr(program, "temporaries", None)
     for fake, real in (values or {}).items():
         rec.shadows.add(fake, real)
     names = {id(m): n or "model" for n, m in model.named_modules()}
