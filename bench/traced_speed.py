@@ -121,7 +121,7 @@ def max_batch(model) -> dict:
         t0 = time.perf_counter()
         best = api.max_micro_batch(scenario, parse_bytes(SEARCH_BUDGET))
         seconds = time.perf_counter() - t0
-    new = [k for k in trace._CACHE if k not in before]
+    new = [k for k in trace._CACHE if k not in before and k[2] == model.digest]  # the model's, not its 3 / 4 layers
     derived = sorted(k[3] for k in new if k in trace._DERIVED)
     return {"best": best, "seconds": seconds, "trace": sw.seconds["trace"], "calls": sw.calls["trace"],
             "new_traces": len(new) - len(derived), "traced": sorted(k[3] for k in new if k not in trace._DERIVED),
@@ -194,7 +194,8 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
         lines.append(f"Max micro-batch search (`peakledger.api.max_micro_batch`, budget {SEARCH_BUDGET}) on the "
                      f"8B-sized model in the same process: answer {search['best']} in {search['seconds']:.1f} s; "
                      f"{search['calls']} trace-cache lookups ({search['trace']:.1f} s in them): micro-batch "
-                     f"{', '.join(map(str, search['traced']))} traced, "
+                     f"{', '.join(map(str, search['traced']))} recorded (each from traces of 3 and 4 layers, "
+                     "models/trace/depth.py), "
                      f"{', '.join(map(str, search['derived'])) or 'none'} derived from three traced sizes of one "
                      "program (models/trace/scale.py); a micro-batch of 1 is a program of its own (a size-1 "
                      "dimension spares a reshape's copy), so it is not one of the three.")
