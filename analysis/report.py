@@ -345,7 +345,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  context parallel: cp {setup['cp']} (torch's context_parallel: ring attention, head-tail "
                          f"load balancing, T / cp = {setup['seq_len'] // setup['cp']} tokens a rank)")
         if md.get("expert_parallel"):
-            out["expert_parallel"] = md["expert_parallel"]
+            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")
