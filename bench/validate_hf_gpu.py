@@ -63,9 +63,12 @@ def load_cases(folder: Path) -> dict:
 
 
 def training_of(precision: str, micro_batch: int, seq_len: int | None, options: dict) -> dict:
-    """The TrainingSetup fields that say what the run did (module docstring)."""
+    """The TrainingSetup fields that say what the run did (module docstring). build "device-fp32": run_cases.py
+    builds every model on the GPU in fp32 (`with torch.device("cuda"): cls(cfg)`), then calls `fully_shard` on each
+    decoder layer and the root (FSDP2) or `model.to(torch.bfloat16)` (pure bf16), then makes peft's adapters: the
+    segments the caching allocator holds when the first step starts are the ones that build left."""
     tr = {"precision": precision, "micro_batch": micro_batch, "optimizer": "adamw", "optimizer_impl": "foreach",
-          "steps": 2}
+          "steps": 2, "build": "device-fp32"}
     if seq_len:
         tr["seq_len"] = seq_len
     if options.get("checkpointing"):

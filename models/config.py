@@ -395,6 +395,31 @@ def _lora_fields(setup) -> None:
                                     "none")
 
 
+def _build_field(setup) -> None:
+    """`build` (BUILDS): "device-fp32" is the program of one device, or of FSDP2 ranks, that builds the model on its
+    GPU; what model parallelism, DeepSpeed's or DDP's wrapping, the fp32 master copies of a mixed precision outside
+    FSDP2, 4-bit base weights or a model built on the meta device (meta-assign) would do to it is not modelled."""
+    _choice(setup, "build", BUILDS)
+    if setup.build == "direct":
+        return
+    if setup.tp * setup.pp * setup.cp * setup.ep > 1:
+        what, needs = f"tp {setup.tp}, pp {setup.pp}, cp {setup.cp}, ep {setup.ep}", "tp, pp, cp and ep 1"
+    elif setup.dp_engine != "fsdp2" and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
+        what = f"dp_engine {setup.dp_engine}, world_size {setup.world_size}, zero_stage {setup.zero_stage}"
+        needs = "one device (dp_engine and zero_stage left out) or dp_engine fsdp2"
+    elif setup.master_dtype and setup.dp_engine != "fsdp2":
+        what, needs = f"precision {setup.precision} outside fsdp2", "precision fp32, bf16 or *-autocast, or dp_engine fsdp2"
+    elif setup.quantize != "none":
+        what, needs = f"quantize {setup.quantize}", "quantize none"
+    elif setup.load_mode == "meta-assign":
+        what, needs = "load_mode meta-assign (a model built on the meta device)", "load_mode none, full-then-device " \
+                                                                                  "or map-to-device"
+    else:
+        return
+    raise ConfigError("build", f"{setup.build!r} is not modelled with {what} (it needs {needs}); allowed here: "
+                               f"{BUILDS[0]}")
+
+
 def _model_parallel_fields(setup) -> None:
     """The model-parallel degrees: positive, dividing world_size (= dp x tp x pp x cp), ep borrowed from dp x cp
     as torchtitan's ParallelDims._validate takes it (ep % cp == 0 and (dp x cp) % ep == 0, its etp = tp case);
@@ -469,6 +494,11 @@ CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "o
 DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
+# how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
+# allocated once in its training dtype (from_pretrained(..., torch_dtype=...), or a model moved from the CPU);
+# "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
+# where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
+BUILDS = ("direct", "device-fp32")
 OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 # pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
@@ -561,6 +591,7 @@ class TrainingSetup:
     checkpoint_every: int = 0  # save after every N-th optimizer step (0 = never)
     save_mode: str = "torch-save"  # how a save is made: see SAVE_MODES
     load_mode: str = "none"  # how the run starts from a checkpoint: see LOAD_MODES ("none": fresh)
+    build: str = "direct"  # how the parameters reach the device: see BUILDS
     # optimizer-state offload (models/optimizers.py): the states live in host memory between steps
     optimizer_offload: str = "none"  # see OPTIMIZER_OFFLOADS
     offload_chunk_params: int = 100_000_000  # chunked: parameter elements whose states move and update together
@@ -618,6 +649,7 @@ class TrainingSetup:
                                              "counts:PATH (a peakledger-moe-counts JSON file)")
         _lora_fields(self)
         _model_parallel_fields(self)
+        _build_field(self)
         _choice(self, "passes", PASSES)
         if self.passes == "forward":
             for name, ok, allowed in (("world_size", self.world_size == 1, "1"),
@@ -663,4 +695,4 @@ class TrainingSetup:
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
            "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING",
-           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS", "QUANTIZE", "PP_SCHEDULES"]
+           "DP_ENGINES", "OPTIMIZER_OFFLOADS", "OFFLOAD_FIRST_STEPS", "QUANTIZE", "PP_SCHEDULES", "BUILDS"]

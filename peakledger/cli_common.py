@@ -10,7 +10,7 @@ import sys
 
 from .analysis.units import parse_bytes
 from .inputs import DP_INT_FLAGS, MODEL_FLAG_TYPES
-from .models.config import (CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
+from .models.config import (BUILDS, CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
                             OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, SAVE_MODES,
                             ConfigError)
 from .models.costs import DEVICES
@@ -48,6 +48,9 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     t.add_argument("--checkpoint-every-k", type=int, help="checkpointing every-k: layers 0, k, 2k, ... (default 2)")
     t.add_argument("--checkpoint-layers", type=lambda v: tuple(int(x) for x in v.split(",") if x.strip()),
                    help="checkpointing layers: exactly these layer indices, e.g. 0,3,7")
+    t.add_argument("--build", help=", ".join(BUILDS) + " (how the parameters reach the device: direct = once each, in "
+                   "the training dtype; device-fp32 = built on the device in fp32, then model.to(dtype) where they are "
+                   "16-bit, then fully_shard's copies under fsdp2)")
     k = p.add_argument_group("checkpoint save / load")
     k.add_argument("--checkpoint-every", type=int, help="save a checkpoint after every N-th optimizer step (0: never)")
     k.add_argument("--save-mode", help=", ".join(SAVE_MODES))

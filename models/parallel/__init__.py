@@ -40,6 +40,12 @@ Engines (`TrainingSetup.dp_engine`):
 The layout functions are pure. `Engine` objects receive hooks from the describer (`training.py`) and
 the autograd replay (`autograd.py`) at the moments the real engine acts.
 
+How the parameters reach the device (`TrainingSetup.build`, `Engine.load`): "direct" allocates each once, in its
+training dtype and layout; "device-fp32" replays the program that builds the model on the GPU in fp32, casts it
+with `model.to(dtype)` where the engine keeps 16-bit parameters, makes peft's adapters, and, under FSDP2, runs each
+unit's `fully_shard` (engine.py `DeviceBuild`, fsdp.py `FSDP2.shard_built`): the cached segments it leaves are
+where training's first allocations land.
+
 Modules: layout.py (the pure layout functions and constants), engine.py (`Engine`, the hooks and the single-rank
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
 deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Model parallelism composes on the device
@@ -57,7 +63,7 @@ from __future__ import annotations
 
 from .ddp import DDP, ZeroRedundancy
 from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket
-from .engine import Engine
+from .engine import DeviceBuild, Engine
 from .fsdp import FSDP2
 from .gathering import Gathering
 from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, ROOT, UNIT_PATTERN, OptimTensor, ceil_div,
@@ -84,7 +90,7 @@ def make_engine(b) -> Engine:
     return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
 
 
-__all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
+__all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine", "DeviceBuild",
            "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT", "UNIT_PATTERN",
            "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners", "greedy_partition",
            "own_dtype", "sub_groups", "unit_of", "make_engine", "PipelineEngine", "check_model_parallel", "rank_actions",

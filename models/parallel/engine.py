@@ -3,11 +3,148 @@ single-rank behaviour every engine starts from."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import prod
 
 from ...simulator.events import Block, Category, Phase, Stream
-from ..config import dtype_bytes
+from ..config import ConfigError, dtype_bytes
 from .layout import OptimTensor, own_dtype
+
+FLOATING = ("fp32", "bf16", "fp16")
+# peft's LoraLayer.adapter_layer_names: the modules / parameter dicts that hold an adapter's weights
+LORA_ADAPTERS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+
+
+def _module(name: str) -> str:
+    """The module path of a parameter or buffer: its name without the last component ("" = the root)."""
+    return name.rpartition(".")[0]
+
+
+def _within(module: str, ancestor: str) -> bool:
+    return not ancestor or module == ancestor or module.startswith(ancestor + ".")
+
+
+def is_adapter(name: str) -> bool:
+    return any(part in LORA_ADAPTERS for part in name.split("."))
+
+
+@dataclass(frozen=True)
+class BuildEntry:
+    """A tensor `cls(config)` makes on the device: a parameter, a buffer, or "tied": the parameter a module made in
+    its __init__ for an attribute transformers then ties to another module's parameter (`source`)."""
+
+    kind: str
+    name: str
+    module: str
+    source: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class DeviceBuild:
+    """What `with torch.device("cuda"): model = cls(config)` then `model.to(dtype)` allocate and free, in order, from
+    a traced tape (its parameters in `named_parameters()` order, its buffers, and the module each op ran in):
+
+    construction  every parameter in fp32 (torch's default dtype), in the tape's order: `named_parameters()` order,
+                  which is the order the modules' __init__ make them for the models traced here; each buffer after
+                  the last parameter of the smallest module around it that holds parameters (a module registers
+                  its buffers after its parameters and submodules: nn.BatchNorm's running stats, a rotary
+                  embedding's inv_freq after the decoder's last norm); floating-point buffers in fp32, others in
+                  their own dtype. A module that runs another module's parameter (the op's module is neither the
+                  parameter's nor a module around it) holds it as a tied attribute: its own __init__ made that
+                  parameter first (nn.Linear / nn.Embedding: the shared one's shape, fp32), placed before the first
+                  parameter (tape order) the forward pass uses after that module's first op, and
+                  transformers' `tie_weights` drops it at the end of construction (modeling_utils.py
+                  PreTrainedModel.tie_weights: `setattr(parent, name, source_param)`);
+    model.to      torch/nn/modules/module.py `Module._apply`: children first, then the module's own parameters,
+                  then its buffers (a post-order of the module tree); each floating-point tensor's new copy is
+                  allocated, then the old one freed (`param.data = param_applied`, `self._buffers[key] =
+                  fn(buf)`); a tied parameter is converted once, at the first module that holds it (`param.to`
+                  of a tensor already in the dtype returns it, no copy);
+    LoRA          peft's adapters (`LORA_ADAPTERS`) are made after the base model, in the tape's order, on the base
+                  layer's device and in its dtype (peft/tuners/tuners_utils.py
+                  `_move_adapter_to_device_of_base_layer`), then cast to their own dtype one by one (peft's
+                  `_cast_adapter_dtype`, autocast_adapter_dtype: 16-bit adapters to fp32).
+    `param_post_order` ranks the parameters in the same post-order: the order FSDP2's `_get_managed_modules` lists
+    a unit's modules in (models/parallel/fsdp.py)."""
+
+    def __init__(self, tape) -> None:
+        self.adapters = [p for p in tape.params if is_adapter(p.name)]
+        base = [p for p in tape.params if not is_adapter(p.name)]
+        shape = {p.name: p.shape for p in tape.params}
+        first_use: dict[str, int] = {}
+        ties: dict[tuple[str, str], int] = {}
+        for i, op in enumerate(tape.ops):
+            suffix = "." + op.kind
+            where = op.name[:-len(suffix)] if op.name.endswith(suffix) else op.name
+            for p in op.params:
+                first_use.setdefault(p, i)
+                # a traced tape names the root module "model" (models/trace/record.py), as HF names its decoder:
+                # an op there may run any parameter of the model without holding it
+                if where != "model" and not _within(_module(p), where) and not is_adapter(p):
+                    ties.setdefault((where, p), i)
+        last_in: dict[str, int] = {}  # module -> index of the last parameter (tape order) under it
+        for i, p in enumerate(base):
+            parts = p.name.split(".")[:-1]
+            for k in range(len(parts) + 1):
+                last_in[".".join(parts[:k])] = i
+        keyed = [((i, 0, 0, 0), BuildEntry("param", p.name, _module(p.name), p.name, p.shape, "fp32"))
+                 for i, p in enumerate(base)]
+        for k, t in enumerate(tape.buffers):
+            parts = t.name.split(".")[:-1]
+            depth = next((d for d in range(len(parts), -1, -1) if ".".join(parts[:d]) in last_in), None)
+            anchor = -1 if depth is None else last_in[".".join(parts[:depth])]
+            dtype = "fp32" if t.dtype in FLOATING else t.dtype
+            keyed.append(((anchor, 1, -(depth or 0), k), BuildEntry("buffer", t.name, _module(t.name), t.name,
+                                                                    t.shape, dtype)))
+        for k, ((holder, src), at) in enumerate(ties.items()):
+            later = next((i for i, p in enumerate(base) if first_use.get(p.name, -1) > at), len(base))
+            leaf = src.rpartition(".")[2]
+            keyed.append(((later - 1, 2, 0, k), BuildEntry("tied", f"{holder}.{leaf}", holder, src, shape[src],
+                                                           "fp32")))
+        keyed.sort(key=lambda kv: kv[0])
+        self.construction = [e for _, e in keyed]
+        self.ties = [e for e in self.construction if e.kind == "tied"]
+        self.apply_order = self._post_order()
+        params = [e.source for e in self.apply_order if e.kind != "buffer"]
+        self.param_post_order = {name: i for i, name in enumerate(params)}
+        self.param_post_order.update({p.name: len(params) + i for i, p in enumerate(self.adapters)})
+
+    def _post_order(self) -> list[BuildEntry]:
+        """`Module._apply`'s order over the construction: each parameter once (at the first module holding it, as a
+        "param" entry of its own name), then the floating-point buffers, module by module."""
+        children: dict[str, list[str]] = {"": []}
+        own: dict[str, tuple[list, list]] = {}
+
+        def register(path: str) -> None:
+            chain = []
+            while path not in children:
+                chain.append(path)
+                path = _module(path)
+            for m in reversed(chain):
+                children[_module(m)].append(m)
+                children[m] = []
+
+        for e in self.construction:
+            register(e.module)
+            own.setdefault(e.module, ([], []))[e.kind == "buffer"].append(e)
+        out: list[BuildEntry] = []
+        seen: set[str] = set()
+        stack: list[tuple[str, bool]] = [("", False)]
+        while stack:  # post-order without recursion: a module's children, then its own tensors
+            path, expanded = stack.pop()
+            if not expanded:
+                stack.append((path, True))
+                stack.extend((c, False) for c in reversed(children[path]))
+                continue
+            params, buffers = own.get(path, ([], []))
+            for e in params:
+                if e.source not in seen:
+                    seen.add(e.source)
+                    out.append(e if e.kind == "param" else BuildEntry("param", e.source, e.module, e.source, e.shape,
+                                                                      e.dtype))
+            out.extend(e for e in buffers if e.dtype in FLOATING)
+        return out
 
 
 class Engine:
@@ -67,6 +204,25 @@ class Engine:
     # load --------------------------------------------------------------------------------------------
     def load(self, grads) -> None:
         b = self.b
+        if self.setup.build == "device-fp32":
+            self.build_on_device()
+        else:
+            self.load_direct()
+        master_dtype = self.master_dtype()
+        if master_dtype:
+            master = [b.block(f"{t.name}.master", t.numel * 4, Category.MASTER_PARAMETER, "fp32", t.shape,
+                              shard=self.state_shard()) for t in self.optim_tensors()]
+            b.op("load.master_weights", Phase.LOAD, 0, -1, master, [], bytes_moved=sum(x.nbytes for x in master))
+        if grads.persistent:
+            main = [b.block(f"{p.name}.main_grad", p.numel * 4, Category.GRADIENT, "fp32", p.shape)
+                    for p in self.trainable]
+            grads.blocks.update({p.name: blk for p, blk in zip(self.trainable, main)})
+            b.op("load.main_grads", Phase.LOAD, 0, -1, main, [], bytes_moved=sum(x.nbytes for x in main))
+        self.after_load()
+
+    def load_direct(self) -> None:
+        """setup.build "direct": every parameter allocated once, in its training dtype and layout, then the buffers."""
+        b = self.b
         params = []
         for p in b.tape.params:
             numel, shard = self.param_numel(p.name)
@@ -81,17 +237,70 @@ class Engine:
             dtype = self.param_storage_dtype() if b.tape.buffers_follow_params and floating else t.dtype
             buffers.append(b.block(t.name, prod(t.shape) * dtype_bytes(dtype), Category.BUFFER, dtype, t.shape))
         b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
-        master_dtype = self.master_dtype()
-        if master_dtype:
-            master = [b.block(f"{t.name}.master", t.numel * 4, Category.MASTER_PARAMETER, "fp32", t.shape,
-                              shard=self.state_shard()) for t in self.optim_tensors()]
-            b.op("load.master_weights", Phase.LOAD, 0, -1, master, [], bytes_moved=sum(x.nbytes for x in master))
-        if grads.persistent:
-            main = [b.block(f"{p.name}.main_grad", p.numel * 4, Category.GRADIENT, "fp32", p.shape)
-                    for p in self.trainable]
-            grads.blocks.update({p.name: blk for p, blk in zip(self.trainable, main)})
-            b.op("load.main_grads", Phase.LOAD, 0, -1, main, [], bytes_moved=sum(x.nbytes for x in main))
-        self.after_load()
+
+    def build_on_device(self) -> None:
+        """setup.build "device-fp32": the model built on the device in fp32, cast by `model.to(dtype)` where this
+        engine stores 16-bit parameters, LoRA's adapters made and cast (`DeviceBuild`), then `shard_built` (FSDP2's
+        fully_shard). Traced models only (ConfigError "build" otherwise): a hand-written tape stands for code whose
+        construction and tying order it does not record (nanoGPT ties `wte.weight = lm_head.weight`: the tensor
+        named first is made last), and a tied parameter is followed in transformers' direction only (the holder's
+        own tensor dropped), so a traced `--module` that ties one is refused too."""
+        b = self.b
+        tape = b.tape
+        if not tape.describer.startswith("traced"):
+            raise ConfigError("build", "'device-fp32' follows a traced model's construction (--hf-config, --module); "
+                                       f"this model is described by hand ({tape.describer}); allowed here: direct")
+        plan = DeviceBuild(tape)
+        if plan.ties and not tape.describer.startswith("traced (hf:"):
+            raise ConfigError("build", f"'device-fp32': {plan.ties[0].module} runs {plan.ties[0].source}, a tied "
+                                       "parameter: the order your module's code makes and ties them in is known for "
+                                       "HF models only; allowed here: direct")
+        after = self.param_storage_dtype()  # the base parameters' dtype once model.to(dtype) ran (fp32: not called)
+        for e in plan.construction:
+            own = own_dtype(tape, e.name) if e.kind == "param" else None
+            if own and own != after:
+                how = f"model.to({after}) casts every parameter" if after != "fp32" else "every parameter stays fp32"
+                raise ConfigError("build", f"'device-fp32': {how}, but the traced model keeps {e.name} in {own}; "
+                                           "allowed here: direct")
+        params: dict[str, Block] = {}
+        buffers: dict[str, Block] = {}
+        made = []
+        for e in plan.construction:
+            numel = prod(e.shape)
+            blk = b.block(e.name, numel * dtype_bytes(e.dtype), Category.BUFFER if e.kind == "buffer"
+                          else Category.PARAMETER, e.dtype, e.shape)
+            made.append(blk)
+            (buffers if e.kind == "buffer" else params)[e.name] = blk
+        b.op("build.construct", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
+        if plan.ties:
+            b.op("build.tie_weights", Phase.LOAD, 0, -1, [], [params.pop(e.name).id for e in plan.ties])
+        if after != "fp32":
+            for e in plan.apply_order:
+                table = buffers if e.kind == "buffer" else params
+                old = table[e.name]
+                new = b.block(e.name, prod(e.shape) * dtype_bytes(after), old.category, after, e.shape)
+                b.op(f"build.to.{e.name}", Phase.LOAD, 0, -1, [new], [old.id], bytes_moved=old.nbytes + new.nbytes)
+                table[e.name] = new
+        if plan.adapters:
+            made = [b.block(p.name, p.numel * dtype_bytes(after), Category.PARAMETER, after, p.shape)
+                    for p in plan.adapters]
+            b.op("build.lora.adapters", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
+            for p, old in zip(plan.adapters, made):
+                params[p.name] = old
+                own = own_dtype(tape, p.name)
+                if own and own != after:
+                    new = b.block(p.name, p.numel * dtype_bytes(own), Category.PARAMETER, own, p.shape)
+                    b.op(f"build.lora.to.{p.name}", Phase.LOAD, 0, -1, [new], [old.id],
+                         bytes_moved=old.nbytes + new.nbytes)
+                    params[p.name] = new
+        extra = self.extra_param_blocks()
+        if extra:
+            b.op("build.extra", Phase.LOAD, 0, -1, extra, [], bytes_moved=sum(x.nbytes for x in extra))
+        self.shard_built(plan, params)
+
+    def shard_built(self, plan: DeviceBuild, params: dict[str, Block]) -> None:
+        """After `build_on_device`: what the data-parallel wrapper does to the built parameters (`params`: name ->
+        its live block). One device keeps them as they are."""
 
     def param_storage_dtype(self) -> str:
         return self.setup.param_dtype

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_ranges, dim0_shard, unit_of
+from .engine import DeviceBuild
+from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_ranges, dim0_shard, own_dtype, unit_of
 from .gathering import Gathering
 
 
@@ -25,6 +26,10 @@ class FSDP2(Gathering):
               existing one in later micro-batches); the last input is freed by the final callback.
     Not modelled: gloo's reduce-scatter clones its input on its worker threads, freed at a moment that
     varies from run to run (NCCL makes no such copy); measured logs drop it (`without_backend_copies`).
+
+    With setup.build "device-fp32" the model is first built whole on every rank (engine.py `DeviceBuild`), then
+    `fully_shard` runs on each unit in the order of its first parameter, the root last (run_cases.py: every
+    decoder layer, then the model): `shard_built`.
     """
 
     prefix = "fsdp"
@@ -89,6 +94,33 @@ class FSDP2(Gathering):
 
     def group_params(self, group: str) -> list:
         return self.unit_params.get(group, [])
+
+    # load --------------------------------------------------------------------------------------------------------
+    def shard_built(self, plan: DeviceBuild, params: dict[str, Block]) -> None:
+        """`fully_shard(unit)` on parameters already on the device, as torch 2.13 does it (torch/distributed/fsdp/
+        _fully_shard): `_get_managed_modules` lists the unit's modules in post-order (a module after its children,
+        nested units left out) and `_get_managed_states` their parameters, each once (_fsdp_init.py); `FSDPParamGroup.
+        __init__` makes an `FSDPParam` of each in that order, whose `_init_sharded_param` allocates the padded shard
+        (`param_data.new_zeros(chunks[0].size())`: ceil(dim0 / N) rows, in the parameter's dtype) and copies the
+        rank's rows in; the original is "freed normally when its ref count reaches 0 when the `fully_shard` call
+        returns" (_fsdp_param.py): its last reference is the `OrderedDict(module.named_parameters())` that
+        torch/distributed/_composable/contract.py's wrapper keeps to check the names after the call, so the
+        originals go in `named_parameters()` order (a dict drops its values in insertion order) once every shard is
+        made. The H200 snapshot of the FSDP2 run (torch 2.11) shows this order unit by unit, allocation for
+        allocation. 2.13 gathers the managed states in _fsdp_init.py `_get_modules_and_states` (shared with
+        `replicate`) and makes one FSDPParamGroup per process group when a `shard_placement_fn` sends parameters to
+        other meshes; without one, a single group, as here."""
+        b = self.b
+        units = [u for u in self.unit_params if u != ROOT] + ([ROOT] if ROOT in self.unit_params else [])
+        for unit in units:
+            members = self.unit_params[unit]
+            shards = []
+            for p in sorted(members, key=lambda p: plan.param_post_order[p.name]):
+                numel, shard = self.param_numel(p.name)
+                dt = own_dtype(b.tape, p.name) or self.param_storage_dtype()
+                shards.append(b.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
+            b.op(f"fsdp.fully_shard.{unit}", Phase.LOAD, 0, -1, shards, [params.pop(p.name).id for p in members],
+                 bytes_moved=2 * sum(x.nbytes for x in shards))
 
     # unshard / reshard -----------------------------------------------------------------------------------
     def copy_out(self, unit: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
