@@ -117,13 +117,18 @@ class _CastCache:
         self.casts.clear()
 
 
-def _map(args, fn):
-    """`fn` on each tensor of `args`, lists of tensors (TensorList, List[Optional[Tensor]]) included."""
+def _cast_all(args, kwargs, fn):
+    """(args, kwargs) with `fn` applied to each tensor (and each tensor of a list), the last argument first:
+    WrapFunction_ casts them in one expansion of the argument pack, `(*F)(cached_cast(..., args, ...)...)`, whose
+    order C++ leaves to the compiler; GCC, which builds torch's Linux wheels, evaluates it right to left (seen on
+    the H200: a linear's bf16 weight copy is allocated before its input's)."""
     def one(a):
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
-            return type(a)(fn(x) if isinstance(x, torch.Tensor) else x for x in a)
+            return type(a)(reversed([fn(x) if isinstance(x, torch.Tensor) else x for x in reversed(a)]))
         return fn(a) if isinstance(a, torch.Tensor) else a
-    return [one(a) for a in args]
+    values = list(args) + list(kwargs.values())
+    done = [one(a) for a in reversed(values)][::-1]
+    return done[:len(args)], dict(zip(kwargs, done[len(args):]))
 
 
 def _tensors(args):
@@ -148,11 +153,11 @@ def _autocast_kernel(op, policy: str, cache: _CastCache, redispatch=None):
                 raise RuntimeError(f"{op._schema.name} is unsafe to autocast (autocast_mode.cpp "
                                    "binary_cross_entropy_banned): use binary_cross_entropy_with_logits")
             if policy == "lower":
-                return op(*_map(args, lambda t: cache.cast(t, lower, lower)),
-                          **dict(zip(kwargs, _map(kwargs.values(), lambda t: cache.cast(t, lower, lower)))))
+                a, k = _cast_all(args, kwargs, lambda t: cache.cast(t, lower, lower))
+                return op(*a, **k)
             if policy == "fp32":
-                return op(*_map(args, lambda t: cache.cast(t, torch.float32, lower)),
-                          **dict(zip(kwargs, _map(kwargs.values(), lambda t: cache.cast(t, torch.float32, lower)))))
+                a, k = _cast_all(args, kwargs, lambda t: cache.cast(t, torch.float32, lower))
+                return op(*a, **k)
             if policy == "fp32_set_opt_dtype":
                 if args and _eligible(args[0]):
                     args = list(args)
@@ -169,8 +174,8 @@ def _autocast_kernel(op, policy: str, cache: _CastCache, redispatch=None):
                 for t in _tensors(list(args) + list(kwargs.values())):
                     if _eligible(t) and t.dtype != lower:
                         to = torch.promote_types(to, t.dtype)
-                return op(*_map(args, lambda t: cache.cast(t, to, lower)),
-                          **dict(zip(kwargs, _map(kwargs.values(), lambda t: cache.cast(t, to, lower)))))
+                a, k = _cast_all(args, kwargs, lambda t: cache.cast(t, to, lower))
+                return op(*a, **k)
             if not composite:
                 return op(*args, **kwargs)
         # an op only CPU autocast registers: on CUDA its autocast kernel is the fallthrough, so a composite op's
