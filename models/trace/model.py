@@ -8,7 +8,10 @@ The two sources (`kind`):
     text:   input_ids and labels, micro-batch x seq-len, random token ids;
     image:  pixel_values of the config's image_size and num_channels, and one label per image;
     speech: input_features of num_mel_bins x 2*max_source_positions frames (Whisper: 30 s of audio,
-            the feature extractor's fixed 3000 frames) and labels of seq-len tokens.
+            the feature extractor's fixed 3000 frames) and labels of seq-len tokens;
+    audio (CTC, audio classification): input_values of seq-len frames of raw audio (Wav2Vec2, HuBERT,
+            WavLM: seq-len x the conv strides' product samples), or a max_length x num_mel_bins spectrogram
+            (Audio Spectrogram Transformer); CTC labels of seq-len / 4 token ids, else one label each.
   The loss is the model's own (`output.loss`). Weights are not initialised (transformers'
   `no_init_weights`): they do not change the program, and some initialisers (ViT's trunc_normal_)
   read values fake tensors do not have.
@@ -31,7 +34,8 @@ from pathlib import Path
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
-            "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq")
+            "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq", "AutoModelForCTC",
+            "AutoModelForAudioClassification")
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,18 @@ class TracedModel:
         data = self.hf_dict()
         B, T = setup.micro_batch, setup.seq_len
         if task == "AutoModelForImageClassification":
-            size = data.get("image_size", 224)
-            return f"pixel_values {B}x{data.get('num_channels', 3)}x{size}x{size} and {B} labels"
+            vision = data if "image_size" in data else data.get("vision_config") or {}
+            h, w = _image_hw(vision.get("image_size", 224))
+            return f"pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w} and {B} labels"
         if task == "AutoModelForSpeechSeq2Seq":
             frames = 2 * data.get("max_source_positions", 1500)
             return f"input_features {B}x{data.get('num_mel_bins', 80)}x{frames} (30 s of audio) and labels {B}x{T}"
+        if task in AUDIO_TASKS:
+            labels = f"labels {B}x{_ctc_label_len(T)}" if task == "AutoModelForCTC" else f"{B} labels"
+            if "conv_stride" in data:
+                samples = T * _stride(data["conv_stride"])
+                return f"input_values {B}x{samples} ({T} frames of raw audio) and {labels}"
+            return f"input_values {B}x{data.get('max_length', 1024)}x{data.get('num_mel_bins', 128)} and {labels}"
         return f"input_ids and labels {B}x{T} (random token ids)"
 
 
@@ -167,7 +178,7 @@ def hf_task(data: dict):
     for task in tasks:
         auto = getattr(transformers, task)
         if config_cls in auto._model_mapping:
-            return auto._model_mapping[config_cls], task
+            return _first(auto._model_mapping[config_cls]), task
     raise ConfigError("model_type", f"{model_type!r} has no training head peakledger can feed (allowed tasks: "
                                     f"{', '.join(HF_TASKS)}); give `architectures` in the config")
 
@@ -176,9 +187,21 @@ def _task_of(cls, config_cls) -> str:
     import transformers
     for task in HF_TASKS:
         mapping = getattr(transformers, task)._model_mapping
-        if config_cls in mapping and mapping[config_cls] is cls:
+        if config_cls in mapping and cls in _classes(mapping[config_cls]):
             return task
     return "AutoModelForCausalLM"
+
+
+def _classes(entry) -> tuple:
+    """An auto mapping's entry: one class, or several (DeiT: the classifier and the one with a distillation
+    teacher), as `transformers.models.auto.auto_factory._get_model_class` reads it."""
+    return tuple(entry) if isinstance(entry, (list, tuple)) else (entry,)
+
+
+def _first(entry):
+    """The class transformers' auto class builds for a config without `architectures`: the entry's first
+    (auto_factory.py `_get_model_class`)."""
+    return _classes(entry)[0]
 
 
 def _hf_build(data: dict, setup: TrainingSetup):
@@ -197,8 +220,9 @@ def _hf_build(data: dict, setup: TrainingSetup):
         raise ConfigError(f"hf_config.{field}" if isinstance(field, str) else "hf_config",
                           f"transformers refused the config: {' '.join(str(e).split())}") from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.param_dtype, torch.float32)
+    from .realpath import build_values
     try:
-        with no_init_weights():
+        with no_init_weights(), build_values():  # values computed from the config (drop-path rates) are real
             model = cls._from_config(config, dtype=dtype)
         model.tie_weights()  # post_init ties them only when it initialises (transformers/modeling_utils.py)
     except Exception as e:  # transformers' own checks on the config (a pad_token_id outside the vocabulary...)
@@ -270,17 +294,68 @@ def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
     B, T = setup.micro_batch, setup.seq_len
     g = torch.Generator().manual_seed(0)
     if task == "AutoModelForImageClassification":
-        size, channels = getattr(config, "image_size", 224), getattr(config, "num_channels", 3)
-        batch = {"pixel_values": torch.randn(B, channels, size, size, generator=g, dtype=dtype),
+        # a model of an image and a text tower (CLIP, SigLIP) holds the image's size in its vision config
+        vision = config if hasattr(config, "image_size") else getattr(config, "vision_config", config)
+        (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
+        batch = {"pixel_values": torch.randn(B, channels, h, w, generator=g, dtype=dtype),
                  "labels": torch.randint(0, max(config.num_labels, 1), (B,), generator=g)}
     elif task == "AutoModelForSpeechSeq2Seq":
         frames = 2 * getattr(config, "max_source_positions", 1500)
         batch = {"input_features": torch.randn(B, config.num_mel_bins, frames, generator=g, dtype=dtype),
                  "labels": torch.randint(0, config.vocab_size, (B, T), generator=g)}
+    elif task in AUDIO_TASKS:
+        batch = {"input_values": _audio_values(config, B, T, g, dtype)}
+        if task == "AutoModelForCTC":  # token ids, never the pad id (Wav2Vec2ForCTC's blank is pad_token_id)
+            vocab, pad = config.vocab_size, getattr(config, "pad_token_id", None)
+            if isinstance(pad, int) and 0 <= pad < vocab:
+                ids = torch.randint(0, vocab - 1, (B, _ctc_label_len(T)), generator=g)
+                ids += (ids >= pad).long()  # skip the pad id
+            else:
+                ids = torch.randint(0, vocab, (B, _ctc_label_len(T)), generator=g)
+            batch["labels"] = ids
+        else:
+            batch["labels"] = torch.randint(0, max(config.num_labels, 1), (B,), generator=g)
     else:
         ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
         batch = {"input_ids": ids, "labels": ids.clone()}
     return batch
+
+
+AUDIO_TASKS = ("AutoModelForCTC", "AutoModelForAudioClassification")
+
+
+def _audio_values(config, B: int, T: int, g, dtype):
+    """An audio model's `input_values`: raw 16 kHz samples for a model that convolves the waveform (Wav2Vec2,
+    HuBERT, WavLM, ...: `conv_stride`), T frames of it (T x the strides' product samples, 320 for Wav2Vec2: 20 ms
+    a frame); a spectrogram of the config's `max_length` frames x `num_mel_bins` for the Audio Spectrogram
+    Transformer (its feature extractor pads or cuts to max_length)."""
+    import torch
+
+    if hasattr(config, "conv_stride"):
+        return torch.randn(B, T * _stride(config.conv_stride), generator=g, dtype=dtype)
+    if hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):
+        return torch.randn(B, config.max_length, config.num_mel_bins, generator=g, dtype=dtype)
+    raise ConfigError("model_type", f"{config.model_type!r}: peakledger has no audio batch for it (raw audio for "
+                                    "models with conv_stride, a spectrogram of max_length x num_mel_bins)")
+
+
+def _stride(strides) -> int:
+    out = 1
+    for s in strides:
+        out *= int(s)
+    return out
+
+
+def _ctc_label_len(T: int) -> int:
+    """CTC targets of one token per 4 frames (80 ms: LibriSpeech's ~15 characters a second), at least one."""
+    return max(1, T // 4)
+
+
+def _image_hw(size) -> tuple[int, int]:
+    """(height, width) of a config's `image_size`: one int (square), or a pair (Hiera, PVT-v2, TextNet)."""
+    if isinstance(size, (list, tuple)) and len(size) == 2:
+        return int(size[0]), int(size[1])
+    return int(size), int(size)
 
 
 def _hf_loss(output):
@@ -329,8 +404,9 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     fn = _load_factory(path, factory)
     kwargs = {k: getattr(setup, k) for k in varies}
     try:
-        with fake_module_moves():  # a factory may move or cast its model (peft does) while it is fake
-            result = fn(**kwargs)
+        from .realpath import build_values
+        with fake_module_moves(), build_values():  # a factory may move or cast its model (peft does) while it is
+            result = fn(**kwargs)                  # fake; values it computes from constants (dpr) are real
     except Exception as e:
         raise ConfigError("module", f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
                                     f"{type(e).__name__}: {e}") from None

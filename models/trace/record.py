@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .realpath import SCALAR_READS, Shadows, cpu_fake_kernels, real_code_paths
+from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches, kernel_layout,
+                       real_code_paths, view_replays)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -88,14 +89,20 @@ class Recording:
     model_class: str = ""
 
 
+OP_KEY = "peakledger_op"  # a node's metadata key: the index of the forward op that made it
+
+
 class _Token:
-    """What the pack hook returns: the saved tensor's storage id, and a detached alias to hand back."""
+    """What the pack hook returns: the saved tensor's storage id, and a detached alias to hand back; `op`: how
+    many forward ops were recorded when it was saved (a node's inputs are saved before its op is recorded, its
+    outputs after)."""
 
-    __slots__ = ("sid", "tensor")
+    __slots__ = ("sid", "tensor", "op", "__weakref__")
 
-    def __init__(self, sid: int | None, tensor: torch.Tensor) -> None:
+    def __init__(self, sid: int | None, tensor: torch.Tensor, op: int = -1) -> None:
         self.sid = sid
         self.tensor = tensor
+        self.op = op
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -119,11 +126,10 @@ class Recorder(TorchDispatchMode):
         self.current_index = -1
         self.resolving = False
         self.pending: tuple[int, list[weakref.ref]] | None = None
-        self.node_op: dict[int, int] = {}  # id(node) -> forward op index
-        self._node_refs: dict[int, object] = {}  # keep nodes alive while their ids are keys
         self.module_stack: list[str] = []
         self.finalizers: list[weakref.finalize] = []
         self.shadows = Shadows()
+        self.replays = view_replays()  # views written in place: their backward as the real engine builds it
         self.last_where = "model"  # the module of the latest op (named when the model fails)
         # the program's kernels' own temporaries of an aten call (cuda_program.py), or None: the CPU's, not shown
         self.temporaries = None
@@ -185,9 +191,18 @@ class Recorder(TorchDispatchMode):
                 # a view's grad_fn is regenerated from its base after an in-place op: not read (the op that made
                 # the view allocated nothing; its node keeps its own events, unmapped)
                 node = getattr(t, "grad_fn", None) if t is not None and not t._is_view() else None
-                if node is not None and id(node) not in self.node_op:
-                    self.node_op[id(node)] = i
-                    self._node_refs[id(node)] = node
+                # the op index goes on the node itself (its metadata dict): holding the node, or keying by its
+                # id, would keep alive what the real run frees (the saves of an output no loss reads, CLIP's
+                # pooler) or mistake a new node for a dead one at the same address
+                if node is not None and OP_KEY not in node.metadata:
+                    node.metadata[OP_KEY] = i
+        finally:
+            self.resolving = False
+
+    def _resolve_replays(self) -> None:
+        self.resolving = True
+        try:
+            self.replays.resolve(len(self.ops))
         finally:
             self.resolving = False
 
@@ -196,8 +211,12 @@ class Recorder(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         self.last_where = self._where()
         real = self.shadows.inputs(func, args, kwargs)
-        if real is not None and func in SCALAR_READS:  # a Python branch on a value the shadows know
-            return self.shadows.run(func, real)
+        if func in SCALAR_READS:  # a Python branch on a value: the real one where the shadows know it
+            answer = self.shadows.read(func, args, kwargs, real)
+            if answer is not None:
+                return answer
+        if self.replays.pending and not func.is_view:  # not inside autograd's replay of a view (it holds the
+            self._resolve_replays()                    # view's lock while it dispatches the view ops again)
         self._resolve_pending()
         ins = _tensors((args, kwargs))
         in_ids = {}
@@ -211,9 +230,13 @@ class Recorder(TorchDispatchMode):
                     continue
             if sid is not None:
                 in_ids[sid] = None
-        out = func(*args, **(kwargs or {}))
-        if real is not None:
-            self.shadows.follow(func, real, out)
+        known = self.shadows.known_shape(func, args, kwargs, real)
+        if known is not None and known[0] == "out":  # an output shape the values it depends on decide
+            out = known[1]
+        else:
+            call, call_args, call_kwargs = known[1:] if known is not None else (func, args, kwargs)
+            out = kernel_layout(func, call(*call_args, **(call_kwargs or {})))
+            self.shadows.follow(func, args, kwargs, real, out)
         short = str(func).replace("aten.", "").replace(".default", "")
         outs = _tensors(out)
         flops = self._flops(func, args, kwargs, out)
@@ -232,6 +255,7 @@ class Recorder(TorchDispatchMode):
             self.ops.append(ForwardOp(f"{self._where()}.{short}", short, self._where(), reads, params, tuple(new),
                                       flops))
             self.pending = (i, [weakref.ref(t) for t in outs])
+            self.replays.note(func, args, i)
         elif self.phase == "backward":
             where = self.current.name if self.current is not None else "backward"
             if self.current is not None:
@@ -310,7 +334,14 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
     `values` maps batch tensors (fake) to their real values (see `Shadows`). `loss_fn` None: a forward pass
     only (`out = model(batch)`, autograd on): the graph's saves are recorded, no backward runs, and `del out`
     frees them (models/config.py PASSES). `program`: a context the whole run (recomputation included) goes
-    through, e.g. cuda_program.py's, which makes it the CUDA program; None: the CPU program."""
+    through, e.g. cuda_program.py's, which makes it the CUDA program; None: the CPU program. The tensors the
+    model's forward memoises are computed anew and forgotten after (realpath.py `fresh_caches`: after the
+    recording's finalizers are detached, so what a cache held is alive at the end, as in the real run)."""
+    with fresh_caches(model):
+        return _record(model, batch, loss_fn, autocast, values, program)
+
+
+def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
     rec = Recorder(model)
     rec.temporaries = getattr(program, "temporaries", None)
     for fake, real in (values or {}).items():
@@ -342,12 +373,18 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
         if rec.module_stack:
             rec.module_stack.pop()
 
+    tokens = weakref.WeakSet()  # every save still held (by a node of the graph, or by a node hidden in another)
+    claimed: set[int] = set()  # the saves read back from the graph's nodes
+
     def pack(t: torch.Tensor) -> _Token:
-        return _Token(rec.storage_of(t), t.detach())
+        token = _Token(rec.storage_of(t), t.detach(), len(rec.ops))
+        tokens.add(token)
+        return token
 
     unpacked: list[int] = []
 
     def unpack(token: _Token) -> torch.Tensor:
+        claimed.add(id(token))
         if token.sid is not None:
             unpacked.append(token.sid)
         return token.tensor
@@ -367,6 +404,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
                     e.peakledger_where = rec.last_where
                     raise
             rec._resolve_pending()
+            rec._resolve_replays()
             rec.phase = "graph"
             if loss_fn is None:
                 graph = _graph_nodes(*(t.grad_fn for t in _tensors(out) if t.grad_fn is not None))
@@ -384,6 +422,13 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
                         except RuntimeError:
                             pass
                 saves[id(node)] = list(unpacked)
+            # a CopySlices node (an in-place write on a view) holds the node of the op it wraps, whose saves no
+            # `_saved_*` attribute shows (the in-place ReLU's result): they are its own (view_replays)
+            hidden = [(t.sid, t.op) for t in tokens if id(t) not in claimed and t.sid is not None]
+            for node in graph:
+                window = node.metadata.get(INPLACE_KEY)
+                if window is not None:
+                    saves[id(node)] += [sid for sid, op in hidden if window[0] <= op <= window[1]]
             order: list = []
 
             def start(node):
@@ -396,7 +441,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             node_hooks = []
             for node in graph:
                 rec.node_index[id(node)] = len(rec.nodes)
-                op = rec.node_op.get(id(node))
+                op = node.metadata.get(OP_KEY)
                 where = rec.ops[op].module if op is not None else "model"
                 label = node.name().split("::")[-1]
                 if hasattr(node, "variable"):
@@ -428,7 +473,6 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
             held = [sid for sid, s in rec.storages.items() if s.born == "forward" and s.death is None]
             rec.phase = "end"
             del out, loss
-            rec._node_refs.clear()
     finally:
         for h in hooks:
             h.remove()
