@@ -299,6 +299,9 @@ class MicroBatchReplay(RecordedBackward, OffloadedSaves):
             self.live[o.name] = blk
             allocs.append(blk)
             self._hold(o.name)  # forward use, released below at its last use
+            if o.name in op.autocast_cached and not recomputing:  # a traced cast autocast's cache holds
+                self._hold(o.name)
+                self.autocast_cache.append(o.name)
             if o.name in self.cached and not recomputing:
                 self._hold(o.name)  # the selective-checkpoint cache, until the recompute reuses it
                 self.cache_pending.setdefault(op.region, set()).add(o.name)

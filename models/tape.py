@@ -76,6 +76,8 @@ class TapeOp:
     releases     tensors whose last reference in the forward pass goes after this op although no later op
                  reads them (a local the code keeps, autocast's cache): a traced tape records when each
                  tensor really went.
+    autocast_cached  outputs of this op (a traced tape's cast of a parameter) that autocast's weight cache holds
+                 until the forward pass ends, also where a checkpointed region saves nothing.
     """
 
     name: str
@@ -95,6 +97,7 @@ class TapeOp:
     offloaded: bool = False
     views: tuple[str, ...] = ()
     releases: tuple[str, ...] = ()
+    autocast_cached: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -264,3 +264,20 @@ def test_a_linear_bias_gradient_on_cuda_holds_the_reduction_staging_buffer():
     frees = {f for step in down.steps for f in step.frees}
     staged = [a for a in allocs if ".reduce_staging." in a.name or ".reduce_semaphores." in a.name]
     assert [a.nbytes for a in staged] == [77_463_552, 24] and {a.name for a in staged} <= frees
+
+
+def test_autocast_keeps_its_weight_casts_until_the_forward_ends_in_checkpointed_layers():
+    # autocast_mode.cpp cached_cast: the bf16 copy of an fp32 parameter that requires grad stays in autocast's
+    # cache until the outermost region exits, whether or not a checkpointed layer saves it (the H200's Llama-1B
+    # autocast + HF gradient checkpointing run holds every layer's casts through the forward)
+    cfg = json.loads((ROOT / "examples" / "hf-llama-tiny" / "config.json").read_text())
+    model = from_hf_dict(cfg, "hf-llama-tiny")
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16-autocast", checkpointing="full", steps=1)
+    tape = traced_tape(model, setup, cuda=(H100, "2.11"))
+    casts = [o.name for op in tape.ops for o in op.outputs if o.name in op.autocast_cached]
+    weights = [op for op in tape.ops if op.kind == "_to_copy" and op.params and op.autocast_cached]
+    assert weights and all(op.region is not None for op in weights if ".layers." in op.name)
+    log = simulate(describe(model, setup, "H100-80GB", torch_version="2.11"))
+    layer_casts = [c for c in casts if ".layers." in c]
+    freed_by = {e.block.name: e.op for e in log.events if e.action is Action.FREE and e.phase.value == "forward"}
+    assert layer_casts and {freed_by[c] for c in layer_casts} == {"autocast.exit"}

@@ -79,6 +79,7 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
         if s.born == "forward" and s.death is not None and s.death[0] == "forward":
             releases.setdefault(kept_at_or_before(s.death[1]), []).append(name[sid])
     regions, offloaded, cached = _regions(rec, keep, setup, layers)
+    autocast_cached = set(rec.autocast_cached)
     ops = []
     for new, old in enumerate(keep):
         op = rec.ops[old]
@@ -88,7 +89,9 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                           outputs=tuple(_spec(st[s], name[s]) for s in op.outputs if s not in kept_set),
                           saves=tuple(name[s] for s in saves.get(old, ())), params=op.params, flops=op.flops,
                           region=regions[new], offloaded=offloaded[new], cached=cached[new],
-                          releases=tuple(releases.get(new, ()))))
+                          releases=tuple(releases.get(new, ())),
+                          autocast_cached=tuple(name[s] for s in op.outputs if s in autocast_cached
+                                                and s not in kept_set)))
     nodes = tuple(_node(n, st, name, rec.param_grads, index, bool(saves.get(n.op))) for n in rec.nodes)
     return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in rec.params],
                 ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],

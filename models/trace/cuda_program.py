@@ -98,6 +98,7 @@ class _CastCache:
 
     def __init__(self) -> None:
         self.casts: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.on_cached = None  # called with each cast the cache holds (the recorder notes its storage)
 
     def cast(self, t, to: torch.dtype, lower: torch.dtype):
         if not _eligible(t) or t.dtype == to:
@@ -111,6 +112,8 @@ class _CastCache:
             return hit[1]
         out = t.to(to)
         self.casts[id(t)] = (weakref.ref(t), out)
+        if self.on_cached is not None:
+            self.on_cached(out)
         return out
 
     def clear(self) -> None:

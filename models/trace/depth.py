@@ -221,10 +221,11 @@ def derive(rec: Recording, n: int) -> Recording:
     param_grads = {new: rename(name, moved(s_tag[position[sid]], layer, layer_of(name)))
                    for sid, name in rec.param_grads.items() for new, layer in copies(sid)}
     held = sorted(new for sid in rec.held for new, _ in copies(sid))
+    autocast_cached = tuple(sorted(new for sid in rec.autocast_cached for new, _ in copies(sid)))
     return dataclasses.replace(
         rec, params=params, buffers=[storages[c] for s in rec.buffers for c, _ in copies(s.id)],
         inputs=[storages[c] for s in rec.inputs for c, _ in copies(s.id)], storages=storages, ops=new_ops,
-        nodes=new_nodes, param_grads=param_grads, held=held, modules=modules,
+        nodes=new_nodes, param_grads=param_grads, held=held, modules=modules, autocast_cached=autocast_cached,
         layers=tuple(f"{prefix}{i}" for i in range(n)))
 
 
@@ -266,7 +267,8 @@ def same(a: Recording, b: Recording) -> bool:
     """Two recordings equal in everything the replay reads (and every name)."""
     return (a.params == b.params and a.storages == b.storages and a.ops == b.ops and a.nodes == b.nodes
             and a.param_grads == b.param_grads and a.held == b.held and a.layers == b.layers
-            and a.modules == b.modules and [s.id for s in a.buffers] == [s.id for s in b.buffers]
+            and a.modules == b.modules and a.autocast_cached == b.autocast_cached
+            and [s.id for s in a.buffers] == [s.id for s in b.buffers]
             and [s.id for s in a.inputs] == [s.id for s in b.inputs])
 
 

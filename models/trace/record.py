@@ -87,6 +87,7 @@ class Recording:
     modules: list[str]  # every module path, in `named_modules` order
     layers: tuple[str, ...] = ()  # the repeated blocks (`find_layers`)
     model_class: str = ""
+    autocast_cached: tuple[int, ...] = ()  # forward storages autocast's weight cache held until its region exited
 
 
 OP_KEY = "peakledger_op"  # a node's metadata key: the index of the forward op that made it
@@ -344,6 +345,10 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
 def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
     rec = Recorder(model)
     rec.temporaries = getattr(program, "temporaries", None)
+    rec.autocast_cached = []
+    cache = getattr(program, "cache", None)
+    if cache is not None:  # the program's autocast weight cache says which casts it holds (cuda_program.py)
+        cache.on_cached = lambda t: rec.autocast_cached.append(rec.storage_of(t))
     for fake, real in (values or {}).items():
         rec.shadows.add(fake, real)
     names = {id(m): n or "model" for n, m in model.named_modules()}
@@ -487,7 +492,8 @@ def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
         f.detach()
     return Recording(params, buffers, inputs, rec.storages, rec.ops, nodes, param_grads,
                      [h for h in held if rec.storages[h].death is not None], list(names.values()),
-                     find_layers(model), type(model).__name__)
+                     find_layers(model), type(model).__name__,
+                     tuple(sorted({sid for sid in rec.autocast_cached if sid is not None})))
 
 
 class _null:

@@ -22,7 +22,7 @@ def signature(rec: Recording) -> tuple:
             tuple((n.name, n.op, tuple(n.events), tuple(n.saves)) for n in rec.nodes),
             tuple((sid, s.born, s.op, s.death, s.dtype, s.requires_grad, len(s.shape), s.name)
                   for sid, s in rec.storages.items()),
-            tuple(sorted(rec.param_grads.items())), tuple(rec.held), rec.layers,
+            tuple(sorted(rec.param_grads.items())), tuple(rec.held), rec.layers, rec.autocast_cached,
             tuple((n, shape, dt, rg) for n, shape, dt, rg in rec.params))
 
 
