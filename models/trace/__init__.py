@@ -245,6 +245,9 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
             for p in net.parameters():
                 p.normal_(0.0, 0.02)
     freeze(net, setup.frozen)
+    from .realpath import lru_caches
+    for cache in lru_caches(net):  # a real run starts as the trace did: transformers' memoised tensors made anew
+        cache.cache_clear()
     from .record import find_layers
     layers = find_layers(net)
     net.peakledger_layers = layers  # FSDP2 units for a real distributed run (traces/distributed.py fsdp_units)
