@@ -520,3 +520,24 @@ def _min_storage(sizes, strides, offset: int) -> int:
     if any(s == 0 for s in sizes):
         return offset
     return offset + 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
+
+
+# Autograd formulas that build a gradient out of place when any tensor is "subclass-like", which a FakeTensor
+# is, and in place on a real tensor (torch/csrc/autograd/FunctionsManual.cpp index_backward:
+# `zeros_like_self.index_put(indices, grad, true)` vs `index_put_`; gather_backward: `scatter_add` vs
+# `scatter_add_`): on a real tensor the zeros the formula made are the gradient, no second tensor.
+SUBCLASS_OUT_OF_PLACE = {torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
+                         torch.ops.aten.scatter_add.default: torch.ops.aten.scatter_add_.default}
+
+
+def real_tensor_branch(func, args, made_here) -> object:
+    """The in-place op a backward formula runs on real tensors where the fake run takes its out-of-place branch
+    (SUBCLASS_OUT_OF_PLACE): when `func`'s first argument is a tensor this node made (`made_here(tensor)`, the
+    formula's zeros) and, for index_put, it accumulates; else `func`."""
+    inplace = SUBCLASS_OUT_OF_PLACE.get(func)
+    if inplace is None or not args or not isinstance(args[0], torch.Tensor) or not made_here(args[0]):
+        return func
+    if func is torch.ops.aten.index_put.default and not (len(args) > 3 and args[3]):
+        return func
+    return inplace
+

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches, kernel_layout,
-                       real_code_paths, view_replays)
+                       real_code_paths, real_tensor_branch, view_replays)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -231,6 +231,8 @@ class Recorder(TorchDispatchMode):
                     continue
             if sid is not None:
                 in_ids[sid] = None
+        if self.phase == "backward" and self.current is not None:  # FunctionsManual's real-tensor branch
+            func = real_tensor_branch(func, args, self._made_in_node)
         known = self.shadows.known_shape(func, args, kwargs, real)
         if known is not None and known[0] == "out":  # an output shape the values it depends on decide
             out = known[1]
@@ -266,6 +268,11 @@ class Recorder(TorchDispatchMode):
                     self.see(t, "backward", f"{where}.{short}")
             self._temporaries(temps, f"{where}.{short}", -1)
         return out
+
+    def _made_in_node(self, t: torch.Tensor) -> bool:
+        """`t`'s storage was allocated by the backward node running now."""
+        sid = self.storage_of(t)
+        return sid is not None and ("alloc", sid) in self.current.events
 
     def _temporaries(self, temps, name: str, op: int) -> list[int]:
         """Storages a kernel allocates and frees inside itself after its outputs (`temporaries`, e.g. a CUDA
