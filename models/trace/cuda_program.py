@@ -312,6 +312,10 @@ class cuda_program:
     GPU of `compute_capability` under the kernel rules of `torch_version` (module docstring). `backends` lists
     the SDPA backend of every attention call."""
 
+    # autograd formulas' branches for real tensors (realpath.py real_tensor_branch): a GPU run has no dispatch
+    # mode, under which torch treats every tensor as a subclass (c10 isTensorSubclassLike)
+    real_tensor_branches = True
+
     def __init__(self, compute_capability: tuple[int, int], torch_version: str = "2.6") -> None:
         self.cc = tuple(compute_capability)
         self.sdpa = _Sdpa(self.cc, kernel_rules(torch_version))

@@ -134,6 +134,9 @@ class Recorder(TorchDispatchMode):
         self.last_where = "model"  # the module of the latest op (named when the model fails)
         # the program's kernels' own temporaries of an aten call (cuda_program.py), or None: the CPU's, not shown
         self.temporaries = None
+        # autograd formulas' real-tensor branches (realpath.py real_tensor_branch): the CUDA program's; the CPU
+        # program is measured under the tracker's dispatch mode, under which torch takes the subclass branch too
+        self.real_branches = False
 
     # -- storages -----------------------------------------------------------------------------------
     def _lookup(self, t: torch.Tensor):
@@ -231,8 +234,8 @@ class Recorder(TorchDispatchMode):
                     continue
             if sid is not None:
                 in_ids[sid] = None
-        if self.phase == "backward" and self.current is not None:  # FunctionsManual's real-tensor branch
-            func = real_tensor_branch(func, args, self._made_in_node)
+        if self.real_branches and self.phase == "backward" and self.current is not None:
+            func = real_tensor_branch(func, args, self._made_in_node)  # FunctionsManual's real-tensor branch
         known = self.shadows.known_shape(func, args, kwargs, real)
         if known is not None and known[0] == "out":  # an output shape the values it depends on decide
             out = known[1]
@@ -352,6 +355,7 @@ def record(model: torch.nn.Module, batch, loss_fn, autocast: torch.dtype | None 
 def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
     rec = Recorder(model)
     rec.temporaries = getattr(program, "temporaries", None)
+    rec.real_branches = getattr(program, "real_tensor_branches", False)
     rec.autocast_cached = []
     cache = getattr(program, "cache", None)
     if cache is not None:  # the program's autocast weight cache says which casts it holds (cuda_program.py)
