@@ -351,20 +351,13 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     the host and moved, the batches left on the host (`run_loop` copies each micro-batch in, as the CPU tracker's
     loop clones it). Traced models: built under `torch.device(device)`, as the loss closes over the factory's batch,
     which must be there too (models/trace real_model)."""
-    import torch
-
-    from peakledger.models.reference import build_model, make_batch, make_optimizer
+    from peakledger.models.reference import make_optimizer
     from peakledger.models.trace.model import TracedModel
+    from peakledger.traces.cuda_capture import place_model
 
     setup = scenario.setup
     traced = isinstance(scenario.model, TracedModel)
-    if traced:
-        with torch.device(device):
-            model = build_model(scenario.model, setup)
-            batches = make_batch(scenario.model, setup)
-    else:
-        model = build_model(scenario.model, setup).to(device)
-        batches = make_batch(scenario.model, setup)
+    model, batches = place_model(scenario.model, setup, device)
     optimizer = make_optimizer(model, setup) if setup.passes == "train" else None
     return model, optimizer, batches, traced
 

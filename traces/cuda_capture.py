@@ -160,23 +160,30 @@ def build_program(scenario, device: str = "cuda"):
     a traced model is built under `torch.device(device)` with its batch (its loss may close over it)."""
     import torch
 
-    from ..models.reference import build_model, make_batch, make_optimizer
-    from ..models.trace.model import TracedModel
+    from ..models.reference import make_optimizer
 
     check_capturable(scenario)
     setup = scenario.setup
     mixed = setup.precision == "bf16-mixed"
     built = dataclasses.replace(setup, precision="bf16", fp32_grads=False) if mixed else setup
     torch.manual_seed(0)
-    if isinstance(scenario.model, TracedModel):
-        with torch.device(device):
-            model = build_model(scenario.model, built)
-            batches = make_batch(scenario.model, built)
-    else:
-        model = build_model(scenario.model, built).to(device)
-        batches = make_batch(scenario.model, built)
+    model, batches = place_model(scenario.model, built, device)
     optimizer = MasterWeights(model, setup) if mixed else make_optimizer(model, setup)
     return model, optimizer, batches
+
+
+def place_model(model_config, setup, device: str):
+    """(model, batches) on `device`: a hand-written model built on the host and moved, its batches left on the
+    host; a traced model built under `torch.device(device)` with its batch (its loss may close over it)."""
+    import torch
+
+    from ..models.reference import build_model, make_batch
+    from ..models.trace.model import TracedModel
+
+    if isinstance(model_config, TracedModel):
+        with torch.device(device):
+            return build_model(model_config, setup), make_batch(model_config, setup)
+    return build_model(model_config, setup).to(device), make_batch(model_config, setup)
 
 
 # -- the loop and its marks ---------------------------------------------------------------------------
