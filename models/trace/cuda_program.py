@@ -48,6 +48,7 @@ import weakref
 import torch
 
 from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend
+from .realpath import _tensors
 
 # autocast_mode.h (torch 2.13): the CUDA policy of every op AutocastCUDA registers ("aten::name.overload")
 LOWER = ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -134,14 +135,6 @@ def _cast_all(args, kwargs, fn):
     return done[:len(args)], dict(zip(kwargs, done[len(args):]))
 
 
-def _tensors(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, torch.Tensor))
-
-
 def _autocast_kernel(op, policy: str, cache: _CastCache, redispatch=None):
     """The CUDA policy of one op (autocast_mode.h WrapFunction_), as an AutocastCPU kernel."""
     names = [a.name for a in op._schema.arguments]
@@ -174,7 +167,7 @@ def _autocast_kernel(op, policy: str, cache: _CastCache, redispatch=None):
                 return redispatch(*args, **kwargs, dtype=torch.float32 if _eligible(first) else first.dtype)
             if policy == "promote":
                 to = lower
-                for t in _tensors(list(args) + list(kwargs.values())):
+                for t in _tensors((args, kwargs)):
                     if _eligible(t) and t.dtype != lower:
                         to = torch.promote_types(to, t.dtype)
                 a, k = _cast_all(args, kwargs, lambda t: cache.cast(t, to, lower))

@@ -210,9 +210,12 @@ def derive(rec: Recording, n: int) -> Recording:
                                       [(kind, new_sid(s, t, layer)) for kind, s in node.events],
                                       [new_sid(s, t, layer) for s in node.saves], node.flops))
 
+    placed: dict[int, list[tuple[int, int | None]]] = {}  # old storage place -> its copies (new id, layer)
+    for k, (q, layer) in enumerate(plans["storage"].order):
+        placed.setdefault(q, []).append((k + 1, layer))
+
     def copies(sid: int) -> list[tuple[int, int | None]]:
-        p = position[sid]
-        return [(k + 1, layer) for k, (q, layer) in enumerate(plans["storage"].order) if q == p]
+        return placed.get(position[sid], [])
 
     param_tags = [layer_of(name) for name, *_ in rec.params]
     params = [(rename(rec.params[i][0], layer), *rec.params[i][1:]) for i, layer in _Plan(param_tags, n).order]

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches, kernel_layout,
-                       real_code_paths, real_tensor_branch, view_replays)
+                       _tensors, real_code_paths, real_tensor_branch, view_replays)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -104,10 +103,6 @@ class _Token:
         self.sid = sid
         self.tensor = tensor
         self.op = op
-
-
-def _tensors(tree) -> list[torch.Tensor]:
-    return [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor)]
 
 
 class Recorder(TorchDispatchMode):
