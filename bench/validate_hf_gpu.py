@@ -31,6 +31,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -202,7 +203,7 @@ def rerun_with(version: str, argv: list[str]) -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), f"transformers=={version}",
                         "huggingface-hub>=1.5,<2.0", "--no-warn-conflicts"], check=True)
         for extra in target.glob("numpy*"):  # the project's numpy stays the one torch was built against
-            subprocess.run(["rm", "-rf", str(extra)], check=True)
+            shutil.rmtree(extra)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, __file__, *argv, "--transformers", "installed"], env=env).returncode
 
