@@ -78,7 +78,7 @@ def training_of(precision: str, micro_batch: int, seq_len: int | None, options: 
         tr.update(lora_r=options["lora_r"], lora_alpha=options["lora_alpha"],
                   lora_targets=options["lora_targets"].split(","))
     if options.get("fsdp2"):
-        tr.update(dp_engine="fsdp2", world_size=1)
+        tr.update(dp_engine="fsdp2", world_size=1, reduce_dtype="fp32")
     return tr
 
 

@@ -504,6 +504,8 @@ OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 # pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
 # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+# fsdp2's MixedPrecisionPolicy.reduce_dtype: "grad" = torch's None (the gradients' own dtype, the param_dtype)
+REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 
 
 # A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what).
@@ -512,6 +514,7 @@ KNOB_APPLIES = {
     "reshard_after_forward": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
     "forward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
     "backward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
+    "reduce_dtype": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
     "ddp_bucket_cap_mb": (lambda s: s.dp_engine in ("ddp", "zero-redundancy-optimizer"),
                           "dp_engine ddp or zero-redundancy-optimizer"),
     "reduce_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.world_size > 1, "dp_engine deepspeed on > 1 rank"),
@@ -581,6 +584,7 @@ class TrainingSetup:
     reshard_after_forward: bool = True  # fsdp2: free a unit's unsharded parameters after its forward
     forward_prefetch: int = 0  # fsdp2: units all-gathered ahead of the one running, in forward
     backward_prefetch: int = 1  # fsdp2: likewise in backward (FSDP2's default implicit prefetch is 1)
+    reduce_dtype: str = "grad"  # fsdp2: MixedPrecisionPolicy.reduce_dtype, see REDUCE_DTYPES
     ddp_bucket_cap_mb: int = 25  # ddp / zero-redundancy-optimizer: DDP gradient bucket size (MiB)
     reduce_bucket_size: int = 500_000_000  # deepspeed: elements per gradient reduce bucket
     allgather_bucket_size: int = 500_000_000  # deepspeed stages 1-2: elements per parameter all-gather
@@ -637,6 +641,7 @@ class TrainingSetup:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+        _choice(self, "reduce_dtype", REDUCE_DTYPES)
         if not isinstance(self.reshard_after_forward, bool):
             raise ConfigError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
         if self.fp32_grads and not self.precision.endswith("-mixed"):

@@ -141,7 +141,7 @@ class GraphBuilder:
 
     def op(self, name: str, phase: Phase, step: int, micro_batch: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,
-           duration: float | None = None, after=(), gemm: str | None = "cublas") -> Op:
+           duration: float | None = None, after=(), gemm: str | None = "cublas", pool: Stream | None = None) -> Op:
         """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
         its FLOPs run through on CUDA, "cublas", or "cublaslt" (models/gpu.py `gemm_takes_cublaslt`); None when its
         kernel never runs although its time is counted (a recompute that stops before it, models/autograd.py)."""
@@ -152,7 +152,7 @@ class GraphBuilder:
             allocs = self._cublas_workspace(phase, recompute, gemm == "cublaslt") + tuple(allocs)
         op_id = len(self.graph)
         op = new_op(op_id, name, stream, phase, step, micro_batch, duration, self.rank, tuple(allocs), tuple(frees),
-                    flops, recompute)
+                    flops, recompute, pool)
         previous = self._last_on_stream.get(stream)
         self._last_on_stream[stream] = op_id
         if after:

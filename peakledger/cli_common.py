@@ -11,8 +11,8 @@ import sys
 from .analysis.units import parse_bytes
 from .inputs import DP_INT_FLAGS, MODEL_FLAG_TYPES
 from .models.config import (BUILDS, CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, SAVE_MODES,
-                            ConfigError)
+                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, REDUCE_DTYPES,
+                            SAVE_MODES, ConfigError)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import parse_value
@@ -76,6 +76,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
                    help="fsdp2: keep unsharded parameters from forward to backward")
+    d.add_argument("--reduce-dtype", help=", ".join(REDUCE_DTYPES) + " (fsdp2: MixedPrecisionPolicy.reduce_dtype; "
+                   "default grad: the gradients' own dtype, torch's None)")
     for name in DP_INT_FLAGS:
         d.add_argument("--" + name.replace("_", "-"), type=int, help=argparse.SUPPRESS)
     mp = p.add_argument_group("model parallelism (world_size = dp x tp x pp x cp)")

@@ -28,7 +28,7 @@ DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "r
                 "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
                 "stage3_param_persistence_threshold"]
 TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
-                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward",
+                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward", "reduce_dtype",
                   "checkpoint_every", "save_mode", "load_mode", "build", "checkpoint_every_k", "checkpoint_layers",
                   "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
                   "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",

@@ -33,10 +33,14 @@ class Op:
     frees: tuple[int, ...] = ()  # block ids
     flops: int = 0
     recompute: bool = False  # forward work repeated in backward (activation checkpointing)
+    pool: Stream | None = None  # the stream whose allocator pool its blocks come from, when not its own: torch
+    # allocates from the current stream's pool, and an op issued in program order may allocate under another
+    # stream's context (`with torch.cuda.stream(s)`); its events carry that stream
 
 
 def new_op(id: int, name: str, stream: Stream, phase: Phase, step: int, micro_batch: int, duration: float,
-           rank: int, allocs: tuple[Block, ...], frees: tuple[int, ...], flops: int, recompute: bool) -> Op:
+           rank: int, allocs: tuple[Block, ...], frees: tuple[int, ...], flops: int, recompute: bool,
+           pool: Stream | None = None) -> Op:
     """`Op(...)`, equal to it field for field, made without the frozen dataclass's `__init__` (as
     events.new_block makes a block): a describer adds hundreds of thousands."""
     op = _new(Op)
@@ -53,6 +57,7 @@ def new_op(id: int, name: str, stream: Stream, phase: Phase, step: int, micro_ba
     d["frees"] = frees
     d["flops"] = flops
     d["recompute"] = recompute
+    d["pool"] = pool
     return op
 
 

@@ -1,5 +1,6 @@
 """The reference the engine is checked against: peakledger's discrete-event engine as it ran on SimPy's own
-objects (simulator/engine.py up to commit 5a3656a), kept here verbatim but for its imports.
+objects (simulator/engine.py up to commit 5a3656a), kept here verbatim but for its imports and one later
+extension of the op contract: an event carries the op's `pool` stream where it has one (simulator/ops.py).
 
 simulator/engine.py now runs SimPy's scheduling discipline without SimPy's objects (for speed);
 tests/test_engine_simpy.py checks that both give the same event log, event for event, on every kind of graph.
@@ -62,7 +63,7 @@ class Simulation:
     def _record(self, action: Action, block: Block, op: Op) -> Event:
         event = Event(seq=len(self.events), time=self.env.now, action=action, block=block,
                       phase=op.phase, step=op.step, micro_batch=op.micro_batch,
-                      stream=op.stream, op=op.name)
+                      stream=op.pool or op.stream, op=op.name)
         self.events.append(event)
         return event
 

@@ -409,11 +409,12 @@ class Engine:
 
     # collectives -------------------------------------------------------------------------------------
     def collective(self, name: str, kind: str, nbytes: int, phase: Phase, step: int, mb: int,
-                   allocs=(), frees=(), after=()):
+                   allocs=(), frees=(), after=(), pool: Stream | None = None):
         """One collective: its buffers are allocated (and its scratch freed) when the host issues it, in
-        program order on the compute stream, as the caching allocator sees them; the transfer itself runs
-        on the rank's communication stream for the ring model's duration, overlapping later compute."""
-        issue = self.b.op(f"{name}.issue", phase, step, mb, allocs, frees, duration=0.0, after=after)
+        program order on the compute stream, as the caching allocator sees them (from `pool`'s pool when the
+        program allocates them under that stream); the transfer itself runs on the rank's communication stream
+        for the ring model's duration, overlapping later compute."""
+        issue = self.b.op(f"{name}.issue", phase, step, mb, allocs, frees, duration=0.0, after=after, pool=pool)
         duration = self.b.device.collective_duration(kind, nbytes, self.n)
         return self.b.op(name, phase, step, mb, [], [], stream=Stream.COMMUNICATION, duration=duration,
                          after=(issue.id,))

@@ -24,6 +24,12 @@ class FSDP2(Gathering):
               unit's reduce-scatter input, allocates its own (N x padded shards), frees the unsharded
               gradients and reduce-scatters into one flat sharded-gradient buffer (summed into the
               existing one in later micro-batches); the last input is freed by the final callback.
+    reduce    input and output in `setup.reduce_dtype` (MixedPrecisionPolicy.reduce_dtype; "grad": the
+              gradients' dtype), the output allocated under the reduce-scatter stream (its caching-allocator
+              pool on a GPU) and cast to the sharded parameters' dtype where the two differ.
+    one rank  no all-gather: each shard is cast to the param dtype and copied into its unsharded storage
+              (`wait_for_unshard`, world_size == 1); measured on torch 2.13 CPU (tests/test_fsdp_one_rank.py)
+              and by the H200 one-GPU run (torch 2.11).
     Not modelled: gloo's reduce-scatter clones its input on its worker threads, freed at a moment that
     varies from run to run (NCCL makes no such copy); measured logs drop it (`without_backend_copies`).
 
@@ -123,11 +129,39 @@ class FSDP2(Gathering):
                  bytes_moved=2 * sum(x.nbytes for x in shards))
 
     # unshard / reshard -----------------------------------------------------------------------------------
-    def copy_out(self, unit: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
+    def gather(self, group: str, phase: Phase, step: int, mb: int) -> None:
+        if self.n > 1:
+            return super().gather(group, phase, step, mb)
+        # one rank: `unshard` issues no all-gather (_fsdp_param_group.py: `if world_size == 1`); the copies
+        # happen in `wait_for_unshard` (copy_out)
+        if group not in self.live and self.group_params(group):
+            self.in_flight.setdefault(group, None)
+
+    def copy_out(self, unit: str, gather_op: int | None, phase: Phase, step: int, mb: int) -> None:
         """Copy the unit's gathered parameters into their unsharded storages; the all-gather output is freed
-        at once in backward, and kept as `all_gather_state` until the next unit's copy-out in forward."""
-        output = self.buffers.pop(unit)
+        at once in backward, and kept as `all_gather_state` until the next unit's copy-out in forward.
+        One rank (_fsdp_param_group.py `wait_for_unshard`, `world_size == 1`): each parameter's shard, cast to
+        the param_dtype (`all_gather_inputs`: a new tensor where the dtypes differ), is copied into its
+        unsharded storage; a cast lives until the next parameter's cast replaces it in the loop."""
         b = self.b
+        if self.n == 1:
+            blocks, cast = [], None
+            size = dtype_bytes(self.gather_dtype)
+            for p in self.group_params(unit):
+                numel = self.padded_full(p.name)
+                if (own_dtype(b.tape, p.name) or self.param_storage_dtype()) != self.gather_dtype:
+                    previous, cast = cast, b.block(f"{p.name}.all_gather_input", numel * size, Category.TEMPORARY,
+                                                   self.gather_dtype, p.shape)
+                    b.op(f"fsdp.unshard_cast.{p.name}", phase, step, mb, [cast],
+                         [previous.id] if previous is not None else [], bytes_moved=3 * numel * size)
+                blocks.append(b.block(f"{p.name}.unsharded", numel * size, Category.PARAMETER, self.gather_dtype,
+                                      p.shape))
+                b.op(f"fsdp.unshard_copy.{p.name}", phase, step, mb, blocks[-1:], [], bytes_moved=2 * numel * size)
+            if cast is not None:
+                b.op(f"fsdp.unshard_done.{unit}", phase, step, mb, [], [cast.id])
+            self.live[unit] = blocks
+            return
+        output = self.buffers.pop(unit)
         size = dtype_bytes(self.gather_dtype)
         blocks = [b.block(f"{p.name}.unsharded", self.padded_full(p.name) * size, Category.PARAMETER,
                           self.gather_dtype, p.shape) for p in self.group_params(unit)]
@@ -214,24 +248,39 @@ class FSDP2(Gathering):
         params = [p for p in self.group_params(unit) if p.name in self.unsharded_grads]
         if not params:
             return
-        dt = self.gather_dtype
+        # _fsdp_collectives.py foreach_reduce: the reduce-scatter input (current stream) and output (allocated
+        # under the reduce-scatter stream: its pool) in reduce_dtype (None: the gradients' dtype), the output
+        # cast to the sharded parameter's dtype where they differ
+        dt = self.gather_dtype if self.setup.reduce_dtype == "grad" else self.setup.reduce_dtype
         full = sum(self.padded_full(p.name) for p in self.group_params(unit))
         rs_input = b.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
                            dt, (full,))
-        frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
+        # _fsdp_param_group.py post_backward: the oldest of `reduce_scatter_states` (at most 1 by default) is
+        # dropped before this reduce allocates its input
+        if self.kept_reduce_input is not None:
+            b.op(f"fsdp.post_backward_rs_wait.{unit}", Phase.BACKWARD, step, mb, [], [self.kept_reduce_input.id])
         self.kept_reduce_input = rs_input
         b.op(f"fsdp.reduce_scatter_copy_in.{unit}", Phase.BACKWARD, step, mb, [rs_input],
-             frees + [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
+             [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
         shard = full // self.n
         grad_dt = self.param_storage_dtype()
         first = unit not in self.sharded_grads
-        out = b.block(f"{unit}.sharded_grads" if first else f"{unit}.reduce_scatter_output", shard * dtype_bytes(grad_dt),
-                      Category.GRADIENT if first else Category.TEMPORARY, grad_dt, (shard,), shard=self.n)
-        allocs, out_frees = [out], [] if first else [out.id]
+        allocs, out_frees = [], []
+        if dt != grad_dt:  # `_to_dtype_if_needed(reduce_output, orig_dtype)`: the reduce-dtype output is dropped
+            reduced = b.block(f"{unit}.reduce_scatter_output", shard * dtype_bytes(dt), Category.TEMPORARY, dt,
+                              (shard,), shard=self.n)
+            allocs, out_frees = [reduced], [reduced.id]
+        name = f"{unit}.reduce_scatter_output" + (f".{grad_dt}" if allocs else "")
+        out = b.block(f"{unit}.sharded_grads" if first else name,
+                      shard * dtype_bytes(grad_dt), Category.GRADIENT if first else Category.TEMPORARY, grad_dt,
+                      (shard,), shard=self.n)
+        allocs.append(out)
         if first:
             self.sharded_grads[unit] = out
+        else:
+            out_frees.append(out.id)
         self.collective(f"fsdp.reduce_scatter.{unit}", "reduce_scatter", rs_input.nbytes, Phase.BACKWARD, step, mb,
-                        allocs=allocs, frees=out_frees, after=(b.last(Stream.COMPUTE),))
+                        allocs=allocs, frees=out_frees, after=(b.last(Stream.COMPUTE),), pool=Stream.COMMUNICATION)
 
     def end_backward(self, step: int, mb: int) -> None:
         for unit in [u for u in self.forward_order if u in self.live]:
