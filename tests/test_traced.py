@@ -280,3 +280,29 @@ def factory(micro_batch: int = 2):
         rec = recording(model, setup, target)
         node = next(n for n in rec.nodes if n.name.endswith("IndexBackward0"))
         assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == sizes
+
+
+def test_max_backward_scatters_in_place_on_the_gpu(tmp_path):
+    # FunctionsManual.cpp value_selecting_reduction_backward: `grad_in.scatter(...)` for tensor subclasses,
+    # `scatter_` into the zeros it made for real tensors (the backward of max / min along a dim)
+    path = tmp_path / "peak.py"
+    path.write_text("""import torch
+
+
+class Peak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        return torch.max(x @ self.w, dim=-1, keepdim=True)[0]
+
+
+def factory(micro_batch: int = 2):
+    return Peak(), torch.randn(micro_batch, 16, 64), lambda out: out.sum()
+""")
+    model, setup = from_module_spec(f"{path}:factory"), TrainingSetup(micro_batch=2, precision="fp32")
+    for target, count in ((((9, 0), "2.11"), 1), (None, 2)):
+        rec = recording(model, setup, target)
+        node = next(n for n in rec.nodes if n.name.endswith("MaxBackward0"))
+        assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == [2 * 16 * 64 * 4] * count
