@@ -254,55 +254,41 @@ def test_a_captured_trace_of_a_traced_model_validates_and_knows_its_file(capsys,
     assert code == 2 and "changed since the trace was recorded" in err
 
 
-def test_index_backward_makes_its_gradient_in_place_on_the_gpu(tmp_path):
-    # torch/csrc/autograd/FunctionsManual.cpp index_backward: out-of-place index_put for tensor subclasses (a fake
-    # tensor is one), index_put_ into the zeros it made for real tensors: one gradient tensor, not two
-    path = tmp_path / "lookup.py"
-    path.write_text("""import torch
+# Autograd formulas with a subclass branch (torch/csrc/autograd/FunctionsManual.cpp): out of place for tensor
+# subclasses (a fake tensor is one), in place into the zeros they made for real tensors: one gradient tensor, not
+# two. index_backward: index_put vs index_put_; value_selecting_reduction_backward (max / min along a dim): scatter
+# vs scatter_. The CPU program keeps the subclass branch: it is measured under the tracker's dispatch mode, with
+# which torch counts every tensor subclass-like.
+IN_PLACE_ON_THE_GPU = {
+    "IndexBackward0": ("self.table = torch.nn.Parameter(torch.randn(1000, 64))", "self.table[x]",
+                       "torch.randint(0, 1000, (micro_batch, 16))", 1000 * 64 * 4),
+    "MaxBackward0": ("self.w = torch.nn.Parameter(torch.randn(64, 64))",
+                     "torch.max(x @ self.w, dim=-1, keepdim=True)[0]", "torch.randn(micro_batch, 16, 64)",
+                     2 * 16 * 64 * 4),
+}
 
 
-class Lookup(torch.nn.Module):
+@pytest.mark.parametrize("node_name", list(IN_PLACE_ON_THE_GPU))
+def test_a_formula_makes_its_gradient_in_place_on_the_gpu(tmp_path, node_name):
+    param, body, batch, nbytes = IN_PLACE_ON_THE_GPU[node_name]
+    path = tmp_path / "module.py"
+    path.write_text(f"""import torch
+
+
+class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.table = torch.nn.Parameter(torch.randn(1000, 64))
-
-    def forward(self, ids):
-        return self.table[ids]
-
-
-def factory(micro_batch: int = 2):
-    return Lookup(), torch.randint(0, 1000, (micro_batch, 16)), lambda out: out.sum()
-""")
-    # (the CPU program keeps the subclass branch: it is measured under the tracker's dispatch mode, with which
-    # torch counts every tensor subclass-like)
-    model, setup = from_module_spec(f"{path}:factory"), TrainingSetup(micro_batch=2, precision="fp32")
-    for target, sizes in ((((9, 0), "2.11"), [1000 * 64 * 4]), (None, [1000 * 64 * 4] * 2)):
-        rec = recording(model, setup, target)
-        node = next(n for n in rec.nodes if n.name.endswith("IndexBackward0"))
-        assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == sizes
-
-
-def test_max_backward_scatters_in_place_on_the_gpu(tmp_path):
-    # FunctionsManual.cpp value_selecting_reduction_backward: `grad_in.scatter(...)` for tensor subclasses,
-    # `scatter_` into the zeros it made for real tensors (the backward of max / min along a dim)
-    path = tmp_path / "peak.py"
-    path.write_text("""import torch
-
-
-class Peak(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        {param}
 
     def forward(self, x):
-        return torch.max(x @ self.w, dim=-1, keepdim=True)[0]
+        return {body}
 
 
 def factory(micro_batch: int = 2):
-    return Peak(), torch.randn(micro_batch, 16, 64), lambda out: out.sum()
+    return M(), {batch}, lambda out: out.sum()
 """)
     model, setup = from_module_spec(f"{path}:factory"), TrainingSetup(micro_batch=2, precision="fp32")
     for target, count in ((((9, 0), "2.11"), 1), (None, 2)):
         rec = recording(model, setup, target)
-        node = next(n for n in rec.nodes if n.name.endswith("MaxBackward0"))
-        assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == [2 * 16 * 64 * 4] * count
+        node = next(n for n in rec.nodes if n.name.endswith(node_name))
+        assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == [nbytes] * count
