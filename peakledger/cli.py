@@ -446,8 +446,20 @@ def _validate_cuda_trace(scenario, trace):
     return result, measured, simulated
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--micro 3` is not `--micro-batch 3`; `sweep --json` is not
+    `--json-output`), its errors in the CLI's one-line form with exit 2 (subcommands' parsers are of this class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"peakledger: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="peakledger", description="Where the memory of a training step goes.")
+    parser = Parser(prog="peakledger", description="Where the memory of a training step goes.")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("simulate", help="simulate a scenario and print the ledger and peaks")
     _add_scenario_flags(s)
@@ -546,7 +558,10 @@ def _on_sigterm(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success (1: a validate outside its tolerance), 2 on bad input (one line naming it), 3 on an
     internal error (a bug: one line, the traceback with --debug), 130 / 143 when interrupted / terminated."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse's error (one line, `Parser.error`) or --help: its status, not a raise
+        return e.code if isinstance(e.code, int) else 2
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() \
         else None
     try:

@@ -342,6 +342,14 @@ CASES: list[Case] = [
          ("simulate", "--preset", "tiny", "--micro-batch", str(10**400)), says=("micro_batch", "int64")),
     Case("grad-accum-huge", "unbounded work", "a huge accumulation simulated micro-batch by micro-batch",
          ("simulate", "--preset", "tiny", "--grad-accum", "100000000"), says=("grad_accum", "limit")),
+    # issue 23: argparse's prefix matching and its usage block
+    Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
+         ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),
+    Case("abbrev-json-output", "flags taken as others", "`sweep --json s.json` became --json-output",
+         ("sweep", "--preset", "tiny", "--grid", "micro_batch=1", "--json", "s.json"),
+         says=("unrecognized arguments: --json",)),
+    Case("argparse-usage-block", "flags taken as others", "argparse's own errors printed a usage block",
+         ("simulate", "--preset", "tiny", "--micro-batch", "x"), says=("--micro-batch: invalid int value",)),
 ]
 
 
