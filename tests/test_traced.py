@@ -292,3 +292,57 @@ def factory(micro_batch: int = 2):
         rec = recording(model, setup, target)
         node = next(n for n in rec.nodes if n.name.endswith(node_name))
         assert [rec.storages[sid].nbytes for kind, sid in node.events if kind == "alloc"] == [nbytes] * count
+
+
+ACCUMULATING = """import torch
+
+
+def rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+        self.register_buffer("cos", torch.randn(16, 64))
+        self.register_buffer("sin", torch.randn(16, 64))
+
+    def forward(self, x):
+        h = x @ self.w
+        h = h + torch.tanh(h) * h  # h read three times: two gradients summed into its first
+        return h * self.cos + rotate_half(h) * self.sin  # and three more
+
+
+def factory(micro_batch: int = 2):
+    return M(), torch.randn(micro_batch, 16, 64), lambda out: out.sum()
+"""
+
+
+def test_the_gpu_program_sums_gradients_in_place_as_the_real_engine_does(tmp_path):
+    # torch/csrc/autograd/input_buffer.cpp accumulate: a second gradient is added in place into the first one a
+    # node received when nothing else uses its storage; the real engine on real tensors (no dispatch mode, as on
+    # a GPU) is the reference, its allocations taken from torch.profiler's memory events
+    import importlib.util
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    path = tmp_path / "acc.py"
+    path.write_text(ACCUMULATING)
+    spec = importlib.util.spec_from_file_location("acc_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    m, x, loss_fn = module.factory(2)
+    loss = loss_fn(m(x))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    hidden = 2 * 16 * 64 * 4
+    real = sum(1 for e in prof.events() if e.self_cpu_memory_usage == hidden)
+    model, setup = from_module_spec(f"{path}:factory"), TrainingSetup(micro_batch=2, precision="fp32")
+    counts = {}
+    for target in (((9, 0), "2.11"), None):
+        rec = recording(model, setup, target)
+        counts[target] = sum(1 for n in rec.nodes for kind, sid in n.events
+                             if kind == "alloc" and rec.storages[sid].nbytes == hidden)
+    assert counts[((9, 0), "2.11")] == real
+    assert counts[None] > real  # the CPU program, measured under a dispatch mode, adds out of place

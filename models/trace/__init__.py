@@ -9,8 +9,9 @@ How the pieces compose:
 - `convert.py` turns a recording into the project's tape (models/tape.py) under a setup's checkpointing:
                forward ops with their saves, and the recorded backward nodes (`Tape.backward`).
 - `cuda_program.py` makes that run the CUDA program where the model trains on a GPU (CUDA's autocast lists,
-               the SDPA kernel torch picks, the fused dropout), and `gpu_paths.py` adds what the CUDA kernels
-               allocate inside themselves.
+               the SDPA kernel torch picks, the fused dropout), `real_branches.py` the branches autograd takes
+               on real tensors (formulas writing into their zeros, gradients summed in place), and
+               `gpu_paths.py` adds what the CUDA kernels allocate inside themselves.
 - `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
 - `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers.
 - here         `traced_tape` (what `models.training.build_tape` calls), the trace cache, and the real

@@ -305,7 +305,7 @@ class cuda_program:
     GPU of `compute_capability` under the kernel rules of `torch_version` (module docstring). `backends` lists
     the SDPA backend of every attention call."""
 
-    # autograd formulas' branches for real tensors (realpath.py real_tensor_branch): a GPU run has no dispatch
+    # autograd's branches for real tensors (real_branches.py): a GPU run has no dispatch
     # mode, under which torch treats every tensor as a subclass (c10 isTensorSubclassLike)
     real_tensor_branches = True
 

@@ -521,27 +521,3 @@ def _min_storage(sizes, strides, offset: int) -> int:
         return offset
     return offset + 1 + sum((s - 1) * st for s, st in zip(sizes, strides))
 
-
-# Autograd formulas that build a gradient out of place when any tensor is "subclass-like", which a FakeTensor
-# is, and in place on a real tensor (torch/csrc/autograd/FunctionsManual.cpp index_backward:
-# `zeros_like_self.index_put(indices, grad, true)` vs `index_put_`; gather_backward: `scatter_add` vs
-# `scatter_add_`; value_selecting_reduction_backward, max / min / topk / sort along a dim: `scatter` vs
-# `scatter_`): on a real tensor the zeros the formula made are the gradient, no second tensor. Only where no
-# dispatch mode runs (the GPU program): with one active, torch counts every tensor subclass-like
-# (c10 isTensorSubclassLike: `dispatch_mode_enabled()`), as under the CPU tracker the CPU program is measured by.
-SUBCLASS_OUT_OF_PLACE = {torch.ops.aten.index_put.default: torch.ops.aten.index_put_.default,
-                         torch.ops.aten.scatter_add.default: torch.ops.aten.scatter_add_.default,
-                         torch.ops.aten.scatter.src: torch.ops.aten.scatter_.src}
-
-
-def real_tensor_branch(func, args, made_here) -> object:
-    """The in-place op a backward formula runs on real tensors where the fake run takes its out-of-place branch
-    (SUBCLASS_OUT_OF_PLACE): when `func`'s first argument is a tensor this node made (`made_here(tensor)`, the
-    formula's zeros) and, for index_put, it accumulates; else `func`."""
-    inplace = SUBCLASS_OUT_OF_PLACE.get(func)
-    if inplace is None or not args or not isinstance(args[0], torch.Tensor) or not made_here(args[0]):
-        return func
-    if func is torch.ops.aten.index_put.default and not (len(args) > 3 and args[3]):
-        return func
-    return inplace
-

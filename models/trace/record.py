@@ -29,8 +29,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .real_branches import buffer_branch, formula_branch
 from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches, kernel_layout,
-                       _tensors, real_code_paths, real_tensor_branch, view_replays)
+                       _tensors, real_code_paths, view_replays)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -129,9 +130,10 @@ class Recorder(TorchDispatchMode):
         self.last_where = "model"  # the module of the latest op (named when the model fails)
         # the program's kernels' own temporaries of an aten call (cuda_program.py), or None: the CPU's, not shown
         self.temporaries = None
-        # autograd formulas' real-tensor branches (realpath.py real_tensor_branch): the CUDA program's; the CPU
-        # program is measured under the tracker's dispatch mode, under which torch takes the subclass branch too
+        # autograd's real-tensor branches (real_branches.py): the CUDA program's; the CPU program is measured
+        # under the tracker's dispatch mode, under which torch takes the subclass branches too
         self.real_branches = False
+        self.node_inputs: set = set()  # storages of the gradients the running backward node was given
 
     # -- storages -----------------------------------------------------------------------------------
     def _lookup(self, t: torch.Tensor):
@@ -230,7 +232,8 @@ class Recorder(TorchDispatchMode):
             if sid is not None:
                 in_ids[sid] = None
         if self.real_branches and self.phase == "backward" and self.current is not None:
-            func = real_tensor_branch(func, args, self._made_in_node)  # FunctionsManual's real-tensor branch
+            func = formula_branch(func, args, self._made_in_node)
+            func = buffer_branch(func, args, kwargs, self._waiting, self._fresh)
         known = self.shadows.known_shape(func, args, kwargs, real)
         if known is not None and known[0] == "out":  # an output shape the values it depends on decide
             out = known[1]
@@ -271,6 +274,15 @@ class Recorder(TorchDispatchMode):
         """`t`'s storage was allocated by the backward node running now."""
         sid = self.storage_of(t)
         return sid is not None and ("alloc", sid) in self.current.events
+
+    def _waiting(self, t: torch.Tensor) -> bool:
+        """`t` is a gradient an earlier backward node made."""
+        sid = self.storage_of(t)
+        return sid is not None and self.storages[sid].born == "backward" and ("alloc", sid) not in self.current.events
+
+    def _fresh(self, t: torch.Tensor) -> bool:
+        """`t` was made by the running backward node, or given to it."""
+        return self._made_in_node(t) or self.storage_of(t) in self.node_inputs
 
     def _temporaries(self, temps, name: str, op: int) -> list[int]:
         """Storages a kernel allocates and frees inside itself after its outputs (`temporaries`, e.g. a CUDA
@@ -446,6 +458,7 @@ def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
                 def hook(grad_outputs):
                     rec.current_index = rec.node_index[id(node)]
                     rec.current = rec.nodes[rec.current_index]
+                    rec.node_inputs = {rec.storage_of(g) for g in grad_outputs if isinstance(g, torch.Tensor)}
                     order.append(id(node))
                 return hook
 
