@@ -29,6 +29,8 @@ def parse_bytes(text: str | int, field: str = "budget") -> int:
         raise ConfigError(field, f"cannot read {text!r}; use a number with a unit ({', '.join(UNITS)}), "
                                  "e.g. 80GiB, 80GB, or plain bytes")
     number, unit = m.group(1), m.group(2)
+    if len(number) > 400:  # (no budget has 400 digits; int() refuses past 4,300 and is slow before)
+        raise ConfigError(field, f"{len(number):,} digits is not a size any device has; use a unit, e.g. 80GiB")
     scale = units[unit.lower()] if unit else 1
     whole, _, frac = number.partition(".")
     value = int(whole) * scale + (int(frac) * scale) // 10 ** len(frac) if frac else int(whole) * scale

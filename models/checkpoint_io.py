@@ -274,12 +274,17 @@ def saves_after(setup, step: int) -> bool:
     return setup.checkpoint_every > 0 and step % setup.checkpoint_every == 0
 
 
+def saves_any(setup) -> bool:
+    """Whether the run saves at all: some step in 1..steps is a multiple of `checkpoint_every` (in O(1))."""
+    return 0 < setup.checkpoint_every <= setup.steps
+
+
 def rank_signature(b, writers: dict[str, int] | None = None) -> tuple:
     """What a checkpoint makes differ between ranks of identical layout (empty when nothing is saved):
     rank 0 alone keeps a full state dict; per-rank saves write different replicated tensors (`writers`:
     a sharded save's `sharded_writers`, computed when not given)."""
     s = b.setup
-    if not any(saves_after(s, step) for step in range(1, s.steps + 1)):
+    if not saves_any(s):
         return ()
     if s.save_mode in FULL_MODES:
         return ("rank0" if b.rank == 0 else "other",)
@@ -294,7 +299,7 @@ def signature_ranks(b) -> set[int]:
     sharded save, at every DCP writer and the rank after it. `b` is rank 0's builder."""
     s = b.setup
     out = {1}
-    if s.save_mode == "sharded" and s.world_size > 1 and any(saves_after(s, t) for t in range(1, s.steps + 1)):
+    if s.save_mode == "sharded" and s.world_size > 1 and saves_any(s):
         out |= {r + k for r in set(sharded_writers(b, state_dict_items(b, rank_state(b))).values()) for k in (0, 1)}
     return {r for r in out if r < s.world_size}
 
@@ -307,7 +312,7 @@ def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
     replicated ones r writes (O(tensors + ranks x what each writes), not O(tensors x ranks))."""
     s = b.setup
     ranks = list(ranks)
-    saves = any(saves_after(s, step) for step in range(1, s.steps + 1))
+    saves = saves_any(s)
     if not saves or s.save_mode not in ("torch-save", "sharded"):
         return {r: ("rank0" if r == 0 else "other",) if saves and s.save_mode in FULL_MODES else () for r in ranks}
     state = rank_state(b)

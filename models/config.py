@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..simulator.files import InputError, read_text
+from ..simulator.files import InputError, digits_message, read_text, too_many_digits
 from .fields import check_types
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
@@ -34,6 +34,10 @@ def read_config_file(path, field_name: str, parse, parse_error: type[Exception],
         raise ConfigError(field_name, f"{path} is nested too deeply to be a {kind} config") from None
     except parse_error as e:
         raise ConfigError(field_name, f"{path} is not valid {kind}: {e}") from None
+    except ValueError as e:
+        if too_many_digits(e):
+            raise ConfigError(field_name, digits_message(path)) from None
+        raise
 
 
 def dtype_name(value: str, field_name: str = "dtype") -> str:

@@ -33,7 +33,7 @@ from .inputs import (VALIDATE_DEFAULTS, check_command_outputs, check_common, che
                      scenario_for_trace, scenario_from_args)
 from .models.config import ConfigError
 from .models.training import StepPlan
-from .simulator.files import InputError
+from .simulator.files import InputError, digits_message, too_many_digits
 from .simulator.timeline import timeline
 from .traces.cuda_capture import is_cuda_trace
 from .traces.store import load_trace, save_log, with_event_index_times
@@ -555,6 +555,14 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+def _internal_error(args, e: BaseException) -> int:
+    if getattr(args, "debug", False):
+        traceback.print_exc()
+    print(f"peakledger: internal error (a bug in peakledger, not your input): {type(e).__name__}: {e}"
+          + ("" if getattr(args, "debug", False) else "; run again with --debug for the traceback"), file=sys.stderr)
+    return 3
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success (1: a validate outside its tolerance), 2 on bad input (one line naming it), 3 on an
     internal error (a bug: one line, the traceback with --debug), 130 / 143 when interrupted / terminated."""
@@ -577,13 +585,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"peakledger: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}: nothing written",
               file=sys.stderr)
         return 143 if isinstance(e, _Terminated) else 130
+    except ValueError as e:
+        if not too_many_digits(e):
+            return _internal_error(args, e)
+        print(f"peakledger: error: {digits_message('an input')}", file=sys.stderr)  # (a reader that does not say)
+        return 2
     except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a message
-        if getattr(args, "debug", False):
-            traceback.print_exc()
-        print(f"peakledger: internal error (a bug in peakledger, not your input): {type(e).__name__}: {e}"
-              + ("" if getattr(args, "debug", False) else "; run again with --debug for the traceback"),
-              file=sys.stderr)
-        return 3
+        return _internal_error(args, e)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

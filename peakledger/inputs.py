@@ -174,6 +174,7 @@ def real_run_estimate(scenario: Scenario) -> int:
     return total
 
 
+REAL_RUN_STEPS = 100  # validate / capture: optimizer steps run for real at most
 VALIDATE_DEFAULTS = {"precision": "fp32", "micro_batch": 2, "seq_len": 32}  # seconds on a CPU, for any model
 
 
@@ -190,6 +191,9 @@ def check_real_run(args, scenario) -> None:
     if scenario.setup.passes != "train":
         raise ConfigError("passes", f"{args.command} runs real training steps (forward, loss, backward, optimizer "
                                     "step); passes \"forward\" is simulated only: drop --passes")
+    if scenario.setup.steps > REAL_RUN_STEPS:
+        raise ConfigError("steps", f"{scenario.setup.steps:,} is over the limit of {REAL_RUN_STEPS} for a real run "
+                                   f"({args.command} runs every step for real; the simulation takes any number)")
     need, limit = real_run_estimate(scenario), real_run_limit()
     if need > limit and not args.force:
         raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "

@@ -1,7 +1,8 @@
 """Files in and out, safely: bounded reads of input files, checked and atomic writes of outputs.
 
 Inputs (`read_input`): a regular file or a pipe, at most `limit` bytes (a device such as /dev/zero, a
-directory or a file over the cap is refused before it is read), else `InputError` naming the input.
+directory or a file over the cap is refused before it is read), else `InputError` naming the input. A pipe
+that gives nothing for `PIPE_IDLE_SECONDS` (no writer, or one that stalls) is refused instead of waited on.
 
 Outputs are checked before any work (`check_outputs`): not empty, the parent folder exists and takes a
 new file, not a folder, device, pipe or socket, never one of the command's inputs, never given twice.
@@ -16,10 +17,12 @@ folder once its process is gone (its name carries the pid).
 from __future__ import annotations
 
 import os
+import select
 import stat
 import tempfile
 
 TMP_PREFIX = ".peakledger-tmp-"
+PIPE_IDLE_SECONDS = 10.0  # a named pipe given as an input: the longest wait for its next bytes
 
 
 class InputError(ValueError):
@@ -51,8 +54,11 @@ def read_input(path, field_name: str, limit: int) -> bytes:
         if stat.S_ISREG(st.st_mode) and st.st_size > limit:
             raise InputError(field_name, f"{path} is {st.st_size:,} B, over the {limit:,} B cap for this kind of "
                                          "input")
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        if stat.S_ISFIFO(st.st_mode):
+            data = _read_pipe(path, field_name, limit)
+        else:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
     except FileNotFoundError:
         raise InputError(field_name, f"file not found: {path}") from None
     except OSError as e:
@@ -60,6 +66,42 @@ def read_input(path, field_name: str, limit: int) -> bytes:
     if len(data) > limit:
         raise InputError(field_name, f"{path} holds more than the {limit:,} B cap for this kind of input")
     return data
+
+
+def _read_pipe(path, field_name: str, limit: int) -> bytes:
+    """A named pipe's bytes up to its end (at most `limit` + 1), each wait for more bounded by PIPE_IDLE_SECONDS:
+    opened without blocking (an open for reading waits for a writer otherwise), read when select says so."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        chunks, size = [], 0
+        while size <= limit:
+            ready, _, _ = select.select([fd], [], [], PIPE_IDLE_SECONDS)
+            if not ready:
+                raise InputError(field_name, f"{path} is a named pipe that gave no data for {PIPE_IDLE_SECONDS:g} s "
+                                             "(nothing writes to it?); give a file, or start its writer first")
+            try:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def too_many_digits(e: BaseException) -> bool:
+    """`e` is Python's refusal to read an integer of more digits than `sys.get_int_max_str_digits()`."""
+    return type(e) is ValueError and "integer string conversion" in str(e)
+
+
+def digits_message(where) -> str:
+    """What to say of an input holding such an integer."""
+    import sys
+    return (f"{where} holds an integer of more than {sys.get_int_max_str_digits():,} digits (Python's limit for "
+            "reading one); no count or size is that long")
 
 
 def read_text(path, field_name: str, limit: int) -> str:

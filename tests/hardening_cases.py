@@ -116,6 +116,15 @@ def _same_peak_as(*argv: str) -> Callable[[str, str, Path], str | None]:
 
 
 SIM = ("simulate", "--preset", "tiny", "--steps", "1")
+_ALLOC = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 0, "frames": []}
+
+
+def _nest(depth: int = 40):
+    """A tuple nested `depth` deep whose two halves are one object at every level (pickled in a few bytes)."""
+    x = ("x",)
+    for _ in range(depth):
+        x = (x, x)
+    return x
 NEMO = {"model_type": "mistral", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128,
         "num_key_value_heads": 8, "num_hidden_layers": 40, "intermediate_size": 14336, "vocab_size": 131072,
         "max_position_embeddings": 1024000, "tie_word_embeddings": False}
@@ -342,6 +351,37 @@ CASES: list[Case] = [
          ("simulate", "--preset", "tiny", "--micro-batch", str(10**400)), says=("micro_batch", "int64")),
     Case("grad-accum-huge", "unbounded work", "a huge accumulation simulated micro-batch by micro-batch",
          ("simulate", "--preset", "tiny", "--grad-accum", "100000000"), says=("grad_accum", "limit")),
+    # issue 23: work a small file can cost (a pickle's memo shares one tuple at every level: 2^40 leaves in
+    # 245 bytes; hashing or printing it never ends, and no signal stops it), waits without end, long integers
+    Case("snapshot-shared-nest-action", "unbounded work", "a snapshot whose 'action' is a memo-shared nest of "
+         "tuples hung explain while it was hashed", ("explain", "--trace", "{tmp}/s.pickle", "--budget", "1GiB"),
+         {"s.pickle": lambda: _snapshot([{**_ALLOC, "action": _nest()}])()}, says=("trace:", "unknown action")),
+    Case("snapshot-shared-nest-frames", "unbounded work", "a snapshot whose frame names are a memo-shared nest "
+         "hung replay while they were turned into text", ("replay", "{tmp}/s.pickle"),
+         {"s.pickle": lambda: _snapshot([{**_ALLOC, "frames": [{"name": _nest(), "filename": "x.py",
+                                                                 "line": 1}]}])()},
+         says=("trace:", "frames")),
+    Case("fifo-no-writer", "unbounded work", "a named pipe nothing writes to, given as --trace, waited forever",
+         ("explain", "--trace", "{tmp}/fifo", "--budget", "1GiB"), says=("trace:", "named pipe", "no data")),
+    Case("steps-billion", "unbounded work", "simulate --steps 1000000000 ran past 120 s",
+         ("simulate", "--preset", "tiny", "--steps", "1000000000", "--json"), code=0,
+         check=_same_peak_as("simulate", "--preset", "tiny", "--steps", "2", "--json")),
+    Case("validate-steps-billion", "unbounded work", "validate --steps 1000000000 ran every step for real",
+         ("validate", "--preset", "tiny", "--steps", "1000000000"), says=("steps", "limit of 100")),
+    Case("hf-int-digits", "exit 3 on user input", "an integer of 5,000 digits in an HF config.json",
+         ("simulate", "--hf-config", "{tmp}/config.json"),
+         {"config.json": lambda: json.dumps(TINY_LLAMA).replace('"num_hidden_layers": 2', '"num_hidden_layers": '
+                                                                 + "1" * 5000).encode()},
+         says=("hf_config:", "4,300 digits")),
+    Case("toml-int-digits", "exit 3 on user input", "an integer of 5,000 digits in a scenario TOML",
+         ("simulate", "--scenario", "{tmp}/s.toml"), {"s.toml": _text("[training]\nsteps = " + "1" * 5000 + "\n")},
+         says=("scenario:", "4,300 digits")),
+    Case("trace-int-digits", "exit 3 on user input", "an integer of 5,000 digits in a JSON trace",
+         ("explain", "--trace", "{tmp}/t.json", "--budget", "1GiB"),
+         {"t.json": lambda: _trace()().replace(b'"events": [[0', b'"events": [[' + b"1" * 5000, 1)},
+         says=("trace:", "4,300 digits")),
+    Case("budget-int-digits", "exit 3 on user input", "--budget of 5,000 digits",
+         SIM + ("--budget", "1" * 5000), says=("budget", "digits")),
     # issue 23: argparse's prefix matching and its usage block
     Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
          ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),

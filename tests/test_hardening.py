@@ -10,6 +10,7 @@ import pytest
 
 from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO, make_special_files
 from peakledger import cli
+from peakledger.simulator import files
 
 
 def run_case(case, tmp_path, capsys):
@@ -28,9 +29,10 @@ def run_case(case, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_case(case, tmp_path, capsys):
+def test_case(case, tmp_path, capsys, monkeypatch):
     if "{gpu}" in " ".join(case.argv) and not GPU_TRUTH.is_dir():
         pytest.skip("../shared/gpu-truth is not beside this checkout")
+    monkeypatch.setattr(files, "PIPE_IDLE_SECONDS", 0.5)  # (a pipe nothing writes to: refused sooner here)
     code, out, err = run_case(case, tmp_path, capsys)
     text = (out + err).lower()
     assert "traceback" not in text and code != 3, err

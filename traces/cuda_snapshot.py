@@ -179,8 +179,24 @@ def _int(x) -> bool:
 
 
 def _show(x) -> str:
-    text = repr(x)
+    """`x` in a message, at a bounded cost: a container or an object is named by its type (its repr could be
+    exponential: a pickle's memo can share one tuple at every level of a deep nest), a long number by its size."""
+    if isinstance(x, str):
+        text = repr(x[:40])
+    elif isinstance(x, bool) or x is None or isinstance(x, float):
+        text = repr(x)
+    elif isinstance(x, int):
+        text = repr(x) if abs(x) < 10 ** 30 else f"an integer of {x.bit_length()} bits"
+    else:
+        text = f"a {type(x).__name__}"
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _frame(f) -> bool:
+    """A stack frame as torch writes it: the values read are strings and a line number (types checked before a
+    value is turned into text: str() of a nest the pickle's memo shares at every level takes exponential time)."""
+    return isinstance(f, dict) and isinstance(f.get("name", ""), str) and isinstance(f.get("filename", ""), str) \
+        and _int(f.get("line", 0))
 
 
 def _u64(x) -> bool:
@@ -219,7 +235,7 @@ def _check_shape(snapshot, device: int, field_name: str) -> list[dict]:
         if not isinstance(e, dict):
             bad(f"device_traces[{device}][{i}]", f"must be a dict, got {type(e).__name__}")
         action = e.get("action")
-        if action not in KNOWN_ACTIONS:
+        if not isinstance(action, str) or action not in KNOWN_ACTIONS:  # (a str before hashing it)
             bad(f"device_traces[{device}][{i}]", f"has unknown action {_show(action)}; allowed: "
                                                  f"{', '.join(sorted(KNOWN_ACTIONS))}")
         if action != "snapshot" and not (_u64(e.get("addr")) and _u64(e.get("size"))):
@@ -233,8 +249,9 @@ def _check_shape(snapshot, device: int, field_name: str) -> list[dict]:
         t = e.get("time_us", 0)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t or not abs(t) < 2.0 ** 63:
             bad(f"device_traces[{device}][{i}]", f"has a 'time_us' that is not a finite number below 2**63: {_show(t)}")
-        if not isinstance(e.get("frames", []), list) or not all(isinstance(f, dict) for f in e.get("frames", [])):
-            bad(f"device_traces[{device}][{i}]", "has 'frames' that are not a list of dicts")
+        if not isinstance(e.get("frames", []), list) or not all(_frame(f) for f in e.get("frames", [])):
+            bad(f"device_traces[{device}][{i}]", "has 'frames' that are not a list of dicts with a str 'name' and "
+                                                 "'filename' and an integer 'line'")
     return entries
 
 
