@@ -9,13 +9,14 @@ traces/store.py, traces/cuda_snapshot.py); this module only decides which inputs
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import fields
 
 from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from .models.trace.model import TracedModel, check_traced_source
+from .models.trace.model import TracedModel, from_module_spec
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.files import check_outputs
 from .traces.store import TraceFile
@@ -69,6 +70,9 @@ def scenario_from_args(args, defaults: dict | None = None) -> Scenario:
     training = dict(data.get("training", {}))
     run = dict(data.get("run", {}))
     given_sources = [n for n in MODEL_SOURCES if getattr(args, n, None) is not None]
+    if "module" in model and not given_sources:
+        raise ConfigError("scenario", f"{args.scenario} names a Python file to run (module = {str(model['module'])[:80]!r}): "
+                                      "a scenario file never names code; give it on the command line with --module")
     if len(given_sources) > 1:
         raise ConfigError(given_sources[0], f"give one of {', '.join(flag(n) for n in given_sources)}, not both")
     if given_sources:
@@ -95,10 +99,9 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
     known = lambda c, d: {k: v for k, v in lists_as_tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
     try:
         config = cls(**known(cls, model))
-        if isinstance(config, TracedModel):
+        if isinstance(config, TracedModel):  # (a module's file is the user's --module: `_recorded_module`)
             config = dataclasses.replace(config, varies=tuple(config.varies),
                                          defaults=tuple(tuple(d) for d in config.defaults))
-            check_traced_source(config)
         training = TrainingSetup(**known(TrainingSetup, setup))
     except (TypeError, ConfigError) as e:
         raise ConfigError("trace", f"the scenario recorded in the trace is not one this peakledger reads: {e}") \
@@ -110,6 +113,11 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
     """validate --trace: the scenario recorded in the trace, with the flags given on top (each one said), or
     the flags alone when the trace records none. Returns the scenario and what was said about it."""
     recorded = recorded_scenario(trace.log.metadata)
+    module_notes = []
+    if recorded is not None and isinstance(recorded.model, TracedModel) and recorded.model.kind == "module":
+        recorded = _recorded_module(args, trace, recorded)
+        args = argparse.Namespace(**{**vars(args), "module": None})  # (the recorded scenario's own model now)
+        module_notes = [f"the traced module: {recorded.model.source} (its sha256 is the trace's)"]
     if recorded is None:
         if not any(getattr(args, n, None) for n in SOURCE_FLAGS):
             raise ConfigError("trace", f"{trace.path} ({trace.kind}) records no scenario (model and training "
@@ -128,12 +136,31 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
         raise ConfigError("world_size", f"{trace.path} was measured with world_size {recorded.setup.world_size}: its "
                                         "ranks are fixed by the run; capture a trace of the other world size")
     scenario = recorded.with_changes(**changes) if changes else recorded
-    notes = [f"scenario recorded in {trace.path}: {recorded.name}"]
+    notes = [f"scenario recorded in {trace.path}: {recorded.name}"] + module_notes
     for key, value in changes.items():
         old = getattr(recorded.setup, key, getattr(recorded.model, key, getattr(recorded, key, None)))
         if old != value:
             notes.append(f"overrode {key}: {old!r} in the trace, {value!r} from {flag(key)}")
     return scenario, notes
+
+
+def _recorded_module(args, trace: TraceFile, recorded: Scenario) -> Scenario:
+    """A trace of a user's Python module: the trace says which file and factory, and their sha256, but data never
+    names code to run (nor a file to read). The user gives the module with --module; it must be the traced
+    factory of a file with the traced bytes. The recorded scenario with the user's file is returned."""
+    traced = recorded.model
+    if not getattr(args, "module", None):
+        raise ConfigError("module", f"{trace.path} was recorded from the Python file {traced.source[:200]}: a trace "
+                                    "never names code to run, so give that file with --module PATH:FACTORY (its "
+                                    "bytes are checked against the trace's sha256)")
+    if any(getattr(args, n, None) for n in SOURCE_FLAGS if n != "module"):
+        raise ConfigError("module", "give the traced module with --module alone, not with another model source")
+    named = from_module_spec(args.module)
+    if named.source.rpartition(":")[2] != traced.source.rpartition(":")[2] or named.digest != traced.digest:
+        raise ConfigError("module", f"{args.module} is not the factory {trace.path} was recorded from "
+                                    f"({traced.source[:200]}, sha256 {str(traced.digest)[:12]}...; this file's is "
+                                    f"{named.digest[:12]}...): give the file as it was traced")
+    return dataclasses.replace(recorded, model=dataclasses.replace(traced, source=named.source))
 
 
 def check_command_outputs(args, outputs: list[str]) -> None:

@@ -119,6 +119,34 @@ SIM = ("simulate", "--preset", "tiny", "--steps", "1")
 _ALLOC = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 0, "frames": []}
 
 
+def _evil_module() -> str:
+    """A module file whose import writes a marker file (beside it, in the temporary folder): run = wrong."""
+    import hashlib
+    import tempfile
+    folder = Path(tempfile.gettempdir())
+    path = folder / "peakledger-hardening-evil.py"
+    marker = folder / "peakledger-hardening-evil.ran"
+    marker.unlink(missing_ok=True)
+    path.write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                    "def factory(micro_batch: int = 2):\n    raise SystemExit('ran')\n")
+    return str(path)
+
+
+def _names_evil_module(data: dict) -> None:
+    import hashlib
+    path = _evil_module()
+    data["metadata"]["model_kind"] = "TracedModel"
+    data["metadata"]["model"] = {"name": "evil:factory", "kind": "module", "source": f"{path}:factory",
+                                 "digest": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+                                 "varies": ["micro_batch"], "defaults": [["micro_batch", 2]]}
+
+
+def _evil_did_not_run(out, err, tmp) -> str | None:
+    import tempfile
+    marker = Path(tempfile.gettempdir()) / "peakledger-hardening-evil.ran"
+    return "the module named by the data was imported" if marker.exists() else None
+
+
 def _nest(depth: int = 40):
     """A tuple nested `depth` deep whose two halves are one object at every level (pickled in a few bytes)."""
     x = ("x",)
@@ -351,6 +379,15 @@ CASES: list[Case] = [
          ("simulate", "--preset", "tiny", "--micro-batch", str(10**400)), says=("micro_batch", "int64")),
     Case("grad-accum-huge", "unbounded work", "a huge accumulation simulated micro-batch by micro-batch",
          ("simulate", "--preset", "tiny", "--grad-accum", "100000000"), says=("grad_accum", "limit")),
+    # issue 23: data never names code to run (a trace's recorded module, a scenario file's `module`)
+    Case("trace-names-module", "code from data", "a JSON trace naming a module file (with its sha256) made "
+         "validate --trace import and run it", ("validate", "--trace", "{tmp}/t.json"),
+         {"t.json": _trace(_names_evil_module)}, says=("module", "give that file with --module"),
+         check=_evil_did_not_run),
+    Case("scenario-names-module", "code from data", "a scenario file naming a module file ran it",
+         ("simulate", "--scenario", "{tmp}/s.toml"),
+         {"s.toml": lambda: f'[model]\nmodule = "{_evil_module()}:factory"\n'.encode()},
+         says=("scenario", "never names code"), check=_evil_did_not_run),
     # issue 23: work a small file can cost (a pickle's memo shares one tuple at every level: 2^40 leaves in
     # 245 bytes; hashing or printing it never ends, and no signal stops it), waits without end, long integers
     Case("snapshot-shared-nest-action", "unbounded work", "a snapshot whose 'action' is a memo-shared nest of "

@@ -241,17 +241,21 @@ def _trace_anew(model, setup):
         trace._CACHE.update(saved)
 
 
-def test_a_captured_trace_of_a_traced_model_validates_and_knows_its_file(capsys, tmp_path):
+def test_a_captured_trace_of_a_traced_module_validates_with_the_file_the_user_names(capsys, tmp_path):
     path = tmp_path / "model.py"
     shutil.copy(FACTORIES, path)
     out = tmp_path / "t.json"
     assert run_cli(capsys, "capture", "--module", f"{path}:tied", "--micro-batch", "2", "--seq-len", "8",
                    "--output", str(out))[0] == 0
-    code, text, err = run_cli(capsys, "validate", "--trace", str(out), "--tolerance", "0.005")
+    # a trace never names code to run: the user gives the module, checked against the trace's sha256
+    code, _, err = run_cli(capsys, "validate", "--trace", str(out))
+    assert code == 2 and "give that file with --module" in err
+    code, text, err = run_cli(capsys, "validate", "--trace", str(out), "--module", f"{path}:tied",
+                              "--tolerance", "0.005")
     assert code == 0 and "scenario recorded in" in text + err
     path.write_text(path.read_text() + "\n# edited\n")
-    code, _, err = run_cli(capsys, "validate", "--trace", str(out))
-    assert code == 2 and "changed since the trace was recorded" in err
+    code, _, err = run_cli(capsys, "validate", "--trace", str(out), "--module", f"{path}:tied")
+    assert code == 2 and "is not the factory" in err
 
 
 # Autograd formulas with a subclass branch (torch/csrc/autograd/FunctionsManual.cpp): out of place for tensor

@@ -118,15 +118,6 @@ def from_module_spec(spec: str) -> TracedModel:
                        digest=digest, varies=varies, defaults=defaults)
 
 
-def check_traced_source(model: TracedModel) -> None:
-    """A traced model read back from a saved trace: its module file must still be the one traced (same bytes)."""
-    if model.kind == "module":
-        path, _ = _split_spec(model.source)
-        if hashlib.sha256(Path(path).read_bytes()).hexdigest() != model.digest:
-            raise ConfigError("module", f"{path} changed since the trace was recorded (its bytes differ); give the "
-                                        "model again with --module to simulate the file as it is now")
-
-
 # -- HF --------------------------------------------------------------------------------------------------
 
 # config keys that count modules transformers builds one by one (layers, experts): bounded as the hand-written
