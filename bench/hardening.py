@@ -94,18 +94,21 @@ def render(rows: list[tuple], with_before: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", metavar="PYTHON", help="a python whose peakledger is the older version")
+    ap.add_argument("--before-commit", default="3235a98", help="the commit that older version is (for the text)")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--memory", type=int, default=16 << 30, help="address-space limit per case, bytes")
     ap.add_argument("--only", help="run the cases whose id contains this")
     ap.add_argument("--write", action="store_true", help="write bench/HARDENING.md")
     args = ap.parse_args()
     rows = []
+    before_wrong: dict[str, int] = {}
     for case in CASES:
         if args.only and args.only not in case.id:
             continue
-        before = run_case(case, args.before, args.timeout, args.memory)[1] if args.before else ""
+        before_right, before = run_case(case, args.before, args.timeout, args.memory) if args.before else (True, "")
         right, after = run_case(case, sys.executable, args.timeout, args.memory)
         rows.append((case, before, after, right))
+        before_wrong[case.group] = before_wrong.get(case.group, 0) + (not before_right)
         print(f"{'ok ' if right else 'BAD'} {case.id:<28} {after}" + (f"   [before: {before}]" if before else ""),
               flush=True)
     table = render(rows, bool(args.before))
@@ -114,11 +117,15 @@ def main() -> int:
                (f"; before: {sum(1 for r in rows if r[1].startswith(('traceback', 'out of memory')))} tracebacks, "
                 f"{sum(1 for r in rows if 'did not finish' in r[1])} did not finish in {args.timeout:.0f} s"
                 if args.before else ""))
+    groups = list(dict.fromkeys(r[0].group for r in rows))
+    by_group = "; ".join(f"{g}: {sum(1 for r in rows if r[0].group == g and not r[3])} wrong now"
+                         + (f" ({before_wrong.get(g, 0)} before)" if args.before else "") for g in groups)
+    summary += f".\n\nWrong cases by kind: {by_group}"
     print(summary)
     if args.write:
-        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --write` (cases: tests/hardening_cases.py, asserted "
+        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` (cases: tests/hardening_cases.py, asserted "
                 f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
-                f"and {args.memory >> 30} GiB of address space at most. 'before' is the peakledger of commit 3235a98 "
+                f"and {args.memory >> 30} GiB of address space at most. 'before' is the peakledger of commit {args.before_commit} "
                 f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
         path = ROOT / "bench" / "HARDENING.md"
         if not path.exists():

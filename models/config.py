@@ -528,6 +528,8 @@ KNOB_APPLIES = {
     "stage3_max_live_parameters": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
     "stage3_param_persistence_threshold": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
     "checkpoint_every_k": (lambda s: s.checkpointing == "every-k", "checkpointing every-k"),
+    "checkpoint_every": (lambda s: s.checkpoint_every <= s.steps,
+                         "checkpoint_every <= steps (a save within the steps simulated; raise --steps)"),
     "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
     "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
     "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+from math import prod
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
@@ -39,7 +40,7 @@ from ..simulator.ops import Op, OpGraph, new_op
 from .autograd import GradState, MicroBatchReplay
 from .rank_ranges import RankRanges
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
-from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
+from .config import INT64_MAX, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
 from .gpu import cublas_workspace_bytes, cublaslt_workspace_bytes
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
@@ -360,6 +361,24 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
 # -- the graph ---------------------------------------------------------------------------------------------
 
 @gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
+def _check_tensor_sizes(tape: Tape) -> None:
+    """Every tensor of the tape is one torch can make: its bytes, a product of sizes each within int64, within
+    int64 too (a micro-batch of 2^62 passes every field's own check and makes logits no index can address)."""
+    elem = {p.name: p.numel for p in tape.params}
+    tensors = [(s.name, s.shape, s.dtype) for s in list(tape.inputs) + list(tape.buffers)]
+    tensors += [(o.name, o.shape, o.dtype) for op in tape.ops for o in op.outputs]
+    for name, shape, dtype in tensors:
+        nbytes = prod(shape) * dtype_bytes(dtype)
+        if nbytes > INT64_MAX:
+            raise ConfigError("scenario", f"tensor {name} ({dtype}, shape {list(shape)}) would be {nbytes:,} bytes, "
+                                          "over torch's int64 limit; lower the sizes that make it (micro_batch, "
+                                          "seq_len, vocab_size, d_model, ...)")
+    for name, numel in elem.items():
+        if numel * 4 > INT64_MAX:
+            raise ConfigError("scenario", f"parameter {name} would hold {numel:,} elements, over torch's int64 limit "
+                                          "in bytes; lower the sizes that make it")
+
+
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
              ranks: list[int] | None = None, all_steps: bool = False, torch_version: str = "2.6") -> OpGraph:
     """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
@@ -378,6 +397,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     cuda = (profile.compute_capability, torch_version) if profile.is_cuda else None
     tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
+    _check_tensor_sizes(tape)
     if setup.cp > 1 and not profile.is_cpu:
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "

@@ -32,6 +32,7 @@ from .cmd_explain import cmd_explain, cmd_replay
 from .inputs import (VALIDATE_DEFAULTS, check_command_outputs, check_common, check_real_run, real_run_scenario,
                      scenario_for_trace, scenario_from_args)
 from .models.config import ConfigError
+from .models.trace.boundary import time_limit
 from .models.training import StepPlan
 from .simulator.files import InputError, digits_message, too_many_digits
 from .simulator.timeline import timeline
@@ -574,7 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         check_common(args)
-        return args.func(args)
+        with time_limit(getattr(args, "module_timeout", None)):
+            return args.func(args)
     except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2

@@ -102,6 +102,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
                    help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
+    r.add_argument("--module-timeout", type=float, metavar="SECONDS",
+                   help="--module: the longest its import, factory or traced step may run (default 600; 0: no limit)")
 
 
 def _budget(args, name: str = "budget") -> int | None:

@@ -238,6 +238,12 @@ def check_common(args) -> None:
     tolerance = getattr(args, "tolerance", None)
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")
+    timeout = getattr(args, "module_timeout", None)
+    if timeout is not None:
+        if not getattr(args, "module", None):
+            raise ConfigError("module_timeout", "only applies with --module (a Python file's factory); drop it")
+        if not (0 <= timeout <= 86400):
+            raise ConfigError("module_timeout", f"must be seconds in [0, 86400] (0: no limit), got {timeout!r}")
 
 
 __all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",

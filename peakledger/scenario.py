@@ -123,6 +123,25 @@ def load_toml(path: str | Path) -> dict:
     return data
 
 
+GPU_ONLY_RUN = ("alloc_conf", "torch_version", "empty_cache_before_save")  # read by the CUDA allocator model only
+HEADROOM_LIMIT = 10.0  # capacity needed = peak x (1 + headroom): 10 = 1,000% is past any margin anyone keeps
+
+
+def _check_given_run(run: dict) -> None:
+    """Run settings the user gave that the setup would never read are refused, as models/config.py KNOB_APPLIES
+    does for training knobs; a headroom is a fraction of the peak, bounded."""
+    if run.get("device") == "cpu":
+        ignored = [k for k in GPU_ONLY_RUN if run.get(k) not in (None, "", False)]
+        if ignored:
+            raise ConfigError(ignored[0], "only applies on a GPU device profile (the CUDA caching allocator's "
+                                          "rules); --device cpu never reads it: drop it or pick a GPU profile")
+    headroom = run.get("headroom")
+    finite = isinstance(headroom, (int, float)) and not isinstance(headroom, bool) and headroom < float("inf")
+    if finite and headroom > HEADROOM_LIMIT:  # (not a number, or infinite: Scenario's own check says so)
+        raise ConfigError("headroom", f"{headroom:g} is over the limit of {HEADROOM_LIMIT:g} (a fraction of the "
+                                      "peak: 0.1 = 10%)")
+
+
 def build_scenario(model_table: dict | None = None, training: dict | None = None, run: dict | None = None,
                    name: str | None = None, defaults: dict | None = None) -> Scenario:
     """A scenario from its three tables. `training` holds what the user set (each such field must apply to
@@ -131,6 +150,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     model_table = dict(model_table or {})
     training = lists_as_tuples(training or {})
     run = dict(run or {})
+    _check_given_run(run)
     hf = model_table.pop("hf_config", None)
     preset_name = model_table.pop("preset", None)
     module = model_table.pop("module", None)

@@ -147,6 +147,21 @@ def _evil_did_not_run(out, err, tmp) -> str | None:
     return "the module named by the data was imported" if marker.exists() else None
 
 
+def _factory(first_line: str) -> Callable[[], bytes]:
+    """A module whose factory runs `first_line`, then returns a one-Linear model."""
+    return _text("import os, sys, time\nimport torch\n\n\ndef factory(micro_batch: int = 2):\n"
+                 f"    {first_line}\n    return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), "
+                 "lambda out: out.sum()\n")
+
+
+def _stdout_is_json(out, err, tmp) -> str | None:
+    try:
+        json.loads(out)
+    except ValueError:
+        return f"stdout is not JSON: {out[:80]!r}"
+    return None
+
+
 def _nest(depth: int = 40):
     """A tuple nested `depth` deep whose two halves are one object at every level (pickled in a few bytes)."""
     x = ("x",)
@@ -388,6 +403,22 @@ CASES: list[Case] = [
          ("simulate", "--scenario", "{tmp}/s.toml"),
          {"s.toml": lambda: f'[model]\nmodule = "{_evil_module()}:factory"\n'.encode()},
          says=("scenario", "never names code"), check=_evil_did_not_run),
+    # issue 23: a user's factory ends the process as it likes (or prints into --json, or never returns)
+    Case("factory-sys-exit-0", "user code", "a factory calling sys.exit(0): exit 0 and no output",
+         ("simulate", "--module", "{tmp}/f.py:factory"), {"f.py": _factory("sys.exit(0)")},
+         says=("module", "sys.exit(0)")),
+    Case("factory-os-exit", "user code", "a factory calling os._exit(0): exit 0 and no output",
+         ("simulate", "--module", "{tmp}/f.py:factory"), {"f.py": _factory("os._exit(0)")},
+         says=("module", "os._exit(0)")),
+    Case("factory-base-exception", "user code", "a factory raising a BaseException subclass: exit 1, a traceback",
+         ("simulate", "--module", "{tmp}/f.py:factory"),
+         {"f.py": _factory("raise type('Stop', (BaseException,), {})('stop')")}, says=("module", "stop")),
+    Case("factory-print-json", "user code", "a factory's print() corrupted --json",
+         ("simulate", "--module", "{tmp}/f.py:factory", "--json"), {"f.py": _factory("print('hello')")}, code=0,
+         check=_stdout_is_json),
+    Case("factory-sleeps", "user code", "a factory that sleeps blocked forever",
+         ("simulate", "--module", "{tmp}/f.py:factory", "--module-timeout", "1"),
+         {"f.py": _factory("time.sleep(600)")}, says=("module", "more than 1 s")),
     # issue 23: work a small file can cost (a pickle's memo shares one tuple at every level: 2^40 leaves in
     # 245 bytes; hashing or printing it never ends, and no signal stops it), waits without end, long integers
     Case("snapshot-shared-nest-action", "unbounded work", "a snapshot whose 'action' is a memo-shared nest of "
@@ -419,6 +450,19 @@ CASES: list[Case] = [
          says=("trace:", "4,300 digits")),
     Case("budget-int-digits", "exit 3 on user input", "--budget of 5,000 digits",
          SIM + ("--budget", "1" * 5000), says=("budget", "digits")),
+    # issue 23: silent numbers and flags that change nothing
+    Case("micro-batch-int64-max", "silent wrong results", "micro-batch 2^63-1 printed a 6.165e+18 GiB peak",
+         ("simulate", "--preset", "tiny", "--micro-batch", str(2**63 - 1)), says=("scenario", "int64 limit")),
+    Case("vocab-int64-max", "silent wrong results", "vocab 2^63-1 printed as a result",
+         ("simulate", "--preset", "tiny", "--vocab-size", str(2**63 - 1)), says=("scenario", "int64 limit")),
+    Case("headroom-1e308", "silent wrong results", "--headroom 1e308 was taken",
+         SIM + ("--headroom", "1e308"), says=("headroom", "limit")),
+    Case("cpu-alloc-conf", "flags ignored", "--alloc-conf with --device cpu was taken and ignored",
+         SIM + ("--device", "cpu", "--alloc-conf", "expandable_segments:True"), says=("alloc_conf", "gpu")),
+    Case("cpu-torch-version", "flags ignored", "--torch-version with --device cpu was taken and ignored",
+         SIM + ("--device", "cpu", "--torch-version", "2.11"), says=("torch_version", "gpu")),
+    Case("checkpoint-every-huge", "flags ignored", "--checkpoint-every 10^30 was taken (the run never saves)",
+         SIM + ("--checkpoint-every", str(10**30)), says=("checkpoint_every", "steps")),
     # issue 23: argparse's prefix matching and its usage block
     Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
          ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),

@@ -35,6 +35,7 @@ from collections import OrderedDict
 
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
+from .boundary import user_code
 from .model import TracedModel, from_hf_dict, from_module_spec
 
 _CACHE: OrderedDict = OrderedDict()
@@ -105,8 +106,9 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
         freeze(net, setup.frozen)
         batch, values = _fake_batch(mode, batch)
         try:
-            rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast, values=values,
-                         program=program)
+            with user_code(f"the {model.name} model's forward, loss and backward"):
+                rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast,
+                             values=values, program=program)
         except ConfigError:
             raise
         except Exception as e:  # the user's code, or an op fake tensors cannot run

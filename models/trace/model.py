@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
+from .boundary import user_code
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
             "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq", "AutoModelForCTC",
@@ -375,7 +376,10 @@ def _load_factory(path: str, factory: str):
             raise ConfigError("module", f"{path}: not a Python file")
         module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            with user_code(f"importing {path}"):
+                spec.loader.exec_module(module)
+        except ConfigError:
+            raise
         except Exception as e:  # the user's code: any error is theirs, named
             raise ConfigError("module", f"importing {path} failed: {type(e).__name__}: {e}") from None
         sys.modules[name] = module
@@ -396,8 +400,11 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     kwargs = {k: getattr(setup, k) for k in varies}
     try:
         from .realpath import build_values
-        with fake_module_moves(), build_values():  # a factory may move or cast its model (peft does) while it is
-            result = fn(**kwargs)                  # fake; values it computes from constants (dpr) are real
+        call = f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+        with user_code(call), fake_module_moves(), build_values():  # a factory may move or cast its model (peft
+            result = fn(**kwargs)  # does) while it is fake; values it computes from constants (dpr) are real
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError("module", f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
                                     f"{type(e).__name__}: {e}") from None
