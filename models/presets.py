@@ -283,7 +283,9 @@ def _hf_gpt2(data: dict, name: str) -> TransformerConfig:
     activation = keys.activation_function
     if activation not in GPT2_ACTIVATIONS:
         raise ConfigError("activation_function",
-                          f"unknown value {activation!r}; allowed: {', '.join(GPT2_ACTIVATIONS)}")
+                          f"{activation!r} is not one the hand-written GPT-2 describer models (allowed: "
+                          f"{', '.join(GPT2_ACTIVATIONS)}); transformers takes it, and the traced describer (the "
+                          "default for an HF config, without tp / pp / cp / ep / QLoRA) describes it")
     fields = dict(
         name=name, family="gpt2", implementation="hf", n_layer=keys.n_layer, d_model=keys.n_embd,
         n_head=keys.n_head, vocab_size=keys.vocab_size, max_seq_len=keys.n_positions or keys.n_ctx or 1024,

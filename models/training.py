@@ -396,12 +396,12 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
     plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
     cuda = (profile.compute_capability, torch_version) if profile.is_cuda else None
-    tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
-    _check_tensor_sizes(tape)
-    if setup.cp > 1 and not profile.is_cpu:
+    if setup.cp > 1 and not profile.is_cpu:  # (first: whatever else the setup has, no GPU profile runs cp yet)
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
+    tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
+    _check_tensor_sizes(tape)
     graph, ids = OpGraph(), itertools.count(1)
     graph.metadata["torch_version"] = torch_version  # read by the builders (GraphBuilder); replaced below
     model_parallel = is_model_parallel(setup)

@@ -26,8 +26,8 @@ import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .models.config import (ConfigError, MLPConfig, TrainingSetup, TransformerConfig, check_given_knobs,
-                            read_config_file)
+from .models.config import (COUNT_LIMITS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig,
+                            check_given_knobs, read_config_file)
 from .models.fields import check_types
 from .models.costs import DEVICES
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
@@ -206,7 +206,9 @@ def _check_training_keys(training: dict) -> None:
 def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scenario:
     """The scenario: the caller's base training values under the user's (each of which must apply), the run."""
     values = {**base_setup, **training}
-    if values.get("pp", 1) > 1 and "grad_accum" not in training:
+    pp = values.get("pp", 1)
+    if isinstance(pp, int) and 1 < pp <= COUNT_LIMITS["pp"][0] and "grad_accum" not in training:  # (a pp out
+        # of range is refused by TrainingSetup for what it is, not as the grad_accum it would have become)
         # a pipeline's step is its micro-batches: by default pp of them, the fewest 1F1B (and one round of
         # interleaved 1F1B) runs; GPipe runs any number
         values["grad_accum"] = values["pp"]

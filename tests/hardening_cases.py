@@ -425,7 +425,7 @@ CASES: list[Case] = [
          "tuples hung explain while it was hashed", ("explain", "--trace", "{tmp}/s.pickle", "--budget", "1GiB"),
          {"s.pickle": lambda: _snapshot([{**_ALLOC, "action": _nest()}])()}, says=("trace:", "unknown action")),
     Case("snapshot-shared-nest-frames", "unbounded work", "a snapshot whose frame names are a memo-shared nest "
-         "hung replay while they were turned into text", ("replay", "{tmp}/s.pickle"),
+         "hung explain while they were turned into text", ("explain", "--trace", "{tmp}/s.pickle", "--budget", "1GiB"),
          {"s.pickle": lambda: _snapshot([{**_ALLOC, "frames": [{"name": _nest(), "filename": "x.py",
                                                                  "line": 1}]}])()},
          says=("trace:", "frames")),
@@ -463,6 +463,17 @@ CASES: list[Case] = [
          SIM + ("--device", "cpu", "--torch-version", "2.11"), says=("torch_version", "gpu")),
     Case("checkpoint-every-huge", "flags ignored", "--checkpoint-every 10^30 was taken (the run never saves)",
          SIM + ("--checkpoint-every", str(10**30)), says=("checkpoint_every", "steps")),
+    # issue 23: errors that blamed the wrong input
+    Case("pp-over-int64", "misleading errors", "--pp 2^63 was blamed on grad_accum",
+         SIM + ("--pp", str(2**63), "--world-size", "4"), says=("error: pp:",)),
+    Case("cp-on-gpu", "misleading errors", "--cp on a GPU profile was refused for its precision, then the device",
+         SIM + ("--cp", "2", "--world-size", "2"), says=("error: device:", "cpu profile")),
+    Case("gpt2-relu-hand-written", "misleading errors", "GPT-2 activation_function relu refused, though "
+         "transformers takes it", ("simulate", "--hf-config", "{tmp}/config.json", "--describer", "hand-written"),
+         {"config.json": lambda: json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                                             "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100,
+                                             "n_positions": 64, "activation_function": "relu"}).encode()},
+         says=("activation_function", "traced describer")),
     # issue 23: argparse's prefix matching and its usage block
     Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
          ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),
