@@ -84,7 +84,13 @@ MAX_BATCH_LIMIT = 1 << 20  # the search stops here: an answer equal to it means 
 
 def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMIT) -> int:
     """Largest micro-batch whose simulated peak x (1 + headroom) fits `budget`; 0 if only the fixed
-    state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound)."""
+    state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound). A module
+    whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused."""
+    model = scenario.model
+    if isinstance(model, TracedModel) and model.kind == "module" and "micro_batch" not in model.varies:
+        raise ConfigError("module", f"max-batch varies the micro-batch, and {model.source.rpartition(':')[2]}() takes "
+                                    "no micro_batch keyword (its batch is fixed): add `micro_batch: int = N` to its "
+                                    "signature and build the batch from it")
     cache: dict[int, int] = {}
 
     def need(b: int) -> int:

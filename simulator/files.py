@@ -134,6 +134,9 @@ def check_outputs(outputs: dict[str, str], inputs: dict[str, str] | None = None)
             mode = os.stat(target).st_mode if os.path.exists(target) else 0
             if mode and not stat.S_ISREG(mode):
                 raise InputError(flag, f"{path} is {_kind(mode)}; peakledger writes regular files only")
+            if mode and not os.access(target, os.W_OK):  # (the rename would replace what open() may not write)
+                raise InputError(flag, f"{path} is read-only for you: peakledger replaces only a file you could "
+                                       "write; make it writable (chmod u+w) or give another path")
         parent = os.path.dirname(target) or "."
         if not os.path.isdir(parent):
             raise InputError(flag, f"folder {os.path.dirname(path) or '.'} does not exist")

@@ -474,6 +474,10 @@ CASES: list[Case] = [
                                              "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100,
                                              "n_positions": 64, "activation_function": "relu"}).encode()},
          says=("activation_function", "traced describer")),
+    Case("max-batch-fixed-factory", "silent wrong results", "max-batch on a factory without a micro_batch keyword "
+         "printed 'at least 1,048,576'", ("max-batch", "--module", "{tmp}/f.py:factory", "--budget", "1GiB"),
+         {"f.py": _text("import torch\n\n\ndef factory():\n    return torch.nn.Linear(8, 8), torch.randn(4, 8), "
+                        "lambda out: out.sum()\n")}, says=("module", "no micro_batch keyword")),
     # issue 23: argparse's prefix matching and its usage block
     Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
          ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),

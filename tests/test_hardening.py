@@ -93,3 +93,16 @@ def test_a_temporary_file_is_removed_when_the_write_fails(tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         files.write_atomic(tmp_path / "out.json", b"data")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_read_only_output_is_not_replaced(tmp_path, monkeypatch, capsys):
+    # the atomic rename would replace a 0444 file its owner could not write with open(); as root (this machine's
+    # CI) open() may write it, so the check asks os.access as a non-root user would be answered
+    target = tmp_path / "c.json"
+    target.write_text("keep")
+    target.chmod(0o444)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **kw: False if str(p) == str(target) and m == os.W_OK
+                        else real_access(p, m, **kw))
+    assert cli.main(["simulate", "--preset", "tiny", "--steps", "1", "--export-chrome", str(target)]) == 2
+    assert "read-only" in capsys.readouterr().err and target.read_text() == "keep"
