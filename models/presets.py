@@ -226,6 +226,12 @@ def _hf_decoder(data: dict, model_type: str, name: str) -> TransformerConfig:
     modeling_mistral.py has none. `attn_implementation` picks the attention, "sdpa" when not given.
     """
     keys = HF_DECODERS[model_type].read(data)
+    window = _sliding_window(data, model_type)
+    if window is not None and window < keys.max_position_embeddings:  # (a window no sequence exceeds binds nothing)
+        raise ConfigError("hf_config.sliding_window", f"{window}: the hand-written describer does not model "
+                                                      "sliding-window attention (its mask and what SDPA saves); the "
+                                                      "traced describer runs transformers' own class (the default for "
+                                                      "an HF config, without tp / pp / cp / ep / QLoRA)")
     if keys.hidden_act not in SILU_NAMES:
         raise ConfigError("hf_config.hidden_act", f"{keys.hidden_act!r} is not modelled: the llama family runs a "
                                                   f"gated SiLU MLP; allowed: {', '.join(SILU_NAMES)}")
@@ -247,6 +253,19 @@ def _hf_decoder(data: dict, model_type: str, name: str) -> TransformerConfig:
         out_bias=keys.attention_bias if llama else False,
         mlp_bias=keys.mlp_bias if llama else False)
     return _config(fields, DECODER_KEYS)
+
+
+def _sliding_window(data: dict, model_type: str) -> int | None:
+    """The sliding window a config turns on, as transformers reads it: configuration_mistral.py defaults
+    `sliding_window` to 4096 (None turns it off); configuration_qwen2.py applies it only with
+    `use_sliding_window`; Llama has none."""
+    if model_type == "mistral":
+        window = data.get("sliding_window", 4096)
+    elif model_type == "qwen2" and data.get("use_sliding_window"):
+        window = data.get("sliding_window", 4096)
+    else:
+        window = None
+    return window if isinstance(window, int) and not isinstance(window, bool) else None
 
 
 def _config(fields: dict, keys: dict[str, str]) -> TransformerConfig:
