@@ -63,6 +63,34 @@ def test_hf_model_types_equal_real_cpu_runs(model_type):
     assert_matches_real_run(scenario(from_hf_dict(HF[model_type], model_type)), tolerance=0.005)
 
 
+SEQ2SEQ = dict(vocab_size=200, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=128)
+# issue 23's types the traced describer once refused (a value read while tracing, CLIP's two towers) and a
+# sliding window shorter than the sequence, each against a real CPU run of transformers' own class
+HF_MORE = {
+    "bart": dict(model_type="bart", architectures=["BartForConditionalGeneration"], **SEQ2SEQ),
+    "mbart": dict(model_type="mbart", architectures=["MBartForConditionalGeneration"], **SEQ2SEQ),
+    "deberta-v2": dict(model_type="deberta-v2", vocab_size=200, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, max_position_embeddings=128,
+                       relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"]),
+    "convnext": dict(model_type="convnext", hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1], image_size=64,
+                     num_labels=10, drop_path_rate=0.1),
+    "swin": dict(model_type="swin", image_size=64, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                 window_size=4, num_labels=10, drop_path_rate=0.1),
+    "clip": dict(model_type="clip", architectures=["CLIPModel"], projection_dim=16,
+                 text_config=dict(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=2, max_position_embeddings=32),
+                 vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                    image_size=32, patch_size=8)),
+    "mistral-window": dict(model_type="mistral", sliding_window=16, **DECODER),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MORE))
+def test_more_hf_types_equal_real_cpu_runs(name):
+    assert_matches_real_run(scenario(from_hf_dict(HF_MORE[name], name), micro_batch=2), tolerance=0.005)
+
+
 def test_bf16_autocast_and_sgd_momentum_equal_a_real_run():
     assert_matches_real_run(scenario(from_hf_dict(HF["gpt_neox"], "neox"), precision="bf16-autocast",
                                      optimizer="sgd-momentum"), tolerance=0.005)

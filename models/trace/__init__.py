@@ -311,9 +311,11 @@ def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> lis
 
 
 def _flat(batch) -> tuple:
+    """The batch's tensors, in order (a dict's other values, such as CLIP's `return_loss=True`, are constants
+    `_RealRun` passes itself)."""
     import torch
     if isinstance(batch, dict):
-        return tuple(batch.values())
+        return tuple(v for v in batch.values() if isinstance(v, torch.Tensor))
     if isinstance(batch, torch.Tensor):
         return (batch,)
     return tuple(batch)
@@ -325,12 +327,13 @@ def _RealRun(net, batch, loss_fn):
     import torch
 
     call = net.forward
-    keys = list(batch.keys()) if isinstance(batch, dict) else None
+    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor)] if isinstance(batch, dict) else None
+    constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)} if keys is not None else {}
     single = isinstance(batch, torch.Tensor)
 
     def forward(*tensors):
         if keys is not None:
-            out = call(**dict(zip(keys, tensors)))
+            out = call(**dict(zip(keys, tensors)), **constants)
         elif single:
             out = call(tensors[0])
         else:

@@ -96,6 +96,11 @@ class TracedModel:
                 samples = T * _stride(data["conv_stride"])
                 return f"input_values {B}x{samples} ({T} frames of raw audio) and {labels}"
             return f"input_values {B}x{data.get('max_length', 1024)}x{data.get('num_mel_bins', 128)} and {labels}"
+        if task == CONTRASTIVE:
+            vision = data.get("vision_config") or {}
+            h, w = _image_hw(vision.get("image_size", 224))
+            return (f"input_ids {B}x{T} and pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w} "
+                    "(the contrastive loss between them)")
         return f"input_ids and labels {B}x{T} (random token ids)"
 
 
@@ -181,7 +186,20 @@ def _task_of(cls, config_cls) -> str:
         mapping = getattr(transformers, task)._model_mapping
         if config_cls in mapping and cls in _classes(mapping[config_cls]):
             return task
+    params = inspect.signature(cls.forward).parameters
+    if {"input_ids", "pixel_values", "return_loss"} <= set(params):  # CLIP-like: text and image towers
+        return CONTRASTIVE
     return "AutoModelForCausalLM"
+
+
+# a model of a text and an image tower trained by its contrastive loss (modeling_clip.py CLIPModel.forward:
+# `return_loss=True` gives `clip_loss` of the logits between each text and image of the batch)
+CONTRASTIVE = "contrastive"
+
+
+def _towers(config) -> tuple:
+    """(text config, vision config) of a two-tower config (CLIPConfig: text_config, vision_config)."""
+    return getattr(config, "text_config", config), getattr(config, "vision_config", config)
 
 
 def _classes(entry) -> tuple:
@@ -307,6 +325,11 @@ def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
             batch["labels"] = ids
         else:
             batch["labels"] = torch.randint(0, max(config.num_labels, 1), (B,), generator=g)
+    elif task == CONTRASTIVE:
+        text, vision = _towers(config)
+        (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
+        batch = {"input_ids": torch.randint(0, text.vocab_size, (B, T), generator=g),
+                 "pixel_values": torch.randn(B, channels, h, w, generator=g, dtype=dtype), "return_loss": True}
     else:
         ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
         batch = {"input_ids": ids, "labels": ids.clone()}
