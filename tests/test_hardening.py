@@ -106,3 +106,17 @@ def test_a_read_only_output_is_not_replaced(tmp_path, monkeypatch, capsys):
                         else real_access(p, m, **kw))
     assert cli.main(["simulate", "--preset", "tiny", "--steps", "1", "--export-chrome", str(target)]) == 2
     assert "read-only" in capsys.readouterr().err and target.read_text() == "keep"
+
+
+def test_real_memory_taken_by_user_code_is_measured_and_named():
+    # a factory runs under the fake mode: real memory it takes (a numpy array, torch.from_numpy) is refused
+    import numpy
+
+    from peakledger.models.config import ConfigError
+    from peakledger.models.trace.boundary import user_code
+    with pytest.raises(ConfigError, match=r"factory\(\) took .* GiB of real memory"):
+        with user_code("factory()", real_bytes=64 << 20):
+            big = numpy.ones((512 << 20) // 8)  # written: resident
+    with user_code("factory()", real_bytes=64 << 20):
+        small = numpy.ones(1024)
+    assert big.size and small.size

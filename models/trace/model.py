@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
-from .boundary import user_code
+from .boundary import REAL_BYTES, user_code
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
             "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq", "AutoModelForCTC",
@@ -399,7 +399,7 @@ def _load_factory(path: str, factory: str):
             raise ConfigError("module", f"{path}: not a Python file")
         module = importlib.util.module_from_spec(spec)
         try:
-            with user_code(f"importing {path}"):
+            with user_code(f"importing {path}", real_bytes=REAL_BYTES):
                 spec.loader.exec_module(module)
         except ConfigError:
             raise
@@ -424,8 +424,12 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     try:
         from .realpath import build_values
         call = f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
-        with user_code(call), fake_module_moves(), build_values():  # a factory may move or cast its model (peft
-            result = fn(**kwargs)  # does) while it is fake; values it computes from constants (dpr) are real
+        # under the fake mode (a trace) its real memory is measured; a real run (validate) builds it for real.
+        # A factory may move or cast its model (peft does) while it is fake; values it computes from
+        # constants (drop-path rates) are real.
+        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        with user_code(call, real_bytes=REAL_BYTES if fake else 0), fake_module_moves(), build_values():
+            result = fn(**kwargs)
     except ConfigError:
         raise
     except Exception as e:
