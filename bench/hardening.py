@@ -129,7 +129,7 @@ def main() -> int:
                 f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
         path = ROOT / "bench" / "HARDENING.md"
         if not path.exists():
-            path.write_text("# Hardening: issue 11's findings, before and after\n")
+            path.write_text("# Hardening: the findings of issues 11 and 23, before and after\n")
         replace_section("## Cases", text, str(path))
     return 1 if wrong else 0
 
