@@ -268,6 +268,9 @@ def _ray_finished(ray, refs: list, sigterm: _SigtermBetweenCalls):
         yield from ready
 
 
+CONNECT_TIMEOUT_S = 20  # dask: how long a given scheduler address may take to answer
+
+
 def _run_dask(tasks: list, workers: int, address: str | None, bar: _progress) -> list[dict]:
     from distributed import Client, LocalCluster, as_completed
 
@@ -278,7 +281,15 @@ def _run_dask(tasks: list, workers: int, address: str | None, bar: _progress) ->
             # CRITICAL: a worker busy with its last chunk when the sweep stops logs lost-scheduler errors
             started["cluster"] = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
                                               host="127.0.0.1", dashboard_address=None, silence_logs=logging.CRITICAL)
-        started["client"] = Client(started.get("cluster", address), set_as_default=False)
+        if address is None:
+            started["client"] = Client(started["cluster"], set_as_default=False)
+            return
+        try:  # an address the user gave: one that does not answer (or answers as no scheduler does) is theirs
+            started["client"] = Client(address, set_as_default=False, timeout=CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError, MemoryError, ValueError) as e:
+            raise ConfigError("address", f"no dask scheduler answered at {address} within {CONNECT_TIMEOUT_S} s "
+                                         f"({type(e).__name__}); give a running scheduler's tcp://host:port, or "
+                                         "leave --address out for a local cluster") from None
 
     def stop() -> None:
         try:

@@ -461,6 +461,8 @@ CASES: list[Case] = [
          SIM + ("--device", "cpu", "--alloc-conf", "expandable_segments:True"), says=("alloc_conf", "gpu")),
     Case("cpu-torch-version", "flags ignored", "--torch-version with --device cpu was taken and ignored",
          SIM + ("--device", "cpu", "--torch-version", "2.11"), says=("torch_version", "gpu")),
+    Case("alloc-conf-23-digits", "flags ignored", "--alloc-conf max_split_size_mb: with a 23-digit value was taken",
+         SIM + ("--alloc-conf", "max_split_size_mb:12345678901234567890123"), says=("max_split_size_mb", "2^64")),
     Case("checkpoint-every-huge", "flags ignored", "--checkpoint-every 10^30 was taken (the run never saves)",
          SIM + ("--checkpoint-every", str(10**30)), says=("checkpoint_every", "steps")),
     # issue 23: errors that blamed the wrong input

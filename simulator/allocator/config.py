@@ -100,6 +100,8 @@ def _mb_at_least_20(key: str, value: str, version: str) -> int:
     mb = _int(key, value, allowed)
     if mb < K_LARGE_BUFFER // MB or (strict and mb == K_LARGE_BUFFER // MB):
         raise AllocatorConfigError(f"{key} must be {allowed}, got {mb}")
+    if mb * MB >= 1 << 64:  # torch holds it in a size_t: no byte count of that size exists
+        raise AllocatorConfigError(f"{key} must be {allowed} and below 2^64 bytes, got {len(value)} digits")
     return mb * MB
 
 
