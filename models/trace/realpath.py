@@ -35,9 +35,11 @@ aten = torch.ops.aten
 SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default}
 SHADOW_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
 SHADOW_LIMIT = 1 << 24  # elements: integer tensors up to this size carry their real values
-# factory ops filling a new tensor with a constant: a float one made so has a value too (not a weight's: BART's
-# decoder makes `torch.ones(batch, seq)` as its attention mask, which masking_utils.py then reads)
+# factory ops filling a new tensor with a constant: in the traced run, a float one made so has a value too, up to
+# FILL_LIMIT elements (not a weight's: BART's decoder makes `torch.ones(batch, seq)` as its attention mask, which
+# masking_utils.py then reads); while a model is built, weights are made so: there, floats keep `float_limit`
 CONSTANT_FILLS = {aten.ones.default, aten.zeros.default, aten.full.default, aten.scalar_tensor.default}
+FILL_LIMIT = 1 << 20
 # elements: while a model is built, float tensors up to this size made from constants carry their values too
 # (the drop-path rates `[x.item() for x in torch.linspace(0, drop_path_rate, depth)]`)
 BUILD_FLOAT_LIMIT = 1 << 16
@@ -87,8 +89,8 @@ class Shadows:
     An op run on fake inputs that writes a tensor (in place) takes its value away, and its aliases'. Random
     draws (torch's `nondeterministic_seeded` ops) and uninitialised memory (`empty`) never have values; a
     Python branch on a value made only of random draws and constants is `RandomBranch`. Float tensors in the
-    traced run itself have values only when a factory fills them with a constant (`CONSTANT_FILLS`): the others'
-    values are the weights', which a trace does not have."""
+    traced run itself have values only when a factory op fills them with a constant (`CONSTANT_FILLS`, small
+    ones): the others' values are the weights', which a trace does not have."""
 
     def __init__(self, float_limit: int = 0) -> None:
         from torch.utils.weak import WeakIdKeyDictionary
@@ -182,8 +184,9 @@ class Shadows:
     def _eligible(self, func, fakes) -> bool:
         if not fakes or func in UNINITIALISED or torch.Tag.nondeterministic_seeded in func.tags:
             return False
+        fill = func in CONSTANT_FILLS and not self.float_limit  # (the traced run, not a build)
         for t in fakes:
-            limit = SHADOW_LIMIT if t.dtype in SHADOW_DTYPES or func in CONSTANT_FILLS else \
+            limit = SHADOW_LIMIT if t.dtype in SHADOW_DTYPES else FILL_LIMIT if fill else \
                 self.float_limit if t.is_floating_point() else 0
             if t.numel() > limit:
                 return False
