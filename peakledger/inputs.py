@@ -71,8 +71,9 @@ def scenario_from_args(args, defaults: dict | None = None) -> Scenario:
     run = dict(data.get("run", {}))
     given_sources = [n for n in MODEL_SOURCES if getattr(args, n, None) is not None]
     if "module" in model and not given_sources:
-        raise ConfigError("scenario", f"{args.scenario} names a Python file to run (module = {str(model['module'])[:80]!r}): "
-                                      "a scenario file never names code; give it on the command line with --module")
+        named = str(model["module"])[:80]
+        raise ConfigError("scenario", f"{args.scenario} names a Python file to run (module = {named!r}): a "
+                                      "scenario file never names code; give it on the command line with --module")
     if len(given_sources) > 1:
         raise ConfigError(given_sources[0], f"give one of {', '.join(flag(n) for n in given_sources)}, not both")
     if given_sources:

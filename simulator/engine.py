@@ -180,7 +180,8 @@ class Simulation:
                         elif checked:
                             start(op, now, owner)
                         else:  # no capacity to check: `_start` without the pools, inline (the hot path)
-                            phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.pool or op.stream, op.name
+                            phase, step, mb, name = op.phase, op.step, op.micro_batch, op.name
+                            stream = op.pool or op.stream
                             for b in op.allocs:
                                 owner[b.id] = b
                                 e = new(Event)

@@ -84,7 +84,8 @@ def simulated_step(config: str, reduce: str):
                                                 "reduce_dtype": reduce}, {"device": "cpu"})
     log = simulate(describe(sc.model, sc.setup, "cpu"))
     # the batch is made before the measured region
-    return [e for e in log.events if e.phase in (Phase.FORWARD, Phase.BACKWARD) and not e.block.name.startswith("batch.")]
+    return [e for e in log.events
+            if e.phase in (Phase.FORWARD, Phase.BACKWARD) and not e.block.name.startswith("batch.")]
 
 
 def peak(events: list[tuple[str, int]]) -> int:
