@@ -19,6 +19,7 @@ from peakledger import cli
 FUZZ = settings(max_examples=int(os.environ.get("PEAKLEDGER_FUZZ_EXAMPLES", "40")), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 
 WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(2**62, 2**80), st.just(-(2**70)), st.just(10**400),
+                  st.just(10**5000),  # over Python's 4,300-digit limit for reading an integer back
                   st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -0.0]),
                   st.text(max_size=8), st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=3),
                                                                                                   st.integers(), max_size=2))
@@ -46,7 +47,27 @@ def toml_value(v) -> str:
         return "[" + ", ".join(toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + "}"
-    return str(v)
+    return _digits(v)
+
+
+BIG = 10**5000
+BIG_MARK = "__peakledger_fuzz_big_int__"
+
+
+def _digits(v: int) -> str:
+    """An int as text, BIG too (str() refuses past 4,300 digits: the limit is for reading, the file must hold it)."""
+    return "1" + "0" * 5000 if v == BIG else str(v)
+
+
+def dumps(obj) -> str:
+    """json.dumps(obj, allow_nan=True), with BIG written out in full."""
+    def mark(x):
+        if isinstance(x, dict):
+            return {k: mark(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [mark(v) for v in x]
+        return BIG_MARK if isinstance(x, int) and not isinstance(x, bool) and x == BIG else x
+    return json.dumps(mark(obj), allow_nan=True).replace(f'"{BIG_MARK}"', _digits(BIG))
 
 
 def run(argv, tmp_path, capsys) -> tuple[int, str]:
@@ -74,7 +95,7 @@ def test_scenario_files(tmp_path_factory, capsys, training, model, junk, binary)
 def test_hf_configs(tmp_path_factory, capsys, broken):
     tmp = tmp_path_factory.mktemp("h")
     path = tmp / "config.json"
-    path.write_text(json.dumps({**TINY_LLAMA, **broken}, allow_nan=True))
+    path.write_text(dumps({**TINY_LLAMA, **broken}))
     run(["simulate", "--hf-config", path, "--steps", "1", "--seq-len", "8", "--micro-batch", "1"], tmp, capsys)
 
 
@@ -87,7 +108,7 @@ def test_traces(tmp_path_factory, capsys, where, index, column, value, cut):
     row = data[where][index % len(data[where])]
     original = row[column % len(row)]
     row[column % len(row)] = value
-    raw = json.dumps(data, allow_nan=True).encode()
+    raw = dumps(data).encode()
     path = tmp / "t.json"
     path.write_bytes(raw[:cut] if cut else raw)
     code, err = run(["explain", "--trace", path, "--budget", "1GiB"], tmp, capsys)
@@ -101,10 +122,26 @@ def test_traces(tmp_path_factory, capsys, where, index, column, value, cut):
 ENTRY_KEYS = ["action", "addr", "size", "stream", "time_us", "frames"]
 
 
+def _nest(depth: int = 40):
+    """2^depth leaves in `depth` objects (a pickle's memo shares each level's two halves): a value whose hash or
+    text never ends; only a type check before either keeps a reader bounded."""
+    x = ("x",)
+    for _ in range(depth):
+        x = (x, x)
+    return x
+
+
+SHARED_NEST = st.builds(_nest)
+
+
 @FUZZ
 @given(entries=st.lists(st.one_of(WEIRD, st.fixed_dictionaries(
-    {"action": st.sampled_from(["alloc", "free_completed", "segment_alloc", "segment_free", "oom", "x"]),
-     "addr": st.one_of(st.integers(0, 8), WEIRD), "size": st.one_of(st.integers(0, 1 << 20), WEIRD)})), max_size=6),
+    {"action": st.one_of(st.sampled_from(["alloc", "free_completed", "segment_alloc", "segment_free", "oom", "x"]),
+                         SHARED_NEST),
+     "addr": st.one_of(st.integers(0, 8), WEIRD, SHARED_NEST), "size": st.one_of(st.integers(0, 1 << 20), WEIRD),
+     "frames": st.lists(st.fixed_dictionaries({"name": st.one_of(st.text(max_size=4), SHARED_NEST),
+                                               "filename": st.just("x.py"), "line": st.integers(0, 9)}),
+                        max_size=1)})), max_size=6),
        top=st.sampled_from(["ok", "no_segments", "list", "deep"]))
 def test_snapshots(tmp_path_factory, capsys, entries, top):
     tmp = tmp_path_factory.mktemp("p")
