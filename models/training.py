@@ -360,7 +360,6 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
 
 # -- the graph ---------------------------------------------------------------------------------------------
 
-@gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
 def _check_tensor_sizes(tape: Tape) -> None:
     """Every tensor of the tape is one torch can make: its bytes, a product of sizes each within int64, within
     int64 too (a micro-batch of 2^62 passes every field's own check and makes logits no index can address)."""
@@ -379,6 +378,7 @@ def _check_tensor_sizes(tape: Tape) -> None:
                                           "in bytes; lower the sizes that make it")
 
 
+@gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
              ranks: list[int] | None = None, all_steps: bool = False, torch_version: str = "2.6") -> OpGraph:
     """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
