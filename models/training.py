@@ -363,7 +363,6 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
 def _check_tensor_sizes(tape: Tape) -> None:
     """Every tensor of the tape is one torch can make: its bytes, a product of sizes each within int64, within
     int64 too (a micro-batch of 2^62 passes every field's own check and makes logits no index can address)."""
-    elem = {p.name: p.numel for p in tape.params}
     tensors = [(s.name, s.shape, s.dtype) for s in list(tape.inputs) + list(tape.buffers)]
     tensors += [(o.name, o.shape, o.dtype) for op in tape.ops for o in op.outputs]
     for name, shape, dtype in tensors:
@@ -372,10 +371,10 @@ def _check_tensor_sizes(tape: Tape) -> None:
             raise ConfigError("scenario", f"tensor {name} ({dtype}, shape {list(shape)}) would be {nbytes:,} bytes, "
                                           "over torch's int64 limit; lower the sizes that make it (micro_batch, "
                                           "seq_len, vocab_size, d_model, ...)")
-    for name, numel in elem.items():
-        if numel * 4 > INT64_MAX:
-            raise ConfigError("scenario", f"parameter {name} would hold {numel:,} elements, over torch's int64 limit "
-                                          "in bytes; lower the sizes that make it")
+    for p in tape.params:
+        if p.numel * 4 > INT64_MAX:
+            raise ConfigError("scenario", f"parameter {p.name} would hold {p.numel:,} elements, over torch's int64 "
+                                          "limit in bytes; lower the sizes that make it")
 
 
 @gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)

@@ -56,6 +56,7 @@ import torch
 import torch.nn as nn
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.trace.realpath import fake_mode_active
 from ..simulator.events import EventLog
 from .distributed import free_loopback_port, gloo_group, spawn_ranks
 from .store import load_log, save_log
@@ -277,7 +278,7 @@ class _DTensorAwareMode(_tracker._Mode):
     def _collective(self, func, types_, args, kwargs):
         from .distributed import ReleaseCount, holders, wait_released
 
-        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        if fake_mode_active():
             return self._dispatch(func, types_, args, kwargs)
         name = func.name().split("::")[-1].split(".")[0]
         if name == "wait_tensor":
@@ -303,8 +304,8 @@ class _DTensorAwareMode(_tracker._Mode):
         from torch._subclasses.fake_tensor import FakeTensor
 
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-        if fake or any(isinstance(a, FakeTensor) for a in tensors):  # DTensor's shape propagation: no memory
+        # DTensor's shape propagation: no memory
+        if fake_mode_active() or any(isinstance(a, FakeTensor) for a in tensors):
             return func(*args, **(kwargs or {}))
         if any(is_traceable_wrapper_subclass(a) for a in tensors):
             return NotImplemented

@@ -270,7 +270,7 @@ class FSDP2(Gathering):
             reduced = b.block(f"{unit}.reduce_scatter_output", shard * dtype_bytes(dt), Category.TEMPORARY, dt,
                               (shard,), shard=self.n)
             allocs, out_frees = [reduced], [reduced.id]
-        name = f"{unit}.reduce_scatter_output" + (f".{grad_dt}" if allocs else "")
+        name = f"{unit}.reduce_scatter_output" + (f".{grad_dt}" if dt != grad_dt else "")
         out = b.block(f"{unit}.sharded_grads" if first else name,
                       shard * dtype_bytes(grad_dt), Category.GRADIENT if first else Category.TEMPORARY, grad_dt,
                       (shard,), shard=self.n)

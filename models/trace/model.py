@@ -29,6 +29,7 @@ import inspect
 import json
 import sys
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
@@ -85,8 +86,7 @@ class TracedModel:
         B, T = setup.micro_batch, setup.seq_len
         if task == "AutoModelForImageClassification":
             vision = data if "image_size" in data else data.get("vision_config") or {}
-            h, w = _image_hw(vision.get("image_size", 224))
-            return f"pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w} and {B} labels"
+            return f"{_pixels_note(vision, B)} and {B} labels"
         if task == "AutoModelForSpeechSeq2Seq":
             frames = 2 * data.get("max_source_positions", 1500)
             return f"input_features {B}x{data.get('num_mel_bins', 80)}x{frames} (30 s of audio) and labels {B}x{T}"
@@ -97,10 +97,8 @@ class TracedModel:
                 return f"input_values {B}x{samples} ({T} frames of raw audio) and {labels}"
             return f"input_values {B}x{data.get('max_length', 1024)}x{data.get('num_mel_bins', 128)} and {labels}"
         if task == CONTRASTIVE:
-            vision = data.get("vision_config") or {}
-            h, w = _image_hw(vision.get("image_size", 224))
-            return (f"input_ids {B}x{T} and pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w} "
-                    "(the contrastive loss between them)")
+            return f"input_ids {B}x{T} and {_pixels_note(data.get('vision_config') or {}, B)} (the contrastive loss " \
+                   "between them)"
         return f"input_ids and labels {B}x{T} (random token ids)"
 
 
@@ -195,11 +193,6 @@ def _task_of(cls, config_cls) -> str:
 # a model of a text and an image tower trained by its contrastive loss (modeling_clip.py CLIPModel.forward:
 # `return_loss=True` gives `clip_loss` of the logits between each text and image of the batch)
 CONTRASTIVE = "contrastive"
-
-
-def _towers(config) -> tuple:
-    """(text config, vision config) of a two-tower config (CLIPConfig: text_config, vision_config)."""
-    return getattr(config, "text_config", config), getattr(config, "vision_config", config)
 
 
 def _classes(entry) -> tuple:
@@ -306,8 +299,7 @@ def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
     if task == "AutoModelForImageClassification":
         # a model of an image and a text tower (CLIP, SigLIP) holds the image's size in its vision config
         vision = config if hasattr(config, "image_size") else getattr(config, "vision_config", config)
-        (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
-        batch = {"pixel_values": torch.randn(B, channels, h, w, generator=g, dtype=dtype),
+        batch = {"pixel_values": _pixel_values(vision, B, g, dtype),
                  "labels": torch.randint(0, max(config.num_labels, 1), (B,), generator=g)}
     elif task == "AutoModelForSpeechSeq2Seq":
         frames = 2 * getattr(config, "max_source_positions", 1500)
@@ -326,10 +318,10 @@ def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
         else:
             batch["labels"] = torch.randint(0, max(config.num_labels, 1), (B,), generator=g)
     elif task == CONTRASTIVE:
-        text, vision = _towers(config)
-        (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
+        # its two towers' configs (CLIPConfig: text_config, vision_config)
+        text, vision = getattr(config, "text_config", config), getattr(config, "vision_config", config)
         batch = {"input_ids": torch.randint(0, text.vocab_size, (B, T), generator=g),
-                 "pixel_values": torch.randn(B, channels, h, w, generator=g, dtype=dtype), "return_loss": True}
+                 "pixel_values": _pixel_values(vision, B, g, dtype), "return_loss": True}
     else:
         ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
         batch = {"input_ids": ids, "labels": ids.clone()}
@@ -355,15 +347,26 @@ def _audio_values(config, B: int, T: int, g, dtype):
 
 
 def _stride(strides) -> int:
-    out = 1
-    for s in strides:
-        out *= int(s)
-    return out
+    return prod(int(s) for s in strides)
 
 
 def _ctc_label_len(T: int) -> int:
     """CTC targets of one token per 4 frames (80 ms: LibriSpeech's ~15 characters a second), at least one."""
     return max(1, T // 4)
+
+
+def _pixel_values(vision, B: int, g, dtype):
+    """A batch of B random images of a (vision) config's `image_size` and `num_channels`."""
+    import torch
+
+    (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
+    return torch.randn(B, channels, h, w, generator=g, dtype=dtype)
+
+
+def _pixels_note(vision: dict, B: int) -> str:
+    """`_pixel_values`' shape, in words, from the config's dict."""
+    h, w = _image_hw(vision.get("image_size", 224))
+    return f"pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w}"
 
 
 def _image_hw(size) -> tuple[int, int]:
@@ -421,20 +424,19 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     path, factory = _split_spec(spec)
     fn = _load_factory(path, factory)
     kwargs = {k: getattr(setup, k) for k in varies}
+    call = f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
+    from .realpath import build_values, fake_mode_active
     try:
-        from .realpath import build_values
-        call = f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
         # under the fake mode (a trace) its real memory is measured; a real run (validate) builds it for real.
         # A factory may move or cast its model (peft does) while it is fake; values it computes from
         # constants (drop-path rates) are real.
-        fake = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-        with user_code(call, real_bytes=REAL_BYTES if fake else 0), fake_module_moves(), build_values():
+        real_bytes = REAL_BYTES if fake_mode_active() else 0
+        with user_code(call, real_bytes=real_bytes), fake_module_moves(), build_values():
             result = fn(**kwargs)
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError("module", f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())}) raised "
-                                    f"{type(e).__name__}: {e}") from None
+        raise ConfigError("module", f"{call} raised {type(e).__name__}: {e}") from None
     if not (isinstance(result, tuple) and len(result) == 3):
         got = f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__
         raise ConfigError("module", f"{factory}() must return (model, batch, loss_fn); it returned {got}")

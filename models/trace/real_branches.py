@@ -49,9 +49,9 @@ def _only_user(t: torch.Tensor) -> bool:
 def buffer_branch(func, args, kwargs, waiting, fresh) -> object:
     """`aten.add_` where `func` is the input buffer's `old_var + var` and the real run adds in place (module
     docstring), else `func`. An add is the buffer's when its first argument is a gradient waiting in a buffer
-    (`waiting(t)`: made in backward by a node that ran before, and not an input of the node running now, whose
-    formula can only read its inputs and saved tensors) and its second is this node's output (`fresh(t)`: made
-    by it, or one of its inputs passed through)."""
+    (`waiting(t)`: made in backward by a node that ran before; it may be one the running node was also given, a
+    gradient passed to two nodes, which the engine has let go of by the time it sums) and its second is this
+    node's output (`fresh(t)`: made by it, or one of its inputs passed through)."""
     if func is not aten.add.Tensor or kwargs or len(args) != 2:
         return func
     old, new = args

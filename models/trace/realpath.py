@@ -263,6 +263,11 @@ def _written_args(func) -> tuple:
     return hit
 
 
+def fake_mode_active() -> bool:
+    """A FakeTensorMode is on the dispatch stack (a trace runs; not a real build or run)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 class build_values(TorchDispatchMode):
     """While a model is built on fake tensors (its `__init__`, a factory): `Shadows` with small float tensors
     too, so that values computed from the config (drop-path rates from `torch.linspace`, read by `.item()` /
@@ -275,7 +280,7 @@ class build_values(TorchDispatchMode):
         self.active = False
 
     def __enter__(self):
-        self.active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        self.active = fake_mode_active()
         return super().__enter__() if self.active else self
 
     def __exit__(self, *exc):

@@ -134,6 +134,7 @@ class Recorder(TorchDispatchMode):
         # under the tracker's dispatch mode, under which torch takes the subclass branches too
         self.real_branches = False
         self.node_inputs: set = set()  # storages of the gradients the running backward node was given
+        self.autocast_cached: list = []  # storages of the casts the program's autocast cache holds
 
     # -- storages -----------------------------------------------------------------------------------
     def _lookup(self, t: torch.Tensor):
@@ -363,7 +364,6 @@ def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
     rec = Recorder(model)
     rec.temporaries = getattr(program, "temporaries", None)
     rec.real_branches = getattr(program, "real_tensor_branches", False)
-    rec.autocast_cached = []
     cache = getattr(program, "cache", None)
     if cache is not None:  # the program's autocast weight cache says which casts it holds (cuda_program.py)
         cache.on_cached = lambda t: rec.autocast_cached.append(rec.storage_of(t))
