@@ -495,6 +495,11 @@ CASES: list[Case] = [
                                              ["MistralForCausalLM"], "max_position_embeddings": 256,
                                              "sliding_window": 32}).encode()},
          says=("sliding_window", "traced describer")),
+    Case("tied-autoencoder-mse", "silent wrong results", "a --module whose forward uses one parameter twice, once "
+         "transposed, under mean-squared error: 9% under its real CPU peak",
+         ("validate", "--module", str(REPO / "tests/traced_factories.py:autoencoder"), "--micro-batch", "256",
+          "--precision", "fp32", "--optimizer", "sgd", "--steps", "1", "--tolerance", "0.005"),
+         code=0, says=("within tolerance",)),
     # issue 23: argparse's prefix matching and its usage block
     Case("abbrev-micro", "flags taken as others", "`--micro 3` taken silently as --micro-batch 3",
          ("simulate", "--preset", "tiny", "--micro", "3"), says=("unrecognized arguments: --micro 3",)),

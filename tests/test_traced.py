@@ -96,7 +96,7 @@ def test_bf16_autocast_and_sgd_momentum_equal_a_real_run():
                                      optimizer="sgd-momentum"), tolerance=0.005)
 
 
-@pytest.mark.parametrize("factory", ["cnn", "encoder", "tied"])
+@pytest.mark.parametrize("factory", ["cnn", "encoder", "tied", "autoencoder", "margin_losses"])
 def test_own_modules_equal_real_cpu_runs(factory):
     assert_matches_real_run(scenario(from_module_spec(f"{FACTORIES}:{factory}")), tolerance=0.005)
 

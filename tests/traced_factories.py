@@ -55,6 +55,36 @@ def tied(micro_batch: int = 4, seq_len: int = 16):
     return Tied(), ids, lambda out: F.cross_entropy(out.flatten(0, 1), ids.flatten())
 
 
+class TiedAutoencoder(nn.Module):
+    """One weight used twice, the second time transposed: `F.linear(x, w)` then `F.linear(h, w.t())`."""
+
+    def __init__(self, d_in: int = 256, d_hidden: int = 128) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d_hidden, d_in) * 0.02)
+        self.b_in = nn.Parameter(torch.zeros(d_hidden))
+        self.b_out = nn.Parameter(torch.zeros(d_in))
+
+    def forward(self, x):
+        return F.linear(torch.relu(F.linear(x, self.w, self.b_in)), self.w.t(), self.b_out)
+
+
+def autoencoder(micro_batch: int = 64):
+    """Reconstruction under mean-squared error (the loss's scalar keeps the unreduced loss's storage)."""
+    x = torch.randn(micro_batch, 256)
+    return TiedAutoencoder(), (x,), lambda out: F.mse_loss(out, x)
+
+
+def margin_losses(micro_batch: int = 64):
+    """Losses whose real kernels keep a full-size storage under a scalar (smooth L1, BCE, soft margin) or save
+    a clone no op reads (hinge embedding: `(margin - x).clamp_min_(0)`)."""
+    x = torch.randn(micro_batch, 32)
+    target = torch.randn(micro_batch, 32)
+    signs, probs = target.sign(), torch.rand(micro_batch, 32)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    return model, (x,), lambda out: (F.smooth_l1_loss(out, target) + F.binary_cross_entropy(torch.sigmoid(out), probs)
+                                     + F.soft_margin_loss(out, signs) + F.hinge_embedding_loss(out, signs))
+
+
 def fixed():
     """A factory without micro_batch / seq_len: its batch cannot change."""
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))

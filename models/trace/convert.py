@@ -78,6 +78,16 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
     for sid, s in st.items():
         if s.born == "forward" and s.death is not None and s.death[0] == "forward":
             releases.setdefault(kept_at_or_before(s.death[1]), []).append(name[sid])
+    # a tensor no op reads but a later op's node saves (the clone autograd makes of an in-place op's input:
+    # `(m - x).clamp_min_(0)` in hinge_embedding_loss) lives until that op, then as long as its save
+    last_read: dict[int, int] = {}
+    for i, op in enumerate(rec.ops):
+        for sid in op.reads:
+            last_read[sid] = i
+    for old, sids in saves.items():
+        for sid in sids:
+            if st[sid].born == "forward" and last_read.get(sid, st[sid].op) < old:
+                releases.setdefault(index[old], []).append(name[sid])
     regions, offloaded, cached = _regions(rec, keep, setup, layers)
     autocast_cached = set(rec.autocast_cached)
     ops = []

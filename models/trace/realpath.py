@@ -12,9 +12,8 @@ Fake tensors have shapes but no values, and some code takes another path on them
   materialise masks and skip checks the real run makes);
 - `fresh_caches`: tensors a forward memoises (BEiT's relative position index) are computed in the trace, as in
   a process's first step, and no fake one is left for a later real run;
-- `cpu_fake_kernels`, `kernel_layout`: a CPU kernel whose fake rule checks a GPU constraint instead (MoE
-  `grouped_mm`) gets the CPU kernel's rule; one whose fake rule gives its output another layout
-  (`native_layer_norm_backward`) gets the kernel's;
+- `cpu_fake_kernels`: a CPU kernel whose fake rule checks a GPU constraint instead (MoE `grouped_mm`) gets
+  the CPU kernel's rule (kernel_outputs.py gives outputs the layout and storage size the kernels give them);
 - `view_replays`: a view written in place (an in-place ReLU on F.linear's output) gets the backward the real
   autograd engine builds for it (`AsStridedBackward0`), not the view replay fake tensors get.
 """
@@ -321,22 +320,6 @@ class cpu_fake_kernels:
         else:
             self.table[self.op] = self.previous
         return False
-
-
-def kernel_layout(func, out):
-    """`out` with the layout the real kernel gives its outputs, where the fake rule gives another: fake tensors
-    run `native_layer_norm_backward` as its Python decomposition (torch/_decomp/decompositions.py), whose
-    grad_input takes grad_out's strides, while the kernel makes it contiguous (aten/src/ATen/native/
-    layer_norm.cpp `layer_norm_backward_cpu`: `dX = empty_like(*X)` with `X = input.expect_contiguous()`; the
-    CUDA kernel likewise). A gradient of another layout changes what the next backward ops copy: Swin's
-    transposed gradients made every Linear's `ViewBackward0` clone on fake tensors, never in the real run."""
-    if func not in CONTIGUOUS_OUTPUTS or not isinstance(out, (tuple, list)):
-        return out
-    return type(out)(o.new_empty(o.shape) if isinstance(o, torch.Tensor) and not o.is_contiguous() else o
-                     for o in out)
-
-
-CONTIGUOUS_OUTPUTS = {aten.native_layer_norm_backward.default}
 
 
 class real_code_paths:

@@ -29,8 +29,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .kernel_outputs import real_outputs
 from .real_branches import buffer_branch, formula_branch
-from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches, kernel_layout,
+from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches,
                        _tensors, real_code_paths, view_replays)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
@@ -240,7 +241,7 @@ class Recorder(TorchDispatchMode):
             out = known[1]
         else:
             call, call_args, call_kwargs = known[1:] if known is not None else (func, args, kwargs)
-            out = kernel_layout(func, call(*call_args, **(call_kwargs or {})))
+            out = real_outputs(func, args, kwargs, call(*call_args, **(call_kwargs or {})))
             self.shadows.follow(func, args, kwargs, real, out)
         short = str(func).replace("aten.", "").replace(".default", "")
         outs = _tensors(out)
