@@ -12,7 +12,7 @@ import platform
 from peakledger.analysis.sources import agreement
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.models.reference import build_model, make_batch, make_optimizer
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.simulator.files import write_atomic
 from peakledger.traces.profiler import profile_training_steps
 from peakledger.traces.tracker import run_training_steps

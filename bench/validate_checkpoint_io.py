@@ -3,7 +3,7 @@ simulation of the same run on the "cpu" device profile (models/checkpoint_io.py)
 
     python bench/validate_checkpoint_io.py
 
-Each save case trains the reference model (models/reference.py) for 2 steps and saves after each
+Each save case trains the reference model (traces/reference/nanogpt.py) for 2 steps and saves after each
 (`checkpoint_every=1`, so the optimizer states exist), tracked from start to end; the simulation is the
 same setup with that `save_mode`. Each load case saves a trained model first (untracked), then tracks
 building the model, loading the checkpoint and 2 training steps; the simulation has that `load_mode`.
@@ -45,7 +45,7 @@ from sections import replace_section  # bench/sections.py, beside this script
 from peakledger.analysis.validate import compare_logs
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.models.reference import build_model, make_batch, make_optimizer
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, EventLog, Phase, Pool

@@ -150,7 +150,7 @@ def render(results: list[dict], n_all: int, seconds: float, table: str, search: 
         "selective (the attention core alone: eager q k^T to @ v, or the SDPA op); sqrt (ceil(sqrt(n)) "
         "segments, each one region); op-policy (torch selective activation checkpointing per layer, keeping "
         "mm / addmm / bmm / SDPA outputs); offload (`save_on_cpu(pin_memory=True)` per layer). Each is run "
-        "for real on the plain-torch reference model (models/reference.py) and simulated from the same "
+        "for real on the plain-torch reference model (traces/reference/nanogpt.py) and simulated from the same "
         f"scenario: 2 AdamW steps, micro-batch 4, seq 64, exact allocation tracker. {len(results)} of {n_all} "
         f"configs, {seconds:.1f} s on {platform.machine()} ({os.cpu_count()} cores), Python "
         f"{platform.python_version()}. Regenerate with `python bench/validate_checkpointing.py`.", "",

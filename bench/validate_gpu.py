@@ -329,7 +329,7 @@ def _peakledger_forward(model, batch):
 
 
 def _peakledger_forward_only(model, batch, traced: bool):
-    if traced:  # the module's own forward, without the loss models/trace real_model adds
+    if traced:  # the module's own forward, without the loss traces/reference/traced.py real_model adds
         return type(model).forward(model, *batch)
     return model(batch[0])[0]  # presets: model(x) -> (output, None)
 
@@ -350,8 +350,8 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     """(model, optimizer or None, batches, traced) of `scenario` on `device`. Presets: the reference model built on
     the host and moved, the batches left on the host (`run_loop` copies each micro-batch in, as the CPU tracker's
     loop clones it). Traced models: built under `torch.device(device)`, as the loss closes over the factory's batch,
-    which must be there too (models/trace real_model)."""
-    from peakledger.models.reference import make_optimizer
+    which must be there too (traces/reference/traced.py real_model)."""
+    from peakledger.traces.reference import make_optimizer
     from peakledger.models.trace.model import TracedModel
     from peakledger.traces.cuda_capture import place_model
 

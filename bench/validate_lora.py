@@ -4,7 +4,7 @@ the simulation, and how long the llama-3-8b must-show commands take.
     python bench/validate_lora.py
 
 1. The cases of tests/test_lora.py REAL_RUNS: the tiny Llama and GPT-2 references wrapped by
-   `peft.get_peft_model` (models/lora_torch.py), QLoRA with every block linear a bitsandbytes `Linear4bit` (nf4,
+   `peft.get_peft_model` (traces/reference/lora.py), QLoRA with every block linear a bitsandbytes `Linear4bit` (nf4,
    double quantization) on bitsandbytes' CPU backend; 2 AdamW steps, micro-batch 2, seq 32, under the exact
    allocation tracker; measured vs simulated whole-run peak, worst forward/backward phase, static rows.
 2. `peakledger simulate --preset llama-3-8b --lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj --precision
@@ -101,7 +101,7 @@ def main() -> None:
         "GPT-2 reference models wrapped by `peft.get_peft_model` (r 4, alpha 16; QLoRA: every block linear a "
         "bitsandbytes `Linear4bit`, nf4 with double quantization, run by bitsandbytes' CPU backend; its 4-bit matmul "
         "kernel is called as Python, not through the `gemm_4bit` custom op, so that the tracker sees the "
-        "dequantized weight it holds: models/qlora_torch.py), 2 AdamW steps "
+        "dequantized weight it holds: traces/reference/qlora.py), 2 AdamW steps "
         "(one case SGD with momentum), micro-batch 2, seq 32, measured by the exact allocation tracker, against "
         "the simulation (models/lora.py, models/qlora.py). Static rows: parameters, gradients and optimizer states "
         "at the end of step 1's optimizer phase. The same cases are tests/test_lora.py REAL_RUNS (0.5% tolerance). "

@@ -4,7 +4,7 @@ routing recorded from the same run, and Mixtral-8x7B's peak under balanced vs wo
     python bench/validate_moe.py
 
 1. A tiny Mixtral (2 layers, 4 experts, top-2) trained for real for 2 AdamW steps under the exact allocation
-   tracker, fp32, bf16 autocast and pure bf16, its routers hooked (models/reference_moe.py RoutingRecorder) so the run
+   tracker, fp32, bf16 autocast and pure bf16, its routers hooked (traces/reference/mixtral.py RoutingRecorder) so the run
    writes its own counts file; the simulation reads it (`moe_routing = "counts:FILE"`). Also a run whose
    routers are zeroed, so every token goes to the same top-k experts (worst routing, measured).
 2. Mixtral-8x7B at seq 4096, micro-batch 1, AdamW, bf16-mixed, on one H100-80GB and under ZeRO-3 over 8
@@ -32,7 +32,7 @@ from peakledger import build_scenario
 from peakledger.analysis.validate import static_rows
 from peakledger.api import measure, run, validate
 from peakledger.models.config import TrainingSetup, TransformerConfig
-from peakledger.models.reference_moe import RoutingRecorder
+from peakledger.traces.reference.mixtral import RoutingRecorder
 from peakledger.scenario import Scenario
 from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline

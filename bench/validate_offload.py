@@ -1,5 +1,5 @@
 """Optimizer-state offload vs the simulator: real CPU runs of the reference offload
-(`models.reference.StateOffload`, what prime-rl's CPUOffloadOptimizer and Megatron's chunked offload do)
+(`traces.reference.StateOffload`, what prime-rl's CPUOffloadOptimizer and Megatron's chunked offload do)
 against the simulation of the same scenario, and the first-step transient on GPU profiles.
 
     python bench/validate_offload.py
@@ -97,7 +97,7 @@ def plain_run(preset: str, optimizer: str, impl: str, precision: str) -> dict:
 
 
 def rank_runs() -> list[dict]:
-    """2 real ranks per case on torch's fake process group (models/reference.py StateOffload around the
+    """2 real ranks per case on torch's fake process group (traces/reference/build.py StateOffload around the
     engine's optimizer: FSDP2's DTensor states, DDP's whole ones), chunked, first step whole."""
     out = []
     for preset, engine in RANK_CASES:
@@ -181,7 +181,7 @@ def render(results: list[dict], plains: list[dict], ranks: list[dict], seconds: 
     within = sum(abs(r["v"].overall.error) <= 0.01 for r in results)
     return "\n".join([
         SECTION, "",
-        "The reference offload (`models.reference.StateOffload` around torch.optim; `--optimizer-offload`) run for "
+        "The reference offload (`traces.reference.StateOffload` around torch.optim; `--optimizer-offload`) run for "
         f"real on the CPU, 3 steps, micro-batch 2, seq 32, exact allocation tracker; {n} offload configs, "
         f"{len(plains)} runs of the same configs without it, and 2-rank runs, {seconds:.1f} s on {platform.machine()}. Host buffers "
         "are host memory on both sides; \"device\" is everything else, what a GPU would hold. Regenerate with "

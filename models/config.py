@@ -105,7 +105,7 @@ class TransformerConfig:
 
     `implementation` says whose code runs the layout, because two codebases with the same parameters
     allocate differently:
-      nanogpt  peakledger's own plain-torch models (`models/reference.py`): nanoGPT for gpt2, a small
+      nanogpt  peakledger's own plain-torch models (`traces/reference/nanogpt.py`): nanoGPT for gpt2, a small
                HF-named Llama for llama.
       hf       HF transformers' GPT2LMHeadModel (gpt2 only): Conv1D projections, an additive float
                causal mask built once per forward, its own loss (logits upcast to fp32, labels shifted

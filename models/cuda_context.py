@@ -38,12 +38,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # models/costs.py imports this module
-    from .costs import DeviceProfile
+from typing import Protocol
 
 MiB = 1 << 20
+
+
+class Device(Protocol):
+    """What this module reads of a device profile (models/costs.py `DeviceProfile`, which imports this module)."""
+
+    name: str
+    compute_capability: tuple[int, int]
+    is_cuda: bool
+    context_bytes: int
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ def find_measurement(profile: str, compute_capability: tuple[int, int] | None,
     return next((m for m in same if m.compute_capability == compute_capability), None), False
 
 
-def cuda_context(profile: DeviceProfile, torch_version: str | None, setup: dict | None = None) -> CudaContext | None:
+def cuda_context(profile: Device, torch_version: str | None, setup: dict | None = None) -> CudaContext | None:
     """What `profile` holds outside the caching allocator with torch `torch_version` ("2.6", "2.11", or a full
     version); `setup` (the log's TrainingSetup fields) adds FSDP2's communicator on one rank. None: not a CUDA
     device."""

@@ -1,5 +1,5 @@
 """QLoRA: the base model's block linears in 4 bits (bitsandbytes 0.50 `Linear4bit`, nf4, double quantization),
-LoRA adapters on top (models/lora.py). models/qlora_torch.py builds the same model for real.
+LoRA adapters on top (models/lora.py). traces/reference/qlora.py builds the same model for real.
 
 Storage (bitsandbytes/functional.py `quantize_4bit`, blocksize 64, `compress_statistics=True`), per linear of
 n = out x in weights, all frozen parameters of the base:

@@ -9,7 +9,7 @@ are not tensors here: ops read the base tensor.
 
 Activation checkpointing policies (`TrainingSetup.checkpointing`) are decided here, per layer, once for
 both sides: the describers mark the tape's ops with them, and the plain-torch reference models
-(`models/reference.py`) wrap the same layers in the same torch mechanism, so every policy can be run
+(`traces/reference/nanogpt.py`) wrap the same layers in the same torch mechanism, so every policy can be run
 for real and held against its simulation. See `checkpoint_segments`.
 """
 

@@ -389,10 +389,10 @@ def measure(scenario: Scenario, model_hook=None):
     """Run the scenario for real on CPU: the reference torch model of the same config, real training
     steps under the exact allocation tracker. Returns the measured EventLog (metadata: torch version,
     model config, training setup). `model_hook(model)` is called on the built model before the run (a
-    router recorder: models/reference_moe.py)."""
+    router recorder: traces/reference/mixtral.py)."""
     import torch
 
-    from .models.reference import build_model, make_batch, make_optimizer
+    from .traces.reference import build_model, make_batch, make_optimizer
     from .traces.tracker import run_training_steps
 
     setup = scenario.setup

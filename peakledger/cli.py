@@ -246,13 +246,13 @@ def _capture_cuda(args, scenario) -> int:
 
 def _check_cuda_capture(args, scenario) -> dict:
     """The GPU (ConfigError naming device_kind without one), and what a CUDA capture of `scenario` holds: on the
-    host (the model built there before it moves; traces/cuda_capture.py host_need) against half of this machine's
+    host (the model built there before it moves; peakledger/inputs.py host_need) against half of this machine's
     memory, on the device (the simulation on the GPU's profile, with its torch's allocator rules) against the
     GPU's free memory. Either over: refused unless --force."""
-    from .inputs import real_run_limit
+    from .inputs import host_need, real_run_limit
     from .models.costs import device_profile
     from .simulator.allocator import AllocatorConfig
-    from .traces.cuda_capture import cuda_device, host_need
+    from .traces.cuda_capture import cuda_device
 
     gpu = cuda_device()
     profile = gpu["profile"]
@@ -285,13 +285,13 @@ def _check_cuda_capture(args, scenario) -> dict:
 
 
 def _moe_recorder(args, scenario):
-    """capture --moe-counts FILE: a router hook on the real model (models/reference_moe.py), or None."""
+    """capture --moe-counts FILE: a router hook on the real model (traces/reference/mixtral.py), or None."""
     if not args.moe_counts:
         return None
     if args.device_kind == "cuda" or not getattr(scenario.model, "num_local_experts", None):
         raise ConfigError("moe_counts", "records the routers of a mixture-of-experts model (num_local_experts) "
                                         "in a CPU capture")
-    from .models.reference_moe import RoutingRecorder
+    from .traces.reference.mixtral import RoutingRecorder
     return RoutingRecorder()
 
 

@@ -12,13 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
+from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
-from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
+from .models.training import describe
 from .models.trace.model import TracedModel, from_module_spec
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
+from .simulator.engine import simulate
+from .simulator.events import Category, Phase, Pool
 from .simulator.files import check_outputs
+from .simulator.timeline import timeline
 from .traces.store import TraceFile
 
 MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_head", int), ("n_kv_head", int),
@@ -189,10 +194,6 @@ def real_run_limit() -> int:
 def real_run_estimate(scenario: Scenario) -> int:
     """Host memory a real CPU run of `scenario` needs: the simulated peak of every rank on the "cpu" profile
     (device and host pools: on a CPU both are host memory) plus one torch process per rank."""
-    from .models.training import describe
-    from .simulator.engine import simulate
-    from .simulator.timeline import timeline
-
     graph = describe(scenario.model, dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2)), "cpu")
     log = simulate(graph)
     total = 0
@@ -200,6 +201,40 @@ def real_run_estimate(scenario: Scenario) -> int:
         peak = sum(timeline(log, int(rank), pool).peak().bytes for pool in {e.block.pool for e in log.events})
         total += (peak + HOST_BASELINE) * len(members)
     return total
+
+
+CUDA_HOST_BYTES = 2 << 30  # assumption: host memory of the CUDA driver, runtime and libraries (cuBLAS, cuDNN)
+
+
+@dataclass(frozen=True)
+class CaptureNeed:
+    """What a capture of a scenario needs, from its simulation on a GPU profile."""
+
+    profile: str
+    host: int  # bytes of host memory the process holds at most (`host_need`)
+    build: int  # of which: the model built on the host (fp32) before it moves to the GPU
+    device: int  # the predicted device total (reserved + CUDA context), or the allocated peak on a CPU profile
+
+
+def host_need(scenario, profile: str, torch_version: str = "2.6", alloc_conf: str = "") -> CaptureNeed:
+    """Simulate the scenario on `profile` and say what a CUDA capture of it holds: on the host, the model as
+    `build_model` makes it (every floating parameter and buffer in fp32, before the cast and the move) or the
+    run's host pool (offloaded states, saved activations), whichever is larger, plus one torch process
+    (HOST_BASELINE) and the CUDA libraries (CUDA_HOST_BYTES, assumed); on the device, the simulated total."""
+    setup = dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2))
+    graph = describe(scenario.model, setup, profile, torch_version=torch_version)
+    graph.metadata.update(alloc_conf=alloc_conf, torch_version=torch_version)
+    log = simulate(graph)
+    build = 0
+    for e in log.events:
+        b = e.block
+        if e.phase is Phase.LOAD and e.delta > 0 and b.pool is Pool.DEVICE and \
+                b.category in (Category.PARAMETER, Category.BUFFER):
+            build += b.nbytes * 4 // dtype_bytes(b.dtype) if b.dtype in ("bf16", "fp16") else b.nbytes
+    host_pool = timeline(log, 0, Pool.HOST).peak().bytes if any(e.block.pool is Pool.HOST for e in log.events) else 0
+    dm = gpu_memory(log, 0)
+    device = dm.total_peak.total if dm is not None else timeline(log, 0).peak().bytes
+    return CaptureNeed(profile, max(build, host_pool) + HOST_BASELINE + CUDA_HOST_BYTES, build, device)
 
 
 REAL_RUN_STEPS = 100  # validate / capture: optimizer steps run for real at most

@@ -14,7 +14,7 @@ import torch
 import peakledger.traces.cuda_capture as cc
 from peakledger.analysis.validate import compare_logs, measured_description, render_validation
 from peakledger.cli import main
-from peakledger.inputs import check_real_run, real_run_scenario
+from peakledger.inputs import CUDA_HOST_BYTES, check_real_run, host_need, real_run_scenario
 from peakledger.models.config import ConfigError
 from peakledger.models.training import describe
 from peakledger.scenario import build_scenario
@@ -187,9 +187,9 @@ def test_the_host_guard_counts_what_the_host_holds_not_a_cpu_run(capsys, tmp_pat
     args = build_parser().parse_args(["capture", "--device-kind", "cuda", *LLAMA, "--output", "t.json"])
     with pytest.raises(ConfigError, match="host memory"):
         check_real_run(args, real_run_scenario(args))
-    need = cc.host_need(real_run_scenario(args), "H200-141GB", "2.11")
+    need = host_need(real_run_scenario(args), "H200-141GB", "2.11")
     assert abs(need.build - 4 * 8_030_261_248) < 1 << 20  # Llama 3 8B's parameters built in fp32 on the host
-    assert need.host == need.build + (600 << 20) + cc.CUDA_HOST_BYTES
+    assert need.host == need.build + (600 << 20) + CUDA_HOST_BYTES
     assert 60 << 30 < need.device < 141 * 10**9  # bf16 weights, grads, fp32 AdamW states: on the GPU
 
 

@@ -60,7 +60,7 @@ def test_bad_policy_knobs_are_config_errors(changes, field):
 
 
 def test_policies_that_do_not_apply_are_config_errors_on_both_sides():
-    from peakledger.models.reference import build_model
+    from peakledger.traces.reference import build_model
     mlp, hf = preset("tiny-mlp"), dataclasses.replace(preset("tiny"), implementation="hf")
     for cfg, policy in [(mlp, "selective"), (hf, "every-k"), (preset("tiny"), "layers")]:
         setup = TrainingSetup(micro_batch=2, seq_len=8, checkpointing=policy,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from peakledger.models.config import TrainingSetup, TransformerConfig
-from peakledger.models.reference import build_model
+from peakledger.traces.reference import build_model
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
 from peakledger.traces.distributed import BackendReleased, ReleaseCount, holders, measure_distributed
 

@@ -190,7 +190,7 @@ def test_mistral_nemo_parameter_count_matches_transformers():
 @pytest.mark.parametrize("name", list(MODELLED))
 def test_parameters_match_transformers_and_the_reference_model(name):
     """Names and shapes of every parameter: ours = transformers' own model = the reference torch model."""
-    from peakledger.models.reference import build_model
+    from peakledger.traces.reference import build_model
     data = {**TINY, **MODELLED[name]}
     cfg = from_hf_config(data)
     ours = {p.name: p.shape for p in transformer_params(cfg)}

@@ -71,7 +71,7 @@ def test_real_cpu_run_matches_the_simulation(case):
 def test_parameters_are_peft_s_own_names_shapes_dtypes_and_trainability(preset_name, training):
     """The tape's parameters are the peft model's `named_parameters()`, in order, with their shapes, dtypes
     (fp32 adapters under pure bf16, packed uint8 weights) and requires_grad."""
-    from peakledger.models.reference import build_model
+    from peakledger.traces.reference import build_model
     from peakledger.models.parallel import own_dtype
     from peakledger.models.training import trainable_params
     from peakledger.traces.tracker import DTYPE_NAMES

@@ -28,7 +28,7 @@ from peakledger.simulator.timeline import timeline
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from peakledger.models.reference_moe import RoutingRecorder, hf_mixtral, hf_mixtral_config  # noqa: E402
+from peakledger.traces.reference.mixtral import RoutingRecorder, hf_mixtral, hf_mixtral_config  # noqa: E402
 
 TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
                          n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4, num_experts_per_tok=2)

@@ -13,7 +13,7 @@ from peakledger.models.autograd import param_bytes
 from peakledger.models.config import MLPConfig, TrainingSetup
 from peakledger.models.optimizers import state_specs
 from peakledger.models.presets import preset
-from peakledger.models.reference import build_model, make_batch, make_optimizer
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.models.training import describe
 from peakledger.models.transformer import mlp_params, transformer_params
 from peakledger.simulator.engine import simulate

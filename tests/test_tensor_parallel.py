@@ -161,7 +161,7 @@ def test_optimizer_groups_are_the_real_plans(name, sp):
 
     from peakledger.models.costs import device_profile
     from peakledger.models.parallel.mesh import rank_builder
-    from peakledger.models.reference import build_model
+    from peakledger.traces.reference import build_model
     from peakledger.traces.tensor_run import parallelize
 
     setup = replace(SETUP, tp=2, sequence_parallel=sp, world_size=2)

@@ -13,7 +13,7 @@ that attention runs on the rank's local heads, whose q, k and v `context_paralle
 "cp"; the loss under `loss_parallel()`; the gradients' local shards averaged over "cp"; the optimizer over
 `optimizer_groups`.)
 
-and the same reference model on every rank (`models.reference.build_model`, same seed: the parameters are
+and the same reference model on every rank (`traces.reference.build_model`, same seed: the parameters are
 replicated over the cp ranks), and runs `setup.steps` training steps the way torchtitan's trainer runs them
 under CP (torchtitan/train.py `forward_backward_step`, torchtitan/distributed/utils.py
 `create_context_parallel_ctx` / `maybe_enable_context_parallel`). For every micro-batch:
@@ -127,7 +127,7 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
-    from ..models.reference import optimizer_class
+    from .reference import optimizer_class
 
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
@@ -261,9 +261,9 @@ def cp_options() -> dict:
 # -- the model under CP -------------------------------------------------------------------------------------
 
 def _gpt2_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-    """models/reference.py `GPT.forward` (GPT-2) with the positions read from the `cp_positions` buffer (the
+    """traces/reference/nanogpt.py `GPT.forward` (GPT-2) with the positions read from the `cp_positions` buffer (the
     rank's load-balanced positions under CP) instead of `arange(t)`."""
-    from ..models.reference import run_segment
+    from .reference import run_segment
 
     x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(self.cp_positions))
     for seg in self.segments:
@@ -276,9 +276,9 @@ def _gpt2_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
 
 
 def _llama_forward(self, idx: torch.Tensor) -> torch.Tensor:
-    """models/reference.py `LlamaModel.forward` with the rotary positions read from the `cp_positions` buffer
+    """traces/reference/nanogpt.py `LlamaModel.forward` with the rotary positions read from the `cp_positions` buffer
     (as fp32, as the reference's float arange) instead of `arange(T)`."""
-    from ..models.reference import run_segment
+    from .reference import run_segment
 
     x = self.embed_tokens(idx)
     pos = self.cp_positions.to(torch.float32)
@@ -303,7 +303,7 @@ def build_cp_model(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int
     """The reference model of `run_config(model_cfg)` with its positions in a `cp_positions` buffer (int64, the
     whole sequence `setup.seq_len`) read by the bound `_gpt2_forward` / `_llama_forward`: the model a CP rank
     runs, and, outside `context_parallel`, the same computation as the reference model."""
-    from ..models.reference import build_model
+    from .reference import build_model
 
     model = build_model(run_config(model_cfg), setup, seed=seed)
     positions = torch.arange(setup.seq_len, dtype=torch.long)
@@ -327,7 +327,7 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import \
         _create_default_load_balancer
 
-    from ..models.reference import make_batch, torch_optimizer
+    from .reference import make_batch, torch_optimizer
     from .distributed import apply_fsdp2, unit_params
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -419,7 +419,7 @@ def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: i
     """The same steps in this process without CP (the whole sequence, `build_cp_model`, same data and optimizer):
     [[step, micro_batch, loss]], to compare with the mean over cp ranks of each rank's `losses` (ring attention
     is exact; the averaged gradients make every step the same)."""
-    from ..models.reference import make_batch, torch_optimizer
+    from .reference import make_batch, torch_optimizer
 
     model = build_cp_model(model_cfg, setup, seed=seed)
     optimizer = torch_optimizer(model.parameters(), setup, lr)

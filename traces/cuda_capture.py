@@ -8,7 +8,7 @@ pickle and reads it back through the restricted loader (`traces.cuda_snapshot`),
 `EventLog` schema as every other trace.
 
 The program is the simulator's (models/training.py, models/parallel/engine.py), precision by precision
-(`CAPTURE_PRECISIONS`): fp32, pure bf16 and bf16-autocast are models/reference.py's `build_model`; bf16-mixed,
+(`CAPTURE_PRECISIONS`): fp32, pure bf16 and bf16-autocast are traces/reference/build.py's `build_model`; bf16-mixed,
 which the reference models do not build, is the bf16 model (bf16 parameters and gradients, bf16 compute) with
 fp32 master weights held by `MasterWeights`: the torch optimizer steps the masters (fp32 states), each step
 copies the bf16 gradients to fp32 before the update (`fp32_grads`: persistent fp32 main gradients instead,
@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..models.config import ConfigError, dtype_bytes
-from ..simulator.events import Category, EventLog, Phase, Pool
+from ..models.config import ConfigError
+from ..simulator.events import EventLog, Phase
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
 MAX_ENTRIES = 1_000_000
@@ -58,7 +58,6 @@ CAPTURE_PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-mixed")
 CAPTURE_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad")
 ALLOCATOR_RULES = ("2.6", "2.11")  # torch versions whose allocator rules are modelled (simulator/allocator)
 MARK_GAP_S = 0.002  # quiet seconds on each side of a loop mark: no allocation lies near a phase boundary
-CUDA_HOST_BYTES = 2 << 30  # assumption: host memory of the CUDA driver, runtime and libraries (cuBLAS, cuDNN)
 
 
 # -- what a capture runs ------------------------------------------------------------------------------
@@ -97,7 +96,7 @@ class MasterWeights:
     def __init__(self, model, setup, lr: float = 1e-3) -> None:
         import torch
 
-        from ..models.reference import freeze, torch_optimizer
+        from .reference import freeze, torch_optimizer
 
         freeze(model, setup.frozen)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -160,7 +159,7 @@ def build_program(scenario, device: str = "cuda"):
     a traced model is built under `torch.device(device)` with its batch (its loss may close over it)."""
     import torch
 
-    from ..models.reference import make_optimizer
+    from .reference import make_optimizer
 
     check_capturable(scenario)
     setup = scenario.setup
@@ -177,7 +176,7 @@ def place_model(model_config, setup, device: str):
     host; a traced model built under `torch.device(device)` with its batch (its loss may close over it)."""
     import torch
 
-    from ..models.reference import build_model, make_batch
+    from .reference import build_model, make_batch
     from ..models.trace.model import TracedModel
 
     if isinstance(model_config, TracedModel):
@@ -325,45 +324,6 @@ def cuda_device() -> dict:
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))}
 
 
-# -- what a capture needs -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CaptureNeed:
-    """What a capture of a scenario needs, from its simulation on a GPU profile."""
-
-    profile: str
-    host: int  # bytes of host memory the process holds at most (`host_need`)
-    build: int  # of which: the model built on the host (fp32) before it moves to the GPU
-    device: int  # the predicted device total (reserved + CUDA context), or the allocated peak on a CPU profile
-
-
-def host_need(scenario, profile: str, torch_version: str = "2.6", alloc_conf: str = "") -> CaptureNeed:
-    """Simulate the scenario on `profile` and say what a CUDA capture of it holds: on the host, the model as
-    `build_model` makes it (every floating parameter and buffer in fp32, before the cast and the move) or the
-    run's host pool (offloaded states, saved activations), whichever is larger, plus one torch process
-    (HOST_BASELINE) and the CUDA libraries (CUDA_HOST_BYTES, assumed); on the device, the simulated total."""
-    from ..analysis.device import gpu_memory
-    from ..inputs import HOST_BASELINE
-    from ..models.training import describe
-    from ..simulator.engine import simulate
-    from ..simulator.timeline import timeline
-
-    setup = dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2))
-    graph = describe(scenario.model, setup, profile, torch_version=torch_version)
-    graph.metadata.update(alloc_conf=alloc_conf, torch_version=torch_version)
-    log = simulate(graph)
-    build = 0
-    for e in log.events:
-        b = e.block
-        if e.phase is Phase.LOAD and e.delta > 0 and b.pool is Pool.DEVICE and \
-                b.category in (Category.PARAMETER, Category.BUFFER):
-            build += b.nbytes * 4 // dtype_bytes(b.dtype) if b.dtype in ("bf16", "fp16") else b.nbytes
-    host_pool = timeline(log, 0, Pool.HOST).peak().bytes if any(e.block.pool is Pool.HOST for e in log.events) else 0
-    dm = gpu_memory(log, 0)
-    device = dm.total_peak.total if dm is not None else timeline(log, 0).peak().bytes
-    return CaptureNeed(profile, max(build, host_pool) + HOST_BASELINE + CUDA_HOST_BYTES, build, device)
-
-
 # -- the capture --------------------------------------------------------------------------------------
 
 def capture_cuda(scenario, snapshot_path: str | Path, max_entries: int = MAX_ENTRIES,
@@ -408,5 +368,5 @@ def is_cuda_trace(log: EventLog) -> bool:
 
 
 __all__ = ["capture_cuda", "build_program", "check_capturable", "MasterWeights", "LoopMarks", "run_loop",
-           "label_steps", "allocator_rules", "gpu_profile", "cuda_device", "host_need", "CaptureNeed",
+           "label_steps", "allocator_rules", "gpu_profile", "cuda_device", 
            "is_cuda_trace", "CAPTURE_PRECISIONS"]

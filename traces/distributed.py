@@ -4,7 +4,7 @@
 joined into one gloo process group over the loopback interface only: the rendezvous TCPStore serves
 on a socket rank 0 binds to 127.0.0.1 at a port picked free at run time (MASTER_ADDR=127.0.0.1,
 MASTER_PORT), and gloo's own connections use the `lo` interface (GLOO_SOCKET_IFNAME=lo). Each
-process builds the same reference model (`models.reference.build_model`, same seed on every rank, so
+process builds the same reference model (`traces.reference.build_model`, same seed on every rank, so
 the replicas start identical), wraps it for its engine, and runs `traces.tracker.training_loop`
 (load; steps x (forward, backward), optimizer.step, zero_grad; the same phases as
 `run_training_steps`) on its own micro-batch (same shapes, data seeded by rank) under its own
@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
-from ..models.reference import optimizer_class, torch_optimizer
+from .reference import optimizer_class, torch_optimizer
 from ..simulator.events import Category, EventLog, Phase
 from .store import load_log, save_log
 
@@ -228,7 +228,7 @@ def _loopback_listener(rank: int, port: int):
 
 
 def _measure_rank(rank: int, job: RankJob) -> EventLog:
-    from ..models.reference import build_model, make_batch
+    from .reference import build_model, make_batch
     from .tracker import AllocationTracker, training_loop
 
     torch.set_num_threads(1)
@@ -287,7 +287,7 @@ class Running:
 def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that each become one FSDP2 unit before the root: transformer blocks (`transformer_blocks`:
     of a reference GPT or of a pipeline stage cut from one), or MLP Linears; a traced model's repeated blocks
-    (models/trace `real_model` names them)."""
+    (traces/reference/traced.py `real_model` names them)."""
     if getattr(model, "peakledger_layers", None):
         return [model.get_submodule(name) for name in model.peakledger_layers]
     if hasattr(model, "transformer") or hasattr(model, "model"):

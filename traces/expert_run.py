@@ -5,7 +5,7 @@ torch has no expert-parallel module of its own, and transformers' (`distributed_
 token on every rank and all-reduces the experts' outputs: no all-to-all. torchtitan's, the layout Megatron-LM and
 DeepSpeed-MoE share, sends each token to the rank that owns its expert and back. `measure_expert_parallel` runs
 that, with nothing in it that torch does not run: `ep` processes joined as traces/distributed.py joins its ranks
-(`spawn_ranks`, `gloo_group`), each building the same reference model (`models.reference.build_model`, HF's
+(`spawn_ranks`, `gloo_group`), each building the same reference model (`traces.reference.build_model`, HF's
 MixtralForCausalLM, same seed), then on every decoder layer:
 
 - the experts' 3-D weights cut to this rank's `num_local_experts / ep` experts (rank r owns experts
@@ -245,8 +245,8 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..models.reference import build_model, make_batch, torch_optimizer
-    from ..models.reference_moe import RoutingRecorder
+    from .reference import build_model, make_batch, torch_optimizer
+    from .reference.mixtral import RoutingRecorder
     from .tracker import AllocationTracker, training_loop
 
     torch.set_num_threads(1)

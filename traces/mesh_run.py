@@ -8,7 +8,7 @@ process builds the device mesh torchtitan's ParallelDims builds,
     init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))   # dimensions of size 1 left out
 
 so that global rank = (pp_i x dp + dp_i) x tp + tp_i (tp innermost: the ranks of one tensor-parallel group are
-neighbours). Every rank builds the same reference model (`models.reference.build_model`, same seed).
+neighbours). Every rank builds the same reference model (`traces.reference.build_model`, same seed).
 
 Layouts
 -------
@@ -127,7 +127,7 @@ def check_mesh(model_cfg, setup: TrainingSetup) -> None:
     """Refuse, before any process starts, what `measure_mesh` does not run (ValueError for a layout that
     cannot be, NotImplementedError for one not measured yet)."""
     from ..models.parallel.stages import stage_layout
-    from ..models.reference import optimizer_class
+    from .reference import optimizer_class
     from .pipeline_run import SCHEDULES
 
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
@@ -234,7 +234,7 @@ def _fsdp_details(setup: TrainingSetup, model: nn.Module, release) -> dict:
 def _measure_fsdp_tp(rank: int, job: MeshJob, mesh, coords: dict):
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from ..models.reference import build_model, make_batch, torch_optimizer
+    from .reference import build_model, make_batch, torch_optimizer
     from .distributed import apply_fsdp2
     from .tensor_run import DTensorTracker, optimizer_groups, parallelize
     from .tracker import training_loop
@@ -265,7 +265,7 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     from torch.distributed.tensor.parallel import loss_parallel
 
     from ..models.parallel.stages import rank_stages
-    from ..models.reference import make_batch, torch_optimizer
+    from .reference import make_batch, torch_optimizer
     from .distributed import apply_fsdp2
     from .pipeline_run import build_pipeline, label_pipeline, run_pipeline_steps, stage_modules, stage_records
     from .tensor_run import DTensorTracker, optimizer_groups, parallelize

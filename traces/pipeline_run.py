@@ -2,7 +2,7 @@
 
 `measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as traces/distributed.py joins
 its ranks (rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`). Each process
-builds the same reference model (`models.reference.build_model`, same seed), cuts its stages out of it as
+builds the same reference model (`traces.reference.build_model`, same seed), cuts its stages out of it as
 torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/stages.py
 `stage_layout`: a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one
 parameter on the first stage and one on the last), wraps each in a `PipelineStage` with its input and output
@@ -72,7 +72,7 @@ def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed
 
 def _check(model_cfg, setup: TrainingSetup) -> None:
     from ..models.parallel.checks import check_model_parallel
-    from ..models.reference import optimizer_class
+    from .reference import optimizer_class
 
     if setup.pp < 2:
         raise ValueError(f"a pipeline run needs pp >= 2, got {setup.pp}")
@@ -96,7 +96,7 @@ def _rank_main(rank: int, job: PipelineJob) -> None:
 # -- the stages ---------------------------------------------------------------------------------------------
 
 class StageModule(nn.Module):
-    """The modules of one stage, cut out of the reference `GPT` (models/reference.py) with their names kept:
+    """The modules of one stage, cut out of the reference `GPT` (traces/reference/nanogpt.py) with their names kept:
     GPT-2: `transformer.{wte, wpe, drop}` (first), `transformer.h.<i>` (as a ModuleDict keyed by the block's
     index), `transformer.ln_f` and `lm_head` (last); Llama: `model.embed_tokens` (first), `model.layers.<i>`,
     `model.norm` and `lm_head` (last), and the rotary `inv_freq` buffer on every stage. `forward` is the
@@ -183,7 +183,7 @@ def stage_modules(cfg: TransformerConfig, setup: TrainingSetup, specs: list[Stag
     (`seed`) and dropped again, and the dtype of its parameters."""
     import gc
 
-    from ..models.reference import build_model
+    from .reference import build_model
 
     full = build_model(cfg, setup, seed=seed)
     dtype = next(full.parameters()).dtype
@@ -223,7 +223,7 @@ def stage_records(specs: list[StageSpec]) -> list[dict]:
 
 
 def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
-    from ..models.reference import make_batch, torch_optimizer
+    from .reference import make_batch, torch_optimizer
     from .tracker import AllocationTracker
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 `measure_tensor_parallel` spawns `tp` processes joined as traces/distributed.py joins its ranks (rendezvous on
 a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), builds a one-dimensional DeviceMesh over
-"cpu", builds the same reference model on every rank (`models.reference.build_model`, same seed), applies
+"cpu", builds the same reference model on every rank (`traces.reference.build_model`, same seed), applies
 `tp_plan` with `parallelize_module`, and runs `setup.steps` training steps (forward and loss under
 `loss_parallel()`, backward, the optimizer's step, zero_grad) on the same micro-batches on every rank (tensor
 parallelism splits the model, not the data) under the rank's own tracker. One `EventLog` per rank, rank order.
@@ -93,7 +93,7 @@ def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
 
 
 def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) -> None:
-    from ..models.reference import optimizer_class
+    from .reference import optimizer_class
 
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
@@ -329,7 +329,7 @@ class DTensorTracker(_tracker.AllocationTracker):
 def _measure_rank(rank: int, job: TPJob) -> EventLog:
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from ..models.reference import build_model, make_batch, torch_optimizer
+    from .reference import build_model, make_batch, torch_optimizer
     from .tracker import training_loop
 
     torch.set_num_threads(1)

@@ -29,7 +29,7 @@ The phase, step and micro-batch come from `with tracker.phase(...)`; names are t
 (forward pre/post hooks) plus the aten op in forward, the running autograd node in backward, and
 `param.grad` / `param.exp_avg` ... for gradients and optimizer state. Every block is device memory
 (Pool.DEVICE) except the host buffers an optimizer-state offload names (`optimizer.host_buffers`,
-models/reference.py `StateOffload`): Pool.HOST, so a CPU run shows the device memory a GPU would hold.
+traces/reference/build.py `StateOffload`): Pool.HOST, so a CPU run shows the device memory a GPU would hold.
 
 Distributed runs (traces/distributed.py: one tracker per rank, `rank=r` on every Block)
 ---------------------------------------------------------------------------------------
@@ -395,7 +395,7 @@ class AllocationTracker:
                     # FSDP2: one reduce-scatter output holds the unit's sharded grads; it keeps its name
                     self.mark(p.grad, Category.GRADIENT, name=rec.label_name if bucket else f"{n}.grad")
         if self.optimizer is not None:
-            # an optimizer-state offload (models/reference.py StateOffload) names its host buffers: host memory
+            # an optimizer-state offload (traces/reference/build.py StateOffload) names its host buffers: host memory
             for (pid, k), t in getattr(self.optimizer, "host_buffers", {}).items():
                 self.mark(t, Category.OPTIMIZER_STATE, name=f"{self.param_names.get(pid, 'param')}.{k}.host",
                           state=_state_name(k), pool=Pool.HOST)
@@ -702,7 +702,7 @@ def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer:
         for mb in range(grad_accum):
             with tracker.phase(Phase.FORWARD, step, mb):
                 batch = tuple(t.clone() for t in _batch_for(batches, step, mb, grad_accum))  # (x, y), or a
-                tracker.mark_input(*batch)  # traced model's batch tensors (models/trace real_model)
+                tracker.mark_input(*batch)  # traced model's batch tensors (traces/reference/traced.py real_model)
                 with (torch.autocast("cpu", dtype=autocast) if autocast is not None
                       else contextlib.nullcontext()):
                     out, loss = model(*batch)

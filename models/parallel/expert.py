@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...simulator.events import Category, Phase, Stream
+from ..autograd import replace_grad
+from ..rank_ranges import RankRanges
 from ..tape import Tape, TensorSpec
 
 TOKEN_GROUP_ALIGN_SIZE_M = 8  # torchtitan/distributed/expert_parallel.py: rows of an expert's group, bf16 / fp32
@@ -158,7 +160,6 @@ class ExpertParallelEngine:
 
     def _slice_backward(self, replay, view: str, full: TensorSpec) -> None:
         """SliceBackward of `out[:-1]`: a new gradient of the whole buffer, the view's gradient freed."""
-        from ..autograd import replace_grad
 
         if view not in replay.grad_of:
             return
@@ -172,7 +173,6 @@ class ExpertParallelEngine:
 def expert_classes(tape_of, setup) -> dict:
     """{representative rank: RankRanges}: with world_size = dp, ranks whose tapes receive the same rows in every
     layer are identical (balanced routing: one class; otherwise one per ep rank, its ranks every ep-th)."""
-    from ..training import RankRanges
 
     groups: dict[tuple, list[int]] = {}
     for r in range(setup.world_size):

@@ -24,7 +24,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from ..builder import GraphBuilder
 from ..config import TrainingSetup
+from ..rank_ranges import RankRanges
+from .context import context_parallel_tape
+from .expert import ExpertParallelEngine, expert_classes
+from .stages import rank_tape, stage_tapes
+from .tensor import TensorParallelEngine, tensor_parallel_classes, tensor_parallel_tape
 
 
 @dataclass(frozen=True)
@@ -91,8 +97,6 @@ class MeshTapes:
 
     def tp_tape(self, tp: int, cp: int = 0):
         """The tape of tensor-parallel rank `tp` and context-parallel rank `cp` (tensor.py, then context.py)."""
-        from .context import context_parallel_tape
-        from .tensor import tensor_parallel_tape
 
         if (tp, cp) not in self._tp:
             s = self.setup
@@ -107,7 +111,6 @@ class MeshTapes:
         return self._ep[ep_rank]
 
     def rank_tape(self, tp: int, pp: int, cp: int = 0):
-        from .stages import rank_tape, stage_tapes
 
         if self.setup.pp == 1:
             return self.tp_tape(tp, cp)
@@ -125,9 +128,6 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
     of its dp coordinate (with cp when FSDP2 folds it, `shard_rank`); the tensor-parallel hooks wrap that engine.
     Blocks and ops carry the global rank. `tapes` shares the local tapes
     between the builders of one description."""
-    from ..training import GraphBuilder
-    from .expert import ExpertParallelEngine
-    from .tensor import TensorParallelEngine
 
     tapes = tapes if tapes is not None else MeshTapes(tape, setup)
     at = mesh_coords(setup, rank)
@@ -148,12 +148,9 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     data-parallel classes of one (tp, pp) position as [(first dp rank, stop)] ranges keyed by signature
     ({signature: [(start, stop), ...]}). A pipeline group is simulated whole, so the dp classes of all stages
     of a tp class are refined together: one pipeline group per refined dp range."""
-    from ..training import RankRanges
-    from .tensor import tensor_parallel_classes
 
     setup = tapes.setup
     if setup.ep > 1:  # expert parallelism with dp only: ranks that receive the same rows in every layer are alike
-        from .expert import expert_classes
         return expert_classes(tapes.ep_tape, setup)
     if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
         return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank

@@ -66,7 +66,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ...simulator.events import Category, Phase, Stream
+from ..autograd import replace_grad
+from ..rank_ranges import RankRanges
+from ..replay_template import pure_hooks
 from ..tape import ParamSpec, Tape, TapeOp, TensorSpec
+from .stages import layer_of
 
 COLWISE = ("attn.c_attn", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.c_fc", "mlp.gate_proj",
            "mlp.up_proj")
@@ -130,7 +134,6 @@ def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int
 
 def _partial_regions(tape: Tape) -> bool:
     """Whether a checkpoint region covers part of a layer (selective: the attention core alone)."""
-    from .stages import layer_of
 
     regions: dict[int, set] = {}
     for op in tape.ops:
@@ -458,7 +461,6 @@ class TensorParallelEngine:
     def pure_replay_hooks(self, replay) -> bool:
         """The hooks act on the op and the replay only (`_before` holds a gradient from an op's before_op to its
         after_op), the rest is the inner engine's (models/replay_template.py)."""
-        from ..replay_template import pure_hooks
 
         return pure_hooks(self.inner, replay)
 
@@ -490,7 +492,6 @@ class TensorParallelEngine:
         """The node just added a contribution to `tensor`'s gradient that the replay summed in place; DTensor
         sums it out of place: the contribution (a shadow here, the replay freed it already) and the sum are
         live together, then the old gradient goes."""
-        from ..autograd import replace_grad
 
         had = self._before.pop(tensor, None)
         storage = replay.grad_of.get(tensor)
@@ -506,7 +507,6 @@ class TensorParallelEngine:
 
     def _all_reduce(self, replay, tensor: str) -> None:
         """`_FromTorchTensor.backward`: the Partial gradient of a replicated input all-reduced into a new tensor."""
-        from ..autograd import replace_grad
 
         if tensor not in replay.grad_of:
             return
@@ -548,7 +548,6 @@ def tensor_parallel_classes(tape: Tape, setup) -> dict:
     """The tensor-parallel ranks grouped by identical local tapes (an uneven vocabulary split makes the last
     rank's differ): {representative rank: RankRanges}. A rank's tape depends on its rank only through the
     chunks of the dimensions the transform splits (`TensorParallelTape.chunked`, recorded on rank 0's)."""
-    from ..training import RankRanges
 
     first = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, 0)
     groups: dict[tuple, list[int]] = {}

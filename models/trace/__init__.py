@@ -14,8 +14,9 @@ How the pieces compose:
                `gpu_paths.py` adds what the CUDA kernels allocate inside themselves.
 - `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
 - `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers.
-- here         `traced_tape` (what `models.training.build_tape` calls), the trace cache, and the real
-               (CPU, random weights) build of the same program for validation (`real_model`).
+- here         `traced_tape` (what `models.training.build_tape` calls) and the trace cache. The same program
+               built for real (CPU, random weights) to validate against is on the measuring side:
+               traces/reference/traced.py `real_model`.
 
 The cache: a recording depends on the model (its source digest: the config JSON, or the module file's
 bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype, the frozen
@@ -41,9 +42,6 @@ from .model import TracedModel, from_hf_dict, from_module_spec
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
 _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not traced
-# the batch of the latest real build of each model and shape, for `real_batches` right after (a factory's
-# loss_fn may hold the batch's targets: the run must use those same tensors)
-_REAL_BATCH: dict = {}
 
 
 def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
@@ -236,113 +234,5 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     return cuda_tape(tape, *target)
 
 
-def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
-    """The same program for real (random weights, CPU), as the project's training loop calls it:
-    `out, loss = module(*batch_tensors)` (models/reference.py `build_model`)."""
-    import torch
-
-    torch.manual_seed(seed)
-    net, batch, loss_fn = model.build(setup)
-    if model.kind == "hf":  # weights were left uninitialised (no_init_weights): give them values
-        with torch.no_grad():
-            for p in net.parameters():
-                p.normal_(0.0, 0.02)
-    freeze(net, setup.frozen)
-    from .realpath import lru_caches
-    for cache in lru_caches(net):  # a real run starts as the trace did: transformers' memoised tensors made anew
-        cache.cache_clear()
-    from .record import find_layers
-    layers = find_layers(net)
-    net.peakledger_layers = layers  # FSDP2 units for a real distributed run (traces/distributed.py fsdp_units)
-    _wrap_layers(net, layers, setup)
-    _REAL_BATCH[_real_key(model, setup, seed)] = _flat(batch)
-    return _RealRun(net, batch, loss_fn)
-
-
-def _real_key(model: TracedModel, setup: TrainingSetup, seed: int) -> tuple:
-    return (model.source, model.digest, setup.micro_batch, setup.seq_len, setup.param_dtype, seed)
-
-
-def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
-    """Run each checkpointed layer as the simulation's region (models/trace/convert.py `_regions`): the layer's
-    forward under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (op-policy: with torch's
-    selective checkpoint contexts), or under `save_on_cpu` (offload)."""
-    if setup.checkpointing == "none":
-        return
-    import functools
-
-    import torch
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    from ..reference import OP_POLICY
-    from ..tape import checkpoint_segments
-
-    for seg in checkpoint_segments(setup, len(layers)):
-        if seg.wrap == "none":
-            continue
-        if len(seg.layers) > 1:
-            raise ConfigError("checkpointing", f"{setup.checkpointing} makes regions of several layers, which a "
-                                               "traced model's own loop cannot run for real; simulate it, or "
-                                               "validate full, every-k, layers, op-policy or offload")
-        module = net.get_submodule(layers[seg.layers.start])
-        call = module.forward
-        if seg.wrap == "offload":
-            def forward(*args, _call=call, **kwargs):
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    return _call(*args, **kwargs)
-        else:
-            extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, OP_POLICY)} \
-                if seg.wrap == "op-policy" else {}
-
-            def forward(*args, _call=call, _extra=extra, **kwargs):
-                return checkpoint(_call, *args, use_reentrant=False, **_extra, **kwargs)
-        module.forward = forward
-
-
-def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:
-    import torch
-
-    same = _REAL_BATCH.pop(_real_key(model, setup, seed), None)
-    if same is not None:  # the batch of the model `real_model` just built: a loss_fn may hold its targets
-        return [same] * setup.grad_accum
-    torch.manual_seed(seed)
-    _, batch, _ = model.build(setup)
-    return [_flat(batch)] * setup.grad_accum
-
-
-def _flat(batch) -> tuple:
-    """The batch's tensors, in order (a dict's other values, such as CLIP's `return_loss=True`, are constants
-    `_RealRun` passes itself)."""
-    import torch
-    if isinstance(batch, dict):
-        return tuple(v for v in batch.values() if isinstance(v, torch.Tensor))
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    return tuple(batch)
-
-
-def _RealRun(net, batch, loss_fn):
-    """`net` itself (its parameter names unchanged), its `forward(*tensors)` returning (output, loss) with
-    the batch rebuilt in the factory's structure, as the project's training loop calls a model."""
-    import torch
-
-    call = net.forward
-    keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor)] if isinstance(batch, dict) else None
-    constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)} if keys is not None else {}
-    single = isinstance(batch, torch.Tensor)
-
-    def forward(*tensors):
-        if keys is not None:
-            out = call(**dict(zip(keys, tensors)), **constants)
-        elif single:
-            out = call(tensors[0])
-        else:
-            out = call(*tensors)
-        return out, loss_fn(out)
-
-    net.forward = forward
-    return net
-
-
 __all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording",
-           "real_model", "real_batches"]
+           "freeze"]

@@ -26,7 +26,7 @@ from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
 from .record import Recording, Storage
 
-# aten ops whose outputs torch's selective checkpointing policy keeps (models/reference.py OP_POLICY)
+# aten ops whose outputs torch's selective checkpointing policy keeps (traces/reference/nanogpt.py OP_POLICY)
 SAC_KEPT = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
             "_scaled_dot_product_cudnn_attention"}

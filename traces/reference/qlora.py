@@ -18,9 +18,9 @@ import functools
 import torch
 import torch.nn as nn
 
-from .config import TrainingSetup, TransformerConfig
-from .lora import BLOCK_LINEARS
-from .reference import TORCH_DTYPES
+from ...models.config import TrainingSetup, TransformerConfig
+from ...models.lora import BLOCK_LINEARS
+from .nanogpt import TORCH_DTYPES
 
 
 def quantize_linears(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -> None:

@@ -1,7 +1,7 @@
 """HF transformers' MixtralForCausalLM as a reference model, and the router hook that records routing counts.
 
 `hf_mixtral(cfg)` builds the real model from a `MixtralConfig` with the same fields (random weights, nothing
-downloaded), behind nanoGPT's call `logits, loss = model(idx, targets)` like `reference.hf_gpt2`, with the
+downloaded), behind nanoGPT's call `logits, loss = model(idx, targets)` like `nanogpt.hf_gpt2`, with the
 experts implementation transformers picks by default ("grouped_mm" where torch has it; see models/moe.py).
 
 `RoutingRecorder(model)` hooks every layer's router (`mlp.gate`, MixtralTopKRouter: it returns logits,
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .config import ConfigError, TransformerConfig
-from .moe import counts_document
+from ...models.config import ConfigError, TransformerConfig
+from ...models.moe import counts_document
 
 
 def hf_mixtral_config(cfg: TransformerConfig):

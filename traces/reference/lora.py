@@ -1,4 +1,4 @@
-"""The reference side of models/lora.py: peft LoRA (and bitsandbytes 4-bit base linears) on the plain-torch
+"""The measuring side of models/lora.py: peft LoRA (and bitsandbytes 4-bit base linears) on the plain-torch
 reference models, so a LoRA / QLoRA scenario runs for real on the CPU (`peakledger validate`).
 
 `apply_lora` is what a user's script does: `peft.get_peft_model(model, LoraConfig(...))` (autocast_adapter_dtype
@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .config import TrainingSetup, TransformerConfig
-from .lora import targets
+from ...models.config import TrainingSetup, TransformerConfig
+from ...models.lora import targets
 
 
 def apply_lora(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -> nn.Module:
     """peft LoRA on `model` as `setup` says; with quantize "nf4" every block linear is a bitsandbytes Linear4bit
-    first (models/qlora_torch.py). Returns the model with adapters, only they trainable."""
+    first (qlora.py). Returns the model with adapters, only they trainable."""
     from peft import LoraConfig, get_peft_model
 
     chosen = targets(cfg, setup)
     if setup.quantize != "none":
-        from .qlora_torch import quantize_linears
+        from .qlora import quantize_linears  # bitsandbytes, imported only for QLoRA
         quantize_linears(model, cfg, setup)
     config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                         target_modules=list(chosen), bias="none")

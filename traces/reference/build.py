@@ -1,0 +1,229 @@
+"""The pieces of a real training run on a reference model: the model built as a setup says (`build_model`),
+its frozen parameters, the torch optimizer (with an optimizer-state offload, `StateOffload`), and the batches.
+
+`build_model` picks the program: a traced model's own (traced.py), HF's Mixtral (mixtral.py), HF's GPT-2 or
+nanoGPT / Llama / MLP (nanogpt.py); then the setup's dtype and peft's LoRA / QLoRA (lora.py) on top.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from ...models.optimizers import offload_chunks
+from ...models.trace.model import TracedModel
+from .lora import apply_lora
+from .mixtral import hf_mixtral
+from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, TORCH_DTYPES, hf_gpt2
+from .traced import real_batches, real_model
+
+
+def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
+    """The reference model for `cfg`, seeded, in training mode, in `setup`'s parameter dtype.
+
+    Supported precisions: "fp32", pure "bf16" and "bf16-autocast" (fp32 parameters; run the forward
+    and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
+    `setup.checkpointing` runs the transformer blocks / MLP Linear(+activation) layers in the segments of
+    `models.tape.checkpoint_segments`, the describer's regions ("full": each one under
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
+    `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
+    """
+    if isinstance(cfg, TracedModel):  # the traced program, for real (traced.py)
+        return real_model(cfg, setup if setup is not None else TrainingSetup(), seed)
+    if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
+        raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
+                                  f"not {setup.precision!r}")
+    torch.manual_seed(seed)
+    if isinstance(cfg, MLPConfig):
+        model = MLP(cfg, setup)
+    elif cfg.num_local_experts:
+        model = hf_mixtral(cfg, setup.checkpointing if setup is not None else "none")
+    elif cfg.implementation == "hf":
+        model = hf_gpt2(cfg, setup.checkpointing if setup is not None else "none")
+    else:
+        model = GPT(cfg, setup)
+    if setup is not None and setup.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    if setup is not None and setup.lora_r:  # peft LoRA / QLoRA (lora.py)
+        model = apply_lora(model, cfg, setup)
+    return model.train()
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """Set requires_grad=False on parameters whose name matches any fnmatch pattern; the trainable names."""
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError("frozen", f"pattern {pattern!r} matches no parameter (names look like {names[0]!r})")
+    trainable = []
+    for n, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(n, pat) for pat in patterns):
+            p.requires_grad_(False)
+        else:
+            trainable.append(n)
+    return trainable
+
+
+OPTIMIZER_CLASSES = {"sgd": ("SGD", {"momentum": 0.0}), "sgd-momentum": ("SGD", {"momentum": 0.9}),
+                     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "amsgrad": ("Adam", {"amsgrad": True})}
+IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
+
+
+def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
+    """`torch_optimizer` over the trainable parameters, after `setup.frozen` patterns have frozen theirs
+    (requires_grad=False)."""
+    freeze(model, setup.frozen)
+    return torch_optimizer([p for p in model.parameters() if p.requires_grad], setup, lr)
+
+
+def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The torch.optim class and its keyword arguments for `setup.optimizer` / `setup.optimizer_impl`:
+    sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
+    Adam(amsgrad=True); optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" ->
+    fused=True."""
+    if setup.optimizer not in OPTIMIZER_CLASSES:
+        raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
+    cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
+    return getattr(torch.optim, cls_name), {**kwargs, **IMPL_FLAGS[setup.optimizer_impl]}
+
+
+def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
+    """The `optimizer_class` optimizer over `params` (DTensors included); with `setup.optimizer_offload`
+    it comes wrapped in a `StateOffload`."""
+    cls, kwargs = optimizer_class(setup)
+    optimizer = cls(params, lr=lr, **kwargs)
+    return StateOffload(optimizer, setup) if setup.optimizer_offload != "none" else optimizer
+
+
+class StateOffload:
+    """An optimizer-state offload around a torch.optim optimizer, as models/optimizers.py describes it
+    (prime-rl's CPUOffloadOptimizer with reused host buffers; chunked as Megatron's and prime-rl's).
+
+    Between steps every tensor state but `step` lives in a host buffer (pinned where CUDA exists),
+    allocated by the first offload and reused. `step()` copies each chunk in (`offload_prefetch` ahead),
+    runs the wrapped optimizer's step over that chunk's parameters alone, and copies the chunk back,
+    each device copy dropped as soon as it is copied. The first step creates the states: one whole
+    `step()` ("whole") or chunk by chunk ("chunked"), each chunk offloaded before the next is created.
+    On a CPU-only machine the "device" is the CPU too: the copies are real, separate allocations, and
+    `host_buffers` tells the tracker which of them are the host's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, setup: TrainingSetup) -> None:
+        self.optimizer = optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        chunks = offload_chunks([_local(p).numel() for p in params], setup.optimizer_offload,
+                                setup.offload_chunk_params)
+        self.chunks = [[params[i] for i in chunk] for chunk in chunks]
+        self.prefetch = setup.offload_prefetch if setup.optimizer_offload == "chunked" else 0
+        self.chunked_first = setup.offload_first_step == "chunked"
+        self.host_buffers: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), key)
+        self.started = False
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def register_step_post_hook(self, hook):
+        """Runs after every step the wrapped optimizer takes (one per chunk)."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        first, self.started = not self.started, True
+        if first and not self.chunked_first:
+            self.optimizer.step()
+            for chunk in self.chunks:
+                self._to_host(chunk)
+            return
+        issued = 0
+        for k, chunk in enumerate(self.chunks):
+            while not first and issued <= min(k + self.prefetch, len(self.chunks) - 1):
+                self._to_device(self.chunks[issued])
+                issued += 1
+            self._step(chunk)
+            self._to_host(chunk)
+
+    def _step(self, chunk: list[torch.Tensor]) -> None:
+        """The wrapped optimizer's step over `chunk`'s parameters alone."""
+        keep = {id(p) for p in chunk}
+        groups = self.optimizer.param_groups
+        everything = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [p for p in group["params"] if id(p) in keep]
+        try:
+            self.optimizer.step()
+        finally:
+            for group, params in zip(groups, everything):
+                group["params"] = params
+
+    def _offloaded_keys(self, p: torch.Tensor) -> list[str]:
+        return [k for k, v in self.optimizer.state[p].items() if isinstance(v, torch.Tensor) and k != "step"]
+
+    def _to_host(self, chunk: list[torch.Tensor]) -> None:
+        for p in chunk:
+            state = self.optimizer.state[p]
+            for k in self._offloaded_keys(p):
+                host = self.host_buffers.get((id(p), k))
+                if host is None:
+                    local = _local(state[k])
+                    host = torch.empty(local.shape, dtype=local.dtype, device="cpu",
+                                       pin_memory=torch.cuda.is_available())
+                    self.host_buffers[(id(p), k)] = host
+                host.copy_(_local(state[k]))
+                state[k] = _with_local(state[k], host)  # the device copy goes with its last reference
+
+    def _to_device(self, chunk: list[torch.Tensor]) -> None:
+        for p in chunk:
+            state = self.optimizer.state[p]
+            for k in self._offloaded_keys(p):
+                local = torch.empty_like(_local(state[k]), device=_local(p).device)
+                state[k] = _with_local(state[k], local.copy_(_local(state[k]), non_blocking=True))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what holds the memory), else the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` in `t`'s place: a DTensor of the same mesh and placements around it (as prime-rl's offload
+    does), or `local` itself."""
+    if not isinstance(t, DTensor):
+        return local
+    out = copy.copy(t)
+    out._local_tensor = local
+    return out
+
+
+def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
+               n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` (default `setup.grad_accum`) deterministic micro-batches of (inputs, targets).
+
+    Transformers: int64 token ids and next-token targets, (micro_batch, seq_len). MLPs: (micro_batch,
+    d_in) inputs and (micro_batch, d_out) targets in the parameter dtype.
+    """
+    if isinstance(cfg, TracedModel):
+        return real_batches(cfg, setup, seed)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(setup.grad_accum if n is None else n):
+        if isinstance(cfg, TransformerConfig):
+            if setup.seq_len > cfg.max_seq_len:
+                raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+            tokens = torch.randint(0, cfg.vocab_size, (setup.micro_batch, setup.seq_len + 1), generator=g)
+            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+        else:
+            dt = TORCH_DTYPES[setup.param_dtype]
+            out.append((torch.randn(setup.micro_batch, cfg.d_in, generator=g).to(dt),
+                        torch.randn(setup.micro_batch, cfg.d_out, generator=g).to(dt)))
+    return out
