@@ -41,11 +41,11 @@ from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerCo
 from ..models.trace import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
-from .device import device_settings, gpu_memory
 from ..simulator.events import Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
+from .device import device_settings, gpu_memory
 from .peaks import with_headroom
-from .units import format_bytes
+from .units import UNITS, format_bytes
 
 DEFAULT_POLICIES = tuple(p for p in CHECKPOINTING if p != "layers")
 PLAIN, CHECKPOINTED = 0, 1
@@ -265,7 +265,6 @@ def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", un
     import matplotlib.pyplot as plt  # matplotlib is set up (Agg) by .plot
 
     from .plot import save_figure
-    from .units import UNITS
 
     scale = UNITS[unit]
     ok = [r for r in rows if r.error is None]

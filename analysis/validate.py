@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..models.costs import DEVICES
 from ..simulator.events import Block, Category, EventLog, Phase, Pool
 from ..simulator.timeline import timeline
 from .units import format_bytes
@@ -75,8 +76,6 @@ def measured_description(log: EventLog) -> str:
 def predicted_description(log: EventLog) -> str:
     """What a simulated log is: "simulator" on the cpu profile; on a GPU profile, the profile and the torch
     version whose allocator rules apply."""
-    from ..models.costs import DEVICES
-
     profile = DEVICES.get(str(log.metadata.get("device", "")))
     if profile is None or not profile.is_cuda:
         return "simulator"

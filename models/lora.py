@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from . import qlora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .tape import ParamSpec, Tape, TensorSpec
 
@@ -104,8 +105,6 @@ class LoraTape(Tape):
 def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSpec]) -> LoraTape:
     """The tape's parameter list under LoRA: targeted linears' parameters renamed `.base_layer.`, each linear
     followed by its adapters (peft registers base_layer, then lora_A, lora_B); 4-bit weights packed (qlora)."""
-    from . import qlora
-
     chosen = targets(cfg, setup)
     out: list[ParamSpec] = []
     dtypes: dict[str, str] = {}
@@ -155,8 +154,6 @@ def adapter_parameters(tape: Tape) -> set[str]:
 
 def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None) -> TensorSpec:
     """`_Writer.linear` under LoRA: a frozen (or 4-bit) linear, with peft's adapter branch when targeted."""
-    from . import qlora
-
     setup = w.setup
     target = is_target(name, w.lora_targets)
     base = f"{name}.base_layer" if target else name

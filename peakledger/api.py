@@ -6,14 +6,24 @@ import dataclasses
 from dataclasses import dataclass
 
 from .analysis.device import device_settings, first_gpu_oom, gpu_fits, with_gpu_oom
-from .analysis.explain import Moment
+from .analysis.explain import Moment, from_record, reserved_moment, worst_moment
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
+from .analysis.peers import (
+    deepspeed_zero2_estimate,
+    deepspeed_zero3_estimate,
+    largest_layer_params,
+    model_state_peak,
+    zero_paper_model_states,
+)
+from .analysis.peers_parallel import parallel_peers as formulas
 from .analysis.report import Report, summarize
+from .analysis.validate import compare_logs
 from .models.config import CHECKPOINTING, ConfigError, TransformerConfig
 from .models.costs import device_profile
+from .models.trace import from_hf_dict, traced_layers
 from .models.trace.model import TracedModel
-from .models.training import describe
+from .models.training import build_tape, describe
 from .scenario import Scenario, _traced_scenario, build_scenario
 from .simulator.allocator import round_size
 from .simulator.device_memory import DeviceMemory, DeviceOOM
@@ -31,8 +41,6 @@ def trace(hf_config=None, *, module: str | None = None, name: str | None = None,
     TrainingSetup fields (micro_batch, seq_len, precision, optimizer, checkpointing, ...). The result goes
     to `run`, `explain`, `max_micro_batch` and analysis.checkpointing like any scenario; the trace itself
     runs at the first of those (then cached per shape)."""
-    from .models.trace import from_hf_dict
-
     if (hf_config is None) == (module is None):
         raise ConfigError("hf_config", "give exactly one of hf_config (a config.json path or dict) and module")
     if isinstance(hf_config, dict):
@@ -112,10 +120,6 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 def peers(scenario: Scenario) -> list[dict]:
     """The scenario under DeepSpeed ZeRO stages 0-3 on its world size: peakledger's model states and peak
     per rank (the worst rank) next to the ZeRO paper's formula and DeepSpeed's own estimators."""
-    from .analysis.peers import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, largest_layer_params,
-                                 model_state_peak, zero_paper_model_states)
-    from .models.training import build_tape
-
     tape = build_tape(scenario.model, scenario.setup)
     psi = tape.n_params
     largest = largest_layer_params({p.name: p.shape for p in tape.params})
@@ -136,9 +140,6 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
     """Model parallelism (tp / pp / cp / ep): Megatron's theoretical memory and llm-analysis's formulas
     (analysis/peers_parallel.py) beside peakledger's simulation of the same layout, its worst rank first; where
     peakledger does not simulate the layout yet, its row says why instead of a number."""
-    from .analysis.peers import model_state_peak
-    from .analysis.peers_parallel import parallel_peers as formulas
-
     s = scenario.setup
     rows = formulas(scenario.model, s, tp=s.tp, pp=s.pp, cp=s.cp, sequence_parallel=s.sequence_parallel,
                     virtual_stages=s.virtual_stages, pp_schedule=s.pp_schedule, ep=s.ep)
@@ -276,7 +277,6 @@ def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[tup
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
     out += model_parallel_fixes(scenario)
     if traced and s.checkpointing == "none":
-        from .models.trace import traced_layers
         layers = traced_layers(model, s)
         if len(layers) > 1:
             half = layers[:len(layers) // 2]
@@ -294,8 +294,6 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those that keep the training unchanged before those that change
     it, then by simulated step time; fixes that do not fit after, by peak."""
-    from .analysis.explain import from_record, worst_moment
-
     base = run(scenario)
     moment = worst_moment(base.log, budget)
     found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
@@ -370,8 +368,6 @@ def explain_trace(log, budget: int, reserved=None):
     oom record when it has one), else its peak. Given `reserved` (a CUDA snapshot's reserved-memory log,
     TraceFile.reserved), the pair (that moment, the reserved one: the first segment after which reserved bytes
     exceed the budget, else the reserved peak; None when the log holds no segment)."""
-    from .analysis.explain import from_record, reserved_moment, worst_moment
-
     moment = from_record(log.ooms[0]) if log.ooms else worst_moment(log, budget)
     if reserved is None:
         return moment
@@ -429,7 +425,6 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     group (no transport, same buffers; see traces/distributed.py). gloo's own clone of each
     reduce-scatter input is dropped from the measured logs (its lifetime varies run to run; NCCL has
     none)."""
-    from .analysis.validate import compare_logs
     from .traces.distributed import measure_distributed, without_backend_copies
 
     setup = scenario.setup
@@ -460,7 +455,6 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
     torch.distributed.pipelining on `pp` CPU processes (gloo, 127.0.0.1; traces/pipeline_run.py), every rank
     measured and held against its simulated rank. Returns [(Validation, measured log)] in rank order, and
     the simulated log."""
-    from .analysis.validate import compare_logs
     from .traces.pipeline_run import SCHEDULES, measure_pipeline
 
     setup = scenario.setup
@@ -484,8 +478,6 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
 def _validate_model_parallel(scenario: Scenario, backend: str, what: str, measure, label):
     """Run `measure(model, setup)` (real CPU processes over gloo, 127.0.0.1) and hold every rank's log against its
     simulated rank (`label(rank, log)` names it); the simulation's refusals come before any process starts."""
-    from .analysis.validate import compare_logs
-
     setup = scenario.setup
     if backend != "gloo":
         raise ConfigError("pg_backend", f"{what} runs over gloo (its collectives move real activations); "
@@ -535,8 +527,6 @@ def validate(scenario: Scenario, measured=None):
     """Hold the simulation of `scenario` (on the "cpu" device profile) against a measured run: the one
     given, or a fresh real CPU run. A measured log of one rank of a data-parallel run (a saved rank trace)
     is held against that rank. Returns (Validation, measured log, simulated log)."""
-    from .analysis.validate import compare_logs
-
     measured = measured if measured is not None else measure(scenario)
     ranks = sorted({e.block.rank for e in measured.events})
     if len(ranks) != 1:

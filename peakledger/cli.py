@@ -17,26 +17,46 @@ import sys
 import threading
 import traceback
 
-from . import api
-from .analysis.device import gpu_memory
+from . import api, sweep
+from .analysis.checkpointing import (
+    optimal_checkpointing,
+    plot_peak_vs_recompute,
+    policy_table,
+    render_optimal,
+    render_table,
+)
+from .analysis.device import device_settings, gpu_memory
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
+from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
 from .analysis.plot import plot_overlay, plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
-from .analysis.validate import render_validation, validation_json
+from .analysis.validate import PeakPair, compare_logs, render_validation, validation_json
 from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
 from .cmd_calibrate import register as register_calibrate
 from .cmd_explain import cmd_explain, cmd_replay
-from .inputs import (VALIDATE_DEFAULTS, check_command_outputs, check_common, check_real_run, real_run_scenario,
-                     scenario_for_trace, scenario_from_args)
+from .inputs import (
+    VALIDATE_DEFAULTS,
+    check_command_outputs,
+    check_common,
+    check_real_run,
+    host_need,
+    real_run_limit,
+    real_run_scenario,
+    scenario_for_trace,
+    scenario_from_args,
+)
 from .models.config import ConfigError
+from .models.costs import DEVICES, device_profile
 from .models.trace.boundary import time_limit
-from .models.training import StepPlan
+from .models.training import StepPlan, describe
+from .simulator.allocator import AllocatorConfig
+from .simulator.engine import simulate
 from .simulator.files import InputError, digits_message, too_many_digits
 from .simulator.timeline import timeline
-from .traces.cuda_capture import is_cuda_trace
+from .traces.cuda_capture import allocator_rules, capture_cuda, check_capturable, cuda_device, is_cuda_trace
 from .traces.store import load_trace, save_log, with_event_index_times
 
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
@@ -104,7 +124,6 @@ def cmd_max_batch(args) -> int:
 def cmd_peers(args, base) -> int:
     s = base.setup
     if s.tp * s.pp * s.cp * s.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
-        from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
         rows = api.parallel_peers(base)
         if args.json:
             _write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
@@ -161,7 +180,6 @@ def cmd_compare(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from . import sweep
     if args.output is None and args.json_output is None:
         raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
     check_command_outputs(args, ["output", "json_output"])
@@ -178,8 +196,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_checkpointing(args) -> int:
-    from .analysis.checkpointing import (optimal_checkpointing, plot_peak_vs_recompute, policy_table, render_optimal,
-                                         render_table)
     check_command_outputs(args, ["plot"])
     budget = _budget(args)
     scenario = scenario_from_args(args)
@@ -222,8 +238,6 @@ def cmd_capture(args) -> int:
 def _capture_cuda(args, scenario) -> int:
     """capture --device-kind cuda: the setup checked (before CUDA is looked for), then the GPU, then what the run
     needs, host and device, against what this machine has (unless --force), then the capture."""
-    from .traces.cuda_capture import capture_cuda, check_capturable
-
     _moe_recorder(args, scenario)  # refuses --moe-counts: routers are recorded in CPU captures
     check_capturable(scenario)
     gpu = _check_cuda_capture(args, scenario)
@@ -249,11 +263,6 @@ def _check_cuda_capture(args, scenario) -> dict:
     host (the model built there before it moves; peakledger/inputs.py host_need) against half of this machine's
     memory, on the device (the simulation on the GPU's profile, with its torch's allocator rules) against the
     GPU's free memory. Either over: refused unless --force."""
-    from .inputs import host_need, real_run_limit
-    from .models.costs import device_profile
-    from .simulator.allocator import AllocatorConfig
-    from .traces.cuda_capture import cuda_device
-
     gpu = cuda_device()
     profile = gpu["profile"]
     if profile is None:
@@ -364,9 +373,6 @@ def _cuda_trace_scenario(args, trace, scenario, notes: list[str]):
     capture recorded (the one matching the GPU's compute capability and memory), else the scenario's own when the
     trace names no GPU; allocator rules: --torch-version, else those of the torch that ran; allocator settings:
     --alloc-conf, else the PYTORCH_CUDA_ALLOC_CONF the capture ran with. Returns it and the notes, said anew."""
-    from .models.costs import DEVICES, device_profile
-    from .traces.cuda_capture import allocator_rules
-
     meta = trace.log.metadata
     notes = [n for n in notes if not n.startswith(("overrode torch_version:", "overrode alloc_conf:"))]
     gpu = meta.get("gpu") or (meta.get("device") if isinstance(meta.get("device"), str) else None)
@@ -417,11 +423,6 @@ def _validate_cuda_trace(scenario, trace):
     rules in the log's metadata): allocated peaks as for any trace, plus the reserved peak (the caching
     allocator's segments: the capture's recorded `reserved_peak`, a snapshot's reserved view) against the
     allocator model's. Returns (Validation, measured log, simulated log)."""
-    from .analysis.device import device_settings
-    from .analysis.validate import PeakPair, compare_logs
-    from .models.training import describe
-    from .simulator.engine import simulate
-
     measured = trace.log
     devices = sorted({e.block.rank for e in measured.events})
     if len(devices) != 1:

@@ -25,10 +25,24 @@ import sys
 from dataclasses import dataclass, fields
 
 from . import api
-from .analysis.calibrate import (CalibrationError, Measurement, apply_calibration, calibrate, calibration_json,
-                                 check_setup, describe_setup, load_calibration, predicted_reserved, recheck_seq_len,
-                                 setup_differences, setup_key, stale_check, to_json)
+from .analysis.calibrate import (
+    CalibrationError,
+    Measurement,
+    apply_calibration,
+    calibrate,
+    calibration_json,
+    check_setup,
+    describe_setup,
+    load_calibration,
+    predicted_reserved,
+    recheck_seq_len,
+    setup_differences,
+    setup_key,
+    stale_check,
+    to_json,
+)
 from .analysis.units import format_bytes, parse_bytes
+from .cli_common import _add_scenario_flags
 from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_FLAGS, scenario_from_args
 from .models.config import TrainingSetup
 from .simulator.files import InputError, check_outputs, read_input, read_text, write_atomic
@@ -341,8 +355,6 @@ def cmd_apply(args) -> int:
 
 def register(subparsers) -> None:
     """Add `calibrate fit` and `calibrate apply` to the `peakledger` parser's sub-commands."""
-    from .cli_common import _add_scenario_flags
-
     c = subparsers.add_parser("calibrate", help="fit the predicted peaks to your own measured ones (per seq_len) "
                                                 "and apply that calibration")
     cs = c.add_subparsers(dest="calibrate_command", required=True, metavar="{fit,apply}")

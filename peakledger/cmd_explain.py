@@ -7,7 +7,8 @@ import dataclasses
 import json
 
 from . import api
-from .analysis.explain import moment_json, render_moment
+from .analysis.allocator_replay import replay_snapshot
+from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
 from .analysis.units import format_bytes, parse_bytes
 from .cli_common import _budget, _write_json
 from .inputs import scenario_flags_given, scenario_from_args
@@ -93,8 +94,6 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
     allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
     its first moment over the budget, or its peak."""
-    from .analysis.explain import live_at_moment, render_reserved_moment, reserved_moment_json
-
     ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
     if ignored:
         raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
@@ -133,8 +132,6 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
 
 def cmd_replay(args) -> int:
     """The allocator model (simulator/allocator.py) on a measured snapshot (analysis/allocator_replay.py)."""
-    from .analysis.allocator_replay import replay_snapshot
-
     capacity = parse_bytes(args.capacity, "capacity") if args.capacity is not None else None
     result = replay_snapshot(args.snapshot, args.alloc_conf, capacity)
     if args.json:

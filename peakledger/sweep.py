@@ -46,7 +46,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
+from . import api
 from .models.config import ConfigError
 from .scenario import Scenario, parse_value
 from .simulator.files import write_atomic
@@ -90,8 +92,6 @@ def points(grid: dict[str, list]) -> list[dict]:
 
 
 def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
-    from . import api
-
     base, values, budget, max_batch = task
     out = {c: "" for c in COLUMNS}
     try:
@@ -303,7 +303,6 @@ def _run_dask(tasks: list, workers: int, address: str | None, bar: _progress) ->
         # multiprocessing starts its resource tracker with the first spawned process and then unblocks SIGINT
         # in the thread that spawned it (multiprocessing/resource_tracker.py, ensure_running), so the workers
         # would not inherit the block: start it here, first.
-        from multiprocessing import resource_tracker
         resource_tracker.ensure_running()
     with _in_helper_thread(start, stop):
         client = started["client"]

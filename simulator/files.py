@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import select
 import stat
+import sys
 import tempfile
 
 TMP_PREFIX = ".peakledger-tmp-"
@@ -99,7 +100,6 @@ def too_many_digits(e: BaseException) -> bool:
 
 def digits_message(where) -> str:
     """What to say of an input holding such an integer."""
-    import sys
     return (f"{where} holds an integer of more than {sys.get_int_max_str_digits():,} digits (Python's limit for "
             "reading one); no count or size is that long")
 

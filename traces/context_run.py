@@ -87,13 +87,28 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.tensor.experimental._context_parallel._attention as attention
+import torch.distributed.tensor.experimental._context_parallel._sharding_rules as rules
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import set_rotate_method
+from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options, _RotateMethod
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _create_default_load_balancer
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import Shard
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..simulator.events import Category, EventLog, Phase
-from .distributed import free_loopback_port, gloo_group, spawn_ranks
+from .distributed import apply_fsdp2, free_loopback_port, gloo_group, spawn_ranks, unit_params
 from .pipeline_run import PipelineJob
+from .reference import build_model, make_batch, optimizer_class, run_segment, torch_optimizer
 from .store import load_log, save_log
+from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
 ROTATE_METHODS = ("allgather", "alltoall")
 GRAD_REDUCE = "all_reduce-average"
@@ -127,8 +142,6 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
-    from .reference import optimizer_class
-
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
         raise NotImplementedError("real context-parallel runs use the hand-written GPT-2 / Llama reference models")
@@ -192,12 +205,6 @@ def enable_cpu_ring_attention() -> None:
     global _enabled
     if _enabled:
         return
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._op_schema import RuntimeSchemaInfo
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
-    from torch.distributed.tensor.placement_types import Shard
-    import torch.distributed.tensor.experimental._context_parallel._attention as attention
-    import torch.distributed.tensor.experimental._context_parallel._sharding_rules as rules
 
     aten = torch.ops.aten
     fwd = getattr(aten, _CPU_FWD).default
@@ -251,8 +258,6 @@ def enable_cpu_ring_attention() -> None:
 
 def cp_options() -> dict:
     """torch's `_cp_options` now: rotate_method ("allgather" / "alltoall"), enable_load_balance, convert_to_f32."""
-    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options, _RotateMethod
-
     rotate = {_RotateMethod.ALL_GATHER: "allgather", _RotateMethod.ALL_TO_ALL: "alltoall"}[_cp_options.rotate_method]
     return {"rotate_method": rotate, "enable_load_balance": bool(_cp_options.enable_load_balance),
             "convert_to_f32": bool(_cp_options.convert_to_f32)}
@@ -263,8 +268,6 @@ def cp_options() -> dict:
 def _gpt2_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
     """traces/reference/nanogpt.py `GPT.forward` (GPT-2) with the positions read from the `cp_positions` buffer (the
     rank's load-balanced positions under CP) instead of `arange(t)`."""
-    from .reference import run_segment
-
     x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(self.cp_positions))
     for seg in self.segments:
         x = run_segment(torch.nn.Sequential(*(self.transformer.h[i] for i in seg.layers)), seg.wrap, x)
@@ -278,8 +281,6 @@ def _gpt2_forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
 def _llama_forward(self, idx: torch.Tensor) -> torch.Tensor:
     """traces/reference/nanogpt.py `LlamaModel.forward` with the rotary positions read from the `cp_positions` buffer
     (as fp32, as the reference's float arange) instead of `arange(T)`."""
-    from .reference import run_segment
-
     x = self.embed_tokens(idx)
     pos = self.cp_positions.to(torch.float32)
     freqs = torch.outer(pos, self.inv_freq)
@@ -303,8 +304,6 @@ def build_cp_model(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int
     """The reference model of `run_config(model_cfg)` with its positions in a `cp_positions` buffer (int64, the
     whole sequence `setup.seq_len`) read by the bound `_gpt2_forward` / `_llama_forward`: the model a CP rank
     runs, and, outside `context_parallel`, the same computation as the reference model."""
-    from .reference import build_model
-
     model = build_model(run_config(model_cfg), setup, seed=seed)
     positions = torch.arange(setup.seq_len, dtype=torch.long)
     holder = model if model_cfg.family == "gpt2" else model.model
@@ -320,18 +319,7 @@ def position_buffer(model: torch.nn.Module) -> torch.Tensor:
 # -- one rank -----------------------------------------------------------------------------------------------
 
 def _measure_rank(rank: int, job: CPJob) -> EventLog:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import set_rotate_method
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import \
-        _create_default_load_balancer
 
-    from .reference import make_batch, torch_optimizer
-    from .distributed import apply_fsdp2, unit_params
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
     torch.set_num_threads(1)
     enable_cpu_ring_attention()
@@ -419,8 +407,6 @@ def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: i
     """The same steps in this process without CP (the whole sequence, `build_cp_model`, same data and optimizer):
     [[step, micro_batch, loss]], to compare with the mean over cp ranks of each rank's `losses` (ring attention
     is exact; the averaged gradients make every step the same)."""
-    from .reference import make_batch, torch_optimizer
-
     model = build_cp_model(model_cfg, setup, seed=seed)
     optimizer = torch_optimizer(model.parameters(), setup, lr)
     batches = make_batch(model_cfg, setup, seed=seed + 1)

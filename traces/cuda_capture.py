@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.config import ConfigError
+from ..models.costs import DEVICES
+from ..models.trace.model import TracedModel
 from ..simulator.events import EventLog, Phase
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
@@ -177,7 +179,6 @@ def place_model(model_config, setup, device: str):
     import torch
 
     from .reference import build_model, make_batch
-    from ..models.trace.model import TracedModel
 
     if isinstance(model_config, TracedModel):
         with torch.device(device):
@@ -297,8 +298,6 @@ def allocator_rules(torch_version: str) -> str:
 def gpu_profile(capability, total_memory: int | None = None) -> str | None:
     """The peakledger device profile of a GPU: the CUDA profiles of its compute capability, the one whose memory
     is nearest the GPU's (9.0 is both H100-80GB and H200-141GB); None when no profile has that capability."""
-    from ..models.costs import DEVICES
-
     cc = tuple(capability) if capability is not None else None
     same = [p for p in DEVICES.values() if p.is_cuda and p.compute_capability == cc]
     if not same:

@@ -54,11 +54,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
-from .reference import optimizer_class, torch_optimizer
 from ..simulator.events import Category, EventLog, Phase
+from .reference import build_model, make_batch, optimizer_class, torch_optimizer
 from .store import load_log, save_log
+from .tracker import AllocationTracker, live_bytes, peak, training_loop
 
 ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
 BACKENDS = ("gloo", "fake")
@@ -151,8 +159,6 @@ def spawn_ranks(main, job, nprocs: int, timeout_s: float, what: str) -> None:
     """Start `main(rank, job)` in one process per rank and wait for all of them, bounded by `timeout_s`. A rank
     that raises makes torch.multiprocessing terminate the others and raise ProcessRaisedException (re-raised as
     RuntimeError); past the deadline every still running rank is killed."""
-    import torch.multiprocessing as mp
-
     context = mp.start_processes(main, args=(job,), nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
@@ -177,10 +183,7 @@ def _kill_all(processes) -> None:
 
 def _rank_main(rank: int, job: RankJob) -> None:
     """The body of one spawned process: join the group, run, save the log, always leave the group."""
-    import torch.distributed as dist
-
     if job.backend == "fake":  # torch's fake process group: no peers, no transport, no worker threads
-        from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
         try:
             save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
@@ -195,8 +198,6 @@ def _rank_main(rank: int, job: RankJob) -> None:
 def gloo_group(rank: int, world_size: int, port: int, timeout_s: float):
     """Join a gloo process group over 127.0.0.1 (rank 0 serves the TCPStore on a loopback socket); on a normal
     exit no rank leaves (tearing the group down) while another still communicates; always leave the group."""
-    import torch.distributed as dist
-
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     timeout = datetime.timedelta(seconds=timeout_s)
     with _loopback_listener(rank, port) as listener:
@@ -228,9 +229,6 @@ def _loopback_listener(rank: int, port: int):
 
 
 def _measure_rank(rank: int, job: RankJob) -> EventLog:
-    from .reference import build_model, make_batch
-    from .tracker import AllocationTracker, training_loop
-
     torch.set_num_threads(1)
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)  # identical replicas on every rank
@@ -310,8 +308,6 @@ def apply_fsdp2(model: torch.nn.Module, reshard_after_forward: bool, root_reshar
     the whole world; a "dp" sub-mesh in a device-mesh run); every unit's collectives then released by the
     process group before they return (`wrap_released`), counted in `release` (a new `ReleaseCount` when None),
     which is returned."""
-    from torch.distributed.fsdp import fully_shard
-
     for unit in fsdp_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard_after_forward)
@@ -322,8 +318,6 @@ def wrap_released(model: torch.nn.Module, release: "ReleaseCount") -> "ReleaseCo
     """Every FSDP2 unit of `model` with its all-gather and reduce-scatter returning only once the process group
     has released their tensors (`BackendReleased`), counted in `release`, which is returned. The tracker's
     labelling comms (`tracker.FSDPLabels`) wrap these."""
-    from torch.distributed.fsdp import FSDPModule
-
     for unit in model.modules():
         if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
             group = unit._get_fsdp_state()._fsdp_param_groups[0]
@@ -394,8 +388,6 @@ class BackendReleased:
 
     @staticmethod
     def all_gather(inner, count: ReleaseCount):
-        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
-
         class ReleasedAllGather(AllGather):
             def allocate(self, size, *, dtype, device):
                 return inner.allocate(size, dtype=dtype, device=device)
@@ -408,8 +400,6 @@ class BackendReleased:
 
     @staticmethod
     def reduce_scatter(inner, count: ReleaseCount):
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-
         class ReleasedReduceScatter(ReduceScatter):
             def allocate(self, size, *, dtype, device):
                 return inner.allocate(size, dtype=dtype, device=device)
@@ -452,8 +442,6 @@ def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: fl
 
 def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
     """Each FSDP2 unit (module path, the root as "model") with the parameters it shards."""
-    from torch.distributed.fsdp import FSDPModule
-
     names = {id(p): n for n, p in model.named_parameters()}
     units = {}
     for path, module in model.named_modules():
@@ -475,8 +463,6 @@ class DDP:
 
     @classmethod
     def inside_tracking(cls, prepared: Prepared, tracker, job: RankJob) -> Running:
-        from torch.nn.parallel import DistributedDataParallel
-
         with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
             wrapped = DistributedDataParallel(prepared.model)  # broadcasts rank 0's state, builds the buckets
             if job.backend == "fake":
@@ -496,8 +482,6 @@ def fake_group_allreduce_hook(process_group, bucket):  # unannotated: DDP checks
     value, and DDP's reducer asserts that a hook's result is a tensor (torch/csrc/distributed/c10d/
     comm.cpp, `parseHookResult`); gloo's and NCCL's all-reduce complete with the bucket they reduced in
     place, so the memory is the same: nothing allocated, the bucket reused."""
-    import torch.distributed as dist
-
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     buffer.div_(group.size())
@@ -512,8 +496,6 @@ class ZeRO(DDP):
 
     @classmethod
     def before_tracking(cls, model: torch.nn.Module, job: RankJob) -> Prepared:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         cls, kwargs = optimizer_class(job.setup)
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, lr=job.lr, **kwargs)
         return Prepared(model, zero.optim, model, zero)
@@ -558,8 +540,6 @@ class RankPeak:
 
 
 def rank_peak(log: EventLog) -> RankPeak:
-    from .tracker import live_bytes, peak
-
     nbytes, index = peak(log)
     event = log.events[index]
     return RankPeak(rank=log.metadata.get("rank", event.block.rank), nbytes=nbytes, index=index,

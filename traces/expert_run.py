@@ -46,12 +46,17 @@ import types
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.expert import TOKEN_GROUP_ALIGN_SIZE_M
 from ..simulator.events import EventLog, Phase
-from .distributed import free_loopback_port, gloo_group, holders, spawn_ranks, wait_released, ReleaseCount
+from .distributed import ReleaseCount, free_loopback_port, gloo_group, holders, spawn_ranks, wait_released
+from .reference import build_model, make_batch, torch_optimizer
+from .reference.mixtral import RoutingRecorder
 from .store import load_log, save_log
+from .tracker import AllocationTracker, training_loop
 
 ROUTINGS = ("measured", "worst")
 RELEASE_TIMEOUT_S = 5.0
@@ -125,8 +130,6 @@ class AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x, output_splits, input_splits, group):
-    import torch.distributed as dist
-
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
     before = holders((out, x))
     dist.all_to_all_single(out, x, output_splits, input_splits, group=group)
@@ -137,7 +140,6 @@ def _all_to_all(x, output_splits, input_splits, group):
 def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """transformers' `grouped_mm_experts_forward` with torchtitan's token dispatch and combine around the grouped
     matmuls (see the module notes); `self` is a MixtralExperts cut to `self.ep_local` experts."""
-    import torch.distributed as dist
     from transformers.integrations.moe import _grouped_linear
 
     ep, E_l, E = self.ep_size, self.ep_local, self.num_experts
@@ -242,12 +244,6 @@ def _rank_main(rank: int, job: ExpertJob) -> None:
 
 
 def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .reference import build_model, make_batch, torch_optimizer
-    from .reference.mixtral import RoutingRecorder
-    from .tracker import AllocationTracker, training_loop
 
     torch.set_num_threads(1)
     cfg, setup = job.model_cfg, job.setup

@@ -63,12 +63,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.parallel.stages import rank_stages, stage_layout
 from ..simulator.events import EventLog
-from .distributed import free_loopback_port, gloo_group, spawn_ranks
-from .pipeline_run import PipelineJob
+from .distributed import apply_fsdp2, free_loopback_port, gloo_group, spawn_ranks, unit_params
+from .pipeline_run import (
+    SCHEDULES,
+    PipelineJob,
+    build_pipeline,
+    label_pipeline,
+    run_pipeline_steps,
+    stage_modules,
+    stage_records,
+)
+from .reference import build_model, make_batch, optimizer_class, torch_optimizer
 from .store import load_log, save_log
+from .tensor_run import DTensorTracker, optimizer_groups, parallelize
+from .tracker import training_loop
 
 MESH_DIMS = ("pp", "dp", "tp")
 PRECISIONS = ("fp32", "bf16")
@@ -126,10 +141,6 @@ def _describe(setup: TrainingSetup) -> str:
 def check_mesh(model_cfg, setup: TrainingSetup) -> None:
     """Refuse, before any process starts, what `measure_mesh` does not run (ValueError for a layout that
     cannot be, NotImplementedError for one not measured yet)."""
-    from ..models.parallel.stages import stage_layout
-    from .reference import optimizer_class
-    from .pipeline_run import SCHEDULES
-
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
         raise NotImplementedError("mesh runs use the hand-written dense GPT-2 / Llama reference models "
@@ -180,8 +191,6 @@ def _rank_main(rank: int, job: MeshJob) -> None:
 
 def build_mesh(setup: TrainingSetup):
     """The device mesh of the dimensions larger than 1, outermost first (torchtitan's ParallelDims order)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     dims = [(n, s) for n, s in mesh_sizes(setup).items() if s > 1]
     return init_device_mesh("cpu", tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims))
 
@@ -211,8 +220,6 @@ def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
 
 def _placements(model: nn.Module) -> dict[str, str]:
     """Each parameter's placements and local shape (what FSDP2 and TP made of it)."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for n, p in model.named_parameters():
         if isinstance(p, DTensor):
@@ -224,20 +231,12 @@ def _placements(model: nn.Module) -> dict[str, str]:
 
 def _fsdp_details(setup: TrainingSetup, model: nn.Module, release) -> dict:
     """What the metadata records of FSDP2 on the dp sub-mesh (as traces/distributed.py records its engine)."""
-    from .distributed import unit_params
-
     return {"dp_engine": "fsdp2", "reshard_after_forward": setup.reshard_after_forward,
             "root_reshard_after_forward": None, "fsdp_units": unit_params(model),
             "backend_release": dataclasses.asdict(release)}
 
 
 def _measure_fsdp_tp(rank: int, job: MeshJob, mesh, coords: dict):
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from .reference import build_model, make_batch, torch_optimizer
-    from .distributed import apply_fsdp2
-    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
-    from .tracker import training_loop
 
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)
@@ -262,13 +261,6 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     parallelize.py applied to each model part): each stage module tensor-parallelized on "tp", then
     `fully_shard` on its blocks and on the stage module itself with "dp" (the stage is the FSDP2 root that
     PipelineStage drives: no gradient sync before the last micro-batch's backward, then its post-backward)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from ..models.parallel.stages import rank_stages
-    from .reference import make_batch, torch_optimizer
-    from .distributed import apply_fsdp2
-    from .pipeline_run import build_pipeline, label_pipeline, run_pipeline_steps, stage_modules, stage_records
-    from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, coords["pp"])

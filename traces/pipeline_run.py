@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import os
 import tempfile
 from dataclasses import dataclass
@@ -35,12 +36,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, schedules
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.parallel.checks import check_model_parallel
 from ..models.parallel.stages import StageSpec, rank_stages
 from ..simulator.events import Category, EventLog, Phase
 from .distributed import free_loopback_port, gloo_group, spawn_ranks
+from .reference import build_model, make_batch, optimizer_class, torch_optimizer
 from .store import load_log, save_log
+from .tracker import AllocationTracker
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
@@ -71,9 +76,6 @@ def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed
 
 
 def _check(model_cfg, setup: TrainingSetup) -> None:
-    from ..models.parallel.checks import check_model_parallel
-    from .reference import optimizer_class
-
     if setup.pp < 2:
         raise ValueError(f"a pipeline run needs pp >= 2, got {setup.pp}")
     if setup.pp_schedule not in SCHEDULES:
@@ -181,9 +183,6 @@ def stage_modules(cfg: TransformerConfig, setup: TrainingSetup, specs: list[Stag
                   seed: int) -> tuple[list[StageModule], torch.dtype]:
     """The stage modules of `specs` (training mode) cut out of the reference model, built as every rank builds it
     (`seed`) and dropped again, and the dtype of its parameters."""
-    import gc
-
-    from .reference import build_model
 
     full = build_model(cfg, setup, seed=seed)
     dtype = next(full.parameters()).dtype
@@ -199,8 +198,6 @@ def build_pipeline(modules: list[nn.Module], specs: list[StageSpec], cfg: Transf
     forward) whose peers are the ranks of `group` (None: the default group), scheduled by `setup.pp_schedule`
     over `setup.grad_accum` micro-batches with `pipeline_loss`. Returns (stages, schedule, the module the
     tracker names: the one stage module, or a ModuleDict of them keyed "stage<index>")."""
-    from torch.distributed.pipelining import PipelineStage, schedules
-
     n_stages = setup.pp * setup.virtual_stages
     stages = []
     for spec, module in zip(specs, modules):
@@ -223,9 +220,6 @@ def stage_records(specs: list[StageSpec]) -> list[dict]:
 
 
 def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
-    from .reference import make_batch, torch_optimizer
-    from .tracker import AllocationTracker
-
     torch.set_num_threads(1)
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, rank)

@@ -10,6 +10,8 @@ the ones to trust, the profiler's bytes are the cross-check.
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action as PAction
 
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
 from .tracker import _batch_for
@@ -27,8 +29,6 @@ def _category(profiler_category) -> Category:
 def profiled_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
                     grad_accum: int = 1, set_to_none: bool = True, seed: int = 0):
     """The tracker's training loop under torch.profiler (profile_memory=True); its MemoryProfile."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
@@ -47,8 +47,6 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
                            grad_accum: int = 1, set_to_none: bool = True, seed: int = 0) -> EventLog:
     """The tracker's training loop under torch.profiler; the memory timeline as an EventLog (CPU only,
     the host-side `batches` themselves excluded, as the tracker excludes them)."""
-    from torch.profiler._memory_profiler import Action as PAction
-
     memory = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed)
     cpu = torch.device("cpu")
     host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}
@@ -86,8 +84,6 @@ def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batc
     """The same loop under `torch.profiler` (profile_memory=True): the memory timeline's peak bytes on CPU,
     event by event, pre-existing tensors included except the host-side `batches` themselves (the tracker
     does not count them either: it counts the per-micro-batch copies, as the simulator does)."""
-    from torch.profiler._memory_profiler import Action as PAction
-
     timeline = profiled_memory(model, optimizer, batches, steps, grad_accum, set_to_none, seed).timeline
     cpu = torch.device("cpu")
     host_batch = {t.untyped_storage().data_ptr() for b in batches for t in b}

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 from ..simulator.files import InputError, digits_message, read_input, too_many_digits, write_atomic
 from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
-from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 
 FORMAT = "peakledger-trace"
 VERSION = 1
@@ -140,7 +141,6 @@ def _unpacked(data: bytes, path, field_name: str) -> bytes:
     """gzip'd content unpacked (told by its magic bytes), within the same cap."""
     if not data.startswith(b"\x1f\x8b"):
         return data
-    import zlib
     d = zlib.decompressobj(wbits=31)
     try:
         out = d.decompress(data, TRACE_FILE_LIMIT + 1)

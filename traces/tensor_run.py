@@ -54,13 +54,37 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.trace.realpath import fake_mode_active
 from ..simulator.events import EventLog
-from .distributed import free_loopback_port, gloo_group, spawn_ranks
-from .store import load_log, save_log
 from . import tracker as _tracker
+from .distributed import (
+    ReleaseCount,
+    free_loopback_port,
+    gloo_group,
+    holders,
+    spawn_ranks,
+    transformer_blocks,
+    wait_released,
+)
+from .reference import build_model, make_batch, optimizer_class, torch_optimizer
+from .store import load_log, save_log
+from .tracker import training_loop
 
 
 @dataclass(frozen=True)
@@ -93,8 +117,6 @@ def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
 
 
 def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) -> None:
-    from .reference import optimizer_class
-
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
         raise NotImplementedError("real tensor-parallel runs use the hand-written GPT-2 / Llama reference models")
@@ -129,10 +151,6 @@ def tp_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     cut from one (traces/pipeline_run.py `StageModule`: the model's module names, its blocks keyed by their index
     in the whole model): see the module docstring. Every entry outside the blocks is written; `parallelize` drops
     those naming a module the stage does not hold."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
-
     sp = sequence_parallel
     act = Shard(1) if sp else Replicate()  # the layout of the activations between blocks
     plan: dict = {}
@@ -189,10 +207,6 @@ def parallelize(model: nn.Module, tp: int, sequence_parallel: bool, mesh=None) -
     `tp` ranks (`mesh`: that mesh or a "tp" sub-mesh; None: a new one over the whole world): the plan's entries
     that name a module of `model` (a stage holds some of the model's modules), attention on local heads
     (`localize_attention`), a tied embedding re-tied when `model` holds both the embedding and the head."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    from .distributed import transformer_blocks
 
     mesh = mesh if mesh is not None else init_device_mesh("cpu", (tp,))
     names = {n for n, _ in model.named_modules()}
@@ -226,8 +240,6 @@ def optimizer_groups(model: nn.Module) -> list[dict]:
     on the (dp, tp) mesh, the others on the dp mesh alone), and each group is stepped on its own
     (torch/optim/adam.py `step`: one `adam(...)` call per group). Tensor parallelism alone: the DTensors, then
     the plain tensors."""
-    from torch.distributed.tensor import DTensor
-
     groups: dict = {}
     for p in model.parameters():
         key = id(p.device_mesh) if isinstance(p, DTensor) else None
@@ -243,8 +255,6 @@ FUNCOL = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_
 
 def _storage_key(t: torch.Tensor) -> int | None:
     """The data pointer of a plain tensor's storage (a wrapper subclass: None)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     if is_traceable_wrapper_subclass(t):
         return None
     try:
@@ -276,8 +286,6 @@ class _DTensorAwareMode(_tracker._Mode):
         return self._dispatch(func, types_, args, kwargs)
 
     def _collective(self, func, types_, args, kwargs):
-        from .distributed import ReleaseCount, holders, wait_released
-
         if fake_mode_active():
             return self._dispatch(func, types_, args, kwargs)
         name = func.name().split("::")[-1].split(".")[0]
@@ -298,10 +306,6 @@ class _DTensorAwareMode(_tracker._Mode):
         return out
 
     def _dispatch(self, func, types_, args=(), kwargs=None):
-        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-        from torch.utils._pytree import tree_flatten
-
-        from torch._subclasses.fake_tensor import FakeTensor
 
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         # DTensor's shape propagation: no memory
@@ -327,10 +331,6 @@ class DTensorTracker(_tracker.AllocationTracker):
 # -- one rank -------------------------------------------------------------------------------------------------
 
 def _measure_rank(rank: int, job: TPJob) -> EventLog:
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    from .reference import build_model, make_batch, torch_optimizer
-    from .tracker import training_loop
 
     torch.set_num_threads(1)
     setup = job.setup

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
 from .boundary import user_code
+from .gpu_paths import cuda_tape
 from .model import TracedModel, from_hf_dict, from_module_spec
 
 _CACHE: OrderedDict = OrderedDict()
@@ -147,8 +148,11 @@ def _remember(key: tuple, rec):
 def _trace_failure(e: Exception) -> str:
     """What went wrong while tracing, in words: a value the trace cannot know, an op with no fake-tensor rule,
     or the model's own error; with the module it happened in."""
-    from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
-                                               UnsupportedOperatorException)
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedOperatorException,
+    )
 
     where = getattr(e, "peakledger_where", None)
     at = f" (in module {where})" if where else ""
@@ -230,7 +234,6 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
     if cpu:
         return tape
-    from .gpu_paths import cuda_tape
     return cuda_tape(tape, *target)
 
 

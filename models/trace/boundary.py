@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import sys
 import threading
@@ -32,7 +33,6 @@ REAL_BYTES = 2 << 30  # a factory's (or its module's import's) real memory at mo
 def _rss() -> tuple[int, int]:
     """(resident size now, peak resident size) of the process, in bytes (Linux: /proc/self/statm in pages, and
     ru_maxrss in kilobytes); (0, 0) where neither can be read."""
-    import resource
     try:
         with open("/proc/self/statm") as f:
             now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .record import BackwardNode, ForwardOp, Recording, Storage
+import torch
+
+from .record import BackwardNode, ForwardOp, Recording, Storage, find_layers
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # HF config keys that count a decoder's layers
 TRACED = 3  # layers traced for the derivation; TRACED + 1 traced to check it
@@ -237,9 +239,6 @@ def uniform(model, setup) -> bool:
     the same modules, parameter shapes and dtypes, and the same plain attributes (a sliding window, an attention
     type, a dense or sparse MLP) but its index. A pattern that repeats every k layers shows here, where traces of
     3 and 4 layers could miss it. The model must be one list of layers."""
-    import torch
-
-    from .record import find_layers
 
     with torch.device("meta"):
         net = model.build(setup)[0]

@@ -20,10 +20,20 @@ Fake tensors have shapes but no values, and some code takes another path on them
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor
+from torch._subclasses import fake_impls
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    FakeTensor,
+    in_kernel_invocation_manager,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -92,7 +102,6 @@ class Shadows:
     ones): the others' values are the weights', which a trace does not have."""
 
     def __init__(self, float_limit: int = 0) -> None:
-        from torch.utils.weak import WeakIdKeyDictionary
         self.values = WeakIdKeyDictionary()
         self.draws = WeakIdKeyDictionary()  # tensors made only of random draws and known values -> (lo, hi) | None
         self.float_limit = float_limit
@@ -109,11 +118,9 @@ class Shadows:
         if any(isinstance(t, FakeTensor) and t not in self.values for t in leaves):
             return None
         swap = lambda a: self._value(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
-        from torch.utils._pytree import tree_map
         return tree_map(swap, args), tree_map(swap, kwargs or {})
 
     def run(self, func, real):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
         with unset_fake_temporarily():
             return func(*real[0], **real[1])
 
@@ -151,13 +158,11 @@ class Shadows:
             for f, r in zip(fakes, flat):
                 if isinstance(r, torch.Tensor) and (r.dtype in SHADOW_DTYPES and r.numel() <= SHADOW_LIMIT):
                     self.values[f] = r
-            from torch.utils._pytree import tree_unflatten
             return "out", tree_unflatten(fakes, spec)
         if func in CTC_LOSS:  # the outputs' shape: the batch, the input frames, twice the longest target + 1
             lengths = [self._value(a) if isinstance(a, torch.Tensor) else a for a in args[2:4]]
             if any(v is None for v in lengths):
                 return None
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
             with unset_fake_temporarily():
                 longest = max((int(n) for n in (lengths[1].tolist() if isinstance(lengths[1], torch.Tensor)
                                                 else lengths[1])), default=0)
@@ -171,7 +176,6 @@ class Shadows:
         for index in args[1]:
             value = self.values.get(index) if isinstance(index, FakeTensor) else None
             if value is not None and value.dtype in (torch.bool, torch.uint8):
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     positions = value.nonzero().unbind(1)
                 indices += [fake.fake_mode.from_tensor(k) for k in positions]
@@ -242,7 +246,6 @@ class Shadows:
         if decide is not None and bounds is not None and isinstance(args[1], (int, float)) and len(fakes) == 1:
             answer = decide(bounds[0], bounds[1], args[1])
             if answer is not None:  # every draw gives the same answer: a value
-                from torch._subclasses.fake_tensor import unset_fake_temporarily
                 with unset_fake_temporarily():
                     self.values[fakes[0]] = torch.full(fakes[0].shape, answer, dtype=torch.bool)
                 return
@@ -306,8 +309,6 @@ class cpu_fake_kernels:
     (aten/src/ATen/native/GroupedMMUtils.h `create_grouped_gemm_output_tensor`)."""
 
     def __enter__(self):
-        from torch._subclasses import fake_impls
-
         self.table = fake_impls.op_implementations_dict
         self.op = torch.ops.aten._grouped_mm.default
         self.previous = self.table.get(self.op)
@@ -329,7 +330,6 @@ class real_code_paths:
     are answered by `Shadows`."""
 
     def __enter__(self):
-        import sys
         self.module = sys.modules.get("transformers.utils.import_utils")
         if self.module is not None:
             self.previous = self.module.is_fake_tensor
@@ -343,8 +343,6 @@ class real_code_paths:
 
 
 def _fake_grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
     a2, b2 = mat_a.dim() == 2, mat_b.dim() == 2
     if a2 and b2:
         shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
@@ -395,8 +393,6 @@ def lru_caches(model: torch.nn.Module) -> list:
     """The `functools.lru_cache` wrappers of the Python modules defining `model`'s module classes: module-level
     functions, and functions, static and class methods of classes defined there, directly or inside a
     decorator's closure (transformers' `compile_compatible_method_lru_cache` wraps its `lru_cache`)."""
-    import sys
-
     found: dict[int, object] = {}
 
     def visit(obj, depth: int = 0) -> None:
@@ -452,7 +448,6 @@ class view_replays:
     and views whose memory overlaps (as_strided_backward's index_add path)."""
 
     def __init__(self) -> None:
-        import weakref
         self.weakref = weakref
         self.pending: list = []
 

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ...models.config import TrainingSetup, TransformerConfig
 from ...models.lora import targets
+from .qlora import quantize_linears
 
 
 def apply_lora(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -> nn.Module:
@@ -21,7 +22,6 @@ def apply_lora(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -
 
     chosen = targets(cfg, setup)
     if setup.quantize != "none":
-        from .qlora import quantize_linears  # bitsandbytes, imported only for QLoRA
         quantize_linears(model, cfg, setup)
     config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
                         target_modules=list(chosen), bias="none")

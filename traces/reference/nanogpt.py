@@ -47,6 +47,7 @@ and "full" only (its own switch).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -112,7 +113,6 @@ def attention_core(fn, checkpointed: bool, *tensors: torch.Tensor) -> torch.Tens
 
 def autocast_context(setup: TrainingSetup | None):
     """The context the forward pass and loss run under: torch.autocast("cpu", bf16) for "bf16-autocast"."""
-    import contextlib
     if setup is not None and setup.precision == "bf16-autocast":
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
