@@ -37,13 +37,13 @@ from .analysis.validate import PeakPair, compare_logs, render_validation, valida
 from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
 from .cmd_calibrate import register as register_calibrate
 from .cmd_explain import cmd_explain, cmd_replay
+from . import inputs  # its host limit by attribute: a test gives another
 from .inputs import (
     VALIDATE_DEFAULTS,
     check_command_outputs,
     check_common,
     check_real_run,
     host_need,
-    real_run_limit,
     real_run_scenario,
     scenario_for_trace,
     scenario_from_args,
@@ -56,7 +56,8 @@ from .simulator.allocator import AllocatorConfig
 from .simulator.engine import simulate
 from .simulator.files import InputError, digits_message, too_many_digits
 from .simulator.timeline import timeline
-from .traces.cuda_capture import allocator_rules, capture_cuda, check_capturable, cuda_device, is_cuda_trace
+from .traces import cuda_capture  # its GPU probe and capture by attribute: a test stands in for them
+from .traces.cuda_capture import allocator_rules, check_capturable, is_cuda_trace
 from .traces.store import load_trace, save_log, with_event_index_times
 
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
@@ -242,7 +243,7 @@ def _capture_cuda(args, scenario) -> int:
     check_capturable(scenario)
     gpu = _check_cuda_capture(args, scenario)
     snapshot = args.output + ".snapshot.pickle"
-    trace = capture_cuda(scenario, snapshot, device=gpu)
+    trace = cuda_capture.capture_cuda(scenario, snapshot, device=gpu)
     save_log(trace.allocated, args.output)
     meta = trace.allocated.metadata
     print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} on {meta['gpu']} (peak "
@@ -263,7 +264,7 @@ def _check_cuda_capture(args, scenario) -> dict:
     host (the model built there before it moves; peakledger/inputs.py host_need) against half of this machine's
     memory, on the device (the simulation on the GPU's profile, with its torch's allocator rules) against the
     GPU's free memory. Either over: refused unless --force."""
-    gpu = cuda_device()
+    gpu = cuda_capture.cuda_device()
     profile = gpu["profile"]
     if profile is None:
         profile = scenario.device if device_profile(scenario.device).is_cuda else "H100-80GB"
@@ -277,7 +278,7 @@ def _check_cuda_capture(args, scenario) -> dict:
     except InputError:
         conf = ""  # settings the allocator model does not take: the prediction uses the defaults
     need = host_need(scenario, profile, gpu["allocator_rules"], conf)
-    limit = real_run_limit()
+    limit = inputs.real_run_limit()
     if need.host > limit:
         raise ConfigError("force", f"a CUDA capture of {scenario.name} holds about {format_bytes(need.host, 'GiB')} "
                                    f"of host memory (the model built on the host in fp32, "
