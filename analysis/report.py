@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
+from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
 from ..simulator.timeline import PeakPoint, rank_events, rank_peak_points, timeline
+from .device import context_of, device_json, device_lines, gpu_memory
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
-from .device import context_of, device_json, device_lines, gpu_memory
 from .peaks import Peaks, peaks, with_headroom
-from ..simulator.device_memory import DeviceMemory
 from .units import format_bytes
 
 REPORT_VERSION = 1

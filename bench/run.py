@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import replace
 
+from sections import replace_sections  # bench/sections.py, beside this script
+
 from peakledger import build_scenario, max_micro_batch
 from peakledger.analysis.checkpointing import optimal_checkpointing, policy_table, render_optimal, render_table
 from peakledger.analysis.report import summarize
@@ -21,8 +23,6 @@ from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.sweep import run_sweep
-from sections import replace_sections  # bench/sections.py, beside this script
-
 
 # the 1000-point sweep (also timed per engine by bench/sweep_engines.py)
 SWEEP_GRID = {"micro_batch": list(range(1, 11)), "seq_len": [128, 256, 512, 768, 1024], "zero_stage": [0, 1, 2, 3],

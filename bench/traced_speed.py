@@ -34,8 +34,7 @@ from peakledger import api
 from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.config import TrainingSetup
 from peakledger.models.costs import device_profile
-from peakledger.models.trace import depth
-from peakledger.models.trace import from_hf_dict
+from peakledger.models.trace import depth, from_hf_dict
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate

@@ -14,8 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from peakledger.analysis.allocator_replay import replay_snapshot
 from sections import replace_section  # bench/sections.py, beside this script
+
+from peakledger.analysis.allocator_replay import replay_snapshot
 
 SECTION = "## GPU allocator: replay of real CUDA snapshots"
 

@@ -351,9 +351,9 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     the host and moved, the batches left on the host (`run_loop` copies each micro-batch in, as the CPU tracker's
     loop clones it). Traced models: built under `torch.device(device)`, as the loss closes over the factory's batch,
     which must be there too (traces/reference/traced.py real_model)."""
-    from peakledger.traces.reference import make_optimizer
     from peakledger.models.trace.model import TracedModel
     from peakledger.traces.cuda_capture import place_model
+    from peakledger.traces.reference import make_optimizer
 
     setup = scenario.setup
     traced = isinstance(scenario.model, TracedModel)

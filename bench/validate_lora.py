@@ -23,11 +23,10 @@ import time
 import warnings
 from pathlib import Path
 
-from sections import replace_section  # bench/sections.py, beside this script
-
 import bitsandbytes
 import peft
 import torch
+from sections import replace_section  # bench/sections.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -59,9 +58,10 @@ def real_runs() -> list[str]:
 
 
 def must_show() -> list[str]:
-    from peakledger.cli import main as cli_main  # imported once: the in-process time is the command's own work
     import contextlib
     import io
+
+    from peakledger.cli import main as cli_main  # imported once: the in-process time is the command's own work
 
     rows = ["| command | process wall time (best of 3) | in process, after imports (best of 3) | peak | parameter.frozen_base | parameter.adapter | gradient (max) "
             "| optimizer states |", "|---|---:|---:|---:|---:|---:|---:|---:|"]

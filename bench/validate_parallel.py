@@ -20,7 +20,8 @@ import sys
 import time
 
 from sections import replace_section  # bench/sections.py, beside this script
-from validate_expert import SECTION as EXPERT_SECTION, expert_section  # beside this script
+from validate_expert import SECTION as EXPERT_SECTION  # beside this script
+from validate_expert import expert_section
 
 from peakledger.analysis.validate import compare_logs, static_rows
 from peakledger.models.config import TrainingSetup

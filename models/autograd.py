@@ -42,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..simulator.events import Block, Category, Phase
+from . import replay_template
 from .config import dtype_bytes
 from .gpu import gemm_takes_cublaslt
-from . import replay_template
 from .replay_offload import OffloadedSaves
 from .replay_recorded import RecordedBackward
 from .tape import Tape, TapeOp, TensorSpec

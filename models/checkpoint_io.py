@@ -117,7 +117,8 @@ from dataclasses import dataclass, replace
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from .config import dtype_bytes
-from .optimizers import BNB_QMAP_BYTES, state_specs, step_pool as optimizer_step_pool
+from .optimizers import BNB_QMAP_BYTES, state_specs
+from .optimizers import step_pool as optimizer_step_pool
 from .parallel import FSDP2, dim0_shard
 
 STORAGE_BANDWIDTH = 2e9  # bytes/s one rank writes to or reads from checkpoint storage (assumption; timing only)

@@ -24,7 +24,7 @@ from .config import ConfigError, TrainingSetup, TransformerConfig
 from .moe import moe_block
 from .parallel.expert import EXPERT_WEIGHTS, ExpertParallelTape
 from .tape import Tape, TensorSpec
-from .transformer import _HFWriter, _hf_causal_lm_loss, transformer_params
+from .transformer import _hf_causal_lm_loss, _HFWriter, transformer_params
 
 MIXTRAL_CHECKPOINTING = ("none",)
 

@@ -49,8 +49,8 @@ import contextlib
 
 from . import gpu, lora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 from .moe import moe_params
+from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 
 
 class _Writer:

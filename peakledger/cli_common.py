@@ -10,9 +10,23 @@ import sys
 
 from .analysis.units import parse_bytes
 from .inputs import DP_INT_FLAGS, MODEL_FLAG_TYPES
-from .models.config import (BUILDS, CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, REDUCE_DTYPES,
-                            SAVE_MODES, ConfigError)
+from .models.config import (
+    BUILDS,
+    CHECKPOINTING,
+    DP_ENGINES,
+    LOAD_MODES,
+    OFFLOAD_FIRST_STEPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZER_OFFLOADS,
+    OPTIMIZERS,
+    PASSES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    QUANTIZE,
+    REDUCE_DTYPES,
+    SAVE_MODES,
+    ConfigError,
+)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import parse_value

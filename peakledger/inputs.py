@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
-from .models.training import describe
 from .models.trace.model import TracedModel, from_module_spec
+from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool

@@ -22,17 +22,25 @@ TOML layout (every key optional; flags given on the command line override the fi
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .models.config import (COUNT_LIMITS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig,
-                            check_given_knobs, read_config_file)
-from .models.fields import check_types
+import tomllib
+
+from .models.config import (
+    COUNT_LIMITS,
+    ConfigError,
+    MLPConfig,
+    TrainingSetup,
+    TransformerConfig,
+    check_given_knobs,
+    read_config_file,
+)
 from .models.costs import DEVICES
-from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
-from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .models.fields import check_types
 from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
+from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"

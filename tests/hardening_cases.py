@@ -121,7 +121,6 @@ _ALLOC = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 0, 
 
 def _evil_module() -> str:
     """A module file whose import writes a marker file (beside it, in the temporary folder): run = wrong."""
-    import hashlib
     import tempfile
     folder = Path(tempfile.gettempdir())
     path = folder / "peakledger-hardening-evil.py"

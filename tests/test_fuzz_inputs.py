@@ -10,10 +10,10 @@ import math
 import os
 import pickle
 
+from hardening_cases import MLP_TRACE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hardening_cases import MLP_TRACE
 from peakledger import cli
 
 FUZZ = settings(max_examples=int(os.environ.get("PEAKLEDGER_FUZZ_EXAMPLES", "40")), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -6,8 +6,12 @@ import json
 
 import pytest
 
-from peakledger.analysis.peers import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, model_state_peak,
-                                       zero_paper_model_states)
+from peakledger.analysis.peers import (
+    deepspeed_zero2_estimate,
+    deepspeed_zero3_estimate,
+    model_state_peak,
+    zero_paper_model_states,
+)
 from peakledger.analysis.report import report_json, summarize
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup

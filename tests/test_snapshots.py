@@ -14,8 +14,15 @@ from peakledger import build_scenario, run
 from peakledger.analysis.export import chrome_trace, to_snapshot, write_chrome_trace, write_snapshot
 from peakledger.cli import main
 from peakledger.simulator.events import Category
-from peakledger.traces.cuda_snapshot import (SnapshotError, TruncatedTraceError, UnsafePickleError, load_snapshot,
-                                             load_snapshot_devices, parse_snapshot, safe_loads)
+from peakledger.traces.cuda_snapshot import (
+    SnapshotError,
+    TruncatedTraceError,
+    UnsafePickleError,
+    load_snapshot,
+    load_snapshot_devices,
+    parse_snapshot,
+    safe_loads,
+)
 from peakledger.traces.store import load_trace
 
 GPU_TRUTH = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-truth" / "snapshots"

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..simulator.allocator import K_SMALL_SIZE, LARGE, SMALL, round_size
-from ..simulator.files import InputError, read_input
 from ..simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Phase, Pool, Stream
+from ..simulator.files import InputError, read_input
 
 TRACE_FILE_LIMIT = 512 << 20  # bytes of any trace file (a snapshot, a JSON trace, a gzip'd one unpacked)
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset()

@@ -7,8 +7,8 @@ from functools import cached_property
 
 from ...simulator.events import Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_owners
 from .engine import Engine
+from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_owners
 
 
 class DDP(Engine):

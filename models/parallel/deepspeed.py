@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 from .engine import Engine
 from .gathering import Gathering
+from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 
 
 class DeepSpeedReplica(Engine):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from math import prod
 
-
 from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
 from .record import Recording, Storage
