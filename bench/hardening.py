@@ -123,9 +123,11 @@ def main() -> int:
     summary += f".\n\nWrong cases by kind: {by_group}"
     print(summary)
     if args.write:
-        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` (cases: tests/hardening_cases.py, asserted "
+        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` "
+                f"(cases: tests/hardening_cases.py, asserted "
                 f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
-                f"and {args.memory >> 30} GiB of address space at most. 'before' is the peakledger of commit {args.before_commit} "
+                f"and {args.memory >> 30} GiB of address space at most. "
+                f"'before' is the peakledger of commit {args.before_commit} "
                 f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
         path = ROOT / "bench" / "HARDENING.md"
         if not path.exists():

@@ -42,7 +42,8 @@ def best_of(n, fn):
 def main() -> None:
     lines = ["# peakledger benchmarks", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
-             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py` (its sections; other scripts' stay).", ""]
+             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py` "
+             "(its sections; other scripts' stay).", ""]
     lines += ["## One training step of llama-3-70b (bf16-mixed AdamW, micro-batch 1, seq 4096, 1 rank)", "",
               "| stage | seconds | ops | events | events/s |", "|---|---|---|---|---|"]
     s70 = build_scenario({"preset": "llama-3-70b"}, {"micro_batch": 1, "seq_len": 4096, "steps": 1})

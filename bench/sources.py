@@ -35,7 +35,8 @@ def main() -> None:
     lines = ["# Two measured sources: torch.profiler vs the dispatch tracker", "",
              f"Real CPU training runs (fp32, 2 steps), {platform.machine()}, {os.cpu_count()} cores. "
              "Regenerate with `python bench/sources.py`. Bytes at each source's own peak.", "",
-             "| run | profiler peak B | tracker peak B | gap B | categories where the labels differ (profiler / tracker) |",
+             "| run | profiler peak B | tracker peak B | gap B | "
+             "categories where the labels differ (profiler / tracker) |",
              "|---|---:|---:|---:|---|"]
     for name, kw in CASES:
         r = run(name, **kw)

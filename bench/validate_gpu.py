@@ -638,7 +638,8 @@ def replay_lines(rows: list[dict]) -> list[str]:
                        f"{abs(p - rp) / m:.2%} from the predicted program")
     return [f"Allocator check (each snapshot's own allocs and frees replayed through the allocator model, "
             f"bench/gpu_snapshots.py `allocator_replay`): at the addresses cudaMalloc returned in the recording, every "
-            f"block gets the address torch gave it in {at}/{len(done)} runs and the reserved peak is the measured one in "
+            f"block gets the address torch gave it in {at}/{len(done)} runs "
+            f"and the reserved peak is the measured one in "
             f"{same}/{len(done)}." + (f" Reserved peaks predicted otherwise: {'; '.join(off)}." if off else ""), ""]
 
 

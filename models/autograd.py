@@ -82,7 +82,8 @@ def replace_grad(replay, tensor: str, block: Block) -> list[int]:
 
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
         "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
-        "input_bytes", "plan_params", "lt")  # and the bytes each op reads, the parameters its ops read, their GEMMs' path
+        # and the bytes each op reads, the parameters its ops read, their GEMMs' path
+        "input_bytes", "plan_params", "lt")
 
 
 class MicroBatchReplay(RecordedBackward, OffloadedSaves):

@@ -530,5 +530,6 @@ def _load_to_device(b, state: tuple[StateTensor, ...], keep_params: bool) -> Non
 
 
 __all__ = ["StateTensor", "rank_state", "state_dict_items", "written_by", "sharded_writers", "dcp_writers",
-           "saves_after", "rank_signature", "signature_ranks", "rank_signatures", "save_checkpoint", "load_checkpoint", "host_pool", "step_pool", "FULL_MODES",
+           "saves_after", "rank_signature", "signature_ranks", "rank_signatures", "save_checkpoint", "load_checkpoint",
+           "host_pool", "step_pool", "FULL_MODES",
            "STORAGE_BANDWIDTH"]

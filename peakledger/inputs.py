@@ -282,5 +282,6 @@ def check_common(args) -> None:
             raise ConfigError("module_timeout", f"must be seconds in [0, 86400] (0: no limit), got {timeout!r}")
 
 
-__all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
+__all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace",
+           "recorded_scenario", "given_flags", "scenario_flags_given",
            "check_command_outputs", "real_run_estimate", "real_run_limit"]

@@ -121,7 +121,8 @@ def load_toml(path: str | Path) -> dict:
     data = read_config_file(path, "scenario", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
     unknown = set(data) - {*TABLES, "name"}
     if unknown:
-        raise ConfigError(sorted(unknown)[0], "unknown table in scenario file; allowed: [model], [training], [run], name")
+        raise ConfigError(sorted(unknown)[0],
+                          "unknown table in scenario file; allowed: [model], [training], [run], name")
     for table in TABLES:
         if table in data and not isinstance(data[table], dict):
             raise ConfigError(table, f"must be a table ([{table}] followed by key = value lines), got "
@@ -199,8 +200,10 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
                                      "(micro_batch sets the batch)")
-    base_setup = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
-    base_setup.update({k: v for k, v in (defaults or {}).items() if k != "seq_len" or isinstance(model, TransformerConfig)})
+    base_setup = dict(DEFAULT_SETUP,
+                      seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
+    base_setup.update({k: v for k, v in (defaults or {}).items()
+                       if k != "seq_len" or isinstance(model, TransformerConfig)})
     return _scenario(model, base_setup, training, run, name)
 
 

@@ -36,8 +36,9 @@ class DDP(Engine):
     def after_load(self) -> None:
         if self.n == 1:
             return
-        self.buckets = [self.b.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype), Category.REDUCE_SCATTER_BUCKET,
-                                     self.grad_dtype, (n,)) for k, n in enumerate(self.bucket_numels())]
+        self.buckets = [self.b.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype),
+                                     Category.REDUCE_SCATTER_BUCKET, self.grad_dtype, (n,))
+                        for k, n in enumerate(self.bucket_numels())]
         self.b.op("ddp.init_buckets", Phase.LOAD, 0, -1, self.buckets, [])
 
     def end_backward(self, step: int, mb: int) -> None:
