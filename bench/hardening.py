@@ -65,7 +65,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
         if case.check is not None and p.returncode == 0:
             try:
                 problem = case.check(p.stdout, p.stderr, tmp)
-            except Exception as e:  # noqa: BLE001 - an unreadable output is a wrong result
+            except Exception as e:  # an unreadable output is a wrong result
                 problem = f"unreadable output ({type(e).__name__})"
             if problem:
                 return False, f"{outcome}, wrong: {_short(problem)}"

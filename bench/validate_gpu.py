@@ -690,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validation-md", type=Path, default=Path(VALIDATION), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     configs = select(all_configs(), args.only)
-    say = (lambda *_: None) if args.json else print  # noqa: E731
+    say = (lambda *_: None) if args.json else print
     if args.dry_run:
         device = cuda_device()
         rows = dry_run(configs, device, say)

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerun_with(want, rest)
     measured = json.loads((args.dir / "measured.json").read_text())
     cases = load_cases(args.dir)
-    say = (lambda *_: None) if args.json else print  # noqa: E731
+    say = (lambda *_: None) if args.json else print
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in cases.items():

@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
             return _internal_error(args, e)
         print(f"peakledger: error: {digits_message('an input')}", file=sys.stderr)  # (a reader that does not say)
         return 2
-    except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a message
+    except Exception as e:  # the one place an unexpected error becomes a message
         return _internal_error(args, e)
     finally:
         if previous is not None:

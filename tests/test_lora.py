@@ -16,13 +16,13 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from realrun import assert_matches_real_run  # noqa: E402
+from realrun import assert_matches_real_run
 
-from peakledger import build_scenario  # noqa: E402
-from peakledger.cli import main  # noqa: E402
-from peakledger.models.config import ConfigError, TrainingSetup  # noqa: E402
-from peakledger.models.presets import preset  # noqa: E402
-from peakledger.models.training import build_tape, describe  # noqa: E402
+from peakledger import build_scenario
+from peakledger.cli import main
+from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.presets import preset
+from peakledger.models.training import build_tape, describe
 
 LLAMA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
