@@ -183,7 +183,8 @@ def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | No
     final = {}
     for s in snapshot["segments"]:
         if s.get("device", 0) == device:
-            final[s["address"]] = [(b["address"], b["size"], b.get("state") in ("active_allocated", "active_pending_free"))
+            final[s["address"]] = [(b["address"], b["size"],
+                                    b.get("state") in ("active_allocated", "active_pending_free"))
                                    for b in s.get("blocks", [])]
     return {
         "device": device,

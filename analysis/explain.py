@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .units import format_bytes
-from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
 from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
+from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
+from .units import format_bytes
 
 MODEL_STATES = frozenset({Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE})
 ACTIVATIONS = frozenset({Category.ACTIVATION, Category.TEMPORARY, Category.INPUT})
@@ -83,7 +83,8 @@ def cause(event: Event, by_category: dict[Category, int], setup: dict | None = N
                 f"inside it, beside its parameter ({states:,} B of states now), and runs the update over all of them "
                 f"and their temporaries before the offload can move any to the host; from step 2 the states live on "
                 f"the host and {later}")
-    if phase == "optimizer" and event.step == 1 and (cat is Category.OPTIMIZER_STATE or event.op == "optimizer.init_state"):
+    if phase == "optimizer" and event.step == 1 and (cat is Category.OPTIMIZER_STATE
+                                                     or event.op == "optimizer.init_state"):
         return ("the first optimizer step creates the optimizer states lazily inside step(), while every gradient "
                 "is still live; later steps start with them already allocated")
     if phase == "optimizer" and cat is Category.TEMPORARY:
@@ -147,7 +148,8 @@ def peak_moment(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE, capacity
                    at_start=pk.event is not None and _is_start(pk.event))
 
 
-def _moment(rank, pool, event, in_use, capacity, live: dict[int, Block], failed: bool, at_start: bool = False) -> Moment:
+def _moment(rank, pool, event, in_use, capacity, live: dict[int, Block], failed: bool,
+            at_start: bool = False) -> Moment:
     by_cat: dict[Category, int] = {}
     for b in live.values():
         by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
@@ -169,7 +171,8 @@ def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Mome
 def moment_json(m: Moment, setup: dict | None = None) -> dict:
     """A Moment as JSON (the `moment` object of explain --json)."""
     e = m.event
-    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op, "phase": e.phase.value,
+    return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op,
+            "phase": e.phase.value,
             "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
             "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
             "shortfall": m.shortfall, "heavy": m.heavy,
@@ -185,7 +188,8 @@ def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
     """A Moment as text lines, sizes in unit `u`."""
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event
-    where = f"{e.op} ({e.phase.value}, step {e.step}" + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
+    where = f"{e.op} ({e.phase.value}, step {e.step}" \
+        + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
         + f"; rank {m.rank} {m.pool.value} memory)"
     if m.failed and m.at_start:
         lines = [f"OUT OF MEMORY already at record start ({m.pool.value} memory of rank {m.rank})",
@@ -271,4 +275,5 @@ def render_reserved_moment(m: Moment, u: str, allocated: int | None = None) -> l
 
 
 __all__ = ["moment_json", "render_moment", "live_at", "live_at_moment", "reserved_moment", "reserved_moment_json",
-           "render_reserved_moment", "Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment", "MODEL_STATES", "ACTIVATIONS"]
+           "render_reserved_moment", "Moment", "cause", "first_oom", "from_record", "peak_moment", "worst_moment",
+           "MODEL_STATES", "ACTIVATIONS"]

@@ -7,13 +7,13 @@ import io
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from ..simulator.events import Phase  # noqa: E402
-from ..simulator.files import write_atomic  # noqa: E402
-from ..simulator.timeline import Timeline  # noqa: E402
-from .units import UNITS  # noqa: E402
+from ..simulator.events import Phase
+from ..simulator.files import write_atomic
+from ..simulator.timeline import Timeline
+from .units import UNITS
 
 PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e8f1fb", Phase.BACKWARD: "#fbeee6",
                  Phase.OPTIMIZER: "#eaf7e6", Phase.ZERO_GRAD: "#f3e8f7", Phase.CHECKPOINT: "#fff6cc"}

@@ -16,14 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
+from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
 from ..simulator.timeline import PeakPoint, rank_events, rank_peak_points, timeline
+from .device import context_of, device_json, device_lines, gpu_memory
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
-from .device import context_of, device_json, device_lines, gpu_memory
 from .peaks import Peaks, peaks, with_headroom
-from ..simulator.device_memory import DeviceMemory
 from .units import format_bytes
 
 REPORT_VERSION = 1
@@ -227,7 +227,8 @@ def report_json(r: Report) -> dict:
         if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
             out["training_flops_per_step"] = {
                 "value": md["counted_flops_per_step"],
-                "method": "counted per rank over the traced forward and backward aten ops (torch/utils/flop_counter.py)"}
+                "method": "counted per rank over the traced forward and backward aten ops "
+                          "(torch/utils/flop_counter.py)"}
         elif md.get("n_active_params") is not None:  # mixture of experts: N = parameters one token runs through
             out["n_active_params"] = md["n_active_params"]
             out["training_flops_per_step"] = {
@@ -351,7 +352,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                          "traced forward and backward ops: matmuls, attention, convolutions)")
         elif md.get("n_active_params") is not None:
             flops = training_flops(md["n_active_params"], md["tokens_per_step"])
-            lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND over {md['n_active_params']:,} active parameters: "
+            lines.append(f"  training FLOPs per step ~ {flops:.3e} "
+                         f"(6ND over {md['n_active_params']:,} active parameters: "
                          f"{md['experts']} per token)")
         else:
             flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
@@ -393,7 +395,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
     lines.append(f"  {'total':<30}{f(sum(x.bytes for x in r.ledger)):>14}")
     for o in r.log.ooms:
         lines.append("")
-        lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): {o.event.block.name} "
+        lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): "
+                     f"{o.event.block.name} "
                      f"needs {f(o.event.block.nbytes)} with {f(o.live_bytes)} live of {f(o.capacity)}")
         if o.message:
             lines.append(f"  torch would say: {o.message}")

@@ -188,7 +188,8 @@ def render_validation(v: Validation, unit: str = "MiB") -> str:
     for c, (m, s) in v.categories_at_peak.items():
         lines.append(f"  {c:<26}{f(m):>14}{f(s):>14}{'':>9}{s - m:>+14,}")
     if v.unexplained:
-        lines += ["", f"  largest unexplained blocks at the {v.worst_phase} peak (no same-size twin on the other side):"]
+        lines += ["", f"  largest unexplained blocks at the {v.worst_phase} peak "
+                      "(no same-size twin on the other side):"]
         for side, b in v.unexplained:
             lines.append(f"  {side:<16}{b.category.value:<14}{b.nbytes:>12,} B  {b.name}")
     return "\n".join(lines)

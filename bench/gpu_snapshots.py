@@ -66,7 +66,8 @@ def allocator_replay(snapshot: dict, torch_version: str, device: int = 0, alloc_
              ("alloc", "free_completed", "segment_alloc", "segment_free")] if snapshot.get("device_traces") else []
     while trace and trace[0]["action"] == "segment_free":  # the opening empty_cache() of a previous configuration
         trace.pop(0)
-    if not trace or trace[0]["action"] not in ("alloc", "segment_alloc") or len({e.get("stream", 0) for e in trace}) > 1:
+    if (not trace or trace[0]["action"] not in ("alloc", "segment_alloc")
+            or len({e.get("stream", 0) for e in trace}) > 1):
         return None
     recorded = [e["addr"] for e in trace if e["action"] == "segment_alloc"]
     out: dict = {"allocs": sum(e["action"] == "alloc" for e in trace)}

@@ -65,7 +65,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
         if case.check is not None and p.returncode == 0:
             try:
                 problem = case.check(p.stdout, p.stderr, tmp)
-            except Exception as e:  # noqa: BLE001 - an unreadable output is a wrong result
+            except Exception as e:  # an unreadable output is a wrong result
                 problem = f"unreadable output ({type(e).__name__})"
             if problem:
                 return False, f"{outcome}, wrong: {_short(problem)}"
@@ -123,9 +123,11 @@ def main() -> int:
     summary += f".\n\nWrong cases by kind: {by_group}"
     print(summary)
     if args.write:
-        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` (cases: tests/hardening_cases.py, asserted "
+        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` "
+                f"(cases: tests/hardening_cases.py, asserted "
                 f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
-                f"and {args.memory >> 30} GiB of address space at most. 'before' is the peakledger of commit {args.before_commit} "
+                f"and {args.memory >> 30} GiB of address space at most. "
+                f"'before' is the peakledger of commit {args.before_commit} "
                 f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
         path = ROOT / "bench" / "HARDENING.md"
         if not path.exists():

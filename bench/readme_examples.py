@@ -90,20 +90,20 @@ def commands_block(text: str) -> list[str]:
     """The lines of the first fenced block after the '## Commands' heading (before the next '## ')."""
     lines = text.splitlines()
     try:
-        start = next(i for i, l in enumerate(lines) if l.strip() == "## Commands")
+        start = next(i for i, line in enumerate(lines) if line.strip() == "## Commands")
     except StopIteration:
         raise SystemExit("README.md has no '## Commands' heading") from None
     block, inside = [], False
-    for l in lines[start + 1:]:
-        if not inside and l.startswith("## "):
+    for line in lines[start + 1:]:
+        if not inside and line.startswith("## "):
             break
-        if l.strip().startswith("```"):
+        if line.strip().startswith("```"):
             if inside:
                 return block
             inside = True
             continue
         if inside:
-            block.append(l)
+            block.append(line)
     raise SystemExit("README.md's '## Commands' section has no closed fenced block")
 
 
@@ -214,7 +214,7 @@ def cuda_available() -> bool:
 
 
 def telling_line(stderr: str, stdout: str, code: int) -> str:
-    lines = [l.strip() for l in stderr.splitlines() if l.strip()]
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
     if "Traceback" in stderr and lines:
         frames = re.findall(r'File "([^"]+)", line (\d+)', stderr)
         if frames:
@@ -224,7 +224,7 @@ def telling_line(stderr: str, stdout: str, code: int) -> str:
         return lines[-1]
     if lines:
         return lines[0]
-    out = [l.strip() for l in stdout.splitlines() if l.strip()]
+    out = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
     return f"exit {code}, no stderr" + (f"; stdout: {out[-1]}" if out else "")
 
 

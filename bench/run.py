@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import replace
 
+from sections import replace_sections  # bench/sections.py, beside this script
+
 from peakledger import build_scenario, max_micro_batch
 from peakledger.analysis.checkpointing import optimal_checkpointing, policy_table, render_optimal, render_table
 from peakledger.analysis.report import summarize
@@ -21,8 +23,6 @@ from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.sweep import run_sweep
-from sections import replace_sections  # bench/sections.py, beside this script
-
 
 # the 1000-point sweep (also timed per engine by bench/sweep_engines.py)
 SWEEP_GRID = {"micro_batch": list(range(1, 11)), "seq_len": [128, 256, 512, 768, 1024], "zero_stage": [0, 1, 2, 3],
@@ -42,7 +42,8 @@ def best_of(n, fn):
 def main() -> None:
     lines = ["# peakledger benchmarks", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}. "
-             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py` (its sections; other scripts' stay).", ""]
+             "Best of 3 runs, wall-clock. Regenerate with `python bench/run.py` "
+             "(its sections; other scripts' stay).", ""]
     lines += ["## One training step of llama-3-70b (bf16-mixed AdamW, micro-batch 1, seq 4096, 1 rank)", "",
               "| stage | seconds | ops | events | events/s |", "|---|---|---|---|---|"]
     s70 = build_scenario({"preset": "llama-3-70b"}, {"micro_batch": 1, "seq_len": 4096, "steps": 1})

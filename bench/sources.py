@@ -12,9 +12,9 @@ import platform
 from peakledger.analysis.sources import agreement
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.simulator.files import write_atomic
 from peakledger.traces.profiler import profile_training_steps
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import run_training_steps
 
 CASES = [("tiny-mlp", dict(micro_batch=64, seq_len=1)), ("tiny", dict(micro_batch=2, seq_len=32)),
@@ -35,7 +35,8 @@ def main() -> None:
     lines = ["# Two measured sources: torch.profiler vs the dispatch tracker", "",
              f"Real CPU training runs (fp32, 2 steps), {platform.machine()}, {os.cpu_count()} cores. "
              "Regenerate with `python bench/sources.py`. Bytes at each source's own peak.", "",
-             "| run | profiler peak B | tracker peak B | gap B | categories where the labels differ (profiler / tracker) |",
+             "| run | profiler peak B | tracker peak B | gap B | "
+             "categories where the labels differ (profiler / tracker) |",
              "|---|---:|---:|---:|---|"]
     for name, kw in CASES:
         r = run(name, **kw)

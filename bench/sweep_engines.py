@@ -29,7 +29,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 HEADING = "## Sweep engines: local pool, ray, dask (2 workers each)"
 JOBS = 2
 
-from run import SWEEP_BASE as BASE, SWEEP_GRID as GRID_1000  # noqa: E402 - bench/run.py's 1000-point sweep
+from run import SWEEP_BASE as BASE  # noqa: E402 - bench/run.py's 1000-point sweep
+from run import SWEEP_GRID as GRID_1000  # noqa: E402
 
 # 200 points: the same grid at one precision (bf16-mixed, the base's)
 GRID_200 = {k: v for k, v in GRID_1000.items() if k != "precision"}

@@ -34,8 +34,7 @@ from peakledger import api
 from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.config import TrainingSetup
 from peakledger.models.costs import device_profile
-from peakledger.models.trace import depth
-from peakledger.models.trace import from_hf_dict
+from peakledger.models.trace import depth, from_hf_dict
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
@@ -206,7 +205,8 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
                          f"8B-sized model (bf16 weights, `no_init_weights`): could not run a step; it failed at "
                          f"{mt['failed']} after {mt['total']:.1f} s.")
         else:
-            lines.append(f"torch's MemTracker (`torch.distributed._tools.mem_tracker`) under FakeTensorMode on the same "
+            lines.append(f"torch's MemTracker (`torch.distributed._tools.mem_tracker`) "
+                         f"under FakeTensorMode on the same "
                          f"8B-sized model (built with `no_init_weights()` and `dtype=torch.bfloat16`: pure bf16 "
                          f"weights, gradients and AdamW states, no fp32 master copy; one forward + backward + AdamW "
                          f"step): peak {format_bytes(mt['peak'])} ({mt['device']}); build {mt['build']:.1f} s, step "
@@ -229,7 +229,8 @@ def main() -> int:
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     results = []
-    for name, config in [("llama-3-8b-sized", LLAMA_8B)] + ([] if args.skip_70b else [("llama-3-70b-sized", LLAMA_70B)]):
+    for name, config in ([("llama-3-8b-sized", LLAMA_8B)]
+                         + ([] if args.skip_70b else [("llama-3-70b-sized", LLAMA_70B)])):
         r = one_model(name, config)
         results.append(r)
         print(f"{name}: trace {r['trace']:.2f}s convert {r['convert']:.2f}s graph {r['graph']:.2f}s simulate "

@@ -14,8 +14,9 @@ import json
 import sys
 from pathlib import Path
 
-from peakledger.analysis.allocator_replay import replay_snapshot
 from sections import replace_section  # bench/sections.py, beside this script
+
+from peakledger.analysis.allocator_replay import replay_snapshot
 
 SECTION = "## GPU allocator: replay of real CUDA snapshots"
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
              "allocated peak measured / predicted (GiB) | reserved exact | block addresses | final layout |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['snapshot']} | {r['trace_events']:,} | {r['segments_matched']} / {r['segments_measured']} | "
+        lines.append(f"| {r['snapshot']} | {r['trace_events']:,} | "
+                     f"{r['segments_matched']} / {r['segments_measured']} | "
                      f"{r['reserved_peak']['measured'] / gib:.3f} / {r['reserved_peak']['predicted'] / gib:.3f} | "
                      f"{r['allocated_peak']['measured'] / gib:.3f} / {r['allocated_peak']['predicted'] / gib:.3f} | "
                      f"{r['reserved_exact_fraction']:.4f} | {r['block_addresses_matched']} / {r['allocs']} | "

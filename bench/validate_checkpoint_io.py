@@ -39,16 +39,15 @@ import tracemalloc
 import warnings
 
 import torch
-
 from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger.analysis.validate import compare_logs
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
-from peakledger.simulator.events import Action, Category, EventLog, Phase, Pool
+from peakledger.simulator.events import Action, EventLog, Phase, Pool
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import AllocationTracker, training_loop
 
 SECTION = "## Checkpoint save and load (CPU)"

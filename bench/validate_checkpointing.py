@@ -26,8 +26,13 @@ import time
 from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
-from peakledger.analysis.checkpointing import (DEFAULT_POLICIES, layer_costs, optimal_checkpointing, policy_table,
-                                               render_table)
+from peakledger.analysis.checkpointing import (
+    DEFAULT_POLICIES,
+    layer_costs,
+    optimal_checkpointing,
+    policy_table,
+    render_table,
+)
 from peakledger.api import validate
 
 SECTION = "## Activation checkpointing policies"
@@ -123,7 +128,7 @@ def search_checks() -> tuple[list[str], dict]:
 def brute_force() -> dict:
     """Every subset of a 4-layer tiny GPT's layers simulated; for budgets between the all-checkpointed and
     the plain peak, the search's answer must fit and no subset may fit at a lower recompute."""
-    from peakledger.analysis.checkpointing import simulate_run, with_checkpointed_layers, step_flops
+    from peakledger.analysis.checkpointing import simulate_run, step_flops, with_checkpointed_layers
 
     scenario = build_scenario({"preset": "tiny", "n_layer": 4}, {**TRAINING, "precision": "bf16-autocast"},
                               {"device": "cpu"})

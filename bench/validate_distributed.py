@@ -111,7 +111,8 @@ def main() -> None:
               "worker thread keeps a finished collective's work a moment after `wait()` returns "
               "(ProcessGroupGloo::runLoop), and when it held the last reference the buffer was freed at an "
               "arbitrary point, in some runs after the next unit's all-gather output was allocated (a measured "
-              "peak up to one all-gather output higher: 3.1% above the simulated one on tiny). Waiting for that release gives FSDP2's own "
+              "peak up to one all-gather output higher: 3.1% above the simulated one on tiny). "
+              "Waiting for that release gives FSDP2's own "
               "order, the simulated one, on every run; the last column shows how often the window was open.", ""]
     section = "\n".join(lines)
     replace_section(SECTION, section)

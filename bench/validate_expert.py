@@ -68,7 +68,8 @@ def compare_case(cfg: TransformerConfig, ep: int, dp: int, precision: str, routi
 def expert_section() -> str:
     """The section: every case run for real and simulated."""
     lines = [SECTION, "",
-             "Regenerate with `python bench/validate_expert.py --write` (or bench/validate_parallel.py, which writes it after "
+             "Regenerate with `python bench/validate_expert.py --write` "
+             "(or bench/validate_parallel.py, which writes it after "
              "its own section; real runs, gloo on 127.0.0.1, torch 2.13, "
              "transformers 5.25; AdamW foreach, micro-batch 2, seq 32, 2 steps, world_size = dp, DDP for the "
              "dense parameters with the experts ignored; with dp > ep the ranks holding the same experts average "
@@ -77,7 +78,8 @@ def expert_section() -> str:
              "(token, expert) rows a rank receives per MoE layer (it sends micro-batch x seq x top-k = 128). "
              "Static rows: parameter + gradient + optimizer-state bytes when step 1's optimizer phase ends.", "",
              "| model | ep x dp | precision | routing | rank | rows received per layer | measured peak B | predicted "
-             "peak B | error | forward peak measured / predicted B | backward peak measured / predicted B | static rows "
+             "peak B | error | forward peak measured / predicted B | backward peak measured / predicted B | "
+             "static rows "
              "exact |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, runs, spread = 0.0, True, 0.0, []
     with tempfile.TemporaryDirectory(prefix="peakledger-ep-bench-") as tmp:

@@ -351,9 +351,9 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     the host and moved, the batches left on the host (`run_loop` copies each micro-batch in, as the CPU tracker's
     loop clones it). Traced models: built under `torch.device(device)`, as the loss closes over the factory's batch,
     which must be there too (traces/reference/traced.py real_model)."""
-    from peakledger.traces.reference import make_optimizer
     from peakledger.models.trace.model import TracedModel
     from peakledger.traces.cuda_capture import place_model
+    from peakledger.traces.reference import make_optimizer
 
     setup = scenario.setup
     traced = isinstance(scenario.model, TracedModel)
@@ -638,7 +638,8 @@ def replay_lines(rows: list[dict]) -> list[str]:
                        f"{abs(p - rp) / m:.2%} from the predicted program")
     return [f"Allocator check (each snapshot's own allocs and frees replayed through the allocator model, "
             f"bench/gpu_snapshots.py `allocator_replay`): at the addresses cudaMalloc returned in the recording, every "
-            f"block gets the address torch gave it in {at}/{len(done)} runs and the reserved peak is the measured one in "
+            f"block gets the address torch gave it in {at}/{len(done)} runs "
+            f"and the reserved peak is the measured one in "
             f"{same}/{len(done)}." + (f" Reserved peaks predicted otherwise: {'; '.join(off)}." if off else ""), ""]
 
 
@@ -689,7 +690,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--validation-md", type=Path, default=Path(VALIDATION), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     configs = select(all_configs(), args.only)
-    say = (lambda *_: None) if args.json else print  # noqa: E731
+    say = (lambda *_: None) if args.json else print
     if args.dry_run:
         device = cuda_device()
         rows = dry_run(configs, device, say)

@@ -27,11 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_snapshots import measured_peaks  # bench/gpu_snapshots.py, beside this script (shared with validate_gpu.py)
+from sections import replace_section  # bench/sections.py, beside this script
+
 from peakledger import api
 from peakledger.scenario import build_scenario
 from peakledger.traces.cuda_snapshot import load_snapshot
-from gpu_snapshots import measured_peaks  # bench/gpu_snapshots.py, beside this script (shared with validate_gpu.py)
-from sections import replace_section  # bench/sections.py, beside this script
 
 SECTION = "## GPU prediction: the CS336 snapshots (allocated and reserved peaks)"
 ROOT = Path(__file__).resolve().parent.parent

@@ -177,7 +177,8 @@ def table(rows: list[dict]) -> list[str]:
         p, e, ev, a = r["predicted"], r["error"], r["events"]["reserved"], r["at_peak"]
         lines.append(f"| {r['run']} | {r['describer']} | {m['allocated']:,} / {p['allocated']:,} | "
                      f"{e['allocated']:+.2%} | {m['reserved']:,} / {p['reserved']:,} | {e['reserved']:+.2%} | "
-                     f"{ev['equal']} / {ev['within_2pct']} / {r['events']['compared']} | {_blocks(a['measured_only'])} | "
+                     f"{ev['equal']} / {ev['within_2pct']} / {r['events']['compared']} | "
+                     f"{_blocks(a['measured_only'])} | "
                      f"{_blocks(a['predicted_only'])} |")
     return lines
 
@@ -200,11 +201,12 @@ def rerun_with(version: str, argv: list[str]) -> int:
     if not (target / "transformers").is_dir():
         print(f"validate_hf_gpu.py: installing transformers {version} into {target} (the version that ran)",
               file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), f"transformers=={version}",
-                        "huggingface-hub>=1.5,<2.0", "--no-warn-conflicts"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                        f"transformers=={version}", "huggingface-hub>=1.5,<2.0", "--no-warn-conflicts"], check=True)
         for extra in target.glob("numpy*"):  # the project's numpy stays the one torch was built against
             shutil.rmtree(extra)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(target), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     return subprocess.run([sys.executable, __file__, *argv, "--transformers", "installed"], env=env).returncode
 
 
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return rerun_with(want, rest)
     measured = json.loads((args.dir / "measured.json").read_text())
     cases = load_cases(args.dir)
-    say = (lambda *_: None) if args.json else print  # noqa: E731
+    say = (lambda *_: None) if args.json else print
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, case in cases.items():
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             f"`python bench/validate_hf_gpu.py --write` (the script's docstring says how each run is predicted and "
             f"compared). The 20 real HF training programs of `../shared/gpu-truth/h200/hf-runs` (torch "
             f"{measured.get('torch')}, transformers {measured.get('transformers')}, one {measured.get('gpu')}), each "
-            f"predicted by `peakledger simulate --hf-config` of its config with the run's flags on the {DEVICE} profile "
+            f"predicted by `peakledger simulate --hf-config` of its config with the run's flags "
+            f"on the {DEVICE} profile "
             f"and torch {TORCH_RULES}'s rules, traced with transformers {transformers.__version__}. Measured peaks are "
             "the snapshot's requested bytes (allocated) and reserved bytes. Targets: allocated within 1%, reserved "
             f"within 2%. **{text}.**", "", *table(rows), ""]))

@@ -23,11 +23,10 @@ import time
 import warnings
 from pathlib import Path
 
-from sections import replace_section  # bench/sections.py, beside this script
-
 import bitsandbytes
 import peft
 import torch
+from sections import replace_section  # bench/sections.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -59,11 +58,13 @@ def real_runs() -> list[str]:
 
 
 def must_show() -> list[str]:
-    from peakledger.cli import main as cli_main  # imported once: the in-process time is the command's own work
     import contextlib
     import io
 
-    rows = ["| command | process wall time (best of 3) | in process, after imports (best of 3) | peak | parameter.frozen_base | parameter.adapter | gradient (max) "
+    from peakledger.cli import main as cli_main  # imported once: the in-process time is the command's own work
+
+    rows = ["| command | process wall time (best of 3) | in process, after imports (best of 3) | peak | "
+            "parameter.frozen_base | parameter.adapter | gradient (max) "
             "| optimizer states |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     exe = str(Path(sys.executable).with_name("peakledger"))
     for extra in ([], ["--quantize", "nf4"]):
@@ -83,7 +84,8 @@ def must_show() -> list[str]:
         led = {r["row"]: r for r in data["ledger"]}
         gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
         states = sum(r["bytes"] for n, r in led.items() if n.startswith("optimizer_state"))
-        rows.append(f"| `peakledger simulate {' '.join(MUST_SHOW + extra)}` | {min(times):.2f} s | {min(inproc):.2f} s | "
+        rows.append(f"| `peakledger simulate {' '.join(MUST_SHOW + extra)}` | "
+                    f"{min(times):.2f} s | {min(inproc):.2f} s | "
                     f"{gib(data['peak']['bytes'])} | {gib(led['parameter.frozen_base']['bytes'])} | "
                     f"{gib(led['parameter.adapter']['bytes'])} | {gib(led['gradient']['max_bytes'])} | {gib(states)} |")
         print(rows[-1], flush=True)

@@ -4,8 +4,8 @@ routing recorded from the same run, and Mixtral-8x7B's peak under balanced vs wo
     python bench/validate_moe.py
 
 1. A tiny Mixtral (2 layers, 4 experts, top-2) trained for real for 2 AdamW steps under the exact allocation
-   tracker, fp32, bf16 autocast and pure bf16, its routers hooked (traces/reference/mixtral.py RoutingRecorder) so the run
-   writes its own counts file; the simulation reads it (`moe_routing = "counts:FILE"`). Also a run whose
+   tracker, fp32, bf16 autocast and pure bf16, its routers hooked (traces/reference/mixtral.py RoutingRecorder) so
+   the run writes its own counts file; the simulation reads it (`moe_routing = "counts:FILE"`). Also a run whose
    routers are zeroed, so every token goes to the same top-k experts (worst routing, measured).
 2. Mixtral-8x7B at seq 4096, micro-batch 1, AdamW, bf16-mixed, on one H100-80GB and under ZeRO-3 over 8
    ranks: the peak and the forward/backward peak under balanced and worst routing, and how long each
@@ -23,23 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
-from sections import replace_section  # bench/sections.py, beside this script
-
 import torch
 import transformers
+from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
 from peakledger.analysis.validate import static_rows
 from peakledger.api import measure, run, validate
 from peakledger.models.config import TrainingSetup, TransformerConfig
-from peakledger.traces.reference.mixtral import RoutingRecorder
 from peakledger.scenario import Scenario
 from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline
+from peakledger.traces.reference.mixtral import RoutingRecorder
 
 SECTION = "## MoE routing"
 TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4, num_experts_per_tok=2)
+                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+                         num_experts_per_tok=2)
 MiB, GiB = 2**20, 2**30
 IMPLS = ("grouped_mm", "eager")  # transformers' default, and its loop over experts (models/moe.py)
 
@@ -69,7 +69,8 @@ def real_run(impl: str, precision: str, worst: bool, tmp: Path) -> dict:
     v, _, simulated = validate(routed, measured=measured)
     fb = [p for p in v.phases if p.label.startswith(("forward", "backward"))]
     step1 = lambda log: phase_peak(log, (Phase.FORWARD, Phase.BACKWARD), step=1)  # noqa: E731
-    return {"steps": setup.steps, "impl": impl, "fb_measured": step1(measured), "fb_predicted": step1(simulated),"precision": precision, "routing": "worst (routers zeroed)" if worst else "as initialised",
+    return {"steps": setup.steps, "impl": impl, "fb_measured": step1(measured), "fb_predicted": step1(simulated),
+            "precision": precision, "routing": "worst (routers zeroed)" if worst else "as initialised",
             "counts": recorder.layers(), "measured": v.overall.measured, "predicted": v.overall.predicted,
             "error": v.overall.error, "fb_worst": max(abs(p.error) for p in fb),
             "static_exact": static_rows(measured) == static_rows(simulated)}
@@ -108,7 +109,8 @@ def main() -> int:
              "same run (its first micro-batch) and read back by the simulation (`moe_routing = \"counts:FILE\"`). "
              "\"worst\": routers zeroed, so every token goes to the same two experts (topk ties), measured, for one "
              "step (the update moves the routers):", "",
-             "| experts | precision | router | steps | tokens per expert, layer 0 | measured peak | simulated | error | "
+             "| experts | precision | router | steps | tokens per expert, layer 0 | "
+             "measured peak | simulated | error | "
              "fwd/bwd peak step 1, measured | simulated | worst phase error | static rows |",
              "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:

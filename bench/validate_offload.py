@@ -183,7 +183,8 @@ def render(results: list[dict], plains: list[dict], ranks: list[dict], seconds: 
         SECTION, "",
         "The reference offload (`traces.reference.StateOffload` around torch.optim; `--optimizer-offload`) run for "
         f"real on the CPU, 3 steps, micro-batch 2, seq 32, exact allocation tracker; {n} offload configs, "
-        f"{len(plains)} runs of the same configs without it, and 2-rank runs, {seconds:.1f} s on {platform.machine()}. Host buffers "
+        f"{len(plains)} runs of the same configs without it, and 2-rank runs, {seconds:.1f} s on {platform.machine()}. "
+        "Host buffers "
         "are host memory on both sides; \"device\" is everything else, what a GPU would hold. Regenerate with "
         "`python bench/validate_offload.py`.", "",
         f"**Summary: optimizer and zero_grad phase peaks exact in {optimizer_exact}/{n}; host peak exact in "

@@ -20,7 +20,8 @@ import sys
 import time
 
 from sections import replace_section  # bench/sections.py, beside this script
-from validate_expert import SECTION as EXPERT_SECTION, expert_section  # beside this script
+from validate_expert import SECTION as EXPERT_SECTION  # beside this script
+from validate_expert import expert_section
 
 from peakledger.analysis.validate import compare_logs, static_rows
 from peakledger.models.config import TrainingSetup
@@ -118,7 +119,8 @@ def mesh_lines() -> tuple[list[str], float, bool, float]:
              "without gradient sync or reshard, one `perform_reduce_grad` after the last micro-batch "
              "(traces/mesh_run.py). Mesh (pp, dp, tp), tp innermost: rank = (pp x dp + dp_i) x tp + tp_i. fp32 "
              "AdamW, micro-batch 2, seq 32, 2 steps.", "",
-             "| model | tp | pp (schedule, micro-batches) | dp (FSDP2) | SP | rank | measured peak B | predicted peak B "
+             "| model | tp | pp (schedule, micro-batches) | dp (FSDP2) | SP | rank | "
+             "measured peak B | predicted peak B "
              "| error | static rows exact | static rows B (param / grad / state) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, runs, first_last = 0.0, True, 0.0, []
@@ -167,7 +169,8 @@ def context_lines() -> tuple[list[str], float, bool, float]:
              "micro-batch 2, seq 32, 2 steps. The simulation walks torch's ring loops (models/parallel/ring.py) and "
              "gives each call's highest point as one workspace block; FSDP2 shards over dp x cp "
              "(models/parallel/mesh.py `folds_cp`).", "",
-             "| model | dp x cp x tp | data parallel | rank | measured peak B | predicted peak B | error | forward peak "
+             "| model | dp x cp x tp | data parallel | rank | measured peak B | predicted peak B | "
+             "error | forward peak "
              "measured / predicted B | backward peak measured / predicted B | static rows exact |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, runs = 0.0, True, 0.0
@@ -210,7 +213,8 @@ def main() -> None:
              "ends. Bubble: the simulated idle fraction of the rank's compute stream in its last step (cost model "
              "of the cpu profile: it orders events, it is not a measured time).", "",
              "| schedule | pp x v | micro-batches | model | rank | stages (blocks) | measured peak B "
-             "| predicted peak B | error | static rows exact | static rows B (param / grad / state) | simulated bubble |",
+             "| predicted peak B | error | static rows exact | "
+             "static rows B (param / grad / state) | simulated bubble |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     worst, all_static, first_last, runs = 0.0, True, [], 0.0
     for schedule, pp, v, m, name, n_layer in CASES:

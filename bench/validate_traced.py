@@ -37,8 +37,8 @@ SECTION = "## Traced describer: any HF model type and your own modules (real CPU
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = os.path.join(ROOT, "examples", "modules")
 
-H, I, L, NH, KV, V = 64, 128, 2, 4, 2, 256
-DEC = dict(hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH, num_key_value_heads=KV,
+H, INTER, L, NH, KV, V = 64, 128, 2, 4, 2, 256
+DEC = dict(hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=NH, num_key_value_heads=KV,
            vocab_size=V, max_position_embeddings=128)
 HF = {
     "gpt2": dict(model_type="gpt2", n_embd=H, n_layer=L, n_head=NH, vocab_size=V, n_positions=128),
@@ -48,26 +48,27 @@ HF = {
     "gemma": dict(model_type="gemma", head_dim=16, **DEC),
     "gemma2": dict(model_type="gemma2", head_dim=16, **DEC),
     "phi3": dict(model_type="phi3", pad_token_id=0, **DEC),
-    "gpt_neox": dict(model_type="gpt_neox", hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=H, intermediate_size=INTER, num_hidden_layers=L,
                      num_attention_heads=NH, vocab_size=V, max_position_embeddings=128),
-    "opt": dict(model_type="opt", hidden_size=H, ffn_dim=I, num_hidden_layers=L, num_attention_heads=NH, vocab_size=V,
-                max_position_embeddings=128, word_embed_proj_dim=H),
+    "opt": dict(model_type="opt", hidden_size=H, ffn_dim=INTER, num_hidden_layers=L, num_attention_heads=NH,
+                vocab_size=V, max_position_embeddings=128, word_embed_proj_dim=H),
     "falcon": dict(model_type="falcon", hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, vocab_size=V),
     "starcoder2": dict(model_type="starcoder2", **DEC),
     "olmo": dict(model_type="olmo", **DEC),
-    "bert": dict(model_type="bert", hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
+    "bert": dict(model_type="bert", hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=NH,
                  vocab_size=V, max_position_embeddings=128),
-    "t5": dict(model_type="t5", d_model=H, d_ff=I, num_layers=L, num_heads=NH, d_kv=16, vocab_size=V,
+    "t5": dict(model_type="t5", d_model=H, d_ff=INTER, num_layers=L, num_heads=NH, d_kv=16, vocab_size=V,
                decoder_start_token_id=0, pad_token_id=0),
-    "vit": dict(model_type="vit", hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=NH,
+    "vit": dict(model_type="vit", hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=NH,
                 image_size=64, patch_size=8, num_labels=10),
     "whisper": dict(model_type="whisper", d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH,
-                    decoder_attention_heads=NH, encoder_ffn_dim=I, decoder_ffn_dim=I, vocab_size=V, pad_token_id=0,
-                    decoder_start_token_id=1, num_mel_bins=16, max_source_positions=64, max_target_positions=64),
+                    decoder_attention_heads=NH, encoder_ffn_dim=INTER, decoder_ffn_dim=INTER, vocab_size=V,
+                    pad_token_id=0, decoder_start_token_id=1, num_mel_bins=16, max_source_positions=64,
+                    max_target_positions=64),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **DEC),
     "qwen2_moe": dict(model_type="qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=64,
                       num_experts=4, num_experts_per_tok=2, **DEC),
-    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=H, intermediate_size=I, moe_intermediate_size=32,
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=H, intermediate_size=INTER, moe_intermediate_size=32,
                         n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                         num_hidden_layers=L, first_k_dense_replace=1, num_attention_heads=NH, num_key_value_heads=NH,
                         q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
@@ -278,7 +279,8 @@ def render(rows: list[Row], seconds: float, command: str, whatifs=()) -> str:
         f"- Open (the replay's zero_grad). In {len(zero)}/{len(rows)} rows the zero_grad phase's own peak "
         f"differs{f' (worst {zworst.other[1]:+.1%}, {zworst.label})' if zworst else ''}: torch's "
         "`zero_grad(set_to_none=True)` drops the gradients in parameter order (`named_parameters`), the "
-        "simulation in another order (tied weights: the reverse), and a phase's peak is the level after each of its events, so it "
+        "simulation in another order (tied weights: the reverse), and a phase's peak is the level after each of its "
+        "events, so it "
         "depends on which gradient goes first. Overall and forward/backward peaks are not affected (zero_grad "
         "only frees).",
         "- peft under FakeTensorMode: `get_peft_model` moves each adapter with `Module.to(device, dtype)`, which "
@@ -312,8 +314,8 @@ def main() -> int:
             state = f"FAILED {r.failed}" if r.failed else (
                 f"{r.error:+8.4%}  worst {r.worst[0]} {r.worst[1]:+.4%}  static {'ok ' if r.static_exact else 'BAD'}  "
                 f"before {r.before}")
-            print(f"{'ok ' if r.ok else 'OFF'} {r.label:40} {r.precision:13} {r.optimizer:12} {state}  {r.seconds:.1f}s",
-                  flush=True)
+            print(f"{'ok ' if r.ok else 'OFF'} {r.label:40} {r.precision:13} {r.optimizer:12} "
+                  f"{state}  {r.seconds:.1f}s", flush=True)
     whatifs = run_whatifs() if args.only is None and not (args.precision or args.optimizer) else []
     seconds = time.perf_counter() - t0
     section = render(rows, seconds, "python bench/validate_traced.py --write", whatifs)

@@ -42,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..simulator.events import Block, Category, Phase
+from . import replay_template
 from .config import dtype_bytes
 from .gpu import gemm_takes_cublaslt
-from . import replay_template
 from .replay_offload import OffloadedSaves
 from .replay_recorded import RecordedBackward
 from .tape import Tape, TapeOp, TensorSpec
@@ -82,7 +82,8 @@ def replace_grad(replay, tensor: str, block: Block) -> list[int]:
 
 PLAN = ("needs_backward", "rg", "grad_uses", "saves", "last_use", "readers", "view_reads", "view_count", "regions",
         "region_inputs", "cached", "kept_in_forward", "kept_in_recompute",  # what `_plan` sets (read-only after)
-        "input_bytes", "plan_params", "lt")  # and the bytes each op reads, the parameters its ops read, their GEMMs' path
+        # and the bytes each op reads, the parameters its ops read, their GEMMs' path
+        "input_bytes", "plan_params", "lt")
 
 
 class MicroBatchReplay(RecordedBackward, OffloadedSaves):

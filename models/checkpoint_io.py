@@ -117,7 +117,8 @@ from dataclasses import dataclass, replace
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from .config import dtype_bytes
-from .optimizers import BNB_QMAP_BYTES, state_specs, step_pool as optimizer_step_pool
+from .optimizers import BNB_QMAP_BYTES, state_specs
+from .optimizers import step_pool as optimizer_step_pool
 from .parallel import FSDP2, dim0_shard
 
 STORAGE_BANDWIDTH = 2e9  # bytes/s one rank writes to or reads from checkpoint storage (assumption; timing only)
@@ -529,5 +530,6 @@ def _load_to_device(b, state: tuple[StateTensor, ...], keep_params: bool) -> Non
 
 
 __all__ = ["StateTensor", "rank_state", "state_dict_items", "written_by", "sharded_writers", "dcp_writers",
-           "saves_after", "rank_signature", "signature_ranks", "rank_signatures", "save_checkpoint", "load_checkpoint", "host_pool", "step_pool", "FULL_MODES",
+           "saves_after", "rank_signature", "signature_ranks", "rank_signatures", "save_checkpoint", "load_checkpoint",
+           "host_pool", "step_pool", "FULL_MODES",
            "STORAGE_BANDWIDTH"]

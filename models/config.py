@@ -386,7 +386,8 @@ def _lora_fields(setup) -> None:
         raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")
     if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
-        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 (Linear4bit's compute "
+        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 "
+                                      f"(Linear4bit's compute "
                                       f"dtype), not {setup.precision!r}; allowed: fp32, bf16")
     if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
         raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
@@ -412,7 +413,8 @@ def _build_field(setup) -> None:
         what = f"dp_engine {setup.dp_engine}, world_size {setup.world_size}, zero_stage {setup.zero_stage}"
         needs = "one device (dp_engine and zero_stage left out) or dp_engine fsdp2"
     elif setup.master_dtype and setup.dp_engine != "fsdp2":
-        what, needs = f"precision {setup.precision} outside fsdp2", "precision fp32, bf16 or *-autocast, or dp_engine fsdp2"
+        what, needs = (f"precision {setup.precision} outside fsdp2",
+                       "precision fp32, bf16 or *-autocast, or dp_engine fsdp2")
     elif setup.quantize != "none":
         what, needs = f"quantize {setup.quantize}", "quantize none"
     elif setup.load_mode == "meta-assign":
@@ -521,7 +523,8 @@ KNOB_APPLIES = {
     "reduce_dtype": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
     "ddp_bucket_cap_mb": (lambda s: s.dp_engine in ("ddp", "zero-redundancy-optimizer"),
                           "dp_engine ddp or zero-redundancy-optimizer"),
-    "reduce_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.world_size > 1, "dp_engine deepspeed on > 1 rank"),
+    "reduce_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.world_size > 1,
+                           "dp_engine deepspeed on > 1 rank"),
     "allgather_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage in (1, 2),
                               "dp_engine deepspeed with zero_stage 1 or 2"),
     "stage3_prefetch_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),

@@ -24,7 +24,7 @@ from .config import ConfigError, TrainingSetup, TransformerConfig
 from .moe import moe_block
 from .parallel.expert import EXPERT_WEIGHTS, ExpertParallelTape
 from .tape import Tape, TensorSpec
-from .transformer import _HFWriter, _hf_causal_lm_loss, transformer_params
+from .transformer import _hf_causal_lm_loss, _HFWriter, transformer_params
 
 MIXTRAL_CHECKPOINTING = ("none",)
 
@@ -77,7 +77,8 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     w.ep_rank = ep_rank
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     tape.inputs = [idx, TensorSpec("batch.targets", (B, T), "int64", False)]
-    tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False) for n in ("inv_freq", "original_inv_freq")]
+    tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False)
+                    for n in ("inv_freq", "original_inv_freq")]
     emb_dt = w.fp32_op_dtype() if w.autocast else setup.param_dtype
     (x,) = w.op("model.embed_tokens", "embedding", [idx], [w.t("model.embed_tokens.out", (B, T, D), emb_dt)],
                 saves=(idx.name,), params=("model.embed_tokens.weight",))
@@ -85,7 +86,8 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
                   workspace=(w.t("model.position_ids.arange", (T,), "int64", False),))
     _packed_sequence_check(w, T)
     # MixtralRotaryEmbedding.forward: position_ids[..., None].float() * inv_freq, cat, cos / sin * scaling
-    ws = (w.t("model.rotary_emb.freqs", (1, T, hd // 2), "fp32", False), w.t("model.rotary_emb.emb", (1, T, hd), "fp32", False),
+    ws = (w.t("model.rotary_emb.freqs", (1, T, hd // 2), "fp32", False),
+          w.t("model.rotary_emb.emb", (1, T, hd), "fp32", False),
           w.t("model.rotary_emb.raw", (1, T, hd), "fp32", False))
     cos, sin = w.op("model.rotary_emb", "rotary_tables", [pos], [w.t("model.rotary_emb.cos", (1, T, hd), emb_dt, False),
                                                               w.t("model.rotary_emb.sin", (1, T, hd), emb_dt, False)],

@@ -217,7 +217,8 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
         down = expert_combine(w, x, down, ep_idx, routed, S)
     wdt = "fp32" if "fp32" in (pdt, weights_g.dtype) else pdt
     (weighted,) = w.op(f"{x}.weigh", "mul", [down, weights_g], [w.t(f"{x}.weighted", (S, D), wdt)],
-                       saves=(down.name, weights_g.name), bwd_workspace=(w.t(f"{x}.weigh.grad_temp", (S, D), wdt, False),))
+                       saves=(down.name, weights_g.name),
+                       bwd_workspace=(w.t(f"{x}.weigh.grad_temp", (S, D), wdt, False),))
     (inv,) = w.op(f"{x}.inv_perm", "index_put", [perm], [w.t(f"{x}.inv_perm", (S,), "int64", False)],
                   workspace=(w.t(f"{x}.arange", (S,), "int64", False),))
     # weighted_out[inv_perm] (a local until the function returns), then .view(N, k, D).sum(1): one op here, as
@@ -248,7 +249,8 @@ def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: Ten
     (mask,) = w.op(f"{x}.one_hot", "one_hot", [idx], [w.t(f"{x}.expert_mask", (N, k, E + 1), "int64", False)])
     hits = [e for e in range(E) if counts[e]]
     (hit,) = w.op(f"{x}.expert_hit", "nonzero", [mask], [w.t(f"{x}.expert_hit", (len(hits), 1), "int64", False)],
-                  workspace=(w.t(f"{x}.mask_sum", (E + 1,), "int64", False), w.t(f"{x}.mask_hit", (E + 1,), "bool", False)))
+                  workspace=(w.t(f"{x}.mask_sum", (E + 1,), "int64", False),
+                             w.t(f"{x}.mask_hit", (E + 1,), "bool", False)))
     out, prev_state, prev_weighted = acc, None, None
     for e in hits:
         n, ex = counts[e], f"{x}.{e}"
@@ -270,7 +272,8 @@ def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: Ten
                        bwd_workspace=(w.t(f"{ex}.down_proj.slice_grad", (D, F), w.setup.grad_dtype, False),),
                        flops=2 * n * F * D)
         (wsel,) = w.op(f"{ex}.routing_weight", "index", [scores, pairs], [w.t(f"{ex}.routing_weight", (n, 1), "fp32")],
-                       saves=(pairs.name,), bwd_workspace=(w.t(f"{ex}.routing_weight.zeros", (N, k, 1), "fp32", False),))
+                       saves=(pairs.name,),
+                       bwd_workspace=(w.t(f"{ex}.routing_weight.zeros", (N, k, 1), "fp32", False),))
         wdt = "fp32" if "fp32" in (pdt, "fp32") else pdt
         temps = (w.t(f"{ex}.weigh.grad_temp", (n, D), wdt, False),) + \
             ((w.t(f"{ex}.weigh.grad_uncast", (n, D), wdt, False),) if wdt != pdt else ())

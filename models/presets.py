@@ -35,9 +35,9 @@ PRESETS: dict[str, TransformerConfig | MLPConfig] = {
     "mistral-7b": TransformerConfig(name="mistral-7b", family="llama", n_layer=32, d_model=4096, n_head=32,
                                     n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768),
     # Mixtral-8x7B-v0.1's config.json: 8 experts of width 14336 per layer, top-2 routing, no sliding window
-    "mixtral-8x7b": TransformerConfig(name="mixtral-8x7b", family="llama", implementation="hf", n_layer=32, d_model=4096,
-                                      n_head=32, n_kv_head=8, d_ff=14336, vocab_size=32000, max_seq_len=32768,
-                                      num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-8x7b": TransformerConfig(name="mixtral-8x7b", family="llama", implementation="hf", n_layer=32,
+                                      d_model=4096, n_head=32, n_kv_head=8, d_ff=14336, vocab_size=32000,
+                                      max_seq_len=32768, num_local_experts=8, num_experts_per_tok=2),
 }
 
 

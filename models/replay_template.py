@@ -16,10 +16,10 @@ So the first replay of a plan records its forward pass (`_Recorder`: every block
 order, and the state it leaves, its blocks named by position), and each backward pass by the state it starts from
 (the replay's, named the same way, plus which parameters hold a `.grad`): a micro-batch whose parameters have no
 `.grad` yet starts from another state than one accumulating into them, and gets a recording of its own. A later
-replay of the plan plays the forward (`GraphBuilder.play`: the same blocks with fresh ids, the same ops through the builder,
-which still adds what depends on the rank's history, the stream order and the cuBLAS (and cuBLASLt) workspace of
-a thread's first GEMM) and takes on the recorded state; its backward is played when it starts from a recorded state, and
-otherwise runs and is recorded. A pass a recording cannot name (a block or op that is neither the pass's nor one
+replay of the plan plays the forward (`GraphBuilder.play`: the same blocks with fresh ids, the same ops through the
+builder, which still adds what depends on the rank's history, the stream order and the cuBLAS (and cuBLASLt) workspace
+of a thread's first GEMM) and takes on the recorded state; its backward is played when it starts from a recorded state,
+and otherwise runs and is recorded. A pass a recording cannot name (a block or op that is neither the pass's nor one
 of the state's, an op of another step or micro-batch) is never recorded: that plan's pass always runs.
 """
 

@@ -49,8 +49,8 @@ import contextlib
 
 from . import gpu, lora
 from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 from .moe import moe_params
+from .tape import SAC_SAVED_KINDS, ParamSpec, Segment, Tape, TensorSpec, checkpoint_segments
 
 
 class _Writer:
@@ -128,7 +128,8 @@ class _Writer:
         in_features = x.shape[-1]
         rows = x.shape[0] * x.shape[1]
         x = self.autocast_input(name, x)
-        (y,) = self.op(name, "linear", [x], [self.t(f"{name}.out", (*x.shape[:-1], out_features), x.dtype if adapter else None)],
+        (y,) = self.op(name, "linear", [x],
+                       [self.t(f"{name}.out", (*x.shape[:-1], out_features), x.dtype if adapter else None)],
                        saves=(x.name,), params=params, casts=params if self.autocast else (),
                        saved_params=(weight,), flops=2 * rows * in_features * out_features)
         return y
@@ -245,7 +246,8 @@ def transformer_params(cfg: TransformerConfig) -> list[ParamSpec]:
             else:
                 ps += _linear(f"{h}.mlp.gate_proj", D, F, mlp_bias) + _linear(f"{h}.mlp.up_proj", D, F, mlp_bias)
                 ps += _linear(f"{h}.mlp.down_proj", F, D, mlp_bias)
-            ps += [ParamSpec(f"{h}.input_layernorm.weight", (D,)), ParamSpec(f"{h}.post_attention_layernorm.weight", (D,))]
+            ps += [ParamSpec(f"{h}.input_layernorm.weight", (D,)),
+                   ParamSpec(f"{h}.post_attention_layernorm.weight", (D,))]
         ps += [ParamSpec("model.norm.weight", (D,))]
         if not cfg.tied:
             ps += [ParamSpec("lm_head.weight", (V, D))]

@@ -88,7 +88,8 @@ def cmd_simulate(args) -> int:
     else:
         print(render_text(report, args.unit))
         if written:
-            print(f"written: {', '.join(written)}" + (f" (they show the simulated steps: {repeats})" if repeats else ""))
+            print(f"written: {', '.join(written)}"
+                  + (f" (they show the simulated steps: {repeats})" if repeats else ""))
     return 0
 
 
@@ -286,7 +287,8 @@ def _check_cuda_capture(args, scenario) -> dict:
                                    f"CUDA libraries), over the limit of {format_bytes(limit, 'GiB')} (half of this "
                                    "machine's memory): choose a smaller model, or pass --force to run it anyway")
     if need.device > gpu["free_memory"]:
-        raise ConfigError("force", f"{scenario.name} is predicted to need {format_bytes(need.device, 'GiB')} on the GPU "
+        raise ConfigError("force", f"{scenario.name} is predicted to need {format_bytes(need.device, 'GiB')} "
+                                   f"on the GPU "
                                    f"({profile} profile, torch {gpu['allocator_rules']} allocator rules, CUDA context "
                                    f"included), but {gpu['name']} has {format_bytes(gpu['free_memory'], 'GiB')} free "
                                    f"of {format_bytes(gpu['total_memory'], 'GiB')}: choose a smaller model or "
@@ -356,7 +358,8 @@ def cmd_validate(args) -> int:
             return cmd_validate_ranks(args, scenario)
         result, measured, simulated = api.validate(scenario)
     if args.plot:
-        plot_overlay(timeline(measured), timeline(simulated), args.plot, title=f"{scenario.name}: measured vs predicted")
+        plot_overlay(timeline(measured), timeline(simulated), args.plot,
+                     title=f"{scenario.name}: measured vs predicted")
     if args.json:
         _write_json(validation_json(result))
     else:
@@ -493,8 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.add_argument("--pg-backend", choices=["gloo", "fake"],
                    help="--world-size > 1: real gloo processes on 127.0.0.1, or torch's fake process group")
-    v.add_argument("--trace", metavar="FILE", help="compare against a saved trace (peakledger capture) instead of a new "
-                                                   "run; its recorded scenario is used, flags override fields of it")
+    v.add_argument("--trace", metavar="FILE",
+                   help="compare against a saved trace (peakledger capture) instead of a new "
+                        "run; its recorded scenario is used, flags override fields of it")
     v.add_argument("--force", action="store_true", help="run even when the estimated host memory is over the limit")
     v.set_defaults(func=cmd_validate)
     x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
@@ -594,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             return _internal_error(args, e)
         print(f"peakledger: error: {digits_message('an input')}", file=sys.stderr)  # (a reader that does not say)
         return 2
-    except Exception as e:  # noqa: BLE001 - the one place an unexpected error becomes a message
+    except Exception as e:  # the one place an unexpected error becomes a message
         return _internal_error(args, e)
     finally:
         if previous is not None:

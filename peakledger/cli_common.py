@@ -10,9 +10,23 @@ import sys
 
 from .analysis.units import parse_bytes
 from .inputs import DP_INT_FLAGS, MODEL_FLAG_TYPES
-from .models.config import (BUILDS, CHECKPOINTING, DP_ENGINES, LOAD_MODES, OFFLOAD_FIRST_STEPS, OPTIMIZER_IMPLS,
-                            OPTIMIZER_OFFLOADS, OPTIMIZERS, PASSES, PP_SCHEDULES, PRECISIONS, QUANTIZE, REDUCE_DTYPES,
-                            SAVE_MODES, ConfigError)
+from .models.config import (
+    BUILDS,
+    CHECKPOINTING,
+    DP_ENGINES,
+    LOAD_MODES,
+    OFFLOAD_FIRST_STEPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZER_OFFLOADS,
+    OPTIMIZERS,
+    PASSES,
+    PP_SCHEDULES,
+    PRECISIONS,
+    QUANTIZE,
+    REDUCE_DTYPES,
+    SAVE_MODES,
+    ConfigError,
+)
 from .models.costs import DEVICES
 from .models.presets import PRESETS
 from .scenario import parse_value
@@ -59,7 +73,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--optimizer-offload", help=", ".join(OPTIMIZER_OFFLOADS) + " (states in host memory between steps)")
     o.add_argument("--offload-chunk-params", type=int,
                    help="chunked: parameter elements whose states are copied and updated together (default 100000000)")
-    o.add_argument("--offload-prefetch", type=int, help="chunked: chunks copied in ahead of the one updated (default 1)")
+    o.add_argument("--offload-prefetch", type=int,
+                   help="chunked: chunks copied in ahead of the one updated (default 1)")
     o.add_argument("--offload-first-step", help=", ".join(OFFLOAD_FIRST_STEPS) +
                    " (chunked: step 1 as one torch step, or chunk by chunk)")
     lo = p.add_argument_group("LoRA / QLoRA (peft; the whole base model frozen)")
@@ -70,8 +85,9 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
                     help="peft target_modules, e.g. q_proj,k_proj,v_proj,o_proj (default: peft's for the family)")
     lo.add_argument("--quantize", help=", ".join(QUANTIZE) + " (nf4: bitsandbytes 4-bit base linears, QLoRA)")
     me = p.add_argument_group("mixture of experts")
-    me.add_argument("--moe-routing", metavar="ROUTING", help="tokens per expert: balanced (default), worst (every token "
-                    "to the same top-k experts) or counts:FILE (measured, from capture --moe-counts)")
+    me.add_argument("--moe-routing", metavar="ROUTING",
+                    help="tokens per expert: balanced (default), worst (every token "
+                         "to the same top-k experts) or counts:FILE (measured, from capture --moe-counts)")
     d = p.add_argument_group("data parallelism")
     d.add_argument("--dp-engine", help=f"{', '.join(DP_ENGINES)} (default deepspeed: --zero-stage applies)")
     d.add_argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false", default=None,
@@ -85,9 +101,13 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
                     "number of micro-batches per step")
     mp.add_argument("--pp-schedule", help=", ".join(PP_SCHEDULES) + " (default 1f1b; torch.distributed.pipelining's)")
     mp.add_argument("--virtual-stages", type=int, help="stages per pipeline rank (interleaved-1f1b: >= 2, zbv: 2)")
-    mp.add_argument("--tp", type=int, help="tensor-parallel ranks (DTensor column / row-parallel linears, vocab-parallel embedding and loss)")
-    mp.add_argument("--cp", type=int, help="context-parallel ranks (torch's context_parallel ring attention; cpu profile)")
-    mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models: experts placed on ranks, tokens all-to-all'd as torchtitan does "
+    mp.add_argument("--tp", type=int,
+                    help="tensor-parallel ranks (DTensor column / row-parallel linears, "
+                         "vocab-parallel embedding and loss)")
+    mp.add_argument("--cp", type=int,
+                    help="context-parallel ranks (torch's context_parallel ring attention; cpu profile)")
+    mp.add_argument("--ep", type=int, help="expert-parallel ranks, MoE models: experts placed on ranks, "
+                    "tokens all-to-all'd as torchtitan does "
                     "(world_size = dp, a multiple of ep; dp_engine ddp)")
     mp.add_argument("--sequence-parallel", action="store_true", default=None,
                     help="sequence parallelism over the tp ranks (norms and residual stream sharded on the sequence)")

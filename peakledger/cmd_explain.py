@@ -76,7 +76,8 @@ def _explain_gpu_lines(x, u: str) -> list[str]:
     f = lambda n: format_bytes(n, u)  # noqa: E731
     oom, conf = x.gpu_oom, x.gpu.alloc_conf or "default settings"
     if oom is None:
-        return [f"on the GPU (caching allocator, {conf}): reserved peak {f(x.gpu.reserved_peak.reserved)}, device total "
+        return [f"on the GPU (caching allocator, {conf}): "
+                f"reserved peak {f(x.gpu.reserved_peak.reserved)}, device total "
                 f"{f(x.gpu.total_peak.total)} (with the CUDA context, assumed): fits, the allocator freeing its cache "
                 "and retrying where it must"]
     e = oom.point.event
@@ -85,7 +86,8 @@ def _explain_gpu_lines(x, u: str) -> list[str]:
     if x.fragmentation:
         lines.append(f"  fragmentation: the live blocks ({f(oom.point.allocated_blocks)}) and this request fit, but "
                      f"{f(oom.point.fragmentation)} reserved by the cache is unallocated in pieces too small for it "
-                     "(largest free block " + f(oom.point.largest_free) + "), even after freeing the whole free segments")
+                     "(largest free block " + f(oom.point.largest_free)
+                     + "), even after freeing the whole free segments")
     return lines
 
 
@@ -145,7 +147,8 @@ def cmd_replay(args) -> int:
               f"({d['segments_predicted']:,} predicted)"
               + (f"; first difference: {d['first_segment_difference']}" if d["first_segment_difference"] else ""))
         print(f"  reserved peak           measured {f(d['reserved_peak']['measured'])}, predicted "
-              f"{f(d['reserved_peak']['predicted'])}; reserved equal after {d['reserved_exact_fraction']:.1%} of events")
+              f"{f(d['reserved_peak']['predicted'])}; "
+              f"reserved equal after {d['reserved_exact_fraction']:.1%} of events")
         print(f"  allocated peak          measured {f(d['allocated_peak']['measured'])}, predicted "
               f"{f(d['allocated_peak']['predicted'])} (requested bytes; in blocks: "
               f"{f(d['allocated_block_peak_predicted'])})")

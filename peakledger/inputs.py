@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
 from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
-from .models.training import describe
 from .models.trace.model import TracedModel, from_module_spec
+from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
@@ -282,5 +282,6 @@ def check_common(args) -> None:
             raise ConfigError("module_timeout", f"must be seconds in [0, 86400] (0: no limit), got {timeout!r}")
 
 
-__all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace", "recorded_scenario", "given_flags", "scenario_flags_given",
+__all__ = ["real_run_scenario", "check_real_run", "check_common", "scenario_from_args", "scenario_for_trace",
+           "recorded_scenario", "given_flags", "scenario_flags_given",
            "check_command_outputs", "real_run_estimate", "real_run_limit"]

@@ -22,17 +22,25 @@ TOML layout (every key optional; flags given on the command line override the fi
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from .models.config import (COUNT_LIMITS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig,
-                            check_given_knobs, read_config_file)
-from .models.fields import check_types
+import tomllib
+
+from .models.config import (
+    COUNT_LIMITS,
+    ConfigError,
+    MLPConfig,
+    TrainingSetup,
+    TransformerConfig,
+    check_given_knobs,
+    read_config_file,
+)
 from .models.costs import DEVICES
-from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
-from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .models.fields import check_types
 from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
+from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"
@@ -113,7 +121,8 @@ def load_toml(path: str | Path) -> dict:
     data = read_config_file(path, "scenario", tomllib.loads, tomllib.TOMLDecodeError, "TOML")
     unknown = set(data) - {*TABLES, "name"}
     if unknown:
-        raise ConfigError(sorted(unknown)[0], "unknown table in scenario file; allowed: [model], [training], [run], name")
+        raise ConfigError(sorted(unknown)[0],
+                          "unknown table in scenario file; allowed: [model], [training], [run], name")
     for table in TABLES:
         if table in data and not isinstance(data[table], dict):
             raise ConfigError(table, f"must be a table ([{table}] followed by key = value lines), got "
@@ -191,8 +200,10 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
                                      "(micro_batch sets the batch)")
-    base_setup = dict(DEFAULT_SETUP, seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
-    base_setup.update({k: v for k, v in (defaults or {}).items() if k != "seq_len" or isinstance(model, TransformerConfig)})
+    base_setup = dict(DEFAULT_SETUP,
+                      seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
+    base_setup.update({k: v for k, v in (defaults or {}).items()
+                       if k != "seq_len" or isinstance(model, TransformerConfig)})
     return _scenario(model, base_setup, training, run, name)
 
 

@@ -354,14 +354,14 @@ def _in_helper_thread(start, stop):
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             start()
-        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+        except BaseException as e:  # raised in the caller's thread
             errors.append(e)
         ready.set()
         if not errors:
             finish.wait()
         try:
             stop()  # whatever start() made, even half of it
-        except Exception as e:  # noqa: BLE001 - raised in the caller's thread
+        except Exception as e:  # raised in the caller's thread
             errors.append(e)
 
     helper = threading.Thread(target=life, name="peakledger-sweep-cluster", daemon=True)
@@ -386,7 +386,7 @@ def _wait(done, hold: bool) -> None:
         try:
             if done(_POLL_S):
                 break
-        except BaseException as e:  # noqa: BLE001 - Ctrl-C, or a SIGTERM handler's exception
+        except BaseException as e:  # Ctrl-C, or a SIGTERM handler's exception
             if not hold or held is not None:
                 raise
             held = e

@@ -121,7 +121,6 @@ _ALLOC = {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 0, 
 
 def _evil_module() -> str:
     """A module file whose import writes a marker file (beside it, in the temporary folder): run = wrong."""
-    import hashlib
     import tempfile
     folder = Path(tempfile.gettempdir())
     path = folder / "peakledger-hardening-evil.py"
@@ -323,7 +322,8 @@ CASES: list[Case] = [
                  {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})},
          says=("truncated", "max_entries", "whole run")),
     Case("max-batch-cap", "silent wrong results", "max-batch gave its search cap (1,048,576) as the answer",
-         ("max-batch", "--preset", "tiny", "--budget", "1000TiB", "--steps", "1"), code=0, says=("at least 1,048,576",)),
+         ("max-batch", "--preset", "tiny", "--budget", "1000TiB", "--steps", "1"), code=0,
+         says=("at least 1,048,576",)),
     Case("trace-float-size", "silent wrong results", "a float block size in a trace was truncated to an int",
          ("explain", "--trace", "{tmp}/t.json", "--budget", "1GiB"), {"t.json": _trace(_float_size)},
          says=("must be integers",)),
@@ -351,8 +351,9 @@ CASES: list[Case] = [
     Case("tolerance-nan", "silent wrong results", "validate --tolerance nan passed every run",
          ("validate", "--trace", str(MLP_TRACE), "--tolerance", "nan"), says=("tolerance",)),
     Case("host-budget-no-host", "silent wrong results", "explain --host-budget on a scenario with no host memory "
-         "said nothing about it", ("explain", "--preset", "tiny", "--steps", "1", "--optimizer", "sgd", "--budget", "1GiB",
-                                   "--host-budget", "1MiB"), code=0, says=("nothing of this scenario lives in host",)),
+         "said nothing about it",
+         ("explain", "--preset", "tiny", "--steps", "1", "--optimizer", "sgd", "--budget", "1GiB",
+          "--host-budget", "1MiB"), code=0, says=("nothing of this scenario lives in host",)),
     Case("ranks-plot", "silent wrong results", "validate --world-size 2 --plot drew nothing",
          ("validate", "--preset", "tiny", "--world-size", "2", "--dp-engine", "fsdp2", "--plot", "{tmp}/v.png"),
          says=("plot",)),

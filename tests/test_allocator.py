@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 from peakledger.analysis.allocator_replay import replay_entries, replay_snapshot, start_state
-from peakledger.simulator.allocator import (AllocatorConfig, AllocatorConfigError, CachingAllocator, OutOfMemory,
-                                            allocation_size, pool_of, round_size)
+from peakledger.simulator.allocator import (
+    AllocatorConfig,
+    AllocatorConfigError,
+    CachingAllocator,
+    OutOfMemory,
+    allocation_size,
+    pool_of,
+    round_size,
+)
 
 MB = 1 << 20
 GPU_TRUTH = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-truth" / "snapshots"

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from peakledger.simulator.allocator import (AllocatorConfig, AllocatorConfigError, CachingAllocator, OutOfMemory,
-                                            round_size)
+from peakledger.simulator.allocator import (
+    AllocatorConfig,
+    AllocatorConfigError,
+    CachingAllocator,
+    OutOfMemory,
+    round_size,
+)
 
 MB = 1 << 20
 EXPANDABLE = AllocatorConfig.parse("expandable_segments:True")

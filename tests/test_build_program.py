@@ -47,7 +47,8 @@ def llama_params() -> list[tuple[str, tuple[int, ...]]]:
                 (f"{a}.k_proj.weight", (KV * HD, D)), (f"{a}.k_proj.bias", (KV * HD,)),
                 (f"{a}.v_proj.weight", (KV * HD, D)), (f"{a}.v_proj.bias", (KV * HD,)),
                 (f"{a}.o_proj.weight", (D, HEADS * HD)), (f"{a}.o_proj.bias", (D,)),
-                (f"{m}.gate_proj.weight", (FF, D)), (f"{m}.up_proj.weight", (FF, D)), (f"{m}.down_proj.weight", (D, FF)),
+                (f"{m}.gate_proj.weight", (FF, D)), (f"{m}.up_proj.weight", (FF, D)),
+                (f"{m}.down_proj.weight", (D, FF)),
                 (f"model.layers.{i}.input_layernorm.weight", (D,)),
                 (f"model.layers.{i}.post_attention_layernorm.weight", (D,))]
     return out + [("model.norm.weight", (D,))]
@@ -175,7 +176,8 @@ def training_events(config: str, build: str, **training) -> list[tuple]:
     tr = {"micro_batch": 2, "seq_len": 16, "steps": 2, "build": build, **training}
     sc = build_scenario({"hf_config": config}, tr, {"device": "H100-80GB"})
     log = simulate(describe(sc.model, sc.setup, "H100-80GB"))
-    return [(e.action, e.block.nbytes, e.block.name, e.block.category, e.block.dtype, e.block.shard_factor, e.block.rank)
+    return [(e.action, e.block.nbytes, e.block.name, e.block.category, e.block.dtype, e.block.shard_factor,
+             e.block.rank)
             for e in log.events if e.phase is not Phase.LOAD]
 
 
@@ -290,7 +292,8 @@ def test_lora_adapters_are_made_in_the_base_dtype_then_cast_to_fp32(llama_config
     adapters = []
     for i in range(LAYERS):
         a = f"{prefix}model.layers.{i}.self_attn"
-        adapters += [(f"{a}.q_proj.lora_A.default.weight", (4, D)), (f"{a}.q_proj.lora_B.default.weight", (HEADS * HD, 4)),
+        adapters += [(f"{a}.q_proj.lora_A.default.weight", (4, D)),
+                     (f"{a}.q_proj.lora_B.default.weight", (HEADS * HD, 4)),
                      (f"{a}.v_proj.lora_A.default.weight", (4, D)), (f"{a}.v_proj.lora_B.default.weight", (KV * HD, 4))]
     made = next(op for op in ops if op.name == "build.lora.adapters")
     assert allocs(made) == [(n, prod(s) * 2, "bf16") for n, s in adapters]
@@ -302,7 +305,8 @@ def test_lora_adapters_are_made_in_the_base_dtype_then_cast_to_fp32(llama_config
     construct = ops[0]
     base = [(n.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer."), s)
             for n, s in llama_params()]
-    assert allocs(construct) == fp32([(prefix + n, s) for n, s in base + ROTARY] + [(prefix + "lm_head.weight", (V, D))])
+    assert allocs(construct) == fp32([(prefix + n, s) for n, s in base + ROTARY]
+                                     + [(prefix + "lm_head.weight", (V, D))])
 
 
 # -- Module._apply's post-order and buffers, on a module of your own ----------------------------------------------

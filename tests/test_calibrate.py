@@ -9,10 +9,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from peakledger import api, build_scenario, cli
-from peakledger import cmd_calibrate
-from peakledger.analysis.calibrate import (Calibration, CalibrationError, Measurement, apply_calibration,
-                                           calibrate, fit, from_json, load_calibration, residual_at, to_json)
+from peakledger import api, build_scenario, cli, cmd_calibrate
+from peakledger.analysis.calibrate import (
+    Calibration,
+    CalibrationError,
+    Measurement,
+    apply_calibration,
+    calibrate,
+    fit,
+    from_json,
+    load_calibration,
+    residual_at,
+    to_json,
+)
 from peakledger.cmd_calibrate import register, snapshot_peaks
 
 TINY = {"preset": "tiny"}

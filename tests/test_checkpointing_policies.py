@@ -10,9 +10,19 @@ import itertools
 import pytest
 
 from peakledger import build_scenario
-from peakledger.analysis.checkpointing import (simulate_run, with_checkpointed_layers, layer_costs, n_layers,
-                                               optimal_checkpointing, plot_peak_vs_recompute, policy_table,
-                                               render_optimal, render_table, run_time, step_flops)
+from peakledger.analysis.checkpointing import (
+    layer_costs,
+    n_layers,
+    optimal_checkpointing,
+    plot_peak_vs_recompute,
+    policy_table,
+    render_optimal,
+    render_table,
+    run_time,
+    simulate_run,
+    step_flops,
+    with_checkpointed_layers,
+)
 from peakledger.api import validate
 from peakledger.models.config import CHECKPOINTING, ConfigError, TrainingSetup
 from peakledger.models.presets import preset

@@ -50,8 +50,8 @@ def test_checks():
 def test_cp_model_is_the_reference_model(name):
     """Outside `context_parallel`, the CP model (positions from its buffer, SDPA attention) computes the reference
     model's loss and gradients (the reference run with attention="sdpa")."""
-    from peakledger.traces.reference import build_model, make_batch
     from peakledger.traces.context_run import build_cp_model, run_config
+    from peakledger.traces.reference import build_model, make_batch
 
     setup = _setup(2)
     cfg = preset(name)
@@ -81,8 +81,8 @@ def _param_bytes(cfg, setup) -> int:
 
 def _state_bytes(cfg, setup) -> int:
     """Optimizer-state bytes of the whole model after one step (what each cp rank holds: parameters replicated)."""
-    from peakledger.traces.reference import make_batch, torch_optimizer
     from peakledger.traces.context_run import build_cp_model
+    from peakledger.traces.reference import make_batch, torch_optimizer
 
     model = build_cp_model(cfg, setup)
     opt = torch_optimizer(model.parameters(), setup)

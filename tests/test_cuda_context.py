@@ -15,8 +15,15 @@ from peakledger.analysis.device import context_of
 from peakledger.analysis.report import assumptions, report_json, summarize
 from peakledger.cli import main
 from peakledger.models.costs import DEVICES
-from peakledger.models.cuda_context import (ASSUMED_ROW, CONTEXT_ROW, FSDP2_ROW, KERNELS_ROW, MEASURED, cuda_context,
-                                            torch_minor)
+from peakledger.models.cuda_context import (
+    ASSUMED_ROW,
+    CONTEXT_ROW,
+    FSDP2_ROW,
+    KERNELS_ROW,
+    MEASURED,
+    cuda_context,
+    torch_minor,
+)
 from peakledger.scenario import build_scenario
 from peakledger.simulator.device_memory import device_memory
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from peakledger.models.config import TrainingSetup
 from peakledger.models import trace
-from peakledger.models.trace import from_hf_dict, recording
-from peakledger.models.trace import depth
+from peakledger.models.config import TrainingSetup
+from peakledger.models.trace import depth, from_hf_dict, recording
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ((9, 0), "2.11")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from describer_agreement import LORA, PARALLEL, cell  # noqa: E402
+from describer_agreement import LORA, PARALLEL, cell
 
 pytest.importorskip("transformers")
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from peakledger.models.config import TrainingSetup, TransformerConfig
-from peakledger.traces.reference import build_model
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
 from peakledger.traces.distributed import BackendReleased, ReleaseCount, holders, measure_distributed
+from peakledger.traces.reference import build_model
 
 WORLD = 2
 # odd vocabulary and context length: wte (37, 12) and wpe (9, 12) do not split evenly over 2 ranks,

@@ -27,7 +27,8 @@ pytest.importorskip("transformers")
 from peakledger.traces.expert_run import measure_expert_parallel, permute_indices  # noqa: E402
 
 TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4, num_experts_per_tok=2)
+                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+                         num_experts_per_tok=2)
 TOLERANCE = 1e-4
 DDP_UNMODELLED = 8  # bytes: DDP's construction leaves an 8-byte int64 tensor that goes in the first backward
 
@@ -82,7 +83,8 @@ def test_real_expert_parallel_with_expert_replicas(tmp_path):
     measured, counts = measure_expert_parallel(TINY, setup)
     graph, _ = _compare(measured, counts, setup, tmp_path)
     assert [log.metadata["ep_rank"] for log in measured] == [0, 1, 0, 1]
-    assert graph.metadata["expert_parallel"]["received_rows"]["2"] == graph.metadata["expert_parallel"]["received_rows"]["0"]
+    assert (graph.metadata["expert_parallel"]["received_rows"]["2"]
+            == graph.metadata["expert_parallel"]["received_rows"]["0"])
 
 
 def test_the_routing_sizes_each_ranks_rows():

@@ -10,19 +10,21 @@ import math
 import os
 import pickle
 
+from hardening_cases import MLP_TRACE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hardening_cases import MLP_TRACE
 from peakledger import cli
 
-FUZZ = settings(max_examples=int(os.environ.get("PEAKLEDGER_FUZZ_EXAMPLES", "40")), deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ = settings(max_examples=int(os.environ.get("PEAKLEDGER_FUZZ_EXAMPLES", "40")), deadline=None,
+                suppress_health_check=list(HealthCheck), derandomize=True)
 
-WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(2**62, 2**80), st.just(-(2**70)), st.just(10**400),
+WEIRD = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.integers(2**62, 2**80), st.just(-(2**70)),
+                  st.just(10**400),
                   st.just(10**5000),  # over Python's 4,300-digit limit for reading an integer back
                   st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -0.0]),
-                  st.text(max_size=8), st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=3),
-                                                                                                  st.integers(), max_size=2))
+                  st.text(max_size=8), st.lists(st.integers(0, 3), max_size=3),
+                  st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
 TRAINING_KEYS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "fp32_grads", "set_to_none",
                  "frozen", "world_size", "zero_stage", "checkpointing", "dp_engine", "checkpoint_every",
                  "optimizer_offload", "offload_chunk_params", "reshard_after_forward", "not_a_field"]

@@ -8,8 +8,12 @@ import sys
 from pathlib import Path
 
 from peakledger.models.config import TrainingSetup
-from peakledger.models.gpu import (addmm_takes_cublaslt, cublaslt_workspace_bytes, cuda_fused_rms_norm,
-                                   gemm_takes_cublaslt)
+from peakledger.models.gpu import (
+    addmm_takes_cublaslt,
+    cublaslt_workspace_bytes,
+    cuda_fused_rms_norm,
+    gemm_takes_cublaslt,
+)
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate

@@ -230,6 +230,7 @@ def test_a_mask_whose_last_dim_is_strided_sends_sdpa_to_math_on_cuda():
     assert sdpa_backend("fp32", 64, 0.1, True, False, H100, "2.6", last_dims_contiguous=False) == "math"
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from peakledger.models.trace.cuda_program import cuda_program
     with FakeTensorMode(), cuda_program(H100, "2.11") as program:
         q = torch.empty(2, 4, 16, 64, requires_grad=True)
@@ -245,6 +246,7 @@ def test_a_linear_bias_gradient_on_cuda_holds_the_reduction_staging_buffer():
     # the snapshot shows; the recording of the CUDA program carries them in the node, freed there
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from peakledger.models.gpu import reduce_staging_bytes
     from peakledger.models.trace.cuda_program import reduction_temporaries
     expected = reduce_staging_bytes(768, 12_608, 4, reduce_on_fastest=False, num_sms=132)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO, make_special_files
+
 from peakledger import cli
 from peakledger.simulator import files
 

@@ -14,9 +14,9 @@ import math
 from pathlib import Path
 
 import pytest
+from realrun import assert_matches_real_run
 
 from peakledger import build_scenario
-from realrun import assert_matches_real_run
 from peakledger.api import validate
 from peakledger.models.config import ConfigError, TransformerConfig
 from peakledger.models.presets import from_hf_config, load_hf_config

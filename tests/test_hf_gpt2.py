@@ -15,14 +15,15 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from realrun import assert_matches_real_run  # noqa: E402
+
 from peakledger import build_scenario  # noqa: E402
 from peakledger.analysis.validate import static_rows  # noqa: E402
-from realrun import assert_matches_real_run  # noqa: E402
 from peakledger.cli import main  # noqa: E402
 from peakledger.models.config import ConfigError, TransformerConfig  # noqa: E402
 from peakledger.models.presets import from_hf_config  # noqa: E402
-from peakledger.traces.reference import build_model  # noqa: E402
 from peakledger.models.transformer import transformer_params  # noqa: E402
+from peakledger.traces.reference import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

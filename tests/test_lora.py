@@ -16,12 +16,13 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from peakledger import build_scenario  # noqa: E402
-from peakledger.cli import main  # noqa: E402
-from peakledger.models.config import ConfigError, TrainingSetup  # noqa: E402
-from peakledger.models.presets import preset  # noqa: E402
-from peakledger.models.training import build_tape, describe  # noqa: E402
-from realrun import assert_matches_real_run  # noqa: E402
+from realrun import assert_matches_real_run
+
+from peakledger import build_scenario
+from peakledger.cli import main
+from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.presets import preset
+from peakledger.models.training import build_tape, describe
 
 LLAMA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -71,9 +72,9 @@ def test_real_cpu_run_matches_the_simulation(case):
 def test_parameters_are_peft_s_own_names_shapes_dtypes_and_trainability(preset_name, training):
     """The tape's parameters are the peft model's `named_parameters()`, in order, with their shapes, dtypes
     (fp32 adapters under pure bf16, packed uint8 weights) and requires_grad."""
-    from peakledger.traces.reference import build_model
     from peakledger.models.parallel import own_dtype
     from peakledger.models.training import trainable_params
+    from peakledger.traces.reference import build_model
     from peakledger.traces.tracker import DTYPE_NAMES
 
     scenario = lora_scenario(preset_name, **training)

@@ -9,8 +9,14 @@ import pytest
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.costs import device_profile
 from peakledger.models.parallel import dim0_shard, flat_partition
-from peakledger.models.parallel.mesh import (MeshTapes, mesh_classes, mesh_coords, mesh_rank, rank_builder,
-                                             simulated_ranks)
+from peakledger.models.parallel.mesh import (
+    MeshTapes,
+    mesh_classes,
+    mesh_coords,
+    mesh_rank,
+    rank_builder,
+    simulated_ranks,
+)
 from peakledger.models.parallel.stages import rank_tape, stage_tapes
 from peakledger.models.parallel.tensor import tensor_parallel_tape
 from peakledger.models.presets import preset

@@ -165,9 +165,9 @@ def test_stage_plan_is_the_whole_models_plan_on_its_modules(name, sequence_paral
     index in the whole model): the entries naming one of its modules are those of the whole model's plan, same
     styles, same order; its blocks are those the FSDP2 units are made of."""
     from peakledger.models.parallel.stages import rank_stages
-    from peakledger.traces.reference import build_model
     from peakledger.traces.distributed import fsdp_units
     from peakledger.traces.pipeline_run import StageModule
+    from peakledger.traces.reference import build_model
     from peakledger.traces.tensor_run import tp_plan
 
     cfg = preset(name)

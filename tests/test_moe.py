@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 import pytest
 
@@ -31,7 +30,8 @@ torch = pytest.importorskip("torch")
 from peakledger.traces.reference.mixtral import RoutingRecorder, hf_mixtral, hf_mixtral_config  # noqa: E402
 
 TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4, num_experts_per_tok=2)
+                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+                         num_experts_per_tok=2)
 TOLERANCE = 0.005
 
 
@@ -91,7 +91,8 @@ def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
     tokens = setup.micro_batch * setup.seq_len
     k = TINY.num_experts_per_tok
     worst = dataclasses.replace(setup, moe_routing="worst")
-    assert [sorted(row) for row in worst_layers] == [sorted(routing_counts(TINY, worst, i)) for i in range(TINY.n_layer)]
+    assert [sorted(row) for row in worst_layers] == [sorted(routing_counts(TINY, worst, i))
+                                                     for i in range(TINY.n_layer)]
     assert all(sorted(row)[-k:] == [tokens] * k for row in worst_layers)
     random_log, _, random_layers = _measure_with_counts(setup, tmp_path)
     assert random_layers != worst_layers

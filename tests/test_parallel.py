@@ -6,8 +6,12 @@ import json
 
 import pytest
 
-from peakledger.analysis.peers import (deepspeed_zero2_estimate, deepspeed_zero3_estimate, model_state_peak,
-                                       zero_paper_model_states)
+from peakledger.analysis.peers import (
+    deepspeed_zero2_estimate,
+    deepspeed_zero3_estimate,
+    model_state_peak,
+    zero_paper_model_states,
+)
 from peakledger.analysis.report import report_json, summarize
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
@@ -123,7 +127,8 @@ def test_bad_parallel_settings_name_the_field(changes, field):
 
 
 def test_same_input_same_output_for_every_engine():
-    for engine, extra in [("fsdp2", {}), ("ddp", {}), ("zero-redundancy-optimizer", {}), ("deepspeed", {"zero_stage": 3})]:
+    for engine, extra in [("fsdp2", {}), ("ddp", {}), ("zero-redundancy-optimizer", {}),
+                          ("deepspeed", {"zero_stage": 3})]:
         setup = TrainingSetup(micro_batch=1, seq_len=8, world_size=3, dp_engine=engine, **extra)
         a = report_json(summarize(simulate(describe(preset("tiny-llama"), setup))))
         b = report_json(summarize(simulate(describe(preset("tiny-llama"), setup))))

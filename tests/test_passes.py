@@ -52,7 +52,8 @@ def test_a_traced_forward_pass_equals_a_real_one(seq_len):
 
 
 def test_hand_written_forward_drops_the_loss_and_frees_everything_at_the_end():
-    train = api.run(build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 16, "steps": 1}, {"device": "cpu"}))
+    train = api.run(build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 16, "steps": 1},
+                                   {"device": "cpu"}))
     fwd = api.run(build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 16, "steps": 1, "passes": "forward"},
                                  {"device": "cpu"}))
     assert not any(e.op.startswith("loss.") for e in fwd.log.events)

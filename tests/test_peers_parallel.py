@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import pytest
 
-from peakledger.analysis.peers_parallel import (LLM_ANALYSIS, MEGATRON, MEGATRON_DOCS_BYTES_PER_PARAM,
-                                                llm_analysis_activation_per_layer, llm_analysis_layer_params,
-                                                llm_analysis_training, megatron_activations, megatron_bytes_per_param,
-                                                megatron_padded_vocab, megatron_pipeline_factor,
-                                                megatron_weight_and_optimizer, parallel_peers, render_parallel_peers)
+from peakledger.analysis.peers_parallel import (
+    LLM_ANALYSIS,
+    MEGATRON,
+    MEGATRON_DOCS_BYTES_PER_PARAM,
+    llm_analysis_activation_per_layer,
+    llm_analysis_layer_params,
+    llm_analysis_training,
+    megatron_activations,
+    megatron_bytes_per_param,
+    megatron_padded_vocab,
+    megatron_pipeline_factor,
+    megatron_weight_and_optimizer,
+    parallel_peers,
+    render_parallel_peers,
+)
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.presets import preset
-
 
 # -- Megatron-LM: megatron/training/theoretical_memory_usage.py -----------------------------------------------------
 

@@ -229,7 +229,8 @@ def test_bad_setups_name_the_field(fields, field, words):
 
 @pytest.mark.parametrize("model, fields, field, words", [
     ("tiny", dict(tp=3, world_size=3), "tp", "does not divide the model's n_head=4"),
-    ("tiny", dict(tp=2, world_size=2, dp_engine="fsdp2", optimizer_offload="states"), "optimizer_offload", "not simulated yet"),
+    ("tiny", dict(tp=2, world_size=2, dp_engine="fsdp2", optimizer_offload="states"), "optimizer_offload",
+     "not simulated yet"),
     ("tiny", dict(cp=2, world_size=2), "attention", "attention must be sdpa"),  # eager: no SDPA call for CP
     ("tiny-llama", dict(cp=2, tp=2, world_size=8), "world_size", "not simulated yet"),  # cp x tp x dp
     ("tiny", dict(ep=2, world_size=2), "ep", "has none"),

@@ -13,12 +13,12 @@ from peakledger.models.autograd import param_bytes
 from peakledger.models.config import MLPConfig, TrainingSetup
 from peakledger.models.optimizers import state_specs
 from peakledger.models.presets import preset
-from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.models.training import describe
 from peakledger.models.transformer import mlp_params, transformer_params
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
 from peakledger.traces.profiler import profiler_peak
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import SOURCE, live_bytes, peak, run_training_steps
 
 CASES = {  # preset -> (micro_batch, seq_len)

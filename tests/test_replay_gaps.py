@@ -21,10 +21,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from peakledger import build_scenario  # noqa: E402
-from peakledger.api import validate  # noqa: E402
-from peakledger.simulator.events import Category, Phase  # noqa: E402
-from peakledger.traces.tracker import peak  # noqa: E402
+from peakledger import build_scenario
+from peakledger.api import validate
+from peakledger.simulator.events import Category, Phase
+from peakledger.traces.tracker import peak
 
 
 def _hf_scenario(tmp_path, config: dict, training: dict):

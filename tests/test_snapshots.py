@@ -14,8 +14,15 @@ from peakledger import build_scenario, run
 from peakledger.analysis.export import chrome_trace, to_snapshot, write_chrome_trace, write_snapshot
 from peakledger.cli import main
 from peakledger.simulator.events import Category
-from peakledger.traces.cuda_snapshot import (SnapshotError, TruncatedTraceError, UnsafePickleError, load_snapshot,
-                                             load_snapshot_devices, parse_snapshot, safe_loads)
+from peakledger.traces.cuda_snapshot import (
+    SnapshotError,
+    TruncatedTraceError,
+    UnsafePickleError,
+    load_snapshot,
+    load_snapshot_devices,
+    parse_snapshot,
+    safe_loads,
+)
 from peakledger.traces.store import load_trace
 
 GPU_TRUTH = Path(__file__).resolve().parent.parent.parent / "shared" / "gpu-truth" / "snapshots"
@@ -117,12 +124,15 @@ def test_a_two_device_snapshot_is_read_per_device(tmp_path, capsys):
     assert (d0.device, d1.device) == (0, 1) and not d0.truncated and not d1.truncated
     assert d0.peak_bytes() == 4096 + 1024 and d1.peak_bytes() == 12 << 20 and d1.reserved_peak_bytes() == 20 << 20
     assert {e.block.rank for e in d1.allocated.events} == {1}
-    assert [e.op for e in d1.allocated.events] == ["alloc", "alloc (stream 1)"] and d1.allocated.metadata["streams"] == [0, 77]
+    assert ([e.op for e in d1.allocated.events] == ["alloc", "alloc (stream 1)"]
+            and d1.allocated.metadata["streams"] == [0, 77])
     assert load_snapshot(path, device=1).peak_bytes() == 12 << 20
-    ids = [e.block.id for t in (d0, d1) for log in (t.allocated, t.reserved) for e in log.events if e.action.value == "alloc"]
+    ids = [e.block.id for t in (d0, d1) for log in (t.allocated, t.reserved) for e in log.events
+           if e.action.value == "alloc"]
     assert len(ids) == len(set(ids))
     trace = load_trace(path)
-    assert {e.block.rank for e in trace.log.events} == {0, 1} and {e.block.rank for e in trace.reserved.events} == {0, 1}
+    assert ({e.block.rank for e in trace.log.events} == {0, 1}
+            and {e.block.rank for e in trace.reserved.events} == {0, 1})
     assert main(["explain", "--trace", str(path), "--budget", "10MiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["moment"]["rank"] == 1 and out["moment"]["failed"]  # device 1 goes over 10 MiB, device 0 never does
@@ -131,7 +141,8 @@ def test_a_two_device_snapshot_is_read_per_device(tmp_path, capsys):
 
 def test_expandable_segments_map_and_unmap_in_the_reserved_view():
     A, MB = 1 << 32, 1 << 20
-    trace = [entry("segment_map", A, 20 * MB, 0), entry("alloc", A, 30 * MB, 1), entry("segment_map", A + 20 * MB, 20 * MB, 2),
+    trace = [entry("segment_map", A, 20 * MB, 0), entry("alloc", A, 30 * MB, 1),
+             entry("segment_map", A + 20 * MB, 20 * MB, 2),
              entry("free_completed", A, 30 * MB, 3), entry("segment_unmap", A + 20 * MB, 20 * MB, 4)]
     snap = {"segments": [{"device": 0, "address": A, "total_size": 20 * MB, "stream": 0, "segment_type": "large",
                           "is_expandable": True, "blocks": [{"address": A, "size": 20 * MB, "state": "inactive"}]}],
@@ -190,7 +201,8 @@ def test_chrome_trace_counters_end_at_the_live_state(report, tmp_path):
 def _file_figures(snap: dict) -> dict:
     """What the file says without any reconstruction: final live blocks / segments, and what the trace did."""
     trace = snap["device_traces"][0]
-    live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] in ("active_allocated", "active_pending_free")]
+    live = [b for s in snap["segments"] for b in s["blocks"]
+            if b["state"] in ("active_allocated", "active_pending_free")]
     count = {a: sum(1 for e in trace if e["action"] == a) for a in ("alloc", "free_completed", "segment_alloc",
                                                                     "segment_free")}
     size = {a: sum(e["size"] for e in trace if e["action"] == a) for a in count}
@@ -254,7 +266,8 @@ def test_explain_trace_names_the_reserved_moment_of_a_real_snapshot(capsys):
     r = out["reserved_moment"]
     assert r["failed"] and not r["at_record_start"] and r["op"] == "segment_alloc"
     assert (r["reserved_after"], r["segment_bytes"]) == (reserved, first["size"])
-    assert r["reserved_before"] <= budget < r["reserved_after"] and r["segment"].startswith(f"segment@{first['addr']:#x}")
+    assert (r["reserved_before"] <= budget < r["reserved_after"]
+            and r["segment"].startswith(f"segment@{first['addr']:#x}"))
     assert 0 < r["allocated_bytes"] <= r["reserved_before"]
     m = out["moment"]  # the allocated view: its first allocation over 50 GiB (the optimizer step's)
     assert m["failed"] and m["live_bytes"] + m["tensor_bytes"] > budget >= m["live_bytes"] and m["phase"] == "optimizer"

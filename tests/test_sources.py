@@ -3,9 +3,9 @@
 from peakledger.analysis.sources import agreement
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.simulator.events import Category
 from peakledger.traces.profiler import profile_training_steps
+from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import run_training_steps
 
 SCALARS = 16  # 4-byte scalars the arg parser wraps outside dispatch (shared notes)

@@ -19,8 +19,7 @@ import time
 
 import pytest
 
-from peakledger import build_scenario
-from peakledger import sweep
+from peakledger import build_scenario, sweep
 from peakledger.models.config import ConfigError
 from peakledger.sweep import run_sweep, to_csv, to_json
 

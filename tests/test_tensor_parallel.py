@@ -12,8 +12,7 @@ import pytest
 
 from peakledger.analysis.validate import compare_logs, static_rows
 from peakledger.models.config import TrainingSetup
-from peakledger.models.parallel.tensor import (TensorParallelTape, chunk, 
-                                               tensor_parallel_tape)
+from peakledger.models.parallel.tensor import TensorParallelTape, chunk, tensor_parallel_tape
 from peakledger.models.presets import preset
 from peakledger.models.training import build_tape, describe
 from peakledger.simulator.engine import simulate

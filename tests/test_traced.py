@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from realrun import assert_matches_real_run
 
 import peakledger as pl
 from peakledger.api import validate_ranks
@@ -16,7 +17,6 @@ from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.trace import from_hf_dict, from_module_spec, recording, traced_tape
 from peakledger.scenario import Scenario
-from realrun import assert_matches_real_run
 
 FACTORIES = str(Path(__file__).resolve().parent / "traced_factories.py")
 DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -357,7 +357,6 @@ def test_the_gpu_program_sums_gradients_in_place_as_the_real_engine_does(tmp_pat
     # a GPU) is the reference, its allocations taken from torch.profiler's memory events
     import importlib.util
 
-    import torch
     from torch.profiler import ProfilerActivity, profile
     path = tmp_path / "acc.py"
     path.write_text(ACCUMULATING)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from realrun import assert_matches_real_run
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from peakledger.cli import main
@@ -18,7 +19,6 @@ from peakledger.models.config import TrainingSetup
 from peakledger.models.trace import from_hf_dict, from_module_spec, recording
 from peakledger.models.trace.realpath import RandomBranch, build_values
 from peakledger.scenario import Scenario
-from realrun import assert_matches_real_run
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORIES = str(Path(__file__).resolve().parent / "value_factories.py")

@@ -333,7 +333,8 @@ def test_gpu_path_with_a_stand_in_device(monkeypatch, capsys, tmp_path):
     manifest = json.loads((out_dir / vg.MANIFEST).read_text())
     assert manifest["device"] == device and [r["snapshot"] for r in manifest["runs"]] == [
         "tiny-mlp-fp32-fwd-ckpt-none-b32.pickle.gz", "tiny-mlp-bf16-fwd-ckpt-none-b32.pickle.gz"]
-    assert sorted(p.name for p in out_dir.iterdir()) == sorted([vg.MANIFEST] + [r["snapshot"] for r in manifest["runs"]])
+    assert (sorted(p.name for p in out_dir.iterdir())
+            == sorted([vg.MANIFEST] + [r["snapshot"] for r in manifest["runs"]]))
     section = md.read_text()
     assert f"{vg.RESULTS_MARK}NVIDIA H100 80GB HBM3" in section and "snapshots in " in section
     # a later run of one config replaces its own entry and keeps the other's; past the time limit nothing starts

@@ -391,7 +391,8 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     fsdp_details = {"dp_engine": "fsdp2", "fsdp_mesh": "dp_shard_cp", "reshard_after_forward":
                     setup.reshard_after_forward, "fsdp_units": unit_params(model),
                     "backend_release": dataclasses.asdict(release)} if fsdp else {}
-    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp, "tp": setup.tp, "dp": setup.dp,
+    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp,
+                        "tp": setup.tp, "dp": setup.dp,
                         "dp_rank": dp_rank, "world_size": setup.world_size,
                         "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
                         "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,

@@ -367,5 +367,5 @@ def is_cuda_trace(log: EventLog) -> bool:
 
 
 __all__ = ["capture_cuda", "build_program", "check_capturable", "MasterWeights", "LoopMarks", "run_loop",
-           "label_steps", "allocator_rules", "gpu_profile", "cuda_device", 
+           "label_steps", "allocator_rules", "gpu_profile", "cuda_device",
            "is_cuda_trace", "CAPTURE_PRECISIONS"]

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..simulator.allocator import K_SMALL_SIZE, LARGE, SMALL, round_size
-from ..simulator.files import InputError, read_input
 from ..simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Phase, Pool, Stream
+from ..simulator.files import InputError, read_input
 
 TRACE_FILE_LIMIT = 512 << 20  # bytes of any trace file (a snapshot, a JSON trace, a gzip'd one unpacked)
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset()
@@ -343,7 +343,8 @@ def start_state(snapshot: dict, entries: list[dict], device: int = 0) -> StartSt
             sure.pop(addr, None)
             if blocks.pop(addr, None) is None:
                 problems.append(("alloc", f"entry {i}: alloc at {addr:#x} ({size} B), but no block is live there "
-                                          "after it (allocated again before a free, or missing from the final segments)"))
+                                          "after it (allocated again before a free, "
+                                          "or missing from the final segments)"))
             else:
                 baddrs.remove(addr)
         elif action == "free_completed":
@@ -505,7 +506,8 @@ def merge_devices(traces: list[SnapshotTrace]) -> tuple[EventLog, EventLog]:
     if len(traces) == 1:
         return traces[0].allocated, traces[0].reserved
     per_device = [sorted([(e.time, t.device, e.seq, 1, view, e) for view, log in ((0, t.allocated), (1, t.reserved))
-                          for e in log.events] + [(o.event.time, t.device, o.event.seq, 0, 2, o) for o in t.allocated.ooms],
+                          for e in log.events]
+                         + [(o.event.time, t.device, o.event.seq, 0, 2, o) for o in t.allocated.ooms],
                          key=lambda x: x[2:4]) for t in traces]  # an oom before the event that follows it
     logs: tuple[list, list, list] = ([], [], [])
     for seq, (*_, view, e) in enumerate(heapq.merge(*per_device, key=lambda x: x[:2])):

@@ -56,7 +56,8 @@ def from_json(data: dict) -> EventLog:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise TraceFormatError(f"not a peakledger trace (expected format {FORMAT!r})")
     if data.get("version") != VERSION:
-        raise TraceFormatError(f"trace version {data.get('version')!r} is not supported; this peakledger reads {VERSION}")
+        raise TraceFormatError(f"trace version {data.get('version')!r} is not supported; "
+                               f"this peakledger reads {VERSION}")
     if not isinstance(data.get("metadata", {}), dict) or not isinstance(data.get("source", ""), str):
         raise TraceFormatError("malformed trace: 'metadata' must be an object and 'source' a string")
     try:

@@ -128,7 +128,8 @@ def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) ->
     if sequence_parallel and setup.seq_len % tp:
         raise ValueError(f"seq_len={setup.seq_len} is not a multiple of tp={tp}")
     if setup.precision not in ("fp32", "bf16", "bf16-autocast"):
-        raise NotImplementedError(f"tensor-parallel measurement runs fp32, bf16 or bf16-autocast, not {setup.precision!r}")
+        raise NotImplementedError(f"tensor-parallel measurement runs fp32, bf16 or bf16-autocast, "
+                                  f"not {setup.precision!r}")
     if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout:
         raise NotImplementedError("tensor-parallel measurement runs without checkpointing, frozen parameters, "
                                   "LoRA or dropout")

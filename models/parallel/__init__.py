@@ -61,15 +61,29 @@ context parallelism in, mesh.py `folds_cp`).
 
 from __future__ import annotations
 
+from .checks import check_model_parallel
 from .ddp import DDP, ZeroRedundancy
 from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket
 from .engine import DeviceBuild, Engine
 from .fsdp import FSDP2
 from .gathering import Gathering
-from .layout import (DDP_FIRST_BUCKET_BYTES, DS_ALIGNMENT, DS_SUB_GROUP_SIZE, ROOT, UNIT_PATTERN, OptimTensor, ceil_div,
-                     dim0_ranges, dim0_shard, flat_partition, greedy_owners, greedy_partition, own_dtype, sub_groups,
-                     unit_of)
-from .checks import check_model_parallel
+from .layout import (
+    DDP_FIRST_BUCKET_BYTES,
+    DS_ALIGNMENT,
+    DS_SUB_GROUP_SIZE,
+    ROOT,
+    UNIT_PATTERN,
+    OptimTensor,
+    ceil_div,
+    dim0_ranges,
+    dim0_shard,
+    flat_partition,
+    greedy_owners,
+    greedy_partition,
+    own_dtype,
+    sub_groups,
+    unit_of,
+)
 from .pipeline import PipelineEngine
 from .stages import rank_actions, stage_layout
 
@@ -90,8 +104,8 @@ def make_engine(b) -> Engine:
     return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
 
 
-__all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine", "DeviceBuild",
-           "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT", "UNIT_PATTERN",
-           "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners", "greedy_partition",
-           "own_dtype", "sub_groups", "unit_of", "make_engine", "PipelineEngine", "check_model_parallel", "rank_actions",
-           "stage_layout"]
+__all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
+           "DeviceBuild", "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT",
+           "UNIT_PATTERN", "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners",
+           "greedy_partition", "own_dtype", "sub_groups", "unit_of", "make_engine", "PipelineEngine",
+           "check_model_parallel", "rank_actions", "stage_layout"]

@@ -14,8 +14,8 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
     """The model-parallel degrees against the model (ConfigError naming the field): tp divides the query and
     key/value heads, sequence parallelism and context parallelism divide the sequence (torchtitan's
     ParallelDims.seq_len_divisor: tp, 2 x cp with load balancing), ep needs a mixture-of-experts model whose
-    experts it divides; then each dimension's check (what it is not simulated with yet). pp needs a hand-written GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2
-    stages."""
+    experts it divides; then each dimension's check (what it is not simulated with yet). pp needs a hand-written
+    GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2 stages."""
     s = setup
     if s.tp > 1:
         if not isinstance(model, TransformerConfig):

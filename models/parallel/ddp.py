@@ -7,8 +7,8 @@ from functools import cached_property
 
 from ...simulator.events import Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_owners
 from .engine import Engine
+from .layout import DDP_FIRST_BUCKET_BYTES, OptimTensor, greedy_owners
 
 
 class DDP(Engine):
@@ -36,8 +36,9 @@ class DDP(Engine):
     def after_load(self) -> None:
         if self.n == 1:
             return
-        self.buckets = [self.b.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype), Category.REDUCE_SCATTER_BUCKET,
-                                     self.grad_dtype, (n,)) for k, n in enumerate(self.bucket_numels())]
+        self.buckets = [self.b.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype),
+                                     Category.REDUCE_SCATTER_BUCKET, self.grad_dtype, (n,))
+                        for k, n in enumerate(self.bucket_numels())]
         self.b.op("ddp.init_buckets", Phase.LOAD, 0, -1, self.buckets, [])
 
     def end_backward(self, step: int, mb: int) -> None:

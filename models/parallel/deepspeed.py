@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
-from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 from .engine import Engine
 from .gathering import Gathering
+from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 
 
 class DeepSpeedReplica(Engine):
@@ -60,7 +60,8 @@ class IpgBucket:
         frees.append(tmp.id)
         if self.bucket is None:
             n = e.setup.reduce_bucket_size
-            self.bucket = e.b.block("deepspeed.ipg_bucket", n * size, Category.REDUCE_SCATTER_BUCKET, e.grad_dtype, (n,))
+            self.bucket = e.b.block("deepspeed.ipg_bucket", n * size, Category.REDUCE_SCATTER_BUCKET, e.grad_dtype,
+                                    (n,))
             allocs.append(self.bucket)
         if self.filled and self.filled + spec.numel > e.setup.reduce_bucket_size:
             self.flush(step, mb)
@@ -247,6 +248,6 @@ class DeepSpeedZero3(Gathering):
         b = self.b
         fp32 = [b.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape, shard=self.n)
                 for t in self.optim_tensors()]
-        b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [], bytes_moved=3 * sum(x.nbytes for x in fp32),
-             after=(b.last(Stream.COMMUNICATION),))
+        b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [],
+             bytes_moved=3 * sum(x.nbytes for x in fp32), after=(b.last(Stream.COMMUNICATION),))
         return fp32

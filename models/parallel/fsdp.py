@@ -5,8 +5,8 @@ from __future__ import annotations
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
 from .engine import DeviceBuild
-from .layout import UNIT_PATTERN, ROOT, OptimTensor, dim0_ranges, dim0_shard, own_dtype, unit_of
 from .gathering import Gathering
+from .layout import ROOT, UNIT_PATTERN, OptimTensor, dim0_ranges, dim0_shard, own_dtype, unit_of
 
 
 class FSDP2(Gathering):

@@ -7,8 +7,6 @@ import heapq
 import re
 from dataclasses import dataclass
 
-
-
 DS_ALIGNMENT = 2  # DeepSpeed's nccl_start_alignment_factor: flat buffers padded to a multiple of 2N
 DS_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed stage 3 sub_group_size (elements), its default
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES

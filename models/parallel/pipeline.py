@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..autograd import MicroBatchReplay
-from ..replay_template import pure_hooks
 from ..config import TrainingSetup
+from ..replay_template import pure_hooks
 from ..tape import Tape
 from .engine import Engine
 from .stages import F, StageTape, rank_actions, stage_tapes
-
 
 # -- one pipeline rank's step ----------------------------------------------------------------------------------
 

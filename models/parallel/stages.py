@@ -40,7 +40,8 @@ from dataclasses import dataclass, replace
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape, TensorSpec
 
-F, B, I, W = "F", "B", "I", "W"  # forward, full backward, backward for inputs, backward for weights
+# forward, full backward, backward for inputs, backward for weights (I: the schedule's own letter)
+F, B, I, W = "F", "B", "I", "W"  # noqa: E741
 
 
 # -- the layout ---------------------------------------------------------------------------------------------

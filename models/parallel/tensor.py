@@ -174,7 +174,8 @@ class _Transform:
                 self.readers.setdefault(n, []).append(op.name)
         self.embedding = next(op for op in tape.ops if op.name in EMBEDDINGS)
         self.embedding_weight = self.embedding.params[0]
-        self.tied = not untied and any(self.embedding_weight in op.params for op in tape.ops if op is not self.embedding)
+        self.tied = not untied and any(self.embedding_weight in op.params
+                                       for op in tape.ops if op is not self.embedding)
         self.head_index = next(i for i, op in enumerate(tape.ops) if op.name == "lm_head")
         self.final_norm = next(op for op in tape.ops if op.name in FINAL_NORMS)
 
@@ -517,7 +518,8 @@ class TensorParallelEngine:
         issue = b.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,
                      duration=0.0)
         b.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
-             stream=Stream.COMMUNICATION, duration=b.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
+             stream=Stream.COMMUNICATION,
+             duration=b.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
              after=(issue.id,))
 
     def optim_groups(self) -> list:

@@ -20,13 +20,15 @@ How the pieces compose:
 
 The cache: a recording depends on the model (its source digest: the config JSON, or the module file's
 bytes), the micro-batch and sequence length, the parameter dtype, autocast's dtype, the frozen
-parameters, the LoRA knobs (peft wraps a HF model when lora_r > 0), and whether any layer is checkpointed (a HF model then runs without its KV cache, as
-transformers does under gradient checkpointing). It is kept per process (`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a
-model once per shape; a changed module file has a new digest, so an edit never reuses an old trace.
+parameters, the LoRA knobs (peft wraps a HF model when lora_r > 0), and whether any layer is checkpointed (a HF
+model then runs without its KV cache, as transformers does under gradient checkpointing). It is kept per process
+(`_CACHE`, the 16 latest), so max-batch, sweeps and explain trace a model once per shape; a changed module file has
+a new digest, so an edit never reuses an old trace.
 Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
 applied by `convert.to_tape` and the replay. Other micro-batch sizes: once three sizes of one model and
 setup are traced and prove to be one program with sizes affine in the micro-batch, every other size is
-derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a program of its own).
+derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a
+program of its own).
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def user_code(what: str, seconds: float | None = None, real_bytes: int = 0):
                                     "loss_fn)") from None
     except (KeyboardInterrupt, Exception):  # Ctrl-C is the user's; an error is read by the caller, which names it
         raise
-    except BaseException as e:  # noqa: BLE001 - any other BaseException the user's code raises
+    except BaseException as e:  # any other BaseException the user's code raises
         raise ConfigError("module", f"{what} raised {type(e).__name__}: {e}") from None
     finally:
         if timed:

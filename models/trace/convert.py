@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 from math import prod
 
-
 from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
 from .record import Recording, Storage
@@ -73,7 +72,8 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
             if owner is None:  # a node no op returned: its saves go with the op that made the last of them
                 owner = max((st[s].op for s in n.saves if st[s].born == "forward"), default=None)
             if owner is not None and owner in index:
-                saves.setdefault(owner, []).extend(s for s in n.saves if st[s].born in ("forward", "input") and s not in kept_set)
+                saves.setdefault(owner, []).extend(s for s in n.saves
+                                                   if st[s].born in ("forward", "input") and s not in kept_set)
     releases: dict[int, list[str]] = {}
     for sid, s in st.items():
         if s.born == "forward" and s.death is not None and s.death[0] == "forward":

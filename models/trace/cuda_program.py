@@ -75,7 +75,8 @@ PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "g
            "tensordot", "scatter_add")
 BANNED = ("binary_cross_entropy",)  # autocast_mode.cpp binary_cross_entropy_banned
 POLICY = {**{n: "lower" for n in LOWER}, **{n: "fp32" for n in FP32},
-          **{n: "fp32_set_opt_dtype" for n in FP32_SET_OPT_DTYPE}, **{n: "fp32_append_dtype" for n in FP32_APPEND_DTYPE},
+          **{n: "fp32_set_opt_dtype" for n in FP32_SET_OPT_DTYPE},
+          **{n: "fp32_append_dtype" for n in FP32_APPEND_DTYPE},
           **{n: "promote" for n in PROMOTE}, **{n: "banned" for n in BANNED}}
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)

@@ -31,8 +31,16 @@ from torch.utils.flop_counter import flop_registry
 
 from .kernel_outputs import real_outputs
 from .real_branches import buffer_branch, formula_branch
-from .realpath import (INPLACE_KEY, SCALAR_READS, Shadows, cpu_fake_kernels, fresh_caches,
-                       _tensors, real_code_paths, view_replays)
+from .realpath import (
+    INPLACE_KEY,
+    SCALAR_READS,
+    Shadows,
+    _tensors,
+    cpu_fake_kernels,
+    fresh_caches,
+    real_code_paths,
+    view_replays,
+)
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",

@@ -26,9 +26,26 @@ replay of a snapshot is the address of the trace's segment_alloc and in a simula
 """
 
 from .blocks import Block, OutOfMemory, Segment, SegmentEvent
-from .config import (K_LARGE_BUFFER, K_MIN_BLOCK_SIZE, K_MIN_LARGE_ALLOC, K_ROUND_LARGE, K_ROUNDUP_INTERVALS,
-                     K_SMALL_BUFFER, K_SMALL_SIZE, KB, LARGE, MB, SMALL, TORCH_VERSIONS, AllocatorConfig,
-                     AllocatorConfigError, allocation_size, normalize_torch_version, pool_of, round_size)
+from .config import (
+    K_LARGE_BUFFER,
+    K_MIN_BLOCK_SIZE,
+    K_MIN_LARGE_ALLOC,
+    K_ROUND_LARGE,
+    K_ROUNDUP_INTERVALS,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    KB,
+    LARGE,
+    MB,
+    SMALL,
+    TORCH_VERSIONS,
+    AllocatorConfig,
+    AllocatorConfigError,
+    allocation_size,
+    normalize_torch_version,
+    pool_of,
+    round_size,
+)
 from .core import CachingAllocator
 
 __all__ = ["AllocatorConfig", "AllocatorConfigError", "Block", "CachingAllocator", "K_LARGE_BUFFER", "K_MIN_BLOCK_SIZE",

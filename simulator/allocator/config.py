@@ -163,7 +163,8 @@ class AllocatorConfig:
 
     @classmethod
     def parse(cls, text: str | None, torch_version: str = "2.6") -> "AllocatorConfig":
-        """Parse torch's syntax, "key:value,key:[a:b,...]" (parseArgs of `torch_version`); refuse what is not modelled."""
+        """Parse torch's syntax, "key:value,key:[a:b,...]" (parseArgs of `torch_version`); refuse what is not
+        modelled."""
         version = normalize_torch_version(torch_version)
         keys = _KEYS[version]
         toks = _tokens(text or "")

@@ -7,8 +7,18 @@ from collections import deque
 from typing import Callable
 
 from .blocks import Block, OutOfMemory, Segment, SegmentEvent
-from .config import (K_MIN_BLOCK_SIZE, K_SMALL_BUFFER, K_SMALL_SIZE, LARGE, SMALL, AllocatorConfig,
-                     AllocatorConfigError, allocation_size, pool_of, round_size)
+from .config import (
+    K_MIN_BLOCK_SIZE,
+    K_SMALL_BUFFER,
+    K_SMALL_SIZE,
+    LARGE,
+    SMALL,
+    AllocatorConfig,
+    AllocatorConfigError,
+    allocation_size,
+    pool_of,
+    round_size,
+)
 from .expandable import ExpandableSegments
 
 

@@ -13,10 +13,17 @@ How the pieces compose:
 The tracker (traces/tracker.py) and the multi-process harnesses (traces/*_run.py) run them.
 """
 
-from .build import (StateOffload, build_model, freeze, make_batch, make_optimizer, optimizer_class,
-                    torch_optimizer)
-from .nanogpt import (HF_CHECKPOINTING, OP_POLICY, OP_POLICY_SAVES, REFERENCE_PRECISIONS, TORCH_DTYPES, attention_core,
-                      autocast_context, run_segment)
+from .build import StateOffload, build_model, freeze, make_batch, make_optimizer, optimizer_class, torch_optimizer
+from .nanogpt import (
+    HF_CHECKPOINTING,
+    OP_POLICY,
+    OP_POLICY_SAVES,
+    REFERENCE_PRECISIONS,
+    TORCH_DTYPES,
+    attention_core,
+    autocast_context,
+    run_segment,
+)
 
 __all__ = ["build_model", "freeze", "make_batch", "make_optimizer", "optimizer_class", "torch_optimizer",
            "StateOffload", "HF_CHECKPOINTING", "OP_POLICY", "OP_POLICY_SAVES", "REFERENCE_PRECISIONS",

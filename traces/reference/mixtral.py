@@ -35,7 +35,8 @@ def hf_mixtral_config(cfg: TransformerConfig):
                          tie_word_embeddings=cfg.tied, attn_implementation=cfg.attention, use_cache=False,
                          sliding_window=None, output_router_logits=False, bos_token_id=last_token,
                          eos_token_id=last_token, pad_token_id=None,
-                         **({"experts_implementation": cfg.experts_implementation} if cfg.experts_implementation else {}))
+                         **({"experts_implementation": cfg.experts_implementation}
+                            if cfg.experts_implementation else {}))
 
 
 @functools.cache
@@ -57,7 +58,8 @@ def _adapter_class():
 
 def hf_mixtral(cfg: TransformerConfig, checkpointing: str = "none") -> nn.Module:
     if checkpointing != "none":
-        raise ConfigError("checkpointing", f"HF Mixtral runs without activation checkpointing here, not {checkpointing!r}")
+        raise ConfigError("checkpointing",
+                          f"HF Mixtral runs without activation checkpointing here, not {checkpointing!r}")
     try:
         import transformers  # noqa: F401
     except ImportError:
