@@ -17,7 +17,11 @@ import sys
 import threading
 import traceback
 
-from . import api, sweep
+from . import (
+    api,
+    inputs,  # its host limit by attribute: a test gives another
+    sweep,
+)
 from .analysis.checkpointing import (
     optimal_checkpointing,
     plot_peak_vs_recompute,
@@ -37,7 +41,6 @@ from .analysis.validate import PeakPair, compare_logs, render_validation, valida
 from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
 from .cmd_calibrate import register as register_calibrate
 from .cmd_explain import cmd_explain, cmd_replay
-from . import inputs  # its host limit by attribute: a test gives another
 from .inputs import (
     VALIDATE_DEFAULTS,
     check_command_outputs,
