@@ -22,10 +22,9 @@ TOML layout (every key optional; flags given on the command line override the fi
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
-
-import tomllib
 
 from .models.config import (
     COUNT_LIMITS,
