@@ -362,7 +362,8 @@ def _cut(run: SimulatedRun, n: int, pattern: re.Pattern, divide: int) -> dict:
         r = e.block.rank
         if e.block.pool is Pool.DEVICE:
             level[r] += e.delta
-            records[r].append(_Record(level[r], e.delta, e.phase, (e.step, e.micro_batch), layer(e.op), e.block.id))
+            records[r].append(_Record(level[r], e.delta, e.phase, (e.step, e.micro_batch_index), layer(e.op),
+                                      e.block.id))
     passes = {r: _passes(recs) for r, recs in records.items()}
     reference = records[ranks[0]], passes[ranks[0]][min(passes[ranks[0]])]
     held_fwd, held_bwd = _held_forward(*reference, n), _held_backward(*reference, n)

@@ -173,7 +173,8 @@ def moment_json(m: Moment, setup: dict | None = None) -> dict:
     e = m.event
     return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op,
             "phase": e.phase.value,
-            "step": e.step, "micro_batch": e.micro_batch, "tensor": e.block.name, "tensor_bytes": e.block.nbytes,
+            "step": e.step, "micro_batch_index": e.micro_batch_index, "tensor": e.block.name,
+            "tensor_bytes": e.block.nbytes,
             "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
             "shortfall": m.shortfall, "heavy": m.heavy,
             "why": START_WHY if m.at_start else cause(e, m.by_category, setup),
@@ -189,7 +190,7 @@ def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event
     where = f"{e.op} ({e.phase.value}, step {e.step}" \
-        + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") \
+        + (f", micro-batch {e.micro_batch_index}" if e.micro_batch_index >= 0 else "") \
         + f"; rank {m.rank} {m.pool.value} memory)"
     if m.failed and m.at_start:
         lines = [f"OUT OF MEMORY already at record start ({m.pool.value} memory of rank {m.rank})",

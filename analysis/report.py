@@ -26,7 +26,7 @@ from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
 from .units import format_bytes
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _peak_json(p: PeakPoint | None) -> dict | None:
         return None
     e = p.event
     return {"bytes": p.bytes, "unit": "B", "op": e.op if e else None, "phase": e.phase.value if e else None,
-            "step": e.step if e else None, "micro_batch": e.micro_batch if e else None,
+            "step": e.step if e else None, "micro_batch_index": e.micro_batch_index if e else None,
             "time_s": e.time if e else None,
             "live_by_category": {c.value: b for c, b in p.live_by_category.items()}}
 
@@ -362,7 +362,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
     e = pk.peak.event
     if e is not None:
         lines.append(f"true peak        {f(pk.peak.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
-                     + (f", micro-batch {e.micro_batch}" if e.micro_batch >= 0 else "") + ")")
+                     + (f", micro-batch {e.micro_batch_index}" if e.micro_batch_index >= 0 else "") + ")")
         lines.append(f"first-step peak  {f(pk.first_step.bytes):>14}  at {pk.first_step.event.op}")
         if pk.steady is not None and pk.steady.event is not None:
             lines.append(f"steady peak      {f(pk.steady.bytes):>14}  at {pk.steady.event.op} (steps >= 2)")

@@ -78,7 +78,7 @@ class GraphBuilder:
         return new_block(next(self._block_ids), nbytes, category, name, dtype,
                          shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool)
 
-    def op(self, name: str, phase: Phase, step: int, micro_batch: int, allocs, frees, flops: int = 0,
+    def op(self, name: str, phase: Phase, step: int, micro_batch_index: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,
            duration: float | None = None, after=(), gemm: str | None = "cublas", pool: Stream | None = None) -> Op:
         """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
@@ -90,8 +90,8 @@ class GraphBuilder:
                                                                           or phase is Phase.BACKWARD):
             allocs = self._cublas_workspace(phase, recompute, gemm == "cublaslt") + tuple(allocs)
         op_id = len(self.graph)
-        op = new_op(op_id, name, stream, phase, step, micro_batch, duration, self.rank, tuple(allocs), tuple(frees),
-                    flops, recompute, pool)
+        op = new_op(op_id, name, stream, phase, step, micro_batch_index, duration, self.rank, tuple(allocs),
+                    tuple(frees), flops, recompute, pool)
         previous = self._last_on_stream.get(stream)
         self._last_on_stream[stream] = op_id
         if after:
@@ -128,7 +128,7 @@ class GraphBuilder:
             k += 1
         return out, list(last.items())
 
-    def play(self, recorded: tuple[list, list], tab: list[Block], step: int, micro_batch: int) -> None:
+    def play(self, recorded: tuple[list, list], tab: list[Block], step: int, micro_batch_index: int) -> None:
         """A recorded pass (`recorded`) made again, as its own code would make it: each `Block` anew with the next
         id (appended to `tab`), each op as `op` would add it, its blocks taken from `tab` by place."""
         actions, ends = recorded
@@ -153,7 +153,7 @@ class GraphBuilder:
             d.update(fields)
             d["id"] = op_id
             d["step"] = step
-            d["micro_batch"] = micro_batch
+            d["micro_batch_index"] = micro_batch_index
             d["allocs"] = allocs
             d["frees"] = tuple([tab[j].id for j in f])
             previous = last.get(stream) if prev is None else base + prev

@@ -335,7 +335,7 @@ def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
                                "do not repeat; simulate every step")
         if op.step in (k - p, k):
             ops.setdefault((op.rank, op.step), []).append(
-                (op.stream, op.phase, op.micro_batch, op.duration, op.flops, op.recompute, len(op.frees),
+                (op.stream, op.phase, op.micro_batch_index, op.duration, op.flops, op.recompute, len(op.frees),
                  tuple((x.nbytes, x.category, x.pool, x.state, x.shard_factor) for x in op.allocs
                        if x.category is not Category.WORKSPACE)))  # a workspace is created once, at its first GEMM
     for rank in sorted({r for r, _ in ops}):

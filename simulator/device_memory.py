@@ -48,7 +48,7 @@ class DevicePoint:
     def as_json(self) -> dict:
         e = self.event
         return {"bytes": self.reserved, "unit": "B", "op": e.op if e else None, "phase": e.phase.value if e else None,
-                "step": e.step if e else None, "micro_batch": e.micro_batch if e else None,
+                "step": e.step if e else None, "micro_batch_index": e.micro_batch_index if e else None,
                 "time_s": e.time if e else None, "allocated": self.allocated, "allocated_blocks": self.allocated_blocks,
                 "reserved": self.reserved, "device_total": self.total, "fragmentation": self.fragmentation,
                 "largest_free_block": self.largest_free}

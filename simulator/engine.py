@@ -74,7 +74,7 @@ class Simulation:
     def _start(self, op: Op, now: float, owner: dict[int, Block]) -> None:
         """`op`'s allocations, at `now`; the pools with a capacity (the only ones kept) checked first."""
         events, pools, new = self.events, self.pools, _new
-        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.pool or op.stream, op.name
+        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch_index, op.pool or op.stream, op.name
         for b in op.allocs:
             owner[b.id] = b
             e = new(Event)
@@ -85,7 +85,7 @@ class Simulation:
             d["block"] = b
             d["phase"] = phase
             d["step"] = step
-            d["micro_batch"] = mb
+            d["micro_batch_index"] = mb
             d["stream"] = stream
             d["op"] = name
             events.append(e)
@@ -104,7 +104,7 @@ class Simulation:
     def _end(self, op: Op, now: float, owner: dict[int, Block]) -> None:
         """`op`'s frees, at `now`."""
         events, pools, new = self.events, self.pools, _new
-        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.pool or op.stream, op.name
+        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch_index, op.pool or op.stream, op.name
         for bid in op.frees:
             b = owner[bid]
             if pools:
@@ -120,7 +120,7 @@ class Simulation:
             d["block"] = b
             d["phase"] = phase
             d["step"] = step
-            d["micro_batch"] = mb
+            d["micro_batch_index"] = mb
             d["stream"] = stream
             d["op"] = name
             events.append(e)
@@ -180,7 +180,7 @@ class Simulation:
                         elif checked:
                             start(op, now, owner)
                         else:  # no capacity to check: `_start` without the pools, inline (the hot path)
-                            phase, step, mb, name = op.phase, op.step, op.micro_batch, op.name
+                            phase, step, mb, name = op.phase, op.step, op.micro_batch_index, op.name
                             stream = op.pool or op.stream
                             for b in op.allocs:
                                 owner[b.id] = b
@@ -192,7 +192,7 @@ class Simulation:
                                 d["block"] = b
                                 d["phase"] = phase
                                 d["step"] = step
-                                d["micro_batch"] = mb
+                                d["micro_batch_index"] = mb
                                 d["stream"] = stream
                                 d["op"] = name
                                 append(e)
@@ -206,7 +206,8 @@ class Simulation:
                     elif checked:
                         end(op, now, owner)
                     else:  # `_end` without the pools, inline
-                        phase, step, mb, stream, name = op.phase, op.step, op.micro_batch, op.pool or op.stream, op.name
+                        phase, step, mb, name = op.phase, op.step, op.micro_batch_index, op.name
+                        stream = op.pool or op.stream
                         for bid in op.frees:
                             e = new(Event)
                             d = e.__dict__
@@ -216,7 +217,7 @@ class Simulation:
                             d["block"] = owner[bid]
                             d["phase"] = phase
                             d["step"] = step
-                            d["micro_batch"] = mb
+                            d["micro_batch_index"] = mb
                             d["stream"] = stream
                             d["op"] = name
                             append(e)

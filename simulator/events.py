@@ -104,8 +104,8 @@ class Event:
     """One allocate or free of one block, at one moment of the training loop.
 
     `seq` orders events totally (ties in `time` are broken by it); `step` counts optimizer steps from
-    1 (0 = load, before the first step); `micro_batch` is the index within gradient accumulation, or
-    -1 outside forward/backward.
+    1 (0 = load, before the first step); `micro_batch_index` is the micro-batch's index within gradient
+    accumulation (0, 1, ...), or -1 outside forward/backward (the micro-batch's size is the setup's `micro_batch`).
     """
 
     seq: int
@@ -114,7 +114,7 @@ class Event:
     block: Block
     phase: Phase
     step: int
-    micro_batch: int
+    micro_batch_index: int
     stream: Stream
     op: str
 
@@ -146,7 +146,7 @@ def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, s
     return b
 
 
-def new_event(seq: int, time: float, action: Action, block: Block, phase: Phase, step: int, micro_batch: int,
+def new_event(seq: int, time: float, action: Action, block: Block, phase: Phase, step: int, micro_batch_index: int,
               stream: Stream, op: str) -> Event:
     """`Event(...)`, equal to it field for field, made as `new_block` makes a block (the simulator records
     one per allocation and free)."""
@@ -158,7 +158,7 @@ def new_event(seq: int, time: float, action: Action, block: Block, phase: Phase,
     d["block"] = block
     d["phase"] = phase
     d["step"] = step
-    d["micro_batch"] = micro_batch
+    d["micro_batch_index"] = micro_batch_index
     d["stream"] = stream
     d["op"] = op
     return e

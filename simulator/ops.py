@@ -26,7 +26,7 @@ class Op:
     stream: Stream
     phase: Phase
     step: int
-    micro_batch: int
+    micro_batch_index: int
     duration: float
     rank: int = 0
     allocs: tuple[Block, ...] = ()
@@ -38,7 +38,7 @@ class Op:
     # stream's context (`with torch.cuda.stream(s)`); its events carry that stream
 
 
-def new_op(id: int, name: str, stream: Stream, phase: Phase, step: int, micro_batch: int, duration: float,
+def new_op(id: int, name: str, stream: Stream, phase: Phase, step: int, micro_batch_index: int, duration: float,
            rank: int, allocs: tuple[Block, ...], frees: tuple[int, ...], flops: int, recompute: bool,
            pool: Stream | None = None) -> Op:
     """`Op(...)`, equal to it field for field, made without the frozen dataclass's `__init__` (as
@@ -50,7 +50,7 @@ def new_op(id: int, name: str, stream: Stream, phase: Phase, step: int, micro_ba
     d["stream"] = stream
     d["phase"] = phase
     d["step"] = step
-    d["micro_batch"] = micro_batch
+    d["micro_batch_index"] = micro_batch_index
     d["duration"] = duration
     d["rank"] = rank
     d["allocs"] = allocs

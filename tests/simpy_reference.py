@@ -62,7 +62,7 @@ class Simulation:
 
     def _record(self, action: Action, block: Block, op: Op) -> Event:
         event = Event(seq=len(self.events), time=self.env.now, action=action, block=block,
-                      phase=op.phase, step=op.step, micro_batch=op.micro_batch,
+                      phase=op.phase, step=op.step, micro_batch_index=op.micro_batch_index,
                       stream=op.pool or op.stream, op=op.name)
         self.events.append(event)
         return event

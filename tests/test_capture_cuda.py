@@ -137,7 +137,7 @@ def test_label_steps_gives_each_event_the_step_and_phase_of_the_mark_before_it()
     t = parse_snapshot(snap)
     assert {e.step for e in t.allocated.events} == {0}  # a snapshot alone knows no steps
     found = cc.label_steps(t, marks)
-    got = [(e.op, e.phase.value, e.step, e.micro_batch) for e in t.allocated.events]
+    got = [(e.op, e.phase.value, e.step, e.micro_batch_index) for e in t.allocated.events]
     assert got == [("pre-existing", "load", 0, -1), ("alloc", "forward", 1, 0), ("alloc", "backward", 1, 0),
                    ("free_completed", "optimizer", 1, -1), ("alloc", "forward", 2, 0), ("alloc", "forward", 2, 0)]
     assert found == {"by": "loop marks", "marks": 6, "outside": 1}  # the last alloc came after the end mark
@@ -232,7 +232,7 @@ def _snapshot_of(log, marks: list) -> dict:
             live.pop(b.id)
         if e.phase is Phase.LOAD:
             continue
-        t_us = int(windows[(e.phase, e.step, e.micro_batch)] * 1e6) + next(ticks)
+        t_us = int(windows[(e.phase, e.step, e.micro_batch_index)] * 1e6) + next(ticks)
         actions = ["alloc"] if e.action is Action.ALLOC else ["free_requested", "free_completed"]
         entries += [_entry(a, addr[b.id], b.nbytes, t_us) for a in actions]
     blocks = [{"address": addr[i], "size": round_size(b.nbytes), "requested_size": b.nbytes,

@@ -49,6 +49,13 @@ def test_scenario_file_and_flag_override(tmp_path, capsys):
     assert data2["setup"]["micro_batch"] == 4
 
 
+def test_json_names_the_micro_batch_size_and_the_index_apart(capsys):
+    """Schema version 2: `setup.micro_batch` is a size, `peak.micro_batch_index` a place in gradient accumulation."""
+    data = json.loads(run_cli(capsys, "simulate", *TINY, "--micro-batch", "3", "--grad-accum", "2", "--json")[1])
+    assert data["version"] == 2 and data["setup"]["micro_batch"] == 3
+    assert data["peak"]["micro_batch_index"] in (-1, 0, 1) and "micro_batch" not in data["peak"]  # -1: the step
+
+
 def test_max_batch_cli_agrees_with_simulating_the_answer(capsys):
     # on a GPU profile a budget holds the device total: the CUDA context, the allocator's reservations
     one = json.loads(run_cli(capsys, "simulate", *TINY[:2], "--seq-len", "16", "--micro-batch", "1", "--json")[1])

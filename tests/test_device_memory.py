@@ -29,7 +29,7 @@ def log_of(*steps: tuple[str, int, int]) -> EventLog:
     for i, (action, bid, nbytes) in enumerate(steps):
         blk = Block(id=bid, nbytes=nbytes, category=Category.TEMPORARY, name=f"t{bid}", dtype="fp32")
         events.append(Event(seq=i, time=float(i), action=Action(action), block=blk, phase=Phase.FORWARD, step=1,
-                            micro_batch=0, stream=Stream.COMPUTE, op=f"op{i}"))
+                            micro_batch_index=0, stream=Stream.COMPUTE, op=f"op{i}"))
     return EventLog(events, "test")
 
 

@@ -11,7 +11,7 @@ def blk(i, n, cat=Category.ACTIVATION, name=None):
 
 
 def op(i, allocs=(), frees=(), duration=1.0, stream=Stream.COMPUTE, name=None):
-    return Op(id=i, name=name or f"op{i}", stream=stream, phase=Phase.FORWARD, step=1, micro_batch=0,
+    return Op(id=i, name=name or f"op{i}", stream=stream, phase=Phase.FORWARD, step=1, micro_batch_index=0,
               duration=duration, allocs=tuple(allocs), frees=tuple(frees))
 
 

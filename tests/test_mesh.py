@@ -99,7 +99,7 @@ def test_fsdp2_under_a_pipeline_shards_each_stage_and_reduces_once():
                  {e.op for e in log.events if e.block.rank == rank and e.step == 1 and "fsdp.reduce_scatter." in e.op}}
         scatters = [e for e in log.events if e.block.rank == rank and e.step == 1 and e.action is Action.ALLOC
                     and e.op.startswith("fsdp.reduce_scatter.") and e.op.endswith(".issue")]
-        assert len(scatters) == len(units) and all(e.micro_batch == s.grad_accum - 1 for e in scatters)
+        assert len(scatters) == len(units) and all(e.micro_batch_index == s.grad_accum - 1 for e in scatters)
 
 
 def test_the_last_stage_gathers_for_backward_after_the_loss():
@@ -107,7 +107,7 @@ def test_the_last_stage_gathers_for_backward_after_the_loss():
     the module output's gradient arrives, after the loss's backward (measured: traces/mesh_run.py)."""
     s = _setup(pp=2, world_size=4, dp_engine="fsdp2")
     log = simulate(describe(TINY, s, "cpu", ranks=[2]))
-    ops = [e.op for e in log.events if e.block.rank == 2 and e.step == 1 and e.micro_batch == 0
+    ops = [e.op for e in log.events if e.block.rank == 2 and e.step == 1 and e.micro_batch_index == 0
            and e.phase.value == "backward"]
     first_gather = next(i for i, op in enumerate(ops) if op.startswith("fsdp.all_gather."))
     assert all(not op.startswith("loss.") for op in ops[first_gather:])

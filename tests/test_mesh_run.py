@@ -86,7 +86,7 @@ def _expected_static(cfg, setup: TrainingSetup, n_blocks: int, first: bool, last
 
 
 def _event_sequence(log):
-    return [(e.action, e.block.name, e.block.nbytes, e.block.category, e.phase, e.step, e.micro_batch)
+    return [(e.action, e.block.name, e.block.nbytes, e.block.category, e.phase, e.step, e.micro_batch_index)
             for e in log.events]
 
 
@@ -241,7 +241,7 @@ def test_tiny_gpt_tp2_x_pp2_1f1b():
     assert logs[-1].metadata["loss_parallel"]
     # each of the 4 micro-batches is forwarded and backwarded on every rank, labelled with its index
     for log in logs:
-        assert {e.micro_batch for e in log.events if e.phase.value == "backward"} == {0, 1, 2, 3}
+        assert {e.micro_batch_index for e in log.events if e.phase.value == "backward"} == {0, 1, 2, 3}
 
 
 @slow

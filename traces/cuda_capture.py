@@ -268,15 +268,15 @@ def label_steps(trace: SnapshotTrace, marks: list) -> dict:
     def label(e):
         nonlocal outside
         if e.op == PREEXISTING_OP:
-            return dataclasses.replace(e, phase=Phase.LOAD, step=0, micro_batch=-1)
+            return dataclasses.replace(e, phase=Phase.LOAD, step=0, micro_batch_index=-1)
         k = bisect.bisect_right(times, e.time) - 1
         if k < 0 or marks[k][1] is None:
             outside += 1
             if k < 0:
-                return dataclasses.replace(e, phase=Phase.LOAD, step=0, micro_batch=-1)
+                return dataclasses.replace(e, phase=Phase.LOAD, step=0, micro_batch_index=-1)
             k = max((i for i, m in enumerate(marks) if m[1] is not None), default=k)  # after the end: the last phase
         _, phase, step, mb = marks[k]
-        return dataclasses.replace(e, phase=phase, step=step, micro_batch=mb)
+        return dataclasses.replace(e, phase=phase, step=step, micro_batch_index=mb)
 
     if marks:
         for log in (trace.allocated, trace.reserved):

@@ -412,8 +412,8 @@ def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace", *
     def event(out: list, action: Action, blk: Block, entry: dict, op: str, phase: Phase | None = None) -> Event:
         stream = streams.setdefault(entry.get("stream", 0), len(streams))
         ev = Event(seq=len(allocated) + len(reserved), time=entry.get("time_us", 0) / 1e6, action=action, block=blk,
-                   phase=phase or _phase_of(entry.get("frames", [])), step=0, micro_batch=-1, stream=Stream.COMPUTE,
-                   op=op if stream == 0 else f"{op} (stream {stream})")
+                   phase=phase or _phase_of(entry.get("frames", [])), step=0, micro_batch_index=-1,
+                   stream=Stream.COMPUTE, op=op if stream == 0 else f"{op} (stream {stream})")
         out.append(ev)
         return ev
 
@@ -475,8 +475,8 @@ def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace", *
             for b in live.values():
                 by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
             ev = Event(seq=len(allocated) + len(reserved), time=e.get("time_us", 0) / 1e6, action=Action.ALLOC,
-                       block=blk, phase=_phase_of(e.get("frames", [])), step=0, micro_batch=-1, stream=Stream.COMPUTE,
-                       op="oom")
+                       block=blk, phase=_phase_of(e.get("frames", [])), step=0, micro_batch_index=-1,
+                       stream=Stream.COMPUTE, op="oom")
             ooms.append(OOMRecord(event=ev, capacity=running + int(e.get("device_free", 0) or 0), live_bytes=running,
                                   live_by_category=by_cat,
                                   largest_live=tuple(sorted(live.values(), key=lambda b: -b.nbytes)[:10])))

@@ -74,7 +74,7 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
         else:  # INCREMENT_VERSION: same memory, new contents
             continue
         events.append(Event(seq=len(events), time=t / 1e9, action=kind, block=block, phase=Phase.FORWARD, step=0,
-                            micro_batch=-1, stream=Stream.COMPUTE, op=action.name.lower()))
+                            micro_batch_index=-1, stream=Stream.COMPUTE, op=action.name.lower()))
     return EventLog(events=events, source=SOURCE, metadata={"torch_version": torch.__version__,
                                                             "phases": "none (profiler timeline)"})
 

@@ -5,7 +5,7 @@ Layout (format "peakledger-trace", version 1):
     {"format": "peakledger-trace", "version": 1, "source": "torch-dispatch-tracker",
      "metadata": {...torch version, model config, training setup...},
      "blocks": [[id, nbytes, category, name, dtype, shape, state, shard_factor, rank, pool], ...],
-     "events": [[seq, time, action, block_id, phase, step, micro_batch, stream, op], ...]}
+     "events": [[seq, time, action, block_id, phase, step, micro_batch_index, stream, op], ...]}
 
 Blocks are stored once and events refer to them, so a trace is a fraction of a naive dump. Loading
 checks the format and version and every reference, and raises `TraceFormatError` saying what is wrong.
@@ -43,8 +43,8 @@ def to_json(log: EventLog) -> dict:
         "format": FORMAT, "version": VERSION, "source": log.source, "metadata": log.metadata,
         "blocks": [[b.id, b.nbytes, b.category.value, b.name, b.dtype, list(b.shape),
                     b.state.value if b.state else None, b.shard_factor, b.rank, b.pool.value] for b in blocks.values()],
-        "events": [[e.seq, e.time, e.action.value, e.block.id, e.phase.value, e.step, e.micro_batch, e.stream.value,
-                    e.op] for e in log.events],
+        "events": [[e.seq, e.time, e.action.value, e.block.id, e.phase.value, e.step, e.micro_batch_index,
+                    e.stream.value, e.op] for e in log.events],
     }
 
 
@@ -87,7 +87,7 @@ def from_json(data: dict) -> EventLog:
             if not isinstance(op, str):
                 raise TraceFormatError(f"event {seq!r}: op must be a string, got {op!r}")
             events.append(Event(seq=seq, time=float(t), action=Action(a), block=blocks[bid], phase=Phase(ph),
-                                step=step, micro_batch=mb, stream=Stream(st), op=op))
+                                step=step, micro_batch_index=mb, stream=Stream(st), op=op))
     except KeyError as e:
         raise TraceFormatError(f"malformed trace: an event refers to unknown block {e} (or a key is missing)") from None
     except (TypeError, ValueError, OverflowError) as e:

@@ -497,7 +497,7 @@ class AllocationTracker:
                                    name=rec.label_name or rec.name, dtype=rec.dtype, shape=rec.shape,
                                    state=rec.state if rec.category is Category.OPTIMIZER_STATE else None,
                                    shard_factor=rec.shard_factor, rank=self.rank, pool=rec.pool)
-        events = [Event(seq=i, time=t, action=a, block=blocks[rid], phase=ph, step=s, micro_batch=mb,
+        events = [Event(seq=i, time=t, action=a, block=blocks[rid], phase=ph, step=s, micro_batch_index=mb,
                         stream=Stream.COMPUTE, op=op)
                   for i, (t, a, rid, ph, s, mb, op) in enumerate(self.raw)]
         live = sorted(r.id for r in self.records.values() if not r.freed)
