@@ -2,7 +2,7 @@
 
 For each case: FSDP2 `fully_shard` (reshard_after_forward true and false), ZeroRedundancyOptimizer over
 DDP and plain DDP, with 2 and 4 processes, measured on every rank with the exact allocation tracker
-(traces/distributed.py) and simulated with the same setup (models/parallel.py, the "cpu" profile:
+(traces/distributed.py) and simulated with the same setup (models/parallel/, the "cpu" profile:
 gloo). Static rows = parameter, gradient and optimizer-state bytes when step 1's optimizer phase
 ends. Writes the "Data-parallel ranks" section of bench/VALIDATION.md (the rest is kept).
 

@@ -3,7 +3,7 @@
 What a checkpoint holds
 -----------------------
 A rank's training state (`rank_state`): its parameters as its data-parallel engine stores them
-(models/parallel.py: whole, a dim-0 shard, a flat partition), the fp32 master weights under mixed
+(models/parallel/: whole, a dim-0 shard, a flat partition), the fp32 master weights under mixed
 precision, and the optimizer states (Adam's `step` included; with an optimizer-state offload,
 models/optimizers.py, the states are read from their host buffers). Gradients and activations are
 never saved. The module buffers the describers list (nanoGPT's eager causal mask, Llama's rotary

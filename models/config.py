@@ -432,7 +432,7 @@ def _model_parallel_fields(setup) -> None:
     the schedule's own micro-batch rules, as torch.distributed.pipelining checks them; and what pipeline
     parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
     needing experts) is checked when the model is described (models/parallel/checks.py `check_model_parallel`),
-    and so is the "not simulated yet" of tp, cp, ep and sequence_parallel."""
+    and so are the combinations of tp, cp, ep and sequence_parallel not simulated yet."""
     _positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
     _at_most(setup, "pp", "virtual_stages")
     _choice(setup, "pp_schedule", PP_SCHEDULES)
@@ -515,7 +515,7 @@ REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 
 
 # A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what).
-# Which engine reads which knob: models/parallel.py (FSDP2, DDP, DeepSpeedZero12/Zero3); offload: models/offload.py.
+# Which engine reads which knob: models/parallel/ (fsdp.py, ddp.py, deepspeed.py); offload: models/offload.py.
 KNOB_APPLIES = {
     "reshard_after_forward": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
     "forward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
@@ -588,7 +588,7 @@ class TrainingSetup:
     logits_held: bool = True  # the caller keeps `logits` alive until backward ends
     passes: str = "train"  # "train": forward, loss, backward, step; "forward": `out = model(batch)` only, see PASSES
     moe_routing: str | None = None  # experts only (models/moe.py): "balanced" (None), "worst" or "counts:PATH"
-    # data parallelism (models/parallel.py): which engine shards what, and its knobs
+    # data parallelism (models/parallel/): which engine shards what, and its knobs
     dp_engine: str = "deepspeed"
     reshard_after_forward: bool = True  # fsdp2: free a unit's unsharded parameters after its forward
     forward_prefetch: int = 0  # fsdp2: units all-gathered ahead of the one running, in forward
@@ -616,8 +616,8 @@ class TrainingSetup:
     lora_dropout: float = 0.0  # dropout on the adapters' input (0: nn.Identity, nothing saved)
     lora_targets: tuple[str, ...] = ()  # peft target_modules; () = peft's default for the model family
     quantize: str = "none"  # base linears: "none" or "nf4" (bitsandbytes Linear4bit, double quant: QLoRA)
-    # model parallelism: world_size = dp x tp x pp x cp (`_model_parallel_fields`); pipeline parallelism is
-    # simulated (models/parallel/pipeline.py), tp / cp / ep / sequence_parallel are checked, not simulated yet
+    # model parallelism: world_size = dp x tp x pp x cp (`_model_parallel_fields`), each simulated on the device
+    # mesh (models/parallel/mesh.py); models/parallel/checks.py names the combinations that are not
     pp: int = 1  # pipeline-parallel ranks (one stage each, `virtual_stages` each when interleaved)
     pp_schedule: str = "1f1b"  # see PP_SCHEDULES; grad_accum is the number of micro-batches of a step
     virtual_stages: int = 1  # stages per pipeline rank: interleaved-1f1b >= 2, zbv exactly 2, else 1

@@ -10,7 +10,7 @@ The training loop described is the usual one:
         optimizer.step()                        # states created here at step 1
         optimizer.zero_grad(set_to_none=...)
 
-With data parallelism, the engine of `setup.dp_engine` (models/parallel.py) decides each rank's layout,
+With data parallelism, the engine of `setup.dp_engine` (models/parallel/) decides each rank's layout,
 its gathers and reduce buckets; `describe` writes one representative rank per class of identical ranks.
 With `setup.optimizer_offload` the optimizer is wrapped (models/optimizers.py, models/offload.py): its
 states live on the host between steps and `step()` runs chunk by chunk, each chunk copied in and out.
@@ -208,7 +208,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
     (metadata `steps_simulated`; later steps repeat them, see `StepPlan`), or every step (`all_steps`).
 
-    With data parallelism each rank is described by its engine (models/parallel.py) into the same graph.
+    With data parallelism each rank is described by its engine (models/parallel/) into the same graph.
     `ranks=None` describes one representative of each class of ranks whose layouts are identical (one
     rank when they are symmetric, its lowest rank); the classes are in the metadata, keyed by that rank
     (a string):

@@ -58,7 +58,7 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None
-    log = simulate(graph, capacities, stop_on_oom=stop_on_oom)
+    log = simulate(graph, capacities, stop_on_oom=stop_on_oom, simulator=scenario.simulator)
     if budget is not None and cuda:
         log = with_gpu_oom(log, budget, stop_on_oom)
     return summarize(log, name=scenario.name, headroom=scenario.headroom)

@@ -119,6 +119,8 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--empty-cache-before-save", action="store_true", default=None,
                    help="the program calls torch.cuda.empty_cache() before each checkpoint save (GPU profiles)")
     r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply: 2.6 (default) or 2.11")
+    r.add_argument("--simulator", help="the discrete-event engine: builtin (default) or simpy (SimPy's own objects: "
+                   "the same events, slower; simulator/simpy_engine.py takes processes of your own)")
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
                    help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")

@@ -40,7 +40,7 @@ TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", 
                   "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
                   "quantize", "moe_routing", "passes", "pp", "pp_schedule", "virtual_stages", "tp", "cp", "ep",
                   "sequence_parallel"] + DP_INT_FLAGS
-RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version"]
+RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version", "simulator"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
 MODEL_SOURCES = ["preset", "hf_config", "module"]
 

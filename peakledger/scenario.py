@@ -40,10 +40,11 @@ from .models.fields import check_types
 from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
 from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
+from .simulator.engine import SIMULATORS
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"
-RUN_FIELDS = ("device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version")
+RUN_FIELDS = ("device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version", "simulator")
 DEFAULT_SETUP = dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", optimizer="adamw")
 
 
@@ -57,6 +58,7 @@ class Scenario:
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF syntax; "" = torch's defaults (simulator/allocator.py)
     empty_cache_before_save: bool = False  # the program calls torch.cuda.empty_cache() before each checkpoint save
     torch_version: str = "2.6"  # whose CUDA allocator rules apply (simulator/allocator: 2.6 or 2.11)
+    simulator: str = "builtin"  # the discrete-event engine: simulator/engine.py's, or SimPy's (same log)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
@@ -64,6 +66,8 @@ class Scenario:
             raise ConfigError("torch_version", f"{self.torch_version!r} is not modelled; allowed: "
                                                f"{', '.join(TORCH_VERSIONS)}")
         AllocatorConfig.parse(self.alloc_conf, self.torch_version)  # refuses what torch or the model does not take
+        if self.simulator not in SIMULATORS:
+            raise ConfigError("simulator", f"unknown value {self.simulator!r}; allowed: {', '.join(SIMULATORS)}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:

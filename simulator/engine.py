@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
+from . import simpy_engine
 from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
 from .gcpause import paused_gc
 from .ops import Op, OpGraph
@@ -232,8 +233,16 @@ class Simulation:
         return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
 
 
+SIMULATORS = ("builtin", "simpy")  # this module's engine; simpy_engine.py's, on SimPy's own objects
+
+
 def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
-             stop_on_oom: bool = True) -> EventLog:
-    """Run the op graph; return the event log (with any OOM records)."""
+             stop_on_oom: bool = True, simulator: str = "builtin") -> EventLog:
+    """Run the op graph; return the event log (with any OOM records). `simulator` "simpy" runs it on SimPy's
+    objects (simpy_engine.py): the same log, slower, open to processes of your own."""
+    if simulator == "simpy":
+        return simpy_engine.simulate(graph, capacities, stop_on_oom)
+    if simulator != "builtin":
+        raise ValueError(f"simulator {simulator!r}; allowed: {', '.join(SIMULATORS)}")
     with paused_gc():
         return Simulation(graph, capacities, stop_on_oom).run()

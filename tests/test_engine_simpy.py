@@ -1,19 +1,20 @@
 """The engine (simulator/engine.py: SimPy's scheduling discipline without SimPy's objects) against the same engine on
-SimPy itself (tests/simpy_reference.py, the engine as it ran up to commit 5a3656a): every event of every log equal,
-field for field, and the OOM records and stop, on graphs of every shape the describers make: one rank, data-parallel
-ranks with collectives on their communication streams, pipeline schedules linking ranks, tensor parallelism,
-offload to the host, checkpoint saves, an OOM that stops the run and one that does not."""
+SimPy itself (simulator/simpy_engine.py, `--simulator simpy`: the engine as it ran up to commit 5a3656a): every event
+of every log equal, field for field, and the OOM records and stop, on graphs of every shape the describers make: one
+rank, data-parallel ranks with collectives on their communication streams, pipeline schedules linking ranks, tensor
+parallelism, offload to the host, checkpoint saves, an OOM that stops the run and one that does not; and a process of
+the user's own beside the streams."""
 
 from __future__ import annotations
 
 import pytest
-from simpy_reference import simulate as simpy_simulate
 
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Pool
+from peakledger.simulator.simpy_engine import simulate as simpy_simulate
 
 CASES = {
     "one rank": ("tiny", dict(micro_batch=2, seq_len=64, grad_accum=2, steps=2)),
@@ -55,3 +56,30 @@ def test_engine_matches_simpy_at_an_oom(stop):
     a, b = simulate(graph, capacities, stop_on_oom=stop), simpy_simulate(graph, capacities, stop_on_oom=stop)
     assert a.ooms and (a.metadata.get("stopped_at_oom") is True) is stop
     _same(a, b)
+
+
+def test_the_simpy_engine_runs_a_users_process_beside_the_streams():
+    """A data loader of one's own: it holds a pinned host buffer from time 0 until the first backward starts."""
+    graph = describe(preset("tiny"), TrainingSetup(micro_batch=2, seq_len=32, steps=1), "cpu")
+    first_backward = next(op for op in graph.ops_in_order() if op.phase.value == "backward")
+    seen = []
+
+    def loader(sim):
+        seen.append(sim.env.now)
+        yield sim.env.timeout(1e-6)
+        seen.append(sim.env.now)
+
+    log = simpy_simulate(graph, processes=[loader])
+    assert seen == [0, 1e-6] and first_backward.name in {e.op for e in log.events}
+    assert [(e.seq, e.block.id, e.action) for e in log.events] == \
+        [(e.seq, e.block.id, e.action) for e in simulate(graph).events]  # the streams' log is the built-in one's
+
+
+def test_simulate_takes_the_simpy_engine_by_name(capsys):
+    from peakledger.cli import main
+
+    assert main(["simulate", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "16", "--json"]) == 0
+    builtin = capsys.readouterr().out
+    assert main(["simulate", "--preset", "tiny", "--micro-batch", "2", "--seq-len", "16", "--json",
+                 "--simulator", "simpy"]) == 0
+    assert capsys.readouterr().out == builtin

@@ -377,7 +377,7 @@ class BackendReleased:
     `torch.autograd.set_multithreading_enabled(False)` changes nothing here.
 
     Waiting for the release makes every free happen where FSDP2 drops its reference, whatever the
-    transport: FSDP2's program order, the one the simulator models (models/parallel.py `FSDP2`: in
+    transport: FSDP2's program order, the one the simulator models (models/parallel/fsdp.py `FSDP2`: in
     backward a unit's pre-backward copies out and frees its all-gather output, then the prefetch
     allocates the next unit's). It allocates nothing. The use counts of the tensors and of their
     storage (`Tensor._use_count`, `torch._C._storage_Use_Count`: C++ references included) back at

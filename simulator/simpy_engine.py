@@ -1,28 +1,31 @@
-"""The reference the engine is checked against: peakledger's discrete-event engine as it ran on SimPy's own
-objects (simulator/engine.py up to commit 5a3656a), kept here verbatim but for its imports and one later
-extension of the op contract: an event carries the op's `pool` stream where it has one (simulator/ops.py).
+"""The engine on SimPy's own objects (`--simulator simpy`, `Scenario.simulator`): the same event log as the built-in
+engine (simulator/engine.py, which keeps SimPy's discipline without its objects, for speed), event for event, and a
+`simpy.Environment` a user can add processes to.
 
-simulator/engine.py now runs SimPy's scheduling discipline without SimPy's objects (for speed);
-tests/test_engine_simpy.py checks that both give the same event log, event for event, on every kind of graph.
+Each (rank, stream) pair is one SimPy process that runs its ops in graph order. An op waits until every dependency
+has ended, allocates its blocks from their pools, holds its stream for its duration, then frees its blocks. Pools
+(device memory per rank, host memory per rank) have an optional capacity; the first allocation that exceeds it is
+recorded as an `OOMRecord` with the live set at that exact event, and the run either stops there
+(`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or continues to show how far over it goes.
 
-Each (rank, stream) pair is one SimPy process that runs its ops in graph order. An op waits until
-every dependency has ended, allocates its blocks from their pools, holds its stream for its duration,
-then frees its blocks. Pools (device memory per rank, host memory per rank) have an optional capacity;
-the first allocation that exceeds it is recorded as an `OOMRecord` with the live set at that exact
-event, and the run either stops there (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or
-continues to show how far over it goes.
+Your own processes (`processes`): each is called with the `Simulation` before the run (its `env`, its `pools`, the
+log so far in `events`) and returns a generator SimPy runs beside the streams: a data loader that holds host memory
+while it prefetches, a host-to-device link that delays what waits on it. They start after the streams, in the
+order given. This is the engine as it ran up to commit 5a3656a, with the op contract's later `pool` stream;
+tests/test_engine_simpy.py holds the two engines equal on graphs of every shape the describers make.
 
 The graph's metadata travels to the log (with the steps it describes: models/training.StepPlan).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 
 import simpy
 
-from peakledger.simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
-from peakledger.simulator.ops import Op, OpGraph
+from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
+from .ops import Op, OpGraph
 
 PoolKey = tuple[int, Pool]  # (rank, pool)
 
@@ -43,7 +46,7 @@ class MemoryPool:
 
 class Simulation:
     def __init__(self, graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
-                 stop_on_oom: bool = True) -> None:
+                 stop_on_oom: bool = True, processes: Iterable[Callable[[Simulation], Generator]] = ()) -> None:
         graph.check()
         self.graph = graph
         self.capacities = dict(capacities or {})
@@ -52,6 +55,7 @@ class Simulation:
         self.pools: dict[PoolKey, MemoryPool] = {}
         self.events: list[Event] = []
         self.ooms: list[OOMRecord] = []
+        self.processes = tuple(processes)
 
     def _pool(self, block: Block) -> MemoryPool:
         key = (block.rank, block.pool)
@@ -120,6 +124,8 @@ class Simulation:
 
         for key in sorted(by_stream, key=lambda k: (k[0], k[1].value)):
             self.env.process(stream_process(by_stream[key]))
+        for make in self.processes:
+            self.env.process(make(self))
         metadata = dict(self.graph.metadata)
         try:
             self.env.run()
@@ -128,7 +134,8 @@ class Simulation:
         return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
 
 
-def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
-             stop_on_oom: bool = True) -> EventLog:
-    """Run the op graph; return the event log (with any OOM records)."""
-    return Simulation(graph, capacities, stop_on_oom).run()
+def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None, stop_on_oom: bool = True,
+             processes: Iterable[Callable[[Simulation], Generator]] = ()) -> EventLog:
+    """Run the op graph on SimPy, with `processes` beside its streams; return the event log (with any OOM
+    records)."""
+    return Simulation(graph, capacities, stop_on_oom, processes).run()
