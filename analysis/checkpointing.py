@@ -70,7 +70,7 @@ def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
     classes do not depend on checkpointing, and finding them is most of a large data-parallel describe)."""
     graph = describe(scenario.model, scenario.setup, scenario.device, ranks=ranks, torch_version=scenario.torch_version)
     graph.metadata.update(device_settings(scenario))
-    log = simulate(graph)
+    log = simulate(graph, simulator=scenario.simulator)
     rank, peak = device_peak(log)
     gpu = gpu_memory(log, rank)  # on a CUDA profile a budget holds the device total (analysis/device.py)
     needed = gpu.total_peak.total if gpu is not None else peak

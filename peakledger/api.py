@@ -29,6 +29,7 @@ from .simulator.allocator import round_size
 from .simulator.device_memory import DeviceMemory, DeviceOOM
 from .simulator.engine import simulate
 from .simulator.events import Category, Pool
+from .simulator.ops import OpGraph
 from .simulator.timeline import timeline
 
 STATE_CATEGORIES = (Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE)
@@ -50,11 +51,17 @@ def trace(hf_config=None, *, module: str | None = None, name: str | None = None,
     return build_scenario({**table, "describer": describer}, training, {"device": device}, name=name)
 
 
+def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
+    """The scenario described: the op graph the simulator runs (simulator/graph_nx.py gives its networkx form)."""
+    graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version)
+    graph.metadata.update(device_settings(scenario), device_capacity=budget)
+    return graph
+
+
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak)."""
-    graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version)
-    graph.metadata.update(device_settings(scenario), device_capacity=budget)
+    graph = op_graph(scenario, budget)
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None
@@ -445,7 +452,8 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     logs = [without_backend_copies(log) for log in measure_distributed(
         scenario.model, setup, setup.world_size, setup.dp_engine, reshard_after_forward=setup.reshard_after_forward,
         backend=backend)]
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True),
+                         simulator=scenario.simulator)
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r}", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
@@ -467,7 +475,7 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
     if setup.precision not in ("fp32", "bf16"):
         raise ConfigError("precision", f"real pipeline runs are fp32 or bf16, not {setup.precision!r}")
     logs = measure_pipeline(scenario.model, setup)
-    simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True))
+    simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True), simulator=scenario.simulator)
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (pipeline stage"
                                                 f"{'s' if setup.virtual_stages > 1 else ''} "
                                                 f"{', '.join(str(st['index']) for st in log.metadata['stages'])})",
@@ -484,7 +492,8 @@ def _validate_model_parallel(scenario: Scenario, backend: str, what: str, measur
                                         "drop --pg-backend or give gloo")
     describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
     logs = measure(scenario.model, setup)
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
+    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True),
+                         simulator=scenario.simulator)
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} ({label(r, log)})", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
@@ -536,5 +545,6 @@ def validate(scenario: Scenario, measured=None):
         raise ConfigError("world_size", f"the measured log is rank {rank}'s, but the scenario has world_size "
                                         f"{scenario.setup.world_size}")
     simulated = simulate(describe(scenario.model, scenario.setup, "cpu",  # every step: held against each measured one
-                                  ranks=[rank] if scenario.setup.world_size > 1 else None, all_steps=True))
+                                  ranks=[rank] if scenario.setup.world_size > 1 else None, all_steps=True),
+                         simulator=scenario.simulator)
     return compare_logs(measured, simulated, name=scenario.name, rank=rank), measured, simulated

@@ -58,6 +58,7 @@ from .models.training import StepPlan, describe
 from .simulator.allocator import AllocatorConfig
 from .simulator.engine import simulate
 from .simulator.files import InputError, digits_message, too_many_digits
+from .simulator.graph_nx import CriticalPath, critical_path, write_graphml
 from .simulator.timeline import timeline
 from .traces import cuda_capture  # its GPU probe and capture by attribute: a test stands in for them
 from .traces.cuda_capture import allocator_rules, check_capturable, is_cuda_trace
@@ -68,8 +69,21 @@ DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
 
 
+def critical_path_json(path: CriticalPath) -> dict:
+    return {"ops": len(path.ops), "seconds": path.seconds, "seconds_by_stream": path.by_stream(),
+            "first": path.ops[0].name if path.ops else None, "last": path.ops[-1].name if path.ops else None}
+
+
+def critical_path_text(path: CriticalPath) -> str:
+    """One line: how long the critical path is, and which streams it runs on."""
+    parts = ", ".join(f"{stream} {s / path.seconds:.1%}" for stream, s in sorted(path.by_stream().items(),
+                                                                                 key=lambda kv: -kv[1]))
+    return (f"critical path: {len(path.ops):,} ops, {path.seconds:.6g} s (the simulated run's length; {parts}), "
+            f"from {path.ops[0].name} to {path.ops[-1].name}" if path.ops else "critical path: no ops")
+
+
 def cmd_simulate(args) -> int:
-    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
+    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome", "export_graph"])
     budget = _budget(args)
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
@@ -84,12 +98,19 @@ def cmd_simulate(args) -> int:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
         write_chrome_trace(report.log, args.export_chrome)
-    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
+    path = None
+    if args.export_graph:
+        graph = api.op_graph(scenario, budget)
+        write_graphml(graph, args.export_graph)
+        path = critical_path(graph)
+    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
     if args.json:
-        _write_json(report_json(report))
+        _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {})})
     else:
         print(render_text(report, args.unit))
+        if path:
+            print(critical_path_text(path))
         if written:
             print(f"written: {', '.join(written)}"
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
@@ -440,7 +461,7 @@ def _validate_cuda_trace(scenario, trace):
     graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version,
                      all_steps=True)
     graph.metadata.update(device_settings(scenario))
-    simulated = simulate(graph)
+    simulated = simulate(graph, simulator=scenario.simulator)
     result = compare_logs(measured, simulated, name=scenario.name)
     result.host = None  # a CUDA snapshot sees the device's allocator only: the host is not measured
     reserved = measured.metadata.get("reserved_peak")
@@ -479,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--export-snapshot", metavar="FILE",
                    help="write a CUDA-snapshot pickle (open with torch/cuda/_memory_viz.py or pytorch.org/memory_viz)")
     s.add_argument("--export-chrome", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    s.add_argument("--export-graph", metavar="FILE",
+                   help="write the op graph as GraphML (networkx) and print its critical path")
     s.set_defaults(func=cmd_simulate)
     m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
     _add_scenario_flags(m)
