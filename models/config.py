@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..simulator.files import InputError, digits_message, read_text, too_many_digits
+from .dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
+from .dp_engines import knob_rules as engine_knob_rules
 from .fields import check_types
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
@@ -497,7 +499,7 @@ OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 # optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
 PASSES = ("train", "forward")
 CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
-DP_ENGINES = ("deepspeed", "fsdp2", "ddp", "zero-redundancy-optimizer")
+DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
 # how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
@@ -514,22 +516,10 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 
 
-# A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what).
-# Which engine reads which knob: models/parallel/ (fsdp.py, ddp.py, deepspeed.py); offload: models/offload.py.
+# A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what);
+# a data-parallel engine's own knobs are declared with the engine (models/dp_engines.py).
+# Which engine reads which knob: models/dp_engines.py; offload: models/offload.py.
 KNOB_APPLIES = {
-    "reshard_after_forward": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
-    "forward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
-    "backward_prefetch": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
-    "reduce_dtype": (lambda s: s.dp_engine == "fsdp2", "dp_engine fsdp2"),
-    "ddp_bucket_cap_mb": (lambda s: s.dp_engine in ("ddp", "zero-redundancy-optimizer"),
-                          "dp_engine ddp or zero-redundancy-optimizer"),
-    "reduce_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.world_size > 1,
-                           "dp_engine deepspeed on > 1 rank"),
-    "allgather_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage in (1, 2),
-                              "dp_engine deepspeed with zero_stage 1 or 2"),
-    "stage3_prefetch_bucket_size": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
-    "stage3_max_live_parameters": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
-    "stage3_param_persistence_threshold": (lambda s: s.dp_engine == "deepspeed" and s.zero_stage == 3, "zero_stage 3"),
     "checkpoint_every_k": (lambda s: s.checkpointing == "every-k", "checkpointing every-k"),
     "checkpoint_every": (lambda s: s.checkpoint_every <= s.steps,
                          "checkpoint_every <= steps (a save within the steps simulated; raise --steps)"),
@@ -549,7 +539,7 @@ def check_given_knobs(setup, given) -> None:
     """Each field in `given` (the ones the user set) must be read by this setup: ConfigError naming the first
     that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
     for name in sorted(given):
-        rule = KNOB_APPLIES.get(name)
+        rule = KNOB_APPLIES.get(name) or engine_knob_rules().get(name)  # an engine's own: models/dp_engines.py
         if rule is not None and not rule[0](setup):
             raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
                                     f"{setup.dp_engine}, zero_stage {setup.zero_stage}, checkpointing "
@@ -638,7 +628,7 @@ class TrainingSetup:
         _checkpoint_layers(self)
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError("zero_stage", f"unknown value {self.zero_stage!r}; allowed: 0, 1, 2, 3")
-        _choice(self, "dp_engine", DP_ENGINES)
+        _choice(self, "dp_engine", tuple(DP_ENGINE_REGISTRY))
         if self.zero_stage and self.dp_engine != "deepspeed":
             raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {self.dp_engine} "
                                             "shards by itself: fsdp2 = parameters, gradients and states "

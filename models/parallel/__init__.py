@@ -48,7 +48,8 @@ where training's first allocations land.
 
 Modules: layout.py (the pure layout functions and constants), engine.py (`Engine`, the hooks and the single-rank
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
-deepspeed.py (ZeRO 0-3); `make_engine` picks one per rank from the setup. Model parallelism composes on the device
+deepspeed.py (ZeRO 0-3); `make_engine` builds the one the setup names, where models/dp_engines.py (the
+registry: names, knobs, module) says it lives. Model parallelism composes on the device
 mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor.py rewrites the tape into a
 tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; context.py (with
 ring.py) into a context-parallel rank's; stages.py cuts it into a pipeline rank's stages (the layout, the schedules'
@@ -61,6 +62,10 @@ context parallelism in, mesh.py `folds_cp`).
 
 from __future__ import annotations
 
+import functools
+import importlib
+
+from ..dp_engines import DP_ENGINES
 from .checks import check_model_parallel
 from .ddp import DDP, ZeroRedundancy
 from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket
@@ -88,20 +93,16 @@ from .pipeline import PipelineEngine
 from .stages import rank_actions, stage_layout
 
 
+@functools.cache
+def _factory(path: str):
+    """A registry entry's "module:callable" (models/dp_engines.py), from this package."""
+    module, name = path.split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
 def make_engine(b) -> Engine:
-    """The engine for `b.setup` (dp_engine, zero_stage, world_size)."""
-    s = b.setup
-    if s.dp_engine == "fsdp2":
-        return FSDP2(b)
-    if s.dp_engine == "ddp":
-        return DDP(b)
-    if s.dp_engine == "zero-redundancy-optimizer":
-        return ZeroRedundancy(b)
-    if s.zero_stage == 3:
-        return DeepSpeedZero3(b)
-    if s.zero_stage in (1, 2):
-        return DeepSpeedZero12(b)
-    return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
+    """The engine `b.setup.dp_engine` names, as the registry (models/dp_engines.py) says where it lives."""
+    return _factory(DP_ENGINES[b.setup.dp_engine].engine)(b)
 
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",

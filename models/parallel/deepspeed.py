@@ -10,6 +10,16 @@ from .gathering import Gathering
 from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 
 
+def deepspeed_engine(b) -> Engine:
+    """DeepSpeed's engine for the builder's setup: ZeRO-3, ZeRO-1/2, plain replicas, or one device."""
+    s = b.setup
+    if s.zero_stage == 3:
+        return DeepSpeedZero3(b)
+    if s.zero_stage in (1, 2):
+        return DeepSpeedZero12(b)
+    return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
+
+
 class DeepSpeedReplica(Engine):
     """DeepSpeed without ZeRO on N ranks: gradients all-reduced through transient flat buckets."""
 

@@ -1,0 +1,44 @@
+"""The data-parallel engine registry (models/dp_engines.py): every entry names an Engine the describer builds, the
+setup check and the CLI take their names and knob rules from it, and an engine added there (one module, one line)
+is simulated and its knobs checked with no other edit."""
+
+from __future__ import annotations
+
+import pytest
+
+from peakledger.models import dp_engines
+from peakledger.models.config import DP_ENGINES, KNOB_APPLIES, ConfigError, TrainingSetup, check_given_knobs
+from peakledger.models.dp_engines import DpEngine
+from peakledger.models.parallel import _factory
+from peakledger.models.presets import preset
+from peakledger.models.training import describe
+from peakledger.simulator.engine import simulate
+
+
+def test_every_entry_builds_its_engine_and_the_setup_takes_its_names():
+    assert DP_ENGINES == tuple(dp_engines.DP_ENGINES)
+    for e in dp_engines.DP_ENGINES.values():
+        assert callable(_factory(e.engine))
+        for knob in e.knobs:
+            assert knob in dp_engines.knob_rules() and knob not in KNOB_APPLIES
+            assert knob in TrainingSetup.__dataclass_fields__
+
+
+@pytest.mark.parametrize("engine", DP_ENGINES)
+def test_make_engine_gives_the_engine_the_setup_names(engine):
+    setup = TrainingSetup(micro_batch=2, seq_len=16, world_size=2, dp_engine=engine)
+    graph = describe(preset("tiny"), setup, "H100-80GB")
+    assert graph.metadata["setup"]["dp_engine"] == engine
+
+
+def test_an_engine_registered_in_one_line_is_simulated_and_its_knobs_checked(monkeypatch):
+    """The throwaway engine of issue 24's count: DDP under another name, registered by one line."""
+    monkeypatch.setitem(dp_engines.DP_ENGINES, "ddp-copy",
+                        DpEngine("ddp-copy", "ddp:DDP", "DDP again", {"ddp_bucket_cap_mb": None}))
+    kw = dict(micro_batch=2, seq_len=16, world_size=2, ddp_bucket_cap_mb=1)
+    copy, ddp = TrainingSetup(dp_engine="ddp-copy", **kw), TrainingSetup(dp_engine="ddp", **kw)
+    check_given_knobs(copy, {"ddp_bucket_cap_mb"})
+    a, b = (simulate(describe(preset("tiny"), s, "H100-80GB")) for s in (copy, ddp))
+    assert [(e.action, e.block.nbytes, e.op) for e in a.events] == [(e.action, e.block.nbytes, e.op) for e in b.events]
+    with pytest.raises(ConfigError, match="dp_engine ddp or zero-redundancy-optimizer or ddp-copy"):
+        check_given_knobs(TrainingSetup(dp_engine="fsdp2", **kw), {"ddp_bucket_cap_mb"})
