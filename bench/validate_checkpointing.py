@@ -7,7 +7,7 @@ The reference GPT (nanoGPT, preset "tiny": 2 layers, d_model 64; and the same wi
 small Llama (preset "tiny-llama", fp32 only: its autocast tape has known gaps of its own, listed under
 the table) run 2 AdamW steps (micro-batch 4, seq 64) under every policy of `TrainingSetup.checkpointing`
 (models/tape.py), on the CPU under the exact allocation tracker, against the simulation of the same
-scenario (`peakledger.api.validate`). Then, simulated only: the policy table of GPT-2 small on an
+scenario (`peakledger.validation.validate`). Then, simulated only: the policy table of GPT-2 small on an
 H100-80GB (`analysis.checkpointing.policy_table`), and `optimal_checkpointing` on llama-3-70b (its
 timing, and a brute force over every subset of a 4-layer model's layers).
 
@@ -33,7 +33,7 @@ from peakledger.analysis.checkpointing import (
     policy_table,
     render_table,
 )
-from peakledger.api import validate
+from peakledger.validation import validate
 
 SECTION = "## Activation checkpointing policies"
 TRAINING = dict(micro_batch=4, seq_len=64, steps=2, optimizer="adamw")

@@ -4,7 +4,7 @@ built from a small GPT2Config, nothing downloaded) against the simulation of the
     python bench/validate_hf.py
 
 Each config writes a config.json, reads it back with `--hf-config` semantics (`from_hf_config`:
-implementation "hf"), and runs `peakledger.api.validate` (2 training steps, exact allocation tracker).
+implementation "hf"), and runs `peakledger.validation.validate` (2 training steps, exact allocation tracker).
 "before" is what the describer predicted for the same config before it knew HF's implementation: the
 nanoGPT tape of the same fields. Static rows = parameter, gradient and optimizer-state bytes when step
 1's optimizer phase ends. Writes the "HF transformers GPT-2" section of bench/VALIDATION.md (the rest is
@@ -25,10 +25,10 @@ from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
 from peakledger.analysis.validate import static_rows
-from peakledger.api import validate
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.timeline import timeline
+from peakledger.validation import validate
 
 SECTION = "## HF transformers GPT-2"
 TINY = dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64)

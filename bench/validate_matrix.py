@@ -8,7 +8,7 @@ bench/VALIDATION.md.
 The Llama runs fp32 and pure bf16; under bf16 autocast its tape has known gaps of its own (rotary
 tables: see the activation checkpointing section), so it is not in this matrix.
 
-Each config runs `peakledger.api.validate` (2 training steps, exact allocation tracker) and reports the
+Each config runs `peakledger.validation.validate` (2 training steps, exact allocation tracker) and reports the
 overall peak (measured, predicted, error), whether the static rows (parameter, gradient and optimizer-state
 bytes live at the end of step 1's optimizer step) are equal on both sides, and the worst-matching phase
 with its largest unexplained tensor (a block one side has with no same-category, same-size twin on the other).
@@ -24,9 +24,9 @@ import sys
 import time
 
 from peakledger import build_scenario
-from peakledger.api import validate
 from peakledger.simulator.events import Category, Phase
 from peakledger.simulator.files import write_atomic
+from peakledger.validation import validate
 
 OPTIMIZERS = [("sgd", "foreach"), ("sgd-momentum", "foreach"), ("adamw", "foreach"), ("adamw", "for-loop")]
 PRECISIONS = {"tiny": ["fp32", "bf16-autocast", "bf16"], "tiny-llama": ["fp32", "bf16"]}
@@ -94,7 +94,7 @@ def render(results: list[dict], total_seconds: float, n_all: int) -> str:
     lines = ["# Validation matrix: real CPU runs vs the simulator", "",
              f"Presets `tiny` (gpt2 family, 2 layers, d_model 64: fp32, bf16 autocast, pure bf16) and `tiny-llama` "
              f"(2 layers, d_model 64, GQA: fp32, pure bf16), 2 training steps, exact allocation tracker "
-             f"(`peakledger.api.validate`). {len(results)} of {n_all} configs, {total_seconds:.1f} s on "
+             f"(`peakledger.validation.validate`). {len(results)} of {n_all} configs, {total_seconds:.1f} s on "
              f"{platform.machine()} ({os.cpu_count()} cores), Python {platform.python_version()}. "
              "Regenerate with `python bench/validate_matrix.py`.", "",
              f"**Summary: {within}/{len(results)} configs within 1% of the measured peak; static rows exact in "

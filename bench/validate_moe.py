@@ -29,12 +29,13 @@ from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
 from peakledger.analysis.validate import static_rows
-from peakledger.api import measure, run, validate
+from peakledger.api import run
 from peakledger.models.config import TrainingSetup, TransformerConfig
 from peakledger.scenario import Scenario
 from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline
 from peakledger.traces.reference.mixtral import RoutingRecorder
+from peakledger.validation import measure, validate
 
 SECTION = "## MoE routing"
 TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,

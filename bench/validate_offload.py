@@ -22,7 +22,8 @@ import time
 from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
-from peakledger.api import run, validate, validate_ranks
+from peakledger.api import run
+from peakledger.validation import validate, validate_ranks
 
 SECTION = "## Optimizer-state offload"
 BASE = dict(micro_batch=2, seq_len=32, steps=3)

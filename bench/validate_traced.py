@@ -1,6 +1,6 @@
 """The traced describer (models/trace/) against real CPU runs: 17 HF model types from tiny config dicts and
 nn.Modules of our own (examples/modules/), each 2 training steps in fp32 and bf16 autocast, with AdamW
-and with SGD with momentum, under the project's exact allocation tracker (`peakledger.api.validate`).
+and with SGD with momentum, under the project's exact allocation tracker (`peakledger.validation.validate`).
 
     python bench/validate_traced.py            # print the table
     python bench/validate_traced.py --write    # and write its section of bench/VALIDATION.md
@@ -23,7 +23,7 @@ import warnings
 
 from sections import replace_section  # bench/sections.py, beside this script
 
-from peakledger import api
+from peakledger import validation
 from peakledger.analysis.validate import static_rows
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.presets import from_hf_config
@@ -140,7 +140,7 @@ def run_row(label: str, model, setup: TrainingSetup, before) -> Row:
     row = Row(label, setup.precision, setup.optimizer)
     t0 = time.perf_counter()
     try:
-        v, measured, simulated = api.validate(Scenario(name=label, model=model, setup=setup, device="cpu"))
+        v, measured, simulated = validation.validate(Scenario(name=label, model=model, setup=setup, device="cpu"))
     except Exception as e:  # a row that cannot run is a row of the table, named
         row.failed = f"{type(e).__name__}: {short(e)}"
         row.seconds = time.perf_counter() - t0
@@ -205,13 +205,13 @@ WHATIFS = [("plain", {}), ("checkpointing full (every decoder layer)", dict(chec
 def run_whatifs() -> list[tuple[str, str, int, int, float, float]]:
     """(what, rank, measured, predicted, error, worst forward/backward phase error) per real run of a traced HF
     Llama (describer traced) under each what-if."""
-    from peakledger.api import validate_ranks
+    from peakledger.validation import validate_ranks
     model = from_hf_dict(WHATIF_MODEL, "llama")
     out = []
     for what, changes in WHATIFS:
         setup = TrainingSetup(**{**dict(SHAPE, steps=2, precision="fp32"), **changes})
         sc = Scenario(name=what, model=model, setup=setup, device="cpu")
-        runs = validate_ranks(sc)[0] if setup.world_size > 1 else [api.validate(sc)[:2]]
+        runs = validate_ranks(sc)[0] if setup.world_size > 1 else [validation.validate(sc)[:2]]
         for k, (v, _) in enumerate(runs):
             worst = max((abs(p.error) for p in v.phases if p.label.startswith(("forward", "backward"))), default=0.0)
             out.append((what, str(k) if setup.world_size > 1 else "-", v.overall.measured, v.overall.predicted,
@@ -249,7 +249,7 @@ def render(rows: list[Row], seconds: float, command: str, whatifs=()) -> str:
         SECTION, "",
         "The traced describer (models/trace/: the model run once on fake tensors, its aten ops, storages, saves "
         "and autograd nodes recorded into the tape) against the same program run for real on the CPU (random "
-        "weights, 2 training steps, exact allocation tracker, `peakledger.api.validate`). HF rows: "
+        "weights, 2 training steps, exact allocation tracker, `peakledger.validation.validate`). HF rows: "
         f"`from_hf_dict` on tiny configs of {len(HF)} model types (2 layers, hidden 64, 4 heads, vocab 256; "
         "transformers' own classes, nothing downloaded), micro-batch 4 x 64 tokens "
         f"(vit: {SHAPE_NOTE['vit']}; whisper: {SHAPE_NOTE['whisper']}). Module rows: `from_module_spec` on the "

@@ -21,6 +21,7 @@ from . import (
     api,
     inputs,  # its host limit by attribute: a test gives another
     sweep,
+    validation,
 )
 from .analysis.checkpointing import (
     optimal_checkpointing,
@@ -251,7 +252,7 @@ def cmd_capture(args) -> int:
         return _capture_cuda(args, scenario)
     check_real_run(args, scenario)
     recorder = _moe_recorder(args, scenario)
-    log = api.measure(scenario, model_hook=recorder.attach if recorder else None)
+    log = validation.measure(scenario, model_hook=recorder.attach if recorder else None)
     save_log(log if args.wall_times else with_event_index_times(log), args.output)
     peak = max(timeline(log).total, default=0)
     print(f"captured {len(log.events):,} events of {scenario.name} (peak {int(peak):,} B) into {args.output}")
@@ -335,7 +336,7 @@ def cmd_validate_ranks(args, scenario) -> int:
     if args.plot:
         raise ConfigError("plot", "validate --world-size N prints one table per rank; --plot draws one run: drop it "
                                   "(or validate one rank's trace with --trace)")
-    results, simulated = api.validate_ranks(scenario, backend=args.pg_backend or "gloo")
+    results, simulated = validation.validate_ranks(scenario, backend=args.pg_backend or "gloo")
     if args.json:
         _write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
@@ -372,7 +373,7 @@ def cmd_validate(args) -> int:
         if cuda:
             result, measured, simulated = _validate_cuda_trace(scenario, trace)
         else:
-            result, measured, simulated = api.validate(scenario, trace.log)
+            result, measured, simulated = validation.validate(scenario, trace.log)
     else:
         scenario = real_run_scenario(args)
         if args.pg_backend is not None and scenario.setup.world_size == 1:
@@ -380,7 +381,7 @@ def cmd_validate(args) -> int:
         check_real_run(args, scenario)
         if scenario.setup.world_size > 1:
             return cmd_validate_ranks(args, scenario)
-        result, measured, simulated = api.validate(scenario)
+        result, measured, simulated = validation.validate(scenario)
     if args.plot:
         plot_overlay(timeline(measured), timeline(simulated), args.plot,
                      title=f"{scenario.name}: measured vs predicted")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from peakledger.analysis.validate import static_rows
-from peakledger.api import validate
+from peakledger.validation import validate
 
 
 def assert_matches_real_run(scenario, tolerance: float = 0.01):

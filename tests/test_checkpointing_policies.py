@@ -23,13 +23,13 @@ from peakledger.analysis.checkpointing import (
     step_flops,
     with_checkpointed_layers,
 )
-from peakledger.api import validate
 from peakledger.models.config import CHECKPOINTING, ConfigError, TrainingSetup
 from peakledger.models.presets import preset
 from peakledger.models.tape import checkpoint_segments, sqrt_segments
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Category, Phase, Pool
+from peakledger.validation import validate
 
 TRAINING = dict(micro_batch=4, seq_len=64, steps=2, optimizer="adamw")
 

@@ -3,7 +3,7 @@ attention_bias (Llama: q/k/v and o_proj), Qwen2's fixed q/k/v biases, attn_imple
 
 Every wrong key is a ConfigError naming it ("hf_config.<key>"); every modelled key is checked twice: the
 parameters against transformers' own model (built on the meta device, nothing downloaded), and a real
-CPU training run of a tiny config against the simulation (peakledger.api.validate, within 1%).
+CPU training run of a tiny config against the simulation (peakledger.validation.validate, within 1%).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from realrun import assert_matches_real_run
 
 from peakledger import build_scenario
-from peakledger.api import validate
 from peakledger.models.config import ConfigError, TransformerConfig
 from peakledger.models.presets import from_hf_config, load_hf_config
 from peakledger.models.transformer import transformer_params
+from peakledger.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from peakledger.analysis.validate import static_rows
-from peakledger.api import measure, simulate, validate
+from peakledger.api import simulate
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup, TransformerConfig
 from peakledger.models.moe import active_params, read_counts, routing_counts
@@ -23,6 +23,7 @@ from peakledger.models.transformer import transformer_params
 from peakledger.scenario import Scenario
 from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline
+from peakledger.validation import measure, validate
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")

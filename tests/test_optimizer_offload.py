@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from peakledger import api
+from peakledger import api, validation
 from peakledger.analysis.report import render_text
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.optimizers import offload_chunks
@@ -54,12 +54,12 @@ REAL_CASES = [
 
 @pytest.mark.parametrize("preset, training", REAL_CASES)
 def test_offload_matches_a_real_run_to_the_byte(preset, training):
-    v, measured, simulated = api.validate(cpu_scenario(preset, **training))
+    v, measured, simulated = validation.validate(cpu_scenario(preset, **training))
     assert phase_gaps(v, ("optimizer", "zero_grad")) == dict.fromkeys(phase_gaps(v, ("optimizer", "zero_grad")), 0)
     assert v.host is not None and v.host.measured == v.host.predicted > 0
     # forward and backward keep exactly the gaps the same run has without the offload (it does not touch them)
     plain = {k: v for k, v in training.items() if k not in OFFLOAD_FIELDS}
-    v0, _, plain_simulated = api.validate(cpu_scenario(preset, **plain))
+    v0, _, plain_simulated = validation.validate(cpu_scenario(preset, **plain))
     assert phase_gaps(v, ("load", "forward", "backward")) == phase_gaps(v0, ("load", "forward", "backward"))
     # between steps the device holds no optimizer state but Adam's 4-byte `step` scalars, on both sides,
     # and the host buffers hold the bytes the states take without the offload
@@ -75,7 +75,7 @@ def test_first_step_above_the_steady_state_on_a_real_run_and_why():
     """A whole first step creates every state on the device before the offload moves any: measured on
     real torch (device memory of a CPU run, host buffers apart), predicted to the byte, and explained."""
     scenario = cpu_scenario("tiny-mlp", optimizer_offload="chunked", offload_chunk_params=150_000)
-    v, _, _ = api.validate(scenario)
+    v, _, _ = validation.validate(scenario)
     assert v.first_step.measured > v.steady.measured
     assert (v.first_step.predicted, v.steady.predicted) == (v.first_step.measured, v.steady.measured)
     report = api.run(scenario)
@@ -84,7 +84,7 @@ def test_first_step_above_the_steady_state_on_a_real_run_and_why():
     assert "the first step is" in text and "creates every optimizer state lazily" in text
     # chunking the first step too removes the transient, measured as well
     chunked = dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, offload_first_step="chunked"))
-    vc, _, _ = api.validate(chunked)
+    vc, _, _ = validation.validate(chunked)
     assert vc.first_step.measured <= vc.steady.measured < v.first_step.measured
     assert (vc.first_step.predicted, vc.steady.predicted) == (vc.first_step.measured, vc.steady.measured)
 
@@ -92,7 +92,7 @@ def test_first_step_above_the_steady_state_on_a_real_run_and_why():
 @pytest.mark.parametrize("impl", ["foreach", "for-loop", "fused"])
 def test_without_offload_the_first_step_is_never_above_the_steady_state(impl):
     """The states torch creates lazily in step 1 stay for every later step: measured and predicted."""
-    v, _, _ = api.validate(cpu_scenario("tiny-mlp", micro_batch=64, optimizer_impl=impl))
+    v, _, _ = validation.validate(cpu_scenario("tiny-mlp", micro_batch=64, optimizer_impl=impl))
     assert v.steady.measured >= v.first_step.measured
     assert v.steady.predicted >= v.first_step.predicted
 
@@ -167,7 +167,7 @@ def test_data_parallel_ranks_offload_as_simulated(engine):
     process group: every optimizer phase and the host memory exact on each rank, first step above steady."""
     scenario = cpu_scenario("tiny-mlp", world_size=2, dp_engine=engine, optimizer_offload="chunked",
                             offload_chunk_params=40_000)
-    results, _ = api.validate_ranks(scenario, backend="fake")
+    results, _ = validation.validate_ranks(scenario, backend="fake")
     for v, _log in results:
         assert phase_gaps(v, ("optimizer",)) == dict.fromkeys(phase_gaps(v, ("optimizer",)), 0)
         assert v.host.measured == v.host.predicted > 0

@@ -177,13 +177,14 @@ def _against_real(name, pp, schedule, m, v=1, n_layer=None):
 
 
 def test_two_stages_1f1b_match_a_real_run():
-    """`validate --pp 2` (api.validate_ranks): each rank of a real run against its simulated rank."""
-    from peakledger import api
+    """`validate --pp 2` (validation.validate_ranks): each rank of a real run against its simulated rank."""
+    from peakledger import validation
     from peakledger.analysis.validate import static_rows
     from peakledger.scenario import Scenario
 
     setup = TrainingSetup(micro_batch=2, seq_len=32, grad_accum=4, steps=2, world_size=2, pp=2)
-    results, simulated = api.validate_ranks(Scenario(name="tiny", model=preset("tiny"), setup=setup, device="cpu"))
+    scenario = Scenario(name="tiny", model=preset("tiny"), setup=setup, device="cpu")
+    results, simulated = validation.validate_ranks(scenario)
     assert [log.metadata["stages"][0]["index"] for _, log in results] == [0, 1]
     for rank, (val, log) in enumerate(results):
         assert static_rows(log, rank) == static_rows(simulated, rank)

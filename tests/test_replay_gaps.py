@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("torch")
 
 from peakledger import build_scenario
-from peakledger.api import validate
 from peakledger.simulator.events import Category, Phase
 from peakledger.traces.tracker import peak
+from peakledger.validation import validate
 
 
 def _hf_scenario(tmp_path, config: dict, training: dict):

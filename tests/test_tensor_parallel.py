@@ -133,7 +133,7 @@ def test_small_vocabulary_llama(sp):
 def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(capsys):
     """Wired in: `describe` transforms the tape per rank class (build_tape's tp = 1 tape), and `validate --tp` holds
     every rank of a real DTensor run against it."""
-    from peakledger import api
+    from peakledger import api, validation
     from peakledger.cli import main
     from peakledger.scenario import build_scenario
 
@@ -141,7 +141,7 @@ def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(
                                              "world_size": 2}, {"device": "cpu"})
     report = api.run(sc)
     assert [list(rp.same_as) for rp in report.ranks] == [[0, 1]] and report.metadata["n_params"] == 120_576
-    results, _ = api.validate_ranks(sc)
+    results, _ = validation.validate_ranks(sc)
     assert all(abs(v.overall.error) <= 0.01 for v, _ in results)
     assert main(["simulate", "--preset", "tiny-llama", "--tp", "2", "--cp", "2", "--world-size", "8", "--dp-engine",
                  "fsdp2", "--precision", "fp32", "--device", "cpu"]) == 2  # cp x tp x dp: not simulated yet

@@ -12,11 +12,11 @@ import pytest
 from realrun import assert_matches_real_run
 
 import peakledger as pl
-from peakledger.api import validate_ranks
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.trace import from_hf_dict, from_module_spec, recording, traced_tape
 from peakledger.scenario import Scenario
+from peakledger.validation import validate_ranks
 
 FACTORIES = str(Path(__file__).resolve().parent / "traced_factories.py")
 DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -35,12 +35,12 @@ def test_matrix_config_peak_within_one_percent_and_static_rows_exact(config):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
 def test_nanogpt_dropout_masks_on_cpu_take_the_input_dtype(precision):
-    from peakledger import api
+    from peakledger import validation
     from peakledger.scenario import build_scenario
 
     scenario = build_scenario({"preset": "tiny", "dropout": 0.1},
                               {"micro_batch": 4, "seq_len": 64, "optimizer": "sgd", "precision": precision})
-    result, measured, _ = api.validate(scenario)
+    result, measured, _ = validation.validate(scenario)
     assert result.passes(0.01), (result.overall, result.unexplained)
     masks = {e.block.dtype for e in measured.events if "dropout" in e.block.name and e.block.nbytes}
     assert masks and "bool" not in masks
