@@ -23,10 +23,7 @@ import time
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-from sections import replace_section  # noqa: E402
+from sections import replace_section  # bench/sections.py, beside this script  # noqa: E402
 
 from peakledger import api  # noqa: E402
 from peakledger.models.config import ConfigError  # noqa: E402

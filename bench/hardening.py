@@ -1,4 +1,4 @@
-"""Issue 11's findings, before and after: every case of tests/hardening_cases.py run as a real command.
+"""Issue 11's findings, before and after: every case of bench/hardening_cases.py run as a real command.
 
     python bench/hardening.py                                  # this tree: print the table
     python bench/hardening.py --before /path/to/old/venv/bin/python --write   # + an older install, into
@@ -14,7 +14,6 @@ exit status and message or number are the ones tests/test_hardening.py asserts.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import resource
@@ -23,15 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from sections import replace_section  # noqa: E402
+from hardening_cases import CASES, GPU_TRUTH, make_special_files  # bench/hardening_cases.py, beside this script
+from sections import replace_section  # bench/sections.py, beside this script
 
-_spec = importlib.util.spec_from_file_location("hardening_cases", ROOT / "tests" / "hardening_cases.py")
-cases_module = importlib.util.module_from_spec(_spec)
-sys.modules["hardening_cases"] = cases_module
-_spec.loader.exec_module(cases_module)
-CASES, GPU_TRUTH = cases_module.CASES, cases_module.GPU_TRUTH
+ROOT = Path(__file__).resolve().parent.parent
 RUNNER = "import sys; from peakledger.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -41,7 +35,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
         tmp = Path(d)
         for name, make in case.files.items():
             (tmp / name).write_bytes(make())
-        cases_module.make_special_files(case, tmp)
+        make_special_files(case, tmp)
         argv = [a.format(tmp=tmp, repo=ROOT, gpu=GPU_TRUTH) for a in case.argv]
 
         def limits():
@@ -124,7 +118,7 @@ def main() -> int:
     print(summary)
     if args.write:
         text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` "
-                f"(cases: tests/hardening_cases.py, asserted "
+                f"(cases: bench/hardening_cases.py, asserted "
                 f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
                 f"and {args.memory >> 30} GiB of address space at most. "
                 f"'before' is the peakledger of commit {args.before_commit} "

@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     print(summary)
 
     if args.write:
-        sys.path.insert(0, BENCH)
-        sys.path.insert(0, ROOT)
-        from sections import replace_section
+        from sections import replace_section  # bench/sections.py, beside this script
         subset = f" (commands containing `{args.only}` and what they depend on)" if args.only else ""
         section = "\n".join([
             HEADING, "",

@@ -59,9 +59,6 @@ from collections import Counter
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))  # bench/sections.py and bench/gpu_snapshots.py, beside this script
-
 from gpu_snapshots import allocator_replay, measured_peaks, read_raw_snapshot  # noqa: E402
 from sections import VALIDATION, replace_section  # noqa: E402
 

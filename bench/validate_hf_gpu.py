@@ -40,9 +40,6 @@ from collections import Counter
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
 from gpu_snapshots import read_snapshot  # noqa: E402
 from sections import replace_section  # noqa: E402
 from validate_gpu import TARGETS, compare_run  # noqa: E402

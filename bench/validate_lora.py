@@ -3,10 +3,11 @@ the simulation, and how long the llama-3-8b must-show commands take.
 
     python bench/validate_lora.py
 
-1. The cases of tests/test_lora.py REAL_RUNS: the tiny Llama and GPT-2 references wrapped by
-   `peft.get_peft_model` (traces/reference/lora.py), QLoRA with every block linear a bitsandbytes `Linear4bit` (nf4,
-   double quantization) on bitsandbytes' CPU backend; 2 AdamW steps, micro-batch 2, seq 32, under the exact
-   allocation tracker; measured vs simulated whole-run peak, worst forward/backward phase, static rows.
+1. The cases of bench/lora_cases.py REAL_RUNS (tests/test_lora.py asserts them): the tiny Llama and GPT-2
+   references wrapped by `peft.get_peft_model` (traces/reference/lora.py), QLoRA with every block linear a
+   bitsandbytes `Linear4bit` (nf4, double quantization) on bitsandbytes' CPU backend; 2 AdamW steps, micro-batch 2,
+   seq 32, under the exact allocation tracker; measured vs simulated whole-run peak, worst forward/backward phase,
+   static rows.
 2. `peakledger simulate --preset llama-3-8b --lora-r 16 --lora-targets q_proj,k_proj,v_proj,o_proj --precision
    bf16` (and with `--quantize nf4`) as subprocesses, wall time (best of 3), peak and ledger rows.
 
@@ -26,15 +27,13 @@ from pathlib import Path
 import bitsandbytes
 import peft
 import torch
+from lora_cases import REAL_RUNS, lora_scenario  # bench/lora_cases.py, beside this script
 from sections import replace_section  # bench/sections.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from test_lora import REAL_RUNS, lora_scenario  # noqa: E402
 
 from peakledger.analysis.validate import static_rows  # noqa: E402
-from peakledger.api import validate  # noqa: E402
+from peakledger.validation import validate  # noqa: E402
 
 HEADING = "## LoRA and QLoRA (real CPU runs)"
 MUST_SHOW = ["--preset", "llama-3-8b", "--lora-r", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj",
@@ -106,7 +105,8 @@ def main() -> None:
         "dequantized weight it holds: traces/reference/qlora.py), 2 AdamW steps "
         "(one case SGD with momentum), micro-batch 2, seq 32, measured by the exact allocation tracker, against "
         "the simulation (models/lora.py, models/qlora.py). Static rows: parameters, gradients and optimizer states "
-        "at the end of step 1's optimizer phase. The same cases are tests/test_lora.py REAL_RUNS (0.5% tolerance). "
+        "at the end of step 1's optimizer phase. The same cases (bench/lora_cases.py) are asserted by "
+        "tests/test_lora.py (0.5% tolerance). "
         "The tiny Llama's -0.16% under bf16 autocast is the hand-written describer's own gap on that model under "
         "CPU autocast, there without LoRA too (-0.15% in forward and backward).",
         "", *runs, "",

@@ -23,8 +23,6 @@ from peakledger.simulator.events import Category, Phase, Pool
 from peakledger.simulator.timeline import timeline
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))  # the bench script imports bench/sections.py beside it
 _spec = importlib.util.spec_from_file_location("validate_checkpoint_io", BENCH / "validate_checkpoint_io.py")
 vc = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("validate_checkpoint_io", vc)  # dataclasses look their module up while the file runs

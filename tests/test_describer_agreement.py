@@ -5,13 +5,8 @@ precision, checkpointing, LoRA and data-parallel cell; where only the hand-writt
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from describer_agreement import LORA, PARALLEL, cell
+from describer_agreement import LORA, PARALLEL, cell  # bench/ (pytest's pythonpath)
 
 pytest.importorskip("transformers")
 

@@ -4,9 +4,6 @@ take the Lt path (aten/src/ATen/native/cuda/Blas.cpp)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 from peakledger.models.config import TrainingSetup
 from peakledger.models.gpu import (
     addmm_takes_cublaslt,
@@ -20,8 +17,7 @@ from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, Phase
 
 MiB = 1 << 20
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_snapshots import allocator_replay  # noqa: E402  (bench/, on the path above)
+from gpu_snapshots import allocator_replay  # bench/ (pytest's pythonpath)  # noqa: E402
 
 
 def test_cublaslt_workspace_size_by_torch_version():

@@ -1,4 +1,4 @@
-"""Issue 11's findings, each recreated (tests/hardening_cases.py): exit 2 with a message naming the input,
+"""Issue 11's findings, each recreated (bench/hardening_cases.py): exit 2 with a message naming the input,
 or the right number; never a traceback. Plus: every real snapshot of ../shared/gpu-truth through explain and
 validate, a malicious pickle refused before it runs, and an internal error said as one (exit 3)."""
 

@@ -19,8 +19,6 @@ from peakledger.simulator.events import Action, Block, Category, Event, EventLog
 from peakledger.traces.cuda_snapshot import load_snapshot, parse_snapshot
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))  # the bench script imports bench/sections.py and bench/gpu_snapshots.py beside it
 _spec = importlib.util.spec_from_file_location("validate_gpu", BENCH / "validate_gpu.py")
 vg = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("validate_gpu", vg)  # dataclasses look their module up while the file runs
