@@ -75,7 +75,7 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
 
 CUBLASLT_WORKSPACE_KIB = 1024  # CublasHandlePool.cpp parseCUDABlasLtWorkspaceSize: CUBLASLT_WORKSPACE_SIZE's default
 CUBLASLT_DTYPES = ("fp64", "fp32", "fp16", "bf16")  # Blas.cpp isInputCompliesAddmmCudaLt: the dtypes Lt takes
-LINEAR_KINDS = ("linear", "frozen_linear")  # the hand-written describers' F.linear (models/transformer.py, lora.py)
+LINEAR_KINDS = ("linear", "frozen_linear")  # the hand-written describers' F.linear (models/transformer/, lora.py)
 
 
 def _major_minor(torch_version: str) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from peakledger's own Llama (`_llama_block`), every item read from transformers/
   the top-k tensors and the block's input until the MoE block returns;
 - MixtralRMSNorm on a 16-bit input upcasts it (the fp32 copy is what pow and the product save), keeps the fp32
   normalised x as a local until it returns, and multiplies the weight by a 16-bit cast of it (`_MixtralWriter`);
-- the loss is HF's `ForCausalLMLoss` (`models.transformer._hf_causal_lm_loss`).
+- the loss is HF's `ForCausalLMLoss` (`models/transformer/hf_gpt2.py hf_causal_lm_loss`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from .config import ConfigError, TrainingSetup, TransformerConfig
 from .moe import moe_block
 from .parallel.expert import EXPERT_WEIGHTS, ExpertParallelTape
 from .tape import Tape, TensorSpec
-from .transformer import _hf_causal_lm_loss, _HFWriter, transformer_params
+from .transformer import HFWriter, hf_causal_lm_loss, transformer_params
 
 MIXTRAL_CHECKPOINTING = ("none",)
 
 
-class _MixtralWriter(_HFWriter):
-    """`_HFWriter` with HF's own RMSNorm (MixtralRMSNorm), which differs from torch's for 16-bit inputs."""
+class _MixtralWriter(HFWriter):
+    """`HFWriter` with HF's own RMSNorm (MixtralRMSNorm), which differs from torch's for 16-bit inputs."""
 
     def rmsnorm(self, name: str, x: TensorSpec) -> TensorSpec:
         """`MixtralRMSNorm.forward`: x.to(fp32), pow(2).mean, rsqrt, x32 * rstd (a local until it returns), then
@@ -99,13 +99,13 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     w.release("model.return", [embeds, pos, cos, sin])  # locals of MixtralModel.forward
     head_weight = "model.embed_tokens.weight" if cfg.tied else "lm_head.weight"
     logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
-    _hf_causal_lm_loss(w, logits, idx)
+    hf_causal_lm_loss(w, logits, idx)
     w.release("causal_lm.return", [x])  # `hidden_states`, a local of MixtralForCausalLM.forward
     tape.held = (logits.name,) if setup.logits_held else ()
     return tape
 
 
-def _packed_sequence_check(w: _HFWriter, T: int) -> None:
+def _packed_sequence_check(w: HFWriter, T: int) -> None:
     """`find_packed_sequence_indices` on (1, T) positions: first position, (1, T+1) concatenation, diff,
     `!= 1`, cumsum. Temporaries only; the workspace is the largest set alive at one moment."""
     name = "model.packed_sequence_check"
@@ -115,7 +115,7 @@ def _packed_sequence_check(w: _HFWriter, T: int) -> None:
     w.op(name, "cumsum", [], [], workspace=max(with_prepend, with_cumsum, key=lambda ts: sum(t.nbytes for t in ts)))
 
 
-def _decoder_layer(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, cos, sin, layer: int) -> TensorSpec:
+def _decoder_layer(w: HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, cos, sin, layer: int) -> TensorSpec:
     a = w.rmsnorm(f"{h}.input_layernorm", x)
     y = _attention(w, cfg, f"{h}.self_attn", a, cos, sin)
     h1 = w.add(f"{h}.attn_residual", x, y)
@@ -123,7 +123,7 @@ def _decoder_layer(w: _HFWriter, cfg: TransformerConfig, h: str, x: TensorSpec, 
     return moe_block(w, cfg, h, m, layer, h1)
 
 
-def _attention(w: _HFWriter, cfg: TransformerConfig, p: str, a: TensorSpec, cos, sin) -> TensorSpec:
+def _attention(w: HFWriter, cfg: TransformerConfig, p: str, a: TensorSpec, cos, sin) -> TensorSpec:
     B, T = a.shape[0], a.shape[1]
     H, Hkv, hd = cfg.n_head, cfg.kv_heads, cfg.head_size
     q = w.linear(f"{p}.q_proj", a, H * hd, False)
@@ -142,7 +142,7 @@ def _attention(w: _HFWriter, cfg: TransformerConfig, p: str, a: TensorSpec, cos,
     return y
 
 
-def _rotate(w: _HFWriter, name: str, x: TensorSpec, heads: int, cos: TensorSpec, sin: TensorSpec) -> TensorSpec:
+def _rotate(w: HFWriter, name: str, x: TensorSpec, heads: int, cos: TensorSpec, sin: TensorSpec) -> TensorSpec:
     """`x * cos + rotate_half(x) * sin` (apply_rotary_pos_emb): each product saves its table; the two products
     (in the promoted dtype) are temporaries, and rotate_half's cat of x's dtype lives until its product is made."""
     B, T, width = x.shape

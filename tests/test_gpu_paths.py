@@ -1,4 +1,4 @@
-"""CUDA kernel paths (models/gpu.py, models/trace/gpu_paths.py, the hand-written SDPA in models/transformer.py):
+"""CUDA kernel paths (models/gpu.py, models/trace/gpu_paths.py, the hand-written SDPA in models/transformer/):
 which SDPA kernel torch picks on CUDA, what it allocates and saves, and the reduction staging-buffer rule; the
 saved bytes of one attention layer on the H100 profile against the CPU's, every expected number worked out
 by hand from the shapes and the cited rules."""

@@ -1,7 +1,7 @@
 """Context parallelism (CP) as torch's `context_parallel` runs it: one cp rank's tape.
 
 `context_parallel_tape(tape, cp, rank)` rewrites a hand-written GPT-2 (nanoGPT, `attention="sdpa"`) or Llama tape
-(models/transformer.py, the CPU SDPA op) into what one of `cp` ranks allocates when every micro-batch's forward and
+(models/transformer/, the CPU SDPA op) into what one of `cp` ranks allocates when every micro-batch's forward and
 backward run inside
 
     with context_parallel(mesh, buffers=[inputs, labels, positions], buffer_seq_dims=[1, 1, 0],

@@ -1,7 +1,7 @@
 """Tensor parallelism (TP) and sequence parallelism (SP) as torch's DTensor runs them: one rank's tape.
 
 `tensor_parallel_tape(tape, tp, sequence_parallel, rank)` rewrites a hand-written GPT-2 (nanoGPT) or Llama tape
-(models/transformer.py) into what one tensor-parallel rank allocates under `parallelize_module` with the plan of
+(models/transformer/) into what one tensor-parallel rank allocates under `parallelize_module` with the plan of
 traces/tensor_run.py `tp_plan` (torchtitan's `apply_tp`, torchtitan/models/llama3/infra/parallelize.py):
 
 - parameters (ParamSpec shapes are the rank's local shards, torch.chunk's split: ceil(n / tp) rows, the last
@@ -123,7 +123,7 @@ def _with_dim(spec: TensorSpec, dim: int, size: int, name: str | None = None) ->
 
 def tensor_parallel_tape(tape: Tape, tp: int, sequence_parallel: bool, rank: int, untied: bool = False) -> Tape:
     """One tensor-parallel rank's tape (see the module docstring); `tape` is a hand-written nanoGPT GPT-2 or Llama
-    tape (models/transformer.py `transformer_tape`), without dropout, checkpointed by whole layers if at all.
+    tape (models/transformer/nanogpt.py `transformer_tape`), without dropout, checkpointed by whole layers if at all.
     `untied`: a tied embedding and head are separate parameters, as on pipeline ranks (the last stage holds its
     own `lm_head.weight`): the embedding's gradient is then the whole Replicate (V, D) table (measured: TP x PP,
     traces/mesh_run.py)."""

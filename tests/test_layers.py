@@ -1,0 +1,72 @@
+"""The house's rules, read from the code's own imports (module level and inside functions alike): the layers import
+downward only (simulator, models, traces, analysis, peakledger, lowest first), and no import cycle exists."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("simulator", "models", "traces", "analysis", "peakledger")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for layer in LAYERS:
+        for path in (REPO / layer).rglob("*.py"):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    if name.startswith("peakledger.") and name.split(".")[1] in LAYERS[:4]:
+        name = name.removeprefix("peakledger.")  # the folders install as peakledger's subpackages
+    return name if name in modules else None
+
+
+def _imports(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports, named by folder (`from X import y`: X.y where that is a module,
+    else X)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            found: list[str | None] = []
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - (node.level - 1)] if node.level else []
+                stem = ".".join(base + ([node.module] if node.module else []))
+                found = [_resolve(f"{stem}.{a.name}", modules) or _resolve(stem, modules) for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [_resolve(a.name, modules) for a in node.names]
+            graph[mod] |= {m for m in found if m is not None and m != mod}
+    return graph
+
+
+def test_layers_import_downward_only():
+    graph = _imports(_modules())
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = sorted((m, t) for m, ts in graph.items() for t in ts if rank[t.split(".")[0]] > rank[m.split(".")[0]])
+    assert upward == []
+
+
+def test_no_import_cycle():
+    graph = _imports(_modules())
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
