@@ -21,31 +21,16 @@ The graph's metadata travels to the log (with the steps it describes: models/tra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from heapq import heappop, heappush
 
 from . import simpy_engine
-from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
+from .events import Action, Block, Category, Event, EventLog, OOMRecord
 from .gcpause import paused_gc
 from .ops import Op, OpGraph
+from .pools import MemoryPool, OutOfMemory, PoolKey
 
-PoolKey = tuple[int, Pool]  # (rank, pool)
 ALLOC, FREE = Action.ALLOC, Action.FREE
 _new = object.__new__
-
-
-class OutOfMemory(Exception):
-    """Raised inside the engine to stop the run at the first OOM (when asked to stop)."""
-
-
-@dataclass
-class MemoryPool:
-    """Live blocks of one (rank, pool) and their total; exact ints."""
-
-    capacity: int | None = None
-    live: dict[int, Block] = field(default_factory=dict)
-    in_use: int = 0
-    oom_seen: bool = False
 
 
 URGENT, NORMAL = 0, 1  # SimPy's priorities: a process's start before anything else at the same time

@@ -20,28 +20,12 @@ The graph's metadata travels to the log (with the steps it describes: models/tra
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass, field
 
 import simpy
 
-from .events import Action, Block, Category, Event, EventLog, OOMRecord, Pool
+from .events import Action, Block, Category, Event, EventLog, OOMRecord
 from .ops import Op, OpGraph
-
-PoolKey = tuple[int, Pool]  # (rank, pool)
-
-
-class OutOfMemory(Exception):
-    """Raised inside the engine to stop the run at the first OOM (when asked to stop)."""
-
-
-@dataclass
-class MemoryPool:
-    """Live blocks of one (rank, pool) and their total; exact ints."""
-
-    capacity: int | None = None
-    live: dict[int, Block] = field(default_factory=dict)
-    in_use: int = 0
-    oom_seen: bool = False
+from .pools import MemoryPool, OutOfMemory, PoolKey
 
 
 class Simulation:
