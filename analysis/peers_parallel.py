@@ -21,6 +21,7 @@ differ from a simulation). `parallel_peers` builds both from a peakledger Transf
 from __future__ import annotations
 
 from ..models.config import ConfigError
+from ..models.precision import PRECISION_TABLE
 from .units import format_bytes
 
 RECOMPUTE = ("none", "selective", "full")
@@ -311,15 +312,16 @@ def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequenc
     mega = megatron_theoretical(**common, distributed_optimizer=distributed_optimizer, rmsnorm=cfg.family == "llama",
                                 num_experts=experts, moe_ffn=cfg.ffn if experts else None, bias=cfg.has_bias,
                                 precision=precision, pp_schedule=pp_schedule, ep=ep)
-    weight_bytes = 2 if precision in ("bf16-mixed", "fp16-mixed", "bf16") else 4  # autocast keeps fp32 weights
+    prec = PRECISION_TABLE[precision]
+    weight_bytes = 2 if prec.param != "fp32" else 4  # autocast keeps fp32 weights
     llm = llm_analysis(**common, zero_stage=max(zero, 1 if distributed_optimizer else 0),
                        flash_attn=cfg.attention == "sdpa", weight_bytes=weight_bytes,
-                       act_bytes=4 if precision == "fp32" else 2, num_experts=experts or 1,
+                       act_bytes=4 if prec.compute == "fp32" else 2, num_experts=experts or 1,
                        top_k=getattr(cfg, "num_experts_per_tok", None) or 1)
     if ep > 1:
         llm["why"].insert(1, f"expert parallelism (ep {ep}) is not passed to this formula: every expert is counted on "
                              "every rank")
-    if precision.endswith("-mixed") and not _get(setup, "fp32_grads", False):
+    if prec.mixed and not _get(setup, "fp32_grads", False):
         note = f"gradients: {precision} here keeps 16-bit gradients (fp32_grads off); the formula counts fp32 ones"
         mega["why"].insert(1, note)
         llm["why"].insert(1, note)

@@ -13,6 +13,7 @@ from ..simulator.files import InputError, digits_message, read_text, too_many_di
 from .dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from .dp_engines import knob_rules as engine_knob_rules
 from .fields import check_types
+from .precision import PRECISION_TABLE, PRECISIONS, Precision
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -492,7 +493,6 @@ def _rounds_ok(pp: int) -> list[int]:
     return [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0][:6]
 
 
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-autocast", "fp16-autocast", "bf16")
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 # "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
@@ -643,7 +643,7 @@ class TrainingSetup:
         _choice(self, "reduce_dtype", REDUCE_DTYPES)
         if not isinstance(self.reshard_after_forward, bool):
             raise ConfigError("reshard_after_forward", f"must be true or false, got {self.reshard_after_forward!r}")
-        if self.fp32_grads and not self.precision.endswith("-mixed"):
+        if self.fp32_grads and not self.prec.mixed:
             raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
         _checkpoint_io_fields(self)
         _optimizer_offload_fields(self)
@@ -665,13 +665,18 @@ class TrainingSetup:
                                             f"optimizer: {name} must be {allowed}")
 
     @property
+    def prec(self) -> Precision:
+        """`precision` decoded (models/precision.py): each kind of tensor's dtype, and autocast's."""
+        return PRECISION_TABLE[self.precision]
+
+    @property
     def param_dtype(self) -> str:
-        return {"bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16": "bf16"}.get(self.precision, "fp32")
+        return PRECISION_TABLE[self.precision].param
 
     @property
     def compute_dtype(self) -> str:
         """The dtype of activations."""
-        return {"fp32": "fp32"}.get(self.precision, self.precision[:4])
+        return PRECISION_TABLE[self.precision].compute
 
     @property
     def grad_dtype(self) -> str:
@@ -680,11 +685,11 @@ class TrainingSetup:
     @property
     def master_dtype(self) -> str | None:
         """fp32 master weights exist only in the mixed-precision modes."""
-        return "fp32" if self.precision.endswith("-mixed") else None
+        return PRECISION_TABLE[self.precision].master
 
     @property
     def state_dtype(self) -> str:
-        return "fp32" if self.precision != "bf16" else "bf16"
+        return PRECISION_TABLE[self.precision].state
 
     @property
     def dp(self) -> int:

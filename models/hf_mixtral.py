@@ -61,7 +61,7 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
         raise ConfigError("checkpointing", f"HF Mixtral (experts) is modelled without activation checkpointing, "
                                            f"not {setup.checkpointing!r}; allowed: none")
-    if cfg.experts_implementation == "eager" and setup.precision.endswith("-autocast"):
+    if cfg.experts_implementation == "eager" and setup.prec.autocast:
         raise ConfigError("experts_implementation", "the eager experts loop under torch.autocast (16-bit copies of "
                                                     "weight slices, not cached) is not modelled; allowed there: "
                                                     "grouped_mm")

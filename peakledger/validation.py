@@ -24,7 +24,7 @@ def measure(scenario: Scenario, model_hook=None):
     router recorder: traces/reference/mixtral.py)."""
     import torch
 
-    from .traces.reference import build_model, make_batch, make_optimizer
+    from .traces.reference import TORCH_DTYPES, build_model, make_batch, make_optimizer
     from .traces.tracker import run_training_steps
 
     setup = scenario.setup
@@ -47,7 +47,7 @@ def measure(scenario: Scenario, model_hook=None):
                 "device": "cpu", "scenario": scenario.name}
     return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.steps,
                               grad_accum=setup.grad_accum, set_to_none=setup.set_to_none,
-                              autocast=torch.bfloat16 if setup.precision == "bf16-autocast" else None,
+                              autocast=TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None,
                               metadata=metadata)
 
 

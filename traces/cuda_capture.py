@@ -165,7 +165,7 @@ def build_program(scenario, device: str = "cuda"):
 
     check_capturable(scenario)
     setup = scenario.setup
-    mixed = setup.precision == "bf16-mixed"
+    mixed = setup.prec.mixed
     built = dataclasses.replace(setup, precision="bf16", fp32_grads=False) if mixed else setup
     torch.manual_seed(0)
     model, batches = place_model(scenario.model, built, device)
@@ -238,7 +238,7 @@ def run_loop(model, optimizer, batches, setup, device: str, marks: LoopMarks) ->
     the batch and outputs dropped; then the optimizer step and zero_grad. Each phase starts with a mark."""
     import torch
 
-    autocast = setup.precision == "bf16-autocast"
+    autocast = setup.prec.autocast is not None
     for step in range(1, setup.steps + 1):
         for mb in range(setup.grad_accum):
             marks.mark(Phase.FORWARD, step, mb)

@@ -82,7 +82,7 @@ from .distributed import (
     transformer_blocks,
     wait_released,
 )
-from .reference import build_model, make_batch, optimizer_class, torch_optimizer
+from .reference import TORCH_DTYPES, build_model, make_batch, optimizer_class, torch_optimizer
 from .store import load_log, save_log
 from .tracker import training_loop
 
@@ -341,7 +341,7 @@ def _measure_rank(rank: int, job: TPJob) -> EventLog:
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every tensor-parallel rank
     known = tuple(t for b in batches for t in b)
     tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
-    autocast = torch.bfloat16 if setup.precision == "bf16-autocast" else None
+    autocast = TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None
     torch.manual_seed(job.seed)
     with tracker, loss_parallel():
         training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none,

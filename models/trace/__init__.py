@@ -57,7 +57,7 @@ def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) 
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:
-    return setup.precision[:4] if setup.precision.endswith("-autocast") else None
+    return setup.prec.autocast
 
 
 def check_setup(model: TracedModel, setup: TrainingSetup) -> None:

@@ -31,7 +31,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     gpt2 = cfg.family == "gpt2"
     tape.buffers = _buffers(cfg)
     wte = "transformer.wte" if gpt2 else "model.embed_tokens"
-    emb_dt = w.fp32_op_dtype() if setup.precision.endswith("-autocast") else setup.param_dtype
+    emb_dt = w.fp32_op_dtype() if setup.prec.autocast else setup.param_dtype
     (x,) = w.op(wte, "embedding", [idx], [w.t(f"{wte}.out", (B, T, cfg.d_model), emb_dt)],
                 saves=(idx.name,), params=(f"{wte}.weight",))
     if gpt2:

@@ -19,7 +19,7 @@ class TapeWriter:
         self.tape = tape
         self.setup = setup
         self.cpu = cpu
-        self.autocast = setup.precision.endswith("-autocast")
+        self.autocast = setup.prec.autocast is not None
         self.act = setup.compute_dtype
         self.region: int | None = None
         self.core_region: int | None = None  # "selective": the region of this layer's attention core
