@@ -1,2 +1,2 @@
-"""The event schema and the discrete-event engine (SimPy's discipline, kept without its objects; tests/
-simpy_reference.py runs SimPy itself against it): op graph in, exact allocate/free event log out."""
+"""The event schema and the discrete-event engine (engine.py: SimPy's discipline, kept without its objects;
+simpy_engine.py: the same on SimPy itself, `--simulator simpy`): op graph in, exact allocate/free event log out."""
