@@ -10,7 +10,7 @@ from . import api
 from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
 from .analysis.units import format_bytes, parse_bytes
-from .cli_common import _budget, _write_json
+from .cli_common import _add_scenario_flags, _budget, _write_json
 from .inputs import scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
 from .traces.store import load_trace
@@ -164,3 +164,24 @@ def cmd_replay(args) -> int:
         for oom in d["ooms"]:
             print(f"  OOM: {oom}")
     return 0
+
+
+def register(sub) -> None:
+    """Add explain and replay to the `peakledger` parser's sub-commands."""
+    x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
+    _add_scenario_flags(x)
+    x.add_argument("--budget", required=True, help="device memory per rank: 24GiB, 24GB or bytes")
+    x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")
+    x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
+    x.add_argument("--json", action="store_true")
+    x.set_defaults(func=cmd_explain)
+    r = sub.add_parser("replay", help="replay a CUDA snapshot's requests through the caching-allocator model and "
+                                      "compare with what the real allocator did")
+    r.add_argument("snapshot", metavar="SNAPSHOT.pickle", help="torch.cuda.memory._dump_snapshot output")
+    r.add_argument("--alloc-conf", metavar="CONF", help="allocator settings in PYTORCH_CUDA_ALLOC_CONF syntax "
+                   "(default: the snapshot's own defaults), e.g. max_split_size_mb:128")
+    r.add_argument("--capacity", help="device capacity (80GiB, 80GB, bytes); default: unlimited (no OOM)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"], help="unit of the text output (default GiB)")
+    r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
+    r.set_defaults(func=cmd_replay)

@@ -9,7 +9,7 @@ import os
 import pytest
 from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO, make_special_files
 
-from peakledger import cli
+from peakledger import api, cli
 from peakledger.simulator import files
 
 
@@ -74,7 +74,7 @@ def test_an_internal_error_is_one_line_and_exit_3(monkeypatch, capsys):
     def broken(*a, **k):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli.api, "run", broken)
+    monkeypatch.setattr(api, "run", broken)
     assert cli.main(["simulate", "--preset", "tiny"]) == 3
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error" in err and "--debug" in err and "Traceback" not in err

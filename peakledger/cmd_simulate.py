@@ -1,0 +1,260 @@
+"""The simulation commands: `peakledger simulate`, `max-batch`, `compare`, `checkpointing` and `sweep`, each a scenario
+(or a grid of them) described and simulated, nothing run for real."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import (
+    api,
+    sweep,
+)
+from .analysis.checkpointing import (
+    optimal_checkpointing,
+    plot_peak_vs_recompute,
+    policy_table,
+    render_optimal,
+    render_table,
+)
+from .analysis.device import gpu_memory
+from .analysis.export import write_chrome_trace, write_snapshot
+from .analysis.ledger import ROW_ORDER
+from .analysis.peers import PEER_NOTES, render_peers
+from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
+from .analysis.plot import plot_timeline
+from .analysis.report import render_text, report_json
+from .analysis.units import format_bytes
+from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
+from .inputs import (
+    check_command_outputs,
+    scenario_from_args,
+)
+from .models.config import ConfigError
+from .models.training import StepPlan
+from .simulator.graph_nx import CriticalPath, critical_path, write_graphml
+from .simulator.timeline import timeline
+
+DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
+                 "bf16-adamw: precision=bf16-mixed optimizer=adamw",
+                 "zero2-x8: precision=bf16-mixed optimizer=adamw zero_stage=2 world_size=8"]
+
+
+def critical_path_json(path: CriticalPath) -> dict:
+    return {"ops": len(path.ops), "seconds": path.seconds, "seconds_by_stream": path.by_stream(),
+            "first": path.ops[0].name if path.ops else None, "last": path.ops[-1].name if path.ops else None}
+
+
+def critical_path_text(path: CriticalPath) -> str:
+    """One line: how long the critical path is, and which streams it runs on."""
+    parts = ", ".join(f"{stream} {s / path.seconds:.1%}" for stream, s in sorted(path.by_stream().items(),
+                                                                                 key=lambda kv: -kv[1]))
+    return (f"critical path: {len(path.ops):,} ops, {path.seconds:.6g} s (the simulated run's length; {parts}), "
+            f"from {path.ops[0].name} to {path.ops[-1].name}" if path.ops else "critical path: no ops")
+
+
+def cmd_simulate(args) -> int:
+    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome", "export_graph"])
+    budget = _budget(args)
+    if args.stop_at_oom and budget is None:
+        raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
+    scenario = scenario_from_args(args)
+    report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
+    if args.plot:
+        gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
+        plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
+                      title=f"{scenario.name}: allocated by category" + (" and reserved" if gpu else ""),
+                      reserved=gpu.series if gpu else None)
+    if args.export_snapshot:
+        write_snapshot(report.log, args.export_snapshot)
+    if args.export_chrome:
+        write_chrome_trace(report.log, args.export_chrome)
+    path = None
+    if args.export_graph:
+        graph = api.op_graph(scenario, budget)
+        write_graphml(graph, args.export_graph)
+        path = critical_path(graph)
+    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
+    repeats = StepPlan.of(report.log.metadata).summary()
+    if args.json:
+        _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {})})
+    else:
+        print(render_text(report, args.unit))
+        if path:
+            print(critical_path_text(path))
+        if written:
+            print(f"written: {', '.join(written)}"
+                  + (f" (they show the simulated steps: {repeats})" if repeats else ""))
+    return 0
+
+
+def cmd_max_batch(args) -> int:
+    budget = _budget(args)
+    scenario = scenario_from_args(args)
+    best = api.max_micro_batch(scenario, budget)
+    fixed = api.fixed_state_peak(scenario)
+    capped = best >= api.MAX_BATCH_LIMIT
+    result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
+              "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
+    if best > 0:
+        at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
+        result["peak_at_max"] = at.peaks.peak.bytes
+        result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.dp
+    if args.json:
+        _write_json(result)
+        return 0
+    u = args.unit
+    print(f"{scenario.name}: budget {format_bytes(budget, u)}, fixed state {format_bytes(fixed, u)}")
+    if best < 0:
+        print("max micro-batch: -1 (even parameters, gradients and optimizer states do not fit)")
+    elif best == 0:
+        print("max micro-batch: 0 (the fixed state fits, but not one sample of activations)")
+    elif capped:
+        print(f"max micro-batch: at least {best:,} (the search stops at {api.MAX_BATCH_LIMIT:,}; the budget holds "
+              f"more: peak there {format_bytes(result['peak_at_max'], u)})")
+    else:
+        print(f"max micro-batch: {best} (peak {format_bytes(result['peak_at_max'], u)}; B_eff "
+              f"{result['effective_batch_at_max']} with accumulation {scenario.setup.grad_accum})")
+    return 0
+
+
+def cmd_peers(args, base) -> int:
+    s = base.setup
+    if s.tp * s.pp * s.cp * s.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
+        rows = api.parallel_peers(base)
+        if args.json:
+            _write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
+            return 0
+        print(render_parallel_peers(rows, args.unit, base.name))
+        return 0
+    rows = api.peers(base)
+    if args.json:
+        _write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
+        return 0
+    print(render_peers(base.name, rows, args.unit))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    base = scenario_from_args(args)
+    if args.peers and args.case:
+        raise ConfigError("case", "--peers compares DeepSpeed's ZeRO stages of the base scenario; --case does not "
+                                  "apply with it: drop one")
+    if args.peers:
+        return cmd_peers(args, base)
+    cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
+    results = []
+    for name, changes in cases:
+        scenario = base.with_changes(name=name, **changes)
+        results.append((name, api.run(scenario)))
+    if args.json:
+        _write_json({"cases": [report_json(r) for _, r in results]})
+        return 0
+    u = args.unit
+    rows = ["peak", "first-step peak", "steady peak"]
+    all_rows = sorted({row.row: row.category for _, r in results for row in r.ledger}.items(),
+                      key=lambda item: (ROW_ORDER.index(item[1]), item[0]))
+    width = max(14, *(len(n) + 2 for n, _ in results))
+    print(f"{'':<30}" + "".join(f"{n:>{width}}" for n, _ in results))
+    for label in rows:
+        vals = []
+        for _, r in results:
+            p = {"peak": r.peaks.peak, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
+            vals.append(format_bytes(p.bytes, u) if p else "-")
+        print(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
+    print("at the peak:")
+    for row_name, _ in all_rows:
+        vals = []
+        for _, r in results:
+            match = [x for x in r.ledger if x.row == row_name]
+            vals.append(format_bytes(match[0].bytes, u) if match else "-")
+        print(f"  {row_name:<28}" + "".join(f"{v:>{width}}" for v in vals))
+    print("peak reached at:")
+    for name, r in results:
+        e = r.peaks.peak.event
+        print(f"  {name}: {e.op} ({e.phase.value}, step {e.step})")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    if args.output is None and args.json_output is None:
+        raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
+    check_command_outputs(args, ["output", "json_output"])
+    base = scenario_from_args(args)
+    grid = sweep.parse_grid(args.grid or [])
+    budget = _budget(args)
+    result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs,
+                             engine=args.engine, address=args.address)
+    sweep.write(result, base, grid, args.output, args.json_output)
+    failed = sum(1 for p in result if p.result["error"])
+    written = " and ".join(x for x in (args.output, args.json_output) if x)
+    print(f"{len(result)} points simulated ({failed} invalid, each with its error) into {written}")
+    return 0
+
+
+def cmd_checkpointing(args) -> int:
+    check_command_outputs(args, ["plot"])
+    budget = _budget(args)
+    scenario = scenario_from_args(args)
+    rows = policy_table(scenario)
+    best = optimal_checkpointing(scenario, budget) if budget is not None else None
+    if args.plot:
+        plot_peak_vs_recompute(rows, args.plot, title=f"{scenario.name}: peak vs recompute", unit=args.unit)
+    if args.json:
+        _write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
+                     "optimal": best.as_json() if best else None})
+        return 0
+    print(render_table(rows, args.unit))
+    if best is not None:
+        print("")
+        print(render_optimal(best, args.unit))
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add simulate, max-batch, compare, checkpointing and sweep to the `peakledger` parser's sub-commands."""
+    s = sub.add_parser("simulate", help="simulate a scenario and print the ledger and peaks")
+    _add_scenario_flags(s)
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category")
+    s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
+    s.add_argument("--stop-at-oom", action="store_true", help="with --budget: end the run at the first OOM")
+    s.add_argument("--export-snapshot", metavar="FILE",
+                   help="write a CUDA-snapshot pickle (open with torch/cuda/_memory_viz.py or pytorch.org/memory_viz)")
+    s.add_argument("--export-chrome", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    s.add_argument("--export-graph", metavar="FILE",
+                   help="write the op graph as GraphML (networkx) and print its critical path")
+    s.set_defaults(func=cmd_simulate)
+    m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
+    _add_scenario_flags(m)
+    m.add_argument("--budget", required=True, help="80GiB, 80GB or plain bytes")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_max_batch)
+    c = sub.add_parser("compare", help="several scenarios side by side")
+    _add_scenario_flags(c)
+    c.add_argument("--case", action="append", help="'name: key=value ...' changes to the base scenario")
+    c.add_argument("--peers", action="store_true",
+                   help="ZeRO stages 0-3: peakledger per rank vs the ZeRO paper and DeepSpeed's estimators")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_compare)
+    a = sub.add_parser("checkpointing", help="activation checkpointing policies: peak, recompute, step time; "
+                                             "the cheapest layer set that fits a budget")
+    _add_scenario_flags(a)
+    a.add_argument("--budget", help="find the least-recompute set of checkpointed layers that fits (80GiB, ...)")
+    a.add_argument("--plot", metavar="FILE", help="PNG of peak vs recompute per policy")
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_checkpointing)
+    w = sub.add_parser("sweep", help="simulate a grid of inputs on every core into CSV / JSON")
+    _add_scenario_flags(w)
+    w.add_argument("--grid", action="append", metavar="KEY=V1,V2",
+                   help="a field and its values (repeat for more fields; points are the product)")
+    w.add_argument("--budget", help="mark which points fit (80GiB, 80GB, bytes)")
+    w.add_argument("--max-batch", action="store_true", help="with --budget: the largest micro-batch per point")
+    w.add_argument("--jobs", type=int, help="worker processes (default: every core; a cluster: its workers)")
+    w.add_argument("--engine", default="local", help="local (processes on this machine), ray or dask "
+                                                      "(pip install peakledger[ray] / peakledger[dask])")
+    w.add_argument("--address", help="ray / dask: an existing cluster's address (default: a local cluster for the run)")
+    w.add_argument("--output", metavar="FILE.csv")
+    w.add_argument("--json-output", metavar="FILE.json")
+    w.set_defaults(func=cmd_sweep)
