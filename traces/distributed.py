@@ -18,7 +18,7 @@ Engines
   `reshard_after_forward` (`apply_fsdp2`, which traces/mesh_run.py applies on its "dp" sub-mesh); the
   optimizer is built after sharding, over the DTensor parameters.
   The tracker labels shards, unsharded parameters, all-gather and reduce-scatter buffers
-  (`tracker.FSDPLabels`). Each unit's collectives return only once the process group has released
+  (fsdp_labels.py `FSDPLabels`). Each unit's collectives return only once the process group has released
   their tensors (`BackendReleased`: gloo's worker thread otherwise drops the last reference to a
   buffer FSDP2 has already let go of at a moment that varies run to run).
 - "ddp": `DistributedDataParallel` with its defaults (gradients are not bucket views; one bucket of
@@ -317,7 +317,7 @@ def apply_fsdp2(model: torch.nn.Module, reshard_after_forward: bool, root_reshar
 def wrap_released(model: torch.nn.Module, release: "ReleaseCount") -> "ReleaseCount":
     """Every FSDP2 unit of `model` with its all-gather and reduce-scatter returning only once the process group
     has released their tensors (`BackendReleased`), counted in `release`, which is returned. The tracker's
-    labelling comms (`tracker.FSDPLabels`) wrap these."""
+    labelling comms (fsdp_labels.py `FSDPLabels`) wrap these."""
     for unit in model.modules():
         if isinstance(unit, FSDPModule) and unit._get_fsdp_state()._fsdp_param_groups:
             group = unit._get_fsdp_state()._fsdp_param_groups[0]
