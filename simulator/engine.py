@@ -24,10 +24,10 @@ from __future__ import annotations
 from heapq import heappop, heappush
 
 from . import simpy_engine
-from .events import Action, Block, Category, Event, EventLog, OOMRecord
+from .events import Action, Block, Event, EventLog, OOMRecord
 from .gcpause import paused_gc
 from .ops import Op, OpGraph
-from .pools import MemoryPool, OutOfMemory, PoolKey
+from .pools import MemoryPool, OutOfMemory, PoolKey, oom_record
 
 ALLOC, FREE = Action.ALLOC, Action.FREE
 _new = object.__new__
@@ -48,14 +48,6 @@ class Simulation:
                                                  for key, cap in self.capacities.items() if cap is not None}
         self.events: list[Event] = []
         self.ooms: list[OOMRecord] = []
-
-    def _oom_record(self, pool: MemoryPool, event: Event) -> OOMRecord:
-        by_cat: dict[Category, int] = {}
-        for b in pool.live.values():
-            by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
-        largest = tuple(sorted(pool.live.values(), key=lambda b: (-b.nbytes, b.id))[:10])
-        return OOMRecord(event=event, capacity=pool.capacity, live_bytes=pool.in_use,
-                         live_by_category=by_cat, largest_live=largest)
 
     def _start(self, op: Op, now: float, owner: dict[int, Block]) -> None:
         """`op`'s allocations, at `now`; the pools with a capacity (the only ones kept) checked first."""
@@ -80,7 +72,7 @@ class Simulation:
                 if pool is not None:
                     if not pool.oom_seen and pool.in_use + b.nbytes > pool.capacity:
                         pool.oom_seen = True
-                        self.ooms.append(self._oom_record(pool, e))
+                        self.ooms.append(oom_record(pool, e))
                         if self.stop_on_oom:
                             events.pop()  # the allocation never happened; the OOM record keeps it
                             raise OutOfMemory()

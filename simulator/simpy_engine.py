@@ -23,9 +23,9 @@ from collections.abc import Callable, Generator, Iterable
 
 import simpy
 
-from .events import Action, Block, Category, Event, EventLog, OOMRecord
+from .events import Action, Block, Event, EventLog, OOMRecord
 from .ops import Op, OpGraph
-from .pools import MemoryPool, OutOfMemory, PoolKey
+from .pools import MemoryPool, OutOfMemory, PoolKey, oom_record
 
 
 class Simulation:
@@ -60,20 +60,12 @@ class Simulation:
         event = self._record(Action.ALLOC, block, op)
         if pool.capacity is not None and not pool.oom_seen and pool.in_use + block.nbytes > pool.capacity:
             pool.oom_seen = True
-            self.ooms.append(self._oom_record(pool, event))
+            self.ooms.append(oom_record(pool, event))
             if self.stop_on_oom:
                 self.events.pop()  # the allocation never happened; the OOM record keeps it
                 raise OutOfMemory()
         pool.live[block.id] = block
         pool.in_use += block.nbytes
-
-    def _oom_record(self, pool: MemoryPool, event: Event) -> OOMRecord:
-        by_cat: dict[Category, int] = {}
-        for b in pool.live.values():
-            by_cat[b.category] = by_cat.get(b.category, 0) + b.nbytes
-        largest = tuple(sorted(pool.live.values(), key=lambda b: (-b.nbytes, b.id))[:10])
-        return OOMRecord(event=event, capacity=pool.capacity, live_bytes=pool.in_use,
-                         live_by_category=by_cat, largest_live=largest)
 
     def _free(self, block_id: int, op: Op, owner: dict[int, Block]) -> None:
         block = owner[block_id]
