@@ -41,8 +41,8 @@ from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .config import INT64_MAX, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
-from .hf_mixtral import hf_mixtral_tape
-from .moe import active_params, check_routing, has_experts
+from .families import family_of
+from .moe import active_params, has_experts
 from .offload import OffloadedStates
 from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
 from .parallel import own_dtype
@@ -52,9 +52,7 @@ from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_buil
 from .parallel.pipeline import pipeline_metadata, pipeline_timing
 from .rank_ranges import RankRanges
 from .tape import Tape
-from .trace import traced_tape
 from .trace.model import TracedModel
-from .transformer import mlp_tape, transformer_tape
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 _new = object.__new__
@@ -67,18 +65,10 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s. A
     traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
-    if isinstance(model, TracedModel):  # any other model: traced on fake tensors (models/trace)
-        return traced_tape(model, setup, cpu, cuda)
-    if isinstance(model, TransformerConfig):
-        if setup.seq_len > model.max_seq_len:
-            raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
-        check_routing(model, setup)
-        tape = hf_mixtral_tape(model, setup, cpu, ep_rank) if model.num_local_experts else \
-            transformer_tape(model, setup, cpu, cuda[1] if cuda else "2.6")
-    else:
-        check_routing(model, setup)
-        tape = mlp_tape(model, setup, cpu)
-    if setup.passes == "forward":  # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run
+    family = family_of(model)  # models/families.py
+    tape = family.tape(model, setup, cpu, ep_rank, cuda)
+    if family.hand_written and setup.passes == "forward":
+        # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run (a trace records none)
         tape = replace(tape, ops=[op for op in tape.ops if not op.name.startswith("loss.")])
     return tape
 

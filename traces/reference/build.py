@@ -15,12 +15,24 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from ...models.families import family_of
 from ...models.optimizers import offload_chunks
 from ...models.trace.model import TracedModel
 from .lora import apply_lora
 from .mixtral import hf_mixtral
 from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, TORCH_DTYPES, hf_gpt2
 from .traced import real_batches, real_model
+
+
+def _checkpointing(setup: TrainingSetup | None) -> str:
+    return setup.checkpointing if setup is not None else "none"
+
+
+# each hand-written family's real program (models/families.py names them): (config, setup) -> nn.Module
+PROGRAMS = {"mixtral": lambda cfg, setup: hf_mixtral(cfg, _checkpointing(setup)),
+            "hf-gpt2": lambda cfg, setup: hf_gpt2(cfg, _checkpointing(setup)),
+            "nanogpt": lambda cfg, setup: GPT(cfg, setup),
+            "mlp": lambda cfg, setup: MLP(cfg, setup)}
 
 
 def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
@@ -33,20 +45,14 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
     `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
     `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
     """
-    if isinstance(cfg, TracedModel):  # the traced program, for real (traced.py)
+    family = family_of(cfg).name  # models/families.py
+    if family == "traced":  # the traced program, for real (traced.py)
         return real_model(cfg, setup if setup is not None else TrainingSetup(), seed)
     if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
                                   f"not {setup.precision!r}")
     torch.manual_seed(seed)
-    if isinstance(cfg, MLPConfig):
-        model = MLP(cfg, setup)
-    elif cfg.num_local_experts:
-        model = hf_mixtral(cfg, setup.checkpointing if setup is not None else "none")
-    elif cfg.implementation == "hf":
-        model = hf_gpt2(cfg, setup.checkpointing if setup is not None else "none")
-    else:
-        model = GPT(cfg, setup)
+    model = PROGRAMS[family](cfg, setup)
     if setup is not None and setup.precision == "bf16":
         model = model.to(torch.bfloat16)
     if setup is not None and setup.lora_r:  # peft LoRA / QLoRA (lora.py)
