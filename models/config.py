@@ -538,8 +538,9 @@ KNOB_APPLIES = {
 def check_given_knobs(setup, given) -> None:
     """Each field in `given` (the ones the user set) must be read by this setup: ConfigError naming the first
     that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
+    rules = {**engine_knob_rules(), **KNOB_APPLIES}  # an engine's own knobs: models/dp_engines.py
     for name in sorted(given):
-        rule = KNOB_APPLIES.get(name) or engine_knob_rules().get(name)  # an engine's own: models/dp_engines.py
+        rule = rules.get(name)
         if rule is not None and not rule[0](setup):
             raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
                                     f"{setup.dp_engine}, zero_stage {setup.zero_stage}, checkpointing "

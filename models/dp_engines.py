@@ -61,10 +61,15 @@ def knob_rules() -> dict[str, tuple[Callable, str]]:
             owners.setdefault(knob, []).append((e.name, rule))
     out = {}
     for knob, engines in owners.items():
-        if len(engines) == 1 and engines[0][1] is not None:
-            name, (applies, text) = engines[0]
-            out[knob] = (lambda s, name=name, applies=applies: s.dp_engine == name and applies(s), text)
-        else:
-            names = tuple(name for name, _ in engines)
-            out[knob] = (lambda s, names=names: s.dp_engine in names, "dp_engine " + " or ".join(names))
+        engines = tuple(engines)
+        out[knob] = (lambda s, engines=engines: any(s.dp_engine == name and (rule is None or rule[0](s))
+                                                    for name, rule in engines),
+                     _needs(engines))
     return out
+
+
+def _needs(engines) -> str:
+    """What a knob needs, said as its engines' rules say it: "dp_engine ddp or zero-redundancy-optimizer"."""
+    if all(rule is None for _, rule in engines):
+        return "dp_engine " + " or ".join(name for name, _ in engines)
+    return " or ".join(rule[1] if rule is not None else f"dp_engine {name}" for name, rule in engines)

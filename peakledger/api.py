@@ -58,10 +58,12 @@ def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
     return graph
 
 
-def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False) -> Report:
+def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False,
+        graph: OpGraph | None = None) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
-    highest peak, and lists every simulated rank's peak)."""
-    graph = op_graph(scenario, budget)
+    highest peak, and lists every simulated rank's peak). `graph`: the scenario already described with this
+    budget (`op_graph`), for a caller that also exports it."""
+    graph = graph if graph is not None else op_graph(scenario, budget)
     ranks = [int(r) for r in graph.metadata["rank_classes"]]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from . import (
     api,
@@ -31,8 +32,10 @@ from .inputs import (
 )
 from .models.config import ConfigError
 from .models.training import StepPlan
-from .simulator.graph_nx import CriticalPath, critical_path, write_graphml
 from .simulator.timeline import timeline
+
+if TYPE_CHECKING:
+    from .simulator.graph_nx import CriticalPath
 
 DEFAULT_CASES = ["fp32-sgd: precision=fp32 optimizer=sgd",
                  "bf16-adamw: precision=bf16-mixed optimizer=adamw",
@@ -58,7 +61,8 @@ def cmd_simulate(args) -> int:
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
     scenario = scenario_from_args(args)
-    report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom)
+    graph = api.op_graph(scenario, budget)
+    report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
         gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
         plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
@@ -70,7 +74,8 @@ def cmd_simulate(args) -> int:
         write_chrome_trace(report.log, args.export_chrome)
     path = None
     if args.export_graph:
-        graph = api.op_graph(scenario, budget)
+        from .simulator.graph_nx import critical_path, write_graphml  # networkx, loaded for this export only
+
         write_graphml(graph, args.export_graph)
         path = critical_path(graph)
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]

@@ -51,12 +51,10 @@ class CriticalPath:
 def critical_path(graph: OpGraph) -> CriticalPath:
     """The longest chain of ops by duration through dependencies and stream order."""
     g = to_networkx(graph)
-    weighted = nx.DiGraph()
-    for u, v in g.edges:
-        weighted.add_edge(u, v, w=g.nodes[u].get("duration", 0.0))
-    for n in g.nodes:
-        weighted.add_edge(n, END, w=g.nodes[n].get("duration", 0.0))
-    path = [n for n in nx.dag_longest_path(weighted, weight="w") if n != END]
+    for u, v, data in g.edges(data=True):  # an edge weighs what its source op takes
+        data["w"] = g.nodes[u].get("duration", 0.0)
+    g.add_edges_from([(n, END, {"w": g.nodes[n].get("duration", 0.0)}) for n in list(g.nodes)])
+    path = [n for n in nx.dag_longest_path(g, weight="w") if n != END]
     ops = {op.id: op for op in graph.ops_in_order()}
     chain = tuple(ops[n] for n in path if n in ops)
     return CriticalPath(chain, sum(op.duration for op in chain))

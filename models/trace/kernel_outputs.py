@@ -14,6 +14,8 @@ through it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 aten = torch.ops.aten
@@ -50,9 +52,7 @@ def _full_storage(func, args, kwargs, out):
     if _argument(func, args, kwargs, "reduction") == REDUCTION_NONE:
         return out
     shape = torch.broadcast_shapes(*(_argument(func, args, kwargs, n).shape for n in shapes))
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     if numel <= 1:
         return out
     return out.new_empty((numel,)).as_strided((), ())
