@@ -51,6 +51,15 @@ def _text(s: str) -> Callable[[], bytes]:
     return lambda: s.encode()
 
 
+def _wrapped_snapshot() -> bytes:
+    """A ring buffer that wrapped: as many entries as the max_entries it records, its first a free of a block the
+    trace never allocated (which a segment at record start holds)."""
+    return pickle.dumps({"max_entries": 2, "device_traces": [[
+        {"action": "free_completed", "addr": 8192, "size": 1024}, {"action": "alloc", "addr": 4096, "size": 512}]],
+        "segments": [{"address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [
+            {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})
+
+
 class _Evil:
     def __reduce__(self):
         import os
@@ -309,17 +318,11 @@ CASES: list[Case] = [
     # never allocated fits the state at record start (a segment holds it): that alone is not truncation
     Case("truncated-snapshot", "silent wrong results", "a wrapped (truncated) CUDA snapshot explained as complete",
          ("explain", "--trace", "{tmp}/s.pickle", "--budget", "1MiB"),
-         {"s.pickle": lambda: pickle.dumps({"max_entries": 2, "device_traces": [[
-             {"action": "free_completed", "addr": 8192, "size": 1024}, {"action": "alloc", "addr": 4096, "size": 512}]],
-             "segments": [{"address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [
-                 {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})},
+         {"s.pickle": _wrapped_snapshot},
          code=0, says=("truncated", "max_entries", "lower bound")),
     Case("truncated-snapshot-validate", "silent wrong results", "a wrapped (truncated) CUDA snapshot given to validate",
          ("validate", "--trace", "{tmp}/s.pickle", "--preset", "tiny"),
-         {"s.pickle": lambda: pickle.dumps({"max_entries": 2, "device_traces": [[
-             {"action": "free_completed", "addr": 8192, "size": 1024}, {"action": "alloc", "addr": 4096, "size": 512}]],
-             "segments": [{"address": 0, "total_size": 2 << 20, "segment_type": "small", "blocks": [
-                 {"address": 4096, "size": 512, "requested_size": 512, "state": "active_allocated"}]}]})},
+         {"s.pickle": _wrapped_snapshot},
          says=("truncated", "max_entries", "whole run")),
     Case("max-batch-cap", "silent wrong results", "max-batch gave its search cap (1,048,576) as the answer",
          ("max-batch", "--preset", "tiny", "--budget", "1000TiB", "--steps", "1"), code=0,
