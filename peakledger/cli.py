@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 
-from . import cmd_calibrate, cmd_explain, cmd_simulate, cmd_validate
+from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_simulate, cmd_validate, cmd_where
 from .inputs import check_common
 from .models.trace.boundary import time_limit
 from .simulator.files import InputError, digits_message, too_many_digits
@@ -39,7 +39,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"peakledger: error: {message} (see {self.prog} --help)\n")
 
 
-COMMANDS = (cmd_simulate, cmd_validate, cmd_explain, cmd_calibrate)  # each: register(subparsers)
+COMMANDS = (cmd_simulate, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate)  # each: register(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:
