@@ -43,7 +43,7 @@ from .analysis.calibrate import (
 )
 from .analysis.units import format_bytes, parse_bytes
 from .cli_common import _add_scenario_flags
-from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_FLAGS, scenario_from_args
+from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_KNOBS, scenario_from_args
 from .models.config import TrainingSetup
 from .simulator.files import InputError, check_outputs, read_input, read_text, write_atomic
 from .traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, parse_snapshot, safe_loads
@@ -54,7 +54,7 @@ _MODEL_TYPES = dict(MODEL_FLAG_TYPES)
 _SETUP_DEFAULTS = {f.name: f.default for f in fields(TrainingSetup)}
 # field (as a CSV column / case key) -> where scenario_from_args reads it on the namespace
 FIELD_DESTS = {**{n: n for n in ("scenario", *MODEL_SOURCES, "describer", "device", "headroom")},
-               **{n: f"model_{n}" for n in _MODEL_TYPES}, **{n: n for n in TRAINING_FLAGS}, "frozen": "freeze"}
+               **{n: f"model_{n}" for n in _MODEL_TYPES}, **{n: n for n in TRAINING_KNOBS}}
 ALLOWED = sorted(FIELD_DESTS) + list(MEASURED)
 
 

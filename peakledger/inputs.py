@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
-from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
+from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes, setup_knobs
 from .models.trace.model import TracedModel, from_module_spec
 from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
@@ -30,16 +30,7 @@ MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_hea
                     ("head_dim", int), ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
                     ("attention", str), ("experts_implementation", str)]
 MODEL_FLAGS = [name for name, _ in MODEL_FLAG_TYPES]
-DP_INT_FLAGS = ["forward_prefetch", "backward_prefetch", "ddp_bucket_cap_mb", "reduce_bucket_size",
-                "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                "stage3_param_persistence_threshold"]
-TRAINING_FLAGS = ["micro_batch", "seq_len", "grad_accum", "steps", "precision", "optimizer", "optimizer_impl",
-                  "world_size", "zero_stage", "checkpointing", "dp_engine", "reshard_after_forward", "reduce_dtype",
-                  "checkpoint_every", "save_mode", "load_mode", "build", "checkpoint_every_k", "checkpoint_layers",
-                  "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step",
-                  "fp32_grads", "set_to_none", "lora_r", "lora_alpha", "lora_dropout", "lora_targets",
-                  "quantize", "moe_routing", "passes", "pp", "pp_schedule", "virtual_stages", "tp", "cp", "ep",
-                  "sequence_parallel"] + DP_INT_FLAGS
+TRAINING_KNOBS = {k.name: k for k in setup_knobs(TrainingSetup) if k.knob.cli != "none"}  # with a flag each
 RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version", "simulator"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
 MODEL_SOURCES = ["preset", "hf_config", "module"]
@@ -52,9 +43,8 @@ def flag(name: str) -> str:
 def given_flags(args) -> dict[str, dict]:
     """What the user set on the command line: {"model": ..., "training": ..., "run": ...} (never defaults)."""
     model = {n: getattr(args, f"model_{n}") for n in MODEL_FLAGS if getattr(args, f"model_{n}", None) is not None}
-    training = {n: getattr(args, n) for n in TRAINING_FLAGS if getattr(args, n, None) is not None}
-    if getattr(args, "freeze", None):
-        training["frozen"] = tuple(args.freeze)
+    training = {n: getattr(args, n) for n in TRAINING_KNOBS if getattr(args, n, None) is not None}
+    training.update({n: tuple(v) for n, v in training.items() if isinstance(v, list)})  # (a repeated flag's)
     run = {n: getattr(args, n) for n in RUN_FLAGS if getattr(args, n, None) is not None}
     return {"model": model, "training": training, "run": run}
 
@@ -62,9 +52,8 @@ def given_flags(args) -> dict[str, dict]:
 def scenario_flags_given(args) -> list[str]:
     """The scenario flags set on the command line, as the user typed them."""
     given = given_flags(args)
-    names = [n for n in SOURCE_FLAGS if getattr(args, n, None)] + list(given["model"]) + \
-        [n if n != "frozen" else "freeze" for n in given["training"]] + list(given["run"])
-    return [flag(n) for n in names]
+    return [flag(n) for n in SOURCE_FLAGS if getattr(args, n, None)] + [flag(n) for n in given["model"]] + \
+        [TRAINING_KNOBS[n].flag for n in given["training"]] + [flag(n) for n in given["run"]]
 
 
 def scenario_from_args(args, defaults: dict | None = None) -> Scenario:

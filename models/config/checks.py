@@ -1,0 +1,321 @@
+"""The checks of a `TrainingSetup`, one function per section (models/config/knobs.py), run in one order by
+`check_setup`; what each knob may be (the CHOICES tuples); and which knobs a setup reads (`check_given_knobs`:
+a knob the user set that this setup never reads is refused, not ignored)."""
+
+from __future__ import annotations
+
+from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
+from ..dp_engines import knob_rules as engine_knob_rules
+from ..precision import PRECISIONS
+from .base import INT64_MAX, ConfigError, _at_most, _choice, _positive_int
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
+OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
+# "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
+# optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
+PASSES = ("train", "forward")
+CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
+DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
+SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
+LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
+# how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
+# allocated once in its training dtype (from_pretrained(..., torch_dtype=...), or a model moved from the CPU);
+# "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
+# where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
+BUILDS = ("direct", "device-fp32")
+OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
+OFFLOAD_FIRST_STEPS = ("whole", "chunked")
+# pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
+# ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+# fsdp2's MixedPrecisionPolicy.reduce_dtype: "grad" = torch's None (the gradients' own dtype, the param_dtype)
+REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
+QUANTIZE = ("none", "nf4")  # models/lora.py
+
+
+def _checkpoint_layers(setup) -> None:
+    """`checkpoint_layers`: distinct layer indices >= 0, given only with checkpointing "layers"."""
+    layers = setup.checkpoint_layers
+    if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+        raise ConfigError("checkpoint_layers", f"must be a list of layer indices >= 0, got {layers!r}")
+    if len(set(layers)) != len(layers):
+        raise ConfigError("checkpoint_layers", f"lists a layer twice: {layers!r}")
+    if layers and setup.checkpointing != "layers":
+        raise ConfigError("checkpoint_layers", f"only applies to checkpointing \"layers\", not {setup.checkpointing!r}")
+
+
+def _checkpoint_io_fields(setup) -> None:
+    """`checkpoint_every` >= 0, `save_mode` / `load_mode` known; a full state dict needs an engine whose
+    gather is modelled (not ZeroRedundancyOptimizer's consolidate_state_dict)."""
+    every = setup.checkpoint_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError("checkpoint_every", f"must be an integer >= 0 (0 = never save), got {every!r}")
+    _choice(setup, "save_mode", SAVE_MODES)
+    _choice(setup, "load_mode", LOAD_MODES)
+    if setup.save_mode.startswith("full-") and setup.dp_engine == "zero-redundancy-optimizer":
+        raise ConfigError("save_mode", f"{setup.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
+                                       "is not modelled; allowed there: torch-save, sharded, async")
+
+
+def _optimizer_offload_fields(setup) -> None:
+    """`optimizer_offload` and its knobs (models/optimizers.py): a mode this describer models, on an
+    optimizer with tensor states, under an engine that leaves the torch optimizer's states alone."""
+    _choice(setup, "optimizer_offload", OPTIMIZER_OFFLOADS)
+    _choice(setup, "offload_first_step", OFFLOAD_FIRST_STEPS)
+    _positive_int(setup, "offload_chunk_params")
+    prefetch = setup.offload_prefetch
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ConfigError("offload_prefetch", f"must be an integer >= 0, got {prefetch!r}")
+    mode = setup.optimizer_offload
+    if setup.offload_first_step != "whole" and mode != "chunked":
+        raise ConfigError("offload_first_step", f"{setup.offload_first_step!r} only applies to optimizer_offload "
+                                                f"\"chunked\", not {mode!r}")
+    if mode == "none":
+        return
+    if setup.optimizer == "sgd":
+        raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
+                                               "sgd-momentum, adam, adamw, amsgrad")
+    if setup.optimizer == "adam-8bit":
+        raise ConfigError("optimizer_offload", "bitsandbytes' 8-bit states (its paged optimizers) are not modelled "
+                                               "for offload; allowed with: sgd-momentum, adam, adamw, amsgrad")
+    if setup.dp_engine == "deepspeed" and (setup.world_size > 1 or setup.zero_stage):
+        raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
+                                               "the step runs on the CPU), not modelled; allowed with one device, "
+                                               "fsdp2, ddp or zero-redundancy-optimizer")
+    if setup.load_mode != "none":
+        raise ConfigError("load_mode", f"{setup.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
+                                       "moved to the host) is not modelled; allowed there: none")
+    if setup.save_mode.startswith("full-") and setup.world_size > 1:
+        raise ConfigError("save_mode", f"{setup.save_mode!r} gathers sharded states on the device; with host-resident "
+                                       "offloaded states that is not modelled; allowed there: torch-save, sharded, "
+                                       "async")
+
+
+
+
+def _lora_fields(setup) -> None:
+    """LoRA knobs (models/lora.py): rank >= 0, alpha > 0, dropout in [0, 1), quantize known; nf4 needs adapters
+    (transformers' Trainer refuses to fine-tune a purely quantized model); one device only."""
+    r = setup.lora_r
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r > INT64_MAX:
+        raise ConfigError("lora_r", f"must be an integer >= 0 (0 = no LoRA), got {r!r}")
+    alpha, p = setup.lora_alpha, setup.lora_dropout
+    if not 0 < alpha < float("inf"):
+        raise ConfigError("lora_alpha", f"must be a finite number > 0 (scaling = lora_alpha / lora_r), got {alpha!r}")
+    if not 0 <= p < 1:
+        raise ConfigError("lora_dropout", f"must be a number in [0, 1), got {p!r}")
+    if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
+        raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
+    _choice(setup, "quantize", QUANTIZE)
+    if setup.quantize != "none" and r == 0:
+        raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
+                                      "give lora_r > 0 (QLoRA), or quantize none")
+    if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
+        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 "
+                                      f"(Linear4bit's compute "
+                                      f"dtype), not {setup.precision!r}; allowed: fp32, bf16")
+    if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
+        raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
+                                    "world_size 1, zero_stage 0, dp_engine left out")
+    if r and setup.checkpointing in ("offload", "op-policy"):  # what they keep of frozen / 4-bit linears: unmodelled
+        raise ConfigError("checkpointing", f"{setup.checkpointing!r} with LoRA is not modelled; allowed with it: none, "
+                                           "full, every-k, selective, sqrt, layers")
+    if r and setup.optimizer_offload != "none":
+        raise ConfigError("lora_r", "LoRA with optimizer_offload is not modelled; allowed with it: optimizer_offload "
+                                    "none")
+
+
+def _build_field(setup) -> None:
+    """`build` (BUILDS): "device-fp32" is the program of one device, or of FSDP2 ranks, that builds the model on its
+    GPU; what model parallelism, DeepSpeed's or DDP's wrapping, the fp32 master copies of a mixed precision outside
+    FSDP2, 4-bit base weights or a model built on the meta device (meta-assign) would do to it is not modelled."""
+    _choice(setup, "build", BUILDS)
+    if setup.build == "direct":
+        return
+    if setup.tp * setup.pp * setup.cp * setup.ep > 1:
+        what, needs = f"tp {setup.tp}, pp {setup.pp}, cp {setup.cp}, ep {setup.ep}", "tp, pp, cp and ep 1"
+    elif setup.dp_engine != "fsdp2" and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
+        what = f"dp_engine {setup.dp_engine}, world_size {setup.world_size}, zero_stage {setup.zero_stage}"
+        needs = "one device (dp_engine and zero_stage left out) or dp_engine fsdp2"
+    elif setup.master_dtype and setup.dp_engine != "fsdp2":
+        what, needs = (f"precision {setup.precision} outside fsdp2",
+                       "precision fp32, bf16 or *-autocast, or dp_engine fsdp2")
+    elif setup.quantize != "none":
+        what, needs = f"quantize {setup.quantize}", "quantize none"
+    elif setup.load_mode == "meta-assign":
+        what, needs = "load_mode meta-assign (a model built on the meta device)", "load_mode none, full-then-device " \
+                                                                                  "or map-to-device"
+    else:
+        return
+    raise ConfigError("build", f"{setup.build!r} is not modelled with {what} (it needs {needs}); allowed here: "
+                               f"{BUILDS[0]}")
+
+
+def _model_parallel_fields(setup) -> None:
+    """The model-parallel degrees: positive, dividing world_size (= dp x tp x pp x cp), ep borrowed from dp x cp
+    as torchtitan's ParallelDims._validate takes it (ep % cp == 0 and (dp x cp) % ep == 0, its etp = tp case);
+    the schedule's own micro-batch rules, as torch.distributed.pipelining checks them; and what pipeline
+    parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
+    needing experts) is checked when the model is described (models/parallel/checks.py `check_model_parallel`),
+    and so are the combinations of tp, cp, ep and sequence_parallel not simulated yet."""
+    _positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
+    _at_most(setup, "pp", "virtual_stages")
+    _choice(setup, "pp_schedule", PP_SCHEDULES)
+    n = setup.world_size
+    for name in ("tp", "pp", "cp", "ep"):
+        degree = getattr(setup, name)
+        if n % degree:
+            raise ConfigError(name, f"{name}={degree} does not divide world_size={n} (world_size = dp x tp x pp x cp): "
+                                    f"give a world_size that is a multiple of {degree}")
+    model_parallel = setup.tp * setup.pp * setup.cp
+    if n % model_parallel:
+        raise ConfigError("world_size", f"world_size={n} is not a multiple of tp x pp x cp = {setup.tp} x {setup.pp} x "
+                                        f"{setup.cp} = {model_parallel} (world_size = dp x tp x pp x cp)")
+    dp = n // model_parallel
+    if setup.ep > 1 and (setup.ep % setup.cp or (dp * setup.cp) % setup.ep):
+        raise ConfigError("ep", f"ep={setup.ep} takes its ranks from dp x cp = {dp} x {setup.cp} (torchtitan "
+                                "ParallelDims): ep must be a multiple of cp and divide dp x cp")
+    if setup.sequence_parallel and setup.tp == 1:
+        raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel "
+                                               "ranks: it needs tp > 1")
+    _pipeline_schedule(setup)
+
+
+def _pipeline_schedule(setup) -> None:
+    """Stages per rank and micro-batches per step for `pp_schedule`, as torch/distributed/pipelining/schedules.py
+    refuses them (torch 2.13): ScheduleGPipe and Schedule1F1B are single-stage schedules (one stage per rank);
+    Schedule1F1B.__init__ raises when n_microbatches < the number of stages; ScheduleInterleaved1F1B.__init__
+    when n_microbatches % number_of_rounds != 0, number_of_rounds = max(1, n_microbatches // pp_group_size) (a
+    multi-stage schedule: torchtitan's pipeline_llm asks for >= 2 stages per rank); ScheduleZBVZeroBubble.__init__
+    when a rank does not hold exactly 2 stages. grad_accum is the number of micro-batches (n_microbatches)."""
+    schedule, v, pp, m = setup.pp_schedule, setup.virtual_stages, setup.pp, setup.grad_accum
+    if schedule in ("gpipe", "1f1b") and v != 1:
+        raise ConfigError("virtual_stages", f"{schedule} runs one stage per rank (a single-stage schedule), got "
+                                            f"virtual_stages={v}; allowed: 1, or pp_schedule interleaved-1f1b / zbv")
+    if schedule == "interleaved-1f1b" and v < 2:
+        raise ConfigError("virtual_stages", f"interleaved-1f1b runs several stages per rank: virtual_stages must be "
+                                            f">= 2, got {v}")
+    if schedule == "zbv" and v != 2:
+        raise ConfigError("virtual_stages", f"zbv runs exactly 2 stages per rank (a V: stages r and 2 x pp - 1 - r), "
+                                            f"got virtual_stages={v}")
+    if pp == 1:
+        return
+    if schedule == "1f1b" and m < pp:
+        raise ConfigError("grad_accum", f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B): "
+                                        f"grad_accum={m} < pp={pp}; give grad_accum >= {pp}")
+    rounds = max(1, m // pp)
+    if schedule == "interleaved-1f1b" and m % rounds:
+        raise ConfigError("grad_accum", f"interleaved-1f1b runs the micro-batches in rounds of pp: number_of_rounds = "
+                                        f"max(1, {m} // {pp}) = {rounds} must divide grad_accum={m} (torch's "
+                                        f"ScheduleInterleaved1F1B); allowed e.g. {', '.join(map(str, _rounds_ok(pp)))}")
+
+
+def _rounds_ok(pp: int) -> list[int]:
+    """The first few micro-batch counts ScheduleInterleaved1F1B accepts on `pp` ranks."""
+    return [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0][:6]
+
+
+# A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what);
+# a data-parallel engine's own knobs are declared with the engine (models/dp_engines.py).
+# Which engine reads which knob: models/dp_engines.py; offload: models/offload.py.
+KNOB_APPLIES = {
+    "checkpoint_every_k": (lambda s: s.checkpointing == "every-k", "checkpointing every-k"),
+    "checkpoint_every": (lambda s: s.checkpoint_every <= s.steps,
+                         "checkpoint_every <= steps (a save within the steps simulated; raise --steps)"),
+    "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
+    "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "lora_alpha": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
+    "frozen": (lambda s: s.lora_r == 0, "lora_r 0 (LoRA freezes the whole base model itself)"),
+    "pp_schedule": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
+    "virtual_stages": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
+}
+
+
+def check_given_knobs(setup, given) -> None:
+    """Each field in `given` (the ones the user set) must be read by this setup: ConfigError naming the first
+    that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
+    rules = {**engine_knob_rules(), **KNOB_APPLIES}  # an engine's own knobs: models/dp_engines.py
+    for name in sorted(given):
+        rule = rules.get(name)
+        if rule is not None and not rule[0](setup):
+            raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
+                                    f"{setup.dp_engine}, zero_stage {setup.zero_stage}, checkpointing "
+                                    f"{setup.checkpointing}, optimizer_offload {setup.optimizer_offload}, "
+                                    f"checkpoint_every {setup.checkpoint_every}): drop it or change what it needs")
+
+
+def _batch(setup) -> None:
+    _positive_int(setup, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
+    _at_most(setup, "grad_accum", "world_size")
+
+
+def _precision_optimizer(setup) -> None:
+    _choice(setup, "precision", PRECISIONS)
+    _choice(setup, "optimizer", OPTIMIZERS)
+    _choice(setup, "optimizer_impl", OPTIMIZER_IMPLS)
+
+
+def _activation_checkpointing(setup) -> None:
+    _choice(setup, "checkpointing", CHECKPOINTING)
+    _positive_int(setup, "checkpoint_every_k")
+    _checkpoint_layers(setup)
+
+
+def _data_parallel(setup) -> None:
+    """The engine (models/dp_engines.py) and its knobs; ZeRO stages are DeepSpeed's."""
+    if setup.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_stage", f"unknown value {setup.zero_stage!r}; allowed: 0, 1, 2, 3")
+    _choice(setup, "dp_engine", tuple(DP_ENGINE_REGISTRY))
+    if setup.zero_stage and setup.dp_engine != "deepspeed":
+        raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {setup.dp_engine} "
+                                        "shards by itself: fsdp2 = parameters, gradients and states "
+                                        "(reshard_after_forward false: like stage 2), "
+                                        "zero-redundancy-optimizer = states (like stage 1), ddp = none")
+    _positive_int(setup, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
+                  "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
+    for name in ("forward_prefetch", "backward_prefetch", "stage3_param_persistence_threshold"):
+        value = getattr(setup, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+    _choice(setup, "reduce_dtype", REDUCE_DTYPES)
+    if not isinstance(setup.reshard_after_forward, bool):
+        raise ConfigError("reshard_after_forward", f"must be true or false, got {setup.reshard_after_forward!r}")
+
+
+def _fp32_grads(setup) -> None:
+    if setup.fp32_grads and not setup.prec.mixed:
+        raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
+
+
+def _moe(setup) -> None:
+    routing = setup.moe_routing
+    if routing is not None and not (routing in ("balanced", "worst") or routing.startswith("counts:") and routing[7:]):
+        raise ConfigError("moe_routing", f"unknown value {routing!r}; allowed: balanced, worst, "
+                                         "counts:PATH (a peakledger-moe-counts JSON file)")
+
+
+def _passes(setup) -> None:
+    _choice(setup, "passes", PASSES)
+    if setup.passes == "forward":
+        for name, ok, allowed in (("world_size", setup.world_size == 1, "1"),
+                                  ("grad_accum", setup.grad_accum == 1, "1"),
+                                  ("checkpoint_every", setup.checkpoint_every == 0, "0"),
+                                  ("optimizer_offload", setup.optimizer_offload == "none", "none")):
+            if not ok:
+                raise ConfigError(name, f"passes \"forward\" runs forward passes on one device without an "
+                                        f"optimizer: {name} must be {allowed}")
+
+
+# One order, so the first problem named is always the same: each section's own values, then what combines them.
+SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
+                  _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
+                  _build_field, _passes)
+
+
+def check_setup(setup) -> None:
+    """Every check of `setup` (types are checked before, by models/fields.py), in SECTION_CHECKS order."""
+    for check in SECTION_CHECKS:
+        check(setup)
