@@ -63,7 +63,7 @@ class GraphBuilder:
         self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
-        self.replay_plans: dict = {}  # models/autograd.py: each tape's replay plan, made once for this rank
+        self.replay_plans: dict = {}  # models/replay_plan.py: each tape's replay plan, made once for this rank
         self.replay_templates: dict = {}  # models/replay_template.py: each plan's recorded passes
         # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
         self._flop_rate = device.flops.get(setup.compute_dtype, device.flops["fp32"]) * device.flops_efficiency
@@ -83,7 +83,7 @@ class GraphBuilder:
            duration: float | None = None, after=(), gemm: str | None = "cublas", pool: Stream | None = None) -> Op:
         """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
         its FLOPs run through on CUDA, "cublas", or "cublaslt" (models/gpu.py `gemm_takes_cublaslt`); None when its
-        kernel never runs although its time is counted (a recompute that stops before it, models/autograd.py)."""
+        kernel never runs although its time is counted (a recompute stopping before it: replay_checkpoint.py)."""
         if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.compute_dtype), inline
             duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
         if self._cuda and flops and gemm and stream is Stream.COMPUTE and (phase is Phase.FORWARD

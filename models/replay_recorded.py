@@ -1,6 +1,6 @@
 """The backward of a traced tape: the nodes the real autograd engine ran (`Tape.backward`), replayed in order.
 
-A hand-written tape's backward is derived op by op (autograd.py `MicroBatchReplay._run_backward`). A traced
+A hand-written tape's backward is derived op by op (replay_backward.py `DerivedBackward._run_backward`). A traced
 tape (models/trace) carries what the engine really did, node by node: each `GradNode`'s steps allocate the
 tensors it made and free those it dropped, in that order. Everything that is not the model's own goes
 through the same replay as before: a checkpoint region is recomputed right before its first node runs (and
