@@ -24,6 +24,7 @@ from .device import context_of, device_json, device_lines, gpu_memory
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
+from .phases import PhasePeak, phase_lines, phase_peaks
 from .units import format_bytes
 
 REPORT_VERSION = 2
@@ -56,6 +57,7 @@ class Report:
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
     gpu: DeviceMemory | None = None  # the same rank through the caching allocator, on a CUDA device profile
+    phases: list[PhasePeak] = field(default_factory=list)  # the peak of each phase of each simulated step
 
     @property
     def capacity_needed(self) -> int:
@@ -149,9 +151,9 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events))
-    gpu = gpu_memory(log, rank, events=events) if pool is Pool.DEVICE else None
+    gpu = gpu_memory(log, rank, events=events, series=True) if pool is Pool.DEVICE else None
     return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host,
-                  gpu=gpu)
+                  gpu=gpu, phases=phase_peaks(tl, gpu))
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
@@ -202,6 +204,7 @@ def report_json(r: Report) -> dict:
         "capacity_needed": r.capacity_needed,
         **device_json(r.gpu, context_of(r.log)),
         "ledger": [row.as_json() for row in r.ledger],
+        "phases": [p.as_json() for p in r.phases],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.peak) if r.host else None,
         "steps": plan.steps,
@@ -385,6 +388,10 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                          f"{_stages(r.metadata, rp.rank)}")
     if r.gpu is not None:
         lines += [""] + device_lines(r.gpu, unit, context_of(r.log))
+    if r.phases:
+        lines += [""] + phase_lines(r.phases, unit, md.get("device_capacity"))
+        if run_plan(r.log).truncated:
+            lines.append(f"  ({run_plan(r.log).summary()})")
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
     lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"

@@ -1,4 +1,4 @@
-"""Byte counts for people: parse budgets ("80GiB", "80GB", "85899345920") and print sizes.
+"""Byte counts for people: parse budgets ("80GiB", "24G", "80GB", "85899345920") and print sizes.
 
 Inside, bytes are exact Python ints. Outside, every size says its unit: GiB (2^30) or GB (10^9),
 with significant digits that do not fake precision (4 by default).
@@ -12,11 +12,16 @@ from ..models.config import ConfigError
 
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# the short forms people type (docker's --memory 24g, `free -g`, PyTorch's max_split_size_mb docs): binary
+SHORT_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+PLAIN_BYTES_MIN = 1 << 20  # a number without a unit below 1 MiB is a forgotten unit ("--budget 80"), not bytes
 _BUDGET = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def parse_bytes(text: str | int, field: str = "budget") -> int:
-    """'80GiB' -> 85899345920, '80GB' -> 80000000000, '123' -> 123. Fractions round down to whole bytes."""
+    """'80GiB' and '80G' -> 85899345920, '80GB' -> 80000000000, '123B' -> 123. Fractions round down to whole
+    bytes. A number without a unit is read as bytes only from PLAIN_BYTES_MIN up (a byte count copied from a
+    tool); '80' is refused as a forgotten unit, so it never becomes an 80-byte budget."""
     if isinstance(text, bool):
         raise ConfigError(field, f"expected a size like 80GiB, 80GB or plain bytes, got {text!r}")
     if isinstance(text, int):
@@ -24,13 +29,16 @@ def parse_bytes(text: str | int, field: str = "budget") -> int:
             raise ConfigError(field, f"must not be negative, got {text}")
         return text
     m = _BUDGET.match(str(text))
-    units = {u.lower(): v for u, v in UNITS.items()}
+    units = {**{u.lower(): v for u, v in SHORT_UNITS.items()}, **{u.lower(): v for u, v in UNITS.items()}}
     if not m or m.group(2).lower() not in units and m.group(2) != "":
-        raise ConfigError(field, f"cannot read {text!r}; use a number with a unit ({', '.join(UNITS)}), "
-                                 "e.g. 80GiB, 80GB, or plain bytes")
+        raise ConfigError(field, f"cannot read {text!r}; use a number with a unit ({', '.join(UNITS)}; G = GiB), "
+                                 "e.g. 80GiB, 24G, 80GB, or bytes with B")
     number, unit = m.group(1), m.group(2)
     if len(number) > 400:  # (no budget has 400 digits; int() refuses past 4,300 and is slow before)
         raise ConfigError(field, f"{len(number):,} digits is not a size any device has; use a unit, e.g. 80GiB")
+    if not unit and int(number.partition(".")[0]) < PLAIN_BYTES_MIN:
+        raise ConfigError(field, f"{text!r} has no unit: {number} bytes is not a memory size; give a unit, e.g. "
+                                 f"{number}GiB, {number}G or {number}GB (or {number}B if you mean bytes)")
     scale = units[unit.lower()] if unit else 1
     whole, _, frac = number.partition(".")
     value = int(whole) * scale + (int(frac) * scale) // 10 ** len(frac) if frac else int(whole) * scale

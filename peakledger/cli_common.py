@@ -8,10 +8,10 @@ import argparse
 import json
 import sys
 
-from .analysis.units import parse_bytes
+from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
 from .models.config import SECTIONS, ConfigError, TrainingSetup, setup_knobs
-from .models.costs import DEVICES
+from .models.costs import DEVICES, device_profile
 from .models.presets import PRESETS
 from .scenario import parse_value
 
@@ -85,6 +85,29 @@ def _budget(args, name: str = "budget") -> int | None:
     """A size flag as bytes (None when not given; an empty value is an error, never "no budget")."""
     value = getattr(args, name, None)
     return None if value is None else parse_bytes(value, name)
+
+
+def budget_of(args, scenario, name: str = "budget") -> int | None:
+    """The budget a command checks against: --budget, or else the device profile's memory (a GPU profile is a
+    card of that size); None when neither says one (the cpu profile without --budget)."""
+    given = _budget(args, name)
+    if given is not None:
+        return given
+    profile = device_profile(scenario.device)
+    return None if profile.is_cpu else profile.memory_bytes
+
+
+def add_check_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--check", action="store_true",
+                   help="a fit check for scripts: exit 1 when the run does not fit the budget (--budget, or else the "
+                        "--device profile's memory), 0 when it fits; the last line says which")
+
+
+def check_line(fits: bool, need: int, budget: int, unit: str) -> str:
+    """The last line of a --check: FITS with the margin, or DOES NOT FIT with how far over."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    return (f"fit check: FITS ({f(need)} of {f(budget)}, margin {f(budget - need)})" if fits else
+            f"fit check: DOES NOT FIT ({f(need)} needed of {f(budget)}: over by {f(need - budget)})")
 
 
 def _parse_case(text: str) -> tuple[str, dict]:

@@ -6,38 +6,55 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from . import api
+from . import diagnosis
 from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
+from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
-from .cli_common import _add_scenario_flags, _budget, _write_json
+from .cli_common import _add_scenario_flags, _budget, _write_json, add_check_flag, budget_of, check_line
 from .inputs import scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
 from .traces.store import load_trace
 
 
 def cmd_explain(args) -> int:
-    budget = _budget(args)
     host_budget = _budget(args, "host_budget")
     u = args.unit
     if args.trace:
+        budget = _budget(args)
+        if budget is None:
+            raise ConfigError("budget", "explain --trace needs --budget: the device the trace is held against")
         return _explain_trace(args, budget, host_budget)
     scenario = scenario_from_args(args)
-    x = api.explain(scenario, budget, host_budget)
+    budget = budget_of(args, scenario)
+    if budget is None:
+        raise ConfigError("budget", "explain needs a budget: give --budget (e.g. 24GiB) or a GPU --device, whose "
+                                    "memory is the budget")
+    x = diagnosis.explain(scenario, budget, host_budget)
     setup = dataclasses.asdict(scenario.setup)
+    status = 1 if args.check and not x.fits else 0
     if args.json:
         _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
-                     "capacity_needed": x.capacity_needed, "step_time_s": x.step_time,
+                     "capacity_needed": x.capacity_needed, "fits": x.fits, "step_time_s": x.step_time,
+                     "where": x.where, "first_step": x.first_step,
+                     "phases": [p.as_json() for p in x.phases], "risks": x.risks,
                      "moment": moment_json(x.moment, setup),
                      "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
+                     "fixes_tried": x.tried,
                      "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in fx.changes.items()},
                                 "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
                                 "step_time_s": fx.step_time, "changes_training": fx.changes_training,
                                 "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x)})
-        return 0
+        return status
     f = lambda n: format_bytes(n, u)  # noqa: E731
-    print(f"{x.scenario}: peak {f(x.peak)} (capacity needed {f(x.capacity_needed)}) against a budget of {f(budget)}")
+    verdict = "fits" if x.fits else "DOES NOT FIT"
+    print(f"{x.scenario}: {verdict} a budget of {f(budget)}: peak {f(x.peak)}, capacity needed "
+          f"{f(x.capacity_needed)}")
+    print(f"{'where it runs out' if not x.fits else 'its highest moment'}: {x.where}")
+    if x.first_step:
+        print("what the first step (or save) does there:")
+        print("\n".join(f"  - {line}" for line in x.first_step))
     print("\n".join(render_moment(x.moment, u, setup)))
     print("\n".join(_explain_gpu_lines(x, u)))
     if x.host_moment is not None:
@@ -46,13 +63,25 @@ def cmd_explain(args) -> int:
         print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
               "host staging), so it always fits")
     print("")
-    print(f"fixes, each re-simulated (step time {x.step_time * 1e3:.4g} ms now; fitting first, then by cost):")
-    print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
-    for fx in x.fixes:
-        ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
-        cost = fx.note + ("; changes the training" if fx.changes_training else "")
-        print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
-    return 0
+    print("\n".join(phase_lines(x.phases, u, budget)))
+    print("")
+    if x.risks:
+        print("it fits; what commonly makes a real first step worse than this simulation assumed:")
+        print("\n".join(f"  - {line}" for line in x.risks))
+        print("")
+    if not x.fixes:
+        print(f"fixes: none of the {x.tried} re-simulated lowers the peak")
+    else:
+        print(f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
+              f"{x.step_time * 1e3:.4g} ms now; fitting first, then same GPUs, training unchanged, faster):")
+        print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
+        for fx in x.fixes:
+            ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
+            cost = fx.note + ("; changes the training" if fx.changes_training else "")
+            print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+    if args.check:
+        print(check_line(x.fits, x.capacity_needed, budget, u))
+    return status
 
 
 def _explain_gpu_json(x) -> dict | None:
@@ -103,9 +132,9 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     trace = load_trace(args.trace)
     log = trace.log
     if trace.reserved is None:
-        moment, reserved = api.explain_trace(log, budget), None
+        moment, reserved = diagnosis.explain_trace(log, budget), None
     else:
-        moment, reserved = api.explain_trace(log, budget, trace.reserved)
+        moment, reserved = diagnosis.explain_trace(log, budget, trace.reserved)
     # the other view at each moment (a snapshot numbers both views' events together)
     at_reserved = live_at_moment(log, reserved) if reserved else None
     at_moment = live_at_moment(trace.reserved, moment) if reserved else None
@@ -170,10 +199,12 @@ def register(sub) -> None:
     """Add explain and replay to the `peakledger` parser's sub-commands."""
     x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
     _add_scenario_flags(x)
-    x.add_argument("--budget", required=True, help="device memory per rank: 24GiB, 24GB or bytes")
+    x.add_argument("--budget", help="device memory per rank: 24GiB, 24G, 24GB (default: the --device profile's "
+                   "memory)")
     x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")
     x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
     x.add_argument("--json", action="store_true")
+    add_check_flag(x)
     x.set_defaults(func=cmd_explain)
     r = sub.add_parser("replay", help="replay a CUDA snapshot's requests through the caching-allocator model and "
                                       "compare with what the real allocator did")

@@ -63,13 +63,13 @@ def test_what_cp_is_not_simulated_with_names_the_field(model, fields, device, fi
 
 
 def test_explain_offers_context_parallelism_saying_it_takes_more_gpus():
-    from peakledger import api
+    from peakledger import api, diagnosis
     from peakledger.scenario import build_scenario
 
     sc = build_scenario({"preset": "tiny-llama"}, {"precision": "fp32", "micro_batch": 8, "seq_len": 64},
                         {"device": "cpu"})
     peak = api.run(sc).peaks.peak.bytes
-    fixes = {f.name: f for f in api.explain(sc, peak - 1).fixes}
+    fixes = {f.name: f for f in diagnosis.explain(sc, peak - 1).fixes}
     cp = fixes["cp 1 -> 2 (1 -> 2 GPUs)"]
     assert cp.peak < peak and cp.more_gpus and "twice the GPUs" in cp.note
 

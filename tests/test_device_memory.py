@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from peakledger import api
+from peakledger import api, diagnosis
 from peakledger.cli import main
 from peakledger.models.config import TrainingSetup
 from peakledger.models.costs import DEVICES
@@ -113,7 +113,7 @@ def test_a_fragmentation_oom_is_named_and_expandable_segments_fixes_it():
     report = api.run(sc)
     assert report.gpu.context + report.peaks.peak.bytes < budget < report.capacity_needed
     assert not api.fits(report, budget)
-    x = api.explain(sc, budget)
+    x = diagnosis.explain(sc, budget)
     assert x.fragmentation and x.gpu_oom is not None and "CUDA out of memory" in x.gpu_oom.message
     first = x.fixes[0]
     assert first.changes == {"alloc_conf": "expandable_segments:True"} and first.fits and not first.changes_training

@@ -1,5 +1,8 @@
+import pytest
+
 from peakledger.analysis.maxbatch import max_fitting
 from peakledger.analysis.units import format_bytes, parse_bytes
+from peakledger.models.config import ConfigError
 
 
 def linear(fixed, per_sample):
@@ -33,7 +36,12 @@ def test_budget_strings():
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1.5GiB") == 3 * 2**29
-    assert parse_bytes("12345") == 12345
+    assert parse_bytes("12345B") == 12345 and parse_bytes("85899345920") == 80 * 2**30
+    assert parse_bytes("24G") == parse_bytes("24gi") == parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("24gb") == 24 * 10**9
+    for forgotten in ("80", "24", "1048575"):
+        with pytest.raises(ConfigError, match="no unit"):
+            parse_bytes(forgotten)
     assert format_bytes(80 * 2**30) == "80 GiB"
     assert format_bytes(80 * 10**9, "GB") == "80 GB"
     assert format_bytes(2**20, "GiB") == "1 MiB"

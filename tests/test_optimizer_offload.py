@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from peakledger import api, validation
+from peakledger import api, diagnosis, validation
 from peakledger.analysis.report import render_text
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.optimizers import offload_chunks
@@ -110,12 +110,12 @@ def test_explain_finds_the_first_step_oom_and_the_chunked_first_step_fixes_it():
     assert pk.first_step.bytes > pk.steady.bytes
     # between the two peaks, plus what the GPU holds besides the tensors at the peak (context, cached blocks)
     budget = (pk.first_step.bytes + pk.steady.bytes) // 2 + report.capacity_needed - pk.peak.bytes
-    x = api.explain(scenario, budget)
+    x = diagnosis.explain(scenario, budget)
     assert x.moment.failed and x.moment.event.step == 1 and x.moment.event.phase is Phase.OPTIMIZER
     fix = next(f for f in x.fixes if f.changes == {"offload_first_step": "chunked"})
     assert fix.fits and not fix.changes_training
     # the same budget without any offload (chunk size kept for the fix): the chunked offload is offered and fits
-    plain = api.explain(scenario.with_changes(optimizer_offload="none"), budget)
+    plain = diagnosis.explain(scenario.with_changes(optimizer_offload="none"), budget)
     assert any(f.fits and f.changes.get("optimizer_offload") == "chunked" for f in plain.fixes)
 
 

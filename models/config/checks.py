@@ -288,6 +288,12 @@ def _data_parallel(setup) -> None:
 def _fp32_grads(setup) -> None:
     if setup.fp32_grads and not setup.prec.mixed:
         raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
+    # FSDP2 has no unsharded fp32 gradient buffer: fp32 gradients are its MixedPrecisionPolicy(reduce_dtype=
+    # torch.float32), reduce-scattered into fp32 shards (torch/distributed/fsdp/_fully_shard/_fsdp_api.py)
+    if setup.fp32_grads and setup.dp_engine == "fsdp2":
+        raise ConfigError("fp32_grads", "fsdp2 keeps fp32 gradients as MixedPrecisionPolicy(reduce_dtype=fp32): "
+                                        "sharded fp32 gradients, not a full fp32 copy on every rank; give "
+                                        "--reduce-dtype fp32 instead of --fp32-grads")
 
 
 def _moe(setup) -> None:

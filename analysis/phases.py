@@ -1,0 +1,86 @@
+"""The peak of each phase of each step: load, a step's forward / backward / optimizer / zero_grad, a checkpoint
+save. Where `validate` pairs these with a real run's, `simulate` prints them on their own, so a user sees the
+first step's optimizer phase (its states created lazily) or a save's gathered copies against the steady state.
+
+On a CUDA profile each phase also has its reserved peak and device total (context + reserved + buffers outside
+the allocator), from the caching-allocator replay's series of the same rank's device events, in the same order
+as the timeline's (simulator/device_memory.py appends one point per event of that rank and pool).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..simulator.device_memory import DeviceMemory
+from ..simulator.events import Phase
+from ..simulator.timeline import Timeline
+from .units import format_bytes
+
+PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
+               Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save"}
+
+
+@dataclass(frozen=True)
+class PhasePeak:
+    step: int
+    phase: Phase
+    allocated: int  # the tensors' highest bytes within the phase
+    op: str  # the op that reached it
+    reserved: int | None  # the caching allocator's highest reserved bytes within the phase (CUDA profiles)
+    device_total: int | None  # reserved + context + outside the allocator, at that moment
+
+    @property
+    def label(self) -> str:
+        return f"{PHASE_WORDS[self.phase]}" if self.phase is Phase.LOAD else \
+            f"step {self.step} {PHASE_WORDS[self.phase]}"
+
+    def as_json(self) -> dict:
+        return {"step": self.step, "phase": self.phase.value, "allocated": self.allocated, "op": self.op,
+                "reserved": self.reserved, "device_total": self.device_total}
+
+
+def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak]:
+    """Each (step, phase) of the timeline in the order the run first enters it, with its peaks. `gpu`: the same
+    rank's allocator replay with its series (gpu_memory(..., series=True)); its reserved peaks are read only when
+    the series covers every event of the timeline (a replay that stopped at an OOM does not)."""
+    series = gpu.series if gpu is not None and len(gpu.series) == len(tl.events) else None
+    fixed = gpu.outside_total if gpu is not None else 0
+    best: dict[tuple[int, Phase], list] = {}  # key -> [allocated, op, reserved]
+    total = tl.total.tolist()
+    for i, e in enumerate(tl.events):
+        key = (e.step, e.phase)
+        row = best.get(key)
+        reserved = series[i][2] if series is not None else None
+        if row is None:
+            best[key] = [total[i], e.op, reserved]
+            continue
+        if total[i] > row[0]:
+            row[0], row[1] = total[i], e.op
+        if reserved is not None and reserved > row[2]:
+            row[2] = reserved
+    return [PhasePeak(step, phase, a, op, r, None if r is None else r + fixed)
+            for (step, phase), (a, op, r) in best.items()]
+
+
+def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> list[str]:
+    """The table `simulate` prints: one line per phase of each simulated step, with the margin to a budget."""
+    if not rows:
+        return []
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    gpu = rows[0].reserved is not None
+    head = f"  {'phase':<28}{'allocated':>14}" + (f"{'reserved':>14}{'device total':>14}" if gpu else "")
+    head += f"{'margin':>18}" if budget is not None else ""
+    lines = ["peak by phase (" + ("allocated / reserved / device total" if gpu else "allocated tensors")
+             + (f"; margin to the budget of {f(budget)}" if budget is not None else "") + "):", head + "  at"]
+    for r in rows:
+        need = r.device_total if gpu else r.allocated
+        line = f"  {r.label:<28}{f(r.allocated):>14}"
+        if gpu:
+            line += f"{f(r.reserved):>14}{f(r.device_total):>14}"
+        if budget is not None:
+            line += f"{f(budget - need):>18}" if need <= budget else f"{'over ' + f(need - budget):>18}"
+        lines.append(line + f"  {r.op}")
+    return lines
+
+
+__all__ = ["PhasePeak", "phase_peaks", "phase_lines", "PHASE_WORDS"]

@@ -1,0 +1,254 @@
+"""`explain` as the user's diagnosis: where the run runs out of memory (the phase: load, a step's forward /
+backward / optimizer step, a checkpoint save), what only the first step (or the first save) does there, and every
+fix that changes that memory, each re-simulated and ranked; when the run fits, the margin of each phase and the
+first-step risks this setup carries that a simulation cannot see.
+
+The moment comes from analysis/explain.py (the first allocation over the budget, or the caching allocator's OOM on
+a GPU profile), the phase peaks from analysis/phases.py, the candidate fixes from peakledger/fixes.py; each fix is
+the scenario changed and run again (peakledger/api.py `run`). Only fixes that lower what the run needs (or make it
+fit where it did not) are listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import api
+from .analysis.device import first_gpu_oom, with_gpu_oom
+from .analysis.explain import Moment, from_record, reserved_moment, worst_moment
+from .analysis.phases import PHASE_WORDS, PhasePeak
+from .analysis.report import Report
+from .analysis.units import format_bytes
+from .fixes import candidate_fixes
+from .models.config import ConfigError
+from .progress import progress
+from .scenario import Scenario
+from .simulator.allocator import round_size
+from .simulator.device_memory import DeviceMemory, DeviceOOM
+from .simulator.events import Category, Phase, Pool
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One change to the scenario, re-simulated: its worst-rank peak and simulated step time."""
+
+    name: str
+    changes: dict
+    peak: int
+    capacity_needed: int
+    fits: bool
+    step_time: float
+    changes_training: bool  # True when the model trained or its data changes, not only how memory is spent
+    note: str
+    more_gpus: bool = False  # the fix takes more GPUs than the scenario (a model-parallel degree raised)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    scenario: str
+    budget: int
+    host_budget: int | None
+    moment: Moment  # the first device allocation that does not fit, else the device peak
+    host_moment: Moment | None
+    peak: int
+    capacity_needed: int
+    step_time: float
+    fixes: list[Fix]
+    gpu: DeviceMemory | None = None  # the worst rank through the caching allocator (CUDA profiles)
+    gpu_oom: DeviceOOM | None = None  # the allocator's first OOM under the budget, after freeing its cache
+    fragmentation: bool = False  # that OOM happens although the allocated blocks and the request fit
+    fits: bool = False  # the run as it is fits the budget
+    where: str = ""  # the phase of the moment, in words ("step 1's checkpoint save (save_mode full-rank0)")
+    first_step: list[str] = field(default_factory=list)  # what only the first step / save does at that moment
+    phases: list[PhasePeak] = field(default_factory=list)  # the peak of each phase of each simulated step
+    risks: list[str] = field(default_factory=list)  # when it fits: what commonly makes a real first step worse
+    tried: int = 0  # fixes re-simulated (those listed changed the peak)
+
+
+def where(event, setup: dict) -> str:
+    """The phase of `event` in words, with what the setup says about it."""
+    phase = event.phase
+    if phase is Phase.LOAD:
+        how = setup.get("load_mode", "none")
+        return "the load, before the first step" + (f" (load_mode {how}" if how != "none" else " (build " +
+                                                     setup.get("build", "direct")) + ")"
+    text = f"step {event.step}'s {PHASE_WORDS[phase]}"
+    if phase is Phase.CHECKPOINT:
+        text += f" (save_mode {setup.get('save_mode')}, every {setup.get('checkpoint_every')} step(s))"
+    elif phase is Phase.OPTIMIZER:
+        text += f" ({setup.get('optimizer')}, {setup.get('optimizer_impl')})"
+    elif event.micro_batch_index >= 0:
+        text += f" (micro-batch {event.micro_batch_index})"
+    return text
+
+
+def first_step_causes(moment: Moment, setup: dict, unit: str = "GiB") -> list[str]:
+    """What at this moment exists because it is the first step or the first save, and whether it recurs."""
+    e, live = moment.event, moment.by_category
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    out = []
+    if e.phase is Phase.OPTIMIZER and e.step == 1 and live.get(Category.OPTIMIZER_STATE):
+        states = live[Category.OPTIMIZER_STATE]
+        out.append(f"lazy optimizer states: torch creates them inside the first step() ({f(states)} live now), "
+                   "while every gradient is still allocated; every later step holds them too, so this "
+                   "recurs: it is the first moment the full training state exists")
+    asked = e.block.nbytes if moment.failed and e.block.category is Category.TEMPORARY else 0
+    if e.phase is Phase.OPTIMIZER and live.get(Category.TEMPORARY, 0) + asked:
+        impl = setup.get("optimizer_impl")
+        temporaries = live.get(Category.TEMPORARY, 0) + asked
+        out.append(f"optimizer temporaries: {f(temporaries)} with the one asked for ({impl}: "
+                   + ("a whole parameter group's intermediate results at once" if impl == "foreach" else
+                      "one parameter's at a time") + "); a fused optimizer has none; every step")
+    if e.phase is Phase.CHECKPOINT and live.get(Category.CHECKPOINT_STAGING):
+        staged = live[Category.CHECKPOINT_STAGING]
+        out.append(f"the save's gathered copies: {f(staged)} of checkpoint staging (save_mode "
+                   f"{setup.get('save_mode')}) on top of the training state; every save")
+    if live.get(Category.ALL_GATHER_BUFFER) and e.step <= 1 and e.phase in (Phase.FORWARD, Phase.BACKWARD):
+        ahead = setup.get("forward_prefetch", 0) if e.phase is Phase.FORWARD else setup.get("backward_prefetch", 1)
+        out.append(f"all-gather buffers: {f(live[Category.ALL_GATHER_BUFFER])} of unsharded parameters (the unit "
+                   f"running and {ahead} prefetched); every step")
+    if e.phase is Phase.LOAD and setup.get("build") == "device-fp32":
+        out.append("the model built in fp32 on the device before the cast to the training dtype; load only")
+    if e.phase is Phase.LOAD and setup.get("load_mode", "none") != "none":
+        out.append(f"a checkpoint loaded with load_mode {setup['load_mode']}: its copies beside the model's; load only")
+    return out
+
+
+def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
+    """When the run fits: what commonly makes a real first step worse than this simulation assumed, for this
+    setup (each one named with what to simulate instead)."""
+    s, md = scenario.setup, report.metadata
+    f = lambda n: format_bytes(n, "GiB")  # noqa: E731
+    out = []
+    if s.passes == "train" and s.optimizer != "sgd":
+        out.append("optimizer states appear inside the first step() (included above: the step 1 optimizer phase); a "
+                   "run that loads a checkpoint allocates them at the load instead (--load-mode)")
+    if s.checkpoint_every == 0:
+        out.append("no checkpoint save is simulated: a save gathers or stages copies of the state (full state dicts on "
+                   "rank 0 can double it); re-run with --checkpoint-every N --save-mode <yours>")
+    if s.passes == "train":
+        out.append(f"every micro-batch is simulated at seq_len {s.seq_len}: with variable lengths the longest batch "
+                   "sets the peak, and an evaluation loop (no_grad, often a larger batch) is not simulated")
+    if report.gpu is not None:
+        ctx = report.gpu.context
+        out.append(f"outside PyTorch: the CUDA context ({f(ctx)} here, assumed where not measured) and any other "
+                   "process on the GPU count against the card; nvidia-smi shows them")
+        frag = report.gpu.reserved_peak.fragmentation
+        out.append(f"the caching allocator: reserved-but-unallocated {f(frag)} at the reserved peak; a different "
+                   "allocation order (data-dependent shapes) fragments more: PYTORCH_CUDA_ALLOC_CONF="
+                   "expandable_segments:True removes most of it")
+    else:
+        out.append("simulated on the cpu profile: no CUDA context or caching allocator; give --device for a GPU's "
+                   "reserved memory and device total")
+    if md.get("describer") == "traced":
+        out.append("traced models: described from the CPU program's kernels; GPU kernels (SDPA backends, fused "
+                   "losses) can save different tensors")
+    out.append("torch.compile is not modelled: compiled programs usually save fewer activations")
+    return out
+
+
+def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> Explanation:
+    """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
+    and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
+    unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak."""
+    base = api.run(scenario)
+    setup = base.metadata.get("setup", {})
+    moment = worst_moment(base.log, budget)
+    found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
+    if found is not None:  # on a GPU the allocator's OOM is the moment (torch raises there)
+        moment = from_record(with_gpu_oom(base.log, budget, stop=False, found=found).ooms[0])
+    gpu_oom = found[0].oom if found else None
+    # fragmentation: the live blocks and the request would fit what the allocator may hold, the cache's gaps not
+    fragmentation = gpu_oom is not None and (gpu_oom.point.allocated_blocks + round_size(gpu_oom.requested)
+                                             <= budget - (gpu_oom.point.total - gpu_oom.point.reserved))
+    host = worst_moment(base.log, host_budget, Pool.HOST) if host_budget is not None and any(
+        e.block.pool is Pool.HOST for e in base.log.events) else None
+    fits_now = api.fits(base, budget)
+    candidates, fixes = [], []
+    listed = candidate_fixes(scenario, fragmentation)
+    with progress("re-simulating each fix", total=len(listed)) as bar:
+        for candidate in listed:
+            bar.advance(description=f"re-simulating: {candidate[0]}")
+            try:
+                fix = _fix(scenario, budget, *candidate)
+            except ConfigError:
+                continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
+            candidates.append(candidate)
+            fixes.append(fix)
+        if fixes and not any(f.fits for f in fixes):
+            combined = _combine(scenario, budget, candidates, fixes)
+            if combined is not None:
+                fixes.append(combined)
+    tried = len(fixes)
+    fixes = [f for f in fixes if _helps(f, base, fits_now)]
+    fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits
+               else (1, f.capacity_needed, f.changes_training))  # on the same GPUs before more GPUs
+    return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
+                       host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.capacity_needed,
+                       step_time=base.time_per_step_s, fixes=fixes, gpu=found[0] if found else base.gpu,
+                       gpu_oom=gpu_oom, fragmentation=fragmentation, fits=fits_now,
+                       where=where(moment.event, setup) + f", rank {moment.rank}",
+                       first_step=first_step_causes(moment, setup) if moment.event.step <= 1 else [],
+                       phases=base.phases, risks=first_step_risks(scenario, base) if fits_now else [], tried=tried)
+
+
+ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})
+
+
+def _helps(fix: Fix, base: Report, fits_now: bool) -> bool:
+    """A fix is listed when it makes the run fit, or lowers its tensors' peak, or (the allocator's own settings,
+    which never change the tensors) lowers the device memory the run needs."""
+    if fix.fits and not fits_now or fix.peak < base.peaks.peak.bytes:
+        return True
+    return set(fix.changes) <= ALLOCATOR_KNOBS and fix.capacity_needed < base.capacity_needed
+
+
+def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
+    report = api.run(scenario.with_changes(**changes))
+    return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=report.capacity_needed,
+               fits=api.fits(report, budget), step_time=report.time_per_step_s, changes_training=changes_training,
+               note=note, more_gpus=changes.get("world_size", scenario.setup.world_size) > scenario.setup.world_size)
+
+
+def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:
+    """No single fix fits: add fixes greedily (the one that lowers the peak most, training-preserving ones
+    first on ties), each combination re-simulated, until the peak fits or nothing helps."""
+    by_name = {c[0]: c for c in candidates}
+    best = min(singles, key=lambda f: (f.capacity_needed, f.changes_training))
+    chosen = [best]
+    for _ in range(rounds - 1):
+        if best.fits:
+            break
+        used = set().union(*(set(f.changes) for f in chosen))
+        trials = []
+        for name, changes, ct, note in candidates:
+            if set(changes) & used:
+                continue
+            merged = {k: v for f in chosen for k, v in f.changes.items()} | changes
+            try:
+                trials.append(_fix(scenario, budget, " + ".join([f.name for f in chosen] + [name]), merged,
+                                   any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note])))
+            except ConfigError:
+                continue
+        if not trials:
+            break
+        step = min(trials, key=lambda f: (f.capacity_needed, f.changes_training))
+        if step.capacity_needed >= best.capacity_needed:
+            break
+        best = step
+        chosen.append(_fix(scenario, budget, *by_name[step.name.split(" + ")[-1]]))
+    return best if len(chosen) > 1 else None
+
+
+def explain_trace(log, budget: int, reserved=None):
+    """A measured trace against `budget`: the first allocation that did not fit (a CUDA snapshot's own
+    oom record when it has one), else its peak. Given `reserved` (a CUDA snapshot's reserved-memory log,
+    TraceFile.reserved), the pair (that moment, the reserved one: the first segment after which reserved bytes
+    exceed the budget, else the reserved peak; None when the log holds no segment)."""
+    moment = from_record(log.ooms[0]) if log.ooms else worst_moment(log, budget)
+    if reserved is None:
+        return moment
+    return moment, (reserved_moment(reserved, budget) if reserved.events else None)
+
+
+__all__ = ["Fix", "Explanation", "explain", "explain_trace", "where", "first_step_causes", "first_step_risks"]

@@ -1,0 +1,207 @@
+"""The fixes `explain` tries, by the phase they change: every knob that changes the memory of a load, a step's
+forward / backward / optimizer step or a checkpoint save, each a change to the scenario that peakledger/diagnosis.py
+re-simulates (a change that a setup refuses is skipped there, and one that does not lower the peak is not listed).
+
+A candidate is (name, changes, changes the training?, what it costs). "Changes the training" means the model trained
+or its numerics change (8-bit states, a frozen half, a shorter context), not only how memory is spent.
+"""
+
+from __future__ import annotations
+
+from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, TransformerConfig
+from .models.costs import device_profile
+from .models.trace import traced_layers
+from .models.trace.model import TracedModel
+from .scenario import Scenario
+
+Candidate = tuple[str, dict, bool, str]
+
+# what each save mode keeps where (models/checkpoint_io.py)
+SAVE_NOTES = {
+    "torch-save": "torch.save of the rank's own tensors: one host copy at a time, nothing gathered on the device",
+    "full-rank0": "the full state dict gathered on rank 0's device until written (FullStateDictConfig rank0_only)",
+    "full-rank0-offload": "the full state dict on rank 0's host instead of its device (get_state_dict cpu_offload): "
+                          "host memory for the whole checkpoint",
+    "full-all": "every rank keeps the gathered full state dict until rank 0 has written it",
+    "sharded": "torch.distributed.checkpoint: each rank writes its own shards (host staging, nothing gathered); "
+               "the checkpoint is a folder of shards (DCP), resharded at load",
+    "async": "dcp.async_save: a host copy of the rank's state kept across saves, written in the background",
+}
+LOAD_NOTES = {
+    "full-then-device": "torch.load(map_location='cpu') then copied in: the whole file in host memory",
+    "map-to-device": "torch.load(map_location='cuda'): the loaded tensors on the device beside the model's",
+    "meta-assign": "the model built on the meta device, load_state_dict(assign=True): no second copy",
+}
+
+
+def allocator_fixes(scenario: Scenario) -> list[Candidate]:
+    """The caching allocator's own settings (simulator/allocator/), each a run setting, on GPU profiles."""
+    if not device_profile(scenario.device).is_cuda:
+        return []
+    conf = scenario.alloc_conf
+    settings = dict(item.split(":", 1) for item in conf.split(",") if ":" in item)
+    merged = lambda **kw: ",".join(f"{k}:{v}" for k, v in {**settings, **kw}.items())  # noqa: E731
+    out = []
+    if settings.get("expandable_segments") != "True":
+        out.append(("allocator: expandable_segments:True", {"alloc_conf": merged(expandable_segments="True")}, False,
+                    "none: segments grow page by page instead of leaving gaps between cached segments"))
+    if "max_split_size_mb" not in settings and settings.get("expandable_segments") != "True":
+        out.append(("allocator: max_split_size_mb:128", {"alloc_conf": merged(max_split_size_mb="128")}, False,
+                    "none: blocks of 128 MiB and more are never split, so large requests find whole blocks"))
+    if scenario.setup.checkpoint_every and not scenario.empty_cache_before_save:
+        out.append(("torch.cuda.empty_cache() before each save", {"empty_cache_before_save": True}, False,
+                    "the cache is rebuilt after the save (cudaMalloc calls, a short stall)"))
+    return out
+
+
+def save_load_fixes(scenario: Scenario) -> list[Candidate]:
+    """A checkpoint save's other modes, a load's other modes, and building the model in its training dtype."""
+    s = scenario.setup
+    out: list[Candidate] = []
+    if s.checkpoint_every:
+        for mode in SAVE_MODES:
+            if mode != s.save_mode:
+                out.append((f"save_mode {s.save_mode} -> {mode}", {"save_mode": mode}, False, SAVE_NOTES[mode]))
+    if s.load_mode != "none":
+        for mode in LOAD_MODES[1:]:
+            if mode != s.load_mode:
+                out.append((f"load_mode {s.load_mode} -> {mode}", {"load_mode": mode}, False, LOAD_NOTES[mode]))
+    if s.build == "device-fp32":
+        out.append(("build direct (from_pretrained(torch_dtype=...), no fp32 build)", {"build": "direct"}, False,
+                    "none: each parameter allocated once, in its training dtype"))
+    return out
+
+
+def data_parallel_fixes(scenario: Scenario) -> list[Candidate]:
+    """Shard more (ZeRO stages, FSDP2), and FSDP2's own knobs: reshard after forward, fewer units prefetched."""
+    s = scenario.setup
+    out: list[Candidate] = []
+    if s.world_size > 1 and s.dp_engine == "deepspeed":
+        for stage in range(s.zero_stage + 1, 4):
+            out.append((f"ZeRO-{stage}", {"zero_stage": stage}, False,
+                        "more communication: " + {1: "none extra", 2: "gradients reduce-scattered",
+                                                  3: "parameters all-gathered per module"}[stage]))
+    if s.world_size > 1 and s.dp_engine in ("ddp", "zero-redundancy-optimizer"):
+        out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
+    if s.dp_engine == "fsdp2" and s.dp > 1:
+        if not s.reshard_after_forward:
+            out.append(("fsdp2 reshard_after_forward=True", {"reshard_after_forward": True}, False,
+                        "parameters all-gathered again in backward"))
+        if s.forward_prefetch:
+            out.append(("fsdp2 forward_prefetch 0", {"forward_prefetch": 0}, False, "less overlap in forward"))
+        if s.backward_prefetch > 1:
+            out.append(("fsdp2 backward_prefetch 1", {"backward_prefetch": 1}, False, "less overlap in backward"))
+    return out
+
+
+def activation_fixes(scenario: Scenario) -> list[Candidate]:
+    """What the forward keeps for backward: checkpointing policies, smaller micro-batches, a shorter context."""
+    s, model = scenario.setup, scenario.model
+    traced = isinstance(model, TracedModel)
+    out: list[Candidate] = []
+    for policy in CHECKPOINTING:
+        if policy not in (s.checkpointing, "none", "layers") and not (traced and policy == "selective"):
+            # "layers" needs a set (`peakledger checkpointing`); "selective" names transformer-block parts
+            cost = ("saved activations copied to the host and back over the host link" if policy == "offload"
+                    else "recompute in backward")
+            out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, cost))
+    mb = s.micro_batch if not traced or "micro_batch" in model.varies else 1  # a fixed factory batch
+    for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
+        out.append((f"micro-batch {mb} -> {d}, accumulation {s.grad_accum} -> {s.grad_accum * mb // d}",
+                    {"micro_batch": d, "grad_accum": s.grad_accum * mb // d}, False,
+                    "same B_eff, more and smaller steps (lower arithmetic intensity)"))
+    if (isinstance(model, TransformerConfig) or traced and "seq_len" in model.varies and model.batch_note(s)
+            .startswith("input_ids")) and s.seq_len > 1:
+        out.append((f"seq_len {s.seq_len} -> {s.seq_len // 2}", {"seq_len": s.seq_len // 2}, True,
+                    "shorter context: changes what the model learns"))
+    return out
+
+
+def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
+    """The optimizer step's states and temporaries: 8-bit states, fused or per-parameter updates, offload,
+    gradient and master dtypes."""
+    s = scenario.setup
+    out: list[Candidate] = []
+    if s.optimizer in ("adam", "adamw"):
+        out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
+    if s.optimizer_impl != "fused" and s.optimizer != "adam-8bit":
+        out.append(("fused optimizer", {"optimizer_impl": "fused"}, False, "none: no step temporaries"))
+    if s.optimizer_impl == "foreach" and s.optimizer != "adam-8bit":
+        out.append(("for-loop optimizer (foreach=False)", {"optimizer_impl": "for-loop"}, False,
+                    "one parameter's temporaries at a time instead of a whole group's; a slower step"))
+    chunked = {"optimizer_offload": "chunked", "offload_first_step": "chunked"}
+    copies = "optimizer states copied to the device and back every step, over the host link"
+    if s.optimizer_offload == "none":
+        out.append(("optimizer-state offload, chunked", chunked, False, copies))
+        out.append(("optimizer-state offload", {"optimizer_offload": "states"}, False, copies))
+    elif s.optimizer_offload == "states":
+        out.append(("optimizer-state offload in chunks", chunked, False, copies + ", chunk by chunk"))
+    elif s.offload_first_step == "whole":
+        out.append(("first step chunk by chunk (offload_first_step=chunked)", {"offload_first_step": "chunked"}, False,
+                    "none: the first step creates and offloads the states chunk by chunk"))
+    if s.fp32_grads:
+        out.append(("gradients in the parameters' dtype (fp32_grads off)", {"fp32_grads": False}, True,
+                    "16-bit gradient accumulation"))
+    if s.dp_engine == "fsdp2" and s.reduce_dtype == "fp32" and s.prec.param != "fp32":
+        out.append(("fsdp2 reduce_dtype grad (the gradients' own dtype)", {"reduce_dtype": "grad"}, True,
+                    "gradients reduced in 16 bits"))
+    if s.precision == "fp32":
+        out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
+    return out
+
+
+def model_parallel_fixes(scenario: Scenario) -> list[Candidate]:
+    """Pipeline schedules that hold fewer micro-batches in flight on the same GPUs, and more tensor-, context- or
+    pipeline-parallel ranks, which say that they take more GPUs (models/parallel/)."""
+    s = scenario.setup
+    out: list[Candidate] = []
+    if s.pp > 1 and s.pp_schedule == "gpipe" and s.grad_accum >= s.pp:
+        out.append(("pipeline schedule gpipe -> 1f1b", {"pp_schedule": "1f1b"}, False,
+                    "same GPUs: at most pp micro-batches in flight on the first stage instead of all of them"))
+    if s.tp > 1 or (s.pp == 1 and s.world_size == 1 and isinstance(scenario.model, TransformerConfig)):
+        tp = s.tp * 2
+        out.append((f"tp {s.tp} -> {tp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"tp": tp, "world_size": s.world_size * 2}, False,
+                    f"twice the GPUs: each holds 1/{tp} of the weights and of the activations between linears"))
+    if s.cp > 1 or (s.world_size == 1 and isinstance(scenario.model, TransformerConfig) and s.seq_len % 4 == 0):
+        cp = s.cp * 2  # skipped (a ConfigError) where context parallelism is not simulated for the scenario
+        out.append((f"cp {s.cp} -> {cp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"cp": cp, "world_size": s.world_size * 2}, False,
+                    f"twice the GPUs: each holds 1/{cp} of the sequence's activations (ring attention)"))
+    if s.pp > 1:
+        out.append((f"pp {s.pp} -> {2 * s.pp} ({s.world_size} -> {s.world_size * 2} GPUs)",
+                    {"pp": 2 * s.pp, "world_size": s.world_size * 2, "grad_accum": max(s.grad_accum, 2 * s.pp)},
+                    False, "twice the GPUs: each stage holds half as many layers"))
+    return out
+
+
+def freeze_fixes(scenario: Scenario) -> list[Candidate]:
+    """Fine-tune the upper half only (no gradients nor states for the lower half)."""
+    s, model = scenario.setup, scenario.model
+    if s.lora_r:
+        return []
+    if isinstance(model, TracedModel) and s.checkpointing == "none":
+        layers = traced_layers(model, s)
+        if len(layers) > 1:
+            half = layers[:len(layers) // 2]
+            return [(f"freeze {half[0]} .. {half[-1]}", {"frozen": tuple(f"{name}.*" for name in half)}, True,
+                     "fine-tunes the upper half only")]
+    if isinstance(model, TransformerConfig) and model.n_layer > 1:
+        prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
+        half = model.n_layer // 2
+        return [(f"freeze layers 0-{half - 1}", {"frozen": tuple(f"{prefix}.{i}.*" for i in range(half))}, True,
+                 "fine-tunes the upper half only")]
+    return []
+
+
+def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:
+    """Every fix worth re-simulating, each phase's knobs: save and load, data parallelism, activations, the
+    optimizer step, model parallelism, freezing, the allocator's settings (first when `fragmentation`: the
+    allocator's cached free blocks cause the OOM)."""
+    rest = save_load_fixes(scenario) + data_parallel_fixes(scenario) + activation_fixes(scenario) + \
+        optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario)
+    allocator = allocator_fixes(scenario)
+    return allocator + rest if fragmentation else rest + allocator
+
+
+__all__ = ["Candidate", "candidate_fixes", "SAVE_NOTES", "LOAD_NOTES"]
