@@ -26,6 +26,7 @@ from .inputs import (
 from .models.config import ConfigError
 from .models.costs import DEVICES, device_profile
 from .models.training import describe
+from .progress import progress
 from .simulator.allocator import AllocatorConfig
 from .simulator.engine import simulate
 from .simulator.files import InputError
@@ -44,7 +45,8 @@ def cmd_capture(args) -> int:
         return _capture_cuda(args, scenario)
     check_real_run(args, scenario)
     recorder = _moe_recorder(args, scenario)
-    log = validation.measure(scenario, model_hook=recorder.attach if recorder else None)
+    with progress(f"running {scenario.name} for real under the tracker"):
+        log = validation.measure(scenario, model_hook=recorder.attach if recorder else None)
     save_log(log if args.wall_times else with_event_index_times(log), args.output)
     peak = max(timeline(log).total, default=0)
     print(f"captured {len(log.events):,} events of {scenario.name} (peak {int(peak):,} B) into {args.output}")
@@ -128,7 +130,8 @@ def cmd_validate_ranks(args, scenario) -> int:
     if args.plot:
         raise ConfigError("plot", "validate --world-size N prints one table per rank; --plot draws one run: drop it "
                                   "(or validate one rank's trace with --trace)")
-    results, simulated = validation.validate_ranks(scenario, backend=args.pg_backend or "gloo")
+    with progress(f"running {scenario.setup.world_size} ranks of {scenario.name} for real, then simulating"):
+        results, simulated = validation.validate_ranks(scenario, backend=args.pg_backend or "gloo")
     if args.json:
         _write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
@@ -165,7 +168,8 @@ def cmd_validate(args) -> int:
         if cuda:
             result, measured, simulated = _validate_cuda_trace(scenario, trace)
         else:
-            result, measured, simulated = validation.validate(scenario, trace.log)
+            with progress(f"simulating {scenario.name} against {args.trace}"):
+                result, measured, simulated = validation.validate(scenario, trace.log)
     else:
         scenario = real_run_scenario(args)
         if args.pg_backend is not None and scenario.setup.world_size == 1:
@@ -173,7 +177,8 @@ def cmd_validate(args) -> int:
         check_real_run(args, scenario)
         if scenario.setup.world_size > 1:
             return cmd_validate_ranks(args, scenario)
-        result, measured, simulated = validation.validate(scenario)
+        with progress(f"running {scenario.name} for real under the tracker, then simulating"):
+            result, measured, simulated = validation.validate(scenario)
     if args.plot:
         plot_overlay(timeline(measured), timeline(simulated), args.plot,
                      title=f"{scenario.name}: measured vs predicted")

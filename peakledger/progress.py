@@ -35,7 +35,8 @@ class progress:
             columns = [SpinnerColumn(), TextColumn("{task.description}")]
             if total is not None:
                 columns += [BarColumn(), MofNCompleteColumn()]
-            self.bar = Progress(*columns, TimeElapsedColumn(), transient=True, console=Console(stderr=True))
+            self.bar = Progress(*columns, TimeElapsedColumn(), transient=True, console=Console(stderr=True),
+                                redirect_stdout=False, redirect_stderr=False)  # (stdout stays the command's)
             self.bar.start()
             self.task = self.bar.add_task(description, total=total)
 
