@@ -238,7 +238,8 @@ def _check_shape(snapshot, device: int, field_name: str) -> list[dict]:
         if not isinstance(action, str) or action not in KNOWN_ACTIONS:  # (a str before hashing it)
             bad(f"device_traces[{device}][{i}]", f"has unknown action {_show(action)}; allowed: "
                                                  f"{', '.join(sorted(KNOWN_ACTIONS))}")
-        if action != "snapshot" and not (_u64(e.get("addr")) and _u64(e.get("size"))):
+        # torch writes an oom's free bytes as `device_free`, not an `addr` (torch/csrc/cuda/memory_snapshot.cpp)
+        if action != "snapshot" and not (_u64(e.get("addr", 0 if action == "oom" else None)) and _u64(e.get("size"))):
             bad(f"device_traces[{device}][{i}] ({action})", f"needs integer 'addr' and 'size' >= 0 (and < 2**64), got "
                                                             f"addr {_show(e.get('addr'))}, size {_show(e.get('size'))}")
         if action == "oom" and not _u64(e.get("device_free", 0)):
