@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import platform
 
+from sections import replace_sections
+
 from peakledger.analysis.sources import agreement
 from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
-from peakledger.simulator.files import write_atomic
 from peakledger.traces.profiler import profile_training_steps
 from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import run_training_steps
@@ -32,7 +33,8 @@ def run(name, **kw):
 
 
 def main() -> None:
-    lines = ["# Two measured sources: torch.profiler vs the dispatch tracker", "",
+    lines = ["# Sources: two measured sources of memory, and the published figures of the device profiles", "",
+             "## Two measured sources: torch.profiler vs the dispatch tracker", "",
              f"Real CPU training runs (fp32, 2 steps), {platform.machine()}, {os.cpu_count()} cores. "
              "Regenerate with `python bench/sources.py`. Bytes at each source's own peak.", "",
              "| run | profiler peak B | tracker peak B | gap B | "
@@ -51,7 +53,8 @@ def main() -> None:
               "(traces/profiler.py profiler_peak gives 1,977,128 B, equal to the tracker): some timeline entries "
               "do not pair CREATE with DESTROY by key; not yet explained."]
     text = "\n".join(lines) + "\n"
-    write_atomic(os.path.join(os.path.dirname(os.path.abspath(__file__)), "SOURCES.md"), text.encode())
+    # its own section only: "## GPU device profiles" is kept as written (by hand, with the profiles' sources)
+    replace_sections(text, os.path.join(os.path.dirname(os.path.abspath(__file__)), "SOURCES.md"))
     print(text)
 
 

@@ -54,7 +54,17 @@ class DeviceProfile:
                 f"efficiency assumed {self.flops_efficiency:.0%} of peak FLOP/s, {self.bandwidth_efficiency:.0%} "
                 f"of bandwidth, {self.launch_latency * 1e6:g} us per op",
                 f"collectives: ring over {self.interconnect / 1e9:g} GB/s per rank, "
-                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"] + ([ctx.assumption()] if ctx else [])
+                f"{self.interconnect_latency * 1e6:g} us per hop (assumed)"] + \
+            ([f"{self.name}: no bf16 tensor cores (sm{''.join(map(str, self.compute_capability))}): bf16 runs "
+              "emulated, timed at the fp32 peak"] if self.is_cuda and not self.bf16_native else []) + \
+            ([ctx.assumption()] if ctx else [])
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 has a tensor-core path here (sm80 and later); without one (T4, V100) torch runs bf16 emulated,
+        slowly (torch.cuda.is_bf16_supported(including_emulation=False) is False), and its ops are timed at fp32's
+        peak. The bytes are the same either way."""
+        return "bf16" in self.flops
 
     @property
     def is_cuda(self) -> bool:
@@ -80,18 +90,59 @@ class DeviceProfile:
 
 
 GiB = 2**30
+MiB = 2**20
 CONTEXT = 512 << 20  # assumption where nothing is measured (models/cuda_context.py): a torch 2.x process's CUDA
 # context with lazily loaded kernels, ~0.5 GiB
+TB = 1e12  # the vendors' decimal unit: TFLOP/s
+PCIE3, PCIE4, PCIE5 = 12.5e9, 25e9, 50e9  # host link per direction, assumed: ~80% of PCIe x16 gen 3 / 4 / 5
+
+
+def _gpu(name: str, memory_bytes: int, cc: tuple[int, int], fp32: float, tf32: float | None, fp16: float,
+         bf16: float | None, bandwidth: float, host_link: float, interconnect: float) -> DeviceProfile:
+    """A CUDA GPU: peak dense FLOP/s in TFLOP/s (tf32 / bf16 None: no such tensor-core path; bf16 then runs
+    emulated and is timed at the fp32 peak), memory bandwidth in bytes/s, the CUDA context assumed (`CONTEXT`)."""
+    flops = {k: v * TB for k, v in (("fp32", fp32), ("tf32", tf32), ("bf16", bf16), ("fp16", fp16)) if v is not None}
+    return DeviceProfile(name, memory_bytes, flops, bandwidth=bandwidth, host_link=host_link,
+                         interconnect=interconnect, compute_capability=cc, context_bytes=CONTEXT)
+
+
+# Every figure's source: bench/SOURCES.md, "GPU device profiles". `memory_bytes` is the total the CUDA driver
+# reports to a process (cudaMemGetInfo's total = cudaDeviceProp.totalGlobalMem = torch.cuda.mem_get_info()[1]):
+# what the CUDA context, torch's reserved segments and NCCL's buffers share. It is below the marketing size and
+# below nvidia-smi's "Total" (the driver keeps some), and moves by up to ~1% with the driver version; each figure
+# is one Linux report, the driver named in SOURCES.md. FLOP/s are the datasheets' dense peaks (no sparsity),
+# 16-bit with fp32 accumulation (GeForce cards run that at half their fp16-accumulate rate).
 DEVICES = {
-    "A100-80GB": DeviceProfile("A100-80GB", 80 * GiB, {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-                               bandwidth=2.039e12, host_link=25e9, interconnect=300e9, compute_capability=(8, 0),
-                               context_bytes=CONTEXT),
-    "H100-80GB": DeviceProfile("H100-80GB", 80 * GiB, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
-                                                       "fp16": 989.4e12},
-                               bandwidth=3.35e12, host_link=50e9, compute_capability=(9, 0), context_bytes=CONTEXT),
-    "H200-141GB": DeviceProfile("H200-141GB", 141 * 10**9, {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12,
-                                                           "fp16": 989.4e12}, bandwidth=4.8e12, host_link=50e9,
-                                compute_capability=(9, 0), context_bytes=CONTEXT),
+    # A100 SXM4 80GB: 81,158 MiB (deviceQuery, driver CUDA 12.5); NVLink 3: 300 GB/s per direction
+    "A100-80GB": _gpu("A100-80GB", 85_100_068_864, (8, 0), 19.5, 156, 312, 312, 2.039e12, PCIE4, 300e9),
+    # H100 SXM5 80GB HBM3: 81,079 MiB (deviceQuery, driver CUDA 13.0); NVLink 4 (the profile's default 450 GB/s)
+    "H100-80GB": _gpu("H100-80GB", 85_017_755_648, (9, 0), 67, 494.7, 989.4, 989.4, 3.35e12, PCIE5, 450e9),
+    # H200 SXM 141GB: 143,156 MiB measured (../shared/gpu-truth/h200, driver 580.159.04)
+    "H200-141GB": _gpu("H200-141GB", 150_109_880_320, (9, 0), 67, 494.7, 989.4, 989.4, 4.8e12, PCIE5, 450e9),
+    # A100 40GB (SXM4 / PCIe, same memory): 40,339 MiB (deviceQuery, A100-PCIE-40GB, driver CUDA 12.2)
+    "A100-40GB": _gpu("A100-40GB", 42_298_834_944, (8, 0), 19.5, 156, 312, 312, 1.555e12, PCIE4, 300e9),
+    # H100 PCIe 80GB HBM2e: 81,008 MiB (torch's total_memory, in MiB); 114 SMs; PCIe gen 5, no NVLink assumed
+    "H100-PCIe-80GB": _gpu("H100-PCIe-80GB", 81_008 * MiB, (9, 0), 51, 378, 756.5, 756.5, 2.0e12, PCIE5, PCIE5),
+    # RTX 3090 24GB: 24,268 MiB (deviceQuery, driver CUDA 11.8); GA102: 16-bit tensor 71 TFLOP/s (fp32 accum.)
+    "RTX-3090-24GB": _gpu("RTX-3090-24GB", 25_447_170_048, (8, 6), 35.6, 35.6, 71, 71, 936e9, PCIE4, PCIE4),
+    # RTX 4090 24GB: 24,210 MiB (deviceQuery, driver CUDA 12.4); AD102: 16-bit tensor 165.2 TFLOP/s (fp32 accum.)
+    "RTX-4090-24GB": _gpu("RTX-4090-24GB", 25_386_352_640, (8, 9), 82.6, 82.6, 165.2, 165.2, 1008e9, PCIE4,
+                          PCIE4),
+    # L4 24GB: 22,518 MiB (deviceQuery, driver CUDA 12.0)
+    "L4-24GB": _gpu("L4-24GB", 23_612_293_120, (8, 9), 30.3, 60, 121, 121, 300e9, PCIE4, PCIE4),
+    # A10G 24GB (AWS G5): 22,587 MiB (torch's total_memory, in MiB); 80 SMs; no NVIDIA datasheet (SOURCES.md)
+    "A10G-24GB": _gpu("A10G-24GB", 22_587 * MiB, (8, 6), 35, 35, 70, 70, 600e9, PCIE4, PCIE4),
+    # RTX A6000 48GB: 48,790 MiB (deviceQuery, driver CUDA 12.7); 16-bit tensor 154.8 TFLOP/s (fp32 accum.)
+    "RTX-A6000-48GB": _gpu("RTX-A6000-48GB", 51_160_023_040, (8, 6), 38.7, 77.4, 154.8, 154.8, 768e9, PCIE4,
+                           PCIE4),
+    # L40S 48GB: 45,373 MiB (cuda-device-query, driver CUDA 12.4)
+    "L40S-48GB": _gpu("L40S-48GB", 47_576_711_168, (8, 9), 91.6, 183, 362.05, 362.05, 864e9, PCIE4, PCIE4),
+    # T4 16GB: 14,918 MiB (deviceQuery, driver CUDA 12.4 and 12.5); Turing: no bf16 or tf32 tensor cores
+    "T4-16GB": _gpu("T4-16GB", 15_642_329_088, (7, 5), 8.1, None, 65, None, 320e9, PCIE3, PCIE3),
+    # V100 SXM2 16GB: 16,144 MiB (deviceQuery, driver CUDA 12.4); Volta: no bf16 or tf32; NVLink 2: 150 GB/s
+    "V100-16GB": _gpu("V100-16GB", 16_928_342_016, (7, 0), 15.7, None, 125, None, 900e9, PCIE3, 150e9),
+    # V100 SXM2 32GB: 32,511 MiB (deviceQuery, driver CUDA 13.0 and 11.6)
+    "V100-32GB": _gpu("V100-32GB", 34_089_926_656, (7, 0), 15.7, None, 125, None, 900e9, PCIE3, 150e9),
     "cpu": DeviceProfile("cpu", 24 * GiB, {"fp32": 0.1e12, "bf16": 0.05e12, "fp16": 0.02e12}, bandwidth=20e9,
                          host_link=20e9, is_cpu=True, flops_efficiency=1.0, bandwidth_efficiency=1.0,
                          launch_latency=2e-6, interconnect=5e9, interconnect_latency=50e-6),

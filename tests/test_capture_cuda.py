@@ -148,7 +148,9 @@ def test_label_steps_gives_each_event_the_step_and_phase_of_the_mark_before_it()
 
 @pytest.mark.parametrize("cap, total, profile", [((9, 0), 150_754_820_096, "H200-141GB"),
                                                  ((9, 0), 85_520_809_984, "H100-80GB"),
-                                                 ((8, 0), 85_899_345_920, "A100-80GB"), ((8, 9), 24 << 30, None)])
+                                                 ((8, 0), 85_899_345_920, "A100-80GB"),
+                                                 ((8, 9), 24 << 30, "RTX-4090-24GB"), ((8, 9), 48 << 30, "L40S-48GB"),
+                                                 ((7, 5), 16 << 30, "T4-16GB"), ((6, 1), 12 << 30, None)])
 def test_gpu_profile_by_compute_capability_and_memory(cap, total, profile):
     assert cc.gpu_profile(cap, total) == profile
 

@@ -1,0 +1,181 @@
+"""Where does a scenario fit: the same training step simulated on every GPU device profile (models/costs.py
+DEVICES), each profile's whole device memory against what the step needs there, and the largest micro-batch
+that fits each (api.max_micro_batch, the search `peakledger max-batch` runs).
+
+A profile's usable memory is its `memory_bytes`: the total the CUDA driver reports to a process
+(cudaMemGetInfo). The step needs its device total: the CUDA context and kernels outside the caching allocator,
+NCCL's buffers with data parallelism, and the allocator's reserved segments, x (1 + headroom) (what `simulate`
+reports on a GPU profile as `capacity_needed`). It fits when that is within the usable memory, or when the
+allocator, freeing its cache and retrying as torch does, serves every request within it (api.fits). The margin is
+usable - needed (negative: short by that much).
+
+Each profile is simulated with its own rules: its compute capability's kernels and workspaces, the CUDA context
+measured or assumed for it and the scenario's torch version. What a profile cannot show is said in its row's
+notes: bf16 without bf16 tensor cores (T4, V100: torch emulates it, the bytes are the same, the time is not),
+and the hand-written describers' attention, written for one GPU target (models/transformer/attention.py
+`GPU_TARGET`) where this GPU's torch picks another SDPA kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from . import api
+from .models import gpu
+from .models.config import ConfigError, TransformerConfig
+from .models.costs import DEVICES, DeviceProfile
+from .models.transformer.attention import GPU_TARGET
+from .scenario import Scenario
+
+GPU_PROFILES = tuple(name for name, p in DEVICES.items() if p.is_cuda)
+
+
+def gpu_profiles(names: Sequence[str] | None = None) -> list[DeviceProfile]:
+    """The GPU profiles asked for (every one when `names` is None or empty), smallest memory first (then by
+    name); ConfigError naming `devices` for a name that is not a GPU profile, or one given twice."""
+    if not names:
+        chosen = list(GPU_PROFILES)
+    else:
+        chosen = []
+        for name in names:
+            if name not in GPU_PROFILES:
+                why = "is not a GPU profile" if name in DEVICES else "is not a device profile"
+                raise ConfigError("devices", f"{name!r} {why}; allowed: {', '.join(GPU_PROFILES)}")
+            if name in chosen:
+                raise ConfigError("devices", f"{name!r} is given twice")
+            chosen.append(name)
+    return sorted((DEVICES[n] for n in chosen), key=lambda p: (p.memory_bytes, p.name))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The scenario on one GPU profile."""
+
+    device: str
+    usable: int  # bytes: the profile's memory_bytes
+    compute_capability: tuple[int, int]
+    bf16_native: bool
+    allocated_peak: int  # the worst rank's allocated peak (tensors)
+    reserved_peak: int  # its reserved peak (the caching allocator's segments)
+    outside_allocator: int  # at the device-total peak: CUDA context and kernels (+ NCCL's buffers)
+    device_total_peak: int  # outside_allocator + reserved at the device-total peak
+    capacity_needed: int  # device_total_peak x (1 + headroom)
+    fits: bool
+    margin: int  # usable - capacity_needed
+    max_micro_batch: int | None  # -1: not even the fixed state; 0: only it; None: not searched (see `searched`)
+    searched: bool  # False: not asked for, or the batch is fixed (a module whose factory takes no micro_batch)
+    exact: bool  # False: the describer does not write this GPU's program (`attention_note`); its figures are another's
+    search_limit_reached: bool  # max_micro_batch is a lower bound (api.MAX_BATCH_LIMIT)
+    notes: tuple[str, ...]
+
+    def as_json(self) -> dict:
+        return {"device": self.device, "usable_bytes": self.usable,
+                "compute_capability": list(self.compute_capability), "bf16_native": self.bf16_native,
+                "allocated_peak": self.allocated_peak, "reserved_peak": self.reserved_peak,
+                "outside_allocator": self.outside_allocator, "device_total_peak": self.device_total_peak,
+                "capacity_needed": self.capacity_needed, "fits": self.fits, "margin_bytes": self.margin,
+                "max_micro_batch": self.max_micro_batch, "max_micro_batch_searched": self.searched,
+                "search_limit_reached": self.search_limit_reached, "exact": self.exact,
+                "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class Where:
+    scenario: str
+    micro_batch: int
+    precision: str
+    headroom: float
+    torch_version: str
+    world_size: int  # > 1: every row is one GPU of that many (the worst rank's)
+    placements: list[Placement]
+
+    @property
+    def fits_on(self) -> list[str]:
+        return [p.device for p in self.placements if p.fits]
+
+    def as_json(self) -> dict:
+        return {"scenario": self.scenario, "micro_batch": self.micro_batch, "precision": self.precision,
+                "headroom": self.headroom, "torch_version": self.torch_version, "world_size": self.world_size,
+                "unit": "B",
+                "fits_on": self.fits_on, "devices": [p.as_json() for p in self.placements]}
+
+
+def uses_bf16(scenario: Scenario) -> bool:
+    """The step computes or keeps tensors in bf16 (its precision, or FSDP2's bf16 gradient reduction)."""
+    s = scenario.setup
+    return "bf16" in (s.prec.param, s.prec.compute, s.prec.state, s.prec.autocast) or s.reduce_dtype == "bf16"
+
+
+def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
+    """Where the hand-written describers' SDPA kernel (chosen for `GPU_TARGET` under its torch rules) is not the one
+    torch picks on this GPU under the same rules: a note saying so (that row's attention tensors are the other
+    kernel's); None where they agree, or the model is traced (its trace follows the GPU) or runs eager attention."""
+    model = scenario.model
+    if not isinstance(model, TransformerConfig) or model.attention != "sdpa":
+        return None
+    cc, rules = GPU_TARGET
+    if tuple(profile.compute_capability) == tuple(cc):
+        return None
+    s = scenario.setup
+    n_kv = model.kv_heads
+    pick = lambda c: gpu.sdpa_backend(s.prec.compute, model.head_size, model.dropout, False, True, c, rules,  # noqa: E731
+                                      seq_q=s.seq_len, seq_k=s.seq_len, n_head=model.n_head, n_kv_head=n_kv,
+                                      enable_gqa=n_kv != model.n_head)
+    written, here = pick(cc), pick(profile.compute_capability)
+    if written == here:
+        return None
+    target = "sm{}{}".format(*cc)
+    return (f"attention: the hand-written describer writes the {written} SDPA kernel ({target}'s choice); torch "
+            f"{rules} picks {here} on sm{''.join(map(str, profile.compute_capability))}, whose saved tensors are "
+            "not simulated here")
+
+
+def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Placement:
+    """`scenario` on `profile`: its device total against the profile's memory, and (with `search`) the largest
+    micro-batch that fits it."""
+    on = dataclasses.replace(scenario, device=profile.name)
+    report = api.run(on)
+    if report.gpu is None:  # (every profile here is a CUDA one)
+        raise ConfigError("devices", f"{profile.name} has no caching allocator to replay")
+    usable = profile.memory_bytes
+    total = report.gpu.total_peak
+    best, capped, notes = None, False, []
+    if search:
+        try:
+            best = api.max_micro_batch(on, usable)
+        except ConfigError as e:
+            if e.field != "module":
+                raise
+            notes.append("max micro-batch: the module's batch is fixed (its factory takes no micro_batch)")
+        capped = best is not None and best >= api.MAX_BATCH_LIMIT
+    if uses_bf16(on) and not profile.bf16_native:
+        notes.append(f"bf16: no bf16 tensor cores (sm{''.join(map(str, profile.compute_capability))}); torch "
+                     "emulates it, slowly: same bytes, not the same time (fp16 is this GPU's 16-bit type)")
+    note = attention_note(on, profile)
+    if note:
+        notes.append(note)  # (a figure of another program: the row says it is not exact)
+    return Placement(device=profile.name, usable=usable, compute_capability=tuple(profile.compute_capability),
+                     bf16_native=profile.bf16_native, allocated_peak=report.gpu.at_allocated_peak.allocated,
+                     reserved_peak=report.gpu.reserved_peak.reserved, outside_allocator=total.total - total.reserved,
+                     device_total_peak=total.total, capacity_needed=report.capacity_needed,
+                     fits=api.fits(report, usable), margin=usable - report.capacity_needed, max_micro_batch=best,
+                     searched=best is not None, search_limit_reached=capped, exact=note is None,
+                     notes=tuple(notes))
+
+
+def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool = True,
+          progress: Callable[[int, int, str], None] | None = None) -> Where:
+    """`scenario` placed on each GPU profile of `devices` (all by default), smallest memory first. `progress(i,
+    n, name)` is called before the i-th of n profiles (0-based) is simulated."""
+    profiles = gpu_profiles(devices)
+    placements = []
+    for i, profile in enumerate(profiles):
+        if progress is not None:
+            progress(i, len(profiles), profile.name)
+        placements.append(place(scenario, profile, search))
+    s = scenario.setup
+    return Where(scenario=scenario.name, micro_batch=s.micro_batch, precision=s.precision,
+                 headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.world_size,
+                 placements=placements)
