@@ -1,14 +1,16 @@
-"""Run every example of README.md's "## Commands" block, N times in a row, and report what passes.
+"""Run every example of README.md's "## Will my run fit?" and "## Tasks" blocks and of its "## Commands
+(reference)" block, N times in a row, and report what passes.
 
     python bench/readme_examples.py                 # 20 runs of every command
     python bench/readme_examples.py --runs 1        # one pass
     python bench/readme_examples.py --only explain  # a subset (plus the commands it depends on)
     python bench/readme_examples.py --write         # also write the table into bench/RESULTS.md
 
-The README is the single source of the examples: the script parses the first fenced block after the
-"## Commands" heading, one command a line (a trailing backslash continues a line; blank lines and lines
-starting with `#` are skipped), and splits each line as bash would (quotes, and a `#` that starts a
-word begins the trailing comment). Nothing is copied from the README into this file.
+The README is the single source of the examples: the script parses every fenced block of the "## Will my run
+fit?" and "## Tasks" sections and the first one after the "## Commands (reference)" heading, one command a
+line (a trailing backslash continues a line; blank lines and lines starting with `#` are skipped), and splits
+each line as bash would (quotes, and a `#` that starts a word begins the trailing comment). Nothing is copied
+from the README into this file.
 
 How a command runs:
   * the program `peakledger` is the one next to sys.executable (the venv's), else `.venv/bin/peakledger`,
@@ -86,25 +88,38 @@ class Example:
 
 # ---------------------------------------------------------------- parsing the README
 
-def commands_block(text: str) -> list[str]:
-    """The lines of the first fenced block after the '## Commands' heading (before the next '## ')."""
-    lines = text.splitlines()
+# the README's runnable sections: every fenced block of the first two, the first block of the reference
+SECTIONS = (("## Will my run fit?", True), ("## Tasks", True), ("## Commands (reference)", False))
+
+
+def _blocks(lines: list[str], heading: str, every: bool) -> list[str]:
+    """The lines of the fenced blocks after `heading` (before the next '## '): all of them, or the first."""
     try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "## Commands")
+        start = next(i for i, line in enumerate(lines) if line.strip() == heading)
     except StopIteration:
-        raise SystemExit("README.md has no '## Commands' heading") from None
-    block, inside = [], False
+        raise SystemExit(f"README.md has no '{heading}' heading") from None
+    block, inside, found = [], False, 0
     for line in lines[start + 1:]:
         if not inside and line.startswith("## "):
             break
         if line.strip().startswith("```"):
             if inside:
-                return block
-            inside = True
+                found += 1
+                if not every:
+                    return block
+            inside = not inside
             continue
         if inside:
             block.append(line)
-    raise SystemExit("README.md's '## Commands' section has no closed fenced block")
+    if inside or not found:
+        raise SystemExit(f"README.md's '{heading}' section has no closed fenced block")
+    return block
+
+
+def commands_block(text: str) -> list[str]:
+    """The command lines of the README's runnable sections (SECTIONS), in README order."""
+    lines = text.splitlines()
+    return [line for heading, every in SECTIONS for line in _blocks(lines, heading, every)]
 
 
 def split_comment(line: str) -> tuple[str, str]:
@@ -306,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     examples = parse_examples(open(args.readme).read())
     if not examples:
-        raise SystemExit("README.md's '## Commands' block has no commands")
+        raise SystemExit("README.md's runnable sections have no commands")
     tracked = tracked_paths()
     indices = list(range(len(examples)))
     if args.only:
@@ -366,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         subset = f" (commands containing `{args.only}` and what they depend on)" if args.only else ""
         section = "\n".join([
             HEADING, "",
-            f"Every command of README.md's `## Commands` block{subset}, {args.runs} run"
+            f"Every command of README.md's runnable sections (Will my run fit?, Tasks, Commands){subset}, "
+            f"{args.runs} run"
             f"{'s' if args.runs > 1 else ''} in a row, each run in a fresh temporary directory "
             f"(`python bench/readme_examples.py --runs {args.runs} --jobs {max(1, args.jobs)}"
             f"{' --only ' + shlex.quote(args.only) if args.only else ''} --write`). Machine: {platform.machine()}, "
