@@ -45,7 +45,7 @@ from ..simulator.events import Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
 from .device import device_settings, gpu_memory
 from .peaks import with_headroom
-from .units import UNITS, format_bytes
+from .units import format_bytes
 
 DEFAULT_POLICIES = tuple(p for p in CHECKPOINTING if p != "layers")
 PLAIN, CHECKPOINTED = 0, 1
@@ -260,24 +260,12 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.4g} ms" if s < 1 else f"{s:.4g} s"
 
 
-def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", unit: str = "GiB") -> None:
-    """Scatter of peak memory against recompute share, one labelled point per policy; written atomically."""
-    import matplotlib.pyplot as plt  # matplotlib is set up (Agg) by .plot
+def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", unit: str = "GiB", **options) -> None:
+    """Each policy's device memory against its step time, the budget and the chosen layer set (`options`:
+    budget, chosen, setup), written atomically; drawn by analysis/plot.py `checkpointing_figure`."""
+    from .plot import plot_peak_vs_recompute as draw  # matplotlib, loaded for the picture only
 
-    from .plot import save_figure
-
-    scale = UNITS[unit]
-    ok = [r for r in rows if r.error is None]
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=100)
-    ax.scatter([100 * r.recompute_fraction for r in ok], [r.peak / scale for r in ok], color="#1f77b4", zorder=3)
-    for r in ok:
-        ax.annotate(r.label, (100 * r.recompute_fraction, r.peak / scale), textcoords="offset points",
-                    xytext=(6, 4), fontsize=8)
-    ax.set_xlabel("recomputed FLOPs (% of forward + backward)")
-    ax.set_ylabel(f"peak device memory ({unit})")
-    ax.set_title(title or "activation checkpointing: peak vs recompute")
-    ax.grid(True, lw=0.3)
-    save_figure(fig, path)
+    draw(rows, path, title, unit, **options)
 
 
 # -- per-layer costs ---------------------------------------------------------------------------------

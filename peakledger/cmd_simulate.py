@@ -25,7 +25,8 @@ from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
-from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json
+from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json, add_check_flag, budget_of, check_line
+from .deadline import deadline_budget, render_ranking
 from .inputs import (
     check_command_outputs,
     scenario_from_args,
@@ -61,17 +62,34 @@ def cmd_simulate(args) -> int:
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
     scenario = scenario_from_args(args)
+    if args.check and budget is None:
+        budget = budget_of(args, scenario)
+        if budget is None:
+            raise ConfigError("check", "checks the run against a budget: give --budget (the cpu profile has no "
+                                       "memory size of its own) or a GPU --device")
     graph = api.op_graph(scenario, budget)
     report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
+        from .analysis.plot import setup_text
+        from .models.costs import DEVICES
+
         gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
+        oom = report.log.ooms[0] if report.log.ooms else None
+        steps = StepPlan.of(report.log.metadata).summary() or f"{report.steps} steps"
+        if report.log.metadata.get("stopped_at_oom"):
+            steps += ", stopped at the first OOM"
         plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
-                      title=f"{scenario.name}: allocated by category" + (" and reserved" if gpu else ""),
-                      reserved=gpu.series if gpu else None)
+                      title=f"device memory of rank {report.peaks.rank} over the run ({steps}): allocated by "
+                            f"category" + (", reserved and the device total" if gpu else ""),
+                      reserved=gpu.series if gpu else None, budget=budget, headroom=scenario.headroom,
+                      capacity=(scenario.device, DEVICES[scenario.device].memory_bytes) if gpu else None,
+                      outside=gpu.context + sum(gpu.outside.values()) if gpu else 0,
+                      oom=(oom.event.time, f"{oom.event.op} ({format_bytes(oom.event.block.nbytes, args.unit)})")
+                      if oom else None, setup=setup_text(scenario, budget, args.unit))
     if args.export_snapshot:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
-        write_chrome_trace(report.log, args.export_chrome)
+        write_chrome_trace(report.log, args.export_chrome, graph)
     path = None
     if args.export_graph:
         from .simulator.graph_nx import critical_path, write_graphml  # networkx, loaded for this export only
@@ -80,8 +98,11 @@ def cmd_simulate(args) -> int:
         path = critical_path(graph)
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
+    fits = api.fits(report, budget) if args.check else None
     if args.json:
-        _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {})})
+        _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
+                     **({"fit_check": {"budget": budget, "fits": fits, "capacity_needed": report.capacity_needed}}
+                        if args.check else {})})
     else:
         print(render_text(report, args.unit))
         if path:
@@ -89,12 +110,17 @@ def cmd_simulate(args) -> int:
         if written:
             print(f"written: {', '.join(written)}"
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
-    return 0
+        if args.check:
+            print(check_line(fits, report.capacity_needed, budget, args.unit))
+    return 1 if fits is False else 0
 
 
 def cmd_max_batch(args) -> int:
-    budget = _budget(args)
     scenario = scenario_from_args(args)
+    budget = budget_of(args, scenario)
+    if budget is None:
+        raise ConfigError("budget", "max-batch needs a budget: give --budget (e.g. 24GiB) or a GPU --device, whose "
+                                    "memory is the budget")
     best = api.max_micro_batch(scenario, budget)
     fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
@@ -104,22 +130,40 @@ def cmd_max_batch(args) -> int:
         at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
         result["peak_at_max"] = at.peaks.peak.bytes
         result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.dp
+    else:
+        one = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=1)))
+        result["capacity_needed_at_1"] = one.capacity_needed
+        result["why_none"] = _why_no_batch(best, fixed, one.capacity_needed, budget, args.unit)
     if args.json:
         _write_json(result)
-        return 0
+        return 1 if args.check and best < 1 else 0
     u = args.unit
     print(f"{scenario.name}: budget {format_bytes(budget, u)}, fixed state {format_bytes(fixed, u)}")
-    if best < 0:
-        print("max micro-batch: -1 (even parameters, gradients and optimizer states do not fit)")
-    elif best == 0:
-        print("max micro-batch: 0 (the fixed state fits, but not one sample of activations)")
+    if best < 1:
+        print(f"max micro-batch: none fits. {result['why_none']}")
     elif capped:
         print(f"max micro-batch: at least {best:,} (the search stops at {api.MAX_BATCH_LIMIT:,}; the budget holds "
               f"more: peak there {format_bytes(result['peak_at_max'], u)})")
     else:
         print(f"max micro-batch: {best} (peak {format_bytes(result['peak_at_max'], u)}; B_eff "
               f"{result['effective_batch_at_max']} with accumulation {scenario.setup.grad_accum})")
-    return 0
+    if args.check:
+        print("fit check: FITS (micro-batch 1 and up to the maximum)" if best >= 1 else
+              "fit check: DOES NOT FIT (not even micro-batch 1)")
+    return 1 if args.check and best < 1 else 0
+
+
+def _why_no_batch(best: int, fixed: int, at_one: int, budget: int, unit: str) -> str:
+    """Why no micro-batch fits (best -1: the fixed state alone is over; 0: one sample's activations are)."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    if best < 0:
+        return (f"Even the fixed state (parameters, gradients, master weights and optimizer states: {f(fixed)}) is "
+                f"over the budget of {f(budget)} by {f(fixed - budget)}; shard it (--dp-engine fsdp2 or --zero-stage "
+                "3 with more ranks), train less of it (--lora-r, --freeze), or keep smaller states (--optimizer "
+                "adam-8bit, --optimizer-offload states); `peakledger explain` ranks these, each re-simulated.")
+    return (f"The fixed state fits ({f(fixed)}), but micro-batch 1 needs {f(at_one)}: over the budget of {f(budget)} "
+            f"by {f(at_one - budget)}; activation checkpointing (--checkpointing full, or `peakledger "
+            "checkpointing`), a shorter --seq-len, or more ranks to shard over; `peakledger explain` ranks these.")
 
 
 def cmd_peers(args, base) -> int:
@@ -144,6 +188,10 @@ def cmd_compare(args) -> int:
     if args.peers and args.case:
         raise ConfigError("case", "--peers compares DeepSpeed's ZeRO stages of the base scenario; --case does not "
                                   "apply with it: drop one")
+    if args.peers and args.plot:
+        raise ConfigError("plot", "--plot draws the --case comparison; --peers prints the estimators' table: drop one")
+    check_command_outputs(args, ["plot"])
+    budget = _budget(args)
     if args.peers:
         return cmd_peers(args, base)
     cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
@@ -151,6 +199,10 @@ def cmd_compare(args) -> int:
     for name, changes in cases:
         scenario = base.with_changes(name=name, **changes)
         results.append((name, api.run(scenario)))
+    if args.plot:
+        from .analysis.plot import plot_compare, setup_text
+
+        plot_compare(results, args.plot, args.unit, budget=budget, setup="base: " + setup_text(base, budget, args.unit))
     if args.json:
         _write_json({"cases": [report_json(r) for _, r in results]})
         return 0
@@ -177,22 +229,39 @@ def cmd_compare(args) -> int:
     for name, r in results:
         e = r.peaks.peak.event
         print(f"  {name}: {e.op} ({e.phase.value}, step {e.step})")
+    if budget is not None:
+        verdicts = [f"{name} {'fits' if api.fits(r, budget) else 'does not fit'}" for name, r in results]
+        print(f"budget {format_bytes(budget, u)} per rank: {', '.join(verdicts)}")
+    if args.plot:
+        print(f"plot written to {args.plot}")
     return 0
 
 
 def cmd_sweep(args) -> int:
-    if args.output is None and args.json_output is None:
-        raise ConfigError("output", "give --output FILE.csv and/or --json-output FILE.json")
-    check_command_outputs(args, ["output", "json_output"])
+    if args.output is None and args.json_output is None and args.plot is None:
+        raise ConfigError("output", "give --output FILE.csv, --json-output FILE.json and/or --plot FILE.png")
+    check_command_outputs(args, ["output", "json_output", "plot"])
     base = scenario_from_args(args)
     grid = sweep.parse_grid(args.grid or [])
+    if args.plot:
+        from .analysis.plot import check_sweep_plot
+
+        check_sweep_plot(grid)  # before any work
     budget = _budget(args)
+    deadline = deadline_budget(args.target_tokens, args.target_steps, args.deadline, args.step_time, budget)
     result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs,
-                             engine=args.engine, address=args.address)
-    sweep.write(result, base, grid, args.output, args.json_output)
+                             engine=args.engine, address=args.address, deadline=deadline)
+    sweep.write(result, base, grid, args.output, args.json_output, deadline)
+    if args.plot:
+        from .analysis.plot import plot_sweep, setup_text
+
+        plot_sweep(grid, result, args.plot, args.unit, budget=budget,
+                   setup=setup_text(base, budget, args.unit, varied=grid))
     failed = sum(1 for p in result if p.result["error"])
-    written = " and ".join(x for x in (args.output, args.json_output) if x)
+    written = " and ".join(x for x in (args.output, args.json_output, args.plot) if x)
     print(f"{len(result)} points simulated ({failed} invalid, each with its error) into {written}")
+    if deadline is not None:
+        print(render_ranking([(p.values, p.result) for p in result], deadline, args.unit))
     return 0
 
 
@@ -203,7 +272,12 @@ def cmd_checkpointing(args) -> int:
     rows = policy_table(scenario)
     best = optimal_checkpointing(scenario, budget) if budget is not None else None
     if args.plot:
-        plot_peak_vs_recompute(rows, args.plot, title=f"{scenario.name}: peak vs recompute", unit=args.unit)
+        from .analysis.plot import setup_text
+
+        plot_peak_vs_recompute(rows, args.plot, title="activation checkpointing: device memory and step time per "
+                               "policy" + (", and the least-recompute layer set for the budget" if best else ""),
+                               unit=args.unit, budget=budget, chosen=best,
+                               setup=setup_text(scenario, budget, args.unit))
     if args.json:
         _write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
                      "optimal": best.as_json() if best else None})
@@ -222,19 +296,28 @@ def register(sub) -> None:
     s = sub.add_parser("simulate", help="simulate a scenario and print the ledger and peaks")
     _add_scenario_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category")
+    s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category over time, the budget, "
+                                                  "zooms on the optimizer step and the peak")
     s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
     s.add_argument("--stop-at-oom", action="store_true", help="with --budget: end the run at the first OOM")
+    add_check_flag(s)
     s.add_argument("--export-snapshot", metavar="FILE",
-                   help="write a CUDA-snapshot pickle (open with torch/cuda/_memory_viz.py or pytorch.org/memory_viz)")
-    s.add_argument("--export-chrome", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+                   help="write a CUDA memory snapshot pickle in torch.cuda.memory._snapshot()'s format (python -m "
+                        "torch.cuda._memory_viz stats|trace_plot|segment_plot FILE, or pytorch.org/memory_viz): per "
+                        "rank, the modelled caching allocator's segments and blocks at the end and its trace "
+                        "(segment_alloc/free, alloc, free, oom); on --device cpu, which has no caching allocator, "
+                        "each tensor is its own segment")
+    s.add_argument("--export-chrome", metavar="FILE",
+                   help="write a Chrome trace JSON (Perfetto, chrome://tracing): step, phase and op duration slices "
+                        "per rank (pid) and stream (tid), beside counters of the bytes live per category")
     s.add_argument("--export-graph", metavar="FILE",
                    help="write the op graph as GraphML (networkx) and print its critical path")
     s.set_defaults(func=cmd_simulate)
     m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
     _add_scenario_flags(m)
-    m.add_argument("--budget", required=True, help="80GiB, 80GB or plain bytes")
+    m.add_argument("--budget", help="80GiB, 24G, 80GB (default: the --device profile's memory)")
     m.add_argument("--json", action="store_true")
+    add_check_flag(m)
     m.set_defaults(func=cmd_max_batch)
     c = sub.add_parser("compare", help="several scenarios side by side")
     _add_scenario_flags(c)
@@ -242,12 +325,15 @@ def register(sub) -> None:
     c.add_argument("--peers", action="store_true",
                    help="ZeRO stages 0-3: peakledger per rank vs the ZeRO paper and DeepSpeed's estimators")
     c.add_argument("--json", action="store_true")
+    c.add_argument("--budget", help="device capacity per rank (80GiB, 80GB, bytes): which cases fit; a line on --plot")
+    c.add_argument("--plot", metavar="FILE", help="PNG of each case's peak, stacked by category, and the budget")
     c.set_defaults(func=cmd_compare)
     a = sub.add_parser("checkpointing", help="activation checkpointing policies: peak, recompute, step time; "
                                              "the cheapest layer set that fits a budget")
     _add_scenario_flags(a)
     a.add_argument("--budget", help="find the least-recompute set of checkpointed layers that fits (80GiB, ...)")
-    a.add_argument("--plot", metavar="FILE", help="PNG of peak vs recompute per policy")
+    a.add_argument("--plot", metavar="FILE", help="PNG of device memory vs step time per policy, the budget and "
+                                                  "the chosen layer set")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_checkpointing)
     w = sub.add_parser("sweep", help="simulate a grid of inputs on every core into CSV / JSON")
@@ -262,4 +348,12 @@ def register(sub) -> None:
     w.add_argument("--address", help="ray / dask: an existing cluster's address (default: a local cluster for the run)")
     w.add_argument("--output", metavar="FILE.csv")
     w.add_argument("--json-output", metavar="FILE.json")
+    w.add_argument("--plot", metavar="FILE.png", help="PNG of the device memory each point needs and the budget: a "
+                                                      "line over one field, a heatmap over two")
+    dg = w.add_argument_group("deadline (peakledger/deadline.py): which points fit the budget and finish in time")
+    dg.add_argument("--target-tokens", metavar="N", help="tokens to train on: 2e9, 2000000000, 2B")
+    dg.add_argument("--target-steps", metavar="N", help="or optimizer steps to run (instead of --target-tokens)")
+    dg.add_argument("--deadline", metavar="TIME", help="wall-clock limit with a unit: 90m, 48h, 2d")
+    dg.add_argument("--step-time", metavar="TIME", help="a measured step time (1.9s), for every point, instead of "
+                                                        "the cost model's")
     w.set_defaults(func=cmd_sweep)

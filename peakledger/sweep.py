@@ -7,6 +7,14 @@ largest micro-batch that fits a budget. A point whose values are invalid togethe
 wrong engine, a sequence longer than the model's) is a row with its error, not a crash of the sweep.
 Output files are written atomically; same grid, same bytes.
 
+The CSV describes itself: the grid's fields, then the model, precision, device and world size of the points (those
+the grid does not vary), then the results, each with its unit in its name (`peak_bytes`, `step_time_s`,
+`budget_bytes`: what `fits` was checked against). With a deadline (`deadline=DeadlineBudget(...)`, the CLI's
+`--target-tokens` / `--target-steps`, `--deadline`, `--step-time`) each point also gets the deadline columns of
+peakledger/deadline.py (tokens per step, steps needed, wall-clock, GPU-hours, verdict, `deadline_rank`): the
+columns are computed where the point runs, the ranking once all have come back, so every engine gives the same
+bytes. Without `budget`, a deadline sweep checks each point against its device profile's capacity.
+
 Engines (where the points run; the rows, their order and the output bytes are the same on every one):
 
 - `local`: a fork pool of `jobs` processes on this machine (default every core; `jobs=1` runs inline).
@@ -49,12 +57,20 @@ from dataclasses import dataclass
 from multiprocessing import resource_tracker
 
 from . import api
+from . import deadline as dl
 from .models.config import ConfigError
+from .models.costs import device_profile
 from .scenario import Scenario, parse_value
 from .simulator.files import write_atomic
 
+# what a point is of (each one not varied by the grid becomes a column after the grid's)
+DESCRIBE = ["model", "precision", "device", "world_size"]
 COLUMNS = ["peak_bytes", "first_step_peak_bytes", "steady_peak_bytes", "capacity_needed_bytes", "peak_op",
-           "peak_phase", "peak_step", "step_time_s", "fits", "max_micro_batch", "error"]
+           "peak_phase", "peak_step", "step_time_s", "budget_bytes", "fits", "max_micro_batch", "error"]
+# with a deadline (peakledger/deadline.py plan_point, and the rank among the points)
+DEADLINE_COLUMNS = ["target_tokens", "tokens_per_step", "steps_needed", "step_time_used_s", "step_time_source",
+                    "wall_clock_h", "deadline_h", "meets_deadline", "late_by_h", "over_budget_bytes", "gpu_hours",
+                    "meets_both", "deadline_rank", "verdict"]
 
 ENGINES = ("local", "ray", "dask")
 # engine -> (the module it needs, the extra that installs it)
@@ -91,14 +107,24 @@ def points(grid: dict[str, list]) -> list[dict]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
-    base, values, budget, max_batch = task
-    out = {c: "" for c in COLUMNS}
+def describe(base: Scenario) -> dict:
+    """The DESCRIBE columns of the base scenario (a grid that varies one of them has its own column instead)."""
+    return {"model": base.model.name, "precision": base.setup.precision, "device": base.device,
+            "world_size": base.setup.world_size}
+
+
+def _evaluate(task: tuple[Scenario, dict, int | None, bool, dl.DeadlineBudget | None]) -> dict:
+    base, values, budget, max_batch, deadline = task
+    out = {**describe(base), **{c: "" for c in COLUMNS + (DEADLINE_COLUMNS if deadline else [])}}
     try:
         scenario = base.with_changes(**values)
         report = api.run(scenario)
+        if budget is None and deadline is not None:  # the point's own device: its capacity
+            budget = device_profile(scenario.device).memory_bytes
     except ConfigError as e:
         out["error"] = str(e)
+        if deadline is not None:
+            out["verdict"] = dl.INVALID
         return out
     pk = report.peaks
     out.update(peak_bytes=pk.peak.bytes, first_step_peak_bytes=pk.first_step.bytes,
@@ -107,9 +133,16 @@ def _evaluate(task: tuple[Scenario, dict, int | None, bool]) -> dict:
                if pk.peak.event else "", peak_step=pk.peak.event.step if pk.peak.event else "",
                step_time_s=report.time_per_step_s)
     if budget is not None:
+        out["budget_bytes"] = budget
         out["fits"] = api.fits(report, budget)  # on a GPU profile: the caching allocator within the budget
         if max_batch:
             out["max_micro_batch"] = api.max_micro_batch(scenario, budget)
+    if deadline is not None:
+        s = scenario.setup
+        step_time, source = dl.steady_step_seconds(report.log) if deadline.step_time_s is None else (0.0, "")
+        out.update(dl.plan_point(deadline, tokens=dl.tokens_per_step(s.micro_batch, s.seq_len, s.grad_accum, s.dp),
+                                 step_time_s=step_time, step_time_source=source, world_size=s.world_size,
+                                 capacity_needed=report.capacity_needed, fits=out["fits"], memory_bytes=budget))
     return out
 
 
@@ -144,22 +177,33 @@ def check_engine(engine: str, address: str | None = None, jobs: int | None = Non
 
 def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, max_batch: bool = False,
               jobs: int | None = None, progress: bool = True, engine: str = "local",
-              address: str | None = None) -> list[SweepPoint]:
-    """Simulate every grid point on `engine` (see the module docstring); results in grid order."""
+              address: str | None = None, deadline: dl.DeadlineBudget | None = None) -> list[SweepPoint]:
+    """Simulate every grid point on `engine` (see the module docstring); results in grid order. With `deadline`
+    each point has the deadline columns and its `deadline_rank` among the points (peakledger/deadline.py)."""
     check_engine(engine, address, jobs)
-    if max_batch and budget is None:
+    if deadline is not None and not isinstance(deadline, dl.DeadlineBudget):
+        raise ConfigError("deadline", f"expected a DeadlineBudget, got {type(deadline).__name__}")
+    if deadline is not None and deadline.memory_bytes is not None:
+        if budget is not None and budget != deadline.memory_bytes:
+            raise ConfigError("budget", f"two memory budgets: {budget} bytes and the deadline's {deadline.memory_bytes}"
+                                        "; give one")
+        budget = deadline.memory_bytes
+    if max_batch and budget is None and deadline is None:
         raise ConfigError("budget", "--max-batch needs --budget")
     unknown = sorted(set(grid) - base.settings())
     if unknown:  # a misspelt field is an error, not a grid of error rows
         raise ConfigError("grid", f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(base.settings()))}")
     pts = points(grid)
-    tasks = [(base, p, budget, max_batch) for p in pts]
+    tasks = [(base, p, budget, max_batch, deadline) for p in pts]
     if not tasks:
         return []
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
     run = {"local": _run_local, "ray": _run_ray, "dask": _run_dask}[engine]
     with _Interrupts(), _progress(len(tasks), progress) as bar:
         results = run(tasks, workers, address, bar)
+    if deadline is not None:  # the ranking needs every point: here, once they are all back, on every engine
+        for place, i in enumerate(dl.rank_points(results), start=1):
+            results[i]["deadline_rank"] = place
     return [SweepPoint(values=p, result=r) for p, r in zip(pts, results)]
 
 
@@ -470,20 +514,31 @@ class _progress:
         self.close()
 
 
+def result_columns(sweep: list[SweepPoint]) -> list[str]:
+    """The result columns the points have, in order: DESCRIBE, COLUMNS, and DEADLINE_COLUMNS with a deadline."""
+    first = sweep[0].result if sweep else {}
+    return DESCRIBE + COLUMNS + (DEADLINE_COLUMNS if "verdict" in first else []) if first else COLUMNS
+
+
 def to_csv(sweep: list[SweepPoint]) -> str:
     keys = list(sweep[0].values) if sweep else []
+    columns = [c for c in result_columns(sweep) if c not in keys]  # a field the grid varies is its column
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(keys + COLUMNS)
+    w.writerow(keys + columns)
     for p in sweep:
-        w.writerow([_cell(p.values[k]) for k in keys] + [p.result[c] for c in COLUMNS])
+        w.writerow([_cell(p.values[k]) for k in keys] + [p.result[c] for c in columns])
     return buf.getvalue()
 
 
-def to_json(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list]) -> str:
-    return json.dumps({"scenario": base.name, "grid": {k: [_cell(v) for v in vs] for k, vs in grid.items()},
-                       "unit": "B", "points": [{"values": {k: _cell(v) for k, v in p.values.items()},
-                                                **{c: p.result[c] for c in COLUMNS}} for p in sweep]},
+def to_json(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list],
+            deadline: dl.DeadlineBudget | None = None) -> str:
+    columns = [c for c in result_columns(sweep) if c not in DESCRIBE]
+    return json.dumps({"scenario": base.name, **describe(base),
+                       "grid": {k: [_cell(v) for v in vs] for k, vs in grid.items()}, "unit": "B",
+                       **({"deadline": deadline.as_json()} if deadline is not None else {}),
+                       "points": [{"values": {k: _cell(v) for k, v in p.values.items()},
+                                   **{c: p.result[c] for c in columns}} for p in sweep]},
                       indent=1, default=str) + "\n"
 
 
@@ -492,11 +547,12 @@ def _cell(value):
 
 
 def write(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list], csv_path: str | None,
-          json_path: str | None) -> None:
+          json_path: str | None, deadline: dl.DeadlineBudget | None = None) -> None:
     if csv_path:
         write_atomic(csv_path, to_csv(sweep).encode())
     if json_path:
-        write_atomic(json_path, to_json(sweep, base, grid).encode())
+        write_atomic(json_path, to_json(sweep, base, grid, deadline).encode())
 
 
-__all__ = ["parse_grid", "points", "run_sweep", "check_engine", "to_csv", "to_json", "write", "COLUMNS", "ENGINES"]
+__all__ = ["parse_grid", "points", "run_sweep", "check_engine", "to_csv", "to_json", "write", "describe",
+           "result_columns", "COLUMNS", "DESCRIBE", "DEADLINE_COLUMNS", "ENGINES"]
