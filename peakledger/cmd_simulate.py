@@ -33,6 +33,7 @@ from .inputs import (
 )
 from .models.config import ConfigError
 from .models.training import StepPlan
+from .progress import progress
 from .simulator.timeline import timeline
 
 if TYPE_CHECKING:
@@ -67,8 +68,9 @@ def cmd_simulate(args) -> int:
         if budget is None:
             raise ConfigError("check", "checks the run against a budget: give --budget (the cpu profile has no "
                                        "memory size of its own) or a GPU --device")
-    graph = api.op_graph(scenario, budget)
-    report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
+    with progress(f"describing and simulating {scenario.name}"):
+        graph = api.op_graph(scenario, budget)
+        report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
         from .analysis.plot import setup_text
         from .models.costs import DEVICES
@@ -121,8 +123,9 @@ def cmd_max_batch(args) -> int:
     if budget is None:
         raise ConfigError("budget", "max-batch needs a budget: give --budget (e.g. 24GiB) or a GPU --device, whose "
                                     "memory is the budget")
-    best = api.max_micro_batch(scenario, budget)
-    fixed = api.fixed_state_peak(scenario)
+    with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)"):
+        best = api.max_micro_batch(scenario, budget)
+        fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
               "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
@@ -196,9 +199,12 @@ def cmd_compare(args) -> int:
         return cmd_peers(args, base)
     cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
     results = []
-    for name, changes in cases:
-        scenario = base.with_changes(name=name, **changes)
-        results.append((name, api.run(scenario)))
+    with progress("simulating the cases", total=len(cases)) as bar:
+        for name, changes in cases:
+            bar.advance(0, f"simulating {name}")
+            scenario = base.with_changes(name=name, **changes)
+            results.append((name, api.run(scenario)))
+            bar.advance()
     if args.plot:
         from .analysis.plot import plot_compare, setup_text
 
@@ -269,8 +275,10 @@ def cmd_checkpointing(args) -> int:
     check_command_outputs(args, ["plot"])
     budget = _budget(args)
     scenario = scenario_from_args(args)
-    rows = policy_table(scenario)
-    best = optimal_checkpointing(scenario, budget) if budget is not None else None
+    with progress(f"simulating each checkpointing policy of {scenario.name}"
+                  + (" and searching the layer set" if budget is not None else "")):
+        rows = policy_table(scenario)
+        best = optimal_checkpointing(scenario, budget) if budget is not None else None
     if args.plot:
         from .analysis.plot import setup_text
 

@@ -10,12 +10,11 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 
 from __future__ import annotations
 
-import sys
-
 from .analysis.units import format_bytes
 from .cli_common import _add_scenario_flags, _write_json
 from .inputs import scenario_from_args
 from .models.config import ConfigError
+from .progress import progress
 from .where import GPU_PROFILES, Where, where
 
 
@@ -27,26 +26,6 @@ def _devices(text: str | None) -> list[str] | None:
         raise ConfigError("devices", f"expected comma-separated GPU profiles, got {text!r}; allowed: "
                                      f"{', '.join(GPU_PROFILES)}")
     return names
-
-
-class _Progress:
-    """One line on stderr, rewritten per profile, only when stderr is a terminal; erased at the end."""
-
-    def __init__(self) -> None:
-        self.on = sys.stderr.isatty()
-        self.width = 0
-
-    def __call__(self, i: int, n: int, name: str) -> None:
-        if self.on:
-            line = f"simulating on {name} ({i + 1}/{n})"
-            sys.stderr.write("\r" + line.ljust(self.width))
-            sys.stderr.flush()
-            self.width = max(self.width, len(line))
-
-    def close(self) -> None:
-        if self.on and self.width:
-            sys.stderr.write("\r" + " " * self.width + "\r")
-            sys.stderr.flush()
 
 
 def _batch(p) -> str:
@@ -92,11 +71,9 @@ def cmd_where(args) -> int:
                                     f"(allowed: {', '.join(GPU_PROFILES)})")
     devices = _devices(args.devices)
     scenario = scenario_from_args(args)
-    progress = _Progress()
-    try:
-        result = where(scenario, devices, search=not args.no_max_batch, progress=progress)
-    finally:
-        progress.close()
+    with progress("simulating on each GPU profile", total=len(devices or GPU_PROFILES)) as bar:
+        result = where(scenario, devices, search=not args.no_max_batch,
+                       progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"))
     if args.json:
         _write_json(result.as_json())
     else:

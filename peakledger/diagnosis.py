@@ -151,7 +151,8 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
     unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak."""
-    base = api.run(scenario)
+    with progress(f"simulating {scenario.name} as it is"):
+        base = api.run(scenario)
     setup = base.metadata.get("setup", {})
     moment = worst_moment(base.log, budget)
     found = first_gpu_oom(base.log, budget) if base.gpu is not None else None

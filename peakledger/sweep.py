@@ -60,6 +60,7 @@ from . import api
 from . import deadline as dl
 from .models.config import ConfigError
 from .models.costs import device_profile
+from .progress import progress as _progress  # (tests count its advances: sweep._progress)
 from .scenario import Scenario, parse_value
 from .simulator.files import write_atomic
 
@@ -199,7 +200,7 @@ def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, 
         return []
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
     run = {"local": _run_local, "ray": _run_ray, "dask": _run_dask}[engine]
-    with _Interrupts(), _progress(len(tasks), progress) as bar:
+    with _Interrupts(), _progress("simulating the grid", total=len(tasks), enabled=progress) as bar:
         results = run(tasks, workers, address, bar)
     if deadline is not None:  # the ranking needs every point: here, once they are all back, on every engine
         for place, i in enumerate(dl.rank_points(results), start=1):
@@ -487,31 +488,6 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-class _progress:
-    """A rich progress bar on stderr when it is a terminal; silent otherwise. A context manager, so the
-    bar is taken down (and the cursor restored) on every exit path."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import Progress
-            self.bar = Progress(transient=True, console=None)
-            self.bar.start()
-            self.task = self.bar.add_task("simulating", total=total)
-
-    def advance(self, n: int = 1) -> None:
-        if self.bar is not None:
-            self.bar.advance(self.task, n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def __enter__(self) -> _progress:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def result_columns(sweep: list[SweepPoint]) -> list[str]:

@@ -223,8 +223,7 @@ def test_progress_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr("sys.stdout", out)
     assert main(["where", "--preset", "tiny", "--devices", "T4-16GB,L4-24GB", "--no-max-batch"]) == 0
     shown = err.getvalue()
-    assert shown.startswith("\rsimulating on T4-16GB (1/2)") and "\rsimulating on L4-24GB (2/2)" in shown
-    assert shown.endswith(" " * len("simulating on T4-16GB (1/2)") + "\r")  # erased: the table alone on stdout
+    assert "simulating on" in shown  # rich's bar on stderr (peakledger/progress.py), taken down at the end
     assert "simulating" not in out.getvalue() and out.getvalue().startswith("tiny: micro-batch")
 
 
