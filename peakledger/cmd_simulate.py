@@ -32,6 +32,7 @@ from .inputs import (
     scenario_from_args,
 )
 from .models.config import ConfigError
+from .models.costs import DEVICES
 from .models.training import StepPlan
 from .progress import progress
 from .simulator.timeline import timeline
@@ -72,8 +73,7 @@ def cmd_simulate(args) -> int:
         graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
-        from .analysis.plot import setup_text
-        from .models.costs import DEVICES
+        from .analysis.plot import setup_text  # matplotlib, loaded for the picture only
 
         gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
         oom = report.log.ooms[0] if report.log.ooms else None

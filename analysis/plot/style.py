@@ -1,0 +1,181 @@
+"""The shared look of every picture: one colour per category, the stacking order, phases, the budget line,
+titles with the setup, units, and `save_figure` (atomic, byte for byte the same for the same input)."""
+
+from __future__ import annotations
+
+import io
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from ...simulator.events import Category, Phase
+from ...simulator.files import write_atomic
+from ..units import UNITS, format_bytes
+
+# -- the shared tables -------------------------------------------------------------------------------
+
+CATEGORY_COLOURS: dict[Category, str] = {
+    Category.PARAMETER: "#0072B2",  # Okabe-Ito blue
+    Category.MASTER_PARAMETER: "#56B4E9",  # sky blue: the parameters' fp32 copy, beside them
+    Category.GRADIENT: "#E69F00",  # orange
+    Category.OPTIMIZER_STATE: "#009E73",  # bluish green
+    Category.BUFFER: "#999999",  # grey
+    Category.INPUT: "#F0E442",  # yellow
+    Category.WORKSPACE: "#332288",  # Tol indigo
+    Category.ALL_GATHER_BUFFER: "#882255",  # Tol wine
+    Category.REDUCE_SCATTER_BUCKET: "#999933",  # Tol olive
+    Category.CHECKPOINT_STAGING: "#117733",  # Tol green
+    Category.ACTIVATION: "#CC79A7",  # reddish purple
+    Category.TEMPORARY: "#D55E00",  # vermillion
+    Category.UNKNOWN: "#000000",  # black: a measured block no rule could label
+}
+CATEGORY_HATCHES: dict[Category, str] = {Category.WORKSPACE: "x", Category.ALL_GATHER_BUFFER: "/",
+                                         Category.REDUCE_SCATTER_BUCKET: "\\", Category.CHECKPOINT_STAGING: ".",
+                                         Category.BUFFER: "-", Category.UNKNOWN: "+"}
+STACK_ORDER: tuple[Category, ...] = (
+    Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.BUFFER,
+    Category.WORKSPACE, Category.INPUT, Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET,
+    Category.CHECKPOINT_STAGING, Category.ACTIVATION, Category.TEMPORARY, Category.UNKNOWN)
+
+PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e3eefa", Phase.BACKWARD: "#fbeadf",
+                 Phase.OPTIMIZER: "#e2f4dc", Phase.ZERO_GRAD: "#efe3f5", Phase.CHECKPOINT: "#fff3c2"}
+PHASE_SHORT = {Phase.LOAD: "load", Phase.FORWARD: "fwd", Phase.BACKWARD: "bwd", Phase.OPTIMIZER: "opt",
+               Phase.ZERO_GRAD: "zero", Phase.CHECKPOINT: "save"}
+
+BUDGET_COLOUR = "#C00000"
+OK_COLOUR, OVER_COLOUR, NEUTRAL_COLOUR, CHOSEN_COLOUR = "#009E73", "#D55E00", "#0072B2", "#7B3294"
+BASE_FONT = 10
+
+_ENGINES = {"fsdp2": "FSDP2", "ddp": "DDP", "zero-redundancy-optimizer": "DDP + ZeroRedundancyOptimizer"}
+
+
+def _label(category: Category) -> str:
+    return category.value.replace("_", " ")
+
+
+def _style() -> dict:
+    return {"font.size": BASE_FONT, "axes.titlesize": BASE_FONT + 1, "axes.labelsize": BASE_FONT,
+            "legend.fontsize": BASE_FONT - 1, "xtick.labelsize": BASE_FONT - 1, "ytick.labelsize": BASE_FONT - 1,
+            "svg.hashsalt": "peakledger"}
+
+
+def setup_text(scenario, budget: int | None = None, unit: str = "GiB", varied=()) -> str:
+    """One line naming the setup: model, precision and optimizer, micro-batch x sequence, ranks and engine,
+    checkpointing, LoRA, device and whose GPU rules; the budget when given. Fields in `varied` (a sweep's grid)
+    read "*": the picture's axes give them."""
+    s = scenario.setup
+    varied = set(varied)
+
+    def g(name, default=None):
+        return "*" if name in varied else getattr(s, name, default)
+
+    def on(name, off):  # a knob that is set (or swept)
+        return name in varied or getattr(s, name, off) != off
+
+    parts = [str(scenario.name)]
+    precision = f"{g('precision')}, {g('optimizer')}"
+    if on("optimizer_offload", "none"):
+        precision += f" (states offloaded: {g('optimizer_offload')})"
+    parts.append(precision)
+    batch = f"micro-batch {g('micro_batch')} x seq {g('seq_len')}"
+    if on("grad_accum", 1):
+        batch += f" x {g('grad_accum')} accumulated"
+    parts.append(batch)
+    world = g("world_size", 1)
+    ranks = "1 rank" if world == 1 else f"{world} ranks"
+    mesh = [f"{k} {g(k)}" for k in ("tp", "pp", "cp", "ep") if on(k, 1)]
+    if world != 1:
+        engine = g("dp_engine", "deepspeed")
+        ranks += ", " + (f"ZeRO-{g('zero_stage', 0)}" if engine == "deepspeed" else _ENGINES.get(engine, engine))
+    if mesh:
+        ranks += ", " + " x ".join(mesh)
+    parts.append(ranks)
+    if on("checkpointing", "none"):
+        parts.append(f"checkpointing {g('checkpointing')}")
+    if on("lora_r", 0):
+        parts.append(f"LoRA r={g('lora_r')}" + (f", {g('quantize')}" if on("quantize", "none") else ""))
+    device = "device *" if "device" in varied else str(getattr(scenario, "device", ""))
+    if device and device != "cpu":
+        device += f", torch {getattr(scenario, 'torch_version', '2.6')} rules"
+    parts.append(device)
+    if budget is not None:
+        parts.append(f"budget {_size(budget, _axis_unit(unit, budget))}")
+    return " | ".join(p for p in parts if p)
+
+
+def _size(nbytes: float, unit: str) -> str:
+    """Bytes in `unit`, or a smaller unit for what is under a hundredth of it (analysis/units.py)."""
+    return format_bytes(int(round(nbytes)), unit)
+
+
+_SMALLER_UNIT = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "TB": "GB", "GB": "MB", "MB": "KB"}
+
+
+def _axis_unit(unit: str, top: float) -> str:
+    """`unit`, or a smaller one of its family when the largest value drawn is under one `unit` (a tiny model's
+    picture reads in MiB, not 0.0025 GiB)."""
+    while top < UNITS[unit] and unit in _SMALLER_UNIT:
+        unit = _SMALLER_UNIT[unit]
+    return unit
+
+
+def _time_unit(end: float) -> tuple[float, str]:
+    """(multiplier, name) to show seconds up to `end` in s, ms or us."""
+    if end >= 1:
+        return 1.0, "s"
+    if end >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "µs"
+
+
+def _titles(fig: Figure, what: str, setup: str) -> None:
+    """The title: what is drawn, then the setup, wrapped at its " | " to the figure's width."""
+    most = int(fig.get_figwidth() * 11)  # characters of the title's font across the figure
+    lines = [what]
+    for part in setup.split(" | ") if setup else []:
+        if len(lines) > 1 and len(lines[-1]) + 3 + len(part) <= most:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    fig.suptitle("\n".join(lines), fontsize=BASE_FONT + 1)
+
+
+def _budget_lines(ax, budget: int | None, scale: float, unit: str, headroom: float = 0.0,
+                  label: str = "budget") -> list:
+    """The budget as a red dashed line (gid "budget"), and with headroom the part of it a run may use."""
+    handles = []
+    if budget is None:
+        return handles
+    handles.append(ax.axhline(budget / scale, color=BUDGET_COLOUR, lw=1.6, ls="--", zorder=6, gid="budget",
+                              label=f"{label} {_size(budget, unit)}"))
+    if headroom:
+        usable = budget / (1 + headroom)
+        handles.append(ax.axhline(usable / scale, color=BUDGET_COLOUR, lw=1.0, ls=":", zorder=6, gid="usable",
+                                  label=f"usable with {headroom:.0%} headroom {_size(usable, unit)}"))
+    return handles
+
+
+# -- occupancy over time -----------------------------------------------------------------------------
+
+def _short(text: str, most: int = 90) -> str:
+    text = text.split(";")[0].split(" (")[0]
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, render to PNG (no software stamp: same plot, same bytes), close, write atomically."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format="png", metadata={"Software": None})
+    finally:
+        plt.close(fig)
+    write_atomic(path, buffer.getvalue())
+
+
+__all__ = ["CATEGORY_COLOURS", "CATEGORY_HATCHES", "STACK_ORDER", "PHASE_COLOURS", "PHASE_SHORT", "BUDGET_COLOUR",
+           "OK_COLOUR", "OVER_COLOUR", "NEUTRAL_COLOUR", "CHOSEN_COLOUR", "BASE_FONT", "setup_text", "save_figure"]
