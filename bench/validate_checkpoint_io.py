@@ -389,35 +389,12 @@ def profiler_rows(config: Config) -> list[tuple[str, tuple[int, int]]]:
 FULL_OPTIONS = {"full-rank0-offload": True, "full-all": False}  # save_mode -> StateDictOptions(cpu_offload=...)
 
 
-@contextlib.contextmanager
 def process_group(rank: int, world_size: int, port: int, backend: str):
-    """Join `backend`'s process group: gloo over 127.0.0.1 only (traces/distributed.py's rendezvous), or
-    torch's fake group (no peers, no data moved: the same allocations, in a deterministic order)."""
-    import datetime
+    """Join `backend`'s process group (traces/harness.py: gloo over 127.0.0.1 only, or torch's fake group: no
+    peers, no data moved, the same allocations in a deterministic order), for at most 120 s a collective."""
+    from peakledger.traces import harness
 
-    import torch.distributed as dist
-
-    from peakledger.traces import distributed
-
-    if backend == "fake":
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-        return
-    os.environ.update(MASTER_ADDR=distributed.LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    timeout = datetime.timedelta(seconds=120)
-    with distributed._loopback_listener(rank, port) as listener:  # rendezvous bound to 127.0.0.1 only
-        store = dist.TCPStore(distributed.LOOPBACK, port, world_size, is_master=rank == 0, timeout=timeout,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        try:
-            yield
-            dist.barrier()  # no rank leaves while another still communicates
-        finally:
-            dist.destroy_process_group()
+    return harness.process_group(rank, world_size, port, 120, backend)
 
 
 def full_state_rank(rank: int, world_size: int, port: int, out_dir: str, mode: str, config: Config,

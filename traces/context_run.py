@@ -1,8 +1,8 @@
 """Measure every rank of a real context-parallel CPU run: torch's `context_parallel` (ring attention) on gloo.
 
-`measure_context_parallel` spawns `setup.world_size` processes (cp alone, or dp x cp with FSDP2) joined as
-traces/distributed.py joins its ranks (`spawn_ranks`, `gloo_group`: a TCPStore rank 0 binds to 127.0.0.1 at a
-free port, gloo on `lo`), builds torchtitan's CP mesh
+`measure_context_parallel` spawns `setup.world_size` processes (cp alone, or dp x cp with FSDP2) joined as every
+real run joins its ranks (traces/harness.py `measure_ranks`: a TCPStore rank 0 binds to 127.0.0.1 at a free port,
+gloo on `lo`), builds torchtitan's CP mesh
 
     init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))                       # cp alone
     init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp", "cp"))               # dp x cp: rank = dp_i x cp + cp_i
@@ -81,8 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
-import tempfile
+import functools
 import types
 from dataclasses import dataclass
 
@@ -104,10 +103,9 @@ from torch.distributed.tensor.placement_types import Shard
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..simulator.events import Category, EventLog, Phase
-from .distributed import apply_fsdp2, free_loopback_port, gloo_group, spawn_ranks, unit_params
-from .pipeline_run import PipelineJob
+from .distributed import apply_fsdp2, fsdp_details
+from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking
 from .reference import build_model, make_batch, optimizer_class, run_segment, torch_optimizer
-from .store import load_log, save_log
 from .tensor_run import DTensorTracker, optimizer_groups, parallelize
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -115,8 +113,8 @@ GRAD_REDUCE = "all_reduce-average"
 
 
 @dataclass(frozen=True)
-class CPJob(PipelineJob):
-    """What every process of a context-parallel run is sent: pipeline_run's job (the setup says cp), the k / v
+class CPJob(Job):
+    """What every process of a context-parallel run is sent: the harness's job (the setup says cp), the k / v
     rotate method, and measure_context_parallel's longer default timeout."""
 
     rotate_method: str = "allgather"
@@ -134,11 +132,9 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
     process is joined within `timeout_s` seconds, else all are killed and TimeoutError is raised; a failing
     rank's traceback is raised as RuntimeError."""
     _check(model_cfg, setup, rotate_method)
-    with tempfile.TemporaryDirectory(prefix="peakledger-cp-") as tmp:
-        job = CPJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s,
-                    rotate_method=rotate_method)
-        spawn_ranks(_rank_main, job, setup.world_size, job.timeout_s, f"cp={setup.cp} x dp={setup.dp} ranks")
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.world_size)]
+    job = functools.partial(CPJob, model_cfg, setup, seed=seed, timeout_s=timeout_s, rotate_method=rotate_method)
+    return measure_ranks(_measure_rank, job, setup.world_size, f"cp={setup.cp} x dp={setup.dp} ranks",
+                         prefix="peakledger-cp-")
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
@@ -167,11 +163,6 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
         raise NotImplementedError("context-parallel measurement runs without checkpointing, frozen parameters, "
                                   "LoRA, dropout or optimizer offload")
     optimizer_class(setup)
-
-
-def _rank_main(rank: int, job: CPJob) -> None:
-    with gloo_group(rank, job.setup.world_size, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
 # -- CPU ring attention -------------------------------------------------------------------------------------
@@ -319,9 +310,7 @@ def position_buffer(model: torch.nn.Module) -> torch.Tensor:
 # -- one rank -----------------------------------------------------------------------------------------------
 
 def _measure_rank(rank: int, job: CPJob) -> EventLog:
-
-
-    torch.set_num_threads(1)
+    """One rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the process group)."""
     enable_cpu_ring_attention()
     set_rotate_method(job.rotate_method)
     setup = job.setup
@@ -344,14 +333,12 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     optimizer = torch_optimizer(optimizer_groups(model) if tp_mesh is not None else model.parameters(), setup,
                                 job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + dp_rank)  # the same data on every cp rank
-    known = tuple(t for b in batches for t in b)
     options = cp_options()
     balancer = _create_default_load_balancer(setup.seq_len, setup.cp, "cpu")
-    tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
+    tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
     positions = position_buffer(model)
     losses: list[list] = []
-    torch.manual_seed(job.seed)
-    with tracker, (loss_parallel() if tp_mesh is not None else contextlib.nullcontext()):
+    with tracking(tracker, job.seed, loss_parallel() if tp_mesh is not None else contextlib.nullcontext()):
         for step in range(1, setup.steps + 1):
             for mb in range(setup.grad_accum):
                 with tracker.phase(Phase.FORWARD, step, mb):
@@ -388,20 +375,14 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
             with tracker.phase(Phase.ZERO_GRAD, step):
                 optimizer.zero_grad(set_to_none=setup.set_to_none)
                 tracker.scan()
-    fsdp_details = {"dp_engine": "fsdp2", "fsdp_mesh": "dp_shard_cp", "reshard_after_forward":
-                    setup.reshard_after_forward, "fsdp_units": unit_params(model),
-                    "backend_release": dataclasses.asdict(release)} if fsdp else {}
+    fsdp_run = {**fsdp_details(model, setup.reshard_after_forward, release), "fsdp_mesh": "dp_shard_cp"} if fsdp else {}
     return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp,
-                        "tp": setup.tp, "dp": setup.dp,
-                        "dp_rank": dp_rank, "world_size": setup.world_size,
-                        "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
+                        "tp": setup.tp, "dp": setup.dp, "dp_rank": dp_rank,
                         "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,
                         "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE, "attention": "sdpa",
-                        **fsdp_details,
+                        **fsdp_run,
                         "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // setup.cp,
-                        "losses": losses, "model": dataclasses.asdict(run_config(job.model_cfg)),
-                        "setup": dataclasses.asdict(setup), "steps": setup.steps, "grad_accum": setup.grad_accum,
-                        "set_to_none": setup.set_to_none})
+                        "losses": losses, **run_metadata(rank, setup.world_size, run_config(job.model_cfg), setup)})
 
 
 def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int = 0, lr: float = 1e-3) -> list:

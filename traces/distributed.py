@@ -1,15 +1,15 @@
 """Measure every rank of a real data-parallel CPU run: FSDP2, DDP and ZeroRedundancyOptimizer on gloo.
 
-`measure_distributed` spawns `world_size` processes on this machine (torch.multiprocessing, "spawn"),
-joined into one gloo process group over the loopback interface only: the rendezvous TCPStore serves
-on a socket rank 0 binds to 127.0.0.1 at a port picked free at run time (MASTER_ADDR=127.0.0.1,
-MASTER_PORT), and gloo's own connections use the `lo` interface (GLOO_SOCKET_IFNAME=lo). Each
-process builds the same reference model (`traces.reference.build_model`, same seed on every rank, so
-the replicas start identical), wraps it for its engine, and runs `traces.tracker.training_loop`
-(load; steps x (forward, backward), optimizer.step, zero_grad; the same phases as
-`run_training_steps`) on its own micro-batch (same shapes, data seeded by rank) under its own
-`AllocationTracker(rank=r)`. The logs come back through `traces.store` JSON files in a temporary
-directory, one `EventLog` per rank, rank order.
+`measure_distributed` spawns `world_size` processes on this machine (traces/harness.py `measure_ranks`:
+torch.multiprocessing, "spawn"), joined into one gloo process group over the loopback interface only
+(`gloo_group`): the rendezvous TCPStore serves on a socket rank 0 binds to 127.0.0.1 at a port picked
+free at run time (MASTER_ADDR=127.0.0.1, MASTER_PORT), and gloo's own connections use the `lo`
+interface (GLOO_SOCKET_IFNAME=lo). Each process builds the same reference model
+(`traces.reference.build_model`, same seed on every rank, so the replicas start identical), wraps it
+for its engine, and runs `traces.tracker.training_loop` (load; steps x (forward, backward),
+optimizer.step, zero_grad; the same phases as `run_training_steps`) on its own micro-batch (same
+shapes, data seeded by rank) under its own `AllocationTracker(rank=r)`. The logs come back through
+`traces.store` JSON files in a temporary directory, one `EventLog` per rank, rank order.
 
 Engines
 -------
@@ -43,34 +43,35 @@ engine: the FSDP units and their parameters, and how their collectives were rele
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import os
-import socket
-import tempfile
-import time
+import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
 from ..simulator.events import Category, EventLog, Phase
+from .harness import (
+    ReleaseCount,
+    batch_tensors,
+    free_loopback_port,
+    holders,
+    measure_ranks,
+    run_metadata,
+    tracking,
+    train_steps,
+    wait_released,
+)
 from .reference import build_model, make_batch, optimizer_class, torch_optimizer
-from .store import load_log, save_log
-from .tracker import AllocationTracker, live_bytes, peak, training_loop
+from .tracker import AllocationTracker, live_bytes, peak
 
 ENGINES = ("fsdp2", "ddp", "zero-redundancy-optimizer")
 BACKENDS = ("gloo", "fake")
-LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -114,20 +115,10 @@ def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: Trainin
     raised as RuntimeError.
     """
     _check(setup, world_size, engine, backend)
-    with tempfile.TemporaryDirectory(prefix="peakledger-dist-") as tmp:
-        job = RankJob(model_cfg=model_cfg, setup=setup, world_size=world_size, engine=engine,
-                      reshard_after_forward=reshard_after_forward,
-                      root_reshard_after_forward=root_reshard_after_forward, port=free_loopback_port(),
-                      out_dir=tmp, seed=seed, timeout_s=timeout_s, backend=backend)
-        _spawn_and_join(job)
-        return [load_log(_log_path(tmp, r)) for r in range(world_size)]
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it; the socket is closed again)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+    job = functools.partial(RankJob, model_cfg, setup, world_size, engine, reshard_after_forward,
+                            root_reshard_after_forward, seed=seed, timeout_s=timeout_s, backend=backend)
+    return measure_ranks(_measure_rank, job, world_size, f"{engine} x {world_size} ranks", prefix="peakledger-dist-",
+                         backend=backend)
 
 
 def _check(setup: TrainingSetup, world_size: int, engine: str, backend: str) -> None:
@@ -147,102 +138,19 @@ def _check(setup: TrainingSetup, world_size: int, engine: str, backend: str) -> 
                                   "ZeroRedundancyOptimizer's local one")
 
 
-def _log_path(out_dir: str, rank: int) -> Path:
-    return Path(out_dir) / f"rank{rank}.json"
-
-
-def _spawn_and_join(job: RankJob) -> None:
-    spawn_ranks(_rank_main, job, job.world_size, job.timeout_s, f"{job.engine} x {job.world_size} ranks")
-
-
-def spawn_ranks(main, job, nprocs: int, timeout_s: float, what: str) -> None:
-    """Start `main(rank, job)` in one process per rank and wait for all of them, bounded by `timeout_s`. A rank
-    that raises makes torch.multiprocessing terminate the others and raise ProcessRaisedException (re-raised as
-    RuntimeError); past the deadline every still running rank is killed."""
-    context = mp.start_processes(main, args=(job,), nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} did not finish in {timeout_s:.0f} s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise RuntimeError(f"a rank failed:\n{e}") from None
-    finally:
-        _kill_all(context.processes)
-
-
-def _kill_all(processes) -> None:
-    for p in processes:
-        if p.is_alive():
-            p.kill()
-    for p in processes:
-        p.join(timeout=5)
-
-
 # -- one rank -----------------------------------------------------------------------------------------
 
-def _rank_main(rank: int, job: RankJob) -> None:
-    """The body of one spawned process: join the group, run, save the log, always leave the group."""
-    if job.backend == "fake":  # torch's fake process group: no peers, no transport, no worker threads
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=job.world_size)
-        try:
-            save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
-        finally:
-            dist.destroy_process_group()
-        return
-    with gloo_group(rank, job.world_size, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), _log_path(job.out_dir, rank))
-
-
-@contextlib.contextmanager
-def gloo_group(rank: int, world_size: int, port: int, timeout_s: float):
-    """Join a gloo process group over 127.0.0.1 (rank 0 serves the TCPStore on a loopback socket); on a normal
-    exit no rank leaves (tearing the group down) while another still communicates; always leave the group."""
-    os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    with _loopback_listener(rank, port) as listener:
-        store = dist.TCPStore(LOOPBACK, port, world_size, is_master=rank == 0, timeout=timeout,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        try:
-            yield
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _loopback_listener(rank: int, port: int):
-    """Rank 0's rendezvous socket, bound to 127.0.0.1 only (a TCPStore left to itself listens on every
-    interface); the store serves on it. The other ranks connect to it and need no socket of their own."""
-    if rank != 0:
-        yield None
-        return
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((LOOPBACK, port))
-        listener.listen()
-        yield listener
-    finally:
-        listener.close()
-
-
 def _measure_rank(rank: int, job: RankJob) -> EventLog:
-    torch.set_num_threads(1)
-    setup = job.setup
-    model = build_model(job.model_cfg, setup, seed=job.seed)  # identical replicas on every rank
-    batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + rank)
-    known = tuple(t for b in batches for t in b)
+    """One rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the process group)."""
+    model = build_model(job.model_cfg, job.setup, seed=job.seed)  # identical replicas on every rank
+    batches = make_batch(job.model_cfg, job.setup, seed=job.seed + 1 + rank)
     engine = ENGINE_BUILDERS[job.engine]
     prepared = engine.before_tracking(model, job)
-    tracker = AllocationTracker(prepared.tracked_model, prepared.tracked_optimizer, known=known, rank=rank,
-                                ddp_buckets=engine.ddp_buckets)
-    torch.manual_seed(job.seed)
-    with tracker:
+    tracker = AllocationTracker(prepared.tracked_model, prepared.tracked_optimizer, known=batch_tensors(batches),
+                                rank=rank, ddp_buckets=engine.ddp_buckets)
+    with tracking(tracker, job.seed):
         run = engine.inside_tracking(prepared, tracker, job)
-        training_loop(tracker, run.model, run.optimizer, batches, setup.steps, setup.grad_accum,
-                      setup.set_to_none)
+        train_steps(tracker, run.model, run.optimizer, batches, job.setup)
     details = dict(run.details)
     if prepared.release is not None:
         details["backend_release"] = dataclasses.asdict(prepared.release)
@@ -250,13 +158,11 @@ def _measure_rank(rank: int, job: RankJob) -> EventLog:
 
 
 def _metadata(rank: int, job: RankJob, details: dict) -> dict:
-    return {"engine": job.engine, "world_size": job.world_size, "rank": rank,
-            "reshard_after_forward": job.reshard_after_forward if job.engine == "fsdp2" else None,
-            "root_reshard_after_forward": job.root_reshard_after_forward if job.engine == "fsdp2" else None,
-            "backend": job.backend, "torch_version": torch.__version__,
-            "model": dataclasses.asdict(job.model_cfg), "model_kind": type(job.model_cfg).__name__,
-            "setup": dataclasses.asdict(job.setup), "steps": job.setup.steps,
-            "grad_accum": job.setup.grad_accum, "set_to_none": job.setup.set_to_none, **details}
+    fsdp = job.engine == "fsdp2"
+    return {"engine": job.engine, "reshard_after_forward": job.reshard_after_forward if fsdp else None,
+            "root_reshard_after_forward": job.root_reshard_after_forward if fsdp else None,
+            **run_metadata(rank, job.world_size, job.model_cfg, job.setup, job.backend),
+            "model_kind": type(job.model_cfg).__name__, **details}
 
 
 # -- engines ------------------------------------------------------------------------------------------
@@ -345,17 +251,6 @@ class FSDP2:
         return Running(prepared.model, prepared.optimizer, {"fsdp_units": unit_params(prepared.model)})
 
 
-@dataclass
-class ReleaseCount:
-    """How FSDP2's collectives on one rank ended: `collectives` calls; `waited` of them still had the
-    process group holding their tensors when the call returned (the window in which gloo's worker
-    thread would drop the last reference later); `timeouts` of them were not released in time."""
-
-    collectives: int = 0
-    waited: int = 0
-    timeouts: int = 0
-
-
 class BackendReleased:
     """An FSDP2 comm (`AllGather` / `ReduceScatter`, torch/distributed/fsdp/_fully_shard/_fsdp_api.py)
     that delegates to `inner` and, when the collective was synchronous, returns only once the process
@@ -421,25 +316,6 @@ class BackendReleased:
         return work
 
 
-def holders(tensors) -> list[int]:
-    """References to each tensor and to its storage (C++ ones included)."""
-    return ([t._use_count() for t in tensors]
-            + [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in tensors])
-
-
-def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: float) -> None:
-    """Wait until `tensors` have no more holders than `before` (another thread's references gone)."""
-    if all(now <= was for now, was in zip(holders(tensors), before)):
-        return
-    count.waited += 1
-    deadline = time.monotonic() + timeout_s
-    while any(now > was for now, was in zip(holders(tensors), before)):
-        if time.monotonic() > deadline:
-            count.timeouts += 1
-            return
-        time.sleep(1e-5)
-
-
 def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
     """Each FSDP2 unit (module path, the root as "model") with the parameters it shards."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -449,6 +325,14 @@ def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
             groups = module._get_fsdp_state()._fsdp_param_groups
             units[path or "model"] = [names[id(fp.sharded_param)] for g in groups for fp in g.fsdp_params]
     return units
+
+
+def fsdp_details(model: torch.nn.Module, reshard_after_forward: bool, release: ReleaseCount) -> dict:
+    """What a run's metadata records of FSDP2 applied to `model` by `apply_fsdp2` on a sub-mesh (traces/mesh_run.py,
+    traces/context_run.py): the engine, the blocks' `reshard_after_forward`, the units and how their collectives
+    were released."""
+    return {"dp_engine": "fsdp2", "reshard_after_forward": reshard_after_forward, "fsdp_units": unit_params(model),
+            "backend_release": dataclasses.asdict(release)}
 
 
 class DDP:
@@ -463,16 +347,28 @@ class DDP:
 
     @classmethod
     def inside_tracking(cls, prepared: Prepared, tracker, job: RankJob) -> Running:
-        with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
-            wrapped = DistributedDataParallel(prepared.model)  # broadcasts rank 0's state, builds the buckets
-            if job.backend == "fake":
-                wrapped.register_comm_hook(None, fake_group_allreduce_hook)
-        tracker.name_module(wrapped, "ddp")  # its forward: buffer broadcast, bucket rebuild
+        wrapped = wrap_ddp(prepared.model, tracker, fake=job.backend == "fake")
         return Running(wrapped, prepared.optimizer, cls.details(prepared, wrapped))
 
     @staticmethod
     def details(prepared: Prepared, wrapped) -> dict:
         return {"ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap)}
+
+
+def wrap_ddp(model: torch.nn.Module, tracker, *, ignored: list[str] | None = None,
+             fake: bool = False) -> DistributedDataParallel:
+    """`DistributedDataParallel(model)` built inside the entered `tracker` (Phase.LOAD, scope "ddp.init": the
+    broadcast of rank 0's state and the buckets are seen), leaving the parameters named in `ignored` alone
+    (traces/expert_run.py: the experts), its all-reduce on torch's fake group by `fake_group_allreduce_hook` when
+    `fake`; the wrapper's own forward work (buffer broadcast, bucket rebuild) named "ddp"."""
+    with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
+        if ignored:
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+        wrapped = DistributedDataParallel(model)
+        if fake:
+            wrapped.register_comm_hook(None, fake_group_allreduce_hook)
+    tracker.name_module(wrapped, "ddp")
+    return wrapped
 
 
 def fake_group_allreduce_hook(process_group, bucket):  # unannotated: DDP checks annotations by value
@@ -548,5 +444,5 @@ def rank_peak(log: EventLog) -> RankPeak:
 
 
 __all__ = ["measure_distributed", "ENGINES", "BACKENDS", "free_loopback_port", "fsdp_units", "transformer_blocks",
-           "apply_fsdp2", "wrap_released", "unit_params", "RankJob", "BackendReleased", "ReleaseCount", "holders",
-           "wait_released", "without_backend_copies", "RankPeak", "rank_peak"]
+           "apply_fsdp2", "wrap_released", "unit_params", "fsdp_details", "wrap_ddp", "RankJob", "BackendReleased",
+           "ReleaseCount", "holders", "wait_released", "without_backend_copies", "RankPeak", "rank_peak"]

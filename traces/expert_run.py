@@ -4,8 +4,8 @@ tokens moved by all-to-all, as torchtitan's `ExpertParallel` moves them, on gloo
 torch has no expert-parallel module of its own, and transformers' (`distributed_config` "ep" plans) keeps every
 token on every rank and all-reduces the experts' outputs: no all-to-all. torchtitan's, the layout Megatron-LM and
 DeepSpeed-MoE share, sends each token to the rank that owns its expert and back. `measure_expert_parallel` runs
-that, with nothing in it that torch does not run: `ep` processes joined as traces/distributed.py joins its ranks
-(`spawn_ranks`, `gloo_group`), each building the same reference model (`traces.reference.build_model`, HF's
+that, with nothing in it that torch does not run: `ep` processes joined as every real run joins its ranks
+(traces/harness.py `measure_ranks`), each building the same reference model (`traces.reference.build_model`, HF's
 MixtralForCausalLM, same seed), then on every decoder layer:
 
 - the experts' 3-D weights cut to this rank's `num_local_experts / ep` experts (rank r owns experts
@@ -19,16 +19,16 @@ MixtralForCausalLM, same seed), then on every decoder layer:
   un-sorting again.
 - the all-to-all of the rows is `AllToAll` (Megatron-LM's `_AllToAll`, megatron/core/tensor_parallel/mappings.py:
   `dist.all_to_all_single` into a new tensor; backward the same with the splits swapped), returning only once gloo
-  has let go of its tensors (traces/distributed.py `wait_released`), so every free lands where Python drops the
+  has let go of its tensors (traces/harness.py `wait_released`), so every free lands where Python drops the
   reference.
 
-The dense parameters (attention, norms, routers, embeddings) are replicas trained by `DistributedDataParallel`,
-which is told to leave the experts alone (`_set_params_and_buffers_to_ignore_for_model`, torch/nn/parallel/
-distributed.py). Ranks are laid out as Megatron lays them with tp = 1: expert-parallel groups of `ep` consecutive
-ranks (ep rank = rank % ep); with dp = ep every expert lives on one rank and needs no gradient sync; with dp a
-multiple of ep, the ranks holding the same experts (rank % ep equal: the expert-data-parallel group) average their
-experts' gradients in place before the optimizer step (an all-reduce and a division, as Megatron-LM syncs expert
-gradients over its expert-data-parallel group).
+The dense parameters (attention, norms, routers, embeddings) are replicas trained by `DistributedDataParallel`
+(traces/distributed.py `wrap_ddp`), which is told to leave the experts alone
+(`_set_params_and_buffers_to_ignore_for_model`, torch/nn/parallel/distributed.py). Ranks are laid out as Megatron
+lays them with tp = 1: expert-parallel groups of `ep` consecutive ranks (ep rank = rank % ep); with dp = ep every
+expert lives on one rank and needs no gradient sync; with dp a multiple of ep, the ranks holding the same experts
+(rank % ep equal: the expert-data-parallel group) average their experts' gradients in place before the optimizer
+step (an all-reduce and a division, as Megatron-LM syncs expert gradients over its expert-data-parallel group).
 
 Routing: every rank trains on the same micro-batch (the same one for every micro-batch and step) with lr 0, so
 every rank routes every token the same way in every forward, and one counts table (`RoutingRecorder`, recorded in
@@ -39,38 +39,42 @@ experts 0..k-1, all on rank 0 when k <= E / ep).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tempfile
+import functools
 import types
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.expert import TOKEN_GROUP_ALIGN_SIZE_M
-from ..simulator.events import EventLog, Phase
-from .distributed import ReleaseCount, free_loopback_port, gloo_group, holders, spawn_ranks, wait_released
+from ..simulator.events import EventLog
+from .distributed import wrap_ddp
+from .harness import (
+    Job,
+    ReleaseCount,
+    holders,
+    measure_ranks,
+    run_metadata,
+    tracking,
+    train_steps,
+    wait_released,
+)
 from .reference import build_model, make_batch, torch_optimizer
 from .reference.mixtral import RoutingRecorder
-from .store import load_log, save_log
-from .tracker import AllocationTracker, training_loop
+from .tracker import AllocationTracker
 
 ROUTINGS = ("measured", "worst")
 RELEASE_TIMEOUT_S = 5.0
 
 
-@dataclass(frozen=True)
-class ExpertJob:
-    model_cfg: TransformerConfig
-    setup: TrainingSetup
+@dataclass(frozen=True, kw_only=True)
+class ExpertJob(Job):
+    """What every process of an expert-parallel run is sent: the harness's job with lr 0 (the weights, so every
+    forward's routing, stay as recorded) and the routing."""
+
+    lr: float = 0.0
     routing: str
-    port: int
-    out_dir: str
-    seed: int = 0
-    timeout_s: float = 120.0
 
 
 def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, *, routing: str = "measured",
@@ -82,10 +86,9 @@ def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
     micro_batch, seq_len, grad_accum, steps, precision ("fp32" or "bf16"), optimizer and set_to_none. Call under
     `if __name__ == "__main__":` in a script; a failing rank's traceback is raised as RuntimeError."""
     check_expert_run(model_cfg, setup, routing)
-    with tempfile.TemporaryDirectory(prefix="peakledger-ep-") as tmp:
-        job = ExpertJob(model_cfg, setup, routing, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
-        spawn_ranks(_rank_main, job, setup.world_size, timeout_s, f"expert parallel ep{setup.ep} dp{setup.dp}")
-        logs = [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.world_size)]
+    job = functools.partial(ExpertJob, model_cfg, setup, seed=seed, timeout_s=timeout_s, routing=routing)
+    logs = measure_ranks(_measure_rank, job, setup.world_size, f"expert parallel ep{setup.ep} dp{setup.dp}",
+                         prefix="peakledger-ep-")
     return logs, logs[0].metadata["routing_counts"]
 
 
@@ -238,14 +241,8 @@ def place_experts(model, ep: int, rank: int, group) -> list[str]:
 
 # -- one process --------------------------------------------------------------------------------------------
 
-def _rank_main(rank: int, job: ExpertJob) -> None:
-    with gloo_group(rank, job.setup.world_size, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
-
-
 def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
-
-    torch.set_num_threads(1)
+    """One rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the process group)."""
     cfg, setup = job.model_cfg, job.setup
     model = build_model(cfg, setup, seed=job.seed)
     if job.routing == "worst":
@@ -265,7 +262,7 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
         model(*batch)
     recorder.detach()
     counts = recorder.document(setup.micro_batch, setup.seq_len, cfg.name)
-    optimizer = torch_optimizer(model.parameters(), setup, 0.0)
+    optimizer = torch_optimizer(model.parameters(), setup, job.lr)
     if edp_groups is not None:  # the experts' replicas average their gradients in place before the step
         names = set(ignored)
         experts = [p for n, p in model.named_parameters() if n in names]
@@ -279,22 +276,15 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
 
         optimizer.step = synced_step
     tracker = AllocationTracker(model, optimizer, known=batch, rank=rank, ddp_buckets=True)
-    torch.manual_seed(job.seed)
-    with tracker:
-        with tracker.phase(Phase.LOAD), tracker.scope("ddp.init"):
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
-            wrapped = DistributedDataParallel(model)
-        tracker.name_module(wrapped, "ddp")
-        training_loop(tracker, wrapped, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none)
-    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"],
-                        "world_size": setup.world_size, "rank": rank, "ep": ep, "ep_rank": rank % ep, "dp": dp,
+    with tracking(tracker, job.seed):
+        wrapped = wrap_ddp(model, tracker, ignored=ignored)
+        train_steps(tracker, wrapped, optimizer, batches, setup)
+    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"], "ep": ep,
+                        "ep_rank": rank % ep, "dp": dp,
                         "expert_grad_sync": "all_reduce-average over rank % ep" if dp > ep else None,
                         "routing": job.routing, "routing_counts": counts,
                         "ddp_ignored": ignored, "ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap),
-                        "backend": "gloo", "torch_version": torch.__version__,
-                        "model": dataclasses.asdict(cfg), "model_kind": type(cfg).__name__,
-                        "setup": dataclasses.asdict(setup), "steps": setup.steps, "grad_accum": setup.grad_accum,
-                        "set_to_none": setup.set_to_none})
+                        **run_metadata(rank, setup.world_size, cfg, setup), "model_kind": type(cfg).__name__})
 
 
 __all__ = ["measure_expert_parallel", "check_expert_run", "ep_experts_forward", "place_experts", "permute_indices",

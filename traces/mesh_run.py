@@ -1,9 +1,9 @@
 """Measure every rank of a real multi-dimensional (device-mesh) CPU run: FSDP2 x TP (2D), TP x PP, FSDP2 x PP and
 FSDP2 x TP x PP, on gloo over 127.0.0.1, one tracked `EventLog` per global rank.
 
-`measure_mesh` spawns `setup.world_size` processes joined as traces/distributed.py joins its ranks
-(`spawn_ranks`, `gloo_group`: a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), and every
-process builds the device mesh torchtitan's ParallelDims builds,
+`measure_mesh` spawns `setup.world_size` processes joined as every real run joins its ranks (traces/harness.py
+`measure_ranks`: a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), and every process builds the
+device mesh torchtitan's ParallelDims builds,
 
     init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))   # dimensions of size 1 left out
 
@@ -55,13 +55,9 @@ coordinates {"pp": i, "dp": j, "tp": k} (every dimension, size-1 ones at 0) and 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import os
-import tempfile
+import functools
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -70,28 +66,19 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.stages import rank_stages, stage_layout
 from ..simulator.events import EventLog
-from .distributed import apply_fsdp2, free_loopback_port, gloo_group, spawn_ranks, unit_params
-from .pipeline_run import (
-    SCHEDULES,
-    PipelineJob,
-    build_pipeline,
-    label_pipeline,
-    run_pipeline_steps,
-    stage_modules,
-    stage_records,
-)
+from .distributed import apply_fsdp2, fsdp_details
+from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking, train_steps
+from .pipeline_run import SCHEDULES, build_pipeline, stage_modules, stage_records, train_pipeline
 from .reference import build_model, make_batch, optimizer_class, torch_optimizer
-from .store import load_log, save_log
 from .tensor_run import DTensorTracker, optimizer_groups, parallelize
-from .tracker import training_loop
 
 MESH_DIMS = ("pp", "dp", "tp")
 PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
-class MeshJob(PipelineJob):
-    """What every process of a mesh run is sent: pipeline_run's job (the whole setup says the layout), with
+class MeshJob(Job):
+    """What every process of a mesh run is sent: the harness's job (the whole setup says the layout), with
     measure_mesh's longer default timeout."""
 
     timeout_s: float = 180.0
@@ -109,10 +96,8 @@ def measure_mesh(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: in
     joined within `timeout_s` seconds, else all are killed and TimeoutError is raised; a failing rank's
     traceback is raised as RuntimeError."""
     check_mesh(model_cfg, setup)
-    with tempfile.TemporaryDirectory(prefix="peakledger-mesh-") as tmp:
-        job = MeshJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
-        spawn_ranks(_rank_main, job, setup.world_size, timeout_s, f"mesh {_describe(setup)}")
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.world_size)]
+    job = functools.partial(MeshJob, model_cfg, setup, seed=seed, timeout_s=timeout_s)
+    return measure_ranks(_measure_rank, job, setup.world_size, f"mesh {_describe(setup)}", prefix="peakledger-mesh-")
 
 
 def mesh_sizes(setup: TrainingSetup) -> dict[str, int]:
@@ -184,11 +169,6 @@ def check_mesh(model_cfg, setup: TrainingSetup) -> None:
 
 # -- one process ----------------------------------------------------------------------------------------------
 
-def _rank_main(rank: int, job: MeshJob) -> None:
-    with gloo_group(rank, job.setup.world_size, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
-
-
 def build_mesh(setup: TrainingSetup):
     """The device mesh of the dimensions larger than 1, outermost first (torchtitan's ParallelDims order)."""
     dims = [(n, s) for n, s in mesh_sizes(setup).items() if s > 1]
@@ -196,7 +176,7 @@ def build_mesh(setup: TrainingSetup):
 
 
 def _measure_rank(rank: int, job: MeshJob) -> EventLog:
-    torch.set_num_threads(1)
+    """One rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the process group)."""
     mesh = build_mesh(job.setup)
     coords = mesh_coords(job.setup, rank)
     if job.setup.pp > 1:
@@ -208,12 +188,11 @@ def _measure_rank(rank: int, job: MeshJob) -> EventLog:
 
 def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
     s = job.setup
-    return {"engine": "mesh", "world_size": s.world_size, "rank": rank, "mesh": coords,
-            "mesh_shape": mesh_sizes(s), "mesh_dim_names": [n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
+    return {"engine": "mesh", "mesh": coords, "mesh_shape": mesh_sizes(s),
+            "mesh_dim_names": [n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
             "tp": s.tp, "sequence_parallel": s.sequence_parallel, "dp": s.dp, "pp": s.pp,
-            "backend": "gloo", "torch_version": torch.__version__, "model": dataclasses.asdict(job.model_cfg),
-            "model_kind": type(job.model_cfg).__name__, "setup": dataclasses.asdict(s), "steps": s.steps,
-            "grad_accum": s.grad_accum, "set_to_none": s.set_to_none, **details}
+            **run_metadata(rank, s.world_size, job.model_cfg, s), "model_kind": type(job.model_cfg).__name__,
+            **details}
 
 
 # -- FSDP2 x TP -----------------------------------------------------------------------------------------------
@@ -230,25 +209,21 @@ def _placements(model: nn.Module) -> dict[str, str]:
 
 
 def _fsdp_details(setup: TrainingSetup, model: nn.Module, release) -> dict:
-    """What the metadata records of FSDP2 on the dp sub-mesh (as traces/distributed.py records its engine)."""
-    return {"dp_engine": "fsdp2", "reshard_after_forward": setup.reshard_after_forward,
-            "root_reshard_after_forward": None, "fsdp_units": unit_params(model),
-            "backend_release": dataclasses.asdict(release)}
+    """What the metadata records of FSDP2 on the dp sub-mesh (traces/distributed.py `fsdp_details`), the roots with
+    fully_shard's default."""
+    return {**fsdp_details(model, setup.reshard_after_forward, release), "root_reshard_after_forward": None}
 
 
 def _measure_fsdp_tp(rank: int, job: MeshJob, mesh, coords: dict):
-
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)
     parallelize(model, setup.tp, setup.sequence_parallel, mesh=mesh["tp"])
     release = apply_fsdp2(model, setup.reshard_after_forward, mesh=mesh["dp"])
     optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + coords["dp"])  # the tp group's own data
-    known = tuple(t for b in batches for t in b)
-    tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
-    torch.manual_seed(job.seed)
-    with tracker, loss_parallel():
-        training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none)
+    tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
+    with tracking(tracker, job.seed, loss_parallel()):
+        train_steps(tracker, model, optimizer, batches, setup)
     details = {"engines": ["dtensor-tp", "fsdp2"], **_fsdp_details(setup, model, release),
                "placements": _placements(model)}
     return tracker.log, details
@@ -261,7 +236,6 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     parallelize.py applied to each model part): each stage module tensor-parallelized on "tp", then
     `fully_shard` on its blocks and on the stage module itself with "dp" (the stage is the FSDP2 root that
     PipelineStage drives: no gradient sync before the last micro-batch's backward, then its post-backward)."""
-
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, coords["pp"])
     modules, dtype = stage_modules(cfg, setup, specs, job.seed)
@@ -277,13 +251,8 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
                                                local_seq_len=local_seq_len)
     optimizer = torch_optimizer(optimizer_groups(tracked), setup, job.lr)
     batches = make_batch(cfg, setup, seed=job.seed + 1 + coords["dp"])
-    whole = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    tracker = DTensorTracker(tracked, optimizer, known=whole + tuple(t for b in batches for t in b), rank=rank)
-    step_now = label_pipeline(stages, schedule, tracker)
-    torch.manual_seed(job.seed)
-    with tracker, (loss_parallel() if setup.tp > 1 else contextlib.nullcontext()):
-        run_pipeline_steps(tracker, schedule, optimizer, whole, any(s.first for s in specs),
-                           any(s.last for s in specs), setup, step_now)
+    tracker = train_pipeline(DTensorTracker, stages, schedule, tracked, optimizer, specs, batches, setup, rank=rank,
+                             seed=job.seed, contexts=[loss_parallel()] if setup.tp > 1 else [])
     engines = ["pipeline"] + (["dtensor-tp"] if setup.tp > 1 else []) + (["fsdp2"] if setup.dp > 1 else [])
     fsdp = _fsdp_details(setup, tracked, release) if setup.dp > 1 else {}
     details = {"engines": engines, **fsdp, "pp_schedule": setup.pp_schedule,

@@ -1,7 +1,8 @@
 """Measure every rank of a real pipeline-parallel CPU run: torch.distributed.pipelining on gloo, 127.0.0.1.
 
-`measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as traces/distributed.py joins
-its ranks (rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`). Each process
+`measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as every real run joins its ranks
+(traces/harness.py `measure_ranks`: rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on
+`lo`). Each process
 builds the same reference model (`traces.reference.build_model`, same seed), cuts its stages out of it as
 torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/stages.py
 `stage_layout`: a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one
@@ -27,11 +28,8 @@ sub-mesh of a device mesh, its stage modules tensor-parallelized and / or sharde
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 import gc
-import os
-import tempfile
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -42,23 +40,13 @@ from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.checks import check_model_parallel
 from ..models.parallel.stages import StageSpec, rank_stages
 from ..simulator.events import Category, EventLog, Phase
-from .distributed import free_loopback_port, gloo_group, spawn_ranks
+from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking
 from .reference import build_model, make_batch, optimizer_class, torch_optimizer
-from .store import load_log, save_log
 from .tracker import AllocationTracker
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 
-
-@dataclass(frozen=True)
-class PipelineJob:
-    model_cfg: TransformerConfig
-    setup: TrainingSetup
-    port: int
-    out_dir: str
-    seed: int = 0
-    lr: float = 1e-3
-    timeout_s: float = 120.0
+PipelineJob = Job  # what every pipeline rank is sent: the harness's job (the setup says the pipeline)
 
 
 def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: int = 0,
@@ -69,10 +57,9 @@ def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed
     set_to_none, pp, pp_schedule and virtual_stages. Call under `if __name__ == "__main__":` in a script;
     every process is joined within `timeout_s` seconds, else all are killed and TimeoutError is raised."""
     _check(model_cfg, setup)
-    with tempfile.TemporaryDirectory(prefix="peakledger-pp-") as tmp:
-        job = PipelineJob(model_cfg, setup, free_loopback_port(), tmp, seed=seed, timeout_s=timeout_s)
-        _spawn_and_join(job)
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(setup.pp)]
+    job = functools.partial(PipelineJob, model_cfg, setup, seed=seed, timeout_s=timeout_s)
+    return measure_ranks(_measure_rank, job, setup.pp, f"{setup.pp_schedule} x {setup.pp} ranks",
+                         prefix="peakledger-pp-")
 
 
 def _check(model_cfg, setup: TrainingSetup) -> None:
@@ -84,15 +71,6 @@ def _check(model_cfg, setup: TrainingSetup) -> None:
         raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision!r}")
     check_model_parallel(model_cfg, setup)
     optimizer_class(setup)
-
-
-def _spawn_and_join(job: PipelineJob) -> None:
-    spawn_ranks(_rank_main, job, job.setup.pp, job.timeout_s, f"{job.setup.pp_schedule} x {job.setup.pp} ranks")
-
-
-def _rank_main(rank: int, job: PipelineJob) -> None:
-    with gloo_group(rank, job.setup.pp, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
 # -- the stages ---------------------------------------------------------------------------------------------
@@ -220,27 +198,34 @@ def stage_records(specs: list[StageSpec]) -> list[dict]:
 
 
 def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
-    torch.set_num_threads(1)
+    """One pipeline rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the group)."""
     cfg, setup = job.model_cfg, job.setup
     specs = rank_stages(setup, cfg.n_layer, rank)
     modules, dtype = stage_modules(cfg, setup, specs, job.seed)
     stages, schedule, tracked = build_pipeline(modules, specs, cfg, setup, dtype)
     optimizer = torch_optimizer([p for mod in modules for p in mod.parameters()], setup, job.lr)
     batches = make_batch(cfg, setup, seed=job.seed + 1)  # the m micro-batches of a step, the same every step
+    tracker = train_pipeline(AllocationTracker, stages, schedule, tracked, optimizer, specs, batches, setup,
+                             rank=rank, seed=job.seed)
+    return tracker.log({"engine": "pipeline", "pp": setup.pp, "pp_schedule": setup.pp_schedule,
+                        "virtual_stages": setup.virtual_stages, "stages": stage_records(specs),
+                        **run_metadata(rank, setup.pp, cfg, setup), "model_kind": type(cfg).__name__})
+
+
+def train_pipeline(tracker_class, stages, schedule, tracked: nn.Module, optimizer, specs: list[StageSpec], batches,
+                   setup: TrainingSetup, *, rank: int, seed: int, contexts=()):
+    """`setup.steps` steps of a rank's pipeline (`run_pipeline_steps`, the stages and the schedule labelled by
+    `label_pipeline`) under a new `tracker_class` (AllocationTracker; a mesh run's DTensorTracker) of `tracked` and
+    `optimizer` for `rank`, told of the step's whole batch (the micro-batches of `batches` concatenated) and of
+    the micro-batches, entered after seeding torch's RNG with `seed`, then `contexts` (a mesh run's
+    `loss_parallel()`). Returns the tracker, whose log the caller writes."""
     whole = (torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    tracker = AllocationTracker(tracked, optimizer, known=whole + tuple(t for b in batches for t in b), rank=rank)
+    tracker = tracker_class(tracked, optimizer, known=whole + batch_tensors(batches), rank=rank)
     step_now = label_pipeline(stages, schedule, tracker)
-    torch.manual_seed(job.seed)
-    with tracker:
+    with tracking(tracker, seed, *contexts):
         run_pipeline_steps(tracker, schedule, optimizer, whole, any(s.first for s in specs),
                            any(s.last for s in specs), setup, step_now)
-    metadata = {"engine": "pipeline", "pp": setup.pp, "pp_schedule": setup.pp_schedule,
-                "virtual_stages": setup.virtual_stages, "world_size": setup.pp, "rank": rank,
-                "stages": stage_records(specs),
-                "backend": "gloo", "torch_version": torch.__version__, "model": dataclasses.asdict(cfg),
-                "model_kind": type(cfg).__name__, "setup": dataclasses.asdict(setup), "steps": setup.steps,
-                "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none}
-    return tracker.log(metadata)
+    return tracker
 
 
 def run_pipeline_steps(tracker, schedule, optimizer, whole: tuple[torch.Tensor, torch.Tensor], first: bool,
@@ -314,4 +299,5 @@ def label_stage(stage, tracker, step_now: list[int]) -> None:
 
 
 __all__ = ["measure_pipeline", "StageModule", "pipeline_loss", "stage_modules", "build_pipeline", "stage_records",
-           "run_pipeline_steps", "label_pipeline", "label_stage", "label_loss", "PipelineJob", "SCHEDULES"]
+           "run_pipeline_steps", "train_pipeline", "label_pipeline", "label_stage", "label_loss", "PipelineJob",
+           "SCHEDULES"]

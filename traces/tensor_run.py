@@ -1,11 +1,12 @@
 """Measure every rank of a real tensor-parallel CPU run: torch's DTensor TP (`parallelize_module`) on gloo.
 
-`measure_tensor_parallel` spawns `tp` processes joined as traces/distributed.py joins its ranks (rendezvous on
-a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), builds a one-dimensional DeviceMesh over
-"cpu", builds the same reference model on every rank (`traces.reference.build_model`, same seed), applies
-`tp_plan` with `parallelize_module`, and runs `setup.steps` training steps (forward and loss under
-`loss_parallel()`, backward, the optimizer's step, zero_grad) on the same micro-batches on every rank (tensor
-parallelism splits the model, not the data) under the rank's own tracker. One `EventLog` per rank, rank order.
+`measure_tensor_parallel` spawns `tp` processes joined as every real run joins its ranks (traces/harness.py
+`measure_ranks`: rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), builds a
+one-dimensional DeviceMesh over "cpu", builds the same reference model on every rank
+(`traces.reference.build_model`, same seed), applies `tp_plan` with `parallelize_module`, and runs `setup.steps`
+training steps (forward and loss under `loss_parallel()`, backward, the optimizer's step, zero_grad) on the same
+micro-batches on every rank (tensor parallelism splits the model, not the data) under the rank's own tracker. One
+`EventLog` per rank, rank order.
 
 The plan (`tp_plan`) is torchtitan's `apply_tp` (torchtitan/models/llama3/infra/parallelize.py) written for
 the reference models' module names, with sequence parallelism switched by `sequence_parallel`:
@@ -45,9 +46,7 @@ would run under the popped mode and only their final outputs would be seen.
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import tempfile
+import functools
 import time
 import types
 from dataclasses import dataclass
@@ -73,31 +72,28 @@ from ..models.config import TrainingSetup, TransformerConfig
 from ..models.trace.realpath import fake_mode_active
 from ..simulator.events import EventLog
 from . import tracker as _tracker
-from .distributed import (
+from .distributed import transformer_blocks
+from .harness import (
+    Job,
     ReleaseCount,
-    free_loopback_port,
-    gloo_group,
+    batch_tensors,
     holders,
-    spawn_ranks,
-    transformer_blocks,
+    measure_ranks,
+    run_metadata,
+    tracking,
+    train_steps,
     wait_released,
 )
 from .reference import TORCH_DTYPES, build_model, make_batch, optimizer_class, torch_optimizer
-from .store import load_log, save_log
-from .tracker import training_loop
 
 
-@dataclass(frozen=True)
-class TPJob:
-    model_cfg: TransformerConfig
-    setup: TrainingSetup
+@dataclass(frozen=True, kw_only=True)
+class TPJob(Job):
+    """What every process of a tensor-parallel run is sent: the harness's job, the tp degree and whether the
+    activations between blocks are sequence-parallel."""
+
     tp: int
     sequence_parallel: bool
-    port: int
-    out_dir: str
-    seed: int = 0
-    lr: float = 1e-3
-    timeout_s: float = 120.0
 
 
 def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, tp: int,
@@ -109,11 +105,9 @@ def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
     `if __name__ == "__main__":` in a script; every process is joined within `timeout_s` seconds, else all are
     killed and TimeoutError is raised; a failing rank's traceback is raised as RuntimeError."""
     _check(model_cfg, setup, tp, sequence_parallel)
-    with tempfile.TemporaryDirectory(prefix="peakledger-tp-") as tmp:
-        job = TPJob(model_cfg, setup, tp, sequence_parallel, free_loopback_port(), tmp, seed=seed,
-                    timeout_s=timeout_s)
-        _spawn_and_join(job)
-        return [load_log(os.path.join(tmp, f"rank{r}.json")) for r in range(tp)]
+    job = functools.partial(TPJob, model_cfg, setup, seed=seed, timeout_s=timeout_s, tp=tp,
+                            sequence_parallel=sequence_parallel)
+    return measure_ranks(_measure_rank, job, tp, f"tp={tp} ranks", prefix="peakledger-tp-")
 
 
 def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) -> None:
@@ -134,15 +128,6 @@ def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) ->
         raise NotImplementedError("tensor-parallel measurement runs without checkpointing, frozen parameters, "
                                   "LoRA or dropout")
     optimizer_class(setup)
-
-
-def _spawn_and_join(job: TPJob) -> None:
-    spawn_ranks(_rank_main, job, job.tp, job.timeout_s, f"tp={job.tp} ranks")
-
-
-def _rank_main(rank: int, job: TPJob) -> None:
-    with gloo_group(rank, job.tp, job.port, job.timeout_s):
-        save_log(_measure_rank(rank, job), os.path.join(job.out_dir, f"rank{rank}.json"))
 
 
 # -- the plan ---------------------------------------------------------------------------------------------
@@ -332,24 +317,18 @@ class DTensorTracker(_tracker.AllocationTracker):
 # -- one rank -------------------------------------------------------------------------------------------------
 
 def _measure_rank(rank: int, job: TPJob) -> EventLog:
-
-    torch.set_num_threads(1)
+    """One tensor-parallel rank's run (traces/harness.py `measure_ranks` runs it in a spawned process)."""
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)
     parallelize(model, job.tp, job.sequence_parallel)
     optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every tensor-parallel rank
-    known = tuple(t for b in batches for t in b)
-    tracker = DTensorTracker(model, optimizer, known=known, rank=rank)
+    tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
     autocast = TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None
-    torch.manual_seed(job.seed)
-    with tracker, loss_parallel():
-        training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none,
-                      autocast)
+    with tracking(tracker, job.seed, loss_parallel()):
+        train_steps(tracker, model, optimizer, batches, setup, autocast)
     return tracker.log({"engine": "dtensor-tp", "tp": job.tp, "sequence_parallel": job.sequence_parallel,
-                        "world_size": job.tp, "rank": rank, "backend": "gloo", "torch_version": torch.__version__,
-                        "model": dataclasses.asdict(job.model_cfg), "setup": dataclasses.asdict(setup),
-                        "steps": setup.steps, "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none})
+                        **run_metadata(rank, job.tp, job.model_cfg, setup)})
 
 
 __all__ = ["measure_tensor_parallel", "tp_plan", "parallelize", "localize_attention", "optimizer_groups",
