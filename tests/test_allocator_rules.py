@@ -398,3 +398,13 @@ def test_random_requests_keep_the_invariants(conf):
         m.empty_cache()
         _check_invariants(m)
         assert m.reserved == 0 and not m.segments
+
+
+@pytest.mark.parametrize("capacity", [0, 1 * MB, 3 * MB])
+def test_expandable_request_larger_than_the_address_space_is_an_oom(capacity):
+    """A capacity (a budget under the CUDA context) whose 1 1/8 address space cannot hold one request: torch's
+    find_expandable_block finds no room and the mapping fails, an OOM (it read past the segment's end before)."""
+    m = CachingAllocator(EXPANDABLE, capacity=capacity)
+    with pytest.raises(OutOfMemory):
+        m.malloc(4 * MB, 0)
+    assert m.reserved <= capacity  # pages mapped before the failed mapping stay, never past the capacity

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -39,7 +40,10 @@ SETUPS = {
     "load-and-save": dict(load_mode="map-to-device", checkpoint_every=2, precision="bf16-mixed"),
     "offload-states-save": dict(optimizer_offload="states", checkpoint_every=4, save_mode="sharded"),
 }
-PLAN_KEYS = ("steps_simulated", "repeats", "events", "simulated_time_per_step_s")
+PLAN_KEYS = ("steps_simulated", "repeats", "events", "simulated_time_per_step_s", "phases")
+
+
+PHASE_ROW = re.compile(r"  (step \d+ |load |\(steps )")  # a row of the phase table: one per simulated step
 
 
 def _runs(steps: int, **setup):
@@ -65,9 +69,11 @@ def test_a_truncated_run_reports_what_the_full_run_does(name):
     assert math.isclose(got_plan["simulated_time_per_step_s"], want_plan["simulated_time_per_step_s"], rel_tol=1e-12)
     assert want_plan["steps_simulated"] == 9 and want_plan["repeats"] is None
     assert got_plan["repeats"]["source_steps"] == list(plan.repeated)
+    # the peak of each phase: the simulated steps', the same as the full run's for those steps
+    assert got_plan["phases"] == [p for p in want_plan["phases"] if p["step"] <= plan.simulated]
     # the text differs in the steps it names as simulated and the event count only
     text = lambda log: [ln for ln in render_text(summarize(log, name=name)).splitlines()  # noqa: E731
-                        if "B_eff" not in ln and " events" not in ln]
+                        if "B_eff" not in ln and " events" not in ln and not PHASE_ROW.match(ln)]
     assert text(truncated) == text(full)
 
 

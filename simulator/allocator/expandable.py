@@ -90,7 +90,8 @@ class ExpandableSegments:
             return None
         while c.size < size:
             nxt = c.next  # unmapped: a free mapped neighbour would have been merged
-            if not self._map_block(nxt, min(size - c.size, nxt.size)):
+            # (none: a new segment's address space, 1 1/8 of a capacity below one request, cannot hold it: an OOM)
+            if nxt is None or not self._map_block(nxt, min(size - c.size, nxt.size)):
                 return None
             c = nxt
         self._unindex(c)
