@@ -120,9 +120,11 @@ def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
         return None
     s = scenario.setup
     n_kv = model.kv_heads
-    pick = lambda c: gpu.sdpa_backend(s.prec.compute, model.head_size, model.dropout, False, True, c, rules,  # noqa: E731
-                                      seq_q=s.seq_len, seq_k=s.seq_len, n_head=model.n_head, n_kv_head=n_kv,
-                                      enable_gqa=n_kv != model.n_head)
+    def pick(capability):
+        return gpu.sdpa_backend(s.prec.compute, model.head_size, model.dropout, False, True, capability, rules,
+                                seq_q=s.seq_len, seq_k=s.seq_len, n_head=model.n_head, n_kv_head=n_kv,
+                                enable_gqa=n_kv != model.n_head)
+
     written, here = pick(cc), pick(profile.compute_capability)
     if written == here:
         return None
