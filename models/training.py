@@ -39,6 +39,7 @@ from ..simulator.ops import OpGraph
 from .autograd import GradState, MicroBatchReplay
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
+from .compile import compiled_tape
 from .config import INT64_MAX, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .costs import DeviceProfile, device_profile
 from .families import family_of
@@ -65,6 +66,8 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s. A
     traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
+    if setup.compile:  # the compiled program of a traced model (models/compile)
+        return compiled_tape(model, setup, cpu)
     family = family_of(model)  # models/families.py
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
     if family.hand_written and setup.passes == "forward":

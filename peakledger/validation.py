@@ -38,6 +38,10 @@ def measure(scenario: Scenario, model_hook=None):
     if setup.optimizer == "adam-8bit":
         raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); use sgd, sgd-momentum, adam, "
                                        "adamw or amsgrad")
+    if setup.compile:  # a compiled step: inductor's buffers are seen by torch.profiler only
+        from .traces.compiled_run import measure_compiled  # torch
+
+        return measure_compiled(scenario.model, setup)
     model = build_model(scenario.model, setup)
     if model_hook is not None:
         model_hook(model)

@@ -31,6 +31,11 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 # fsdp2's MixedPrecisionPolicy.reduce_dtype: "grad" = torch's None (the gradients' own dtype, the param_dtype)
 REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 QUANTIZE = ("none", "nf4")  # models/lora.py
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile(mode=...)
+# checkpointing policies modelled under compile (models/compile): "full" makes a HF model run eager code between its
+# compiled graphs (measured: Llama), which the compiled describer does not model yet
+COMPILE_CHECKPOINTING = ("none",)
+COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
 
 
 def _checkpoint_layers(setup) -> None:
@@ -231,6 +236,7 @@ KNOB_APPLIES = {
     "frozen": (lambda s: s.lora_r == 0, "lora_r 0 (LoRA freezes the whole base model itself)"),
     "pp_schedule": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
     "virtual_stages": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
+    "compile_mode": (lambda s: s.compile, "compile (--compile)"),
 }
 
 
@@ -315,10 +321,36 @@ def _passes(setup) -> None:
                                         f"optimizer: {name} must be {allowed}")
 
 
+def _compile(setup) -> None:
+    """torch.compile (models/compile): its mode only with it; what is not modelled under it yet refused by name."""
+    if not isinstance(setup.compile, bool):
+        raise ConfigError("compile", f"must be true or false, got {setup.compile!r}")
+    _choice(setup, "compile_mode", COMPILE_MODES)
+    if not setup.compile:
+        if setup.compile_mode != "default":
+            raise ConfigError("compile_mode", f"{setup.compile_mode!r} only applies with compile (--compile)")
+        return
+    for name, ok, allowed in (
+            ("passes", setup.passes == "train", "train"),
+            ("precision", setup.precision in COMPILE_PRECISIONS, ", ".join(COMPILE_PRECISIONS)),
+            ("checkpointing", setup.checkpointing in COMPILE_CHECKPOINTING, ", ".join(COMPILE_CHECKPOINTING)),
+            ("world_size", setup.world_size == 1, "1 (data or model parallelism under compile is not modelled yet)"),
+            ("grad_accum", setup.grad_accum == 1, "1 (a compiled backward hands every gradient on at its end: "
+                                                  "accumulation into kept gradients is not modelled yet)"),
+            ("set_to_none", setup.set_to_none, "true (gradients kept between steps are not modelled yet)"),
+            ("lora_r", setup.lora_r == 0, "0 (LoRA / QLoRA under compile is not modelled yet)"),
+            ("optimizer_offload", setup.optimizer_offload == "none", "none"),
+            ("load_mode", setup.load_mode == "none", "none"),
+            ("checkpoint_every", setup.checkpoint_every == 0, "0")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(setup, name)!r} with compile is not modelled yet; allowed with it: "
+                                    f"{allowed}")
+
+
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _build_field, _passes)
+                  _build_field, _passes, _compile)
 
 
 def check_setup(setup) -> None:

@@ -23,6 +23,7 @@ SECTIONS = {  # section -> the title of its group of flags, in --help order
     "offload": "optimizer-state offload",
     "lora": "LoRA / QLoRA (peft; the whole base model frozen)",
     "moe": "mixture of experts",
+    "compile": "torch.compile (inductor; the CPU program, traced models)",
 }
 CLI_FORMS = ("value", "on", "off", "append", "none")
 

@@ -12,6 +12,7 @@ from .base import ConfigError
 from .checks import (
     BUILDS,
     CHECKPOINTING,
+    COMPILE_MODES,
     DP_ENGINES,
     LOAD_MODES,
     OFFLOAD_FIRST_STEPS,
@@ -143,6 +144,11 @@ class TrainingSetup:
     moe_routing: str | None = knob(None, "moe", "tokens per expert: balanced (default), worst (every token to the "
                                    "same top-k experts) or counts:FILE (measured, from capture --moe-counts)",
                                    metavar="ROUTING")
+
+    # torch.compile (models/compile): the forward and loss compiled by inductor, the backward its compiled graph
+    compile: bool = knob(False, "compile", "torch.compile the forward and loss (the step's backward is compiled "
+                         "with it; the optimizer step stays eager)", cli="on")
+    compile_mode: str = knob("default", "compile", "torch.compile's mode", choices=COMPILE_MODES)
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)

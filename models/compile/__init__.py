@@ -1,0 +1,83 @@
+"""The compiled describer: a traced model's training step as torch.compile (dynamo, AOTAutograd, inductor) runs it.
+
+How the pieces compose:
+- `step.py`    the region compiled: the traced loop's forward and loss as one function (`step_function`), the
+               checkpointed layers wrapped as the real run wraps them; the measuring side compiles the same.
+- `plan.py`    inductor's memory plan of each graph it lowers, read from the wrapper's planning lines
+               (`PythonWrapperCodegen.memory_plan_reuse`): allocations, reuse, frees, with sizes from the IR.
+- `capture.py` dynamo + AOTAutograd + inductor run on the fake-tensor model (models/trace's build), codegen only:
+               the plans, and one fake step through the real runtime: which graph ran when, on which storages.
+- `convert.py` the plans replayed on those runs, as the project's tape (models/tape.py): forward ops, saves
+               released at the backward graph's `del`, the compiled backward as recorded grad nodes.
+- here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile`) and the cache.
+
+What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them), one device,
+checkpointing none (full: refused, see checks.py), fp32 / bf16 / bf16-autocast; the optimizer step stays eager.
+Not seen by the plan: the internal workspaces of extern kernels (mkldnn GEMMs, SDPA) and the outputs a fallback
+kernel makes but the graph never reads.
+
+The cache: per model digest, micro-batch, sequence length, parameter dtype, autocast, frozen parameters,
+checkpointing and compile mode (`_CACHE`, the 16 latest), as the traced describer keeps its recordings.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from ..config import ConfigError, TrainingSetup
+from ..tape import Tape
+from ..trace import check_setup
+from ..trace.model import TracedModel
+
+if TYPE_CHECKING:
+    from .capture import Capture
+
+OPTIMIZER_STEP = "eager"  # the optimizer step is not compiled (torch.compile(opt.step) is not modelled yet)
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 16
+
+
+def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
+    mb = setup.micro_batch if "micro_batch" in model.varies else None
+    seq = setup.seq_len if "seq_len" in model.varies else None
+    return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, setup.prec.autocast,
+            tuple(setup.frozen), setup.checkpointing, setup.compile_mode)
+
+
+def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
+    from .capture import compile_capture  # torch, dynamo and inductor: loaded for a compiled model only
+
+    key = _key(model, setup)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    check_setup(model, setup)
+    _CACHE[key] = cap = compile_capture(model, setup)
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return cap
+
+
+def compiled_tape(model, setup: TrainingSetup, cpu: bool) -> Tape:
+    """The tape of `model`'s compiled training step under `setup` (see the module docstring)."""
+    if not isinstance(model, TracedModel):
+        raise ConfigError("compile", "torch.compile is modelled on traced models (--hf-config or --module); a preset's "
+                                     "HF equivalent could be given as --hf-config; allowed here: compile off")
+    if not cpu:
+        raise ConfigError("device", "torch.compile is modelled as inductor's CPU program (C++ kernels); its CUDA "
+                                    "program (triton kernels) is not modelled yet; allowed with compile: cpu")
+    if setup.compile_mode == "max-autotune-no-cudagraphs":
+        raise ConfigError("compile_mode", "max-autotune-no-cudagraphs benchmarks kernels to choose them, which a "
+                                          "fake-tensor compile cannot; allowed: default, reduce-overhead")
+    from .convert import to_tape  # (with .capture: torch)
+
+    cap = cached_capture(model, setup)
+    graphs = f"{cap.graph_count} graph{'s' if cap.graph_count != 1 else ''}"
+    return to_tape(cap, setup, describer=f"compiled (torch.compile {setup.compile_mode}, inductor CPU, {graphs}; "
+                                         f"optimizer step: {OPTIMIZER_STEP}; traced {model.kind}: "
+                                         f"{cap.model_class})")
+
+
+__all__ = ["compiled_tape", "cached_capture", "OPTIMIZER_STEP"]

@@ -1,0 +1,239 @@
+"""A compiled program's run (capture.py) as the project's tape (models/tape.py): the same contract as a traced tape,
+so the replay, the optimizer, the engines' hooks and the reports take it unchanged.
+
+Each graph's memory plan (plan.py) is replayed on the storages its run was given: buffers allocated, handed on
+(reuse, reinterpret: one storage under two names) and freed where the wrapper drops the storage's last name.
+- Forward: the compiled forwards' events, in the order they ran, as tape ops, each a run of allocations then a run
+  of frees (`releases`). What a forward returns lives on past its graph: the caller's `(out, loss)` (`held`, until
+  backward ends), the tensors a backward graph takes as saved (`saves` of a save op, one per group released
+  together), and the rest, locals of the compiled frame between graphs, until the forward ends.
+- Backward: the compiled backwards in the order the engine ran them, as `GradNode`s. Before a node: the gradients
+  made for it outside any graph (the engine's `ones_like` of the loss; AOTAutograd's zeros for the outputs no
+  gradient reached, its own, freed at the graph's `del` of them). In it: its buffers; a saved tensor is released
+  at the wrapper's `del` of it (AOTAutograd clears the node's saved tensors before calling the graph); a buffer
+  returned as a parameter's gradient is that parameter's `.grad` (AccumulateGrad steals it: the step names the
+  parameter, `grads`). At its end: the gradients the engine gave it (it holds a node's inputs until the node
+  returns) and what it returned that no later node takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from math import prod
+
+from ..config import ConfigError, TrainingSetup, dtype_bytes
+from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec
+from .capture import Capture
+
+
+def _spec(name: str, nbytes: int, dtype: str, shape: tuple) -> TensorSpec:
+    try:
+        size = dtype_bytes(dtype)
+    except ConfigError:
+        return TensorSpec(name, (nbytes,), "int8")
+    if prod(shape) * size == nbytes:
+        return TensorSpec(name, tuple(shape), dtype)
+    if nbytes % size == 0:
+        return TensorSpec(name, (nbytes // size,), dtype)
+    return TensorSpec(name, (nbytes,), "int8")
+
+
+class _Storage:
+    __slots__ = ("spec", "born", "graph", "refs")
+
+    def __init__(self, spec: TensorSpec, born: str, graph: int) -> None:
+        self.spec, self.born, self.graph, self.refs = spec, born, graph, 0
+
+
+def _segments(events: list[tuple]) -> list[tuple[list, list]]:
+    """Events ("alloc", x) / ("free", x) as runs of allocations followed by runs of frees."""
+    out: list[tuple[list, list]] = []
+    for kind, x in events:
+        if kind == "alloc":
+            if not out or out[-1][1]:
+                out.append(([], []))
+            out[-1][0].append(x)
+        else:
+            if not out:
+                out.append(([], []))
+            out[-1][1].append(x)
+    return out
+
+
+def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
+    external = set(cap.params) | set(cap.buffers) | set(cap.inputs)
+    of_key: dict = {}  # runtime storage key -> _Storage (graph-made storages)
+    storages: list[_Storage] = []
+    fwd: list[tuple] = []  # ("alloc" | "free", _Storage)
+    bwd: list[tuple] = []  # per backward run: (graph, [events]); events ("alloc"/"free"/"grad"/"release", ...)
+    runs_bw = [r for r in cap.runs if cap.plans[r.graph].is_backward]
+    taken_later: dict[int, set] = {}  # backward run index -> keys later backward runs take
+    for i in range(len(runs_bw)):
+        taken_later[i] = {k for r in runs_bw[i + 1:] for k in r.args}
+    grad_of_key: dict = {}
+    for p, k in cap.grads.items():
+        if k in grad_of_key:
+            raise ConfigError("compile", f"parameters {grad_of_key[k]} and {p} share one gradient storage in the "
+                                         "compiled backward; not modelled yet")
+        grad_of_key[k] = p
+    returned_fwd: list[_Storage] = []
+    save_groups: list[list[_Storage]] = []
+    b = -1
+    for run in cap.runs:
+        plan = cap.plans[run.graph]
+        backward = plan.is_backward
+        if backward:
+            b += 1
+        names: dict[str, object] = {}  # wrapper name -> _Storage, or a key of an external tensor
+        events: list[tuple] = []
+        arg_storages: dict[int, int] = {}  # id(_Storage) -> names of it among this graph's arguments
+        given: list[_Storage] = []  # gradients the engine gave this node (held until it returns)
+        if len(plan.inputs) != len(run.args):
+            raise ConfigError("compile", f"graph {run.graph} was called with {len(run.args)} arguments for "
+                                         f"{len(plan.inputs)} inputs; not modelled")
+        for name, key in zip(plan.inputs, run.args):
+            if key is None or key in external:
+                names[name] = key
+                continue
+            s = of_key.get(key)
+            if s is None:
+                nbytes, dtype, shape = cap.storages[key]
+                if not backward:
+                    raise ConfigError("compile", f"compiled graph {run.graph} reads a tensor made by eager code "
+                                                 f"before it ({name}: {nbytes} B, after a graph break); eager code "
+                                                 "between compiled graphs is not modelled yet")
+                s = _Storage(_spec(f"g{run.graph}.{name}", nbytes, dtype, shape), "glue", run.graph)
+                of_key[key] = s
+                storages.append(s)
+                events.append(("alloc", s))
+            names[name] = s
+            arg_storages[id(s)] = arg_storages.get(id(s), 0) + 1
+            if backward and s.born == "glue" and s.spec.shape != ():
+                # zeros AOTAutograd materialises for an output no gradient reached: its own, gone at the `del`
+                s.refs += 1
+                arg_storages.pop(id(s))
+            elif backward and (name.startswith("tangents_") or s.born in ("glue", "backward")):
+                given.append(s)  # the engine's: the loss's ones, a gradient an earlier node made
+        released: list[_Storage] = []
+        for ev in plan.events:
+            if ev[0] == "alloc":
+                _, name, nbytes, dtype, shape = ev
+                s = _Storage(_spec(f"g{run.graph}.{name}", nbytes, dtype, shape),
+                             "backward" if backward else "forward", run.graph)
+                s.refs = 1
+                storages.append(s)
+                names[name] = s
+                events.append(("alloc", s))
+            elif ev[0] == "alias":
+                s = names.get(ev[2])
+                names[ev[1]] = s
+                if isinstance(s, _Storage):
+                    if id(s) in arg_storages:
+                        arg_storages[id(s)] += 1
+                    else:
+                        s.refs += 1
+            else:
+                s = names.pop(ev[1], None)
+                if not isinstance(s, _Storage):
+                    continue
+                if id(s) in arg_storages:  # a graph argument: its last name here lets go of the graph's reference
+                    arg_storages[id(s)] -= 1
+                    if arg_storages[id(s)] == 0 and backward and s.born == "forward":
+                        if events and events[-1][0] == "release":
+                            events[-1][1].append(s)
+                        else:
+                            events.append(("release", [s]))
+                        released.append(s)
+                    continue
+                s.refs -= 1
+                if s.refs == 0:
+                    events.append(("free", s))
+        outs = []
+        for name, key in zip(plan.outputs, run.outputs):
+            s = names.get(name) if name is not None else None
+            outs.append(s)
+            if isinstance(s, _Storage) and key is not None:
+                of_key[key] = s
+        out_set = {id(s) for s in outs if isinstance(s, _Storage)}
+        for s in dict.fromkeys(x for x in names.values() if isinstance(x, _Storage)):
+            if id(s) not in arg_storages and s.refs > 0 and id(s) not in out_set:
+                s.refs = 0
+                events.append(("free", s))  # a local of `call` dropped when it returns
+        if not backward:
+            fwd.extend(events)
+            returned_fwd.extend(s for s in outs if isinstance(s, _Storage) and s.born == "forward")
+            continue
+        # the saved tensors the graph never dropped: released as it returns
+        rest = [s for s in dict.fromkeys(names[n] for n in plan.inputs if isinstance(names.get(n), _Storage))
+                if s.born == "forward" and s not in released]
+        if rest:
+            events.append(("release", rest))
+        for s in given:  # the engine lets go of the node's inputs as it returns
+            if id(s) not in out_set:
+                events.append(("free", s))
+        for s, key in zip(outs, run.outputs):
+            if not isinstance(s, _Storage) or s.born != "backward" or key in taken_later[b]:
+                continue
+            if key not in grad_of_key:
+                events.append(("free", s))  # returned, taken by nobody
+        bwd.append((run.graph, events))
+    # which storages became gradients: their allocation is the parameter's `.grad` (the engine makes it)
+    grad_param = {id(of_key[k]): p for k, p in grad_of_key.items() if k in of_key}
+    missing = [p for k, p in grad_of_key.items() if k not in of_key]
+    if missing:
+        raise ConfigError("compile", f"the .grad of {missing[0]} is not a compiled backward's output (a copy "
+                                     "AccumulateGrad made); not modelled yet")
+    # -- the forward as tape ops
+    spec_name = {id(s): s.spec.name for s in storages}
+    ops: list[TapeOp] = []
+    for k, (allocs, frees) in enumerate(_segments(fwd)):
+        ops.append(TapeOp(name=f"compiled.forward.{k}", kind="compiled", inputs=(),
+                          outputs=tuple(s.spec for s in allocs), releases=tuple(spec_name[id(s)] for s in frees)))
+    marker: dict[int, int] = {}  # id of a save group's list -> its op index
+    for _, events in bwd:
+        for ev in events:
+            if ev[0] == "release":
+                marker[id(ev[1])] = len(ops)
+                save_groups.append(ev[1])
+                ops.append(TapeOp(name=f"compiled.saved.{len(save_groups) - 1}", kind="compiled.save", inputs=(),
+                                  outputs=(), saves=tuple(s.spec.name for s in ev[1])))
+    ops.append(TapeOp(name="compiled.forward.end", kind="compiled", inputs=(), outputs=(),
+                      releases=tuple(dict.fromkeys(s.spec.name for s in returned_fwd))))
+    # -- the backward as grad nodes
+    nodes: list[GradNode] = []
+    for graph, events in bwd:
+        steps: list[dict] = []
+
+        def flush(k=len(nodes), graph=graph):
+            if steps:
+                nodes.append(GradNode(name=f"compiled.backward.g{graph}.{len(nodes)}", op=None,
+                                      steps=tuple(GradStep(tuple(x["allocs"]), tuple(x["frees"]), tuple(x["grads"]))
+                                                  for x in steps)))
+                steps.clear()
+
+        for ev in events:
+            if ev[0] == "release":
+                flush()
+                nodes.append(GradNode(name=f"compiled.backward.g{graph}.release{marker[id(ev[1])]}",
+                                      op=marker[id(ev[1])], steps=(GradStep(release_saved=True),)))
+                continue
+            s = ev[1]
+            if ev[0] == "alloc":
+                if not steps or steps[-1]["frees"]:
+                    steps.append({"allocs": [], "frees": [], "grads": []})
+                p = grad_param.get(id(s))
+                (steps[-1]["grads"] if p else steps[-1]["allocs"]).append(p or s.spec)
+            elif id(s) not in grad_param and s.born != "forward":
+                if not steps:
+                    steps.append({"allocs": [], "frees": [], "grads": []})
+                steps[-1]["frees"].append(s.spec.name)
+        flush()
+    held = tuple(dict.fromkeys(of_key[k].spec.name for k in cap.held if k in of_key and of_key[k].born == "forward"))
+    trained = set(cap.grads)
+    return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in cap.param_specs],
+                ops=ops, inputs=[_spec(name, *cap.storages[k]) for k, name in cap.inputs.items()],
+                buffers=[replace(_spec(name, *cap.storages[k]), requires_grad=False)
+                         for k, name in cap.buffers.items() if k in cap.storages],
+                held=held, backward=tuple(nodes), layers=cap.layers, buffers_follow_params=False,
+                describer=describer, gradless=tuple(n for n, _, _, _ in cap.param_specs if n not in trained),
+                param_dtypes={n: dt for n, _, dt, _ in cap.param_specs if dt != setup.param_dtype})

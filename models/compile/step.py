@@ -1,0 +1,54 @@
+"""The step torch.compile compiles, the same on both sides: the traced loop's forward and loss as one function,
+`fn(*tensors) -> (out, loss_fn(out))`, called as `out, loss = fn(*batch)`, then `loss.backward()` outside it
+(traces/reference/traced.py `_RealRun` is this function for the real run, whose `forward` is what
+traces/compiled_run.py compiles). With activation checkpointing (not modelled under compile yet) each block runs under
+`torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which dynamo traces as one higher-order op and
+AOTAutograd's partitioner recomputes in the backward graph."""
+
+from __future__ import annotations
+
+from ..config import TrainingSetup
+from ..tape import checkpoint_segments
+
+
+def loop_forward(net, batch):
+    """`fn(*tensors)` running `net` on the batch's tensors in the factory's structure (a dict's other values, such as
+    CLIP's `return_loss=True`, passed as constants), and the tensors."""
+    import torch
+
+    if isinstance(batch, dict):
+        keys = [k for k, v in batch.items() if isinstance(v, torch.Tensor)]
+        constants = {k: v for k, v in batch.items() if not isinstance(v, torch.Tensor)}
+        return (lambda *t: net(**dict(zip(keys, t)), **constants)), tuple(batch[k] for k in keys)
+    if isinstance(batch, torch.Tensor):
+        return (lambda t: net(t)), (batch,)
+    return (lambda *t: net(*t)), tuple(batch)
+
+
+def step_function(net, batch, loss_fn):
+    """(fn, tensors): fn(*tensors) -> (out, loss_fn(out)), the region torch.compile compiles."""
+    forward, tensors = loop_forward(net, batch)
+
+    def step(*t):
+        out = forward(*t)
+        return out, loss_fn(out)
+
+    return step, tensors
+
+
+def wrap_checkpointed(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
+    """Each checkpointed layer's forward under non-reentrant `checkpoint` (traces/reference/traced.py
+    `_wrap_layers` does the same to the real model)."""
+    from torch.utils.checkpoint import checkpoint
+
+    if setup.checkpointing == "none":
+        return
+    for seg in checkpoint_segments(setup, len(layers)):
+        if seg.wrap == "none":
+            continue
+        module = net.get_submodule(layers[seg.layers.start])
+
+        def forward(*args, _call=module.forward, **kwargs):
+            return checkpoint(_call, *args, use_reentrant=False, **kwargs)
+
+        module.forward = forward
