@@ -87,14 +87,18 @@ def _budget(args, name: str = "budget") -> int | None:
     return None if value is None else parse_bytes(value, name)
 
 
-def budget_of(args, scenario, name: str = "budget") -> int | None:
+def budget_of(args, scenario, needed_by: str) -> int:
     """The budget a command checks against: --budget, or else the device profile's memory (a GPU profile is a
-    card of that size); None when neither says one (the cpu profile without --budget)."""
-    given = _budget(args, name)
+    card of that size); a ConfigError naming `needed_by` when neither gives one (the cpu profile without
+    --budget)."""
+    given = _budget(args)
     if given is not None:
         return given
     profile = device_profile(scenario.device)
-    return None if profile.is_cpu else profile.memory_bytes
+    if profile.is_cpu:
+        raise ConfigError("budget", f"{needed_by} needs a budget: give --budget (e.g. 24GiB; the cpu profile has no "
+                                    "memory size of its own) or a GPU --device, whose memory is the budget")
+    return profile.memory_bytes
 
 
 def add_check_flag(p: argparse.ArgumentParser) -> None:

@@ -26,10 +26,7 @@ def cmd_explain(args) -> int:
             raise ConfigError("budget", "explain --trace needs --budget: the device the trace is held against")
         return _explain_trace(args, budget, host_budget)
     scenario = scenario_from_args(args)
-    budget = budget_of(args, scenario)
-    if budget is None:
-        raise ConfigError("budget", "explain needs a budget: give --budget (e.g. 24GiB) or a GPU --device, whose "
-                                    "memory is the budget")
+    budget = budget_of(args, scenario, "explain")
     x = diagnosis.explain(scenario, budget, host_budget)
     setup = dataclasses.asdict(scenario.setup)
     status = 1 if args.check and not x.fits else 0

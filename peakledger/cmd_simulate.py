@@ -65,10 +65,7 @@ def cmd_simulate(args) -> int:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
     scenario = scenario_from_args(args)
     if args.check and budget is None:
-        budget = budget_of(args, scenario)
-        if budget is None:
-            raise ConfigError("check", "checks the run against a budget: give --budget (the cpu profile has no "
-                                       "memory size of its own) or a GPU --device")
+        budget = budget_of(args, scenario, "--check")
     with progress(f"describing and simulating {scenario.name}"):
         graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
@@ -119,10 +116,7 @@ def cmd_simulate(args) -> int:
 
 def cmd_max_batch(args) -> int:
     scenario = scenario_from_args(args)
-    budget = budget_of(args, scenario)
-    if budget is None:
-        raise ConfigError("budget", "max-batch needs a budget: give --budget (e.g. 24GiB) or a GPU --device, whose "
-                                    "memory is the budget")
+    budget = budget_of(args, scenario, "max-batch")
     with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)"):
         best = api.max_micro_batch(scenario, budget)
         fixed = api.fixed_state_peak(scenario)
