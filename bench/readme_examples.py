@@ -215,7 +215,9 @@ def resolve(argv: list[str], tracked: set[str] | None, exe: str) -> list[str]:
             full = repo_path(value, tracked)
             out.append(f"{flag}={full}" if full else tok)
             continue
-        out.append(repo_path(tok, tracked) or tok)
+        path, colon, factory = tok.rpartition(":")  # --module FILE.py:FACTORY names a tracked file too
+        full = repo_path(tok, tracked) or (colon and factory.isidentifier() and repo_path(path, tracked))
+        out.append(full + f":{factory}" if full and not repo_path(tok, tracked) else full or tok)
     return out
 
 
