@@ -143,7 +143,9 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     if md.get("describer") == "traced":
         out.append("traced models: described from the CPU program's kernels; GPU kernels (SDPA backends, fused "
                    "losses) can save different tensors")
-    out.append("torch.compile is not modelled: compiled programs usually save fewer activations")
+    if not s.compile:
+        out.append("a compiled step (torch.compile) saves fewer activations and fuses temporaries away: --compile "
+                   "models inductor's CPU program of a traced model; a GPU's compiled program is not modelled yet")
     return out
 
 
