@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.profiler._memory_profiler import Action as PAction
 
+from ..models.compile.step import CPU_THREADS
 from ..models.config import ConfigError, TrainingSetup
 from ..models.trace.model import TracedModel
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
@@ -133,7 +134,17 @@ def measure_compiled(model: TracedModel, setup: TrainingSetup, seed: int = 0) ->
 
     if not isinstance(model, TracedModel):
         raise ConfigError("compile", "a compiled run is measured for traced models (--hf-config or --module)")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)  # the program the describer compiles (models/compile/step.py)
+    try:
+        return _measure(model, setup, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(model: TracedModel, setup: TrainingSetup, seed: int) -> EventLog:
+    import torch._dynamo
+
     torch._dynamo.reset()
     net = build_model(model, setup, seed)
     optimizer = make_optimizer(net, setup)

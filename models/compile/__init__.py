@@ -4,20 +4,31 @@ How the pieces compose:
 - `step.py`    the region compiled: the traced loop's forward and loss as one function (`step_function`), the
                checkpointed layers wrapped as the real run wraps them; the measuring side compiles the same.
 - `plan.py`    inductor's memory plan of each graph it lowers, read from the wrapper's planning lines
-               (`PythonWrapperCodegen.memory_plan_reuse`): allocations, reuse, frees, with sizes from the IR.
+               (`PythonWrapperCodegen.memory_plan_reuse`): allocations, reuse, frees, with sizes from the IR; a
+               multi-output fallback's outputs where the kernel returns them (the unread ones until its `del`);
+               oneDNN's channels-last convolution backward's own weight-gradient copies.
+- `workspace.py` what an extern GEMM takes for itself while it runs (oneDNN's scratchpad for 16-bit GEMMs, bmm's
+               contiguous copies), measured on this CPU once per GEMM signature.
 - `capture.py` dynamo + AOTAutograd + inductor run on the fake-tensor model (models/trace's build), codegen only:
-               the plans, and one fake step through the real runtime: which graph ran when, on which storages.
+               the plans, and one fake step through the real runtime: which graph ran when, on which storages;
+               the forward's output layouts handed to AOTAutograd as a real compile hands them (the backward
+               is lowered for inductor's channels-last layouts).
 - `convert.py` the plans replayed on those runs, as the project's tape (models/tape.py): forward ops, saves
-               released at the backward graph's `del`, the compiled backward as recorded grad nodes.
+               released at the backward graph's `del`, the compiled backward as recorded grad nodes,
+               AccumulateGrad's copy of a gradient whose layout is not its parameter's.
 - here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile`) and the cache.
 
-What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them), one device,
-checkpointing none (full: refused, see checks.py), fp32 / bf16 / bf16-autocast; the optimizer step stays eager.
-Not seen by the plan: the internal workspaces of extern kernels (mkldnn GEMMs, SDPA) and the outputs a fallback
-kernel makes but the graph never reads.
+What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them for
+`step.CPU_THREADS` threads, which the real run uses too: the program depends on the count), one device,
+checkpointing none / full / every-k / layers where dynamo keeps each checkpoint in its graph (a checkpoint it runs
+eagerly between graphs, HF Llama's, is refused: capture.py `_eager_checkpoint`), fp32 / bf16 / bf16-autocast; the
+optimizer step stays eager. Not seen: the internal temporaries of fallback kernels other than the convolution
+backward (SDPA's, for one; none measured on the validated models), and the C++ kernels' own thread-local buffers
+(malloc, not torch's allocator: no run sees them either).
 
 The cache: per model digest, micro-batch, sequence length, parameter dtype, autocast, frozen parameters,
-checkpointing and compile mode (`_CACHE`, the 16 latest), as the traced describer keeps its recordings.
+checkpointing (policy, k, layers) and compile mode (`_CACHE`, the 16 latest), as the traced describer keeps its
+recordings.
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
     mb = setup.micro_batch if "micro_batch" in model.varies else None
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, setup.prec.autocast,
-            tuple(setup.frozen), setup.checkpointing, setup.compile_mode)
+            tuple(setup.frozen), setup.checkpointing, setup.checkpoint_every_k, tuple(setup.checkpoint_layers),
+            setup.compile_mode)
 
 
 def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:

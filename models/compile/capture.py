@@ -22,8 +22,8 @@ from ..trace import _adopt, _fake_batch, freeze
 from ..trace.boundary import user_code
 from ..trace.model import TracedModel
 from ..trace.record import DTYPES, find_layers
-from .plan import Plan, capture_plans
-from .step import step_function, wrap_checkpointed
+from .plan import Plan, capture_plans, workspaces
+from .step import CPU_THREADS, step_function, wrap_checkpointed
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Capture:
     inputs: dict  # key -> batch tensor name
     held: set  # keys the caller's (out, loss) reach
     grads: dict  # parameter name -> key of its `.grad`
+    param_strides: dict = field(default_factory=dict)  # parameter name -> its strides (the gradient layout contract)
     graph_count: int = 0
     break_reasons: list = field(default_factory=list)
     layers: tuple = ()
@@ -58,7 +59,31 @@ class _CodegenOnly(Exception):
 
 def _codegen_only(self):
     self.codegen()  # torch/_inductor/graph.py GraphLowering.codegen: scheduler, fusion, wrapper, memory plan
+    _report_output_strides(self)
     raise _CodegenOnly()
+
+
+def _report_output_strides(graph) -> None:
+    """The strides of the graph's outputs in inductor's layouts, handed to the caller as a compiled graph hands them
+    (torch/_inductor/utils.py `set_tracing_context_output_strides`, from `CompiledFxGraph.output_strides`): a
+    forward's saved tensors in the layouts inductor chose (channels-last for a convolution, `layout_optimization`),
+    with which AOTAutograd restrides the backward's placeholders before compiling it
+    (torch/_functorch/_aot_autograd/graph_compile.py `_aot_stage2b_bw_compile`), so that the backward is lowered
+    for the layouts the real forward returns."""
+    import torch
+    from torch._inductor import ir
+
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.output_strides is None or context.output_strides:
+        return
+    for out in graph.graph_outputs or ():
+        stride = None
+        if isinstance(out, ir.IRNode) and out.has_tensor_output():
+            try:
+                stride = tuple(int(graph.sizevars.optimization_hint(s)) for s in out.get_layout().stride)
+            except Exception:  # an unbacked size: inductor reports none either
+                stride = None
+        context.output_strides.append(stride)
 
 
 def _key(t):
@@ -92,10 +117,51 @@ def _tensors(obj, depth: int = 0):
 
 
 
+def _as_planned(outs, args, plan: Plan):
+    """The forward's outputs as inductor's program returns them: an output the plan makes a buffer of its own
+    (a layout inductor chose: the channels-last copy of a conv's weight or input, `layout_optimization`) where
+    the aten graph returns the input itself gets a storage of its own, so that the backward which saves it
+    receives, and frees at its `del`, that copy and not the parameter."""
+    import torch
+
+    if len(outs) != len(plan.outputs):
+        return outs
+    inputs = set(plan.inputs)
+    arg_storages = {_key(a) for a in args} - {None}
+    out = list(outs)
+    for i, (o, name) in enumerate(zip(outs, plan.outputs)):
+        if name is None or name in inputs or not isinstance(o, torch.Tensor) or _key(o) not in arg_storages:
+            continue
+        out[i] = torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=o.device)
+    return type(outs)(out) if isinstance(outs, (list, tuple)) else out
+
+
+def _eager_checkpoint(model: TracedModel, setup: TrainingSetup, reasons: list[str]) -> None:
+    """Refuse a checkpointed model whose checkpoint dynamo could not keep in its graph. Dynamo traces
+    `torch.utils.checkpoint.checkpoint` as a higher-order op, and gives it up when the checkpointed forward has a side
+    effect outside it (torch/_dynamo/variables/higher_order_ops.py: "HOP: Unsafe side effect"; HF Llama: the `kernels`
+    hub layers' `CompileableContextVar.set` assigns a global in the forward): the checkpoint call then breaks the graph
+    and runs eagerly, and with it the layer under it (eager checkpoint: its pack hooks, its recompute in the backward,
+    frames dynamo skips), between the compiled graphs. That eager program is not modelled under compile yet."""
+    if setup.checkpointing == "none":
+        return
+    hop = [r for r in reasons if r.startswith("HOP:")]
+    if not hop:
+        return
+    lines = [x.strip() for x in hop[0].splitlines() if x.strip()]
+    context = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("Developer debug context:")), "")
+    raise ConfigError("checkpointing", f"{setup.checkpointing} with compile: dynamo could not keep "
+                                       f"torch.utils.checkpoint in the graph of {model.name} ({lines[0]}"
+                                       f"{': ' + context if context else ''}), so its checkpointed layers run "
+                                       "eagerly between compiled graphs, which is not modelled yet; allowed with "
+                                       "compile here: checkpointing none")
+
+
 def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
     """Compile and run one fake micro-batch of `model` under `setup` (see the module docstring)."""
     import torch
     import torch._dynamo
+    from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -138,6 +204,8 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
             arg_keys = [note(a) for a in args]
             with mode:  # the aten graph on the fake tensors (its factory ops must make fake tensors too)
                 outs = gm(*args)
+                if index is not None and not plans[index].is_backward:
+                    outs = _as_planned(outs, args, plans[index])
             if index is not None:
                 runs.append(Run(index, arg_keys, [note(o) for o in outs]))
             return outs
@@ -152,8 +220,10 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.prec.autocast or "")
-    options = {"fx_graph_cache": False, **list_mode_options(setup.compile_mode)}
+    options = {"fx_graph_cache": False, "cpp.threads": CPU_THREADS, **list_mode_options(setup.compile_mode)}
     torch._dynamo.reset()  # a new model: no guard of an earlier one, no recompile limit reached
+    breaks = counters["graph_break"]
+    seen_breaks = dict(breaks)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(inductor_config.patch(options))
@@ -173,10 +243,14 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
                                      f"{first}") from None
     finally:
         torch._dynamo.reset()
-    params, specs = {}, []
+    reasons = [r for r, n in breaks.items() if n > seen_breaks.get(r, 0)]
+    _eager_checkpoint(model, setup, reasons)
+    workspaces(plans, CPU_THREADS)  # the extern GEMMs' own memory, measured on this CPU (workspace.py)
+    params, specs, strides = {}, [], {}
     for name, p in net.named_parameters():
         params.setdefault(_key(p), name)
         specs.append((name, tuple(p.shape), DTYPES.get(p.dtype, str(p.dtype)), p.requires_grad))
+        strides[name] = tuple(p.stride())
     buffers = {}
     for name, b in net.named_buffers():
         buffers.setdefault(_key(b), name)
@@ -189,5 +263,6 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
     held = {note(t) for t in list(_tensors(out)) + [loss]} - {None}
     grads = {name: note(p.grad) for name, p in net.named_parameters() if p.grad is not None}
     return Capture(plans=plans, runs=runs, storages=seen, params=params, param_specs=specs, buffers=buffers,
-                   inputs=inputs, held=held, grads=grads, graph_count=len(graphs), layers=layers,
+                   inputs=inputs, held=held, grads=grads, param_strides=strides, graph_count=len(graphs),
+                   break_reasons=reasons, layers=layers,
                    model_class=type(net).__name__)

@@ -12,8 +12,11 @@ Each graph's memory plan (plan.py) is replayed on the storages its run was given
   gradient reached, its own, freed at the graph's `del` of them). In it: its buffers; a saved tensor is released
   at the wrapper's `del` of it (AOTAutograd clears the node's saved tensors before calling the graph); a buffer
   returned as a parameter's gradient is that parameter's `.grad` (AccumulateGrad steals it: the step names the
-  parameter, `grads`). At its end: the gradients the engine gave it (it holds a node's inputs until the node
-  returns) and what it returned that no later node takes.
+  parameter, `grads`), unless its strides break the gradient layout contract with the parameter's (a channels-last
+  convolution weight gradient): AccumulateGrad then makes `.grad` a copy in the parameter's layout and the buffer
+  goes (torch/csrc/autograd/functions/accumulate_grad.h "Case 1.5", `clone_obey_contract`). At its end: the
+  gradients the engine gave it (it holds a node's inputs until the node returns) and what it returned that no later
+  node takes.
 """
 
 from __future__ import annotations
@@ -39,10 +42,19 @@ def _spec(name: str, nbytes: int, dtype: str, shape: tuple) -> TensorSpec:
 
 
 class _Storage:
-    __slots__ = ("spec", "born", "graph", "refs")
+    __slots__ = ("spec", "born", "graph", "refs", "shape", "stride")
 
-    def __init__(self, spec: TensorSpec, born: str, graph: int) -> None:
-        self.spec, self.born, self.graph, self.refs = spec, born, graph, 0
+    def __init__(self, spec: TensorSpec, born: str, graph: int, shape: tuple = (), stride: tuple | None = None):
+        self.spec, self.born, self.graph, self.refs, self.shape, self.stride = spec, born, graph, 0, shape, stride
+
+
+def _obeys_layout_contract(shape: tuple, stride: tuple | None, param_stride: tuple | None) -> bool:
+    """Whether AccumulateGrad may steal a gradient of these strides for a parameter of `param_stride` (a dense
+    parameter): every dimension of size > 1 strided as the parameter's, no 0 stride elsewhere
+    (torch/csrc/autograd/utils/grad_layout_contract.h `obeys_layout_contract`). Unknown strides: it may."""
+    if stride is None or param_stride is None or len(stride) != len(shape) or len(param_stride) != len(shape):
+        return True
+    return all((g == p) if n != 1 else g != 0 for n, g, p in zip(shape, stride, param_stride))
 
 
 def _segments(events: list[tuple]) -> list[tuple[list, list]]:
@@ -76,6 +88,7 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
             raise ConfigError("compile", f"parameters {grad_of_key[k]} and {p} share one gradient storage in the "
                                          "compiled backward; not modelled yet")
         grad_of_key[k] = p
+    copied: set[str] = set()  # parameters whose `.grad` AccumulateGrad copies from the compiled backward's output
     returned_fwd: list[_Storage] = []
     save_groups: list[list[_Storage]] = []
     b = -1
@@ -84,6 +97,10 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
         backward = plan.is_backward
         if backward:
             b += 1
+        elif b >= 0:
+            raise ConfigError("compile", f"compiled forward graph {run.graph} ran during the backward (a recompute "
+                                         "outside the compiled graphs: eager checkpointing around them); not "
+                                         "modelled yet")
         names: dict[str, object] = {}  # wrapper name -> _Storage, or a key of an external tensor
         events: list[tuple] = []
         arg_storages: dict[int, int] = {}  # id(_Storage) -> names of it among this graph's arguments
@@ -117,9 +134,9 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
         released: list[_Storage] = []
         for ev in plan.events:
             if ev[0] == "alloc":
-                _, name, nbytes, dtype, shape = ev
+                _, name, nbytes, dtype, shape, stride = ev
                 s = _Storage(_spec(f"g{run.graph}.{name}", nbytes, dtype, shape),
-                             "backward" if backward else "forward", run.graph)
+                             "backward" if backward else "forward", run.graph, shape, stride)
                 s.refs = 1
                 storages.append(s)
                 names[name] = s
@@ -168,6 +185,12 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
                 if s.born == "forward" and s not in released]
         if rest:
             events.append(("release", rest))
+        for s, key in zip(outs, run.outputs):  # AccumulateGrad's copy of a gradient it may not steal
+            p = grad_of_key.get(key)
+            if (isinstance(s, _Storage) and p is not None and s.born == "backward"
+                    and not _obeys_layout_contract(s.shape, s.stride, cap.param_strides.get(p))):
+                copied.add(p)
+                events.append(("accum", p, s))
         for s in given:  # the engine lets go of the node's inputs as it returns
             if id(s) not in out_set:
                 events.append(("free", s))
@@ -178,7 +201,7 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
                 events.append(("free", s))  # returned, taken by nobody
         bwd.append((run.graph, events))
     # which storages became gradients: their allocation is the parameter's `.grad` (the engine makes it)
-    grad_param = {id(of_key[k]): p for k, p in grad_of_key.items() if k in of_key}
+    grad_param = {id(of_key[k]): p for k, p in grad_of_key.items() if k in of_key and p not in copied}
     missing = [p for k, p in grad_of_key.items() if k not in of_key]
     if missing:
         raise ConfigError("compile", f"the .grad of {missing[0]} is not a compiled backward's output (a copy "
@@ -212,6 +235,9 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
                 steps.clear()
 
         for ev in events:
+            if ev[0] == "accum":  # the engine's AccumulateGrad: `.grad` a copy of the parameter's layout
+                steps.append({"allocs": [], "frees": [ev[2].spec.name], "grads": [ev[1]]})
+                continue
             if ev[0] == "release":
                 flush()
                 nodes.append(GradNode(name=f"compiled.backward.g{graph}.release{marker[id(ev[1])]}",

@@ -7,7 +7,12 @@ handed on), `ReuseLine` (a buffer taken over by another name, no allocation), `R
 under a new name), `FreeLine` (a `del` of a buffer or graph input), and, outside the planner, `ExternKernelAllocLine`
 / `MultiOutputLine` (a fallback kernel that allocates its own outputs, SDPA's for example). `capture_plans` wraps
 that method for the duration of a compile and keeps, per graph, the lines in order as `Plan` events with each
-buffer's bytes and dtype from inductor's IR; nothing is parsed from the text.
+buffer's bytes, dtype and strides from inductor's IR; nothing is parsed from the text.
+
+What a line does not say, added from torch's behaviour: a multi-output fallback allocates all its outputs as it runs
+(at the kernel's line, not at the later `bufK = bufJ[i]` lines), the ones the graph never reads included, which live
+until the `del` of its result; oneDNN's channels-last convolution backward makes its weight gradient three times
+(`_workspace`); an extern GEMM's own scratch memory (workspace.py, measured on this CPU by `workspaces`).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import contextlib
 from dataclasses import dataclass, field
 
 from ..trace.record import DTYPES
+from .workspace import signature
 
 
 @dataclass
 class Plan:
     """One graph's wrapper: its inputs (the placeholders, in `args` order), its outputs (a buffer or input name per
     returned value, None for a None), and its memory events in order:
-    ("alloc", name, nbytes, dtype, shape), ("alias", new, old), ("drop", name)."""
+    ("alloc", name, nbytes, dtype, shape, stride), ("alias", new, old), ("drop", name); and, until `workspaces`
+    measures them, ("extern", name, signature): an extern GEMM whose own memory (workspace.py) is not known yet."""
 
     is_backward: bool
     inputs: list[str]
@@ -36,10 +43,14 @@ def _int(graph, expr) -> int:
 
 
 def _alloc(graph, node) -> tuple:
-    """("alloc", name, bytes, dtype, shape) of an IR buffer: its storage's size (a strided buffer's storage may
-    exceed its shape) times its dtype's size."""
+    """("alloc", name, bytes, dtype, shape, stride) of an IR buffer: its storage's size (a strided buffer's storage
+    may exceed its shape) times its dtype's size; its strides (None where its layout has none)."""
     dtype = node.get_dtype()
     shape = tuple(_int(graph, s) for s in node.get_size())
+    try:
+        stride = tuple(_int(graph, s) for s in node.get_stride())
+    except Exception:  # a layout without strides
+        stride = None
     try:  # torch/_inductor/graph.py GraphLowering.get_allocation_storage_size
         numel = _int(graph, graph.get_allocation_storage_size(node))
     except Exception:  # a layout without one: its shape's elements
@@ -47,7 +58,7 @@ def _alloc(graph, node) -> tuple:
         for s in shape:
             numel *= s
     name = DTYPES.get(dtype, str(dtype).replace("torch.", ""))
-    return ("alloc", node.get_name(), numel * dtype.itemsize, name, shape)
+    return ("alloc", node.get_name(), numel * dtype.itemsize, name, shape, stride)
 
 
 def _events(wrapper, graph) -> list[tuple]:
@@ -55,6 +66,8 @@ def _events(wrapper, graph) -> list[tuple]:
     from torch._inductor.codegen import wrapper as W
 
     out: list[tuple] = []
+    made: set[str] = set()  # multi-output fallbacks' outputs, allocated as the kernel returns them
+    unread: dict[str, list[str]] = {}  # a multi-output fallback -> its outputs the graph never reads
     for line in wrapper.lines:
         if isinstance(line, W.AllocateLine):
             out.append(_alloc(graph, line.node))
@@ -69,12 +82,80 @@ def _events(wrapper, graph) -> list[tuple]:
                 out.append(("drop", line.node.get_name()))
         elif isinstance(line, W.FreeLine):
             out.append(("drop", line.node.get_name()))
+        elif isinstance(line, W.ExternKernelOutLine):  # a GEMM into a planned buffer: its own memory, measured later
+            sig = signature(line.node)
+            if sig is not None:
+                out.append(("extern", line.node.get_name(), sig))
         elif isinstance(line, W.ExternKernelAllocLine):  # a fallback kernel allocates its outputs itself
             if not isinstance(line.node.layout, ir.MultiOutputLayout):
                 out.append(_alloc(graph, line.node))
+                continue
+            children = _outputs_of(graph, line.node)
+            for child in children:
+                out.append(_alloc(graph, child))
+                made.add(child.get_name())
+            removed = set(graph.removed_buffers)
+            unread[line.node.get_name()] = [c.get_name() for c in children if c.get_name() in removed]
+            out.extend(_workspace(graph, line.node, children))
         elif isinstance(line, W.MultiOutputLine):  # bufK = bufJ[i]: one output of a multi-output fallback
-            out.append(_alloc(graph, graph.get_buffer(line.result_name)))
+            if line.result_name not in made:
+                out.append(_alloc(graph, graph.get_buffer(line.result_name)))
+    for i in range(len(out) - 1, -1, -1):  # the outputs nobody reads go with the kernel's result (its `del`)
+        if out[i][0] == "drop" and out[i][1] in unread:
+            out[i + 1:i + 1] = [("drop", c) for c in unread.pop(out[i][1])]
     return out
+
+
+def _outputs_of(graph, node) -> list:
+    """The tensors a multi-output fallback kernel returns, as inductor's IR names them (`FallbackKernel.create`
+    makes a `MultiOutput` of each, read or not; DCE removes the unread ones from the program, not from the kernel's
+    result), unless the op's schema says an output aliases an input (no allocation)."""
+    from torch._inductor import ir
+
+    schema = getattr(getattr(node, "op_overload", None), "_schema", None)
+    if schema is not None and any(r.alias_info is not None for r in schema.returns):
+        return []
+    return [b for b in graph.buffers if isinstance(b, ir.MultiOutput) and b.inputs and b.inputs[0] is node
+            and len(b.indices) == 1]
+
+
+def _workspace(graph, node, children: list) -> list[tuple]:
+    """A fallback kernel's own temporaries, alive while it runs, where they are known: oneDNN's convolution
+    backward for channels-last tensors makes the weight gradient three times, oneDNN's result, its dense copy and
+    that copy in channels-last, the kernel's output (aten/src/ATen/native/mkldnn/Conv.cpp
+    `mkldnn_convolution_backward_weights`: `mkldnn_to_dense(...).to(at::MemoryFormat::ChannelsLast)`; measured on
+    this CPU: 3 weight-sized blocks at once, the first two freed before it returns)."""
+    import torch
+
+    if getattr(node, "op_overload", None) is not torch.ops.aten.convolution_backward.default:
+        return []
+    weight = [c for c in children if c.indices and c.indices[0][1] == 1]
+    if not weight or weight[0].get_device() is None or weight[0].get_device().type != "cpu":
+        return []
+    alloc = _alloc(graph, weight[0])
+    shape, stride = alloc[4], alloc[5]
+    if stride is None or len(shape) != 4 or stride[1] != 1 or shape[1] == 1:
+        return []  # not channels-last: the path not measured here
+    name = f"{node.get_name()}.workspace"
+    return [("alloc", name, 2 * alloc[2], alloc[3], (2, *shape), None), ("drop", name)]
+
+
+def workspaces(plans: list[Plan], threads: int) -> None:
+    """Each extern GEMM's own memory (workspace.py `measure`, on this CPU) as a block allocated and freed at its
+    line, where it takes any."""
+    from .workspace import measure
+
+    for plan in plans:
+        events = []
+        for ev in plan.events:
+            if ev[0] != "extern":
+                events.append(ev)
+                continue
+            nbytes = measure(ev[2], threads)
+            if nbytes:
+                name = f"{ev[1]}.workspace"
+                events += [("alloc", name, nbytes, "int8", (nbytes,), None), ("drop", name)]
+        plan.events = events
 
 
 def _output_name(node) -> str | None:
@@ -109,4 +190,4 @@ def capture_plans(plans: list[Plan]):
         W.PythonWrapperCodegen.memory_plan_reuse = original
 
 
-__all__ = ["Plan", "capture_plans"]
+__all__ = ["Plan", "capture_plans", "workspaces"]

@@ -32,9 +32,12 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 QUANTIZE = ("none", "nf4")  # models/lora.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile(mode=...)
-# checkpointing policies modelled under compile (models/compile): "full" makes a HF model run eager code between its
-# compiled graphs (measured: Llama), which the compiled describer does not model yet
-COMPILE_CHECKPOINTING = ("none",)
+# checkpointing policies modelled under compile (models/compile): single layers under non-reentrant checkpoint, which
+# dynamo keeps in its graph as one higher-order op (the partitioner recomputes them in the backward graph); where
+# it cannot (Llama: a side effect in the checkpointed forward), the layers run eagerly between compiled graphs and
+# the compiled describer refuses the model (models/compile/capture.py `_eager_checkpoint`). sqrt (regions of several
+# layers), selective, op-policy and offload are not modelled under compile yet
+COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers")
 COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
 
 
