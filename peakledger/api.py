@@ -164,3 +164,16 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
 
 def _step_time(report: Report) -> float:
     return report.time_per_step_s
+
+
+def compile_savings(scenario: Scenario, compiled: Report) -> dict:
+    """What torch.compile saves against eager: the same scenario simulated uncompiled, its peak and each ledger
+    row at the peak beside the compiled run's (bytes; saved = eager - compiled)."""
+    eager = run(scenario.with_changes(compile=False))
+    rows = {r.row: r.bytes for r in eager.ledger}
+    ours = {r.row: r.bytes for r in compiled.ledger}
+    return {"eager_peak": eager.peaks.peak.bytes, "compiled_peak": compiled.peaks.peak.bytes,
+            "saved": eager.peaks.peak.bytes - compiled.peaks.peak.bytes,
+            "by_row_at_peak": [{"row": name, "eager": rows.get(name, 0), "compiled": ours.get(name, 0),
+                                "saved": rows.get(name, 0) - ours.get(name, 0)}
+                               for name in list(rows) + [n for n in ours if n not in rows]]}

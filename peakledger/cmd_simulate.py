@@ -98,8 +98,13 @@ def cmd_simulate(args) -> int:
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
     fits = api.fits(report, budget) if args.check else None
+    savings = None
+    if scenario.setup.compile:  # what compile saves: the same run simulated eager, beside it
+        with progress(f"simulating {scenario.name} eager, for the comparison"):
+            savings = api.compile_savings(scenario, report)
     if args.json:
         _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
+                     **({"compile_vs_eager": savings} if savings else {}),
                      **({"fit_check": {"budget": budget, "fits": fits, "capacity_needed": report.capacity_needed}}
                         if args.check else {})})
     else:
@@ -109,9 +114,23 @@ def cmd_simulate(args) -> int:
         if written:
             print(f"written: {', '.join(written)}"
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
+        if savings:
+            print("\n".join(_savings_lines(savings, args.unit)))
         if args.check:
             print(check_line(fits, report.capacity_needed, budget, args.unit))
     return 1 if fits is False else 0
+
+
+def _savings_lines(s: dict, unit: str) -> list[str]:
+    """compile against eager: the peaks, then each ledger row at its run's peak that differs."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    eager = s["eager_peak"]
+    lines = [f"compile against eager (the same run simulated uncompiled): peak {f(eager)} -> {f(s['compiled_peak'])}"
+             f" ({-s['saved'] / eager:+.1%})" if eager else "compile against eager: no memory on either side",
+             f"  {'row at each peak':<30}{'eager':>14}{'compiled':>14}{'saved':>14}"]
+    lines += [f"  {r['row']:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}"
+              for r in s["by_row_at_peak"] if r["saved"]]
+    return lines
 
 
 def cmd_max_batch(args) -> int:

@@ -92,6 +92,26 @@ def test_compile_saves_activations_against_eager():
     assert compiled_cats.get(Category.ACTIVATION.value, 0) < eager_cats.get(Category.ACTIVATION.value, 0)
 
 
+def test_simulate_compile_reports_what_compile_saved_by_row(capsys):
+    """simulate --compile prints the eager run beside it: its peak and each ledger row at the peak, from the same
+    scenario simulated uncompiled (the eager figures here come from a separate eager simulation)."""
+    argv = ["simulate", "--hf-config", str(GPT2), "--compile", "--precision", "fp32", "--micro-batch", "2",
+            "--seq-len", "32", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    saved = out["compile_vs_eager"]
+    assert main([a for a in argv if a != "--compile"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert saved["eager_peak"] == eager["peak"]["bytes"] and saved["compiled_peak"] == out["peak"]["bytes"]
+    assert saved["saved"] == saved["eager_peak"] - saved["compiled_peak"] > 0
+    rows = {r["row"]: r for r in saved["by_row_at_peak"]}
+    for row in eager["ledger"]:
+        assert rows[row["row"]]["eager"] == row["bytes"]
+    for row in out["ledger"]:
+        assert rows[row["row"]]["compiled"] == row["bytes"]
+    assert rows["activation"]["saved"] > 0 and rows["parameter"]["saved"] == 0
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(compile=False, compile_mode="reduce-overhead"), "compile_mode"),
     (dict(compile_mode="fancy"), "compile_mode"),
