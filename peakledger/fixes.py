@@ -194,12 +194,23 @@ def freeze_fixes(scenario: Scenario) -> list[Candidate]:
     return []
 
 
+def compile_fixes(scenario: Scenario) -> list[Candidate]:
+    """torch.compile where it is modelled (models/compile: a traced model's CPU program; elsewhere the setup
+    refuses it and the fix is skipped): fewer saved activations, temporaries fused away."""
+    s = scenario.setup
+    if s.compile or not isinstance(scenario.model, TracedModel) or not device_profile(scenario.device).is_cpu:
+        return []
+    return [("torch.compile (inductor)", {"compile": True}, False,
+             "the first step compiles (tens of seconds to minutes); its step time counts no FLOPs for the compiled "
+             "kernels yet (models/compile): compare its memory, not its time")]
+
+
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:
     """Every fix worth re-simulating, each phase's knobs: save and load, data parallelism, activations, the
-    optimizer step, model parallelism, freezing, the allocator's settings (first when `fragmentation`: the
-    allocator's cached free blocks cause the OOM)."""
+    optimizer step, model parallelism, freezing, torch.compile, the allocator's settings (first when
+    `fragmentation`: the allocator's cached free blocks cause the OOM)."""
     rest = save_load_fixes(scenario) + data_parallel_fixes(scenario) + activation_fixes(scenario) + \
-        optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario)
+        optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario) + compile_fixes(scenario)
     allocator = allocator_fixes(scenario)
     return allocator + rest if fragmentation else rest + allocator
 

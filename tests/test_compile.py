@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from peakledger import diagnosis
 from peakledger.analysis.validate import compare_logs
+from peakledger.api import run
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.presets import PRESETS
@@ -179,3 +181,14 @@ def test_checkpointing_dynamo_runs_eagerly_is_refused():
         describe(_model(LLAMA), _setup(checkpointing="full"), "cpu")
     assert e.value.field == "checkpointing"
     assert "HOP: Unsafe side effect" in str(e.value) and "eagerly between compiled graphs" in str(e.value)
+
+
+def test_explain_offers_compile_where_it_is_modelled():
+    """A traced model on the cpu profile: explain re-simulates torch.compile as one more fix (it fits a budget
+    between the compiled and the eager peak), with its compile time as its cost."""
+    scenario = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="cpu")
+    compiled = run(Scenario(name="c", model=_model(GPT2), setup=_setup(), device="cpu")).peaks.peak.bytes
+    eager = run(scenario).peaks.peak.bytes
+    x = diagnosis.explain(scenario, (compiled + eager) // 2)
+    fix = next(f for f in x.fixes if f.changes == {"compile": True})
+    assert fix.fits and fix.peak == compiled and "compiles" in fix.note and not fix.changes_training
