@@ -28,6 +28,7 @@ class PhasePeak:
     op: str  # the op that reached it
     reserved: int | None  # the caching allocator's highest reserved bytes within the phase (CUDA profiles)
     device_total: int | None  # reserved + context + outside the allocator, at that moment
+    index: int = -1  # the timeline event that reached `allocated` (its first moment)
 
     @property
     def label(self) -> str:
@@ -45,21 +46,21 @@ def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak
     the series covers every event of the timeline (a replay that stopped at an OOM does not)."""
     series = gpu.series if gpu is not None and len(gpu.series) == len(tl.events) else None
     fixed = gpu.outside_total if gpu is not None else 0
-    best: dict[tuple[int, Phase], list] = {}  # key -> [allocated, op, reserved]
+    best: dict[tuple[int, Phase], list] = {}  # key -> [allocated, index, reserved]
     total = tl.total.tolist()
     for i, e in enumerate(tl.events):
         key = (e.step, e.phase)
         row = best.get(key)
         reserved = series[i][2] if series is not None else None
         if row is None:
-            best[key] = [total[i], e.op, reserved]
+            best[key] = [total[i], i, reserved]
             continue
         if total[i] > row[0]:
-            row[0], row[1] = total[i], e.op
+            row[0], row[1] = total[i], i
         if reserved is not None and reserved > row[2]:
             row[2] = reserved
-    return [PhasePeak(step, phase, a, op, r, None if r is None else r + fixed)
-            for (step, phase), (a, op, r) in best.items()]
+    return [PhasePeak(step, phase, a, tl.events[i].op, r, None if r is None else r + fixed, i)
+            for (step, phase), (a, i, r) in best.items()]
 
 
 def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> list[str]:

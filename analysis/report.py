@@ -82,7 +82,7 @@ def run_plan(log: EventLog) -> StepPlan:
     return StepPlan.of(log.metadata)
 
 
-def _step_ends(log: EventLog) -> dict[int, dict[int, float]]:
+def step_ends(log: EventLog) -> dict[int, dict[int, float]]:
     """rank -> step -> when the rank's last event of that step happens (events are in time order)."""
     ends: dict[int, dict[int, float]] = {}
     for e in log.events:
@@ -95,7 +95,7 @@ def run_seconds(log: EventLog) -> float:
     the last repeat's (`StepPlan.end_time` of each rank, whose steps repeat at its own pace; equal to a full
     simulation's up to float rounding)."""
     plan = run_plan(log)
-    return max((plan.end_time(ends) for ends in _step_ends(log).values()), default=0.0)
+    return max((plan.end_time(ends) for ends in step_ends(log).values()), default=0.0)
 
 
 def run_events(log: EventLog) -> int:

@@ -18,10 +18,11 @@ PLAIN_BYTES_MIN = 1 << 20  # a number without a unit below 1 MiB is a forgotten 
 _BUDGET = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_bytes(text: str | int, field: str = "budget") -> int:
+def parse_bytes(text: str | int, field: str = "budget", plain_bytes: bool = False) -> int:
     """'80GiB' and '80G' -> 85899345920, '80GB' -> 80000000000, '123B' -> 123. Fractions round down to whole
     bytes. A number without a unit is read as bytes only from PLAIN_BYTES_MIN up (a byte count copied from a
-    tool); '80' is refused as a forgotten unit, so it never becomes an 80-byte budget."""
+    tool); '80' is refused as a forgotten unit, so it never becomes an 80-byte budget. `plain_bytes`: a number
+    without a unit is bytes at any size (a column of measured bytes, not a budget typed by hand)."""
     if isinstance(text, bool):
         raise ConfigError(field, f"expected a size like 80GiB, 80GB or plain bytes, got {text!r}")
     if isinstance(text, int):
@@ -36,7 +37,7 @@ def parse_bytes(text: str | int, field: str = "budget") -> int:
     number, unit = m.group(1), m.group(2)
     if len(number) > 400:  # (no budget has 400 digits; int() refuses past 4,300 and is slow before)
         raise ConfigError(field, f"{len(number):,} digits is not a size any device has; use a unit, e.g. 80GiB")
-    if not unit and int(number.partition(".")[0]) < PLAIN_BYTES_MIN:
+    if not unit and not plain_bytes and int(number.partition(".")[0]) < PLAIN_BYTES_MIN:
         raise ConfigError(field, f"{text!r} has no unit: {number} bytes is not a memory size; give a unit, e.g. "
                                  f"{number}GiB, {number}G or {number}GB (or {number}B if you mean bytes)")
     scale = units[unit.lower()] if unit else 1
@@ -45,7 +46,7 @@ def parse_bytes(text: str | int, field: str = "budget") -> int:
     return value
 
 
-_SMALLER = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "KiB": "B", "TB": "GB", "GB": "MB", "MB": "KB", "KB": "B"}
+SMALLER = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "KiB": "B", "TB": "GB", "GB": "MB", "MB": "KB", "KB": "B"}
 
 
 def format_bytes(n: int, unit: str = "GiB", digits: int = 4) -> str:
@@ -54,7 +55,7 @@ def format_bytes(n: int, unit: str = "GiB", digits: int = 4) -> str:
         unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if abs(n) >= UNITS[u]), "B")
     if unit == "B":
         return f"{n:,} B"
-    smaller = _SMALLER.get(unit)
+    smaller = SMALLER.get(unit)
     if smaller and n and abs(n) < UNITS[unit] // 100:
         return format_bytes(n, smaller, digits)
     value = n / UNITS[unit]

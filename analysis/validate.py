@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..models.costs import DEVICES
 from ..simulator.events import Block, Category, EventLog, Phase, Pool
 from ..simulator.timeline import timeline
+from .phases import phase_peaks
 from .units import format_bytes
 
 
@@ -83,15 +84,8 @@ def predicted_description(log: EventLog) -> str:
 
 
 def _phase_peaks(tl) -> dict[tuple[Phase, int], tuple[int, int]]:
-    """(phase, step) -> (peak bytes, event index)."""
-    out: dict[tuple[Phase, int], tuple[int, int]] = {}
-    running = 0
-    for i, e in enumerate(tl.events):
-        running += e.delta
-        key = (e.phase, e.step)
-        if key not in out or running > out[key][0]:
-            out[key] = (running, i)
-    return out
+    """(phase, step) -> (peak bytes, event index), from analysis/phases.py's phase peaks."""
+    return {(p.phase, p.step): (p.allocated, p.index) for p in phase_peaks(tl)}
 
 
 def _unmatched(a: list[Block], b: list[Block]) -> list[Block]:

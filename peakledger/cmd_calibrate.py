@@ -184,8 +184,7 @@ def row_scenario(args, row: Row):
 
 def _bytes(text: str, name: str, where: str) -> int:
     """A measured size: a number without a unit is bytes here (a measurement column), any size."""
-    text = text.strip()
-    value = parse_bytes(text + "B" if text.isdigit() else text, f"{name} ({where})")
+    value = parse_bytes(text, f"{name} ({where})", plain_bytes=True)
     if value <= 0:
         raise InputError(name, f"{where}: must be > 0 bytes, got {text!r}")
     return value

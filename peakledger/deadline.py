@@ -38,7 +38,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .analysis.report import run_plan
+from .analysis.report import run_plan, run_seconds, step_ends
 from .analysis.units import format_bytes
 from .models.config import ConfigError
 from .simulator.events import EventLog
@@ -202,12 +202,9 @@ def steady_step_seconds(log: EventLog) -> tuple[float, str]:
     (the run's end - step 1's end) / (steps - 1), the later steps' repeats included; with one step, that
     step (from the start, the load included). With the label of which it is."""
     plan = run_plan(log)
-    ends: dict[int, dict[int, float]] = {}
-    for e in log.events:  # in time order: the last event of a step on a rank is its end
-        ends.setdefault(e.block.rank, {})[e.step] = e.time
     if plan.steps < 2:
-        return max((plan.end_time(r) for r in ends.values()), default=0.0), SOURCE_MODEL_ONE_STEP
-    return max(((plan.end_time(r) - r.get(1, 0.0)) / (plan.steps - 1) for r in ends.values()),
+        return run_seconds(log), SOURCE_MODEL_ONE_STEP
+    return max(((plan.end_time(r) - r.get(1, 0.0)) / (plan.steps - 1) for r in step_ends(log).values()),
                default=0.0), SOURCE_MODEL
 
 

@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 
 from ...simulator.events import Category, Phase
 from ...simulator.files import write_atomic
-from ..units import UNITS, format_bytes
+from ..units import SMALLER, UNITS, format_bytes
 
 # -- the shared tables -------------------------------------------------------------------------------
 
@@ -111,14 +111,11 @@ def _size(nbytes: float, unit: str) -> str:
     return format_bytes(int(round(nbytes)), unit)
 
 
-_SMALLER_UNIT = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "TB": "GB", "GB": "MB", "MB": "KB"}
-
-
 def _axis_unit(unit: str, top: float) -> str:
     """`unit`, or a smaller one of its family when the largest value drawn is under one `unit` (a tiny model's
     picture reads in MiB, not 0.0025 GiB)."""
-    while top < UNITS[unit] and unit in _SMALLER_UNIT:
-        unit = _SMALLER_UNIT[unit]
+    while top < UNITS[unit] and SMALLER.get(unit, "B") != "B":  # (down to KiB / KB, never bytes)
+        unit = SMALLER[unit]
     return unit
 
 
