@@ -12,6 +12,7 @@ simulated; `events_all_steps` what a simulation of every requested step would re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -57,7 +58,6 @@ class Report:
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
     gpu: DeviceMemory | None = None  # the same rank through the caching allocator, on a CUDA device profile
-    phases: list[PhasePeak] = field(default_factory=list)  # the peak of each phase of each simulated step
 
     @property
     def capacity_needed(self) -> int:
@@ -66,6 +66,14 @@ class Report:
         if self.gpu is not None:
             return with_headroom(self.gpu.total_peak.total, self.peaks.headroom)
         return self.peaks.capacity_needed
+
+    @functools.cached_property
+    def phases(self) -> list[PhasePeak]:
+        """The peak of each phase of each simulated step (analysis/phases.py), made when a report is shown: a
+        max-batch probe or a sweep point never reads it, and it replays the allocator once more for its series."""
+        tl = timeline(self.log, self.peaks.rank, self.peaks.pool)
+        gpu = gpu_memory(self.log, self.peaks.rank, series=True) if self.gpu is not None else None
+        return phase_peaks(tl, gpu)
 
     @property
     def steps(self) -> int:
@@ -151,9 +159,9 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events))
-    gpu = gpu_memory(log, rank, events=events, series=True) if pool is Pool.DEVICE else None
+    gpu = gpu_memory(log, rank, events=events) if pool is Pool.DEVICE else None
     return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host,
-                  gpu=gpu, phases=phase_peaks(tl, gpu))
+                  gpu=gpu)
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
