@@ -201,8 +201,9 @@ def compile_fixes(scenario: Scenario) -> list[Candidate]:
     if s.compile or not isinstance(scenario.model, TracedModel) or not device_profile(scenario.device).is_cpu:
         return []
     return [("torch.compile (inductor)", {"compile": True}, False,
-             "the first step compiles (tens of seconds to minutes); its step time counts no FLOPs for the compiled "
-             "kernels yet (models/compile): compare its memory, not its time")]
+             "the first step compiles (tens of seconds to minutes), which its step time does not count; "
+             "the step's FLOPs are eager's (the compiled graphs' aten ops), fusion's saved memory traffic is not "
+             "modelled in its time")]
 
 
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:

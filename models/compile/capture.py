@@ -21,7 +21,7 @@ from ..config import ConfigError, TrainingSetup
 from ..trace import _adopt, _fake_batch, freeze
 from ..trace.boundary import user_code
 from ..trace.model import TracedModel
-from ..trace.record import DTYPES, find_layers
+from ..trace.record import DTYPES, FlopCount, find_layers
 from .plan import Plan, capture_plans, workspaces
 from .step import CPU_THREADS, step_function, wrap_checkpointed
 
@@ -33,6 +33,7 @@ class Run:
     graph: int
     args: list
     outputs: list
+    flops: int = 0  # the graph's FLOPs (record.py `op_flops` on its aten ops, as traced tapes count them)
 
 
 @dataclass
@@ -202,12 +203,12 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
 
         def run(args):
             arg_keys = [note(a) for a in args]
-            with mode:  # the aten graph on the fake tensors (its factory ops must make fake tensors too)
-                outs = gm(*args)
+            with mode, FlopCount() as counter:  # the aten graph on the fake tensors (its
+                outs = gm(*args)  # factory ops must make fake tensors too), its FLOPs counted
                 if index is not None and not plans[index].is_backward:
                     outs = _as_planned(outs, args, plans[index])
             if index is not None:
-                runs.append(Run(index, arg_keys, [note(o) for o in outs]))
+                runs.append(Run(index, arg_keys, [note(o) for o in outs], counter.total))
             return outs
 
         run._boxed_call = True

@@ -57,26 +57,44 @@ def _obeys_layout_contract(shape: tuple, stride: tuple | None, param_stride: tup
     return all((g == p) if n != 1 else g != 0 for n, g, p in zip(shape, stride, param_stride))
 
 
-def _segments(events: list[tuple]) -> list[tuple[list, list]]:
-    """Events ("alloc", x) / ("free", x) as runs of allocations followed by runs of frees."""
-    out: list[tuple[list, list]] = []
+def _segments(events: list[tuple]) -> list[tuple[list, list, int]]:
+    """Events ("alloc", x) / ("free", x) / ("flops", n) as runs of allocations followed by runs of frees, each with
+    the FLOPs of the kernels that ran in it."""
+    out: list[tuple[list, list, list]] = []
     for kind, x in events:
-        if kind == "alloc":
-            if not out or out[-1][1]:
-                out.append(([], []))
-            out[-1][0].append(x)
+        if kind == "alloc" and (not out or out[-1][1]):
+            out.append(([], [], [0]))
+        elif not out:
+            out.append(([], [], [0]))
+        if kind == "flops":
+            out[-1][2][0] += x
         else:
-            if not out:
-                out.append(([], []))
-            out[-1][1].append(x)
-    return out
+            out[-1][0 if kind == "alloc" else 1].append(x)
+    return [(allocs, frees, flops[0]) for allocs, frees, flops in out]
+
+
+def _flop_shares(plan, total: int) -> list[int]:
+    """A graph run's FLOPs (`Run.flops`, all its aten ops) shared among its extern GEMMs (plan.py's ("gemm", name,
+    flops) events) in proportion to theirs: the GEMMs are where a compiled graph's FLOPs are; what the rest (an SDPA
+    fallback, a convolution) counts goes with them. No GEMM: all of it at the graph's first event."""
+    gemms = [ev[2] for ev in plan.events if ev[0] == "gemm"]
+    weight = sum(gemms)
+    if not weight:
+        return [total] + [0] * (len(gemms) - 1)
+    shares, done, acc = [], 0, 0
+    for g in gemms:
+        acc += g
+        upto = total * acc // weight
+        shares.append(upto - done)
+        done = upto
+    return shares
 
 
 def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
     external = set(cap.params) | set(cap.buffers) | set(cap.inputs)
     of_key: dict = {}  # runtime storage key -> _Storage (graph-made storages)
     storages: list[_Storage] = []
-    fwd: list[tuple] = []  # ("alloc" | "free", _Storage)
+    fwd: list[tuple] = []  # ("alloc" | "free", _Storage), ("flops", n)
     bwd: list[tuple] = []  # per backward run: (graph, [events]); events ("alloc"/"free"/"grad"/"release", ...)
     runs_bw = [r for r in cap.runs if cap.plans[r.graph].is_backward]
     taken_later: dict[int, set] = {}  # backward run index -> keys later backward runs take
@@ -132,8 +150,13 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
             elif backward and (name.startswith("tangents_") or s.born in ("glue", "backward")):
                 given.append(s)  # the engine's: the loss's ones, a gradient an earlier node made
         released: list[_Storage] = []
+        shares = _flop_shares(plan, run.flops)  # one per extern GEMM, or the whole at the start
+        if not any(ev[0] == "gemm" for ev in plan.events):
+            events.append(("flops", shares.pop()))
         for ev in plan.events:
-            if ev[0] == "alloc":
+            if ev[0] == "gemm":
+                events.append(("flops", shares.pop(0)))
+            elif ev[0] == "alloc":
                 _, name, nbytes, dtype, shape, stride = ev
                 s = _Storage(_spec(f"g{run.graph}.{name}", nbytes, dtype, shape),
                              "backward" if backward else "forward", run.graph, shape, stride)
@@ -209,8 +232,8 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
     # -- the forward as tape ops
     spec_name = {id(s): s.spec.name for s in storages}
     ops: list[TapeOp] = []
-    for k, (allocs, frees) in enumerate(_segments(fwd)):
-        ops.append(TapeOp(name=f"compiled.forward.{k}", kind="compiled", inputs=(),
+    for k, (allocs, frees, flops) in enumerate(_segments(fwd)):
+        ops.append(TapeOp(name=f"compiled.forward.{k}", kind="compiled", inputs=(), flops=flops,
                           outputs=tuple(s.spec for s in allocs), releases=tuple(spec_name[id(s)] for s in frees)))
     marker: dict[int, int] = {}  # id of a save group's list -> its op index
     for _, events in bwd:
@@ -226,15 +249,20 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
     nodes: list[GradNode] = []
     for graph, events in bwd:
         steps: list[dict] = []
+        flops = [0]  # of the node being built
 
-        def flush(k=len(nodes), graph=graph):
-            if steps:
-                nodes.append(GradNode(name=f"compiled.backward.g{graph}.{len(nodes)}", op=None,
+        def flush(graph=graph):
+            if steps or flops[0]:
+                nodes.append(GradNode(name=f"compiled.backward.g{graph}.{len(nodes)}", op=None, flops=flops[0],
                                       steps=tuple(GradStep(tuple(x["allocs"]), tuple(x["frees"]), tuple(x["grads"]))
                                                   for x in steps)))
                 steps.clear()
+                flops[0] = 0
 
         for ev in events:
+            if ev[0] == "flops":
+                flops[0] += ev[1]
+                continue
             if ev[0] == "accum":  # the engine's AccumulateGrad: `.grad` a copy of the parameter's layout
                 steps.append({"allocs": [], "frees": [ev[2].spec.name], "grads": [ev[1]]})
                 continue

@@ -29,7 +29,8 @@ class Plan:
     """One graph's wrapper: its inputs (the placeholders, in `args` order), its outputs (a buffer or input name per
     returned value, None for a None), and its memory events in order:
     ("alloc", name, nbytes, dtype, shape, stride), ("alias", new, old), ("drop", name); and, until `workspaces`
-    measures them, ("extern", name, signature): an extern GEMM whose own memory (workspace.py) is not known yet."""
+    measures them, ("extern", name, signature): an extern GEMM whose own memory (workspace.py) is not known yet;
+    after, ("gemm", name, flops) where it runs."""
 
     is_backward: bool
     inputs: list[str]
@@ -141,9 +142,9 @@ def _workspace(graph, node, children: list) -> list[tuple]:
 
 
 def workspaces(plans: list[Plan], threads: int) -> None:
-    """Each extern GEMM's own memory (workspace.py `measure`, on this CPU) as a block allocated and freed at its
-    line, where it takes any."""
-    from .workspace import measure
+    """Each extern GEMM's line as ("gemm", name, its FLOPs), then its own memory (workspace.py `measure`, on this
+    CPU) as a block allocated and freed there, where it takes any."""
+    from .workspace import gemm_flops, measure
 
     for plan in plans:
         events = []
@@ -151,6 +152,7 @@ def workspaces(plans: list[Plan], threads: int) -> None:
             if ev[0] != "extern":
                 events.append(ev)
                 continue
+            events.append(("gemm", ev[1], gemm_flops(ev[2])))
             nbytes = measure(ev[2], threads)
             if nbytes:
                 name = f"{ev[1]}.workspace"

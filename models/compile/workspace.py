@@ -11,17 +11,20 @@ scratchpad's size is oneDNN's choice for this CPU's instruction set (brgemm bloc
 64x64x192 bf16 `addmm`, 1,721,472 B for K = 8192, nothing for fp32, which MKL/BLAS runs without torch's allocator),
 so it is measured here, once per GEMM signature (op, every tensor's size, strides and dtype, constants), by running
 the op on zero tensors of those layouts under torch.profiler at the real run's thread count: the most bytes alive
-at once inside the call. A GEMM whose tensors would take more than `PROBE_BYTES` is measured with its M and N (the
-output's dimensions) cut to 2048, where oneDNN's blocking stops growing with them (measured: 2048, 4096 and 8192
-give the same scratchpad; K is kept, on which it grows).
+at once inside the call. Every GEMM is measured with its M and N (the output's dimensions) cut to `CUT`, where
+oneDNN's blocking stops growing with them (measured: 2048, 4096 and 8192 give the same scratchpad; below 2048 it
+differs, so smaller ones are kept; K is kept whole: the scratchpad is not monotonic in it, 1,721,472 B for K = 4096
+or 8192 and 197,632 B for K = 14336, M = N = 2048). oneDNN is warmed up once per process on a small GEMM of its own
+(what its first call sets up is not a GEMM's); after that a GEMM's first call allocates what its later ones do
+(measured), so each signature runs once. A probe costs 2 M N K multiply-adds of the cut shape: ~1 s for K = 14336.
 """
 
 from __future__ import annotations
 
 GEMMS = ("aten::mm.out", "aten::addmm.out", "aten::bmm.out", "aten::baddbmm.out")
-PROBE_BYTES = 512 << 20
 CUT = 2048
 _MEASURED: dict[tuple, int] = {}
+_WARM: set[int] = set()  # thread counts oneDNN was warmed up at
 
 
 def signature(node) -> tuple | None:
@@ -91,20 +94,31 @@ def _cut(name: str, layouts: tuple) -> tuple:
     return tuple(out)
 
 
-def _bytes(layouts: tuple) -> int:
+def gemm_flops(sig: tuple) -> int:
+    """The floating-point operations of the GEMM `sig`: 2 M N K per output matrix (torch/utils/flop_counter.py
+    `mm_flop` / `bmm_flop`, which count a multiply-add as 2), the output's elements times 2 K."""
+    *ins, (osize, _, _) = sig[1]
+    numel = 1
+    for n in osize:
+        numel *= n
+    return 2 * numel * ins[-2][0][-1]
+
+
+def _warm_up(threads: int) -> None:
     import torch
 
-    total = 0
-    for size, stride, dtype in layouts:
-        numel = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
-        total += numel * getattr(torch, dtype.replace("torch.", "")).itemsize
-    return total
+    if threads not in _WARM:
+        x = torch.zeros(64, 64, dtype=torch.bfloat16)
+        torch.mm(x, x)
+        _WARM.add(threads)
 
 
 def measure(sig: tuple, threads: int) -> int:
     """The most bytes torch's CPU allocator holds at once inside one call of the GEMM `sig` (see the module
     docstring); 0 where it allocates nothing."""
-    key = (sig, threads)
+    name, layouts, constants, kwargs = sig
+    layouts = _cut(name, layouts)
+    key = (name, layouts, constants, kwargs, threads)
     if key in _MEASURED:
         return _MEASURED[key]
     import torch
@@ -112,9 +126,6 @@ def measure(sig: tuple, threads: int) -> int:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.profiler import ProfilerActivity, profile
 
-    name, layouts, constants, kwargs = sig
-    if _bytes(layouts) > PROBE_BYTES:
-        layouts = _cut(name, layouts)
     packet, overload = name.split("::", 1)[1].split(".")
     op = getattr(getattr(torch.ops.aten, packet), overload)
     before = torch.get_num_threads()
@@ -125,7 +136,7 @@ def measure(sig: tuple, threads: int) -> int:
             tensors = [_zeros(size, stride, getattr(torch, dtype.replace("torch.", "")))
                        for size, stride, dtype in layouts]
             *ins, out = tensors
-            op(*ins, *constants, **dict(kwargs), out=out)  # once first: what a first call sets up is not counted
+            _warm_up(threads)
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 op(*ins, *constants, **dict(kwargs), out=out)
         events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
@@ -144,4 +155,4 @@ def measure(sig: tuple, threads: int) -> int:
     return peak
 
 
-__all__ = ["signature", "measure", "GEMMS"]
+__all__ = ["signature", "measure", "gemm_flops", "GEMMS"]

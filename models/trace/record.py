@@ -48,6 +48,31 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
           torch.uint64: "int64"}  # uint64: the philox seed / offset of CUDA SDPA kernels (8 bytes, as int64)
 
 
+def op_flops(func, args, kwargs, out) -> int:
+    """torch's own FLOP formulas (torch/utils/flop_counter.py), for the ops it knows (matmuls, attention, conv)."""
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    try:
+        return int(formula(*args, **(kwargs or {}), out_val=out))
+    except Exception:  # a formula that does not take this overload's arguments: no FLOPs counted
+        return 0
+
+
+class FlopCount(TorchDispatchMode):
+    """While active, the FLOPs of every op that runs (`op_flops`), in `total`: torch's FlopCounterMode without
+    its module tracking (global module hooks, which eager checkpointing's recompute trips over)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.total += op_flops(func, args, kwargs, out)
+        return out
+
+
 @dataclass
 class Storage:
     """One allocation seen in the run."""
@@ -253,7 +278,7 @@ class Recorder(TorchDispatchMode):
             self.shadows.follow(func, args, kwargs, real, out)
         short = str(func).replace("aten.", "").replace(".default", "")
         outs = _tensors(out)
-        flops = self._flops(func, args, kwargs, out)
+        flops = op_flops(func, args, kwargs, out)
         temps = self.temporaries(func, args, kwargs, out) if self.temporaries is not None else ()
         if self.phase == "forward":
             i = len(self.ops)
@@ -311,17 +336,6 @@ class Recorder(TorchDispatchMode):
                 self.storages[sid].death = ("backward", self.current_index)
                 self.current.events.append(("free", sid))
         return sids
-
-    @staticmethod
-    def _flops(func, args, kwargs, out) -> int:
-        """torch's own FLOP formulas (torch/utils/flop_counter.py), for the ops it knows (matmuls, attention, conv)."""
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is None:
-            return 0
-        try:
-            return int(formula(*args, **(kwargs or {}), out_val=out))
-        except Exception:  # a formula that does not take this overload's arguments: no FLOPs counted
-            return 0
 
     def _where(self) -> str:
         return self.module_stack[-1] if self.module_stack else "model"
