@@ -38,6 +38,7 @@ import re
 from dataclasses import dataclass
 
 from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
+from ..models.costs import device_profile
 from ..models.trace import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
@@ -182,6 +183,7 @@ class PolicyRow:
     recompute_flops: int = 0
     step_time_s: float = 0.0
     error: str | None = None
+    compiled: bool = False  # torch.compile's program (models/compile), the policy inside its graphs
 
     @property
     def recompute_fraction(self) -> float:
@@ -203,32 +205,55 @@ def policy_label(setup) -> str:
     return setup.checkpointing
 
 
-def policy_table(scenario, policies=DEFAULT_POLICIES) -> list[PolicyRow]:
+COMPILE_POLICIES = ("none", "full")  # the rows torch.compile adds where it is modelled
+
+
+def compile_applies(scenario) -> bool:
+    """Whether torch.compile is one more row: a traced model on the cpu profile (models/compile models inductor's
+    CPU program; elsewhere the setup refuses it), not compiled already."""
+    return (not scenario.setup.compile and isinstance(scenario.model, TracedModel)
+            and device_profile(scenario.device).is_cpu)
+
+
+def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True) -> list[PolicyRow]:
     """Simulate `scenario` under each policy in `policies` (names of `TrainingSetup.checkpointing`; "every-k"
-    takes the scenario's `checkpoint_every_k`, "layers" its `checkpoint_layers`)."""
+    takes the scenario's `checkpoint_every_k`, "layers" its `checkpoint_layers`); and, `with_compile` where
+    `compile_applies`, compiled under each of `COMPILE_POLICIES`. A compiled graph marks no op as recomputed (the
+    partitioner puts the recompute in the backward graph), so a compiled row's recompute is the FLOPs its step runs
+    over the compiled row without checkpointing."""
+    cases = [(policy, False) for policy in policies]
+    if with_compile and compile_applies(scenario):
+        cases += [(policy, True) for policy in COMPILE_POLICIES]
+    compiled = scenario.setup.compile
     rows = []
-    for policy in policies:
-        changes = {"checkpointing": policy}
+    for policy, add_compile in cases:
+        changes = {"checkpointing": policy, **({"compile": True} if add_compile else {})}
         if policy != "layers":
             changes["checkpoint_layers"] = ()
+        label = policy if not add_compile else f"compile + {policy}" if policy != "none" else "compile"
         try:
             case = scenario.with_changes(**changes)
             run = simulate_run(case)
         except ConfigError as e:
-            rows.append(PolicyRow(policy, policy, error=str(e)))
+            rows.append(PolicyRow(policy, label, error=str(e), compiled=compiled or add_compile))
             continue
         model_flops, recompute_flops = step_flops(run.graph, run.rank)
-        rows.append(PolicyRow(policy=policy, label=policy_label(case.setup), peak=run.peak,
-                              capacity_needed=run.capacity_needed,
+        label = policy_label(case.setup) if not add_compile else label
+        rows.append(PolicyRow(policy=policy, label=label, peak=run.peak, capacity_needed=run.capacity_needed,
                               host_activations=host_activations(run.log, run.rank),
                               model_flops=model_flops, recompute_flops=recompute_flops,
-                              step_time_s=step_time(run.graph)))
+                              step_time_s=step_time(run.graph), compiled=compiled or add_compile))
+    base = next((r for r in rows if r.compiled and r.policy == "none" and r.error is None), None)
+    if base is not None:
+        rows = [dataclasses.replace(r, model_flops=base.model_flops,
+                                    recompute_flops=max(0, r.model_flops - base.model_flops))
+                if r.compiled and r.error is None else r for r in rows]
     return rows
 
 
 def render_table(rows: list[PolicyRow], unit: str = "GiB") -> str:
     """The table as text: peak, host memory (offload), recompute FLOPs and share, step time, per policy."""
-    base = next((r for r in rows if r.policy == "none" and r.error is None), None)
+    base = next((r for r in rows if r.policy == "none" and r.error is None and not r.compiled), None)
     head = f"{'policy':<22}{'peak':>13}{'vs none':>9}{'host':>13}{'recompute':>14}{'of fwd+bwd':>12}{'step time':>12}"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -244,6 +269,10 @@ def render_table(rows: list[PolicyRow], unit: str = "GiB") -> str:
                  "recompute: forward FLOPs repeated in backward per step (ops the cost model gives FLOPs: matmuls, "
                  "attention, norms, softmax); step time: the simulated time per step (vendor peaks x assumed "
                  "efficiencies, host-link copies included)")
+    if any(r.compiled for r in rows):
+        lines.append("compile: torch.compile (inductor) of the same step, the policy inside its graphs; its first "
+                     "step compiles (tens of seconds to minutes, not in the step time); its recompute is the FLOPs "
+                     "its backward graphs run over compile without checkpointing")
     return "\n".join(lines)
 
 

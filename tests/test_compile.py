@@ -94,6 +94,41 @@ def test_compile_saves_activations_against_eager():
     assert compiled_cats.get(Category.ACTIVATION.value, 0) < eager_cats.get(Category.ACTIVATION.value, 0)
 
 
+def test_compiled_step_counts_the_flops_of_its_graphs():
+    """A compiled graph's FLOPs are its aten ops' (torch's flop_counter formulas, as the traced describer counts
+    them), on its extern GEMMs: the compiled tape carries the eager tape's matmul and attention FLOPs, forward and
+    backward, so its step time is not a kernel-launch count."""
+    from peakledger.models.training import build_tape
+
+    model = _model(GPT2)
+    tapes = {c: build_tape(model, _setup(compile=c), cpu=True) for c in (False, True)}
+    fwd = {c: sum(op.flops for op in t.ops) for c, t in tapes.items()}
+    bwd = {c: sum(n.flops for n in t.backward) for c, t in tapes.items()}
+    assert fwd[True] == fwd[False] > 0 and bwd[True] == bwd[False] > 0
+    assert all(op.flops == 0 for op in tapes[True].ops if op.kind == "compiled.save")
+
+
+def test_checkpointing_table_offers_compile_rows():
+    """`peakledger checkpointing` on a model compile is modelled for: torch.compile without and with full
+    checkpointing are two more rows, each the compiled scenario's own simulation; a compiled row's recompute is what
+    its step runs over compile alone (the partitioner's recompute is inside the backward graph)."""
+    from peakledger.analysis.checkpointing import policy_table, render_table, simulate_run, step_flops
+
+    scenario = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="cpu")
+    rows = {r.label: r for r in policy_table(scenario, policies=("none", "full"))}
+    assert list(rows) == ["none", "full", "compile", "compile + full"]
+    for label, ckpt in (("compile", "none"), ("compile + full", "full")):
+        run = simulate_run(scenario.with_changes(compile=True, checkpointing=ckpt))
+        assert rows[label].compiled and rows[label].peak == run.peak
+    alone = step_flops(simulate_run(scenario.with_changes(compile=True)).graph, 0)[0]
+    full = step_flops(simulate_run(scenario.with_changes(compile=True, checkpointing="full")).graph, 0)[0]
+    assert rows["compile + full"].recompute_flops == full - alone > 0 and rows["compile"].recompute_flops == 0
+    assert rows["compile + full"].peak < rows["compile"].peak < rows["none"].peak
+    assert "compile: torch.compile (inductor)" in render_table(list(rows.values()))
+    on_gpu = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="H100-80GB")
+    assert [r.label for r in policy_table(on_gpu, policies=("none",))] == ["none"]  # compile not modelled there
+
+
 def test_simulate_compile_reports_what_compile_saved_by_row(capsys):
     """simulate --compile prints the eager run beside it: its peak and each ledger row at the peak, from the same
     scenario simulated uncompiled (the eager figures here come from a separate eager simulation)."""
@@ -160,17 +195,18 @@ def test_cli_refuses_on_one_line(capsys):
     ("aten::bmm.out", (((4, 300, 64), (19200, 64, 1), "torch.float32"), ((4, 64, 3000), (192000, 1, 64),
                         "torch.float32"), ((4, 300, 3000), (900000, 3000, 1), "torch.float32")), (), ()),
 ])
-def test_a_gemm_too_big_to_run_is_measured_cut(monkeypatch, name, layouts, constants, kwargs):
-    """A GEMM's own memory is measured by running it (workspace.py); one over PROBE_BYTES runs with M and N cut
-    to CUT, its inputs cut to match (transposed and broadcast inputs kept so): the cut call runs."""
+def test_a_gemm_is_measured_cut(monkeypatch, name, layouts, constants, kwargs):
+    """A GEMM's own memory is measured by running it (workspace.py) with M and N cut to CUT, its inputs cut to match
+    (transposed and broadcast inputs kept so): the cut call runs, and its FLOPs are the uncut GEMM's."""
     from peakledger.models.compile import workspace
 
-    monkeypatch.setattr(workspace, "PROBE_BYTES", 1 << 10)
     monkeypatch.setattr(workspace, "CUT", 128)
     monkeypatch.setattr(workspace, "_MEASURED", {})
     cut = workspace._cut(name, layouts)
     assert cut[-1][0][-2:] == (128, 128) and cut[-2][0][-1] == 128
     assert workspace.measure((name, layouts, constants, kwargs), 1) >= 0
+    *batch, m, n = layouts[-1][0]
+    assert workspace.gemm_flops((name, layouts, constants, kwargs)) == 2 * (batch or [1])[0] * m * n * 64
 
 
 def test_checkpointing_dynamo_runs_eagerly_is_refused():
