@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from .analysis.device import device_settings, gpu_fits, with_gpu_oom
+from .analysis.ledger import ledger_at
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
 from .analysis.peers import (
@@ -24,7 +25,7 @@ from .models.trace.model import TracedModel
 from .models.training import build_tape, describe
 from .scenario import Scenario, _traced_scenario, build_scenario
 from .simulator.engine import simulate
-from .simulator.events import Category, Pool
+from .simulator.events import Category, Phase, Pool
 from .simulator.ops import OpGraph
 from .simulator.timeline import timeline
 
@@ -166,14 +167,42 @@ def _step_time(report: Report) -> float:
     return report.time_per_step_s
 
 
+def _rows_beside(eager: list, compiled: list) -> list[dict]:
+    rows = {r.row: r.bytes for r in eager}
+    ours = {r.row: r.bytes for r in compiled}
+    names = list(rows) + [n for n in ours if n not in rows]
+    return [{"row": n, "eager": rows.get(n, 0), "compiled": ours.get(n, 0), "saved": rows.get(n, 0) - ours.get(n, 0)}
+            for n in names]
+
+
+def _training_peak(report: Report):
+    """The highest forward or backward phase peak of the report (what compile changes), or None."""
+    phases = [p for p in report.phases if p.phase in (Phase.FORWARD, Phase.BACKWARD)]
+    return max(phases, key=lambda p: p.allocated, default=None)
+
+
 def compile_savings(scenario: Scenario, compiled: Report) -> dict:
-    """What torch.compile saves against eager: the same scenario simulated uncompiled, its peak and each ledger
-    row at the peak beside the compiled run's (bytes; saved = eager - compiled)."""
+    """What torch.compile saves against eager: the same scenario simulated uncompiled, beside the compiled run
+    (bytes; saved = eager - compiled): the peaks and each ledger row at each run's peak; each phase's peak; and the
+    ledger rows at each run's forward + backward peak (where compile acts: a run whose peak is its optimizer step
+    peaks the same compiled or not)."""
     eager = run(scenario.with_changes(compile=False))
-    rows = {r.row: r.bytes for r in eager.ledger}
-    ours = {r.row: r.bytes for r in compiled.ledger}
+    phases = {(p.step, p.phase): p for p in eager.phases}
+    by_phase = [{"phase": p.label, "eager": phases[(p.step, p.phase)].allocated, "compiled": p.allocated,
+                 "saved": phases[(p.step, p.phase)].allocated - p.allocated}
+                for p in compiled.phases if (p.step, p.phase) in phases]
+    at = {}
+    for name, report in (("eager", eager), ("compiled", compiled)):
+        peak = _training_peak(report)
+        tl = timeline(report.log, report.peaks.rank, report.peaks.pool)
+        at[name] = (peak, ledger_at(tl, peak.index) if peak is not None and peak.index >= 0 else [])
+    (e_peak, e_rows), (c_peak, c_rows) = at["eager"], at["compiled"]
     return {"eager_peak": eager.peaks.peak.bytes, "compiled_peak": compiled.peaks.peak.bytes,
             "saved": eager.peaks.peak.bytes - compiled.peaks.peak.bytes,
-            "by_row_at_peak": [{"row": name, "eager": rows.get(name, 0), "compiled": ours.get(name, 0),
-                                "saved": rows.get(name, 0) - ours.get(name, 0)}
-                               for name in list(rows) + [n for n in ours if n not in rows]]}
+            "by_row_at_peak": _rows_beside(eager.ledger, compiled.ledger),
+            "by_phase": by_phase,
+            "forward_backward_peak": {"eager": e_peak.allocated if e_peak else 0,
+                                      "compiled": c_peak.allocated if c_peak else 0,
+                                      "eager_at": e_peak.label if e_peak else None,
+                                      "compiled_at": c_peak.label if c_peak else None,
+                                      "by_row": _rows_beside(e_rows, c_rows)}}

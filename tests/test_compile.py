@@ -147,6 +147,18 @@ def test_simulate_compile_reports_what_compile_saved_by_row(capsys):
     for row in out["ledger"]:
         assert rows[row["row"]]["compiled"] == row["bytes"]
     assert rows["activation"]["saved"] > 0 and rows["parameter"]["saved"] == 0
+    # each phase's peak beside eager's, and the rows at each run's forward + backward peak (where compile acts)
+    phases = {name: {(p["step"], p["phase"]): p["allocated"] for p in report["phases"]}
+              for name, report in (("eager", eager), ("compiled", out))}
+    assert len(saved["by_phase"]) == len(phases["compiled"])
+    for row, key in zip(saved["by_phase"], phases["compiled"]):
+        assert (row["eager"], row["compiled"]) == (phases["eager"][key], phases["compiled"][key])
+    training = {name: max(v for (_, phase), v in p.items() if phase in ("forward", "backward"))
+                for name, p in phases.items()}
+    fb = saved["forward_backward_peak"]
+    assert (fb["eager"], fb["compiled"]) == (training["eager"], training["compiled"])
+    assert sum(r["compiled"] for r in fb["by_row"]) == fb["compiled"] < fb["eager"]
+    assert sum(r["eager"] for r in fb["by_row"]) == fb["eager"]
 
 
 @pytest.mark.parametrize("kw, field", [
