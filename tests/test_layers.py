@@ -70,3 +70,14 @@ def test_no_import_cycle():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_every_package_folder_installs():
+    """pyproject.toml's [tool.setuptools] `packages` names every folder with an __init__.py under the installed
+    layers (an editable install finds a folder left out; a wheel does not ship it)."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"peakledger." + ".".join(p.parent.relative_to(REPO).parts).removeprefix("peakledger").lstrip(".")
+               for layer in LAYERS for p in (REPO / layer).rglob("__init__.py")}
+    assert folders - {"peakledger."} <= set(tool["packages"]) | {"peakledger"}, folders - set(tool["packages"])
