@@ -209,10 +209,17 @@ COMPILE_POLICIES = ("none", "full")  # the rows torch.compile adds where it is m
 
 
 def compile_applies(scenario) -> bool:
-    """Whether torch.compile is one more row: a traced model on the cpu profile (models/compile models inductor's
-    CPU program; elsewhere the setup refuses it), not compiled already."""
-    return (not scenario.setup.compile and isinstance(scenario.model, TracedModel)
-            and device_profile(scenario.device).is_cpu)
+    """Whether torch.compile is one more fix to try: a traced model, not compiled already, on the cpu profile or on a
+    CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a CUDA build of
+    the scenario's torch version seeing a device of the profile's compute capability); elsewhere compile is refused."""
+    if scenario.setup.compile or not isinstance(scenario.model, TracedModel):
+        return False
+    profile = device_profile(scenario.device)
+    if profile.is_cpu:
+        return True
+    from ..models.compile.gpu import lowerable
+
+    return profile.is_cuda and lowerable(profile.compute_capability, scenario.torch_version)
 
 
 def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True) -> list[PolicyRow]:

@@ -22,7 +22,10 @@ Compared, per run (bench/validate_gpu.py `compare_run`, the same reading as the 
 - after every allocation paired by size (the k-th allocation of each size on each side), the reserved bytes;
 - at each side's allocated peak, the largest live blocks of a size the other side does not have as often
   ("measured only" / "predicted only", with the predicted tensor's name): where a difference comes from.
-The torch.compile runs are listed, not predicted (torch.compile is not modelled yet).
+The torch.compile runs (`torch.compile(model)`, `--compile`) are predicted where this torch lowers the run's CUDA
+program: a CUDA build of the torch that ran (2.11) seeing an sm 9.0 device (models/compile/gpu.py `gpu_check`). On a
+machine without a GPU, bench/fakecuda/run.sh runs this script with a fake CUDA runtime answering for an H200
+(bench/COMPILE_GPU_FINDINGS.md); elsewhere they are listed with the reason, not predicted.
 """
 
 from __future__ import annotations
@@ -49,7 +52,22 @@ ROOT = BENCH.parent
 DEFAULT_DIR = ROOT.parent / "shared" / "gpu-truth" / "h200" / "hf-runs"
 CACHE = BENCH / ".cache"
 DEVICE, TORCH_RULES = "H200-141GB", "2.11"
-NOT_MODELLED = {"compile": "torch.compile: not modelled yet"}
+
+
+def not_predicted(options: dict) -> str | None:
+    """Why a run cannot be predicted here (a compile run needs torch's CUDA build of the version that ran), or None."""
+    if not options.get("compile"):
+        return None
+    from peakledger.models.config import ConfigError
+    from peakledger.models.costs import device_profile
+
+    try:
+        from peakledger.models.compile.gpu import gpu_check
+
+        gpu_check(device_profile(DEVICE).compute_capability, TORCH_RULES)
+    except ConfigError as e:
+        return f"torch.compile's CUDA program cannot be lowered here ({e}); run under bench/fakecuda/run.sh"
+    return None
 
 
 def load_cases(folder: Path) -> dict:
@@ -76,6 +94,8 @@ def training_of(precision: str, micro_batch: int, seq_len: int | None, options: 
                   lora_targets=options["lora_targets"].split(","))
     if options.get("fsdp2"):
         tr.update(dp_engine="fsdp2", world_size=1, reduce_dtype="fp32")
+    if options.get("compile"):
+        tr["compile"] = True
     return tr
 
 
@@ -131,7 +151,7 @@ def row(name: str, case: tuple, folder: Path, measured_json: dict, workdir: Path
     out = {"run": name, "precision": case[1], "micro_batch": case[2], "seq_len": case[3], "options": options,
            "measured_steps": [{k: s[k] for k in ("peak_allocated", "peak_reserved")}
                               for s in measured_json.get("steps", [])]}
-    skip = next((why for key, why in NOT_MODELLED.items() if options.get(key)), None)
+    skip = not_predicted(options)
     trace = read_snapshot(folder / f"{name}.pickle.gz")
     if skip:
         from gpu_snapshots import measured_peaks
@@ -185,7 +205,24 @@ def summary(rows: list[dict]) -> str:
     ok = {k: sum(r["within_target"][k] for r in done) for k in TARGETS}
     both = sum(all(r["within_target"].values()) for r in done)
     return (f"allocated within 1%: {ok['allocated']}/{len(done)}; reserved within 2%: {ok['reserved']}/{len(done)}; "
-            f"both: {both}/{len(done)} ({len(rows) - len(done)} compile runs not predicted)")
+            f"both: {both}/{len(done)}" + (f" ({len(rows) - len(done)} compile runs not predicted)"
+                                           if len(rows) > len(done) else ""))
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _compile_note(rows: list[dict]) -> str:
+    """How the compile runs were predicted: the running torch's CUDA build lowering for the device it sees (a fake
+    H200 under bench/fakecuda/run.sh, which sets PEAKLEDGER_FAKE_CUDA), or why not."""
+    compiled = [r for r in rows if r["options"].get("compile")]
+    if not compiled or any("predicted" not in r for r in compiled):
+        return ""
+    seen = "a fake H200 (bench/fakecuda/run.sh)" if os.environ.get("PEAKLEDGER_FAKE_CUDA") else "its GPU"
+    return f"; the compile runs lowered by that torch's CUDA build for {seen}, on fake tensors"
 
 
 def recorded_transformers(folder: Path) -> str | None:
@@ -249,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{measured.get('torch')}, transformers {measured.get('transformers')}, one {measured.get('gpu')}), each "
             f"predicted by `peakledger simulate --hf-config` of its config with the run's flags "
             f"on the {DEVICE} profile "
-            f"and torch {TORCH_RULES}'s rules, traced with transformers {transformers.__version__}. Measured peaks are "
+            f"and torch {TORCH_RULES}'s rules, traced with transformers {transformers.__version__}, run with torch "
+            f"{_torch_version()}{_compile_note(rows)}. Measured peaks are "
             "the snapshot's requested bytes (allocated) and reserved bytes. Targets: allocated within 1%, reserved "
             f"within 2%. **{text}.**", "", *table(rows), ""]))
     return 0

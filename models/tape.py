@@ -145,6 +145,9 @@ class Tape:
     describer: str = "hand-written"
     gradless: tuple[str, ...] = ()  # parameters that get no gradient (traced: frozen, or not on the loss's path)
     param_dtypes: dict[str, str] = field(default_factory=dict)  # parameters not in the setup's dtype (own_dtype)
+    # tied parameters a describer knows without op params (compiled): (holder name, source name, how many untied
+    # parameters the model registers before the holder), models/parallel/engine.py DeviceBuild
+    ties: tuple[tuple[str, str, int], ...] = ()
 
     def add(self, name: str, kind: str, inputs, outputs, **kw) -> tuple[TensorSpec, ...]:
         op = TapeOp(name=name, kind=kind, inputs=tuple(inputs), outputs=tuple(outputs), **kw)

@@ -67,7 +67,7 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
     if setup.compile:  # the compiled program of a traced model (models/compile)
-        return compiled_tape(model, setup, cpu)
+        return compiled_tape(model, setup, cpu, cuda)
     family = family_of(model)  # models/families.py
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
     if family.hand_written and setup.passes == "forward":

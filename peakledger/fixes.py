@@ -8,6 +8,7 @@ or its numerics change (8-bit states, a frozen half, a shorter context), not onl
 
 from __future__ import annotations
 
+from .analysis.checkpointing import compile_applies
 from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, TransformerConfig
 from .models.costs import device_profile
 from .models.trace import traced_layers
@@ -195,10 +196,9 @@ def freeze_fixes(scenario: Scenario) -> list[Candidate]:
 
 
 def compile_fixes(scenario: Scenario) -> list[Candidate]:
-    """torch.compile where it is modelled (models/compile: a traced model's CPU program; elsewhere the setup
-    refuses it and the fix is skipped): fewer saved activations, temporaries fused away."""
-    s = scenario.setup
-    if s.compile or not isinstance(scenario.model, TracedModel) or not device_profile(scenario.device).is_cpu:
+    """torch.compile where it is modelled (analysis/checkpointing.py `compile_applies`; elsewhere the setup refuses
+    it and the fix is skipped): fewer saved activations, temporaries fused away."""
+    if not compile_applies(scenario):
         return []
     return [("torch.compile (inductor)", {"compile": True}, False,
              "the first step compiles (tens of seconds to minutes), which its step time does not count; "

@@ -16,6 +16,7 @@ from peakledger.analysis.validate import compare_logs
 from peakledger.api import run
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.costs import DEVICES
 from peakledger.models.presets import PRESETS
 from peakledger.models.trace import from_hf_dict, from_module_spec
 from peakledger.models.training import describe
@@ -179,16 +180,57 @@ def test_what_compile_does_not_model_is_refused_by_name(kw, field):
     assert e.value.field == field
 
 
-def test_compile_refuses_presets_gpus_and_autotuning():
+def test_compile_refuses_presets_gpus_it_cannot_lower_and_autotuning():
+    """A CUDA profile's compiled program is lowered by torch's CUDA build for the device it sees (models/compile/
+    gpu.py): a CPU build of torch refuses it by name, as it refuses a device of another compute capability or a
+    scenario of another torch version where it has one."""
+    import torch
+
     with pytest.raises(ConfigError) as e:
         describe(PRESETS["tiny"], _setup(), "cpu")
     assert e.value.field == "compile" and "--hf-config" in str(e.value)
-    with pytest.raises(ConfigError) as e:
-        describe(_model(GPT2), _setup(), "H100-80GB")
-    assert e.value.field == "device" and "allowed with compile: cpu" in str(e.value)
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(ConfigError) as e:
+            describe(_model(GPT2), _setup(), "H100-80GB")
+        assert e.value.field == "device" and "has no CUDA" in str(e.value) and torch.__version__ in str(e.value)
+        assert "allowed with compile on this install: cpu" in str(e.value)
     with pytest.raises(ConfigError) as e:
         describe(_model(GPT2), _setup(compile_mode="max-autotune-no-cudagraphs"), "cpu")
     assert e.value.field == "compile_mode"
+
+
+def test_zeros_for_outputs_no_gradient_reached_live_by_torch_version():
+    """AOTAutograd's zeros for outputs no gradient reached: held by `CompiledFunction.backward`'s argument tuple to
+    the node's end up to torch 2.12, freed at the wrapper's `del` from 2.13 (its prologue clears the list)."""
+    from peakledger.models.compile.convert import zeros_held
+
+    assert zeros_held("2.11") and zeros_held("2.12") and not zeros_held("2.13") and not zeros_held("3.0")
+
+
+def test_mix_order_reduction_lines_allocate():
+    """CUDA inductor's mix-order reduction ends in an eager reduce written as a text line of the wrapper: it
+    allocates its fp32 result (and its cast), which no AllocateLine says (models/compile/plan.py)."""
+    from peakledger.models.compile.plan import _text_line
+
+    line = "buf12 = workspace_0[: 8 * 2048].view(8, 2048).sum(dim=0).to(torch.bfloat16)"
+    assert _text_line(line) == [("alloc", "buf12.fp32", 2048 * 4, "fp32", (2048,), (1,)),
+                                ("alloc", "buf12", 2048 * 2, "bf16", (2048,), (1,)), ("drop", "buf12.fp32")]
+    assert _text_line("buf3 = workspace_1[: 4 * 64].view(4, 64).sum(dim=0)") == \
+        [("alloc", "buf3", 64 * 4, "fp32", (64,), (1,))]
+    assert _text_line("del buf3") == []
+
+
+def test_compiled_tape_builds_the_model_as_the_traced_one():
+    """A compiled tape knows its tied parameters (the fake model's second names of one tensor), so `build =
+    device-fp32` constructs the model in the traced tape's order, the tied head made and dropped by tie_weights."""
+    from peakledger.models.parallel.engine import DeviceBuild
+    from peakledger.models.training import build_tape
+
+    model = _model(GPT2)
+    tapes = {c: build_tape(model, _setup(compile=c), cpu=True) for c in (False, True)}
+    assert tapes[True].ties and [e.name for e in DeviceBuild(tapes[True]).ties] == [t[0] for t in tapes[True].ties]
+    built = {c: [(e.kind, e.name, e.source, e.shape) for e in DeviceBuild(t).construction] for c, t in tapes.items()}
+    assert built[True] == built[False]
 
 
 def test_cli_refuses_on_one_line(capsys):
@@ -240,3 +282,36 @@ def test_explain_offers_compile_where_it_is_modelled():
     x = diagnosis.explain(scenario, (compiled + eager) // 2)
     fix = next(f for f in x.fixes if f.changes == {"compile": True})
     assert fix.fits and fix.peak == compiled and "compiles" in fix.note and not fix.changes_training
+
+
+def _lowers_cuda() -> bool:
+    import torch
+
+    return torch.backends.cuda.is_built() and torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _lowers_cuda(), reason="needs a CUDA build of torch seeing a device (bench/fakecuda/run.sh "
+                                                "answers for an H200 without one)")
+def test_cuda_program_is_lowered_for_the_device_torch_sees():
+    """On a CUDA profile the compiled program is inductor's CUDA one, lowered on fake `cuda:0` tensors: HF's
+    explicit causal mask under compile sends SDPA to cuDNN attention on sm90, whose backward takes a workspace of
+    4 B H T (D + 1) + 256 bytes (plan.py); the model's tied head is known to the tape. Runs where torch can lower
+    CUDA (bench/fakecuda/run.sh with a CUDA build of torch: the H200 validation's environment)."""
+    import torch
+
+    from peakledger.models.training import build_tape
+
+    cap = torch.cuda.get_device_capability(0)
+    profile = next(p for p in ("H200-141GB", "H100-80GB", "A100-80GB")
+                   if DEVICES[p].compute_capability == tuple(cap))
+    setup = _setup(precision="bf16-autocast", micro_batch=2, seq_len=64)
+    data = json.loads(LLAMA.read_text())
+    model = from_hf_dict({**data, "attn_implementation": "sdpa"}, "llama-sdpa")
+    tape = build_tape(model, setup, cpu=False, cuda=(DEVICES[profile].compute_capability, "2.11"))
+    assert "inductor CUDA (triton)" in tape.describer
+    b, h, t, d = 2, data["num_attention_heads"], 64, data["head_dim"]
+    workspaces = [a for n in tape.backward for st in n.steps for a in st.allocs if a.name.endswith(".workspace")]
+    if tuple(cap) == (9, 0):
+        assert [w.shape for w in workspaces] == [(4 * b * h * t * (d + 1) + 256,)] * data["num_hidden_layers"]
+    report = run(Scenario(name="llama", model=model, setup=setup, device=profile, torch_version="2.11"))
+    assert report.gpu is not None and report.peaks.peak.bytes > 0

@@ -16,10 +16,13 @@ How the pieces compose:
 - `convert.py` the plans replayed on those runs, as the project's tape (models/tape.py): forward ops, saves
                released at the backward graph's `del`, the compiled backward as recorded grad nodes,
                AccumulateGrad's copy of a gradient whose layout is not its parameter's.
+- `gpu.py`     on a CUDA profile: whether this torch can lower the CUDA program for it (a CUDA build seeing a
+               device of the profile's compute capability), and that capture's cache.
 - here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile`) and the cache.
 
 What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them for
-`step.CPU_THREADS` threads, which the real run uses too: the program depends on the count), one device,
+`step.CPU_THREADS` threads, which the real run uses too: the program depends on the count) and the CUDA program
+(triton kernels, cuDNN attention, mix-order reductions: gpu.py, plan.py), one device,
 checkpointing none / full / every-k / layers where dynamo keeps each checkpoint in its graph (a checkpoint it runs
 eagerly between graphs, HF Llama's, is refused: capture.py `_eager_checkpoint`), fp32 / bf16 / bf16-autocast; the
 optimizer step stays eager. Not seen: the internal temporaries of fallback kernels other than the convolution
@@ -72,24 +75,37 @@ def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
     return cap
 
 
-def compiled_tape(model, setup: TrainingSetup, cpu: bool) -> Tape:
-    """The tape of `model`'s compiled training step under `setup` (see the module docstring)."""
+def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = None) -> Tape:
+    """The tape of `model`'s compiled training step under `setup` (see the module docstring); on a CUDA profile
+    (`cuda`: its compute capability and the scenario's torch version) inductor's CUDA program (gpu.py)."""
     if not isinstance(model, TracedModel):
         raise ConfigError("compile", "torch.compile is modelled on traced models (--hf-config or --module); a preset's "
                                      "HF equivalent could be given as --hf-config; allowed here: compile off")
-    if not cpu:
-        raise ConfigError("device", "torch.compile is modelled as inductor's CPU program (C++ kernels); its CUDA "
-                                    "program (triton kernels) is not modelled yet; allowed with compile: cpu")
+    if not cpu and cuda is None:
+        raise ConfigError("device", "torch.compile is modelled on the cpu profile and on CUDA profiles; allowed "
+                                    "with compile: cpu, a CUDA profile")
+    if cuda is not None:
+        from .gpu import gpu_check
+
+        gpu_check(*cuda)
     if setup.compile_mode == "max-autotune-no-cudagraphs":
         raise ConfigError("compile_mode", "max-autotune-no-cudagraphs benchmarks kernels to choose them, which a "
                                           "fake-tensor compile cannot; allowed: default, reduce-overhead")
     from .convert import to_tape  # (with .capture: torch)
 
-    cap = cached_capture(model, setup)
+    if cuda is not None:
+        from .gpu import cuda_capture
+
+        cap = cuda_capture(model, setup, _key(model, setup))
+    else:
+        cap = cached_capture(model, setup)
     graphs = f"{cap.graph_count} graph{'s' if cap.graph_count != 1 else ''}"
-    return to_tape(cap, setup, describer=f"compiled (torch.compile {setup.compile_mode}, inductor CPU, {graphs}; "
-                                         f"optimizer step: {OPTIMIZER_STEP}; traced {model.kind}: "
-                                         f"{cap.model_class})")
+    from .gpu import running_torch
+
+    program = "inductor CPU" if cuda is None else f"inductor CUDA (triton) of torch {running_torch()}"
+    return to_tape(cap, setup, torch_version=running_torch(),
+                   describer=f"compiled (torch.compile {setup.compile_mode}, {program}, {graphs}; "
+                             f"optimizer step: {OPTIMIZER_STEP}; traced {model.kind}: {cap.model_class})")
 
 
 __all__ = ["compiled_tape", "cached_capture", "OPTIMIZER_STEP"]

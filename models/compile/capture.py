@@ -48,6 +48,7 @@ class Capture:
     held: set  # keys the caller's (out, loss) reach
     grads: dict  # parameter name -> key of its `.grad`
     param_strides: dict = field(default_factory=dict)  # parameter name -> its strides (the gradient layout contract)
+    ties: tuple = ()  # (name, the parameter it is, untied parameters registered before it): models/tape.py
     graph_count: int = 0
     break_reasons: list = field(default_factory=list)
     layers: tuple = ()
@@ -85,6 +86,30 @@ def _report_output_strides(graph) -> None:
             except Exception:  # an unbacked size: inductor reports none either
                 stride = None
         context.output_strides.append(stride)
+
+
+def _on_cuda(net, batch):
+    """The fake model's parameters and buffers, and the batch, as fake tensors on `cuda:0` (the model as
+    `model.to("cuda")` leaves it; `Module.to` itself cannot move fake parameters: it swaps tensors, which a fake
+    tensor's weak references refuse); tied parameters stay one. `cuda:0`, not `cuda`: a device without an index
+    makes C++ ask the driver for the current one."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    moved: dict[int, object] = {}
+    for module in net.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                new = moved.get(id(t))
+                if new is None:
+                    data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda:0")
+                    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) \
+                        if isinstance(t, torch.nn.Parameter) else data
+                    moved[id(t)] = new
+                table[name] = new
+    return tree_map(lambda x: x.to("cuda:0") if isinstance(x, torch.Tensor) else x, batch)
 
 
 def _key(t):
@@ -158,8 +183,10 @@ def _eager_checkpoint(model: TracedModel, setup: TrainingSetup, reasons: list[st
                                        "compile here: checkpointing none")
 
 
-def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
-    """Compile and run one fake micro-batch of `model` under `setup` (see the module docstring)."""
+def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False) -> Capture:
+    """Compile and run one fake micro-batch of `model` under `setup` (see the module docstring); `cuda`: the model
+    and batch on fake `cuda:0` tensors, inductor's CUDA (triton) program for the device torch sees (a CUDA build of
+    torch; `__init__.gpu_check` checks it against the device profile)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -175,6 +202,8 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
         _adopt(net, mode)
         freeze(net, setup.frozen)
         batch, _ = _fake_batch(mode, batch)
+        if cuda:
+            batch = _on_cuda(net, batch)
     layers = find_layers(net)
     wrap_checkpointed(net, layers, setup)
     fn, tensors = step_function(net, batch, loss_fn)
@@ -233,7 +262,7 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
             stack.enter_context(capture_plans(plans))
             stack.enter_context(user_code(f"the {model.name} model compiled, forward, loss and backward"))
             compiled = torch.compile(fn, backend=backend, dynamic=False)
-            with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            with torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 out, loss = compiled(*tensors)
             loss.backward()
     except ConfigError:
@@ -246,10 +275,13 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
         torch._dynamo.reset()
     reasons = [r for r, n in breaks.items() if n > seen_breaks.get(r, 0)]
     _eager_checkpoint(model, setup, reasons)
-    workspaces(plans, CPU_THREADS)  # the extern GEMMs' own memory, measured on this CPU (workspace.py)
-    params, specs, strides = {}, [], {}
-    for name, p in net.named_parameters():
-        params.setdefault(_key(p), name)
+    workspaces(plans, None if cuda else CPU_THREADS)  # GEMMs' FLOPs; on the CPU their own memory (workspace.py)
+    params, specs, strides, ties = {}, [], {}, []
+    for name, p in net.named_parameters(remove_duplicate=False):
+        if _key(p) in params:  # a tied parameter (transformers' tie_weights): the same tensor under a 2nd name
+            ties.append((name, params[_key(p)], len(specs)))
+            continue
+        params[_key(p)] = name
         specs.append((name, tuple(p.shape), DTYPES.get(p.dtype, str(p.dtype)), p.requires_grad))
         strides[name] = tuple(p.stride())
     buffers = {}
@@ -264,6 +296,7 @@ def compile_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
     held = {note(t) for t in list(_tensors(out)) + [loss]} - {None}
     grads = {name: note(p.grad) for name, p in net.named_parameters() if p.grad is not None}
     return Capture(plans=plans, runs=runs, storages=seen, params=params, param_specs=specs, buffers=buffers,
-                   inputs=inputs, held=held, grads=grads, param_strides=strides, graph_count=len(graphs),
+                   inputs=inputs, held=held, grads=grads, param_strides=strides, ties=tuple(ties),
+                   graph_count=len(graphs),
                    break_reasons=reasons, layers=layers,
                    model_class=type(net).__name__)

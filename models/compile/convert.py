@@ -90,7 +90,19 @@ def _flop_shares(plan, total: int) -> list[int]:
     return shares
 
 
-def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
+def zeros_held(version: str) -> bool:
+    """Whether the zeros AOTAutograd makes for the outputs no gradient reached stay alive until the compiled backward
+    returns: up to torch 2.12 `CompiledFunction.backward(ctx, *flat_args)` holds them in its arguments' tuple
+    (measured on the H200 snapshots, torch 2.11: 525 MB at llama-1b's backward); torch 2.13's generated prologue
+    clears the list the engine passes (`flat_args.clear()`, torch/_functorch/_aot_autograd/runtime_wrappers.py), so
+    each goes at the wrapper's `del` of it (measured on this CPU)."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (major, minor) < (2, 13)
+
+
+def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: str = "2.13") -> Tape:
+    """The capture's tape (see the module docstring); `torch_version`: the torch that ran the capture."""
+    held_zeros = zeros_held(torch_version)
     external = set(cap.params) | set(cap.buffers) | set(cap.inputs)
     of_key: dict = {}  # runtime storage key -> _Storage (graph-made storages)
     storages: list[_Storage] = []
@@ -143,7 +155,7 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
                 events.append(("alloc", s))
             names[name] = s
             arg_storages[id(s)] = arg_storages.get(id(s), 0) + 1
-            if backward and s.born == "glue" and s.spec.shape != ():
+            if backward and s.born == "glue" and s.spec.shape != () and not held_zeros:
                 # zeros AOTAutograd materialises for an output no gradient reached: its own, gone at the `del`
                 s.refs += 1
                 arg_storages.pop(id(s))
@@ -290,4 +302,5 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str) -> Tape:
                          for k, name in cap.buffers.items() if k in cap.storages],
                 held=held, backward=tuple(nodes), layers=cap.layers, buffers_follow_params=False,
                 describer=describer, gradless=tuple(n for n, _, _, _ in cap.param_specs if n not in trained),
-                param_dtypes={n: dt for n, _, dt, _ in cap.param_specs if dt != setup.param_dtype})
+                param_dtypes={n: dt for n, _, dt, _ in cap.param_specs if dt != setup.param_dtype},
+                ties=cap.ties)

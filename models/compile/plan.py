@@ -18,6 +18,7 @@ until the `del` of its result; oneDNN's channels-last convolution backward makes
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 
 from ..trace.record import DTYPES
@@ -44,20 +45,25 @@ def _int(graph, expr) -> int:
 
 
 def _alloc(graph, node) -> tuple:
-    """("alloc", name, bytes, dtype, shape, stride) of an IR buffer: its storage's size (a strided buffer's storage
-    may exceed its shape) times its dtype's size; its strides (None where its layout has none)."""
+    """("alloc", name, bytes, dtype, shape, stride) of an IR buffer: what `empty_strided(shape, stride)` allocates,
+    1 + sum((size - 1) x stride) elements (aten's computeStorageNbytes: a padded layout's last row is not padded;
+    int64[4, 2049] with row stride 2056: 65,928 B, as the H200 snapshot has it), times its dtype's size; a layout
+    without strides: inductor's storage size (graph.py `get_allocation_storage_size`); its strides, or None."""
     dtype = node.get_dtype()
     shape = tuple(_int(graph, s) for s in node.get_size())
     try:
         stride = tuple(_int(graph, s) for s in node.get_stride())
     except Exception:  # a layout without strides
         stride = None
-    try:  # torch/_inductor/graph.py GraphLowering.get_allocation_storage_size
-        numel = _int(graph, graph.get_allocation_storage_size(node))
-    except Exception:  # a layout without one: its shape's elements
-        numel = 1
-        for s in shape:
-            numel *= s
+    if stride is not None and len(stride) == len(shape):
+        numel = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride))
+    else:
+        try:  # torch/_inductor/graph.py GraphLowering.get_allocation_storage_size
+            numel = _int(graph, graph.get_allocation_storage_size(node))
+        except Exception:  # a layout without one: its shape's elements
+            numel = 1
+            for s in shape:
+                numel *= s
     name = DTYPES.get(dtype, str(dtype).replace("torch.", ""))
     return ("alloc", node.get_name(), numel * dtype.itemsize, name, shape, stride)
 
@@ -70,7 +76,9 @@ def _events(wrapper, graph) -> list[tuple]:
     made: set[str] = set()  # multi-output fallbacks' outputs, allocated as the kernel returns them
     unread: dict[str, list[str]] = {}  # a multi-output fallback -> its outputs the graph never reads
     for line in wrapper.lines:
-        if isinstance(line, W.AllocateLine):
+        if isinstance(line, str):
+            out.extend(_text_line(line))
+        elif isinstance(line, W.AllocateLine):
             out.append(_alloc(graph, line.node))
         elif isinstance(line, W.ReuseLine):
             out.append(("alias", line.reused_as.get_name(), line.node.get_name()))
@@ -107,6 +115,29 @@ def _events(wrapper, graph) -> list[tuple]:
     return out
 
 
+# A mix-order reduction's last step (torch/_inductor/codegen/simd.py, CUDA): an eager reduce of the split kernel's
+# workspace written as a plain line, `bufN = workspace_k[...].view(nsplit, rnumel).sum(dim=0)[.to(torch.bf16)]`,
+# which allocates bufN (fp32, then its cast) with no AllocateLine (the wrapper only marks it allocated).
+_MIX_ORDER = re.compile(r"^(buf\d+) = (workspace_\d+)\[.*\]\.view\((\d+), (\d+)\)\.\w+\(dim=0\)"
+                        r"(?:\.to\(torch\.(\w+)\))?")
+
+
+def _text_line(line: str) -> list[tuple]:
+    """The memory events of a wrapper line inductor wrote as text: a mix-order reduction's eager reduce."""
+    import torch
+
+    m = _MIX_ORDER.match(line.strip())
+    if not m:
+        return []
+    name, rnumel, cast = m.group(1), int(m.group(4)), m.group(5)
+    if not cast:
+        return [("alloc", name, rnumel * 4, "fp32", (rnumel,), (1,))]
+    dtype = getattr(torch, cast)
+    return [("alloc", f"{name}.fp32", rnumel * 4, "fp32", (rnumel,), (1,)),
+            ("alloc", name, rnumel * dtype.itemsize, DTYPES.get(dtype, cast), (rnumel,), (1,)),
+            ("drop", f"{name}.fp32")]
+
+
 def _outputs_of(graph, node) -> list:
     """The tensors a multi-output fallback kernel returns, as inductor's IR names them (`FallbackKernel.create`
     makes a `MultiOutput` of each, read or not; DCE removes the unread ones from the program, not from the kernel's
@@ -125,10 +156,23 @@ def _workspace(graph, node, children: list) -> list[tuple]:
     backward for channels-last tensors makes the weight gradient three times, oneDNN's result, its dense copy and
     that copy in channels-last, the kernel's output (aten/src/ATen/native/mkldnn/Conv.cpp
     `mkldnn_convolution_backward_weights`: `mkldnn_to_dense(...).to(at::MemoryFormat::ChannelsLast)`; measured on
-    this CPU: 3 weight-sized blocks at once, the first two freed before it returns)."""
+    this CPU: 3 weight-sized blocks at once, the first two freed before it returns). cuDNN's attention backward
+    (CUDA) takes one workspace of 4 B H T (D + 1) + 256 bytes after its dq, dk, dv and frees it before it returns
+    (dq's shape B x H x T x D; an fp32 dq accumulator and softmax sums: measured on the H200 snapshots,
+    68,157,696 B at B 4, H 32, T 2048, D 64 and 29,819,136 B at B 8, H 14, T 1024, D 64; bench/
+    COMPILE_GPU_FINDINGS.md)."""
     import torch
 
-    if getattr(node, "op_overload", None) is not torch.ops.aten.convolution_backward.default:
+    op = getattr(node, "op_overload", None)
+    if op is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default and children:
+        shape = _alloc(graph, children[0])[4]
+        if len(shape) == 4:
+            b, h, t, d = shape
+            nbytes = 4 * b * h * t * (d + 1) + 256
+            name = f"{node.get_name()}.workspace"
+            return [("alloc", name, nbytes, "int8", (nbytes,), None), ("drop", name)]
+        return []
+    if op is not torch.ops.aten.convolution_backward.default:
         return []
     weight = [c for c in children if c.indices and c.indices[0][1] == 1]
     if not weight or weight[0].get_device() is None or weight[0].get_device().type != "cpu":
@@ -141,9 +185,10 @@ def _workspace(graph, node, children: list) -> list[tuple]:
     return [("alloc", name, 2 * alloc[2], alloc[3], (2, *shape), None), ("drop", name)]
 
 
-def workspaces(plans: list[Plan], threads: int) -> None:
-    """Each extern GEMM's line as ("gemm", name, its FLOPs), then its own memory (workspace.py `measure`, on this
-    CPU) as a block allocated and freed there, where it takes any."""
+def workspaces(plans: list[Plan], threads: int | None) -> None:
+    """Each extern GEMM's line as ("gemm", name, its FLOPs), then, for the CPU program (`threads` given), its own
+    memory (workspace.py `measure`, on this CPU) as a block allocated and freed there, where it takes any. A CUDA
+    GEMM's own memory is cuBLAS's workspace, one per handle and stream, which the replay adds (models/gpu.py)."""
     from .workspace import gemm_flops, measure
 
     for plan in plans:
@@ -153,7 +198,7 @@ def workspaces(plans: list[Plan], threads: int) -> None:
                 events.append(ev)
                 continue
             events.append(("gemm", ev[1], gemm_flops(ev[2])))
-            nbytes = measure(ev[2], threads)
+            nbytes = measure(ev[2], threads) if threads is not None else 0
             if nbytes:
                 name = f"{ev[1]}.workspace"
                 events += [("alloc", name, nbytes, "int8", (nbytes,), None), ("drop", name)]

@@ -102,6 +102,9 @@ class DeviceBuild:
             leaf = src.rpartition(".")[2]
             keyed.append(((later - 1, 2, 0, k), BuildEntry("tied", f"{holder}.{leaf}", holder, src, shape[src],
                                                            "fp32")))
+        for k, (name, src, before) in enumerate(tape.ties):  # a describer that knows them (compiled tapes)
+            keyed.append(((before - 1, 2, 0, len(ties) + k), BuildEntry("tied", name, _module(name), src, shape[src],
+                                                                        "fp32")))
         keyed.sort(key=lambda kv: kv[0])
         self.construction = [e for _, e in keyed]
         self.ties = [e for e in self.construction if e.kind == "tied"]
@@ -247,11 +250,11 @@ class Engine:
         own tensor dropped), so a traced `--module` that ties one is refused too."""
         b = self.b
         tape = b.tape
-        if not tape.describer.startswith("traced"):
+        if not tape.describer.startswith(("traced", "compiled")):
             raise ConfigError("build", "'device-fp32' follows a traced model's construction (--hf-config, --module); "
                                        f"this model is described by hand ({tape.describer}); allowed here: direct")
         plan = DeviceBuild(tape)
-        if plan.ties and not tape.describer.startswith("traced (hf:"):
+        if plan.ties and not tape.describer.startswith("traced (hf:") and "traced hf:" not in tape.describer:
             raise ConfigError("build", f"'device-fp32': {plan.ties[0].module} runs {plan.ties[0].source}, a tied "
                                        "parameter: the order your module's code makes and ties them in is known for "
                                        "HF models only; allowed here: direct")

@@ -1,0 +1,84 @@
+"""The compiled program on a CUDA device profile: inductor's CUDA (triton) program, as torch lowers it for the device
+it sees, on fake `cuda:0` tensors (capture.py with `cuda`).
+
+Inductor's program depends on the torch that lowers it and on the device: its kernels and fusions (triton's heuristics
+read the SM count and the compute capability), the SDPA kernel aten picks (cuDNN attention on sm90 under compile, where
+HF passes an explicit mask), the layouts it pads. So the program is obtained from a CUDA build of torch, for the device
+it sees: a device profile of another compute capability than that device's is refused, naming both. The program is
+the running torch's (its describer line names the version; plans differ between versions: bench/COMPILE_GPU_FINDINGS
+.md), the scenario's `torch_version` choosing the allocator's rules as for any program. On a machine without a GPU a
+CUDA build of torch still lowers for a device when one answers for it (bench/fakecuda: a fake CUDA runtime, for
+validation).
+
+What the GPU program adds to a plan (plan.py): a mix-order reduction's eager reduce written as a text line, the cuDNN
+attention backward's workspace, padded layouts' storage sizes; cuBLAS's workspaces are the replay's (models/gpu.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..config import ConfigError, TrainingSetup
+from ..trace import check_setup
+from ..trace.model import TracedModel
+
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 4
+
+
+def running_torch() -> str:
+    """The running torch's major.minor version ("2.11")."""
+    import torch
+
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def gpu_check(capability: tuple[int, int] | None, torch_version: str = "") -> None:
+    """Refuse a CUDA profile whose program this torch cannot lower: no CUDA build, no device, another compute
+    capability than the profile's. (`torch_version`, the scenario's allocator rules, is not the lowering torch's:
+    the program is the running torch's, as its describer line says.)"""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        raise ConfigError("device", f"torch.compile's CUDA program is lowered by torch's CUDA build for the device "
+                                    f"it sees; this torch ({torch.__version__}) has no CUDA: install a CUDA build of "
+                                    "torch to simulate it; allowed with compile on this install: cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device", f"torch.compile's CUDA program is lowered for the device torch sees, and this "
+                                    f"torch ({torch.__version__}) sees none; allowed with compile here: cpu")
+    seen = torch.cuda.get_device_capability(0)
+    if capability is not None and tuple(seen) != tuple(capability):
+        raise ConfigError("device", f"the device profile is sm {capability[0]}.{capability[1]}, torch sees "
+                                    f"{torch.cuda.get_device_name(0)} (sm {seen[0]}.{seen[1]}): inductor's program "
+                                    "depends on the device; simulate compile on a profile of the device torch sees")
+
+
+def lowerable(capability: tuple[int, int] | None, torch_version: str) -> bool:
+    """Whether `gpu_check` lets this torch lower a CUDA profile's program (without importing torch when the profile
+    is not one: its caller asks for every scenario)."""
+    try:
+        gpu_check(capability, torch_version)
+    except ConfigError:
+        return False
+    return True
+
+
+def cuda_capture(model: TracedModel, setup: TrainingSetup, key: tuple):
+    """`capture.compile_capture` on fake `cuda:0`, cached per `key` (the CPU cache's key) and the device."""
+    import torch
+
+    from .capture import compile_capture
+
+    key = (*key, torch.cuda.get_device_name(0), running_torch())
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    check_setup(model, setup)
+    _CACHE[key] = cap = compile_capture(model, setup, cuda=True)
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return cap
+
+
+__all__ = ["gpu_check", "lowerable", "cuda_capture", "running_torch"]
