@@ -328,3 +328,47 @@ def read_hf_json(path: str | Path) -> dict:
 def load_hf_config(path: str | Path) -> TransformerConfig:
     path = Path(path)
     return from_hf_config(read_hf_json(path), name=path.stem if path.stem != "config" else path.parent.name or "hf")
+
+
+# -- a hand-written config's HF equivalent ----------------------------------------------------------------------
+
+_SAME = ("family", "n_layer", "d_model", "n_head", "kv_heads", "head_size", "ffn", "vocab_size", "max_seq_len",
+         "tied", "has_bias", "has_out_bias", "has_mlp_bias", "dropout", "attention", "mlp_activation",
+         "num_local_experts", "num_experts_per_tok")
+
+
+def hf_equivalent(cfg: TransformerConfig) -> dict:
+    """The HF config.json of the model transformers builds with `cfg`'s architecture: GPT2LMHeadModel (family
+    gpt2), LlamaForCausalLM (llama), MixtralForCausalLM (llama with experts), read back by `from_hf_config` to the
+    same sizes, biases, tying, dropout and attention (checked: `_SAME`), else a ConfigError naming the first field
+    that differs. What only a traced model has (torch.compile's program) runs a preset as this equivalent: a
+    nanoGPT-style preset becomes HF's code of the same shapes."""
+    if not isinstance(cfg, TransformerConfig):
+        raise ConfigError("model", f"{cfg.name} is not a transformer: it has no HF equivalent")
+    if cfg.family == "gpt2":
+        data = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": cfg.n_layer,
+                "n_embd": cfg.d_model, "n_head": cfg.n_head, "n_inner": cfg.d_ff, "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.max_seq_len, "activation_function": cfg.mlp_activation,
+                "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+                "tie_word_embeddings": cfg.tied, "attn_implementation": cfg.attention}
+    else:
+        experts = cfg.num_local_experts is not None
+        data = {"model_type": "mixtral" if experts else "llama",
+                "architectures": ["MixtralForCausalLM" if experts else "LlamaForCausalLM"],
+                "num_hidden_layers": cfg.n_layer, "hidden_size": cfg.d_model, "num_attention_heads": cfg.n_head,
+                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size, "intermediate_size": cfg.ffn,
+                "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len,
+                "tie_word_embeddings": cfg.tied, "attention_dropout": cfg.dropout,
+                "attn_implementation": cfg.attention, "hidden_act": "silu"}
+        if experts:
+            data.update(num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                        sliding_window=None)
+        else:
+            data.update(attention_bias=cfg.has_bias, mlp_bias=cfg.has_mlp_bias)
+    back = from_hf_config(data, cfg.name)
+    for key in _SAME:
+        if getattr(back, key) != getattr(cfg, key):
+            raise ConfigError("model", f"{cfg.name} has no HF equivalent: transformers' "
+                                       f"{data['architectures'][0]} would have {key} {getattr(back, key)!r}, the "
+                                       f"preset {getattr(cfg, key)!r}")
+    return {k: v for k, v in data.items() if v is not None}

@@ -37,7 +37,7 @@ from .models.config import (
 )
 from .models.costs import DEVICES
 from .models.fields import check_types
-from .models.presets import HAND_WRITTEN_HF, PRESETS, load_hf_config, preset, read_hf_json
+from .models.presets import HAND_WRITTEN_HF, PRESETS, hf_equivalent, load_hf_config, preset, read_hf_json
 from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .simulator.engine import SIMULATORS
@@ -199,6 +199,10 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
             raise ConfigError("model", f"a model without preset needs every TransformerConfig field: {e}") from None
     else:
         model = _replace(base, model_table)
+    if training.get("compile") is True and isinstance(model, TransformerConfig):
+        # torch.compile's program is a traced model's: the hand-written config runs as its HF equivalent
+        traced = from_hf_dict(hf_equivalent(model), f"{model.name} (as its HF equivalent)")
+        return _traced_scenario(traced, {}, training, run, name or model.name, defaults)
     _check_training_keys(training)
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "

@@ -199,6 +199,33 @@ def test_compile_refuses_presets_gpus_it_cannot_lower_and_autotuning():
     assert e.value.field == "compile_mode"
 
 
+def test_a_preset_compiles_as_its_hf_equivalent():
+    """torch.compile's program is a traced model's: a preset (or any hand-written transformer config) runs as the HF
+    model of its architecture (models/presets.py `hf_equivalent`), whose config reads back to the same sizes; a
+    config HF's classes cannot build is refused naming the field."""
+    import dataclasses
+
+    from peakledger.models.presets import from_hf_config, hf_equivalent
+    from peakledger.models.trace.model import TracedModel
+    from peakledger.scenario import build_scenario
+
+    for name, cfg in PRESETS.items():
+        if name == "tiny-mlp":
+            with pytest.raises(ConfigError):
+                hf_equivalent(cfg)
+            continue
+        back = from_hf_config(hf_equivalent(cfg), name)
+        assert (back.n_layer, back.d_model, back.kv_heads, back.ffn, back.tied) == \
+            (cfg.n_layer, cfg.d_model, cfg.kv_heads, cfg.ffn, cfg.tied)
+    scenario = build_scenario({"preset": "tiny-llama"}, {"compile": True, "precision": "fp32", "micro_batch": 2,
+                                                         "seq_len": 32}, {"device": "cpu"})
+    assert isinstance(scenario.model, TracedModel) and scenario.model.hf_dict() == hf_equivalent(PRESETS["tiny-llama"])
+    assert run(scenario).peaks.peak.bytes > 0
+    with pytest.raises(ConfigError) as e:
+        hf_equivalent(dataclasses.replace(PRESETS["tiny"], bias=False))
+    assert "has no HF equivalent" in str(e.value) and "has_bias" in str(e.value)
+
+
 def test_zeros_for_outputs_no_gradient_reached_live_by_torch_version():
     """AOTAutograd's zeros for outputs no gradient reached: held by `CompiledFunction.backward`'s argument tuple to
     the node's end up to torch 2.12, freed at the wrapper's `del` from 2.13 (its prologue clears the list)."""

@@ -79,8 +79,9 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
     """The tape of `model`'s compiled training step under `setup` (see the module docstring); on a CUDA profile
     (`cuda`: its compute capability and the scenario's torch version) inductor's CUDA program (gpu.py)."""
     if not isinstance(model, TracedModel):
-        raise ConfigError("compile", "torch.compile is modelled on traced models (--hf-config or --module); a preset's "
-                                     "HF equivalent could be given as --hf-config; allowed here: compile off")
+        raise ConfigError("compile", "torch.compile is modelled on traced models (--hf-config or --module; a "
+                                     "scenario built from a preset runs its HF equivalent, peakledger/scenario.py); "
+                                     "allowed here: compile off")
     if not cpu and cuda is None:
         raise ConfigError("device", "torch.compile is modelled on the cpu profile and on CUDA profiles; allowed "
                                     "with compile: cpu, a CUDA profile")
