@@ -342,3 +342,7 @@ def test_cuda_program_is_lowered_for_the_device_torch_sees():
         assert [w.shape for w in workspaces] == [(4 * b * h * t * (d + 1) + 256,)] * data["num_hidden_layers"]
     report = run(Scenario(name="llama", model=model, setup=setup, device=profile, torch_version="2.11"))
     assert report.gpu is not None and report.peaks.peak.bytes > 0
+    with pytest.raises(ConfigError) as e:  # CUDA graphs' private pool: not modelled
+        build_tape(model, _setup(compile_mode="reduce-overhead"), cpu=False,
+                   cuda=(DEVICES[profile].compute_capability, "2.11"))
+    assert e.value.field == "compile_mode"

@@ -89,6 +89,10 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
         from .gpu import gpu_check
 
         gpu_check(*cuda)
+        if setup.compile_mode == "reduce-overhead":  # torch/_inductor/__init__.py list_mode_options: cudagraphs
+            raise ConfigError("compile_mode", "reduce-overhead records CUDA graphs, whose private memory pool "
+                                              "(cudagraph trees) is not modelled yet; allowed on a CUDA profile: "
+                                              "default")
     if setup.compile_mode == "max-autotune-no-cudagraphs":
         raise ConfigError("compile_mode", "max-autotune-no-cudagraphs benchmarks kernels to choose them, which a "
                                           "fake-tensor compile cannot; allowed: default, reduce-overhead")
