@@ -12,3 +12,12 @@ def sim():
         cfg = preset(model) if isinstance(model, str) else model
         return simulate(describe(cfg, TrainingSetup(**setup), device))
     return run
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _gemm_scratchpad_cache(tmp_path_factory):
+    """The compiled describer's GEMM-scratchpad measurements (models/compile/workspace.py) go to a file of this
+    session's, not the user's ~/.cache."""
+    import os
+
+    os.environ.setdefault("PEAKLEDGER_GEMM_CACHE", str(tmp_path_factory.mktemp("gemm") / "gemm-scratchpad.json"))

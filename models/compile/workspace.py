@@ -16,20 +16,50 @@ oneDNN's blocking stops growing with them (measured: 2048, 4096 and 8192 give th
 differs, so smaller ones are kept; K is kept whole: the scratchpad is not monotonic in it, 1,721,472 B for K = 4096
 or 8192 and 197,632 B for K = 14336, M = N = 2048). oneDNN is warmed up once per process on a small GEMM of its own
 (what its first call sets up is not a GEMM's); after that a GEMM's first call allocates what its later ones do
-(measured), so each signature runs once. A probe costs 2 M N K multiply-adds of the cut shape: ~1 s for K = 14336.
+(measured), so each signature runs once. A probe costs 2 M N K multiply-adds of the cut shape: ~1 s for K = 14336,
+~11 s for a Llama-3 lm_head's backward (K = 128256).
+
+Which GEMMs are probed: those aten hands to oneDNN, 16-bit ones, and fp32 only where
+`torch.set_float32_matmul_precision` lets oneDNN run it in bf32 / tf32 (aten/src/ATen/native/mkldnn/Matmul.cpp
+`use_mkldnn_bf32_matmul`, `use_mkldnn_tf32_matmul`: precision "medium" / "high"); an fp32 GEMM at "highest"
+(the default) runs in MKL/BLAS without torch's allocator and takes 0 B (measured: bench/compile_speed.py).
+
+How probes overlap the compile: `signature` (called by plan.py as inductor writes each wrapper) hands every new
+signature at once to one probing process of its own (`_Prober`, a new Python: nothing of the compiling process,
+its fake tensors, threads or profiler, is shared), which measures them in order on the other core while the compile
+goes on; `measure` takes the result, waiting for it where it is not in yet. The same call in the same fresh
+state gives the same bytes wherever it runs (the worker warms oneDNN up as the compiling process would).
+
+The disk cache: measured bytes are kept per machine in a JSON file (`cache_path`: $PEAKLEDGER_GEMM_CACHE, else
+~/.cache/peakledger/gemm-scratchpad.json; "off" turns it off), written atomically, keyed by what the scratchpad
+depends on: the CPU (model name and flags, /proc/cpuinfo), torch's version, oneDNN's version and the thread count,
+then the cut signature. A key not there is measured.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+
+from .step import CPU_THREADS
+
 GEMMS = ("aten::mm.out", "aten::addmm.out", "aten::bmm.out", "aten::baddbmm.out")
 CUT = 2048
+CACHE_ENV = "PEAKLEDGER_GEMM_CACHE"
 _MEASURED: dict[tuple, int] = {}
-_WARM: set[int] = set()  # thread counts oneDNN was warmed up at
+_PENDING: dict[tuple, object] = {}  # key -> the `_Prober` asked to measure it, not answered yet
+_POOL: list = []  # the probing process, once started
+_DISK: dict = {}  # path -> {machine: {key: bytes}} as read, once per process
+_WARM: set[int] = set()  # thread counts oneDNN was warmed up at (in the process that probes)
+_DEFERRING: list = []  # non-empty while `deferred` is active
+_MARKERS: list[tuple] = []  # (signature, threads) of each marker `measure` gave under `deferred`
 
 
 def signature(node) -> tuple | None:
     """(op, ((size, stride, dtype) of each input and last the output), constants, kwargs) of an inductor
-    `ExternKernelOut` GEMM, or None for another kernel or a symbolic layout."""
+    `ExternKernelOut` GEMM, or None for another kernel or a symbolic layout; one oneDNN runs starts being probed
+    (`prefetch`)."""
     op = getattr(node, "op_overload", None)
     name = getattr(op, "name", lambda: "")()
     if name not in GEMMS:
@@ -46,7 +76,14 @@ def signature(node) -> tuple | None:
         return None
     if not all(isinstance(v, (int, float, bool)) for v in [*constants, *(v for _, v in kwargs)]):
         return None
-    return name, tuple(layouts), constants, kwargs
+    sig = name, tuple(layouts), constants, kwargs
+    try:
+        device = node.get_device().type
+    except (AttributeError, NotImplementedError):
+        device = None
+    if device == "cpu":  # the CPU program's GEMMs are measured (plan.py `workspaces`), a CUDA one's not
+        prefetch(sig, CPU_THREADS)
+    return sig
 
 
 def _zeros(size: tuple, stride: tuple, dtype):
@@ -113,14 +150,216 @@ def _warm_up(threads: int) -> None:
         _WARM.add(threads)
 
 
-def measure(sig: tuple, threads: int) -> int:
-    """The most bytes torch's CPU allocator holds at once inside one call of the GEMM `sig` (see the module
-    docstring); 0 where it allocates nothing."""
+def probed(sig: tuple) -> bool:
+    """Whether aten hands the GEMM `sig` to oneDNN, which takes a scratchpad through torch's allocator: a 16-bit
+    input (aten/src/ATen/native/LinearAlgebra.cpp `addmm_impl_cpu_` -> `use_mkldnn_matmul`), or fp32 where the
+    float32 matmul precision lets oneDNN run it as bf32 / tf32 (mkldnn/Matmul.cpp `use_mkldnn_bf32_matmul`,
+    `use_mkldnn_tf32_matmul`); an fp32 GEMM at "highest" runs in MKL/BLAS (module docstring)."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return False
+    dtypes = {dtype for _, _, dtype in sig[1]}
+    if dtypes & {"torch.bfloat16", "torch.float16"}:
+        return True
+    return "torch.float32" in dtypes and torch.get_float32_matmul_precision() != "highest"
+
+
+def _key(sig: tuple, threads: int) -> tuple:
     name, layouts, constants, kwargs = sig
-    layouts = _cut(name, layouts)
-    key = (name, layouts, constants, kwargs, threads)
+    return name, _cut(name, layouts), constants, kwargs, threads
+
+
+def cache_path() -> str | None:
+    """The disk cache's file (module docstring), or None where $PEAKLEDGER_GEMM_CACHE is "off"."""
+    path = os.environ.get(CACHE_ENV)
+    if path == "off":
+        return None
+    return path or os.path.join(os.path.expanduser("~"), ".cache", "peakledger", "gemm-scratchpad.json")
+
+
+def machine() -> str:
+    """What the scratchpad depends on besides the GEMM: the CPU's model name and flags, torch's and oneDNN's
+    versions (the thread count is in each key)."""
+    import hashlib
+
+    import torch
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [x for x in f.read().splitlines() if x.startswith(("model name", "flags"))]
+        cpu = "\n".join(dict.fromkeys(lines))
+    except OSError:
+        import platform
+        cpu = platform.processor() or platform.machine()
+    onednn = str(torch._C._get_mkldnn_version()) if hasattr(torch._C, "_get_mkldnn_version") else ""
+    text = f"{cpu}\ntorch {torch.__version__}\nonednn {onednn}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _disk() -> tuple[str | None, dict]:
+    path = cache_path()
+    if path is None:
+        return None, {}
+    if path not in _DISK:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            data = {}
+        _DISK[path] = data if isinstance(data, dict) else {}
+    return path, _DISK[path].setdefault(machine(), {})
+
+
+def _remember(key: tuple, nbytes: int) -> None:
+    _MEASURED[key] = nbytes
+    path, known = _disk()
+    if path is None or known.get(repr(key)) == nbytes:
+        return
+    known[repr(key)] = nbytes
+    from ...simulator.files import write_atomic
+
+    try:  # another process's measurements written meanwhile are kept
+        with open(path) as f:
+            on_disk = json.load(f)
+        on_disk = on_disk if isinstance(on_disk, dict) else {}
+    except (OSError, ValueError):
+        on_disk = {}
+    mine = machine()
+    on_disk[mine] = {**on_disk.get(mine, {}), **known}
+    _DISK[path] = on_disk
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_atomic(path, json.dumps(on_disk, sort_keys=True, indent=0).encode())
+    except OSError:  # a read-only home: measured again next time
+        pass
+
+
+def _known(key: tuple) -> int | None:
     if key in _MEASURED:
         return _MEASURED[key]
+    _, known = _disk()
+    value = known.get(repr(key))
+    if isinstance(value, int):
+        _MEASURED[key] = value
+        return value
+    return None
+
+
+class _Prober:
+    """The probing process: `python -c` running `serve` (no main module of the caller's re-run), fed one key a
+    line on its stdin, answering `repr(key)\tbytes` lines in the same order on its stdout."""
+
+    def __init__(self) -> None:
+        import subprocess
+        import sys
+
+        code = "from peakledger.models.compile.workspace import serve; serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self.asked: list[str] = []
+        self.answers: dict[str, int] = {}
+
+    def ask(self, key: tuple) -> None:
+        self.proc.stdin.write(repr(key) + "\n")
+        self.proc.stdin.flush()
+        self.asked.append(repr(key))
+
+    def answer(self, key: tuple) -> int | None:
+        want = repr(key)
+        while want not in self.answers and self.asked:
+            line = self.proc.stdout.readline()
+            if not line:  # the process died (killed, out of memory): the caller measures in its own
+                self.asked.clear()
+                break
+            asked, _, nbytes = line.rstrip("\n").rpartition("\t")
+            self.answers[asked] = int(nbytes)
+            if asked in self.asked:
+                self.asked.remove(asked)
+        return self.answers.pop(want, None)
+
+
+def serve() -> None:
+    """The probing process's loop (`_Prober`): measure each key read from stdin, in order."""
+    import ast
+    import sys
+
+    for line in sys.stdin:
+        key = ast.literal_eval(line)
+        print(f"{line.rstrip()}\t{_probe(key)}", flush=True)
+
+
+def prefetch(sig: tuple, threads: int) -> None:
+    """Start probing `sig` in the probing process (module docstring), unless it is known or not oneDNN's."""
+    if not probed(sig):
+        return
+    key = _key(sig, threads)
+    if key in _PENDING or _known(key) is not None:
+        return
+    if not _POOL:
+        try:
+            _POOL.append(_Prober())
+        except OSError:  # no process to be had: `measure` probes here
+            return
+    try:
+        _POOL[0].ask(key)
+    except OSError:  # the probing process is gone: `measure` probes here
+        return
+    _PENDING[key] = _POOL[0]
+
+
+@contextlib.contextmanager
+def deferred():
+    """While active, `measure` answers a probed GEMM with a marker (a negative int, one per key) at once, its probe
+    left running; `resolved` gives the bytes of a marker later. For captures that only feed a derivation
+    (depth.py), whose compiles then need not wait for the probes."""
+    _DEFERRING.append(True)
+    try:
+        yield
+    finally:
+        _DEFERRING.pop()
+
+
+def resolved(marker: int) -> int:
+    """The bytes of a marker `measure` gave under `deferred` (waiting for its probe where it is not in yet); a
+    number that is no marker, itself."""
+    if marker >= 0:
+        return marker
+    sig, threads = _MARKERS[-marker - 1]
+    deferring = list(_DEFERRING)
+    _DEFERRING.clear()  # the bytes themselves, even within `deferred`
+    try:
+        return measure(sig, threads)
+    finally:
+        _DEFERRING.extend(deferring)
+
+
+def measure(sig: tuple, threads: int) -> int:
+    """The most bytes torch's CPU allocator holds at once inside one call of the GEMM `sig` (see the module
+    docstring); 0 where it allocates nothing or oneDNN does not run it; under `deferred`, a marker."""
+    if not probed(sig):
+        return 0
+    key = _key(sig, threads)
+    if _DEFERRING:
+        prefetch(sig, threads)
+        if (sig, threads) not in _MARKERS:
+            _MARKERS.append((sig, threads))
+        return -1 - _MARKERS.index((sig, threads))
+    value = _known(key)
+    if value is not None:
+        return value
+    prober = _PENDING.pop(key, None)
+    value = prober.answer(key) if prober is not None else None
+    if value is None:
+        value = _probe(key)
+    _remember(key, value)
+    return value
+
+
+def _probe(key: tuple) -> int:
+    """One measured call of the (cut) GEMM `key` in this process."""
+    name, layouts, constants, kwargs, threads = key
     import torch
     from torch._C._profiler import _EventType
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -151,8 +390,8 @@ def measure(sig: tuple, threads: int) -> int:
             peak = max(peak, live)
     finally:
         torch.set_num_threads(before)
-    _MEASURED[key] = peak
     return peak
 
 
-__all__ = ["signature", "measure", "gemm_flops", "GEMMS"]
+__all__ = ["signature", "measure", "prefetch", "probed", "deferred", "resolved", "gemm_flops", "cache_path", "machine",
+           "GEMMS"]
