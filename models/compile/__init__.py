@@ -13,6 +13,8 @@ How the pieces compose:
                the plans, and one fake step through the real runtime: which graph ran when, on which storages;
                the forward's output layouts handed to AOTAutograd as a real compile hands them (the backward
                is lowered for inductor's channels-last layouts).
+- `depth.py`   the capture of a HF model of many identical layers derived from compiles of few (3, 4 and 5; or 4,
+               5 and 6; or 5, 6 and 7), checked on the deepest, instead of compiled whole.
 - `convert.py` the plans replayed on those runs, as the project's tape (models/tape.py): forward ops, saves
                released at the backward graph's `del`, the compiled backward as recorded grad nodes,
                AccumulateGrad's copy of a gradient whose layout is not its parameter's.
@@ -61,7 +63,10 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
 
 
 def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
+    """The capture of `model` under `setup` (cached): derived from compiles of few layers where that is shown exact
+    (depth.py), else compiled whole."""
     from .capture import compile_capture  # torch, dynamo and inductor: loaded for a compiled model only
+    from .depth import capture_by_depth
 
     key = _key(model, setup)
     hit = _CACHE.get(key)
@@ -69,7 +74,8 @@ def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
         _CACHE.move_to_end(key)
         return hit
     check_setup(model, setup)
-    _CACHE[key] = cap = compile_capture(model, setup)
+    cap = capture_by_depth(model, setup)
+    _CACHE[key] = cap = cap if cap is not None else compile_capture(model, setup)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return cap

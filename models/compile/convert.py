@@ -294,7 +294,9 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
                     steps.append({"allocs": [], "frees": [], "grads": []})
                 steps[-1]["frees"].append(s.spec.name)
         flush()
-    held = tuple(dict.fromkeys(of_key[k].spec.name for k in cap.held if k in of_key and of_key[k].born == "forward"))
+    # what the caller holds, in the order the forward made it (`cap.held` is a set of storage keys: addresses)
+    caller = {id(of_key[k]) for k in cap.held if k in of_key and of_key[k].born == "forward"}
+    held = tuple(dict.fromkeys(s.spec.name for s in storages if id(s) in caller))
     trained = set(cap.grads)
     return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in cap.param_specs],
                 ops=ops, inputs=[_spec(name, *cap.storages[k]) for k, name in cap.inputs.items()],
