@@ -54,6 +54,7 @@ _DISK: dict = {}  # path -> {machine: {key: bytes}} as read, once per process
 _WARM: set[int] = set()  # thread counts oneDNN was warmed up at (in the process that probes)
 _DEFERRING: list = []  # non-empty while `deferred` is active
 _MARKERS: list[tuple] = []  # (signature, threads) of each marker `measure` gave under `deferred`
+_LOCAL: list = []  # non-empty in a process forked to compile: no probes from it (`markers_only`)
 
 
 def signature(node) -> tuple | None:
@@ -292,7 +293,7 @@ def serve() -> None:
 
 def prefetch(sig: tuple, threads: int) -> None:
     """Start probing `sig` in the probing process (module docstring), unless it is known or not oneDNN's."""
-    if not probed(sig):
+    if not probed(sig) or _LOCAL:
         return
     key = _key(sig, threads)
     if key in _PENDING or _known(key) is not None:
@@ -321,6 +322,27 @@ def deferred():
         _DEFERRING.pop()
 
 
+def marker(sig: tuple, threads: int) -> int:
+    """The marker of a probed GEMM (a negative int, one per signature and thread count), its probe started."""
+    prefetch(sig, threads)
+    if (sig, threads) not in _MARKERS:
+        _MARKERS.append((sig, threads))
+    return -1 - _MARKERS.index((sig, threads))
+
+
+def markers_only() -> None:
+    """In a process forked to compile (depth.py): markers only, no probe started from it (the probing process and
+    its pipes are the parent's), the markers it gives read back by the parent through `markers_given`."""
+    _LOCAL.append(True)
+    _POOL.clear()
+    _PENDING.clear()
+
+
+def markers_given() -> list[tuple]:
+    """(signature, threads) of each marker given so far, by marker number (-1 - index)."""
+    return list(_MARKERS)
+
+
 def resolved(marker: int) -> int:
     """The bytes of a marker `measure` gave under `deferred` (waiting for its probe where it is not in yet); a
     number that is no marker, itself."""
@@ -342,10 +364,7 @@ def measure(sig: tuple, threads: int) -> int:
         return 0
     key = _key(sig, threads)
     if _DEFERRING:
-        prefetch(sig, threads)
-        if (sig, threads) not in _MARKERS:
-            _MARKERS.append((sig, threads))
-        return -1 - _MARKERS.index((sig, threads))
+        return marker(sig, threads)
     value = _known(key)
     if value is not None:
         return value
