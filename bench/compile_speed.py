@@ -250,8 +250,10 @@ def render(command: str, first: dict, again: dict, stages: dict, proof: dict | N
              f"caches | **{first['seconds']:.1f} s** |",
              f"| the same, the GEMM-scratchpad disk cache filled by the run above | {again['seconds']:.1f} s |", "",
              f"Stages of a cold run (the command in-process, a new process, empty caches; import "
-             f"{stages['import']:.1f} s, then `main` {stages['main']:.1f} s): compiles {compiles} (dynamo, "
-             f"AOTAutograd, inductor codegen on fake tensors, one fake step: {s.get('compile', 0):.1f} s); "
+             f"{stages['import']:.1f} s, then `main` {stages['main']:.1f} s): compiles in this process {compiles} "
+             f"(dynamo, AOTAutograd, inductor codegen on fake tensors, one fake step: {s.get('compile', 0):.1f} s; "
+             "the window's deepest compile runs beside them in a forked process, `fork.forked_compile`, on the "
+             "other core); "
              f"{checked} (fit {s.get('fit', 0):.2f} s, derivation {s.get('derive', 0) + s.get('rebuild', 0):.2f} s); "
              f"the GEMM probes' remaining wait {s.get('probes', 0):.2f} s (they run in a process of their own "
              f"during the compiles); capture in all {s.get('capture', 0):.1f} s; conversion to the tape "

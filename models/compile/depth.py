@@ -61,6 +61,7 @@ from ..trace.depth import layer_key, uniform
 from ..trace.model import TracedModel, from_hf_dict
 from . import workspace
 from .capture import Capture, Run, compile_capture
+from .fork import forked_compile
 from .plan import Plan
 
 WINDOWS = ((3, 4, 5), (4, 5, 6), (5, 6, 7))  # the layers compiled, in turn: two derive, the third checks
@@ -455,69 +456,11 @@ def from_window(caps: dict, window: tuple[int, int, int], n: int) -> Capture | N
     return rebuild(lists, n, caps[first].layers[0][:-1])
 
 
-def _marker_alloc(name: str, marker: int) -> tuple:
-    """A GEMM scratchpad's block as plan.py `workspaces` writes it, of `marker` bytes (a marker under `deferred`)."""
-    return ("alloc", name, marker, "int8", (marker,), None)
-
-
-def _forked_compile(model: TracedModel, setup: TrainingSetup):
-    """Start `compile_capture(model, setup)` in a forked process (a compile is one Python thread: the other core
-    takes it), and return a function giving its capture, its GEMM markers made this process's (workspace.py
-    `markers_only`: the child starts no probe), or None where the child failed (the caller compiles it here)."""
-    import multiprocessing
-    import os
-    import sys
-
-    if not sys.platform.startswith("linux"):  # fork of a process with torch loaded: safe on Linux only
-        return lambda: None
-    try:
-        context = multiprocessing.get_context("fork")
-        reader, writer = context.Pipe(duplex=False)
-    except (ValueError, OSError):  # no fork on this platform
-        return lambda: None
-
-    def child() -> None:
-        try:
-            workspace.markers_only()
-            with workspace.deferred():
-                cap = compile_capture(model, setup)
-            writer.send(("ok", cap, workspace.markers_given()))
-        except BaseException as e:  # noqa: BLE001 (reported to the parent, which compiles it itself)
-            writer.send(("error", repr(e), []))
-        finally:
-            os._exit(0)
-
-    process = context.Process(target=child, daemon=True)
-    try:
-        process.start()
-    except OSError:
-        return lambda: None
-    writer.close()
-
-    def result() -> Capture | None:
-        try:
-            kind, cap, given = reader.recv()
-        except (EOFError, OSError):
-            kind = "error"
-        finally:
-            process.join()
-            reader.close()
-        if kind != "ok" or not isinstance(cap, Capture):
-            return None
-        for plan in cap.plans:  # the child's markers, numbered in its process: this process's numbers
-            plan.events = [_marker_alloc(ev[1], workspace.marker(*given[-ev[2] - 1]))
-                           if ev[0] == "alloc" and ev[3] == "int8" and isinstance(ev[2], int) and ev[2] < 0 else ev
-                           for ev in plan.events]
-        return cap
-
-    return result
-
-
 def capture_by_depth(model: TracedModel, setup: TrainingSetup) -> Capture | None:
     """The capture of `model` derived from its compiles at few layers, checked (module docstring), or None where it
     cannot be shown exact (then the caller compiles the model whole). A window is compiled only while the layers
     compiled in all stay fewer than the model's (past that, compiling it whole is cheaper). The first window's
-    deepest compile runs in a forked process beside the others (`_forked_compile`), the result the same."""
+    deepest compile runs in a forked process beside the others (fork.py), the result the same."""
     found = shallow(model, setup)
     if found is None:
         return None
@@ -533,7 +476,8 @@ def capture_by_depth(model: TracedModel, setup: TrainingSetup) -> Capture | None
             elsewhere = {}
             if len(new) == 3:
                 deepest = new[-1]
-                elsewhere[deepest] = _forked_compile(from_hf_dict({**data, key: deepest}, model.name), setup)
+                deeper = from_hf_dict({**data, key: deepest}, model.name)
+                elsewhere[deepest] = forked_compile(compile_capture, deeper, setup)
             for d in new:
                 got = elsewhere[d]() if d in elsewhere else None
                 caps[d] = got if got is not None else compile_capture(from_hf_dict({**data, key: d}, model.name),
