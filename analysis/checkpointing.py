@@ -211,7 +211,7 @@ COMPILE_POLICIES = ("none", "full")  # the rows torch.compile adds where it is m
 def compile_applies(scenario) -> bool:
     """Whether torch.compile is one more fix to try: a traced model, not compiled already, on the cpu profile or on a
     CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a CUDA build of
-    the scenario's torch version seeing a device of the profile's compute capability); elsewhere compile is refused."""
+    torch seeing a device of the profile's compute capability); elsewhere compile is refused."""
     if scenario.setup.compile or not isinstance(scenario.model, TracedModel):
         return False
     profile = device_profile(scenario.device)
@@ -219,7 +219,7 @@ def compile_applies(scenario) -> bool:
         return True
     from ..models.compile.gpu import lowerable
 
-    return profile.is_cuda and lowerable(profile.compute_capability, scenario.torch_version)
+    return profile.is_cuda and lowerable(profile.compute_capability)
 
 
 def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True) -> list[PolicyRow]:
@@ -237,16 +237,16 @@ def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True)
         changes = {"checkpointing": policy, **({"compile": True} if add_compile else {})}
         if policy != "layers":
             changes["checkpoint_layers"] = ()
-        label = policy if not add_compile else f"compile + {policy}" if policy != "none" else "compile"
+        added = ("compile" if policy == "none" else f"compile + {policy}") if add_compile else None
         try:
             case = scenario.with_changes(**changes)
             run = simulate_run(case)
         except ConfigError as e:
-            rows.append(PolicyRow(policy, label, error=str(e), compiled=compiled or add_compile))
+            rows.append(PolicyRow(policy, added or policy, error=str(e), compiled=compiled or add_compile))
             continue
         model_flops, recompute_flops = step_flops(run.graph, run.rank)
-        label = policy_label(case.setup) if not add_compile else label
-        rows.append(PolicyRow(policy=policy, label=label, peak=run.peak, capacity_needed=run.capacity_needed,
+        rows.append(PolicyRow(policy=policy, label=added or policy_label(case.setup), peak=run.peak,
+                              capacity_needed=run.capacity_needed,
                               host_activations=host_activations(run.log, run.rank),
                               model_flops=model_flops, recompute_flops=recompute_flops,
                               step_time_s=step_time(run.graph), compiled=compiled or add_compile))

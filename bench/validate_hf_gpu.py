@@ -23,9 +23,9 @@ Compared, per run (bench/validate_gpu.py `compare_run`, the same reading as the 
 - at each side's allocated peak, the largest live blocks of a size the other side does not have as often
   ("measured only" / "predicted only", with the predicted tensor's name): where a difference comes from.
 The torch.compile runs (`torch.compile(model)`, `--compile`) are predicted where this torch lowers the run's CUDA
-program: a CUDA build of the torch that ran (2.11) seeing an sm 9.0 device (models/compile/gpu.py `gpu_check`). On a
-machine without a GPU, bench/fakecuda/run.sh runs this script with a fake CUDA runtime answering for an H200
-(bench/COMPILE_GPU_FINDINGS.md); elsewhere they are listed with the reason, not predicted.
+program: a CUDA build of torch (the section names its version) seeing an sm 9.0 device (models/compile/gpu.py
+`gpu_check`). On a machine without a GPU, bench/fakecuda/run.sh runs this script with a fake CUDA runtime answering
+for an H200 (bench/COMPILE_GPU_FINDINGS.md); elsewhere they are listed with the reason, not predicted.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ DEVICE, TORCH_RULES = "H200-141GB", "2.11"
 
 
 def not_predicted(options: dict) -> str | None:
-    """Why a run cannot be predicted here (a compile run needs torch's CUDA build of the version that ran), or None."""
+    """Why a run cannot be predicted here (a compile run needs a CUDA build of torch seeing an sm 9.0 device), or
+    None."""
     if not options.get("compile"):
         return None
     from peakledger.models.config import ConfigError
@@ -64,7 +65,7 @@ def not_predicted(options: dict) -> str | None:
     try:
         from peakledger.models.compile.gpu import gpu_check
 
-        gpu_check(device_profile(DEVICE).compute_capability, TORCH_RULES)
+        gpu_check(device_profile(DEVICE).compute_capability)
     except ConfigError as e:
         return f"torch.compile's CUDA program cannot be lowered here ({e}); run under bench/fakecuda/run.sh"
     return None

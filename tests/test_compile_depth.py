@@ -90,7 +90,7 @@ def test_a_model_not_periodic_is_compiled_whole(monkeypatch):
 
     monkeypatch.setattr(depth, "compile_capture", lambda m, s: calls.append(m.hf_dict()["num_hidden_layers"]))
     monkeypatch.setattr(depth, "fit", refuse)
-    monkeypatch.setattr(capture, "compile_capture", lambda m, s: other)
+    monkeypatch.setattr(capture, "compile_capture", lambda m, s, **kw: other)
     compiled_describer._CACHE.clear()
     assert depth.capture_by_depth(model, setup) is None
     assert calls == [3, 4, 5, 6, 7]  # every window, (3, 4, 5), (4, 5, 6) and (5, 6, 7), compiled; none fits

@@ -19,7 +19,7 @@ How the pieces compose:
                released at the backward graph's `del`, the compiled backward as recorded grad nodes,
                AccumulateGrad's copy of a gradient whose layout is not its parameter's.
 - `gpu.py`     on a CUDA profile: whether this torch can lower the CUDA program for it (a CUDA build seeing a
-               device of the profile's compute capability), and that capture's cache.
+               device of the profile's compute capability), and what its capture's cache key adds.
 - here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile`) and the cache.
 
 What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them for
@@ -62,20 +62,21 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
             setup.compile_mode)
 
 
-def cached_capture(model: TracedModel, setup: TrainingSetup) -> Capture:
+def cached_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False) -> Capture:
     """The capture of `model` under `setup` (cached): derived from compiles of few layers where that is shown exact
-    (depth.py), else compiled whole."""
+    (depth.py), else compiled whole; `cuda`: the CUDA program of the device torch sees (gpu.py), compiled whole."""
     from .capture import compile_capture  # torch, dynamo and inductor: loaded for a compiled model only
     from .depth import capture_by_depth
+    from .gpu import device_key
 
-    key = _key(model, setup)
+    key = (*_key(model, setup), *(device_key() if cuda else ()))
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
     check_setup(model, setup)
-    cap = capture_by_depth(model, setup)
-    _CACHE[key] = cap = cap if cap is not None else compile_capture(model, setup)
+    cap = None if cuda else capture_by_depth(model, setup)
+    _CACHE[key] = cap = cap if cap is not None else compile_capture(model, setup, cuda=cuda)
     while len(_CACHE) > CACHE_SIZE:
         _CACHE.popitem(last=False)
     return cap
@@ -94,7 +95,7 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
     if cuda is not None:
         from .gpu import gpu_check
 
-        gpu_check(*cuda)
+        gpu_check(cuda[0])
         if setup.compile_mode == "reduce-overhead":  # torch/_inductor/__init__.py list_mode_options: cudagraphs
             raise ConfigError("compile_mode", "reduce-overhead records CUDA graphs, whose private memory pool "
                                               "(cudagraph trees) is not modelled yet; allowed on a CUDA profile: "
@@ -104,12 +105,7 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
                                           "fake-tensor compile cannot; allowed: default, reduce-overhead")
     from .convert import to_tape  # (with .capture: torch)
 
-    if cuda is not None:
-        from .gpu import cuda_capture
-
-        cap = cuda_capture(model, setup, _key(model, setup))
-    else:
-        cap = cached_capture(model, setup)
+    cap = cached_capture(model, setup, cuda=cuda is not None)
     graphs = f"{cap.graph_count} graph{'s' if cap.graph_count != 1 else ''}"
     from .gpu import running_torch
 

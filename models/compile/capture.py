@@ -186,7 +186,7 @@ def _eager_checkpoint(model: TracedModel, setup: TrainingSetup, reasons: list[st
 def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False) -> Capture:
     """Compile and run one fake micro-batch of `model` under `setup` (see the module docstring); `cuda`: the model
     and batch on fake `cuda:0` tensors, inductor's CUDA (triton) program for the device torch sees (a CUDA build of
-    torch; `__init__.gpu_check` checks it against the device profile)."""
+    torch; gpu.py `gpu_check` checks it against the device profile)."""
     import torch
     import torch._dynamo
     from torch._dynamo.utils import counters

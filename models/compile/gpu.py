@@ -1,5 +1,6 @@
 """The compiled program on a CUDA device profile: inductor's CUDA (triton) program, as torch lowers it for the device
-it sees, on fake `cuda:0` tensors (capture.py with `cuda`).
+it sees, on fake `cuda:0` tensors (capture.py with `cuda`), cached with the other captures (`__init__.cached_capture`,
+its key holding `device_key`).
 
 Inductor's program depends on the torch that lowers it and on the device: its kernels and fusions (triton's heuristics
 read the SM count and the compute capability), the SDPA kernel aten picks (cuDNN attention on sm90 under compile, where
@@ -16,14 +17,7 @@ attention backward's workspace, padded layouts' storage sizes; cuBLAS's workspac
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
-from ..config import ConfigError, TrainingSetup
-from ..trace import check_setup
-from ..trace.model import TracedModel
-
-_CACHE: OrderedDict = OrderedDict()
-CACHE_SIZE = 4
+from ..config import ConfigError
 
 
 def running_torch() -> str:
@@ -33,10 +27,10 @@ def running_torch() -> str:
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
-def gpu_check(capability: tuple[int, int] | None, torch_version: str = "") -> None:
+def gpu_check(capability: tuple[int, int] | None) -> None:
     """Refuse a CUDA profile whose program this torch cannot lower: no CUDA build, no device, another compute
-    capability than the profile's. (`torch_version`, the scenario's allocator rules, is not the lowering torch's:
-    the program is the running torch's, as its describer line says.)"""
+    capability than the profile's. (The scenario's `torch_version`, the allocator's rules, is not checked: the
+    program is the running torch's, as its describer line says.)"""
     import torch
 
     if not torch.backends.cuda.is_built():
@@ -53,32 +47,20 @@ def gpu_check(capability: tuple[int, int] | None, torch_version: str = "") -> No
                                     "depends on the device; simulate compile on a profile of the device torch sees")
 
 
-def lowerable(capability: tuple[int, int] | None, torch_version: str) -> bool:
-    """Whether `gpu_check` lets this torch lower a CUDA profile's program (without importing torch when the profile
-    is not one: its caller asks for every scenario)."""
+def lowerable(capability: tuple[int, int] | None) -> bool:
+    """Whether `gpu_check` lets this torch lower a CUDA profile's program."""
     try:
-        gpu_check(capability, torch_version)
+        gpu_check(capability)
     except ConfigError:
         return False
     return True
 
 
-def cuda_capture(model: TracedModel, setup: TrainingSetup, key: tuple):
-    """`capture.compile_capture` on fake `cuda:0`, cached per `key` (the CPU cache's key) and the device."""
+def device_key() -> tuple:
+    """What a CUDA capture depends on beyond the setup: the device torch sees and the lowering torch."""
     import torch
 
-    from .capture import compile_capture
-
-    key = (*key, torch.cuda.get_device_name(0), running_torch())
-    hit = _CACHE.get(key)
-    if hit is not None:
-        _CACHE.move_to_end(key)
-        return hit
-    check_setup(model, setup)
-    _CACHE[key] = cap = compile_capture(model, setup, cuda=True)
-    while len(_CACHE) > CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return cap
+    return ("cuda", torch.cuda.get_device_name(0), running_torch())
 
 
-__all__ = ["gpu_check", "lowerable", "cuda_capture", "running_torch"]
+__all__ = ["gpu_check", "lowerable", "device_key", "running_torch"]
