@@ -76,11 +76,11 @@ def _segments(events: list[tuple]) -> list[tuple[list, list, int]]:
 def _flop_shares(plan, total: int) -> list[int]:
     """A graph run's FLOPs (`Run.flops`, all its aten ops) shared among its extern GEMMs (plan.py's ("gemm", name,
     flops) events) in proportion to theirs: the GEMMs are where a compiled graph's FLOPs are; what the rest (an SDPA
-    fallback, a convolution) counts goes with them. No GEMM: all of it at the graph's first event."""
+    fallback, a convolution) counts goes with them; no GEMM: none (the caller puts it all at the graph's start)."""
     gemms = [ev[2] for ev in plan.events if ev[0] == "gemm"]
     weight = sum(gemms)
     if not weight:
-        return [total] + [0] * (len(gemms) - 1)
+        return [total] + [0] * (len(gemms) - 1) if gemms else []
     shares, done, acc = [], 0, 0
     for g in gemms:
         acc += g
@@ -162,9 +162,9 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
             elif backward and (name.startswith("tangents_") or s.born in ("glue", "backward")):
                 given.append(s)  # the engine's: the loss's ones, a gradient an earlier node made
         released: list[_Storage] = []
-        shares = _flop_shares(plan, run.flops)  # one per extern GEMM, or the whole at the start
-        if not any(ev[0] == "gemm" for ev in plan.events):
-            events.append(("flops", shares.pop()))
+        shares = _flop_shares(plan, run.flops)  # one per extern GEMM
+        if not shares:
+            events.append(("flops", run.flops))
         for ev in plan.events:
             if ev[0] == "gemm":
                 events.append(("flops", shares.pop(0)))

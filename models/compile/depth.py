@@ -62,7 +62,7 @@ from ..trace.model import TracedModel, from_hf_dict
 from . import workspace
 from .capture import Capture, Run, compile_capture
 from .fork import forked_compile
-from .plan import Plan
+from .plan import Plan, marker_of, scratch_alloc
 
 WINDOWS = ((3, 4, 5), (4, 5, 6), (5, 6, 7))  # the layers compiled, in turn: two derive, the third checks
 _N = "\x00n"  # a name: (_N, namespace, stem, suffix, what it names, number | None)
@@ -430,12 +430,12 @@ def _resolve(cap: Capture) -> Capture:
     for plan in cap.plans:
         events, gone = [], set()
         for ev in plan.events:
-            if ev[0] == "alloc" and ev[3] == "int8" and isinstance(ev[2], int) and ev[2] < 0:
-                nbytes = workspace.resolved(ev[2])
+            if marker_of(ev) is not None:
+                nbytes = workspace.resolved(marker_of(ev))
                 if not nbytes:
                     gone.add(ev[1])
                     continue
-                ev = ("alloc", ev[1], nbytes, "int8", (nbytes,), None)
+                ev = scratch_alloc(ev[1], nbytes)
             elif ev[0] == "drop" and ev[1] in gone:
                 gone.discard(ev[1])
                 continue

@@ -11,11 +11,7 @@ from ..config import TrainingSetup
 from ..trace.model import TracedModel
 from . import workspace
 from .capture import Capture
-
-
-def _marker_alloc(name: str, marker: int) -> tuple:
-    """A GEMM scratchpad's block as plan.py `workspaces` writes it, of `marker` bytes (a marker under `deferred`)."""
-    return ("alloc", name, marker, "int8", (marker,), None)
+from .plan import marker_of, scratch_alloc
 
 
 def forked_compile(compile_capture, model: TracedModel, setup: TrainingSetup):
@@ -64,8 +60,8 @@ def forked_compile(compile_capture, model: TracedModel, setup: TrainingSetup):
         if kind != "ok" or not isinstance(cap, Capture):
             return None
         for plan in cap.plans:  # the child's markers, numbered in its process: this process's numbers
-            plan.events = [_marker_alloc(ev[1], workspace.marker(*given[-ev[2] - 1]))
-                           if ev[0] == "alloc" and ev[3] == "int8" and isinstance(ev[2], int) and ev[2] < 0 else ev
+            plan.events = [ev if marker_of(ev) is None else
+                           scratch_alloc(ev[1], workspace.marker(*given[-marker_of(ev) - 1]))
                            for ev in plan.events]
         return cap
 

@@ -40,6 +40,23 @@ class Plan:
     peak_estimate: int | None = None  # inductor's own estimate of the graph's peak (memory.py)
 
 
+def scratch(name: str, nbytes: int) -> list[tuple]:
+    """A kernel's own block of `nbytes` (a scratchpad, a workspace), allocated and freed at its line."""
+    return [scratch_alloc(name, nbytes), ("drop", name)]
+
+
+def scratch_alloc(name: str, nbytes: int) -> tuple:
+    """The allocation of a `scratch` block; its bytes a marker (negative) while workspace.py measures them."""
+    return ("alloc", name, nbytes, "int8", (nbytes,), None)
+
+
+def marker_of(ev: tuple) -> int | None:
+    """The marker a `scratch_alloc` event holds in place of its bytes (workspace.py `deferred`), or None."""
+    if ev[0] == "alloc" and ev[3] == "int8" and isinstance(ev[2], int) and ev[2] < 0:
+        return ev[2]
+    return None
+
+
 def _int(graph, expr) -> int:
     return int(graph.sizevars.optimization_hint(expr, fallback=0))  # torch/_inductor/sizevars.py
 
@@ -169,8 +186,7 @@ def _workspace(graph, node, children: list) -> list[tuple]:
         if len(shape) == 4:
             b, h, t, d = shape
             nbytes = 4 * b * h * t * (d + 1) + 256
-            name = f"{node.get_name()}.workspace"
-            return [("alloc", name, nbytes, "int8", (nbytes,), None), ("drop", name)]
+            return scratch(f"{node.get_name()}.workspace", nbytes)
         return []
     if op is not torch.ops.aten.convolution_backward.default:
         return []
@@ -200,8 +216,7 @@ def workspaces(plans: list[Plan], threads: int | None) -> None:
             events.append(("gemm", ev[1], gemm_flops(ev[2])))
             nbytes = measure(ev[2], threads) if threads is not None else 0
             if nbytes:
-                name = f"{ev[1]}.workspace"
-                events += [("alloc", name, nbytes, "int8", (nbytes,), None), ("drop", name)]
+                events += scratch(f"{ev[1]}.workspace", nbytes)
         plan.events = events
 
 
@@ -237,4 +252,4 @@ def capture_plans(plans: list[Plan]):
         W.PythonWrapperCodegen.memory_plan_reuse = original
 
 
-__all__ = ["Plan", "capture_plans", "workspaces"]
+__all__ = ["Plan", "capture_plans", "workspaces", "scratch", "scratch_alloc", "marker_of"]

@@ -39,6 +39,7 @@ then the cut signature. A key not there is measured.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 
@@ -179,9 +180,10 @@ def cache_path() -> str | None:
     return path or os.path.join(os.path.expanduser("~"), ".cache", "peakledger", "gemm-scratchpad.json")
 
 
+@functools.cache
 def machine() -> str:
     """What the scratchpad depends on besides the GEMM: the CPU's model name and flags, torch's and oneDNN's
-    versions (the thread count is in each key)."""
+    versions (the thread count is in each key); read once per process (every cache lookup asks)."""
     import hashlib
 
     import torch
