@@ -20,7 +20,7 @@ from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
-from ..simulator.timeline import PeakPoint, rank_events, rank_peak_points, timeline
+from ..simulator.timeline import PeakPoint, Timeline, rank_events, rank_peak_points, timeline
 from .device import context_of, device_json, device_lines, gpu_memory
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
@@ -68,12 +68,16 @@ class Report:
         return self.peaks.capacity_needed
 
     @functools.cached_property
+    def timeline(self) -> Timeline:
+        """The peak rank's timeline in the peak's pool, made once when something reads it."""
+        return timeline(self.log, self.peaks.rank, self.peaks.pool)
+
+    @functools.cached_property
     def phases(self) -> list[PhasePeak]:
         """The peak of each phase of each simulated step (analysis/phases.py), made when a report is shown: a
         max-batch probe or a sweep point never reads it, and it replays the allocator once more for its series."""
-        tl = timeline(self.log, self.peaks.rank, self.peaks.pool)
         gpu = gpu_memory(self.log, self.peaks.rank, series=True) if self.gpu is not None else None
-        return phase_peaks(tl, gpu)
+        return phase_peaks(self.timeline, gpu)
 
     @property
     def steps(self) -> int:

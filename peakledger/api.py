@@ -194,8 +194,7 @@ def compile_savings(scenario: Scenario, compiled: Report) -> dict:
     at = {}
     for name, report in (("eager", eager), ("compiled", compiled)):
         peak = _training_peak(report)
-        tl = timeline(report.log, report.peaks.rank, report.peaks.pool)
-        at[name] = (peak, ledger_at(tl, peak.index) if peak is not None and peak.index >= 0 else [])
+        at[name] = (peak, ledger_at(report.timeline, peak.index) if peak is not None and peak.index >= 0 else [])
     (e_peak, e_rows), (c_peak, c_rows) = at["eager"], at["compiled"]
     return {"eager_peak": eager.peaks.peak.bytes, "compiled_peak": compiled.peaks.peak.bytes,
             "saved": eager.peaks.peak.bytes - compiled.peaks.peak.bytes,

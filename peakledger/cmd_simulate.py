@@ -124,20 +124,19 @@ def cmd_simulate(args) -> int:
 def _savings_lines(s: dict, unit: str) -> list[str]:
     """compile against eager: the peaks, then each ledger row at its run's peak that differs."""
     f = lambda n: format_bytes(n, unit) if n else "0"  # noqa: E731
+
+    def table(head: str, rows: list[dict], key: str, note: str = "") -> list[str]:
+        return [f"  {head:<30}{'eager':>14}{'compiled':>14}{'saved':>14}{note}",
+                *(f"  {r[key]:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}" for r in rows)]
+
     eager = s["eager_peak"]
-    lines = [f"compile against eager (the same run simulated uncompiled): peak {f(eager)} -> {f(s['compiled_peak'])}"
-             f" ({-s['saved'] / eager:+.1%})" if eager else "compile against eager: no memory on either side",
-             f"  {'row at each peak':<30}{'eager':>14}{'compiled':>14}{'saved':>14}"]
-    lines += [f"  {r['row']:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}"
-              for r in s["by_row_at_peak"] if r["saved"]]
-    lines.append(f"  {'phase peak':<30}{'eager':>14}{'compiled':>14}{'saved':>14}")
-    lines += [f"  {r['phase']:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}" for r in s["by_phase"]]
     fb = s["forward_backward_peak"]
-    lines.append(f"  {'row at forward+backward peak':<30}{'eager':>14}{'compiled':>14}{'saved':>14}"
-                 f"   (eager at {fb['eager_at']}, compiled at {fb['compiled_at']})")
-    lines += [f"  {r['row']:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}"
-              for r in fb["by_row"] if r["eager"] or r["compiled"]]
-    return lines
+    return [f"compile against eager (the same run simulated uncompiled): peak {f(eager)} -> {f(s['compiled_peak'])}"
+            f" ({-s['saved'] / eager:+.1%})" if eager else "compile against eager: no memory on either side",
+            *table("row at each peak", [r for r in s["by_row_at_peak"] if r["saved"]], "row"),
+            *table("phase peak", s["by_phase"], "phase"),
+            *table("row at forward+backward peak", [r for r in fb["by_row"] if r["eager"] or r["compiled"]], "row",
+                   f"   (eager at {fb['eager_at']}, compiled at {fb['compiled_at']})")]
 
 
 def cmd_max_batch(args) -> int:

@@ -145,7 +145,7 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
                    "losses) can save different tensors")
     if not s.compile:
         out.append("a compiled step (torch.compile) saves fewer activations and fuses temporaries away: --compile "
-                   "models inductor's CPU program of a traced model; a GPU's compiled program is not modelled yet")
+                   "models inductor's program of a traced model (on a GPU profile, with a CUDA build of torch)")
     return out
 
 
