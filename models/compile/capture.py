@@ -5,7 +5,11 @@ with its values, frozen parameters), and `step.step_function` is compiled by dyn
 (`torch._inductor.compile_fx.compile_fx`: AOTAutograd's joint graph, the min-cut partitioner, decompositions, then
 `inner_compile` once per forward and once per backward graph). Our `inner_compile` runs inductor's real
 `compile_fx_inner` up to the wrapper's code (`GraphLowering.compile_to_module` replaced by codegen only: scheduling,
-fusion, buffer reuse, the memory plan, no C++ compiler, no kernel run) and returns a `MockFXGraphCacheOutput` that
+fusion, buffer reuse, the memory plan, no C++ compiler, no kernel run; C++ kernels written scalar only, no vector
+ISA picked: the scalar kernel is written first and alone decides which buffers a kernel keeps to itself or updates
+in place, torch/_inductor/codegen/cpp.py `CppKernelProxy.codegen_functions` `removed_buffers` / `inplaced_to_remove`,
+the vectorized variants after it change no allocation of the plan, and writing them was a quarter of a compile)
+and returns a `MockFXGraphCacheOutput` that
 runs the partitioned aten graph on the fake tensors instead. One fake training step then runs through dynamo's and
 AOTAutograd's real runtime: every graph break, every compiled forward and backward called in the order they run,
 with the storages they were given and returned (`Run`), and the `.grad` each parameter ends with.
@@ -191,7 +195,7 @@ def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False
     import torch._dynamo
     from torch._dynamo.utils import counters
     from torch._inductor import config as inductor_config
-    from torch._inductor import list_mode_options
+    from torch._inductor import cpu_vec_isa, list_mode_options
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
     from torch._inductor.graph import GraphLowering
     from torch._inductor.output_code import MockFXGraphCacheOutput
@@ -259,12 +263,14 @@ def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False
             stack.enter_context(inductor_config.patch(options))
             stack.enter_context(torch._functorch.config.patch(enable_autograd_cache=False))
             stack.enter_context(mock.patch.object(GraphLowering, "compile_to_module", _codegen_only))
+            stack.enter_context(mock.patch.object(cpu_vec_isa, "pick_vec_isa", lambda: cpu_vec_isa.invalid_vec_isa))
             stack.enter_context(capture_plans(plans))
             stack.enter_context(user_code(f"the {model.name} model compiled, forward, loss and backward"))
             compiled = torch.compile(fn, backend=backend, dynamic=False)
             with torch.autocast("cuda" if cuda else "cpu", dtype=autocast) if autocast else contextlib.nullcontext():
                 out, loss = compiled(*tensors)
-            loss.backward()
+            with mode:  # the zeros autograd makes for an output without a gradient (the logits, 1 GiB at Llama-3-8B
+                loss.backward()  # sizes: torch/csrc/autograd/python_function.cpp `to_py_args`) fake too, not real
     except ConfigError:
         raise
     except Exception as e:

@@ -33,6 +33,12 @@ def forked_compile(compile_capture, model: TracedModel, setup: TrainingSetup):
 
     def child() -> None:
         try:
+            import torch
+
+            # an OpenMP pool the parent made before the fork (any real op it ran on several threads) has no threads
+            # here: a parallel region would wait for them forever (libgomp; measured: a hang in a real `zeros`); one
+            # thread enters none (aten/src/ATen/ParallelOpenMP.h `parallel_for`: `get_num_threads() > 1`)
+            torch.set_num_threads(1)
             workspace.markers_only()
             with workspace.deferred():
                 cap = compile_capture(model, setup)
