@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
 from ..models.costs import device_profile
+from ..models.presets import hf_equivalent
 from ..models.trace import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
@@ -209,11 +210,17 @@ COMPILE_POLICIES = ("none", "full")  # the rows torch.compile adds where it is m
 
 
 def compile_applies(scenario) -> bool:
-    """Whether torch.compile is one more fix to try: a traced model, not compiled already, on the cpu profile or on a
-    CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a CUDA build of
-    torch seeing a device of the profile's compute capability); elsewhere compile is refused."""
-    if scenario.setup.compile or not isinstance(scenario.model, TracedModel):
+    """Whether torch.compile is one more fix to try: a traced model, or a hand-written transformer that has an HF
+    equivalent (models/presets.py `hf_equivalent`, which a compiled preset runs as), not compiled already, on the cpu
+    profile or on a CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a
+    CUDA build of torch seeing a device of the profile's compute capability); elsewhere compile is refused."""
+    if scenario.setup.compile or not isinstance(scenario.model, (TracedModel, TransformerConfig)):
         return False
+    if isinstance(scenario.model, TransformerConfig):
+        try:
+            hf_equivalent(scenario.model)
+        except ConfigError:
+            return False
     profile = device_profile(scenario.device)
     if profile.is_cpu:
         return True

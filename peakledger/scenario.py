@@ -89,7 +89,18 @@ class Scenario:
         if unknown:
             allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
             raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
-        return dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
+        new = dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
+        if new.setup.compile and not self.setup.compile:  # compile as a fix (explain, checkpointing): a preset too
+            new = dataclasses.replace(new, model=compiled_model(new.model))
+        return new
+
+
+def compiled_model(model: ModelConfig) -> ModelConfig:
+    """The model torch.compile's program is made of: a traced model's, so a hand-written transformer runs as its HF
+    equivalent (models/presets.py `hf_equivalent`; a ConfigError where it has none); a traced model itself."""
+    if isinstance(model, TransformerConfig):
+        return from_hf_dict(hf_equivalent(model), f"{model.name} (as its HF equivalent)")
+    return model
 
 
 def parse_value(text: str):
@@ -200,9 +211,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     else:
         model = _replace(base, model_table)
     if training.get("compile") is True and isinstance(model, TransformerConfig):
-        # torch.compile's program is a traced model's: the hand-written config runs as its HF equivalent
-        traced = from_hf_dict(hf_equivalent(model), f"{model.name} (as its HF equivalent)")
-        return _traced_scenario(traced, {}, training, run, name or model.name, defaults)
+        return _traced_scenario(compiled_model(model), {}, training, run, name or model.name, defaults)
     _check_training_keys(training)
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "

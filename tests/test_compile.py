@@ -130,6 +130,27 @@ def test_checkpointing_table_offers_compile_rows():
     assert [r.label for r in policy_table(on_gpu, policies=("none",))] == ["none"]  # compile not modelled there
 
 
+def test_a_preset_gets_compile_as_a_fix_run_as_its_hf_equivalent():
+    """A hand-written preset compiles as its HF equivalent (what `--compile` builds for a preset): `explain`'s and
+    `checkpointing`'s compile fix changes the model with the setup, the same simulation as the preset built
+    compiled; a model without an HF equivalent (an MLP) is not offered compile."""
+    from peakledger.analysis.checkpointing import compile_applies, policy_table
+    from peakledger.fixes import compile_fixes
+    from peakledger.scenario import build_scenario
+
+    training = {"micro_batch": 2, "seq_len": 32, "precision": "fp32", "steps": 2}
+    eager = build_scenario({"preset": "tiny-llama"}, training, {"device": "cpu"})
+    assert compile_applies(eager) and [name for name, *_ in compile_fixes(eager)] == ["torch.compile (inductor)"]
+    fixed = eager.with_changes(**compile_fixes(eager)[0][1])
+    built = build_scenario({"preset": "tiny-llama"}, {**training, "compile": True}, {"device": "cpu"})
+    assert fixed.model == built.model and fixed.model.kind == "hf"
+    assert run(fixed).peaks.peak.bytes == run(built).peaks.peak.bytes
+    rows = {r.label: r for r in policy_table(eager, policies=("none",))}
+    assert rows["compile"].compiled and rows["compile"].peak == run(fixed).peaks.peak.bytes
+    mlp = build_scenario({"preset": "tiny-mlp"}, {"micro_batch": 4, "precision": "fp32"}, {"device": "cpu"})
+    assert not compile_applies(mlp) and compile_fixes(mlp) == []
+
+
 def test_simulate_compile_reports_what_compile_saved_by_row(capsys):
     """simulate --compile prints the eager run beside it: its peak and each ledger row at the peak, from the same
     scenario simulated uncompiled (the eager figures here come from a separate eager simulation)."""
