@@ -9,6 +9,8 @@ How the pieces compose:
                oneDNN's channels-last convolution backward's own weight-gradient copies.
 - `workspace.py` what an extern GEMM takes for itself while it runs (oneDNN's scratchpad for 16-bit GEMMs, bmm's
                contiguous copies), measured on this CPU once per GEMM signature.
+- `onednn.py`  which bf16 GEMMs oneDNN gives the same scratchpad (read from its brgemm configuration): a long K
+               probed at a short one.
 - `capture.py` dynamo + AOTAutograd + inductor run on the fake-tensor model (models/trace's build), codegen only:
                the plans, and one fake step through the real runtime: which graph ran when, on which storages;
                the forward's output layouts handed to AOTAutograd as a real compile hands them (the backward

@@ -16,8 +16,9 @@ oneDNN's blocking stops growing with them (measured: 2048, 4096 and 8192 give th
 differs, so smaller ones are kept; K is kept whole: the scratchpad is not monotonic in it, 1,721,472 B for K = 4096
 or 8192 and 197,632 B for K = 14336, M = N = 2048). oneDNN is warmed up once per process on a small GEMM of its own
 (what its first call sets up is not a GEMM's); after that a GEMM's first call allocates what its later ones do
-(measured), so each signature runs once. A probe costs 2 M N K multiply-adds of the cut shape: ~1 s for K = 14336,
-~11 s for a Llama-3 lm_head's backward (K = 128256).
+(measured), so each signature runs once. A probe costs 2 M N K multiply-adds of the cut shape, so K is cut too
+where oneDNN's configuration shows the same scratchpad at a shorter K (onednn.py: a Llama-3 lm_head's backward,
+K = 128256, is probed at K = 1280, ~0.06 s instead of ~8.5 s; elsewhere K is kept whole).
 
 Which GEMMs are probed: those aten hands to oneDNN, 16-bit ones, and fp32 only where
 `torch.set_float32_matmul_precision` lets oneDNN run it in bf32 / tf32 (aten/src/ATen/native/mkldnn/Matmul.cpp
@@ -32,8 +33,9 @@ state gives the same bytes wherever it runs (the worker warms oneDNN up as the c
 
 The disk cache: measured bytes are kept per machine in a JSON file (`cache_path`: $PEAKLEDGER_GEMM_CACHE, else
 ~/.cache/peakledger/gemm-scratchpad.json; "off" turns it off), written atomically, keyed by what the scratchpad
-depends on: the CPU (model name and flags, /proc/cpuinfo), torch's version, oneDNN's version and the thread count,
-then the cut signature. A key not there is measured.
+depends on: the CPU (model name and flags, /proc/cpuinfo), torch's version, oneDNN's version, the environment
+variables that steer oneDNN's ISA and math mode, and the thread count, then the cut signature. A key not there is
+measured.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import functools
 import json
 import os
 
+from . import onednn
 from .step import CPU_THREADS
 
 GEMMS = ("aten::mm.out", "aten::addmm.out", "aten::bmm.out", "aten::baddbmm.out")
@@ -168,8 +171,13 @@ def probed(sig: tuple) -> bool:
 
 
 def _key(sig: tuple, threads: int) -> tuple:
+    """What a probe runs for `sig`: M and N cut (`_cut`), and K where oneDNN's configuration shows the scratchpad
+    the same at a shorter one (onednn.py)."""
     name, layouts, constants, kwargs = sig
-    return name, _cut(name, layouts), constants, kwargs, threads
+    layouts = _cut(name, layouts)
+    if onednn.applies(threads):
+        layouts = onednn.k_cut(name, layouts)
+    return name, layouts, constants, kwargs, threads
 
 
 def cache_path() -> str | None:
@@ -196,8 +204,8 @@ def machine() -> str:
     except OSError:
         import platform
         cpu = platform.processor() or platform.machine()
-    onednn = str(torch._C._get_mkldnn_version()) if hasattr(torch._C, "_get_mkldnn_version") else ""
-    text = f"{cpu}\ntorch {torch.__version__}\nonednn {onednn}"
+    steering = " ".join(f"{v}={os.environ.get(v, '')}" for v in onednn.STEERING)  # oneDNN's ISA and math mode
+    text = f"{cpu}\ntorch {torch.__version__}\nonednn {' '.join(onednn.onednn_version())}\n{steering}"
     return hashlib.sha256(text.encode()).hexdigest()
 
 
