@@ -9,10 +9,10 @@ fusion, buffer reuse, the memory plan, no C++ compiler, no kernel run; C++ kerne
 ISA picked: the scalar kernel is written first and alone decides which buffers a kernel keeps to itself or updates
 in place, torch/_inductor/codegen/cpp.py `CppKernelProxy.codegen_functions` `removed_buffers` / `inplaced_to_remove`,
 the vectorized variants after it change no allocation of the plan, and writing them was a quarter of a compile)
-and returns a `MockFXGraphCacheOutput` that
-runs the partitioned aten graph on the fake tensors instead. One fake training step then runs through dynamo's and
-AOTAutograd's real runtime: every graph break, every compiled forward and backward called in the order they run,
-with the storages they were given and returned (`Run`), and the `.grad` each parameter ends with.
+and returns a `MockFXGraphCacheOutput` that runs the partitioned aten graph on the fake tensors instead. One fake
+training step then runs through dynamo's and AOTAutograd's real runtime: every graph break, every compiled forward
+and backward called in the order they run, with the storages they were given and returned (`Run`), and the `.grad`
+each parameter ends with.
 """
 
 from __future__ import annotations
