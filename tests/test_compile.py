@@ -52,6 +52,10 @@ CASES = {  # name -> (config, setup overrides, tolerance of each phase's peak)
     # activation checkpointing: each block under non-reentrant checkpoint, one higher-order op in dynamo's graph,
     # recomputed by AOTAutograd's partitioner in the backward graph
     "gpt2-fp32-full": (GPT2, {"checkpointing": "full"}, 0.005),
+    # peft LoRA: frozen base weights (read by inductor's kernels only), and on GPT-2 graph breaks (peft's Conv1D),
+    # the logits' gradient handed from one compiled backward to the next
+    "gpt2-fp32-lora": (GPT2, {"lora_r": 8}, 0.005),
+    "llama-bf16-autocast-lora": (LLAMA, {"lora_r": 8, "precision": "bf16-autocast"}, 0.005),
 }
 
 
@@ -186,7 +190,7 @@ def test_simulate_compile_reports_what_compile_saved_by_row(capsys):
 @pytest.mark.parametrize("kw, field", [
     (dict(compile=False, compile_mode="reduce-overhead"), "compile_mode"),
     (dict(compile_mode="fancy"), "compile_mode"),
-    (dict(lora_r=8), "lora_r"),
+    (dict(lora_r=8, quantize="nf4"), "quantize"),
     (dict(world_size=2), "world_size"),
     (dict(checkpointing="sqrt"), "checkpointing"),
     (dict(checkpointing="selective"), "checkpointing"),

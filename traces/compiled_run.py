@@ -72,10 +72,11 @@ def _ranges(prof) -> list[tuple[int, int, Phase, int, int]]:
 def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
     """The allocator's own events (every allocation and free the profiler saw, `_EventType.Allocation`, in time
     order) as Events; what was alive before the run (parameters, buffers) from the memory timeline's PREEXISTING
-    entries, the host-side batch left out as the tracker leaves it out, and the module buffers no profiled op
-    touched (the timeline knows only the tensors its ops read: Llama's `original_inv_freq`). A block's category is
-    the memory profiler's for the storage created there and then (torch/profiler/_memory_profiler.py), else
-    unknown."""
+    entries, the host-side batch left out as the tracker leaves it out, and the module's parameters and buffers no
+    profiled op touched (the timeline knows only the tensors its aten ops read: Llama's `original_inv_freq`; under
+    LoRA the frozen norm weights, which only inductor's C++ kernels read and no optimizer updates). A block's
+    category is the memory profiler's for the storage created there and then (torch/profiler/_memory_profiler.py),
+    else unknown."""
     from torch._C._profiler import _EventType
 
     cpu = torch.device("cpu")
@@ -99,11 +100,13 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
                       name=f"storage@{ptr:#x}", dtype="?", pool=Pool.DEVICE)
         live[ptr] = block
         add(Action.ALLOC, block, (Phase.LOAD, 0, -1))
-    for name, b in model.named_buffers():
-        ptr = b.untyped_storage().data_ptr()
-        if ptr not in live and b.untyped_storage().nbytes():
-            live[ptr] = Block(id=len(events) + 1, nbytes=b.untyped_storage().nbytes(), category=Category.BUFFER,
-                              name=name, dtype="?", pool=Pool.DEVICE)
+    held = [(n, p, Category.PARAMETER) for n, p in model.named_parameters()] + \
+        [(n, b, Category.BUFFER) for n, b in model.named_buffers()]
+    for name, t, kind in held:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in live and t.untyped_storage().nbytes():
+            live[ptr] = Block(id=len(events) + 1, nbytes=t.untyped_storage().nbytes(), category=kind, name=name,
+                              dtype="?", pool=Pool.DEVICE)
             add(Action.ALLOC, live[ptr], (Phase.LOAD, 0, -1))
     raw, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:

@@ -28,14 +28,14 @@ What is modelled: the CPU program (inductor's C++ kernels, as torch on this mach
 `step.CPU_THREADS` threads, which the real run uses too: the program depends on the count) and the CUDA program
 (triton kernels, cuDNN attention, mix-order reductions: gpu.py, plan.py), one device,
 checkpointing none / full / every-k / layers where dynamo keeps each checkpoint in its graph (a checkpoint it runs
-eagerly between graphs, HF Llama's, is refused: capture.py `_eager_checkpoint`), fp32 / bf16 / bf16-autocast; the
-optimizer step stays eager. Not seen: the internal temporaries of fallback kernels other than the convolution
+eagerly between graphs, HF Llama's, is refused: capture.py `_eager_checkpoint`), fp32 / bf16 / bf16-autocast,
+peft LoRA (not QLoRA's 4-bit base linears); the optimizer step stays eager. Not seen: the internal temporaries of fallback kernels other than the convolution
 backward (SDPA's, for one; none measured on the validated models), and the C++ kernels' own thread-local buffers
 (malloc, not torch's allocator: no run sees them either).
 
 The cache: per model digest, micro-batch, sequence length, parameter dtype, autocast, frozen parameters,
-checkpointing (policy, k, layers) and compile mode (`_CACHE`, the 16 latest), as the traced describer keeps its
-recordings.
+checkpointing (policy, k, layers), LoRA (rank, alpha, dropout, targets) and compile mode (`_CACHE`, the 16
+latest), as the traced describer keeps its recordings.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
     seq = setup.seq_len if "seq_len" in model.varies else None
     return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, setup.prec.autocast,
             tuple(setup.frozen), setup.checkpointing, setup.checkpoint_every_k, tuple(setup.checkpoint_layers),
+            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, tuple(setup.lora_targets), setup.quantize),
             setup.compile_mode)
 
 

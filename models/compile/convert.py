@@ -8,15 +8,17 @@ Each graph's memory plan (plan.py) is replayed on the storages its run was given
   backward ends), the tensors a backward graph takes as saved (`saves` of a save op, one per group released
   together), and the rest, locals of the compiled frame between graphs, until the forward ends.
 - Backward: the compiled backwards in the order the engine ran them, as `GradNode`s. Before a node: the gradients
-  made for it outside any graph (the engine's `ones_like` of the loss; AOTAutograd's zeros for the outputs no
-  gradient reached, its own, freed at the graph's `del` of them). In it: its buffers; a saved tensor is released
+  made for it outside any graph (the `ones_like` of the loss, which `torch.autograd.backward` holds until the whole
+  backward returns; AOTAutograd's zeros for the outputs no gradient reached). The zeros, and a gradient an earlier
+  node (the graph after a break) made, are the graph's own from torch 2.13 on, freed at its `del` of them
+  (`zeros_held`). In it: its buffers; a saved tensor is released
   at the wrapper's `del` of it (AOTAutograd clears the node's saved tensors before calling the graph); a buffer
   returned as a parameter's gradient is that parameter's `.grad` (AccumulateGrad steals it: the step names the
   parameter, `grads`), unless its strides break the gradient layout contract with the parameter's (a channels-last
   convolution weight gradient): AccumulateGrad then makes `.grad` a copy in the parameter's layout and the buffer
   goes (torch/csrc/autograd/functions/accumulate_grad.h "Case 1.5", `clone_obey_contract`). At its end: the
-  gradients the engine gave it (it holds a node's inputs until the node returns) and what it returned that no later
-  node takes.
+  gradients the engine gave it, below torch 2.13 (`CompiledFunction.backward`'s arguments hold them until it
+  returns), and what it returned that no later node takes.
 """
 
 from __future__ import annotations
@@ -91,11 +93,12 @@ def _flop_shares(plan, total: int) -> list[int]:
 
 
 def zeros_held(version: str) -> bool:
-    """Whether the zeros AOTAutograd makes for the outputs no gradient reached stay alive until the compiled backward
-    returns: up to torch 2.12 `CompiledFunction.backward(ctx, *flat_args)` holds them in its arguments' tuple
-    (measured on the H200 snapshots, torch 2.11: 525 MB at llama-1b's backward); torch 2.13's generated prologue
-    clears the list the engine passes (`flat_args.clear()`, torch/_functorch/_aot_autograd/runtime_wrappers.py), so
-    each goes at the wrapper's `del` of it (measured on this CPU)."""
+    """Whether the gradients a compiled backward is given (AOTAutograd's zeros for the outputs no gradient reached,
+    the gradient the graph after a break made) stay alive until it returns: up to torch 2.12
+    `CompiledFunction.backward(ctx, *flat_args)` holds them in its arguments' tuple (measured on the H200 snapshots,
+    torch 2.11: 525 MB of zeros at llama-1b's backward); torch 2.13's generated prologue clears the list the engine
+    passes (`flat_args.clear()`, torch/_functorch/_aot_autograd/runtime_wrappers.py), so each goes at the wrapper's
+    `del` of it (measured on this CPU: the zeros, and the logits' gradient between a LoRA GPT-2's graphs)."""
     major, minor = (int(x) for x in version.split(".")[:2])
     return (major, minor) < (2, 13)
 
@@ -121,6 +124,7 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
     copied: set[str] = set()  # parameters whose `.grad` AccumulateGrad copies from the compiled backward's output
     returned_fwd: list[_Storage] = []
     save_groups: list[list[_Storage]] = []
+    seeds: list[_Storage] = []  # the loss's ones the engine starts the backward with
     b = -1
     for run in cap.runs:
         plan = cap.plans[run.graph]
@@ -155,12 +159,15 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
                 events.append(("alloc", s))
             names[name] = s
             arg_storages[id(s)] = arg_storages.get(id(s), 0) + 1
-            if backward and s.born == "glue" and s.spec.shape != () and not held_zeros:
-                # zeros AOTAutograd materialises for an output no gradient reached: its own, gone at the `del`
-                s.refs += 1
+            if backward and s.born == "glue" and s.spec.shape == ():
+                seeds.append(s)  # the loss's ones: `torch.autograd.backward` holds them until the backward ends
+            elif backward and s.born in ("glue", "backward") and not held_zeros:
+                # zeros AOTAutograd materialises for an output no gradient reached, or the gradient an earlier node
+                # made: the compiled backward's own once its prologue clears the engine's list, gone at its `del`
+                s.refs = 1
                 arg_storages.pop(id(s))
             elif backward and (name.startswith("tangents_") or s.born in ("glue", "backward")):
-                given.append(s)  # the engine's: the loss's ones, a gradient an earlier node made
+                given.append(s)  # the engine's, until the node returns: zeros, a gradient an earlier node made
         released: list[_Storage] = []
         shares = _flop_shares(plan, run.flops)  # one per extern GEMM
         if not shares:
@@ -235,6 +242,8 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
             if key not in grad_of_key:
                 events.append(("free", s))  # returned, taken by nobody
         bwd.append((run.graph, events))
+    if bwd:
+        bwd[-1][1].extend(("free", s) for s in dict.fromkeys(seeds))
     # which storages became gradients: their allocation is the parameter's `.grad` (the engine makes it)
     grad_param = {id(of_key[k]): p for k, p in grad_of_key.items() if k in of_key and p not in copied}
     missing = [p for k, p in grad_of_key.items() if k not in of_key]

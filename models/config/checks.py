@@ -341,7 +341,8 @@ def _compile(setup) -> None:
             ("grad_accum", setup.grad_accum == 1, "1 (a compiled backward hands every gradient on at its end: "
                                                   "accumulation into kept gradients is not modelled yet)"),
             ("set_to_none", setup.set_to_none, "true (gradients kept between steps are not modelled yet)"),
-            ("lora_r", setup.lora_r == 0, "0 (LoRA / QLoRA under compile is not modelled yet)"),
+            ("quantize", setup.quantize == "none", "none (QLoRA's 4-bit base linears under compile are not "
+                                                   "modelled yet)"),
             ("optimizer_offload", setup.optimizer_offload == "none", "none"),
             ("load_mode", setup.load_mode == "none", "none"),
             ("checkpoint_every", setup.checkpoint_every == 0, "0")):
