@@ -52,7 +52,7 @@ CASES = {  # name -> (config, setup overrides, tolerance of each phase's peak)
     # activation checkpointing: each block under non-reentrant checkpoint, one higher-order op in dynamo's graph,
     # recomputed by AOTAutograd's partitioner in the backward graph
     "gpt2-fp32-full": (GPT2, {"checkpointing": "full"}, 0.005),
-    # peft LoRA: frozen base weights (read by inductor's kernels only), and on GPT-2 graph breaks (peft's Conv1D),
+    # peft LoRA: frozen base weights (read by inductor's kernels only), and on GPT-2 a graph break (HF's loss):
     # the logits' gradient handed from one compiled backward to the next
     "gpt2-fp32-lora": (GPT2, {"lora_r": 8}, 0.005),
     "llama-bf16-autocast-lora": (LLAMA, {"lora_r": 8, "precision": "bf16-autocast"}, 0.005),
