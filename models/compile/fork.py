@@ -3,7 +3,8 @@ Python thread, so its deepest compile runs in a child forked from this process (
 loaded is safe there only) while this one compiles the two others on the other core. The child gives its capture
 back through a pipe, its GEMM scratchpads as markers (workspace.py `markers_only`: it starts no probe, the probing
 process and its pipes being the parent's) that become the parent's markers here; a child that fails, for whatever
-reason, gives None and the caller compiles that depth itself: the result is the same either way."""
+reason, gives None and the caller compiles that depth itself: the result is the same either way. So does a child
+that stalls (alive, no CPU used for `STALL_S`: a deadlock), which is killed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,37 @@ from ..trace.model import TracedModel
 from . import workspace
 from .capture import Capture
 from .plan import marker_of, scratch_alloc
+
+STALL_S = 60.0  # a child that has used no CPU for this long is stuck (a compile is busy Python throughout)
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (Linux /proc), or None where unreadable."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _answers(reader, process) -> bool:
+    """Wait for the child's answer; False where it stalls: alive but no CPU used for `STALL_S` (a deadlock, as
+    libgomp's was), so that the caller compiles the depth itself instead of waiting forever."""
+    import time
+
+    used, since = _cpu_seconds(process.pid), time.monotonic()
+    while not reader.poll(min(1.0, STALL_S)):
+        if not process.is_alive():
+            return reader.poll(0)
+        now = _cpu_seconds(process.pid)
+        if now is None or now != used:
+            used, since = now, time.monotonic()
+        elif time.monotonic() - since > STALL_S:
+            return False
+    return True
 
 
 def forked_compile(compile_capture, model: TracedModel, setup: TrainingSetup):
@@ -57,10 +89,12 @@ def forked_compile(compile_capture, model: TracedModel, setup: TrainingSetup):
 
     def result() -> Capture | None:
         try:
-            kind, cap, given = reader.recv()
+            kind, cap, given = reader.recv() if _answers(reader, process) else ("stalled", None, [])
         except (EOFError, OSError):
             kind = "error"
         finally:
+            if process.is_alive():
+                process.kill()
             process.join()
             reader.close()
         if kind != "ok" or not isinstance(cap, Capture):
