@@ -206,7 +206,7 @@ def policy_label(setup) -> str:
     return setup.checkpointing
 
 
-COMPILE_POLICIES = ("none", "full")  # the rows torch.compile adds where it is modelled
+COMPILE_POLICIES = ("none", "full", "op-policy")  # the rows torch.compile adds where it is modelled
 
 
 def compile_applies(scenario) -> bool:

@@ -16,7 +16,7 @@ for real and held against its simulation. See `checkpoint_segments`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from math import isqrt, prod
 
 from .config import ConfigError, TrainingSetup, dtype_bytes
@@ -165,6 +165,27 @@ class Tape:
 # -- activation checkpointing policies -------------------------------------------------------------
 
 SAC_SAVED_KINDS = ("linear", "addmm", "bmm", "sdpa")  # tape op kinds whose aten ops op-policy saves
+SAC_SAVED_ATEN = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention")  # the aten ops op-policy saves (whichever exist)
+
+
+@lru_cache(maxsize=1)
+def op_policy():
+    """torch's selective activation checkpointing policy of "op-policy" (`create_selective_checkpoint_contexts`,
+    torch/utils/checkpoint.py): keep the outputs of matmuls and the SDPA kernels, recompute everything else (norms,
+    activations, casts, copies, adds). One function, which the real runs (traces/reference) and the compiled
+    describer (models/compile/step.py) both hand torch."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    saves = frozenset(getattr(torch.ops.aten, n).default for n in SAC_SAVED_ATEN if hasattr(torch.ops.aten, n))
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saves else CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.saves = saves
+    return policy
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ CASES = {  # name -> (config, setup overrides, tolerance of each phase's peak)
     # activation checkpointing: each block under non-reentrant checkpoint, one higher-order op in dynamo's graph,
     # recomputed by AOTAutograd's partitioner in the backward graph
     "gpt2-fp32-full": (GPT2, {"checkpointing": "full"}, 0.005),
+    # selective activation checkpointing: torch's selective checkpoint contexts (models/tape.py `op_policy`), whose
+    # must-save / prefer-recompute tags the partitioner follows
+    "gpt2-fp32-op-policy": (GPT2, {"checkpointing": "op-policy"}, 0.005),
     # peft LoRA: frozen base weights (read by inductor's kernels only), and on GPT-2 a graph break (HF's loss):
     # the logits' gradient handed from one compiled backward to the next
     "gpt2-fp32-lora": (GPT2, {"lora_r": 8}, 0.005),
@@ -121,14 +124,16 @@ def test_checkpointing_table_offers_compile_rows():
 
     scenario = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="cpu")
     rows = {r.label: r for r in policy_table(scenario, policies=("none", "full"))}
-    assert list(rows) == ["none", "full", "compile", "compile + full"]
-    for label, ckpt in (("compile", "none"), ("compile + full", "full")):
+    assert list(rows) == ["none", "full", "compile", "compile + full", "compile + op-policy"]
+    for label, ckpt in (("compile", "none"), ("compile + full", "full"), ("compile + op-policy", "op-policy")):
         run = simulate_run(scenario.with_changes(compile=True, checkpointing=ckpt))
         assert rows[label].compiled and rows[label].peak == run.peak
     alone = step_flops(simulate_run(scenario.with_changes(compile=True)).graph, 0)[0]
     full = step_flops(simulate_run(scenario.with_changes(compile=True, checkpointing="full")).graph, 0)[0]
     assert rows["compile + full"].recompute_flops == full - alone > 0 and rows["compile"].recompute_flops == 0
     assert rows["compile + full"].peak < rows["compile"].peak < rows["none"].peak
+    assert rows["compile + full"].peak <= rows["compile + op-policy"].peak <= rows["compile"].peak
+    assert 0 < rows["compile + op-policy"].recompute_flops < rows["compile + full"].recompute_flops
     assert "compile: torch.compile (inductor)" in render_table(list(rows.values()))
     on_gpu = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="H100-80GB")
     assert [r.label for r in policy_table(on_gpu, policies=("none",))] == ["none"]  # compile not modelled there

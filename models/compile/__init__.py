@@ -27,11 +27,12 @@ How the pieces compose:
 What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them for
 `step.CPU_THREADS` threads, which the real run uses too: the program depends on the count) and the CUDA program
 (triton kernels, cuDNN attention, mix-order reductions: gpu.py, plan.py), one device, checkpointing none / full /
-every-k / layers where dynamo keeps each checkpoint in its graph (a checkpoint it runs eagerly between graphs, HF
-Llama's, is refused: capture.py `_eager_checkpoint`), fp32 / bf16 / bf16-autocast, peft LoRA (not QLoRA's 4-bit
-base linears); the optimizer step stays eager. Not seen: the internal temporaries of fallback kernels other than the
-convolution backward (SDPA's, for one; none measured on the validated models), and the C++ kernels' own
-thread-local buffers (malloc, not torch's allocator: no run sees them either).
+every-k / layers / op-policy (torch's selective checkpoint contexts) where dynamo keeps each checkpoint in its
+graph (a checkpoint it runs eagerly between graphs, HF Llama's, is refused: capture.py `_eager_checkpoint`), fp32 /
+bf16 / bf16-autocast, peft LoRA (not QLoRA's 4-bit base linears); the optimizer step stays eager. Not seen: the
+internal temporaries of fallback kernels other than the convolution backward (SDPA's, for one; none measured on the
+validated models), and the C++ kernels' own thread-local buffers (malloc, not torch's allocator: no run sees them
+either).
 
 The cache: per model digest, micro-batch, sequence length, parameter dtype, autocast, frozen parameters,
 checkpointing (policy, k, layers), LoRA (rank, alpha, dropout, targets) and compile mode (`_CACHE`, the 16

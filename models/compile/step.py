@@ -1,14 +1,16 @@
 """The step torch.compile compiles, the same on both sides: the traced loop's forward and loss as one function,
 `fn(*tensors) -> (out, loss_fn(out))`, called as `out, loss = fn(*batch)`, then `loss.backward()` outside it
 (traces/reference/traced.py `_RealRun` is this function for the real run, whose `forward` is what
-traces/compiled_run.py compiles). With activation checkpointing (full, every-k, layers) each checkpointed block runs
-under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, which dynamo traces as one higher-order op and
-AOTAutograd's partitioner recomputes in the backward graph (where dynamo cannot, capture.py refuses the model)."""
+traces/compiled_run.py compiles). With activation checkpointing (full, every-k, layers, op-policy) each checkpointed
+block runs under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (op-policy's with torch's selective
+checkpoint contexts), which dynamo traces as one higher-order op and AOTAutograd's partitioner recomputes in the
+backward graph, following op-policy's must-save / prefer-recompute tags (where dynamo cannot keep the checkpoint,
+capture.py refuses the model)."""
 
 from __future__ import annotations
 
 from ..config import ConfigError, TrainingSetup
-from ..tape import checkpoint_segments
+from ..tape import checkpoint_segments, op_policy
 
 # The threads inductor writes its CPU program for, and the real run runs with: the program depends on the count
 # (`torch/_inductor/utils.py parallel_num_threads`: how reductions and loops are split, so which buffers the wrapper
@@ -42,21 +44,26 @@ def step_function(net, batch, loss_fn):
 
 
 def wrap_checkpointed(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
-    """Each checkpointed layer's forward under non-reentrant `checkpoint` (traces/reference/traced.py
-    `_wrap_layers` does the same to the real model)."""
-    from torch.utils.checkpoint import checkpoint
+    """Each checkpointed layer's forward under non-reentrant `checkpoint`, op-policy's under torch's selective
+    checkpoint contexts with models/tape.py `op_policy` (traces/reference/traced.py `_wrap_layers` does the same to
+    the real model)."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     if setup.checkpointing == "none":
         return
     for seg in checkpoint_segments(setup, len(layers)):
         if seg.wrap == "none":
             continue
-        if seg.wrap != "checkpoint" or len(seg.layers) != 1:  # (checks.py COMPILE_CHECKPOINTING keeps them out)
+        if seg.wrap not in ("checkpoint", "op-policy") or len(seg.layers) != 1:  # (checks.py keeps them out)
             raise ConfigError("checkpointing", f"{setup.checkpointing} with compile is not modelled yet; allowed "
-                                               "with it: none, full, every-k, layers")
+                                               "with it: none, full, every-k, layers, op-policy")
         module = net.get_submodule(layers[seg.layers.start])
+        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, op_policy())} \
+            if seg.wrap == "op-policy" else {}
 
-        def forward(*args, _call=module.forward, **kwargs):
-            return checkpoint(_call, *args, use_reentrant=False, **kwargs)
+        def forward(*args, _call=module.forward, _extra=extra, **kwargs):
+            return checkpoint(_call, *args, use_reentrant=False, **_extra, **kwargs)
 
         module.forward = forward

@@ -35,9 +35,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # 
 # checkpointing policies modelled under compile (models/compile): single layers under non-reentrant checkpoint, which
 # dynamo keeps in its graph as one higher-order op (the partitioner recomputes them in the backward graph); where
 # it cannot (Llama: a side effect in the checkpointed forward), the layers run eagerly between compiled graphs and
-# the compiled describer refuses the model (models/compile/capture.py `_eager_checkpoint`). sqrt (regions of several
-# layers), selective, op-policy and offload are not modelled under compile yet
-COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers")
+# the compiled describer refuses the model (models/compile/capture.py `_eager_checkpoint`); op-policy's layers under
+# torch's selective checkpoint contexts, whose tags the partitioner follows. sqrt (regions of several layers),
+# selective (a part of each layer) and offload are not modelled under compile yet
+COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers", "op-policy")
 COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
 
 

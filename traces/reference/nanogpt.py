@@ -54,32 +54,18 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from ...models.tape import Segment, checkpoint_segments
+from ...models.tape import Segment, checkpoint_segments, op_policy
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
 
-def _sac_saved_ops() -> frozenset:
-    """The aten ops whose outputs policy "op-policy" saves: matmuls and the SDPA kernels (whichever exist)."""
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention")
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-OP_POLICY_SAVES = _sac_saved_ops()
-
-
-def OP_POLICY(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Selective activation checkpointing policy of "op-policy": keep matmul and SDPA outputs, recompute
-    everything else (norms, activations, casts, copies, adds)."""
-    return CheckpointPolicy.MUST_SAVE if op in OP_POLICY_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+OP_POLICY = op_policy()  # selective activation checkpointing of "op-policy" (models/tape.py: one for both sides)
+OP_POLICY_SAVES = OP_POLICY.saves
 
 
 def run_segment(fn, wrap: str, x: torch.Tensor) -> torch.Tensor:
