@@ -413,8 +413,8 @@ def shallow(model: TracedModel, setup: TrainingSetup) -> tuple[str, int] | None:
     """(the layer-count key, n) where `capture_by_depth` may derive `model`, else None: a HF config of one layer
     count, more layers than the first window compiles in all, its layers alike (models/trace/depth.py `uniform`),
     and nothing in the setup that tells a layer by its index (frozen-parameter patterns, checkpointing other than
-    none or full, LoRA targets naming a number)."""
-    if model.kind != "hf" or setup.frozen or setup.checkpointing not in ("none", "full") or \
+    none, full or op-policy, LoRA targets naming a number)."""
+    if model.kind != "hf" or setup.frozen or setup.checkpointing not in ("none", "full", "op-policy") or \
             any(ch.isdigit() for target in setup.lora_targets for ch in target):  # LoRA on some layers only
         return None
     data = model.hf_dict()
