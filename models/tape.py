@@ -188,6 +188,30 @@ def op_policy():
     return policy
 
 
+def checkpointed(fn, wrap: str):
+    """`fn` run as a `Segment`'s `wrap` says: under non-reentrant `torch.utils.checkpoint.checkpoint` ("checkpoint"),
+    with torch's selective checkpoint contexts and `op_policy` ("op-policy"), or under `save_on_cpu` ("offload").
+    The one wrapper of the real runs (traces/reference) and of the compiled describer (models/compile/step.py)."""
+    import functools
+
+    import torch
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    if wrap == "offload":
+        def offloaded(*args, **kwargs):
+            with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                return fn(*args, **kwargs)
+        return offloaded
+    if wrap not in ("checkpoint", "op-policy"):
+        raise ValueError(f"unknown segment wrap {wrap!r}")
+    extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, op_policy())} \
+        if wrap == "op-policy" else {}
+
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
+    return run
+
+
 @dataclass(frozen=True)
 class Segment:
     """Consecutive layers that run as one unit, and how (`wrap`):

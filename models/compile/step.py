@@ -10,7 +10,7 @@ capture.py refuses the model)."""
 from __future__ import annotations
 
 from ..config import ConfigError, TrainingSetup
-from ..tape import checkpoint_segments, op_policy
+from ..tape import checkpoint_segments, checkpointed
 
 # The threads inductor writes its CPU program for, and the real run runs with: the program depends on the count
 # (`torch/_inductor/utils.py parallel_num_threads`: how reductions and loops are split, so which buffers the wrapper
@@ -45,12 +45,8 @@ def step_function(net, batch, loss_fn):
 
 def wrap_checkpointed(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
     """Each checkpointed layer's forward under non-reentrant `checkpoint`, op-policy's under torch's selective
-    checkpoint contexts with models/tape.py `op_policy` (traces/reference/traced.py `_wrap_layers` does the same to
-    the real model)."""
-    import functools
-
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
+    checkpoint contexts (models/tape.py `checkpointed`, which traces/reference/traced.py `_wrap_layers` gives the
+    real model too)."""
     if setup.checkpointing == "none":
         return
     for seg in checkpoint_segments(setup, len(layers)):
@@ -60,10 +56,4 @@ def wrap_checkpointed(net, layers: tuple[str, ...], setup: TrainingSetup) -> Non
             raise ConfigError("checkpointing", f"{setup.checkpointing} with compile is not modelled yet; allowed "
                                                "with it: none, full, every-k, layers, op-policy")
         module = net.get_submodule(layers[seg.layers.start])
-        extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, op_policy())} \
-            if seg.wrap == "op-policy" else {}
-
-        def forward(*args, _call=module.forward, _extra=extra, **kwargs):
-            return checkpoint(_call, *args, use_reentrant=False, **_extra, **kwargs)
-
-        module.forward = forward
+        module.forward = checkpointed(module.forward, seg.wrap)

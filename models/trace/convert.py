@@ -22,13 +22,10 @@ import dataclasses
 from math import prod
 
 from ..config import ConfigError, TrainingSetup, dtype_bytes
-from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
+from ..tape import SAC_SAVED_ATEN, GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
 from .record import Recording, Storage
 
-# aten ops whose outputs torch's selective checkpointing policy keeps (traces/reference/nanogpt.py OP_POLICY)
-SAC_KEPT = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_cudnn_attention"}
+SAC_KEPT = frozenset(SAC_SAVED_ATEN)  # aten ops whose outputs op-policy keeps (models/tape.py `op_policy`)
 POLICIES = ("none", "full", "every-k", "layers", "sqrt", "op-policy", "offload")
 
 

@@ -55,10 +55,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from ...models.tape import Segment, checkpoint_segments, op_policy
+from ...models.tape import Segment, checkpoint_segments, checkpointed, op_policy
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
@@ -72,15 +71,7 @@ def run_segment(fn, wrap: str, x: torch.Tensor) -> torch.Tensor:
     """`fn(x)` for one `Segment` of layers, wrapped as its `wrap` says (see models/tape.py `Segment`)."""
     if not torch.is_grad_enabled() or wrap in ("none", "selective"):
         return fn(x)
-    if wrap == "checkpoint":
-        return _checkpoint(fn, x, use_reentrant=False)
-    if wrap == "op-policy":
-        return _checkpoint(fn, x, use_reentrant=False,
-                           context_fn=functools.partial(create_selective_checkpoint_contexts, OP_POLICY))
-    if wrap == "offload":
-        with torch.autograd.graph.save_on_cpu(pin_memory=True):
-            return fn(x)
-    raise ValueError(f"unknown segment wrap {wrap!r}")
+    return checkpointed(fn, wrap)(x)
 
 
 def _segments(setup: TrainingSetup | str | None, n_layer: int) -> tuple[Segment, ...]:

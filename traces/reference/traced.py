@@ -9,18 +9,14 @@ checkpointed layer wrapped as the simulation's region) behind the loop's call si
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ...models.config import ConfigError, TrainingSetup
-from ...models.tape import checkpoint_segments
+from ...models.tape import checkpoint_segments, checkpointed
 from ...models.trace import freeze
 from ...models.trace.model import TracedModel
 from ...models.trace.realpath import lru_caches
 from ...models.trace.record import find_layers
-from .nanogpt import OP_POLICY
 
 # the batch of the latest real build of each model and shape, for `real_batches` right after (a factory's
 # loss_fn may hold the batch's targets: the run must use those same tensors)
@@ -64,18 +60,7 @@ def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
                                                "traced model's own loop cannot run for real; simulate it, or "
                                                "validate full, every-k, layers, op-policy or offload")
         module = net.get_submodule(layers[seg.layers.start])
-        call = module.forward
-        if seg.wrap == "offload":
-            def forward(*args, _call=call, **kwargs):
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    return _call(*args, **kwargs)
-        else:
-            extra = {"context_fn": functools.partial(create_selective_checkpoint_contexts, OP_POLICY)} \
-                if seg.wrap == "op-policy" else {}
-
-            def forward(*args, _call=call, _extra=extra, **kwargs):
-                return checkpoint(_call, *args, use_reentrant=False, **_extra, **kwargs)
-        module.forward = forward
+        module.forward = checkpointed(module.forward, seg.wrap)
 
 
 def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:
