@@ -31,11 +31,11 @@ def signature(op: str, m: int, n: int, k: int, ta: bool, tb: bool, batch: int | 
               kwargs: tuple = ()) -> tuple:
     pre = () if batch is None else (batch,)
     a, b, o = (*pre, m, k), (*pre, k, n), (*pre, m, n)
-    ins = [(a, onednn._transposed(a) if ta else onednn._dense(a), BF16),
-           (b, onednn._transposed(b) if tb else onednn._dense(b), BF16)]
+    ins = [(a, onednn.transposed_strides(a) if ta else onednn.dense_strides(a), BF16),
+           (b, onednn.transposed_strides(b) if tb else onednn.dense_strides(b), BF16)]
     if bias is not None:
-        ins.insert(0, (bias, onednn._dense(bias), BF16))
-    return op, (*ins, (o, onednn._dense(o), BF16)), (), kwargs
+        ins.insert(0, (bias, onednn.dense_strides(bias), BF16))
+    return op, (*ins, (o, onednn.dense_strides(o), BF16)), (), kwargs
 
 
 def cases() -> list[tuple[str, tuple]]:
@@ -118,7 +118,7 @@ def main() -> int:
             "| GEMM | A, B | K | K' | bytes at K | bytes at K' | s at K | s at K' |",
             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, layouts, k, k_short, at_k, at_short, s_k, s_short in rows:
-        shapes = " x ".join(f"{tuple(x[0])}{'' if tuple(x[1]) == onednn._dense(x[0]) else ' transposed'}"
+        shapes = " x ".join(f"{tuple(x[0])}{'' if tuple(x[1]) == onednn.dense_strides(x[0]) else ' transposed'}"
                             for x in layouts[-3:-1])
         text.append(f"| `{name}` | {shapes} | {k:,} | {k_short:,} | {at_k:,} | {at_short:,} | {s_k:.2f} | "
                     f"{s_short:.2f} |")

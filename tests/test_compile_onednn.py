@@ -14,11 +14,11 @@ BF16, FP32 = "torch.bfloat16", "torch.float32"
 def _sig(op, m, n, k, ta=False, tb=False, batch=None, bias=None, dtype=BF16):
     pre = () if batch is None else (batch,)
     a, b, o = (*pre, m, k), (*pre, k, n), (*pre, m, n)
-    ins = [(a, onednn._transposed(a) if ta else onednn._dense(a), dtype),
-           (b, onednn._transposed(b) if tb else onednn._dense(b), BF16)]
+    ins = [(a, onednn.transposed_strides(a) if ta else onednn.dense_strides(a), dtype),
+           (b, onednn.transposed_strides(b) if tb else onednn.dense_strides(b), BF16)]
     if bias is not None:
-        ins.insert(0, (bias, onednn._dense(bias), BF16))
-    return op, (*ins, (o, onednn._dense(o), BF16)), (), ()
+        ins.insert(0, (bias, onednn.dense_strides(bias), BF16))
+    return op, (*ins, (o, onednn.dense_strides(o), BF16)), (), ()
 
 
 def _k(key):

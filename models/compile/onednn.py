@@ -45,12 +45,18 @@ def onednn_version() -> tuple[str, str]:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def cpuinfo() -> tuple[str, ...] | None:
+    """The CPU's model name and flags lines of /proc/cpuinfo (each once), or None where it cannot be read; read once
+    per process (this rule's ISA check, and workspace.py's disk-cache key)."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("flags")), "")
+            return tuple(dict.fromkeys(x for x in f.read().splitlines() if x.startswith(("model name", "flags"))))
     except OSError:
-        return frozenset()
+        return None
+
+
+def _cpu_flags() -> frozenset[str]:
+    line = next((x for x in cpuinfo() or () if x.startswith("flags")), "")
     return frozenset(line.split(":", 1)[-1].split())
 
 
@@ -71,7 +77,8 @@ def k_prime(k: int, transposed_a: bool) -> int:
     return d + k % d if k % d else 2 * d
 
 
-def _dense(size) -> tuple:
+def dense_strides(size) -> tuple:
+    """The strides of a contiguous tensor of `size`."""
     stride, acc = [], 1
     for s in reversed(size):
         stride.append(acc)
@@ -79,9 +86,9 @@ def _dense(size) -> tuple:
     return tuple(reversed(stride))
 
 
-def _transposed(size) -> tuple:
+def transposed_strides(size) -> tuple:
     """Strides of the last two dimensions swapped in memory (A stored as K x M), a batch outermost."""
-    t = _dense([*size[:-2], size[-1], size[-2]])
+    t = dense_strides([*size[:-2], size[-1], size[-2]])
     return (*t[:-2], t[-1], t[-2])
 
 
@@ -97,15 +104,15 @@ def k_cut(name: str, layouts: tuple) -> tuple:
     (asize, astride, _), (bsize, bstride, _) = ins[-2], ins[-1]
     asize, astride, bsize, bstride, osize = map(tuple, (asize, astride, bsize, bstride, out[0]))
     rank = 3 if batched else 2
-    if not len(asize) == len(bsize) == len(osize) == rank or tuple(out[1]) != _dense(osize):
+    if not len(asize) == len(bsize) == len(osize) == rank or tuple(out[1]) != dense_strides(osize):
         return layouts
     (m, k), (k2, n) = asize[-2:], bsize[-2:]
     if k != k2 or osize[-2:] != (m, n) or batched and not asize[0] == bsize[0] == osize[0] >= 1:
         return layouts
     if min(m, n, k) < 2 or k > K_MAX:  # a dimension of 1 makes oneDNN's layout tags ambiguous
         return layouts
-    layout = {_dense(asize): False, _transposed(asize): True}
-    if astride not in layout or bstride not in (_dense(bsize), _transposed(bsize)):
+    layout = {dense_strides(asize): False, transposed_strides(asize): True}
+    if astride not in layout or bstride not in (dense_strides(bsize), transposed_strides(bsize)):
         return layouts  # torch copies such an input before oneDNN sees it
     transposed_a = layout[astride]
     short = k_prime(k, transposed_a)
@@ -113,9 +120,10 @@ def k_cut(name: str, layouts: tuple) -> tuple:
         return layouts
     a = (*asize[:-1], short)
     b = (*bsize[:-2], short, n)
-    new_a = (a, _transposed(a) if transposed_a else _dense(a), BF16)
-    new_b = (b, _transposed(b) if bstride != _dense(bsize) else _dense(b), BF16)
+    new_a = (a, transposed_strides(a) if transposed_a else dense_strides(a), BF16)
+    new_b = (b, transposed_strides(b) if bstride != dense_strides(bsize) else dense_strides(b), BF16)
     return (*ins[:-2], new_a, new_b, out)
 
 
-__all__ = ["applies", "k_cut", "k_prime", "onednn_version", "ONEDNN", "STEERING"]
+__all__ = ["applies", "k_cut", "k_prime", "onednn_version", "cpuinfo", "dense_strides", "transposed_strides",
+           "ONEDNN", "STEERING"]

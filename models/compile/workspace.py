@@ -103,13 +103,6 @@ def _cut(name: str, layouts: tuple) -> tuple:
     *ins, (osize, _, odtype) = layouts
     m, n = min(osize[-2], CUT), min(osize[-1], CUT)
 
-    def dense(size):
-        stride, acc = [], 1
-        for s in reversed(size):
-            stride.append(acc)
-            acc *= s
-        return tuple(reversed(stride))
-
     def transposed(stride):  # keep a transposed input transposed
         return len(stride) >= 2 and stride[-2] == 1 and stride[-1] != 1
 
@@ -124,15 +117,12 @@ def _cut(name: str, layouts: tuple) -> tuple:
             size[-1] = n
             if k == 0 and name in ("aten::addmm.out", "aten::baddbmm.out"):
                 size[-2] = min(size[-2], m) if size[-2] > 1 else size[-2]
-        new = dense(size)
-        if transposed(stride):
-            t = dense([*size[:-2], size[-1], size[-2]])
-            new = (*t[:-2], t[-1], t[-2])
+        new = onednn.transposed_strides(size) if transposed(stride) else onednn.dense_strides(size)
         if any(s == 0 for s in stride):  # a broadcast input stays broadcast
             new = tuple(0 if s == 0 else v for s, v in zip(stride, new))
         out.append((tuple(size), new, dtype))
     osize = (*osize[:-2], m, n)
-    out.append((osize, dense(osize), odtype))
+    out.append((osize, onednn.dense_strides(osize), odtype))
     return tuple(out)
 
 
@@ -196,14 +186,12 @@ def machine() -> str:
 
     import torch
 
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [x for x in f.read().splitlines() if x.startswith(("model name", "flags"))]
-        cpu = "\n".join(dict.fromkeys(lines))
-    except OSError:
+    lines = onednn.cpuinfo()
+    if lines is None:
         import platform
         cpu = platform.processor() or platform.machine()
+    else:
+        cpu = "\n".join(lines)
     steering = " ".join(f"{v}={os.environ.get(v, '')}" for v in onednn.STEERING)  # oneDNN's ISA and math mode
     text = f"{cpu}\ntorch {torch.__version__}\nonednn {' '.join(onednn.onednn_version())}\n{steering}"
     return hashlib.sha256(text.encode()).hexdigest()
