@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ..models.config import TrainingSetup
+from ..simulator import strict_json
 from ..simulator.files import InputError, read_text
 
 FORMAT = "peakledger-calibration"
@@ -203,6 +204,12 @@ def residual_at(knots: tuple[Knot, ...], seq_len: int) -> Residual:
     raise AssertionError("unreachable: seq_len inside the knots' range")
 
 
+# a measured peak 100x the prediction (or a 100th of it) is of another setup, not a residual to carry
+RESIDUAL_MIN, RESIDUAL_MAX = -0.99, 99.0
+ERROR_MAX = 1e6  # a row's error, as read back from a calibration file (finite and bounded, for printing)
+BYTES_MAX = 2**63 - 1  # a predicted or measured peak (int64, as torch counts bytes)
+
+
 def calibrated_bytes(predicted: int, residual: float) -> int:
     """predicted x (1 + residual), to the nearest byte (Python's round: half to even)."""
     return round(predicted * (1.0 + residual))
@@ -218,6 +225,11 @@ def fit(kind: str, rows: list[Measurement], field_name: str = "measurements") ->
             which = "predicted" if r.predicted <= 0 else "measured"
             raise CalibrationError(field_name, f"{r.where}: the {which} {kind} peak is {getattr(r, which)} B; "
                                                "both must be > 0 bytes")
+        if r.measured > BYTES_MAX or not RESIDUAL_MIN <= r.measured / r.predicted - 1 <= RESIDUAL_MAX:
+            raise CalibrationError(field_name, f"{r.where}: the measured {kind} peak ({r.measured:,} B) is over "
+                                               f"{RESIDUAL_MAX + 1:g}x or under 1/{RESIDUAL_MAX + 1:g} of the "
+                                               f"prediction ({r.predicted:,} B): a measurement of another setup, not "
+                                               "one to calibrate with")
     knots = knots_of(rows)
     if len(knots) < 2:
         raise CalibrationError(field_name, f"every row is at seq_len {knots[0].seq_len}: a calibration over the "
@@ -352,21 +364,34 @@ _ROW_TYPES = {"where": lambda x: isinstance(x, str), "seq_len": _int, "predicted
               "error_leave_one_out": lambda x: x is None or _num(x)}
 
 
+_ROW_ERRORS = ("residual", "error_before", "error_after", "error_leave_one_out")
+
+
+def _brief(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _read_fit(kind: str, data, bad) -> Fit:
     if not isinstance(data, dict) or not isinstance(data.get("knots"), list) or not isinstance(data.get("rows"), list):
         bad(f"'{kind}' must be an object with lists 'knots' and 'rows'")
     knots = []
     for i, k in enumerate(data["knots"]):
         if not (isinstance(k, dict) and set(k) == {"seq_len", "residual", "rows"} and _int(k["seq_len"])
-                and k["seq_len"] > 0 and _num(k["residual"]) and k["residual"] > -1 and _int(k["rows"])):
-            bad(f"{kind}.knots[{i}] must be {{seq_len: int > 0, residual: number > -1, rows: int}}, got {k!r}")
+                and 0 < k["seq_len"] <= BYTES_MAX and _num(k["residual"])
+                and RESIDUAL_MIN <= k["residual"] <= RESIDUAL_MAX and _int(k["rows"]) and k["rows"] > 0):
+            bad(f"{kind}.knots[{i}] must be {{seq_len: int > 0, residual: number in [{RESIDUAL_MIN:g}, "
+                f"{RESIDUAL_MAX:g}], rows: int > 0}}, got {_brief(k)}")
         knots.append(Knot(k["seq_len"], float(k["residual"]), k["rows"]))
     if not knots or any(a.seq_len >= b.seq_len for a, b in zip(knots, knots[1:])):
         bad(f"{kind}.knots must be one knot at least, in increasing seq_len")
     rows = []
     for i, r in enumerate(data["rows"]):
-        if not (isinstance(r, dict) and set(r) == set(_ROW_TYPES) and all(t(r[n]) for n, t in _ROW_TYPES.items())):
-            bad(f"{kind}.rows[{i}] must hold {', '.join(_ROW_TYPES)} (numbers, where a string), got {r!r}")
+        if not (isinstance(r, dict) and set(r) == set(_ROW_TYPES) and all(t(r[n]) for n, t in _ROW_TYPES.items())
+                and all(0 < r[n] <= BYTES_MAX for n in ("seq_len", "predicted", "measured"))
+                and all(abs(r[n]) <= ERROR_MAX for n in _ROW_ERRORS if r[n] is not None)):
+            bad(f"{kind}.rows[{i}] must hold {', '.join(_ROW_TYPES)} (numbers, where a string; sizes in (0, 2^63); "
+                f"residuals and errors within {ERROR_MAX:g}), got {_brief(r)}")
         rows.append(RowFit(**{n: float(v) if n not in ("where", "seq_len", "predicted", "measured") and v is not None
                               else v for n, v in r.items()}))
     return Fit(kind, tuple(knots), tuple(rows))
@@ -378,7 +403,9 @@ def from_json(text: str, path: str = "calibration") -> Calibration:
         raise CalibrationError("calibration", f"{path} is not a peakledger calibration this version reads: {what}")
 
     try:
-        data = json.loads(text)
+        data = strict_json.loads(text)
+    except strict_json.JSONRefused as e:
+        bad(str(e))
     except ValueError as e:
         bad(f"not JSON ({e})")
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -48,6 +48,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from ..simulator import strict_json
 from ..simulator.events import (
     Action,
     Block,
@@ -62,9 +63,10 @@ from ..simulator.events import (
     new_event,
 )
 from ..simulator.files import InputError, digits_message, read_text, too_many_digits
+from ..simulator.numbers import float_text, int_text
 from ..simulator.timeline import PeakPoint, Timeline, timeline
 from .ledger import LedgerRow, ledger_at
-from .units import UNITS
+from .units import UNITS, unit_scale
 
 EVENTS_FILE_LIMIT = 16 << 20  # bytes of an events file (a hand-made list; ~400,000 CSV rows)
 REQUIRED = ("time", "object", "bytes", "action")
@@ -82,7 +84,6 @@ _PHASE = {p.value: p for p in Phase}
 _CATEGORY = {**{c.value: (c, None) for c in Category},
              **{f"optimizer_state.{s.value}": (Category.OPTIMIZER_STATE, s) for s in OptimizerState}}
 _SIZE = re.compile(r"^([0-9]+)(?:\.([0-9]+))?\s*([A-Za-z]*)$")
-_UNITS = {u.lower(): v for u, v in UNITS.items()}
 MAX_DIGITS = 400  # no byte count or rank has that many
 MAX_BYTES = 2**63 - 1  # one event's bytes at most (8 EiB: no device holds more)
 MAX_RANK = 2**31 - 1
@@ -180,11 +181,11 @@ def _time(value, at: _At) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise at.error("time", f"must be a number, got {_show(value)}")
     try:
-        t = float(value)
+        t = float_text(value) if isinstance(value, str) else float(value)  # (ASCII digits only)
     except OverflowError:
         t = math.inf
-    except ValueError:
-        raise at.error("time", f"{_show(value)} is not a number") from None
+    if t is None:
+        raise at.error("time", f"{_show(value)} is not a number (ASCII digits 0-9)")
     if math.isnan(t):
         raise at.error("time", "NaN is not a time: give a finite number")
     if math.isinf(t):
@@ -211,12 +212,15 @@ def _bytes(value, at: _At) -> int:
     if s.startswith("-"):
         raise at.error("bytes", f"{_show(value)} is negative: {what}")
     m = _SIZE.match(s.lstrip("+"))
-    if not m or (m.group(3) and m.group(3).lower() not in _UNITS):
+    if not m:
         raise at.error("bytes", f"cannot read {_show(value)}: {what}")
     whole, frac, unit = m.group(1), m.group(2) or "", m.group(3)
+    try:
+        scale = unit_scale(unit) if unit else 1  # case-sensitive: 1Mb is refused, not read as 1 MB
+    except ValueError as e:
+        raise at.error("bytes", f"cannot read {_show(value)}: {e}") from None
     if len(whole) + len(frac) > MAX_DIGITS:
         raise at.error("bytes", f"{len(whole) + len(frac):,} digits is not a byte count: {what}")
-    scale = _UNITS[unit.lower()] if unit else 1
     part = int(frac) * scale if frac else 0
     if part % 10 ** len(frac):
         raise at.error("bytes", f"{_show(value)} is not a whole number of bytes: {what}")
@@ -230,8 +234,9 @@ def _at_most(n: int, at: _At) -> int:
 
 
 def _rank(value, at: _At) -> int:
-    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= MAX_DIGITS:
-        value = int(value.strip())
+    if isinstance(value, str) and len(value.strip()) <= MAX_DIGITS and int_text(value.strip().lstrip("+-")) \
+            is not None:
+        value = int_text(value.strip())  # ASCII digits only: a Thai 3 or a superscript 2 is not a rank
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RANK:
         return value
     raise at.error("rank", f"{_show(value)} is not an integer in [0, {MAX_RANK}] (the process or device index)")
@@ -292,7 +297,9 @@ def _check_header(header: list[str], path: str, line: int) -> None:
 
 def _json_records(text: str, path: str):
     try:
-        data = json.loads(text, parse_constant=float)  # NaN / Infinity: read, then refused where they stand
+        data = strict_json.loads(text, constants=True)  # NaN / Infinity: read, then refused where they stand
+    except strict_json.JSONRefused as e:
+        raise UserEventsError(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserEventsError(f"{path} is not JSON: {e}") from None
     except RecursionError:

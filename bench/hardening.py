@@ -1,8 +1,11 @@
-"""Issue 11's findings, before and after: every case of bench/hardening_cases.py run as a real command.
+"""The hardening findings, before and after: every case run as a real command. Issues 11 and 23: the cases of
+bench/hardening_cases.py (`--cases 11`, the default); issue 34: those of bench/hardening_cases_34.py (`--cases 34`).
+Each set has its section of bench/HARDENING.md.
 
     python bench/hardening.py                                  # this tree: print the table
     python bench/hardening.py --before /path/to/old/venv/bin/python --write   # + an older install, into
                                                                               #   bench/HARDENING.md
+    python bench/hardening.py --cases 34 --before /tmp/bv/bin/python --before-commit 3b41967 --write
 
 Each case runs in a fresh temporary folder as its working directory, under a time limit (`--timeout`,
 a case that runs on is "did not finish") and an address-space limit (`--memory`, so an unbounded run
@@ -23,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from hardening_cases import CASES, GPU_TRUTH, make_special_files  # bench/hardening_cases.py, beside this script
+from hardening_cases_34 import CASES_34
 from sections import replace_section  # bench/sections.py, beside this script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,9 +47,13 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
             if case.umask is not None:
                 os.umask(case.umask)
 
+        cmd = [python, "-c", RUNNER, *argv]
         try:
-            p = subprocess.run([python, "-c", RUNNER, *argv], cwd=tmp, capture_output=True, text=True,
-                               timeout=timeout, preexec_fn=limits, stdin=subprocess.DEVNULL)
+            if case.driver is not None:
+                p = case.driver(cmd, tmp, timeout, limits)
+            else:
+                p = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=timeout, preexec_fn=limits,
+                                   stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             return False, f"did not finish in {timeout:.0f} s"
         text = (p.stdout + p.stderr).lower()
@@ -85,6 +93,9 @@ def render(rows: list[tuple], with_before: bool) -> str:
     return "\n".join(lines)
 
 
+SETS = {"11": (CASES, "## Cases", "issues 11 and 23"), "34": (CASES_34, "## Issue 34", "issue 34")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", metavar="PYTHON", help="a python whose peakledger is the older version")
@@ -93,10 +104,12 @@ def main() -> int:
     ap.add_argument("--memory", type=int, default=16 << 30, help="address-space limit per case, bytes")
     ap.add_argument("--only", help="run the cases whose id contains this")
     ap.add_argument("--write", action="store_true", help="write bench/HARDENING.md")
+    ap.add_argument("--cases", choices=SETS, default="11", help="which set: 11 (issues 11 and 23) or 34")
     args = ap.parse_args()
+    cases, heading, issue = SETS[args.cases]
     rows = []
     before_wrong: dict[str, int] = {}
-    for case in CASES:
+    for case in cases:
         if args.only and args.only not in case.id:
             continue
         before_right, before = run_case(case, args.before, args.timeout, args.memory) if args.before else (True, "")
@@ -117,16 +130,18 @@ def main() -> int:
     summary += f".\n\nWrong cases by kind: {by_group}"
     print(summary)
     if args.write:
-        text = (f"## Cases\n\n`python bench/hardening.py --before OLD_PYTHON --before-commit SHA --write` "
-                f"(cases: bench/hardening_cases.py, asserted "
-                f"by tests/test_hardening.py). Each case ran as a real command in a fresh folder, {args.timeout:.0f} s "
+        source, test = ("bench/hardening_cases.py", "tests/test_hardening.py") if args.cases == "11" else \
+            ("bench/hardening_cases_34.py", "tests/test_hardening_34.py")
+        text = (f"{heading}\n\n`python bench/hardening.py --cases {args.cases} --before OLD_PYTHON --before-commit SHA "
+                f"--write` (cases: {source}, asserted by {test}; {issue}). Each case ran as a real command in a fresh "
+                f"folder, {args.timeout:.0f} s "
                 f"and {args.memory >> 30} GiB of address space at most. "
                 f"'before' is the peakledger of commit {args.before_commit} "
                 f"(before this work), 'after' this tree.\n\n{summary}.\n\n{table}\n")
         path = ROOT / "bench" / "HARDENING.md"
         if not path.exists():
             path.write_text("# Hardening: the findings of issues 11 and 23, before and after\n")
-        replace_section("## Cases", text, str(path))
+        replace_section(heading, text, str(path))
     return 1 if wrong else 0
 
 

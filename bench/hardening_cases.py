@@ -32,6 +32,10 @@ class Case:
     says: tuple[str, ...] = ()  # each must appear in stdout + stderr (lower case compared)
     check: Callable[[str, str, Path], str | None] | None = None  # (stdout, stderr, tmp) -> problem or None
     umask: int | None = None
+    # runs the command itself, with the fault the case needs (a closed stdout, a killed worker, a file-size
+    # limit): (command, tmp, timeout, preexec) -> CompletedProcess, or subprocess.TimeoutExpired. Such a case
+    # runs as a real command only (bench/hardening.py run_case), in the tests too
+    driver: Callable | None = None
 
 
 def _trace(mutate: Callable[[dict], None] | None = None) -> Callable[[], bytes]:
@@ -516,14 +520,17 @@ CASES: list[Case] = [
 
 
 def make_special_files(case: Case, tmp: Path) -> None:
-    """`{tmp}/fifo`: a named pipe; `{tmp}/null`: a character device like /dev/null (made here, so a version
-    that replaces devices by files never touches the real /dev/null)."""
+    """`{tmp}/fifo`: a named pipe; `{tmp}/loop1`: a symbolic link loop; `{tmp}/null`: a character device like
+    /dev/null (made here, so a version that replaces devices by files never touches the real /dev/null)."""
     import os
     import stat
 
     argv = " ".join(case.argv)
     if "{tmp}/fifo" in argv:
         os.mkfifo(tmp / "fifo")
+    if "{tmp}/loop1" in argv:  # a symbolic link loop: loop1 -> loop2 -> loop1
+        os.symlink("loop2", tmp / "loop1")
+        os.symlink("loop1", tmp / "loop2")
     if "{tmp}/null" in argv:
         try:
             os.mknod(tmp / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))

@@ -30,6 +30,7 @@ import functools
 import json
 from pathlib import Path
 
+from ..simulator import strict_json
 from .config import ConfigError, TrainingSetup, TransformerConfig, read_config_file
 from .parallel.expert import expert_combine, expert_dispatch
 from .tape import ParamSpec, TensorSpec
@@ -100,7 +101,7 @@ def read_counts(path: str | Path, cfg: TransformerConfig, setup: TrainingSetup) 
 def _read_counts(path: str, cfg: TransformerConfig, setup: TrainingSetup) -> tuple[tuple[int, ...], ...]:
     """A "peakledger-moe-counts" file, checked strictly against the model and the micro-batch: a ConfigError
     naming the field ("moe_routing.layers[3]", ...) for anything that does not fit."""
-    data = read_config_file(path, "moe_routing", json.loads, json.JSONDecodeError, "JSON")
+    data = read_config_file(path, "moe_routing", strict_json.loads, json.JSONDecodeError, "JSON")
 
     def bad(field: str, what: str) -> ConfigError:
         return ConfigError(f"moe_routing.{field}", f"{path}: {what}")

@@ -13,6 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticUndefined
 
+from ..simulator import strict_json
 from .config import ATTENTION, GPT2_ACTIVATIONS, ConfigError, MLPConfig, TransformerConfig, read_config_file
 
 PRESETS: dict[str, TransformerConfig | MLPConfig] = {
@@ -319,7 +320,7 @@ HAND_WRITTEN_HF = ("gpt2", *HF_DECODERS, "mixtral")  # the model types the hand-
 def read_hf_json(path: str | Path) -> dict:
     """A config.json's object (bounded, checked to be a JSON object)."""
     path = Path(path)
-    data = read_config_file(path, "hf_config", json.loads, json.JSONDecodeError, "JSON")
+    data = read_config_file(path, "hf_config", strict_json.loads, json.JSONDecodeError, "JSON")
     if not isinstance(data, dict):
         raise ConfigError("hf_config", f"{path} must hold a JSON object")
     return data

@@ -16,24 +16,30 @@ Bad input exits 2 with one line naming the field and the allowed values.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 import traceback
 
 from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_simulate, cmd_validate, cmd_where
+from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.trace.boundary import time_limit
-from .simulator.files import InputError, digits_message, too_many_digits
+from .simulator.files import InputError, all_or_none, digits_message, too_many_digits
 
 
 class Parser(argparse.ArgumentParser):
     """argparse without prefix matching (`--micro 3` is not `--micro-batch 3`; `sweep --json` is not
-    `--json-output`), its errors in the CLI's one-line form with exit 2 (subcommands' parsers are of this class)."""
+    `--json-output`), a single-valued flag given twice refused (`_Once`), its errors in the CLI's one-line form
+    with exit 2 (subcommands' parsers are of this class)."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        for name, action in ONCE_ACTIONS.items():
+            self.register("action", name, action)
+        self.register("action", None, ONCE_ACTIONS["store"])
 
     def error(self, message: str):
         self.exit(2, f"peakledger: error: {message} (see {self.prog} --help)\n")
@@ -66,6 +72,17 @@ def _internal_error(args, e: BaseException) -> int:
     return 3
 
 
+def _silence_stdout() -> None:
+    """stdout's reader has gone: what Python still holds for it goes to /dev/null, so the flush at exit neither
+    raises nor turns the exit status into 120 (docs.python.org/3/library/signal.html, note on SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # (a stdout without a file descriptor: a test's capture)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success (1: a validate outside its tolerance), 2 on bad input (one line naming it), 3 on an
     internal error (a bug: one line, the traceback with --debug), 130 / 143 when interrupted / terminated."""
@@ -77,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         check_common(args)
-        with time_limit(getattr(args, "module_timeout", None)):
-            return args.func(args)
+        with time_limit(getattr(args, "module_timeout", None)), all_or_none():  # (the outputs: all or none)
+            try:
+                return args.func(args)
+            except BrokenPipeError:  # stdout's reader went away (| head): the outputs stand, and the verdict
+                _silence_stdout()
+                return getattr(args, "exit_code", 0)
     except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # output piped into head & co.
-        sys.stderr.close()
-        return 0
+    except BrokenPipeError:  # output piped into head & co.: the verdict the command settled before its output
+        _silence_stdout()
+        return getattr(args, "exit_code", 0)
     except KeyboardInterrupt as e:
         print(f"peakledger: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}: nothing written",
               file=sys.stderr)

@@ -7,13 +7,51 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
+from . import api
+from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
 from .models.config import SECTIONS, ConfigError, TrainingSetup, setup_knobs
 from .models.costs import DEVICES, device_profile
 from .models.presets import PRESETS
 from .scenario import parse_value
+from .simulator.numbers import float_text, int_text, non_ascii_digit
+
+
+class _Once:
+    """A flag that takes one value refuses a second (`--budget 1GiB --budget 1MiB`, or a switch and its `--no-`
+    twin): argparse would keep the last silently. Mixed into argparse's own store actions; repeatable flags are
+    declared `action="append"`."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = namespace.__dict__.setdefault(GIVEN, {})
+        if option_string is not None and self.dest in given:
+            first = given[self.dest]
+            parser.error(f"{option_string} is given twice" if first == option_string else
+                         f"{option_string} and {first} both set {self.dest}: give one")
+        if option_string is not None:
+            given[self.dest] = option_string
+        super().__call__(parser, namespace, values, option_string)
+
+
+GIVEN = "_flags_given"  # the namespace's record of the flags given, by destination
+ONCE_ACTIONS = {name: type(f"Once{base.__name__}", (_Once, base), {}) for name, base in (
+    ("store", argparse._StoreAction), ("store_const", argparse._StoreConstAction),
+    ("store_true", argparse._StoreTrueAction), ("store_false", argparse._StoreFalseAction))}
+
+
+def given_on_command_line(args, dest: str) -> bool:
+    """The flag of `dest` was on the command line (not a default)."""
+    return dest in getattr(args, GIVEN, {})
+
+
+def decide(args, code: int) -> int:
+    """A command's exit status, settled before it writes its output: a reader that goes away (`| head -1`) ends
+    the output, never the verdict (cli.main returns it on a closed pipe)."""
+    args.exit_code = code
+    return code
 
 
 def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
@@ -25,11 +63,12 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    help="your own model: FACTORY() returns (model, batch, loss_fn); traced on fake tensors")
     g.add_argument("--describer", help="auto (default), traced, hand-written: how --hf-config is described")
     for name, kind in MODEL_FLAG_TYPES:
-        g.add_argument("--" + name.replace("_", "-"), type=kind, dest=f"model_{name}", help=argparse.SUPPRESS)
+        g.add_argument("--" + name.replace("_", "-"), type=VALUE_TYPES[kind], dest=f"model_{name}",
+                       help=argparse.SUPPRESS)
     add_setup_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
-    r.add_argument("--headroom", type=float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
+    r.add_argument("--headroom", type=flag_float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
     r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings on GPU device profiles, in "
                    "PYTORCH_CUDA_ALLOC_CONF syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     r.add_argument("--empty-cache-before-save", action="store_true", default=None,
@@ -40,22 +79,39 @@ def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
                    help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
-    r.add_argument("--module-timeout", type=float, metavar="SECONDS",
+    r.add_argument("--module-timeout", type=flag_float, metavar="SECONDS",
                    help="--module: the longest its import, factory or traced step may run (default 600; 0: no limit)")
 
 
+def _typed(read, kind: str):
+    """An argparse type reading ASCII numbers only (simulator/numbers.py): `--micro-batch ๓` is refused, not 3."""
+    def convert(text: str):
+        value = read(text)
+        if value is None:
+            odd = non_ascii_digit(text)
+            raise argparse.ArgumentTypeError(f"invalid {kind} value: {text!r}" + (
+                f" ({odd!r} is not one of the digits 0-9)" if odd else ""))
+        return value
+    convert.__name__ = kind
+    return convert
+
+
+flag_int = _typed(int_text, "int")
+flag_float = _typed(float_text, "float")
+
+
 def _comma_ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 0,3,7), got {text!r}") from None
+    values = tuple(int_text(x) for x in text.split(",") if x.strip())
+    if any(v is None for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (e.g. 0,3,7), got {text!r}")
+    return values
 
 
 def _comma_strs(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(","))
 
 
-VALUE_TYPES = {int: int, float: float, str: str, str | None: str, tuple[int, ...]: _comma_ints,
+VALUE_TYPES = {int: flag_int, float: flag_float, str: str, str | None: str, tuple[int, ...]: _comma_ints,
                tuple[str, ...]: _comma_strs}
 
 
@@ -112,6 +168,47 @@ def check_line(fits: bool, need: int, budget: int, unit: str) -> str:
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     return (f"fit check: FITS ({f(need)} of {f(budget)}, margin {f(budget - need)})" if fits else
             f"fit check: DOES NOT FIT ({f(need)} needed of {f(budget)}: over by {f(need - budget)})")
+
+
+@dataclass(frozen=True)
+class FitVerdict:
+    """A --check's answer, from the run's true demand: `need` is the capacity the whole run needs, or, for a run
+    that stopped at its first OOM (`stopped_at`, the op), a lower bound (what was live there plus the allocation
+    that failed, x (1 + headroom)): such a run never fits. `by_retry`: on a GPU profile the need is over the budget
+    but the caching allocator serves every request within it by freeing its cache and retrying (torch's rule)."""
+
+    fits: bool
+    need: int
+    budget: int
+    stopped_at: str | None = None
+    by_retry: bool = False
+
+    def line(self, unit: str) -> str:
+        f = lambda n: format_bytes(n, unit)  # noqa: E731
+        if self.stopped_at is not None:
+            return (f"fit check: DOES NOT FIT (the run stopped at its first OOM, at {self.stopped_at}: at least "
+                    f"{f(self.need)} needed of {f(self.budget)}, over by at least {f(self.need - self.budget)})")
+        if self.by_retry:
+            return (f"fit check: FITS (within {f(self.budget)} because the caching allocator frees its cache and "
+                    f"retries when a request does not fit, torch's rule; without that it would hold {f(self.need)})")
+        return check_line(self.fits, self.need, self.budget, unit)
+
+    def as_json(self) -> dict:
+        return {"budget": self.budget, "fits": self.fits, "capacity_needed": self.need,
+                "capacity_needed_is_lower_bound": self.stopped_at is not None, "stopped_at_oom": self.stopped_at,
+                "fits_by_allocator_retry": self.by_retry}
+
+
+def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
+    """The --check verdict of `report` against `budget` (see FitVerdict); never read from a partial run."""
+    log = report.log
+    if log.metadata.get("stopped_at_oom") and log.ooms:
+        oom = log.ooms[0]
+        need = with_headroom(oom.live_bytes + oom.event.block.nbytes, headroom)
+        return FitVerdict(False, max(need, budget + 1), budget, stopped_at=oom.event.op)
+    fits = api.fits(report, budget) and not log.ooms
+    need = report.capacity_needed
+    return FitVerdict(fits, need, budget, by_retry=fits and need > budget)
 
 
 def _parse_case(text: str) -> tuple[str, dict]:

@@ -46,6 +46,7 @@ from .cli_common import _add_scenario_flags
 from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_KNOBS, scenario_from_args
 from .models.config import TrainingSetup
 from .simulator.files import InputError, check_outputs, read_input, read_text, write_atomic
+from .simulator.numbers import float_text, int_text
 from .traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, parse_snapshot, safe_loads
 
 CSV_LIMIT = 16 << 20
@@ -69,10 +70,19 @@ class Row:
 
 # -- rows in ---------------------------------------------------------------------------------------------------
 
+# a measurements file never names code to run or a file to read as the model (a file handed on must not make
+# peakledger import a module or read a path of its choosing): the model comes from the command line
+NOT_IN_CSV = {"module": "--module", "scenario": "--scenario", "hf_config": "--hf-config"}
+
+
 def _key(name: str, field: str, where: str) -> str:
     key = name.strip().replace("-", "_")
+    if field == "csv" and key in NOT_IN_CSV:
+        raise InputError(field, f"{where}: a measurements file never names code or a model file (column "
+                                f"{name.strip()!r}); give the model once on the command line with {NOT_IN_CSV[key]}")
     if key not in FIELD_DESTS and key not in MEASURED:
-        raise InputError(field, f"{where}: unknown field {name.strip()!r}; allowed: {', '.join(ALLOWED)}")
+        allowed = [a for a in ALLOWED if field != "csv" or a not in NOT_IN_CSV]
+        raise InputError(field, f"{where}: unknown field {name.strip()!r}; allowed: {', '.join(allowed)}")
     return key
 
 
@@ -160,11 +170,19 @@ def _convert(key: str, text: str, where: str):
             return value
         if kind is tuple:
             items = [x.strip() for x in text.split(",") if x.strip()]
-            return items if key == "frozen" else tuple(int(x) if key == "checkpoint_layers" else x for x in items)
-        return kind(text) if kind in (int, float) else text
+            return items if key == "frozen" else tuple(_number(int_text, x) if key == "checkpoint_layers" else x
+                                                       for x in items)
+        return _number({int: int_text, float: float_text}[kind], text) if kind in (int, float) else text
     except ValueError:
         allowed = {bool: "true or false", tuple: "comma-separated values", int: "an integer"}.get(kind, "a number")
         raise InputError(key, f"{where}: expected {allowed}, got {text!r}") from None
+
+
+def _number(read, text: str):
+    value = read(text)  # ASCII digits only (simulator/numbers.py)
+    if value is None:
+        raise ValueError(text)
+    return value
 
 
 def row_scenario(args, row: Row):

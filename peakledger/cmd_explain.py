@@ -11,7 +11,15 @@ from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
 from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
-from .cli_common import _add_scenario_flags, _budget, _write_json, add_check_flag, budget_of, check_line
+from .cli_common import (
+    _add_scenario_flags,
+    _budget,
+    _write_json,
+    add_check_flag,
+    budget_of,
+    check_line,
+    decide,
+)
 from .inputs import scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
 from .traces.store import load_trace
@@ -29,7 +37,7 @@ def cmd_explain(args) -> int:
     budget = budget_of(args, scenario, "explain")
     x = diagnosis.explain(scenario, budget, host_budget)
     setup = dataclasses.asdict(scenario.setup)
-    status = 1 if args.check and not x.fits else 0
+    status = decide(args, 1 if args.check and not x.fits else 0)
     if args.json:
         _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
                      "capacity_needed": x.capacity_needed, "fits": x.fits, "step_time_s": x.step_time,

@@ -30,7 +30,7 @@ from .analysis.user_events import (
     timeline_csv,
     timeline_rows,
 )
-from .cli_common import _write_json
+from .cli_common import _write_json, flag_int, given_on_command_line
 from .simulator.events import Pool
 from .simulator.files import InputError, check_outputs, write_atomic
 
@@ -43,6 +43,7 @@ def cmd_ledger(args) -> int:
     if args.rank is not None and args.rank < 0:
         raise InputError("--rank", f"must be an integer >= 0, got {args.rank}")
     u = read_user_events(args.events)
+    unit_given = given_on_command_line(args, "unit")  # (else the unit follows the peak's size)
     pools = _chosen(args, pool_ledgers(u))
     if (args.plot or args.export_timeline) and len(pools) > 1:
         raise InputError("--plot" if args.plot else "--export-timeline",
@@ -52,14 +53,14 @@ def cmd_ledger(args) -> int:
         pl = pools[0]
         with warnings.catch_warnings():  # (matplotlib's on a list whose events share one instant: a zero-width axis)
             warnings.simplefilter("ignore", UserWarning)
-            plot_timeline(pl.timeline, args.plot, unit=args.unit if args.unit_given else _auto_unit(pl.peak.bytes),
+            plot_timeline(pl.timeline, args.plot, unit=args.unit if unit_given else _auto_unit(pl.peak.bytes),
                           title=f"{u.path}: rank {pl.timeline.rank} {pl.timeline.pool.value} memory by category")
     if args.export_timeline:
         write_atomic(args.export_timeline, timeline_csv(u, pools[0]))
     if args.json:
         _write_json(ledger_json(u, pools))
         return 0
-    unit = args.unit if args.unit_given else _auto_unit(max(p.peak.bytes for p in pools))
+    unit = args.unit if unit_given else _auto_unit(max(p.peak.bytes for p in pools))
     print("\n".join(ledger_text(u, pools, unit)))
     written = [x for x in (args.plot, args.export_timeline) if x]
     if written:
@@ -151,14 +152,6 @@ def _timeline_text(u: UserLog, pl: PoolLedger, f) -> list[str]:
     return lines
 
 
-class _Unit(argparse.Action):
-    """--unit, remembering that it was given (the plot's unit follows the peak's size otherwise)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        namespace.unit = values
-        namespace.unit_given = True
-
-
 def register(sub) -> None:
     """Adds the `ledger` sub-command."""
     p = sub.add_parser(
@@ -187,9 +180,9 @@ CSV lines whose first cell starts with # are comments. Errors exit 2 naming the 
     p.add_argument("--plot", metavar="FILE.png", help="write a PNG of occupancy by category (one rank and pool)")
     p.add_argument("--export-timeline", metavar="FILE.csv",
                    help="write the timeline as CSV: one line per event, bytes live in all and by category")
-    p.add_argument("--rank", type=int, help="report this rank only (default: every rank in the file)")
+    p.add_argument("--rank", type=flag_int, help="report this rank only (default: every rank in the file)")
     p.add_argument("--pool", choices=[x.value for x in Pool], help="report this pool only (default: both)")
-    p.add_argument("--unit", action=_Unit, choices=["B", "KiB", "MiB", "GiB", "KB", "MB", "GB"],
+    p.add_argument("--unit", choices=["B", "KiB", "MiB", "GiB", "KB", "MB", "GB"],
                    help="print sizes in this unit (default: the binary unit of the largest peak); --json gives bytes")
     p.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
-    p.set_defaults(func=cmd_ledger, unit_given=False)
+    p.set_defaults(func=cmd_ledger)

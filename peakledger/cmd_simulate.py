@@ -25,7 +25,17 @@ from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
-from .cli_common import _add_scenario_flags, _budget, _parse_case, _write_json, add_check_flag, budget_of, check_line
+from .cli_common import (
+    _add_scenario_flags,
+    _budget,
+    _parse_case,
+    _write_json,
+    add_check_flag,
+    budget_of,
+    decide,
+    fit_verdict,
+    flag_int,
+)
 from .deadline import deadline_budget, render_ranking
 from .inputs import (
     check_command_outputs,
@@ -97,7 +107,8 @@ def cmd_simulate(args) -> int:
         path = critical_path(graph)
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
-    fits = api.fits(report, budget) if args.check else None
+    verdict = fit_verdict(report, budget, scenario.headroom) if args.check else None
+    code = decide(args, 1 if verdict is not None and not verdict.fits else 0)
     savings = None
     if scenario.setup.compile:  # what compile saves: the same run simulated eager, beside it
         with progress(f"simulating {scenario.name} eager, for the comparison"):
@@ -105,8 +116,7 @@ def cmd_simulate(args) -> int:
     if args.json:
         _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
                      **({"compile_vs_eager": savings} if savings else {}),
-                     **({"fit_check": {"budget": budget, "fits": fits, "capacity_needed": report.capacity_needed}}
-                        if args.check else {})})
+                     **({"fit_check": verdict.as_json()} if verdict is not None else {})})
     else:
         print(render_text(report, args.unit))
         if path:
@@ -116,9 +126,9 @@ def cmd_simulate(args) -> int:
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
         if savings:
             print("\n".join(_savings_lines(savings, args.unit)))
-        if args.check:
-            print(check_line(fits, report.capacity_needed, budget, args.unit))
-    return 1 if fits is False else 0
+        if verdict is not None:
+            print(verdict.line(args.unit))
+    return code
 
 
 def _savings_lines(s: dict, unit: str) -> list[str]:
@@ -156,9 +166,10 @@ def cmd_max_batch(args) -> int:
         one = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=1)))
         result["capacity_needed_at_1"] = one.capacity_needed
         result["why_none"] = _why_no_batch(best, fixed, one.capacity_needed, budget, args.unit)
+    code = decide(args, 1 if args.check and best < 1 else 0)
     if args.json:
         _write_json(result)
-        return 1 if args.check and best < 1 else 0
+        return code
     u = args.unit
     print(f"{scenario.name}: budget {format_bytes(budget, u)}, fixed state {format_bytes(fixed, u)}")
     if best < 1:
@@ -172,7 +183,7 @@ def cmd_max_batch(args) -> int:
     if args.check:
         print("fit check: FITS (micro-batch 1 and up to the maximum)" if best >= 1 else
               "fit check: DOES NOT FIT (not even micro-batch 1)")
-    return 1 if args.check and best < 1 else 0
+    return code
 
 
 def _why_no_batch(best: int, fixed: int, at_one: int, budget: int, unit: str) -> str:
@@ -369,7 +380,7 @@ def register(sub) -> None:
                    help="a field and its values (repeat for more fields; points are the product)")
     w.add_argument("--budget", help="mark which points fit (80GiB, 80GB, bytes)")
     w.add_argument("--max-batch", action="store_true", help="with --budget: the largest micro-batch per point")
-    w.add_argument("--jobs", type=int, help="worker processes (default: every core; a cluster: its workers)")
+    w.add_argument("--jobs", type=flag_int, help="worker processes (default: every core; a cluster: its workers)")
     w.add_argument("--engine", default="local", help="local (processes on this machine), ray or dask "
                                                       "(pip install peakledger[ray] / peakledger[dask])")
     w.add_argument("--address", help="ray / dask: an existing cluster's address (default: a local cluster for the run)")

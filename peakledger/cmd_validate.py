@@ -14,7 +14,7 @@ from .analysis.device import device_settings, gpu_memory
 from .analysis.plot import plot_overlay
 from .analysis.units import format_bytes
 from .analysis.validate import PeakPair, compare_logs, render_validation, validation_json
-from .cli_common import _add_scenario_flags, _write_json
+from .cli_common import _add_scenario_flags, _write_json, decide, flag_float
 from .inputs import (
     VALIDATE_DEFAULTS,
     check_command_outputs,
@@ -132,6 +132,10 @@ def cmd_validate_ranks(args, scenario) -> int:
                                   "(or validate one rank's trace with --trace)")
     with progress(f"running {scenario.setup.world_size} ranks of {scenario.name} for real, then simulating"):
         results, simulated = validation.validate_ranks(scenario, backend=args.pg_backend or "gloo")
+    if args.tolerance is not None:
+        worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
+        ok = worst.passes(args.tolerance)
+        decide(args, 0 if ok else 1)
     if args.json:
         _write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
@@ -143,8 +147,6 @@ def cmd_validate_ranks(args, scenario) -> int:
         print(f"last stage - first stage peak: measured {last.measured - first.measured:+,} B, predicted "
               f"{last.predicted - first.predicted:+,} B")
     if args.tolerance is not None:
-        worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
-        ok = worst.passes(args.tolerance)
         print(f"worst rank peak error {worst.overall.error:+.3%} ({worst.name}) "
               f"{'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}", file=sys.stderr)
         return 0 if ok else 1
@@ -182,12 +184,13 @@ def cmd_validate(args) -> int:
     if args.plot:
         plot_overlay(timeline(measured), timeline(simulated), args.plot,
                      title=f"{scenario.name}: measured vs predicted")
+    ok = result.passes(args.tolerance) if args.tolerance is not None else True
+    decide(args, 0 if ok else 1)
     if args.json:
         _write_json(validation_json(result))
     else:
         print(render_validation(result, args.unit or "MiB"))
     if args.tolerance is not None:
-        ok = result.passes(args.tolerance)
         print(f"peak error {result.overall.error:+.3%} {'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}",
               file=sys.stderr)
         return 0 if ok else 1
@@ -278,7 +281,7 @@ def register(sub) -> None:
     """Add validate and capture to the `peakledger` parser's sub-commands."""
     v = sub.add_parser("validate", help="run the scenario for real on CPU and hold the simulation against it")
     _add_scenario_flags(v)
-    v.add_argument("--tolerance", type=float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
+    v.add_argument("--tolerance", type=flag_float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
     v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
     v.add_argument("--json", action="store_true")
     v.add_argument("--pg-backend", choices=["gloo", "fake"],

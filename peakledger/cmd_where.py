@@ -11,7 +11,7 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 from __future__ import annotations
 
 from .analysis.units import format_bytes
-from .cli_common import _add_scenario_flags, _write_json
+from .cli_common import _add_scenario_flags, _write_json, decide
 from .inputs import scenario_from_args
 from .models.config import ConfigError
 from .progress import progress
@@ -74,11 +74,12 @@ def cmd_where(args) -> int:
     with progress("simulating on each GPU profile", total=len(devices or GPU_PROFILES)) as bar:
         result = where(scenario, devices, search=not args.no_max_batch,
                        progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"))
+    code = decide(args, 1 if args.check and not result.fits_on else 0)
     if args.json:
         _write_json(result.as_json())
     else:
         print(render(result, args.unit))
-    return 1 if args.check and not result.fits_on else 0
+    return code
 
 
 def register(sub) -> None:

@@ -41,6 +41,7 @@ from .models.presets import HAND_WRITTEN_HF, PRESETS, hf_equivalent, load_hf_con
 from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .simulator.engine import SIMULATORS
+from .simulator.numbers import float_text, int_text
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 DEFAULT_PRESET = "gpt2"
@@ -106,11 +107,10 @@ def compiled_model(model: ModelConfig) -> ModelConfig:
 def parse_value(text: str):
     """A command-line value (`--case`, `--grid`) typed the one way peakledger types them: an int, a float,
     true/false, else the string itself. The field it is given to checks the type strictly."""
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
+    for read in (int_text, float_text):  # ASCII digits only (simulator/numbers.py)
+        value = read(text)
+        if value is not None:
+            return value
     return {"true": True, "false": False}.get(text.lower(), text)
 
 

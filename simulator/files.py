@@ -7,7 +7,11 @@ that gives nothing for `PIPE_IDLE_SECONDS` (no writer, or one that stalls) is re
 Outputs are checked before any work (`check_outputs`): not empty, the parent folder exists and takes a
 new file, not a folder, device, pipe or socket, never one of the command's inputs, never given twice.
 They are written atomically (`write_atomic`): a temporary file beside the target, then a rename, so a
-reader never sees half a file. A new file gets the user's umask (0666 & ~umask, as `open(..., "w")`),
+reader never sees half a file. Inside `all_or_none()` (the CLI runs every command in one) the outputs of
+the command are one set: each is written to its temporary file as the command makes it, and only when the
+command returns are they all renamed into place; a write that fails (a full disk) or any error removes
+every temporary file, so a command leaves all its outputs or none.
+A new file gets the user's umask (0666 & ~umask, as `open(..., "w")`),
 a replaced file keeps its mode; a symbolic link is followed and its target replaced, not the link.
 The temporary file is removed on every exit path that runs Python (errors, Ctrl-C, SIGTERM through the
 CLI's handler); one left by a run killed outright (SIGKILL) is removed by the next write into the same
@@ -16,14 +20,20 @@ folder once its process is gone (its name carries the pid).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import errno
 import os
 import select
 import stat
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 
 TMP_PREFIX = ".peakledger-tmp-"
 PIPE_IDLE_SECONDS = 10.0  # a named pipe given as an input: the longest wait for its next bytes
+PIPE_TOTAL_SECONDS = 30.0  # and for all of them: a writer that trickles a line every few seconds is cut off
 
 
 class InputError(ValueError):
@@ -75,8 +85,15 @@ def _read_pipe(path, field_name: str, limit: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
         chunks, size = [], 0
+        end = time.monotonic() + PIPE_TOTAL_SECONDS
         while size <= limit:
-            ready, _, _ = select.select([fd], [], [], PIPE_IDLE_SECONDS)
+            left = end - time.monotonic()
+            if left <= 0:
+                raise InputError(field_name, f"{path} is a named pipe still sending after {PIPE_TOTAL_SECONDS:g} s "
+                                             "(the longest peakledger reads one input); write it to a file first")
+            ready, _, _ = select.select([fd], [], [], min(PIPE_IDLE_SECONDS, left))
+            if not ready and time.monotonic() >= end:
+                continue
             if not ready:
                 raise InputError(field_name, f"{path} is a named pipe that gave no data for {PIPE_IDLE_SECONDS:g} s "
                                              "(nothing writes to it?); give a file, or start its writer first")
@@ -130,6 +147,11 @@ def check_outputs(outputs: dict[str, str], inputs: dict[str, str] | None = None)
         if str(path) == "":
             raise InputError(flag, "an empty path; give a file name")
         target = os.path.realpath(path)
+        try:
+            os.stat(target)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENAMETOOLONG, errno.ENOTDIR, errno.EACCES):
+                raise InputError(flag, f"{path} cannot be written: {e.strerror}") from None
         if os.path.lexists(target):
             mode = os.stat(target).st_mode if os.path.exists(target) else 0
             if mode and not stat.S_ISREG(mode):
@@ -140,10 +162,15 @@ def check_outputs(outputs: dict[str, str], inputs: dict[str, str] | None = None)
         parent = os.path.dirname(target) or "."
         if not os.path.isdir(parent):
             raise InputError(flag, f"folder {os.path.dirname(path) or '.'} does not exist")
-        try:  # the real test of "can a new file be made there": root ignores mode bits, not read-only mounts
+        try:  # the real test of "can a new file be made there": root ignores mode bits, not read-only mounts;
+            # a byte written finds a full disk (a file can be made while no block is left)
             fd, probe = tempfile.mkstemp(dir=parent, prefix=TMP_PREFIX + f"{os.getpid()}-")
-            os.close(fd)
-            os.unlink(probe)
+            try:
+                os.write(fd, b"\0")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
         except OSError as e:
             raise InputError(flag, f"cannot write into {parent}: {e.strerror or e}") from None
         for other, ipath in inputs.items():
@@ -153,6 +180,9 @@ def check_outputs(outputs: dict[str, str], inputs: dict[str, str] | None = None)
             if _same(other, target) or other == target:
                 raise InputError(flag, f"{path} is also the output of {other_flag}: give two different files")
         seen[flag] = target
+        stage = _STAGE.get()
+        if stage is not None:
+            stage.names[target] = flag
 
 
 def _umask() -> int:
@@ -182,7 +212,50 @@ def _clean_stale(directory: str) -> None:
             pass
 
 
-def write_atomic(path, data: bytes) -> None:
+class _Stage:
+    """The outputs of one command while it runs: (temporary file, target, mode) of each written so far."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[str, str, int]] = []
+        self.names: dict[str, str] = {}  # target -> the flag that named it (check_outputs), for messages
+
+    def discard(self) -> None:
+        for tmp, _, _ in self.files:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        self.files.clear()
+
+    def commit(self) -> None:
+        try:
+            for i, (tmp, target, mode) in enumerate(self.files):
+                os.replace(tmp, target)
+                self.files[i] = ("", target, mode)
+        finally:
+            self.files = [f for f in self.files if f[0]]
+            self.discard()
+
+
+_STAGE: contextvars.ContextVar[_Stage | None] = contextvars.ContextVar("peakledger_outputs", default=None)
+
+
+@contextlib.contextmanager
+def all_or_none() -> Iterator[None]:
+    """Within the block, `write_atomic` stages each output; when the block ends normally they are all moved into
+    place, when it raises none is (their temporary files are removed)."""
+    stage = _Stage()
+    token = _STAGE.set(stage)
+    try:
+        yield
+        stage.commit()
+    finally:
+        _STAGE.reset(token)
+        stage.discard()
+
+
+def write_atomic(path, data: bytes, staged: bool = True) -> None:
+    """Write `data` to `path` atomically (see the module docstring); inside `all_or_none()` the file is moved into
+    place when the command ends (`staged=False`: at once, for a cache that is no command's output). A write
+    that fails (a full disk, a file-size limit) is an InputError naming the output; nothing of it is left."""
     target = os.path.realpath(path)
     directory = os.path.dirname(target)
     _clean_stale(directory)
@@ -190,15 +263,25 @@ def write_atomic(path, data: bytes) -> None:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
         mode = 0o666 & ~_umask()
+    stage = _STAGE.get() if staged else None
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX + f"{os.getpid()}-")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, mode)
+        except OSError as e:
+            name = stage.names.get(target, str(path)) if stage is not None else str(path)
+            rest = "; nothing was written" if stage is not None else ""
+            raise InputError(name, f"cannot write {path}: {e.strerror or e}{rest}") from None
+        if stage is not None:
+            stage.files.append((tmp, target, mode))
+            tmp = ""
+        else:
+            os.replace(tmp, target)
     finally:
-        if os.path.lexists(tmp):
+        if tmp and os.path.lexists(tmp):
             os.unlink(tmp)
 
 
-__all__ = ["InputError", "read_input", "read_text", "check_outputs", "write_atomic"]
+__all__ = ["InputError", "read_input", "read_text", "check_outputs", "write_atomic", "all_or_none"]

@@ -9,6 +9,15 @@ from peakledger.cli import main
 TINY = ["--preset", "tiny", "--micro-batch", "2", "--seq-len", "16"]
 
 
+def _tiny_but(*argv: str) -> list[str]:
+    """TINY without the flags `argv` gives (a flag given twice is refused)."""
+    out = []
+    for flag, value in zip(TINY[::2], TINY[1::2]):
+        if flag not in argv:
+            out += [flag, value]
+    return out
+
+
 def run_cli(capsys, *argv):
     code = main(list(argv))
     out = capsys.readouterr()
@@ -51,7 +60,8 @@ def test_scenario_file_and_flag_override(tmp_path, capsys):
 
 def test_json_names_the_micro_batch_size_and_the_index_apart(capsys):
     """Schema version 2: `setup.micro_batch` is a size, `peak.micro_batch_index` a place in gradient accumulation."""
-    data = json.loads(run_cli(capsys, "simulate", *TINY, "--micro-batch", "3", "--grad-accum", "2", "--json")[1])
+    argv = [*_tiny_but("--micro-batch"), "--micro-batch", "3", "--grad-accum", "2", "--json"]
+    data = json.loads(run_cli(capsys, "simulate", *argv)[1])
     assert data["version"] == 2 and data["setup"]["micro_batch"] == 3
     assert data["peak"]["micro_batch_index"] in (-1, 0, 1) and "micro_batch" not in data["peak"]  # -1: the step
 
@@ -92,7 +102,7 @@ def test_compare_prints_cases_side_by_side(capsys):
     (["--offload-first-step", "chunked"], "offload_first_step"),
 ])
 def test_bad_input_exits_2_naming_the_field(capsys, argv, field):
-    code, out, err = run_cli(capsys, "simulate", *TINY, *argv)
+    code, out, err = run_cli(capsys, "simulate", *_tiny_but(*argv), *argv)
     assert code == 2 and field in err and "Traceback" not in err
 
 

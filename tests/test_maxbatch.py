@@ -38,7 +38,10 @@ def test_budget_strings():
     assert parse_bytes("1.5GiB") == 3 * 2**29
     assert parse_bytes("12345B") == 12345 and parse_bytes("85899345920") == 80 * 2**30
     assert parse_bytes("24G") == parse_bytes("24gi") == parse_bytes("24GiB") == 24 * 2**30
-    assert parse_bytes("24gb") == 24 * 10**9
+    for bits in ("24gb", "24Gb", "1Mb", "1mib"):  # a lowercase b is a bit: refused, never read as bytes
+        with pytest.raises(ConfigError, match="ambiguous"):
+            parse_bytes(bits)
+    assert parse_bytes("1kB") == 1000 and parse_bytes("24g") == 24 * 2**30
     for forgotten in ("80", "24", "1048575"):
         with pytest.raises(ConfigError, match="no unit"):
             parse_bytes(forgotten)

@@ -20,6 +20,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..simulator import strict_json
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 from ..simulator.files import InputError, digits_message, read_input, too_many_digits, write_atomic
 from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
@@ -156,7 +157,9 @@ def _unpacked(data: bytes, path, field_name: str) -> bytes:
 
 def _json_log(data: bytes, path, field_name: str) -> EventLog:
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = strict_json.loads(data.decode("utf-8"))
+    except strict_json.JSONRefused as e:
+        raise TraceFormatError(f"{path}: {e}", field_name) from None
     except UnicodeDecodeError:
         raise TraceFormatError(f"{path} is neither JSON text nor a CUDA snapshot pickle", field_name) from None
     except json.JSONDecodeError as e:

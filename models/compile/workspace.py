@@ -230,7 +230,7 @@ def _remember(key: tuple, nbytes: int) -> None:
     _DISK[path] = on_disk
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        write_atomic(path, json.dumps(on_disk, sort_keys=True, indent=0).encode())
+        write_atomic(path, json.dumps(on_disk, sort_keys=True, indent=0).encode(), staged=False)  # (a cache)
     except OSError:  # a read-only home: measured again next time
         pass
 

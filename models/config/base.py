@@ -4,6 +4,7 @@ checks (positive integers, bounded counts, one of a set of choices) the config c
 from __future__ import annotations
 
 from ...simulator.files import InputError, digits_message, read_text, too_many_digits
+from ...simulator.strict_json import JSONRefused
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -25,6 +26,8 @@ def read_config_file(path, field_name: str, parse, parse_error: type[Exception],
         return parse(text)
     except RecursionError:
         raise ConfigError(field_name, f"{path} is nested too deeply to be a {kind} config") from None
+    except JSONRefused as e:
+        raise ConfigError(field_name, f"{path}: {e}") from None
     except parse_error as e:
         raise ConfigError(field_name, f"{path} is not valid {kind}: {e}") from None
     except ValueError as e:

@@ -130,8 +130,15 @@ HF_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_laye
                  "decoder_layers", "num_local_experts", "num_experts", "n_routed_experts")
 
 
+# config keys that are sizes every model of theirs needs at least one of (a vocabulary of 0 tokens makes no batch)
+HF_SIZE_KEYS = ("vocab_size", "hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head",
+                "num_key_value_heads", "head_dim", "intermediate_size", "num_hidden_layers", "n_layer", "num_layers",
+                "max_position_embeddings", "n_positions")
+
+
 def check_hf_sizes(data: dict, where: str = "hf_config") -> None:
-    """Every integer of the config fits torch's int64 sizes, and the module counts are within COUNT_LIMITS."""
+    """Every integer of the config fits torch's int64 sizes, the sizes (HF_SIZE_KEYS) given as integers are at
+    least 1, and the module counts are within COUNT_LIMITS."""
     limit, why = COUNT_LIMITS["n_layer"]
     for key, value in data.items():
         if isinstance(value, dict):
@@ -141,6 +148,8 @@ def check_hf_sizes(data: dict, where: str = "hf_config") -> None:
         for v in values:
             if isinstance(v, int) and not isinstance(v, bool) and abs(v) > INT64_MAX:
                 raise ConfigError(f"{where}.{key}", f"{v:,} is over 2^63 - 1, the largest size torch can hold (int64)")
+        if key in HF_SIZE_KEYS and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ConfigError(f"{where}.{key}", f"must be a positive integer (a size), got {value}")
         if key in HF_COUNT_KEYS and isinstance(value, int) and not isinstance(value, bool) and value > limit:
             raise ConfigError(f"{where}.{key}", f"{value:,} is over the limit of {limit:,} ({why})")
 
