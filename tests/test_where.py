@@ -67,8 +67,10 @@ def cli_json(*argv) -> dict:
 
 def simulate_fits(args: list[str], device: str, micro_batch: int | None = None) -> bool:
     """Independently of where.py: `simulate --budget <the profile's memory>` records no OOM."""
-    mb = ["--micro-batch", str(micro_batch)] if micro_batch is not None else []
-    d = cli_json("simulate", *args, *mb, "--device", device, "--budget", str(DRIVER_TOTALS[device][0]))
+    if micro_batch is not None:  # (in place of the args' own: a flag is given once)
+        at = args.index("--micro-batch")
+        args = [*args[:at], "--micro-batch", str(micro_batch), *args[at + 2:]]
+    d = cli_json("simulate", *args, "--device", device, "--budget", str(DRIVER_TOTALS[device][0]))
     return not d["ooms"]
 
 

@@ -254,9 +254,12 @@ class _Prober:
         import subprocess
         import sys
 
+        from ..trace.processes import own_processes
+
         code = "from peakledger.models.compile.workspace import serve; serve()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        with own_processes():  # (started inside the traced step's user_code block: peakledger's, not the user's)
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True, bufsize=1)
         self.asked: list[str] = []
         self.answers: dict[str, int] = {}
 

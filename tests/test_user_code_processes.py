@@ -1,0 +1,290 @@
+"""Issue 34, "User code": what a `--module` file's code leaves behind once peakledger is done with it.
+
+1. The processes it starts (from the module's import, the factory, the model's forward; a Popen, a daemon forked
+   twice, a multiprocessing.Process) end with the command, and not before (a helper the factory starts still serves
+   the forward); peakledger's own processes are left alone (models/trace/processes.py).
+2. Its atexit handlers cannot change peakledger's exit status, nor write to stdout (models/trace/boundary.py).
+Each command runs as a real process, as the console script runs it (`sys.exit(main())`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from peakledger.models.trace import processes
+from peakledger.models.trace.boundary import own_processes, user_code
+
+RUNNER = "import sys; from peakledger.cli import main; sys.exit(main(sys.argv[1:]))"
+
+RECORD = '''
+import os
+import torch
+
+
+def record(pid):
+    """Note the process `pid` (its pid and start time) for the test to look at."""
+    with open(__file__ + ".pids", "a") as f:
+        f.write(f"{pid} {open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[19]}\\n")
+
+
+def built(micro_batch):
+    return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
+'''
+
+START = {  # code starting a process that would run for 1000 s, its pid recorded
+    "popen": '''
+import subprocess
+record(subprocess.Popen(["sleep", "1000"]).pid)
+''',
+    "daemon": '''
+import time
+r, w = os.pipe()
+first = os.fork()
+if first == 0:  # a daemon: forked twice, in a session of its own, its parent gone (reparented to init)
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.close(w)
+os.waitpid(first, 0)
+daemon = int(os.read(r, 32))
+os.close(r)
+time.sleep(0.2)  # exec'd meanwhile
+record(daemon)
+''',
+    "multiprocessing": '''
+import multiprocessing
+import time
+p = multiprocessing.Process(target=time.sleep, args=(1000,))  # not a daemon: multiprocessing joins it at exit
+p.start()
+record(p.pid)
+''',
+}
+
+
+def _factory(where: str, code: str) -> str:
+    """A module whose import, factory or model's forward runs `code` (once)."""
+    body = textwrap.indent(code, "    ")
+    if where == "import":
+        return RECORD + code + "\n\ndef factory(micro_batch: int = 2):\n    return built(micro_batch)\n"
+    if where == "factory":
+        return RECORD + f"\n\ndef factory(micro_batch: int = 2):\n{body}\n    return built(micro_batch)\n"
+    return RECORD + f'''
+
+class Model(torch.nn.Linear):
+    started = False
+
+    def forward(self, x):
+        if not Model.started:
+            Model.started = True
+{textwrap.indent(code, "            ")}
+        return super().forward(x)
+
+
+def factory(micro_batch: int = 2):
+    return Model(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
+'''
+
+
+def _running(pid: int, start: int) -> bool:
+    """Whether process `pid`, started at `start` (ticks since boot), still runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[19]) == start and fields[0] not in "ZX"
+
+
+def _recorded(module) -> list[tuple[int, int]]:
+    path = f"{module}.pids"
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(int(a), int(b)) for a, b in (line.split() for line in f if line.strip())]
+
+
+@pytest.fixture
+def module(tmp_path):
+    """The module file's path; whatever it recorded and still runs after the test is killed."""
+    path = tmp_path / "f.py"
+    yield path
+    for pid, start in _recorded(path):
+        if _running(pid, start):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _simulate(path, *extra: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-c", RUNNER, "simulate", "--module", f"{path}:factory", "--device", "cpu", "--steps", "1",
+            *extra]
+    # its output to files, not pipes: a process left running would hold a pipe open, and the run wait for it
+    with open(path.parent / "stdout", "w+") as out, open(path.parent / "stderr", "w+") as err:
+        code = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, timeout=timeout,
+                              cwd=path.parent).returncode
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(argv, code, out.read(), err.read())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="processes are followed on Linux (/proc)")
+@pytest.mark.parametrize("where, kind", [("factory", "popen"), ("factory", "daemon"), ("factory", "multiprocessing"),
+                                         ("import", "popen"), ("forward", "popen")])
+def test_processes_the_users_code_starts_end_with_the_command(module, where, kind):
+    module.write_text(_factory(where, START[kind]))
+    run = _simulate(module)
+    assert run.returncode == 0, run.stderr
+    started = _recorded(module)
+    assert len(started) == 1
+    assert not [p for p in started if _running(*p)], f"still running after the command: {started}"
+    assert "Traceback" not in run.stderr  # ended quietly (no peakledger handler raising in a fork)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="processes are followed on Linux (/proc)")
+def test_a_helper_the_factory_starts_still_serves_the_forward(module):
+    # ended with the command, not with the block that started it
+    module.write_text(RECORD + '''
+import subprocess
+
+HELPER = []
+
+
+class Model(torch.nn.Linear):
+    def forward(self, x):
+        if HELPER[0].poll() is not None:
+            raise RuntimeError("the helper has gone")
+        return super().forward(x)
+
+
+def factory(micro_batch: int = 2):
+    HELPER.append(subprocess.Popen(["sleep", "1000"]))
+    record(HELPER[0].pid)
+    return Model(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
+''')
+    run = _simulate(module)
+    assert run.returncode == 0, run.stderr
+    assert not [p for p in _recorded(module) if _running(*p)]
+
+
+def test_atexit_handlers_cannot_change_the_exit_status(module):
+    # a factory that fails (exit 2) registers handlers that would end the process 0, or print, or raise
+    module.write_text('''
+import atexit
+import os
+import sys
+from atexit import register  # the name taken at import: the guarding one
+
+register(lambda: sys.exit(0))
+
+
+def factory(micro_batch: int = 2):
+    atexit.register(lambda: os._exit(0))
+    atexit.register(lambda: print("printed at exit"))
+    atexit.register(lambda: 1 / 0)
+    atexit.register(os._exit, 0)
+    raise ValueError("no model here")
+''')
+    run = _simulate(module)
+    assert run.returncode == 2, run.stderr
+    assert "peakledger: error: module: factory(micro_batch=2) raised ValueError: no model here" in run.stderr
+    assert "printed at exit" in run.stderr and "printed at exit" not in run.stdout
+    lines = [line for line in run.stderr.splitlines() if "atexit handler" in line]
+    assert lines == ["peakledger: warning: module: an atexit handler of factory(micro_batch=2) raised "
+                     "ZeroDivisionError: division by zero"]
+    assert "Traceback" not in run.stderr
+
+
+def test_an_atexit_handler_keeps_a_json_output_and_a_success(module):
+    module.write_text('''
+import atexit
+import os
+import torch
+
+
+def factory(micro_batch: int = 2):
+    atexit.register(lambda: (print("not JSON"), os._exit(3)))
+    return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
+''')
+    run = _simulate(module, "--json")
+    assert run.returncode == 0, run.stderr
+    assert isinstance(json.loads(run.stdout), dict)
+
+
+def test_a_process_the_factory_forks_never_runs_peakledger(module):
+    # the fork returns from the factory too: it ends there, and never simulates (a second report on stdout)
+    module.write_text('''
+import os
+import torch
+
+
+def factory(micro_batch: int = 2):
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)
+    return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
+''')
+    run = _simulate(module, "--json")
+    assert run.returncode == 0, run.stderr
+    assert isinstance(json.loads(run.stdout), dict)  # one report
+
+
+# -- in this process ------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(processes._TAGGER is None, reason="processes are followed on Linux (/proc)")
+def test_only_the_users_processes_are_ended():
+    started = [subprocess.Popen(["sleep", "1000"])]  # peakledger's: started outside a block
+    try:
+        with user_code("factory()"):
+            started.append(subprocess.Popen(["sleep", "1000"]))  # the user's
+            with own_processes():  # peakledger's code run inside a block (a hook the user's code calls back)
+                started.append(subprocess.Popen(["sleep", "1000"]))
+        before, users, own = started
+        assert processes.end_user_processes() == 1
+        assert users.wait(timeout=5) == -signal.SIGTERM
+        assert before.poll() is None and own.poll() is None
+        assert processes.end_user_processes() == 0  # none left
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.skipif(processes._TAGGER is None, reason="processes are followed on Linux (/proc)")
+def test_a_pid_another_process_took_is_never_signalled():
+    p = subprocess.Popen(["sleep", "1000"])
+    try:
+        with open(f"/proc/{p.pid}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+        assert not processes._send((p.pid, start + 1), signal.SIGKILL)  # not the process found at that pid
+        time.sleep(0.1)
+        assert p.poll() is None
+        assert processes._send((p.pid, start), signal.SIGKILL)
+        assert p.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_atexit_unregister_finds_a_guarded_handler():
+    code = textwrap.dedent('''
+        import atexit
+        from peakledger.models.trace.boundary import user_code
+
+        def dropped():
+            print("dropped")
+
+        with user_code("factory()"):
+            assert atexit.register(print, "kept") is print
+            assert atexit.register(dropped) is dropped
+        atexit.unregister(dropped)  # atexit's own, after the block
+    ''')
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "kept" in run.stderr and "dropped" not in run.stderr + run.stdout
