@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import TYPE_CHECKING
 
 from . import (
@@ -36,7 +37,7 @@ from .cli_common import (
     fit_verdict,
     flag_int,
 )
-from .deadline import deadline_budget, render_ranking
+from .deadline import deadline_budget, parse_count, parse_duration, render_ranking
 from .inputs import (
     check_command_outputs,
     scenario_from_args,
@@ -285,8 +286,11 @@ def cmd_sweep(args) -> int:
         check_sweep_plot(grid)  # before any work
     budget = _budget(args)
     deadline = deadline_budget(args.target_tokens, args.target_steps, args.deadline, args.step_time, budget)
+    max_points = sweep.DEFAULT_MAX_POINTS if args.max_points is None else parse_count(args.max_points, "max_points")
+    time_limit = None if args.time_limit == "none" else parse_duration(args.time_limit, "time_limit")
     result = sweep.run_sweep(base, grid, budget=budget, max_batch=args.max_batch, jobs=args.jobs,
-                             engine=args.engine, address=args.address, deadline=deadline)
+                             engine=args.engine, address=args.address, deadline=deadline, max_points=max_points,
+                             time_limit_s=time_limit, on_estimate=_say_estimate)
     sweep.write(result, base, grid, args.output, args.json_output, deadline)
     if args.plot:
         from .analysis.plot import plot_sweep, setup_text
@@ -299,6 +303,14 @@ def cmd_sweep(args) -> int:
     if deadline is not None:
         print(render_ranking([(p.values, p.result) for p in result], deadline, args.unit))
     return 0
+
+
+ESTIMATE_SAID_S = 10.0  # a sweep estimated to take longer says so up front (stderr)
+
+
+def _say_estimate(estimate: sweep.Estimate) -> None:
+    if estimate.total_s >= ESTIMATE_SAID_S:
+        print(estimate.line(), file=sys.stderr)
 
 
 def cmd_checkpointing(args) -> int:
@@ -384,6 +396,11 @@ def register(sub) -> None:
     w.add_argument("--engine", default="local", help="local (processes on this machine), ray or dask "
                                                       "(pip install peakledger[ray] / peakledger[dask])")
     w.add_argument("--address", help="ray / dask: an existing cluster's address (default: a local cluster for the run)")
+    w.add_argument("--max-points", metavar="N", help=f"refuse a grid of more points than this before any work "
+                                                     f"(default {sweep.DEFAULT_MAX_POINTS:,})")
+    w.add_argument("--time-limit", metavar="TIME", default="1h",
+                   help="the sweep's wall time at most: refused up front when the estimate (from its first points) "
+                        "is over it, stopped past it, nothing written (default 1h; none: no limit)")
     w.add_argument("--output", metavar="FILE.csv")
     w.add_argument("--json-output", metavar="FILE.json")
     w.add_argument("--plot", metavar="FILE.png", help="PNG of the device memory each point needs and the budget: a "

@@ -150,12 +150,13 @@ def test_a_measured_step_time_by_hand(tmp_path, capsys):
 
 def test_target_steps_takes_the_steps_as_given(tmp_path, capsys):
     out = tmp_path / "s.csv"
-    assert main(["sweep", "--preset", "tiny", "--seq-len", "16", "--device", "cpu", "--grid", "micro_batch=1,2",
-                 "--target-steps", "1000", "--deadline", "90s", "--step-time", "100ms", "--output", str(out)]) == 0
+    assert main(["sweep", "--preset", "tiny", "--seq-len", "16", "--device", "cpu", "--budget", "24GiB", "--grid",
+                 "micro_batch=1,2", "--target-steps", "1000", "--deadline", "90s", "--step-time", "100ms", "--output",
+                 str(out)]) == 0
     rows = _rows(out)
     assert [r["steps_needed"] for r in rows] == ["1000", "1000"] and [r["target_tokens"] for r in rows] == ["", ""]
     assert all(float(r["wall_clock_h"]) == 1000 * 0.1 / 3600 and r["verdict"] == "late by 10 s" for r in rows)
-    assert all(int(r["budget_bytes"]) == 24 * GiB for r in rows)  # no --budget: the cpu profile's capacity
+    assert all(int(r["budget_bytes"]) == 24 * GiB for r in rows)  # (the cpu profile has no capacity: --budget)
 
 
 # --- every engine: the same rows, the same ranking, the same bytes

@@ -35,7 +35,18 @@ shut down), nothing is returned, so nothing is written, and KeyboardInterrupt le
 the caller (the CLI prints one line, exit 130; a SIGTERM handler the caller installed is kept and its
 exception leaves instead). Worker processes are started with SIGINT blocked, so a terminal's Ctrl-C,
 which reaches the whole process group, gives no worker tracebacks; an interrupt while a cluster is
-starting takes effect once it has started (a second one stops waiting for it).
+starting takes effect once it has started (a second one stops waiting for it); while connecting to an existing
+cluster, at once.
+
+Faults and bounds (peakledger/sweep/pool.py, bounds.py, address.py): a worker lost mid-sweep (the kernel's
+out-of-memory killer sends SIGKILL) has its points run again on a fresh worker, and the sweep gives the rows of an
+undisturbed one; a point whose worker dies twice (MAX_ATTEMPTS) fails the sweep with one line naming the point
+and how the worker died. A grid over `max_points` points (DEFAULT_MAX_POINTS, 10,000) is refused before any point
+is made; a sweep times its first points on its workers, gives the caller the estimate of its wall time
+(`on_estimate(Estimate)`), refuses the rest when that is over `time_limit_s` (DEFAULT_TIME_LIMIT_S, 1 h; None: no
+limit), and stops its workers once it runs past it. A cluster address is read strictly and probed before ray or
+dask gets it, and a cluster's start or connection is bounded in time. Each of these failures is a ConfigError
+(one line, the CLI's exit 2), raised from `run_sweep`: nothing is returned, so nothing is written.
 """
 
 from __future__ import annotations
@@ -43,11 +54,15 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import time
+from collections.abc import Callable
 
 from .. import deadline as dl
 from ..models.config import ConfigError
 from ..progress import progress as _progress  # (tests count its advances: sweep._progress)
 from ..scenario import Scenario, parse_value
+from .address import parse_address
+from .bounds import DEFAULT_MAX_POINTS, DEFAULT_TIME_LIMIT_S, Bounds, Estimate, Tracker, check_count, count_points
 from .engines import ENGINES as _ENGINE_RUNS
 from .output import result_columns, to_csv, to_json, write
 from .point import COLUMNS, DEADLINE_COLUMNS, DESCRIBE, SweepPoint, describe
@@ -97,6 +112,7 @@ def check_engine(engine: str, address: str | None = None, jobs: int | None = Non
         if jobs is not None:
             raise ConfigError("jobs", "sizes the local cluster a run starts; an existing cluster (address) "
                                       "runs on the workers it has: drop jobs")
+        parse_address(engine, address)  # its form, at once (it is probed when the sweep starts)
     if engine in _EXTRAS:
         module, extra = _EXTRAS[engine]
         if importlib.util.find_spec(module) is None:
@@ -105,10 +121,20 @@ def check_engine(engine: str, address: str | None = None, jobs: int | None = Non
 
 def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, max_batch: bool = False,
               jobs: int | None = None, progress: bool = True, engine: str = "local",
-              address: str | None = None, deadline: dl.DeadlineBudget | None = None) -> list[SweepPoint]:
+              address: str | None = None, deadline: dl.DeadlineBudget | None = None,
+              max_points: int = DEFAULT_MAX_POINTS, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
+              on_estimate: Callable[[Estimate], None] | None = None) -> list[SweepPoint]:
     """Simulate every grid point on `engine` (see the module docstring); results in grid order. With `deadline`
-    each point has the deadline columns and its `deadline_rank` among the points (peakledger/deadline.py)."""
+    each point has the deadline columns and its `deadline_rank` among the points (peakledger/deadline.py).
+    `max_points`: a grid with more points is refused before any work; `time_limit_s`: the sweep's wall time at
+    most (None: no limit), refused from the estimate or stopped past it; `on_estimate(Estimate)` is called once,
+    before the bulk of the work, with the estimate of the sweep's wall time (Estimate.line() is one line for
+    stderr)."""
+    started = time.monotonic()
     check_engine(engine, address, jobs)
+    bounds = Bounds(max_points=max_points, time_limit_s=time_limit_s)
+    if on_estimate is not None and not callable(on_estimate):
+        raise ConfigError("on_estimate", f"expected a function of an Estimate, got {type(on_estimate).__name__}")
     if deadline is not None and not isinstance(deadline, dl.DeadlineBudget):
         raise ConfigError("deadline", f"expected a DeadlineBudget, got {type(deadline).__name__}")
     if deadline is not None and deadline.memory_bytes is not None:
@@ -121,6 +147,8 @@ def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, 
     unknown = sorted(set(grid) - base.settings())
     if unknown:  # a misspelt field is an error, not a grid of error rows
         raise ConfigError("grid", f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(base.settings()))}")
+    check_count(grid, bounds.max_points)  # from the value lists' lengths, before any point is made
+    dl.check_sweep(base, grid, budget, deadline, max_batch)  # a deadline's budget and passes, before any work
     pts = points(grid)
     tasks = [(base, p, budget, max_batch, deadline) for p in pts]
     if not tasks:
@@ -128,13 +156,14 @@ def run_sweep(base: Scenario, grid: dict[str, list], budget: int | None = None, 
     workers = max(1, min(jobs or os.cpu_count() or 1, len(tasks)))
     run = _ENGINE_RUNS[engine]
     with Interrupts(), _progress("simulating the grid", total=len(tasks), enabled=progress) as bar:
-        results = run(tasks, workers, address, bar)
+        tracker = Tracker(len(tasks), bounds, bar, on_estimate, started=started)
+        results = run(tasks, workers, address, tracker)
     if deadline is not None:  # the ranking needs every point: here, once they are all back, on every engine
         for place, i in enumerate(dl.rank_points(results), start=1):
             results[i]["deadline_rank"] = place
     return [SweepPoint(values=p, result=r) for p, r in zip(pts, results)]
 
 
-
-__all__ = ["parse_grid", "points", "run_sweep", "check_engine", "to_csv", "to_json", "write", "describe",
-           "result_columns", "SweepPoint", "COLUMNS", "DESCRIBE", "DEADLINE_COLUMNS", "ENGINES"]
+__all__ = ["parse_grid", "points", "count_points", "run_sweep", "check_engine", "to_csv", "to_json", "write",
+           "describe", "result_columns", "SweepPoint", "COLUMNS", "DESCRIBE", "DEADLINE_COLUMNS", "ENGINES",
+           "DEFAULT_MAX_POINTS", "DEFAULT_TIME_LIMIT_S", "Estimate"]

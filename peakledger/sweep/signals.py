@@ -7,6 +7,8 @@ import contextlib
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
 
 POLL_S = 0.1  # seconds between looks at a cluster's progress (and at signals)
 
@@ -28,14 +30,21 @@ class Interrupts:
 
 
 @contextlib.contextmanager
-def in_helper_thread(start, stop):
+def in_helper_thread(start: Callable[[], None], stop: Callable[[], None], timeout_s: float | None = None,
+                     on_timeout: Callable[[], BaseException] | None = None, hold: bool = True) -> Iterator[None]:
     """A cluster's life in a helper thread that blocks SIGINT: start() there, the block's body here, then stop()
     there. Why a thread: the processes it starts inherit the mask (through fork and exec), so a terminal's
     Ctrl-C, which reaches the whole process group, gives them no traceback; ray ties the processes it starts
     to the life of the starting thread (PR_SET_PDEATHSIG), so that thread lives until stop(); and off the main
-    thread ray.init leaves the process's SIGTERM handler alone. An interrupt (Ctrl-C, SIGTERM) while the
-    cluster starts or stops is held until it is done, so none is left half-started; a second one (or one
-    during the stop of an interrupted sweep) stops waiting."""
+    thread ray.init leaves the process's SIGTERM handler alone.
+
+    hold=True (a local cluster): an interrupt (Ctrl-C, SIGTERM) while the cluster starts or stops is held until
+    it is done, so none is left half-started; a second one (or one during the stop of an interrupted sweep)
+    stops waiting. hold=False (a connection to an existing cluster, which leaves nothing behind): an interrupt
+    while it starts stops waiting at once. Either way, a start that has not finished after `timeout_s` raises
+    on_timeout() here (the library itself may hang): the helper is left to finish in the background (a daemon
+    thread) and to run stop() then; the process's exit ends it, and a local cluster's processes with it
+    (PR_SET_PDEATHSIG, ray) or at their scheduler's loss (dask)."""
     ready, finish = threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
@@ -56,14 +65,25 @@ def in_helper_thread(start, stop):
 
     helper = threading.Thread(target=life, name="peakledger-sweep-cluster", daemon=True)
     helper.start()
+    abandoned = False
     try:
-        wait(ready.wait, hold=True)
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            wait(lambda t: ready.wait(t if end is None else max(0.0, min(t, end - time.monotonic())))
+                 or (end is not None and time.monotonic() >= end), hold=hold)
+        except BaseException:
+            abandoned = not ready.is_set()
+            raise
+        if not ready.is_set():  # timed out
+            abandoned = True
+            raise on_timeout() if on_timeout is not None else TimeoutError(f"no cluster after {timeout_s} s")
         if errors:
             raise errors[0]
         yield
     finally:
         finish.set()
-        wait(lambda timeout: helper.join(timeout) or not helper.is_alive(), hold=sys.exc_info()[0] is None)
+        if not abandoned:
+            wait(lambda timeout: helper.join(timeout) or not helper.is_alive(), hold=sys.exc_info()[0] is None)
     if errors:
         raise errors[0]
 
