@@ -40,7 +40,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
         for name, make in case.files.items():
             (tmp / name).write_bytes(make())
         make_special_files(case, tmp)
-        argv = [a.format(tmp=tmp, repo=ROOT, gpu=GPU_TRUTH) for a in case.argv]
+        argv = [a.format(tmp=tmp, repo=ROOT, gpu=GPU_TRUTH, port="{port}") for a in case.argv]  # ({port}: the driver's)
 
         def limits():
             resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -77,6 +77,7 @@ def run_case(case, python: str, timeout: float, memory: int) -> tuple[bool, str]
 def _short(text: str, n: int = 110) -> str:
     text = " ".join(text.split()).replace("|", "/")
     text = re.sub(r"/tmp/tmp[\w-]+", "{tmp}", text).replace(str(ROOT.parent) + "/", "../")
+    text = re.sub(r"127\.0\.0\.1:[0-9]{4,5}\b", "127.0.0.1:{port}", text)  # (a driver's server: any free port)
     return text if len(text) <= n else text[: n - 3] + "..."
 
 

@@ -92,32 +92,123 @@ def fifo_trickle(every_s: float) -> Callable:
     return driver
 
 
-def silent_peer(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
-    """{port}: a TCP server on 127.0.0.1 that accepts every connection and never sends a byte (an HTTP server
-    waiting for a request; a firewall's tarpit)."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
+class SilentPeer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never sends a byte (an HTTP server waiting for
+    a request, a firewall's tarpit)."""
 
-    def accept():
-        server.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-    threading.Thread(target=accept, daemon=True).start()
-    port = server.getsockname()[1]
-    try:
+    def __enter__(self) -> int:
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.server.settimeout(0.1)
+        self.held: list[socket.socket] = []
+        self.stop = threading.Event()
+
+        def accept() -> None:
+            while not self.stop.is_set():
+                try:
+                    self.held.append(self.server.accept()[0])
+                except OSError:
+                    continue
+
+        self.thread = threading.Thread(target=accept, daemon=True)
+        self.thread.start()
+        return self.server.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(1)
+        for c in self.held:
+            c.close()
+        self.server.close()
+
+
+def silent_peer(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
+    """{port}: a SilentPeer's port."""
+    with SilentPeer() as port:
         p = _popen([a.replace("{port}", str(port)) for a in cmd], tmp, preexec, stdout=subprocess.PIPE)
         return _finish(p, timeout)
-    finally:
-        stop.set()
-        for c in held:
-            c.close()
-        server.close()
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`, oldest first, from /proc."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append((int(fields[19]), int(name)))  # (start time, pid)
+    return [p for _, p in sorted(found)]
+
+
+def killed_worker(after_s: float = 1.0, kills: int = 1, every_s: float = 0.5,
+                  workers: int = 2) -> Callable[..., subprocess.CompletedProcess]:
+    """A driver (bench/hardening.py's `driver(cmd, tmp, timeout, preexec)`): run `cmd` in `tmp` (its own session),
+    wait until it has `workers` worker processes (children of the command's process: the local engine's pool), then
+    `after_s` seconds more, then SIGKILL its newest worker, `kills` times `every_s` apart (each time the newest: a
+    replacement is killed again). The command's exit, stdout and stderr come back; on `timeout` its whole process
+    group is killed and subprocess.TimeoutExpired raised."""
+    def driver(cmd, tmp, timeout, preexec=None) -> subprocess.CompletedProcess:
+        p = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, preexec_fn=preexec, start_new_session=True)
+        killed: list[int] = []
+
+        def kill() -> None:
+            end = time.monotonic() + timeout
+            while len(child_pids(p.pid)) < workers and p.poll() is None and time.monotonic() < end:
+                time.sleep(0.02)
+            time.sleep(after_s)
+            for _ in range(kills):
+                kids = child_pids(p.pid)
+                if p.poll() is not None or not kids:
+                    return
+                os.kill(kids[-1], signal.SIGKILL)
+                killed.append(kids[-1])
+                time.sleep(every_s)
+
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+        killer.join(5)
+        driver.killed = killed  # the pids it killed, for the caller to check
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return driver
+
+
+# the command's process remembers its pid; a process forked from it (a local pool worker) SIGKILLs itself when it
+# simulates micro_batch=3 (api.run, the same call in every version): a point that kills its worker every time
+POISON = ("import os, signal, sys\n"
+          "from peakledger import api\n"
+          "parent, real = os.getpid(), api.run\n"
+          "def run(scenario, *a, **k):\n"
+          "    if os.getpid() != parent and scenario.setup.micro_batch == 3:\n"
+          "        os.kill(os.getpid(), signal.SIGKILL)\n"
+          "    return real(scenario, *a, **k)\n"
+          "api.run = run\n")
+
+
+def poisoned(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
+    """The command with POISON run first."""
+    p = _popen([cmd[0], "-c", POISON + cmd[2], *cmd[3:]], tmp, preexec, stdout=subprocess.PIPE)
+    return _finish(p, timeout)
+
+
+def no_ray_cluster(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
+    """No ray cluster to find: RAY_ADDRESS unset, ray's temporary folder an empty one."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(tmp), TMPDIR=str(tmp))
+    p = _popen(cmd, tmp, preexec, stdout=subprocess.PIPE, env=env)
+    return _finish(p, timeout)
 
 
 # --- files ------------------------------------------------------------------------------------------------
@@ -170,7 +261,54 @@ def _nothing_left(*names: str) -> Callable[[str, str, Path], str | None]:
     return check
 
 
+def _same_rows_as_undisturbed(out, err, tmp) -> str | None:
+    """s.csv is byte for byte the sweep of the same grid run undisturbed (in process, one worker)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from peakledger.cli import main
+    with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(io.StringIO()):
+        assert main(_undisturbed_argv(f"{d}/ref.csv")) == 0
+        ref = Path(d, "ref.csv").read_bytes()
+    got = (tmp / "s.csv").read_bytes()
+    return None if got == ref else f"s.csv ({len(got.splitlines())} lines) differs from the undisturbed sweep"
+
+
+def _undisturbed_argv(output: str) -> list[str]:
+    """SWEEP_KILLED on one worker, into `output`."""
+    at = SWEEP_KILLED.index("--jobs")
+    argv = [*SWEEP_KILLED[:at], "--jobs", "1", *SWEEP_KILLED[at + 2:]]
+    return [*argv[:-1], output]
+
+
+def _csv_rows(out, err, tmp) -> list[dict]:
+    import csv
+    return list(csv.DictReader((tmp / "s.csv").open()))
+
+
+def _priced_the_recommended(out, err, tmp) -> str | None:
+    """Each row prices its max micro-batch: priced_micro_batch = max_micro_batch, tokens = it x seq_len (64)."""
+    for r in _csv_rows(out, err, tmp):
+        if r["priced_micro_batch"] != r["max_micro_batch"] or int(r["tokens_per_step"]) != 64 * int(
+                r["max_micro_batch"]):
+            return (f"micro_batch {r['micro_batch']}: priced {r['priced_micro_batch']} ({r['tokens_per_step']} "
+                    f"tokens) where {r['max_micro_batch']} is recommended")
+    return None
+
+
+def _finite_cells(out, err, tmp) -> str | None:
+    bad = [c for r in _csv_rows(out, err, tmp) for c in r.values() if c.lower() in ("inf", "-inf", "nan")]
+    return f"non-finite cells: {bad}" if bad else None
+
+
 SIM = ("simulate", "--preset", "tiny", "--steps", "1")
+TINY_SWEEP = ("sweep", "--preset", "tiny", "--device", "cpu")
+SWEEP_KILLED = (*TINY_SWEEP, "--jobs", "2", "--grid", "micro_batch=" + ",".join(map(str, range(1, 21))),
+                "--grid", "seq_len=" + ",".join(map(str, range(2, 62, 2))), "--output", "{tmp}/s.csv")
+RAY = (*TINY_SWEEP, "--engine", "ray", "--grid", "micro_batch=1,2", "--output", "{tmp}/s.csv")
+DASK = (*TINY_SWEEP, "--engine", "dask", "--grid", "micro_batch=1,2", "--output", "{tmp}/s.csv")
+H100_SWEEP = ("sweep", "--preset", "tiny", "--device", "H100-80GB", "--grid", "micro_batch=1,2")
 CAL = ("calibrate", "apply", "--preset", "tiny", "--device", "cpu", "--seq-len", "24", "--calibration", "{tmp}/c.json")
 
 CASES_34: list[Case] = [
@@ -213,6 +351,60 @@ CASES_34: list[Case] = [
          (*SIM, "--plot", "{tmp}/p.png", "--export-snapshot", "{tmp}/s.pickle", "--export-chrome", "{tmp}/c.json"),
          says=("nothing was written",), check=_nothing_left("p.png", "s.pickle", "c.json"),
          driver=file_size_limit(16 << 10)),
+    # --- sweeps under faults -------------------------------------------------------------------------------
+    Case("sweep-killed-worker", "sweep faults", "sweep --engine local: one pool worker SIGKILLed mid-sweep, and the "
+         "sweep waited for the lost chunk for ever", SWEEP_KILLED, code=0, check=_same_rows_as_undisturbed,
+         driver=killed_worker(after_s=0.3)),
+    Case("sweep-poison-point", "sweep faults", "a point that kills its worker every time (the OOM killer) hung the "
+         "sweep", (*TINY_SWEEP, "--jobs", "2", "--grid", "micro_batch=1,2,3,4", "--output", "{tmp}/s.csv"),
+         says=("micro_batch=3", "killed its worker process twice"), check=_nothing_left("s.csv"), driver=poisoned),
+    # --- cluster addresses --------------------------------------------------------------------------------
+    Case("ray-closed-port", "cluster addresses", "ray --address 127.0.0.1:1 hung past 90 s, ignoring SIGTERM",
+         (*RAY, "--address", "127.0.0.1:1"), says=("address", "127.0.0.1:1")),
+    Case("ray-auto-no-cluster", "cluster addresses", "ray --address auto with no cluster running: exit 3",
+         (*RAY, "--address", "auto"), says=("address", "no ray cluster"), driver=no_ray_cluster),
+    Case("ray-malformed", "cluster addresses", "a malformed ray:// address: exit 3", (*RAY, "--address", "ray://:x"),
+         says=("address", "ray://:x")),
+    Case("ray-silent-peer", "cluster addresses", "a ray address where a server accepts and never answers",
+         (*RAY, "--address", "127.0.0.1:{port}"), says=("address",), driver=silent_peer),
+    Case("dask-silent-peer", "cluster addresses", "a dask address where a server accepts and never answers (an HTTP "
+         "server) hung past 90 s", (*DASK, "--address", "tcp://127.0.0.1:{port}"), says=("address", "sent nothing"),
+         driver=silent_peer),
+    Case("dask-malformed", "cluster addresses", "a malformed dask address: exit 2 after 41 s with a traceback",
+         (*DASK, "--address", "http://127.0.0.1:8786"), says=("address", "http://")),
+    # --- unbounded work -----------------------------------------------------------------------------------
+    Case("sweep-1e8-points", "unbounded work", "a grid of 10^8 points grew to 3.7 GB and died with MemoryError",
+         (*TINY_SWEEP, *(x for f in ("micro_batch", "seq_len", "n_layer", "grad_accum") for x in (
+             "--grid", f"{f}=" + ",".join(map(str, range(1, 101))))), "--output", "{tmp}/s.csv"),
+         says=("100,000,000 points", "--max-points")),
+    Case("sweep-40k-points", "unbounded work", "40,000 tiny points ran past 90 s at 2.2 GB with no estimate or "
+         "refusal", (*TINY_SWEEP, "--grid", "micro_batch=" + ",".join(map(str, range(1, 201))), "--grid",
+                     "seq_len=" + ",".join(map(str, range(1, 201))), "--output", "{tmp}/s.csv"),
+         says=("40,000 points", "--max-points")),
+    Case("sweep-over-time-limit", "unbounded work", "a sweep had no bound on its wall time (here: 1 s)",
+         ("sweep", "--preset", "llama-3-70b", "--grid", "micro_batch=" + ",".join(map(str, range(1, 41))), "--grid",
+          "seq_len=2048,4096,8192", "--time-limit", "1s", "--output", "{tmp}/s.csv"),
+         says=("time_limit", "nothing written"), check=_nothing_left("s.csv")),
+    # --- deadline prices ----------------------------------------------------------------------------------
+    Case("deadline-cpu-no-budget", "deadline prices", "on --device cpu with no budget every point 'fit' an invented "
+         "24 GiB", (*TINY_SWEEP, "--grid", "micro_batch=1,2", "--target-tokens", "1e6", "--deadline", "1h",
+                    "--output", "{tmp}/s.csv"), says=("budget",), check=_nothing_left("s.csv")),
+    Case("deadline-max-batch-price", "deadline prices", "with --max-batch the GPU-hours priced the grid's "
+         "micro-batch, not the one recommended", (*H100_SWEEP, "--budget", "1GiB", "--max-batch", "--target-tokens",
+                                                  "1e9", "--deadline", "1h", "--output", "{tmp}/s.csv"),
+         code=0, check=_priced_the_recommended),
+    Case("deadline-forward-passes", "deadline prices", "--passes forward was priced as training steps",
+         (*H100_SWEEP, "--passes", "forward", "--target-steps", "1000", "--deadline", "1h", "--output",
+          "{tmp}/s.csv"), says=("passes",)),
+    Case("deadline-inf", "deadline prices", "inf reached the CSV and the ranking (--step-time 1e300d)",
+         (*H100_SWEEP, "--target-tokens", "1e21", "--deadline", "1h", "--step-time", "1e300d", "--output",
+          "{tmp}/s.csv"), says=("step_time", "too large")),
+    Case("deadline-largest-finite", "deadline prices", "the largest step time taken gives finite columns",
+         (*H100_SWEEP, "--target-tokens", "1e21", "--deadline", "1h", "--step-time", "36525d", "--output",
+          "{tmp}/s.csv"), code=0, check=_finite_cells),
+    Case("deadline-underflow", "deadline prices", "--deadline 1e-400s was refused as 'must be > 0'",
+         (*H100_SWEEP, "--target-tokens", "1e6", "--deadline", "1e-400s", "--output", "{tmp}/s.csv"),
+         says=("too small",)),
     # --- readers ------------------------------------------------------------------------------------------
     Case("calibration-residual-1e308", "readers", "a calibration file with a residual of 1e308: OverflowError, exit 3",
          CAL, {"c.json": _calibration(_residual_huge)}, says=("calibration", "residual")),

@@ -309,7 +309,7 @@ ESTIMATE_SAID_S = 10.0  # a sweep estimated to take longer says so up front (std
 
 
 def _say_estimate(estimate: sweep.Estimate) -> None:
-    if estimate.total_s >= ESTIMATE_SAID_S:
+    if estimate.total_s >= ESTIMATE_SAID_S and not estimate.over_limit:  # (over it: the error says it)
         print(estimate.line(), file=sys.stderr)
 
 

@@ -3,9 +3,9 @@ sweep too long, cluster addresses that are malformed, closed, absent or silent. 
 undisturbed sweep or with one line naming the input (ConfigError, the CLI's exit 2), nothing returned, nothing
 written, no traceback, no process left behind, and within a bound.
 
-`killed_worker(...)` is a driver for bench/hardening.py's cases (`driver(cmd, tmp, timeout, preexec)`): it runs a
-real `peakledger sweep` command and SIGKILLs one of its worker processes mid-sweep, as the kernel's out-of-memory
-killer does. `POISON_RUNNER` is a CLI runner (`python -c POISON_RUNNER argv...`) whose local pool workers SIGKILL
+`killed_worker(...)` (bench/hardening_cases_34.py, a driver of the hardening cases) runs a real `peakledger sweep`
+command and SIGKILLs one of its worker processes mid-sweep, as the kernel's out-of-memory killer does.
+`POISON_RUNNER` is a CLI runner (`python -c POISON_RUNNER argv...`) whose local pool workers SIGKILL
 themselves on the point micro_batch=3: a point that kills its worker every time.
 """
 
@@ -15,7 +15,6 @@ import importlib.util
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hardening_cases_34 import SilentPeer, killed_worker
 
 from peakledger import build_scenario, sweep
 from peakledger.cli import main
@@ -70,61 +70,6 @@ def undisturbed(base):
 
 
 # --- a harness's tools: a command's worker processes, and a driver that kills one -------------------------------
-
-def child_pids(pid: int) -> list[int]:
-    """The live (not zombie) child processes of `pid`, oldest first, from /proc."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append((int(fields[19]), int(name)))  # (start time, pid)
-    return [p for _, p in sorted(found)]
-
-
-def killed_worker(after_s: float = 1.0, kills: int = 1, every_s: float = 0.5,
-                  workers: int = 2) -> Callable[..., subprocess.CompletedProcess]:
-    """A driver (bench/hardening.py's `driver(cmd, tmp, timeout, preexec)`): run `cmd` in `tmp` (its own session),
-    wait until it has `workers` worker processes (children of the command's process: the local engine's pool), then
-    `after_s` seconds more, then SIGKILL its newest worker, `kills` times `every_s` apart (each time the newest: a
-    replacement is killed again). The command's exit, stdout and stderr come back; on `timeout` its whole process
-    group is killed and subprocess.TimeoutExpired raised."""
-    def driver(cmd, tmp, timeout, preexec=None) -> subprocess.CompletedProcess:
-        p = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=preexec, start_new_session=True)
-        killed: list[int] = []
-
-        def kill() -> None:
-            end = time.monotonic() + timeout
-            while len(child_pids(p.pid)) < workers and p.poll() is None and time.monotonic() < end:
-                time.sleep(0.02)
-            time.sleep(after_s)
-            for _ in range(kills):
-                kids = child_pids(p.pid)
-                if p.poll() is not None or not kids:
-                    return
-                os.kill(kids[-1], signal.SIGKILL)
-                killed.append(kids[-1])
-                time.sleep(every_s)
-
-        killer = threading.Thread(target=kill, daemon=True)
-        killer.start()
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-            raise
-        killer.join(5)
-        driver.killed = killed  # the pids it killed, for the caller to check
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
-    return driver
-
 
 def _one_line_error(code: int, err: str) -> None:
     assert code == 2, err
@@ -400,37 +345,6 @@ def test_ray_auto_is_resolved_as_ray_resolves_it(tmp_path):
         address_mod.Address("ray", "ray", "h", 10001), "RAY_ADDRESS")
     with pytest.raises(ConfigError, match=r"^address: cannot read 'h:x' \(from RAY_ADDRESS\) as a ray address"):
         address_mod.resolve_ray_auto({"RAY_ADDRESS": "h:x"}, read)
-
-
-class SilentPeer:
-    """A TCP server on 127.0.0.1 that accepts every connection and never sends a byte (an HTTP server waiting for
-    a request, a firewall's tarpit)."""
-
-    def __enter__(self) -> int:
-        self.server = socket.socket()
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(16)
-        self.server.settimeout(0.1)
-        self.held: list[socket.socket] = []
-        self.stop = threading.Event()
-
-        def accept() -> None:
-            while not self.stop.is_set():
-                try:
-                    self.held.append(self.server.accept()[0])
-                except OSError:
-                    continue
-
-        self.thread = threading.Thread(target=accept, daemon=True)
-        self.thread.start()
-        return self.server.getsockname()[1]
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(1)
-        for c in self.held:
-            c.close()
-        self.server.close()
 
 
 @pytest.mark.parametrize("engine, says", [
