@@ -519,6 +519,21 @@ CASES: list[Case] = [
 ]
 
 
+def assert_outcome(case: Case, code: int, out: str, err: str, tmp: Path) -> None:
+    """What tests/test_hardening*.py assert of a case run in process: no traceback, no exit 3, the exit status, each
+    phrase said, exit 2 as one line, and the case's own check."""
+    text = (out + err).lower()
+    assert "traceback" not in text and code != 3, err
+    assert code == case.code, (code, err[-2000:])
+    for phrase in case.says:
+        assert phrase.lower() in text, (phrase, out[-1000:], err[-1000:])
+    if case.code == 2:
+        assert err.startswith("peakledger: error: ") and err.count("\n") == 1, err
+    if case.check is not None:
+        problem = case.check(out, err, tmp)
+        assert problem is None, problem
+
+
 def make_special_files(case: Case, tmp: Path) -> None:
     """`{tmp}/fifo`: a named pipe; `{tmp}/loop1`: a symbolic link loop; `{tmp}/null`: a character device like
     /dev/null (made here, so a version that replaces devices by files never touches the real /dev/null)."""
@@ -550,4 +565,4 @@ def _exported_snapshot() -> bytes:
 
 EVIL_PICKLE = pickle.dumps(_Evil())
 
-__all__ = ["CASES", "Case", "EVIL_PICKLE", "REPO", "GPU_TRUTH", "make_special_files"]
+__all__ = ["CASES", "Case", "EVIL_PICKLE", "REPO", "GPU_TRUTH", "assert_outcome", "make_special_files"]

@@ -35,14 +35,15 @@ def _popen(cmd, tmp, preexec, **kw) -> subprocess.Popen:
                             preexec_fn=preexec, start_new_session=True, **kw)
 
 
-def _finish(p: subprocess.Popen, timeout: float, stdout: str = "") -> subprocess.CompletedProcess:
+def _finish(p: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for the command (its whole session killed past `timeout`: subprocess.TimeoutExpired)."""
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
         raise
-    return subprocess.CompletedProcess(p.args, p.returncode, stdout + (out or ""), err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out or "", err)
 
 
 def closed_stdout(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
@@ -154,8 +155,7 @@ def killed_worker(after_s: float = 1.0, kills: int = 1, every_s: float = 0.5,
     replacement is killed again). The command's exit, stdout and stderr come back; on `timeout` its whole process
     group is killed and subprocess.TimeoutExpired raised."""
     def driver(cmd, tmp, timeout, preexec=None) -> subprocess.CompletedProcess:
-        p = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, preexec_fn=preexec, start_new_session=True)
+        p = _popen(cmd, tmp, preexec, stdout=subprocess.PIPE)
         killed: list[int] = []
 
         def kill() -> None:
@@ -173,15 +173,10 @@ def killed_worker(after_s: float = 1.0, kills: int = 1, every_s: float = 0.5,
 
         killer = threading.Thread(target=kill, daemon=True)
         killer.start()
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
-            raise
+        done = _finish(p, timeout)
         killer.join(5)
         driver.killed = killed  # the pids it killed, for the caller to check
-        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        return done
     return driver
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import textwrap
 from pathlib import Path
 
 from hardening_cases import Case, _text
@@ -18,67 +19,54 @@ from hardening_cases import Case, _text
 RECORD = '''import os
 import torch
 
-
 def record(pid):
     with open(__file__ + ".pids", "a") as f:
         f.write(f"{pid} {open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[19]}\\n")
-
 
 def built(micro_batch):
     return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
 '''
 
-POPEN_FACTORY = RECORD + '''
-
-def factory(micro_batch: int = 2):
-    import subprocess
-    record(subprocess.Popen(["sleep", "1000"]).pid)
-    return built(micro_batch)
-'''
-
-DAEMON_FACTORY = RECORD + '''
-
-def factory(micro_batch: int = 2):
-    import time
-    r, w = os.pipe()
-    first = os.fork()
-    if first == 0:  # a daemon: forked twice, a session of its own, its parent gone (reparented to init)
-        os.setsid()
-        if os.fork() == 0:
-            os.write(w, str(os.getpid()).encode())
-            os.execvp("sleep", ["sleep", "1000"])
-        os._exit(0)
-    os.close(w)
-    os.waitpid(first, 0)
-    daemon = int(os.read(r, 32))
-    time.sleep(0.2)
-    record(daemon)
-    return built(micro_batch)
-'''
-
-MP_FACTORY = RECORD + '''
-
-def factory(micro_batch: int = 2):
-    import multiprocessing
-    import time
-    p = multiprocessing.Process(target=time.sleep, args=(1000,))
-    p.start()
-    record(p.pid)
-    return built(micro_batch)
-'''
-
-IMPORT_POPEN = RECORD + '''
+# what a module runs to start a process that would run for 1000 s, its pid recorded
+START = {
+    "popen": '''
 import subprocess
 record(subprocess.Popen(["sleep", "1000"]).pid)
+''',
+    "daemon": '''
+import time
+r, w = os.pipe()
+first = os.fork()
+if first == 0:  # a daemon: forked twice, in a session of its own, its parent gone (reparented to init)
+    os.setsid()
+    if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
+        os.execvp("sleep", ["sleep", "1000"])
+    os._exit(0)
+os.close(w)
+os.waitpid(first, 0)
+daemon = int(os.read(r, 32))
+os.close(r)
+time.sleep(0.2)  # exec'd meanwhile
+record(daemon)
+''',
+    "multiprocessing": '''
+import multiprocessing
+import time
+p = multiprocessing.Process(target=time.sleep, args=(1000,))  # not a daemon: multiprocessing joins it at exit
+p.start()
+record(p.pid)
+''',
+}
 
-
-def factory(micro_batch: int = 2):
-    return built(micro_batch)
-'''
-
-FORWARD_POPEN = RECORD + '''
-import subprocess
-
+def module_text(where: str, code: str) -> str:
+    """A module whose import, factory or model's forward runs `code` (once)."""
+    body = textwrap.indent(code, "    ")
+    if where == "import":
+        return RECORD + code + "\n\ndef factory(micro_batch: int = 2):\n    return built(micro_batch)\n"
+    if where == "factory":
+        return RECORD + f"\n\ndef factory(micro_batch: int = 2):\n{body}\n    return built(micro_batch)\n"
+    return RECORD + f'''
 
 class Model(torch.nn.Linear):
     started = False
@@ -86,26 +74,45 @@ class Model(torch.nn.Linear):
     def forward(self, x):
         if not Model.started:
             Model.started = True
-            record(subprocess.Popen(["sleep", "1000"]).pid)
+{textwrap.indent(code, "            ")}
         return super().forward(x)
-
 
 def factory(micro_batch: int = 2):
     return Model(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
 '''
+
+def running(pid: int, start: int) -> bool:
+    """Whether process `pid`, started at `start` (ticks since boot), still runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(fields[19]) == start and fields[0] not in "ZX"
+
+def recorded(module) -> list[tuple[int, int]]:
+    path = f"{module}.pids"
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(int(a), int(b)) for a, b in (line.split() for line in f if line.strip())]
+
+POPEN_FACTORY = module_text("factory", START["popen"])
+DAEMON_FACTORY = module_text("factory", START["daemon"])
+MP_FACTORY = module_text("factory", START["multiprocessing"])
+IMPORT_POPEN = module_text("import", START["popen"])
+FORWARD_POPEN = module_text("forward", START["popen"])
 
 HELPER = RECORD + '''
 import subprocess
 
 HELPER = []
 
-
 class Model(torch.nn.Linear):
     def forward(self, x):
         if HELPER[0].poll() is not None:
             raise RuntimeError("the helper has gone")
         return super().forward(x)
-
 
 def factory(micro_batch: int = 2):
     HELPER.append(subprocess.Popen(["sleep", "1000"]))
@@ -120,7 +127,6 @@ from atexit import register
 
 register(lambda: sys.exit(0))
 
-
 def factory(micro_batch: int = 2):
     atexit.register(lambda: os._exit(0))
     atexit.register(lambda: 1 / 0)
@@ -131,7 +137,6 @@ ATEXIT_JSON = '''import atexit
 import os
 import torch
 
-
 def factory(micro_batch: int = 2):
     atexit.register(lambda: (print("not JSON"), os._exit(3)))
     return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
@@ -140,7 +145,6 @@ def factory(micro_batch: int = 2):
 FORK_RETURNS = '''import os
 import torch
 
-
 def factory(micro_batch: int = 2):
     child = os.fork()
     if child:
@@ -148,26 +152,10 @@ def factory(micro_batch: int = 2):
     return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
 '''
 
-
-def _recorded(tmp: Path) -> list[tuple[int, int]]:
-    path = tmp / "f.py.pids"
-    lines = path.read_text().split("\n") if path.exists() else []
-    return [(int(a), int(b)) for a, b in (ln.split() for ln in lines if ln.strip())]
-
-
-def _running(pid: int, start: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return int(fields[19]) == start and fields[0] not in "ZX"
-
-
 def _kill_recorded(tmp: Path) -> None:
-    for pid, start in _recorded(tmp):
-        if _running(pid, start):
+    for pid, start in recorded(tmp / "f.py"):
+        if running(pid, start):
             os.kill(pid, signal.SIGKILL)
-
 
 def processes_left(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
     """The command, its output to files; then {tmp}/running: the recorded processes still running (then killed)."""
@@ -181,23 +169,20 @@ def processes_left(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
             p.wait()
             _kill_recorded(tmp)
             raise
-        running = [str(pid) for pid, start in _recorded(tmp) if _running(pid, start)]
-        (tmp / "running").write_text(" ".join(running))
+        alive = [str(pid) for pid, start in recorded(tmp / "f.py") if running(pid, start)]
+        (tmp / "running").write_text(" ".join(alive))
         _kill_recorded(tmp)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, p.returncode, out.read(), err.read())
 
-
 def real_command(cmd, tmp, timeout, preexec) -> subprocess.CompletedProcess:
     """The command as a process of its own (what an atexit handler or a fork does shows in a real process only)."""
     return processes_left(cmd, tmp, timeout, preexec)
 
-
 def _none_running(out: str, err: str, tmp: Path) -> str | None:
     running = (tmp / "running").read_text().split()
     return f"still running after the command: {', '.join(running)}" if running else None
-
 
 def _one_json(out: str, err: str, tmp: Path) -> str | None:
     try:
@@ -205,7 +190,6 @@ def _one_json(out: str, err: str, tmp: Path) -> str | None:
     except ValueError:
         return "stdout is not one JSON object"
     return None
-
 
 SIM = ("simulate", "--module", "{tmp}/f.py:factory", "--device", "cpu", "--steps", "1")
 
@@ -234,4 +218,5 @@ USER_CODE_CASES = [
          check=_one_json, driver=real_command),
 ]
 
-__all__ = ["USER_CODE_CASES", "processes_left", "real_command"]
+__all__ = ["USER_CODE_CASES", "START", "HELPER", "RECORD", "module_text", "recorded", "running", "processes_left",
+           "real_command"]

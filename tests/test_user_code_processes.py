@@ -17,99 +17,15 @@ import textwrap
 import time
 
 import pytest
+from hardening_user_code import HELPER, START, module_text, recorded, running
 
 from peakledger.models.trace import processes
 from peakledger.models.trace.boundary import own_processes, user_code
 
 RUNNER = "import sys; from peakledger.cli import main; sys.exit(main(sys.argv[1:]))"
 
-RECORD = '''
-import os
-import torch
+# the module texts are the hardening cases' (bench/hardening_user_code.py): RECORD's record(pid) notes a process
 
-
-def record(pid):
-    """Note the process `pid` (its pid and start time) for the test to look at."""
-    with open(__file__ + ".pids", "a") as f:
-        f.write(f"{pid} {open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[19]}\\n")
-
-
-def built(micro_batch):
-    return torch.nn.Linear(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
-'''
-
-START = {  # code starting a process that would run for 1000 s, its pid recorded
-    "popen": '''
-import subprocess
-record(subprocess.Popen(["sleep", "1000"]).pid)
-''',
-    "daemon": '''
-import time
-r, w = os.pipe()
-first = os.fork()
-if first == 0:  # a daemon: forked twice, in a session of its own, its parent gone (reparented to init)
-    os.setsid()
-    if os.fork() == 0:
-        os.write(w, str(os.getpid()).encode())
-        os.execvp("sleep", ["sleep", "1000"])
-    os._exit(0)
-os.close(w)
-os.waitpid(first, 0)
-daemon = int(os.read(r, 32))
-os.close(r)
-time.sleep(0.2)  # exec'd meanwhile
-record(daemon)
-''',
-    "multiprocessing": '''
-import multiprocessing
-import time
-p = multiprocessing.Process(target=time.sleep, args=(1000,))  # not a daemon: multiprocessing joins it at exit
-p.start()
-record(p.pid)
-''',
-}
-
-
-def _factory(where: str, code: str) -> str:
-    """A module whose import, factory or model's forward runs `code` (once)."""
-    body = textwrap.indent(code, "    ")
-    if where == "import":
-        return RECORD + code + "\n\ndef factory(micro_batch: int = 2):\n    return built(micro_batch)\n"
-    if where == "factory":
-        return RECORD + f"\n\ndef factory(micro_batch: int = 2):\n{body}\n    return built(micro_batch)\n"
-    return RECORD + f'''
-
-class Model(torch.nn.Linear):
-    started = False
-
-    def forward(self, x):
-        if not Model.started:
-            Model.started = True
-{textwrap.indent(code, "            ")}
-        return super().forward(x)
-
-
-def factory(micro_batch: int = 2):
-    return Model(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
-'''
-
-
-def _running(pid: int, start: int) -> bool:
-    """Whether process `pid`, started at `start` (ticks since boot), still runs (a zombie has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return int(fields[19]) == start and fields[0] not in "ZX"
-
-
-def _recorded(module) -> list[tuple[int, int]]:
-    path = f"{module}.pids"
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [(int(a), int(b)) for a, b in (line.split() for line in f if line.strip())]
 
 
 @pytest.fixture
@@ -117,8 +33,8 @@ def module(tmp_path):
     """The module file's path; whatever it recorded and still runs after the test is killed."""
     path = tmp_path / "f.py"
     yield path
-    for pid, start in _recorded(path):
-        if _running(pid, start):
+    for pid, start in recorded(path):
+        if running(pid, start):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -138,39 +54,22 @@ def _simulate(path, *extra: str, timeout: float = 180) -> subprocess.CompletedPr
 @pytest.mark.parametrize("where, kind", [("factory", "popen"), ("factory", "daemon"), ("factory", "multiprocessing"),
                                          ("import", "popen"), ("forward", "popen")])
 def test_processes_the_users_code_starts_end_with_the_command(module, where, kind):
-    module.write_text(_factory(where, START[kind]))
+    module.write_text(module_text(where, START[kind]))
     run = _simulate(module)
     assert run.returncode == 0, run.stderr
-    started = _recorded(module)
+    started = recorded(module)
     assert len(started) == 1
-    assert not [p for p in started if _running(*p)], f"still running after the command: {started}"
+    assert not [p for p in started if running(*p)], f"still running after the command: {started}"
     assert "Traceback" not in run.stderr  # ended quietly (no peakledger handler raising in a fork)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="processes are followed on Linux (/proc)")
 def test_a_helper_the_factory_starts_still_serves_the_forward(module):
     # ended with the command, not with the block that started it
-    module.write_text(RECORD + '''
-import subprocess
-
-HELPER = []
-
-
-class Model(torch.nn.Linear):
-    def forward(self, x):
-        if HELPER[0].poll() is not None:
-            raise RuntimeError("the helper has gone")
-        return super().forward(x)
-
-
-def factory(micro_batch: int = 2):
-    HELPER.append(subprocess.Popen(["sleep", "1000"]))
-    record(HELPER[0].pid)
-    return Model(8, 8), torch.randn(micro_batch, 8), lambda out: out.sum()
-''')
+    module.write_text(HELPER)
     run = _simulate(module)
     assert run.returncode == 0, run.stderr
-    assert not [p for p in _recorded(module) if _running(*p)]
+    assert not [p for p in recorded(module) if running(*p)]
 
 
 def test_atexit_handlers_cannot_change_the_exit_status(module):
