@@ -297,6 +297,9 @@ def _finite_cells(out, err, tmp) -> str | None:
     return f"non-finite cells: {bad}" if bad else None
 
 
+MIXED = ("import torch\n\n\ndef factory(micro_batch: int = 2):\n"
+         "    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))\n"
+         "    return model, torch.randn(micro_batch, 8), lambda out: out.sum()\n")
 SIM = ("simulate", "--preset", "tiny", "--steps", "1")
 TINY_SWEEP = ("sweep", "--preset", "tiny", "--device", "cpu")
 SWEEP_KILLED = (*TINY_SWEEP, "--jobs", "2", "--grid", "micro_batch=" + ",".join(map(str, range(1, 21))),
@@ -430,6 +433,11 @@ CASES_34: list[Case] = [
          {"config.json": lambda: _hf()()[:-1] + b', "layer_norm_epsilon": 1e999}'}, says=("out of range",)),
     Case("fifo-trickle", "readers", "a named pipe whose writer sends a line every 5 s held the reader without end",
          ("ledger", "{tmp}/fifo"), says=("still sending",), driver=fifo_trickle(5.0)),
+    # --- user code -----------------------------------------------------------------------------------------
+    Case("factory-mixed-dtype-compile", "user code", "a float32 batch into parameters --precision bf16 makes bf16, "
+         "under --compile: the GEMM probe's real call failed, exit 3 (internal error)",
+         ("simulate", "--module", "{tmp}/f.py:factory", "--device", "cpu", "--steps", "1", "--precision", "bf16",
+          "--compile"), {"f.py": _text(MIXED)}, says=("aten.addmm", "same dtype")),
     # --- flags --------------------------------------------------------------------------------------------
     Case("flag-twice", "flags", "a flag given twice was taken silently (last wins: --budget 1GiB --budget 1MiB)",
          (*SIM, "--budget", "1GiB", "--budget", "1MiB"), says=("--budget is given twice",)),

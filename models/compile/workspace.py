@@ -45,6 +45,7 @@ import functools
 import json
 import os
 
+from ..config import ConfigError
 from . import onednn
 from .step import CPU_THREADS
 
@@ -396,6 +397,12 @@ def _probe(key: tuple) -> int:
                        for size, stride, dtype in layouts]
             *ins, out = tensors
             _warm_up(threads)
+            dtypes = " and ".join(sorted({str(t.dtype).replace("torch.", "") for t in ins}))
+            if " and " in dtypes:  # the real kernel refuses what the fake rule let through: the program fails
+                raise ConfigError("module", f"aten.{packet} in the compiled program multiplies {dtypes} "
+                                            "tensors, which torch refuses for real (mat1 and mat2 must have the same "
+                                            "dtype): give the batch the parameters' dtype, or train under autocast "
+                                            "(--precision bf16-autocast)")
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 op(*ins, *constants, **dict(kwargs), out=out)
         events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
