@@ -62,7 +62,7 @@ from ..simulator.events import (
     new_block,
     new_event,
 )
-from ..simulator.files import InputError, digits_message, read_text, too_many_digits
+from ..simulator.files import InputError, read_text
 from ..simulator.numbers import float_text, int_text
 from ..simulator.timeline import PeakPoint, Timeline, timeline
 from .ledger import LedgerRow, ledger_at
@@ -302,12 +302,6 @@ def _json_records(text: str, path: str):
         raise UserEventsError(f"{path}: {e}") from None
     except json.JSONDecodeError as e:
         raise UserEventsError(f"{path} is not JSON: {e}") from None
-    except RecursionError:
-        raise UserEventsError(f"{path} is nested too deeply to be a list of events") from None
-    except ValueError as e:
-        if too_many_digits(e):
-            raise UserEventsError(digits_message(path)) from None
-        raise
     if isinstance(data, dict):
         if set(data) != {"events"}:
             raise UserEventsError(f"{path}: a JSON object holds one key, \"events\" (a list of events), got keys "

@@ -20,6 +20,8 @@ import json
 import math
 import sys
 
+from .files import too_many_digits
+
 MAX_DEPTH = 64
 
 
@@ -43,14 +45,6 @@ def _float(text: str) -> float:
     return value
 
 
-def _int(text: str) -> int:
-    digits = len(text.lstrip("-"))
-    if digits > sys.get_int_max_str_digits():
-        raise JSONRefused(f"it holds an integer of more than {sys.get_int_max_str_digits():,} digits (Python's limit "
-                          "for reading one); no count or size is that long")
-    return int(text)
-
-
 def _constant(name: str) -> float:
     raise JSONRefused(f"{name} is not a JSON number; give a finite number")
 
@@ -72,8 +66,13 @@ def loads(text: str, constants: bool = False) -> object:
     """`text` parsed by the rule of the module docstring; JSONRefused, or json.JSONDecodeError (a ValueError)
     for text that is not JSON."""
     try:
-        value = json.loads(text, object_pairs_hook=_pairs, parse_float=_float, parse_int=_int,
+        value = json.loads(text, object_pairs_hook=_pairs, parse_float=_float,
                            parse_constant=float if constants else _constant)
+    except ValueError as e:  # (json's own int() past Python's digit limit: a plain ValueError, not a decode error)
+        if not too_many_digits(e):
+            raise
+        raise JSONRefused(f"it holds an integer of more than {sys.get_int_max_str_digits():,} digits (Python's limit "
+                          "for reading one); no count or size is that long") from None
     except RecursionError:
         raise JSONRefused(f"it is nested too deeply (deeper than Python reads; peakledger's files nest {MAX_DEPTH} "
                           "levels at most)") from None

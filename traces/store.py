@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..simulator import strict_json
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
-from ..simulator.files import InputError, digits_message, read_input, too_many_digits, write_atomic
+from ..simulator.files import InputError, read_input, write_atomic
 from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
 
 FORMAT = "peakledger-trace"
@@ -164,12 +164,6 @@ def _json_log(data: bytes, path, field_name: str) -> EventLog:
         raise TraceFormatError(f"{path} is neither JSON text nor a CUDA snapshot pickle", field_name) from None
     except json.JSONDecodeError as e:
         raise TraceFormatError(f"{path} is not JSON: {e}", field_name) from None
-    except RecursionError:
-        raise TraceFormatError(f"{path} is nested too deeply to be a trace", field_name) from None
-    except ValueError as e:
-        if too_many_digits(e):
-            raise TraceFormatError(digits_message(path), field_name) from None
-        raise
     try:
         return from_json(obj)
     except TraceFormatError as e:
