@@ -234,9 +234,9 @@ def _at_most(n: int, at: _At) -> int:
 
 
 def _rank(value, at: _At) -> int:
-    if isinstance(value, str) and len(value.strip()) <= MAX_DIGITS and int_text(value.strip().lstrip("+-")) \
-            is not None:
-        value = int_text(value.strip())  # ASCII digits only: a Thai 3 or a superscript 2 is not a rank
+    if isinstance(value, str) and len(value.strip()) <= MAX_DIGITS:
+        number = int_text(value.strip())  # ASCII digits only: a Thai 3 or a superscript 2 is not a rank
+        value = value if number is None else number
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_RANK:
         return value
     raise at.error("rank", f"{_show(value)} is not an integer in [0, {MAX_RANK}] (the process or device index)")

@@ -103,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # output piped into head & co.: the verdict the command settled before its output
-        _silence_stdout()
-        return getattr(args, "exit_code", 0)
     except KeyboardInterrupt as e:
         print(f"peakledger: {'terminated' if isinstance(e, _Terminated) else 'interrupted'}: nothing written",
               file=sys.stderr)

@@ -88,12 +88,10 @@ def _read_pipe(path, field_name: str, limit: int) -> bytes:
         end = time.monotonic() + PIPE_TOTAL_SECONDS
         while size <= limit:
             left = end - time.monotonic()
-            if left <= 0:
+            ready = select.select([fd], [], [], min(PIPE_IDLE_SECONDS, left))[0] if left > 0 else []
+            if not ready and time.monotonic() >= end:
                 raise InputError(field_name, f"{path} is a named pipe still sending after {PIPE_TOTAL_SECONDS:g} s "
                                              "(the longest peakledger reads one input); write it to a file first")
-            ready, _, _ = select.select([fd], [], [], min(PIPE_IDLE_SECONDS, left))
-            if not ready and time.monotonic() >= end:
-                continue
             if not ready:
                 raise InputError(field_name, f"{path} is a named pipe that gave no data for {PIPE_IDLE_SECONDS:g} s "
                                              "(nothing writes to it?); give a file, or start its writer first")
@@ -213,26 +211,22 @@ def _clean_stale(directory: str) -> None:
 
 
 class _Stage:
-    """The outputs of one command while it runs: (temporary file, target, mode) of each written so far."""
+    """The outputs of one command while it runs: (temporary file, target) of each written and not yet moved."""
 
     def __init__(self) -> None:
-        self.files: list[tuple[str, str, int]] = []
+        self.files: list[tuple[str, str]] = []
         self.names: dict[str, str] = {}  # target -> the flag that named it (check_outputs), for messages
 
     def discard(self) -> None:
-        for tmp, _, _ in self.files:
+        for tmp, _ in self.files:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
         self.files.clear()
 
     def commit(self) -> None:
-        try:
-            for i, (tmp, target, mode) in enumerate(self.files):
-                os.replace(tmp, target)
-                self.files[i] = ("", target, mode)
-        finally:
-            self.files = [f for f in self.files if f[0]]
-            self.discard()
+        while self.files:  # (a rename that fails leaves the rest to discard)
+            os.replace(*self.files[0])
+            self.files.pop(0)
 
 
 _STAGE: contextvars.ContextVar[_Stage | None] = contextvars.ContextVar("peakledger_outputs", default=None)
@@ -275,7 +269,7 @@ def write_atomic(path, data: bytes, staged: bool = True) -> None:
             rest = "; nothing was written" if stage is not None else ""
             raise InputError(name, f"cannot write {path}: {e.strerror or e}{rest}") from None
         if stage is not None:
-            stage.files.append((tmp, target, mode))
+            stage.files.append((tmp, target))
             tmp = ""
         else:
             os.replace(tmp, target)
