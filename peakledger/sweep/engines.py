@@ -28,7 +28,7 @@ from ..models.config import ConfigError
 from .address import check_address
 from .bounds import Tracker
 from .point import evaluate
-from .pool import MAX_ATTEMPTS, Collector, point_values, run_pool
+from .pool import MAX_ATTEMPTS, point_values, run_pool
 from .signals import POLL_S, SigtermBetweenCalls, in_helper_thread
 
 _CHUNKS_PER_WORKER = 16  # chunks a worker gets on average: balances the load, keeps per-task overhead small
@@ -37,30 +37,23 @@ CLUSTER_START_TIMEOUT_S = 120.0  # a local ray or dask cluster's start at most (
 CONNECT_TIMEOUT_S = 30.0  # the connection to an existing cluster at most, once its address has answered the probe
 
 
-# A cluster worker process's collector: the one state this module keeps, per process (a ray or dask worker runs
-# many chunks, each a call of evaluate_timed_chunk).
-_WORKER_COLLECTOR = Collector()
-
-
 def evaluate_timed_chunk(tasks: list) -> list[tuple[dict, float]]:
     """One cluster task: consecutive points (the base scenario sent once per chunk), each row with its seconds."""
     out = []
     for t in tasks:
         start = time.perf_counter()
         out.append((evaluate(t), time.perf_counter() - start))
-        _WORKER_COLLECTOR.point_done()
     return out
 
 
 def _run_inline(tasks: list, tracker: Tracker) -> list[dict]:
     """jobs=1: every point here, in order; the time limit is checked between points."""
-    collector, rows, seconds = Collector(), [], []
+    rows, seconds = [], []
     probe = tracker.probe_size(1)
     for i, t in enumerate(tasks):
         start = time.perf_counter()
         rows.append(evaluate(t))
         seconds.append(time.perf_counter() - start)
-        collector.point_done()
         tracker.advance()
         if i + 1 == probe:
             tracker.estimated(seconds, 1)

@@ -13,20 +13,15 @@ died, so a point that kills its worker cannot loop forever; workers dying while 
 another exception in a point (a bug) is raised again here.
 
 Workers ignore SIGINT (Ctrl-C is the parent's), die quietly on SIGTERM, are forked with SIGINT and SIGTERM blocked
-(a signal that comes meanwhile reaches the parent when the block ends), close every pipe end but their own, so the
-parent's death is an end of file for them, and run the collector every GC_EVERY points: a point leaves thousands of
-objects in reference cycles that the simulator's paused collector (simulator/gcpause.py) moves to the oldest
-generation (gc.unfreeze()), where nothing collects them: CPython makes a full collection only once the objects that
-survived its younger collections pass a quarter of the oldest generation, and those moved there do not count
-(measured: ~3,700 objects and ~0.6 MB more a tiny model's point, all freed by gc.collect(); issue 34's 40,000-point
-grid grew to 6.6 GB over 2 workers, 0.4 GB now). Every
-worker is stopped on every exit path (SIGTERM, then SIGKILL after STOP_S) and joined.
+(a signal that comes meanwhile reaches the parent when the block ends), and close every pipe end but their own, so
+the parent's death is an end of file for them. Every worker is stopped on every exit path (SIGTERM, then SIGKILL
+after STOP_S) and joined. (What a run of points leaves in reference cycles is collected by the simulator's paused
+collector, simulator/gcpause.py, in every process alike.)
 """
 
 from __future__ import annotations
 
 import collections
-import gc
 import multiprocessing
 import signal
 import time
@@ -40,8 +35,6 @@ from .point import evaluate
 from .signals import POLL_S, blocked
 
 MAX_ATTEMPTS = 2  # a point whose worker died this many times fails the sweep
-GC_EVERY = 64  # points between two full collections in a worker (~6 ms each, + freeing what they find; a tiny
-#               model's point takes 2-7 ms and leaves ~0.6 MB: 64 keeps a worker within ~40 MB of garbage for ~15%)
 STOP_S = 2.0  # a worker's time to die after SIGTERM before SIGKILL
 
 
@@ -177,20 +170,6 @@ class _Pool:
         self.workers.clear()
 
 
-class Collector:
-    """A full garbage collection every `every` points evaluated in this process (see the module docstring: a point
-    leaves its objects to the oldest generation, which a run of points never collects)."""
-
-    def __init__(self, every: int | None = None) -> None:
-        self.every = GC_EVERY if every is None else every
-        self.count = 0
-
-    def point_done(self) -> None:
-        self.count += 1
-        if self.count % self.every == 0:
-            gc.collect()
-
-
 _OOM = ": what the kernel's out-of-memory killer sends, see `dmesg`"
 
 
@@ -221,7 +200,6 @@ def _worker_main(conn: Connection, others: list[Connection], tasks: list, evalua
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     for c in others:  # the parent's ends: its death must be an end of file here
         c.close()
-    collector = Collector()
     try:
         while True:
             start, stop = conn.recv()
@@ -233,7 +211,6 @@ def _worker_main(conn: Connection, others: list[Connection], tasks: list, evalua
                     conn.send(("error", i, _picklable(e), 0.0))
                     return
                 conn.send(("row", i, row, time.perf_counter() - t))
-                collector.point_done()
     except (EOFError, OSError):  # the parent has gone or closed the pipe: nothing more to do
         return
 
@@ -266,4 +243,4 @@ def _how(exitcode: int | None) -> str:
     return f"exit status {exitcode}"
 
 
-__all__ = ["MAX_ATTEMPTS", "GC_EVERY", "STOP_S", "Collector", "run_pool", "point_values", "times"]
+__all__ = ["MAX_ATTEMPTS", "STOP_S", "run_pool", "point_values", "times"]
