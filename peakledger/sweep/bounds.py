@@ -138,6 +138,12 @@ class Tracker:
         """How many of the first points are timed before the others are sent (0: none, nobody needs it)."""
         return min(self.points, PROBE_PER_WORKER * max(1, workers)) if self.wants_estimate else 0
 
+    def probe_spans(self, workers: int) -> list[range]:
+        """The probe points (`probe_size`) as one range per worker (none when nobody needs an estimate)."""
+        probe = self.probe_size(workers)
+        per = -(-probe // workers) if probe else 1
+        return [range(i, min(probe, i + per)) for i in range(0, probe, per)]
+
     def advance(self, n: int = 1) -> None:
         self.done += n
         self.bar.advance(n)

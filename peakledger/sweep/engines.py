@@ -76,12 +76,6 @@ def _spans(start: int, stop: int, workers: int, most: int | None = _CHUNK_MAX) -
     return [range(i, min(stop, i + size)) for i in range(start, stop, size)]
 
 
-def _probe_spans(tracker: Tracker, workers: int) -> list[range]:
-    probe = tracker.probe_size(workers)
-    per = -(-probe // workers) if probe else 1
-    return [range(i, min(probe, i + per)) for i in range(0, probe, per)]
-
-
 def _run_on_cluster(tasks: list, workers: int, tracker: Tracker, submit: Callable[[list], object],
                     finished: Callable[[list], Iterator], key: Callable[[object], object],
                     result: Callable[[object], list[tuple[dict, float]]], lost: Callable[[BaseException], str | None],
@@ -117,7 +111,7 @@ def _run_on_cluster(tasks: list, workers: int, tracker: Tracker, submit: Callabl
             tracker.advance(len(span))
 
     try:
-        probe = _probe_spans(tracker, workers)
+        probe = tracker.probe_spans(workers)
         if probe:
             run(probe)
             tracker.estimated(seconds, workers)

@@ -182,12 +182,11 @@ def run_pool(tasks: list, workers: int, tracker: Tracker, chunks: Callable[[int,
     try:
         for _ in range(workers):
             pool.start_worker()
-        probe = tracker.probe_size(workers)
+        probe = tracker.probe_spans(workers)
         if probe:
-            per = -(-probe // workers)
-            pool.run([range(i, min(probe, i + per)) for i in range(0, probe, per)])
+            pool.run(probe)
             tracker.estimated(pool.seconds, workers)
-        pool.run(chunks(probe, len(tasks), workers))
+        pool.run(chunks(probe[-1].stop if probe else 0, len(tasks), workers))
         return pool.results
     finally:
         pool.stop()
