@@ -387,8 +387,8 @@ def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit
     time, steps, wall-clock, GPU-hours and verdict, best first; a closing line that names the answer."""
     order = sorted(range(len(points)), key=lambda i: points[i][1].get("deadline_rank") or len(points) + i)
     keys = list(points[0][0]) if points else []
-    # with max-batch, the micro-batch each point was priced at (the grid's otherwise: no column)
-    # the point's memory, then the price: with max-batch, of the micro-batch it was priced at ("priced mb")
+    # the point's memory, then the price: with max-batch, of the micro-batch it was priced at ("priced mb"; the
+    # grid's otherwise, no column)
     priced = any(r.get("max_micro_batch") not in ("", None) for _, r in points)
     head = ["rank", *keys, "needs", "budget", *(["priced mb"] if priced else []), "step s", "steps", "wall h",
             "GPU-h", "verdict"]
