@@ -17,7 +17,8 @@ from ..simulator.timeline import Timeline
 from .units import format_bytes
 
 PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
-               Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save"}
+               Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save",
+               Phase.EVAL: "eval", Phase.GENERATE: "generate"}
 
 
 @dataclass(frozen=True)

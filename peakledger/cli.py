@@ -22,7 +22,7 @@ import sys
 import threading
 import traceback
 
-from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_simulate, cmd_validate, cmd_where
+from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_run, cmd_simulate, cmd_validate, cmd_where
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.trace.boundary import end_user_processes, time_limit
@@ -45,7 +45,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"peakledger: error: {message} (see {self.prog} --help)\n")
 
 
-COMMANDS = (cmd_simulate, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate)  # each: register(subparsers)
+# each: register(subparsers)
+COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,8 +87,15 @@ def _silence_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit 0 on success (1: a validate outside its tolerance), 2 on bad input (one line naming it), 3 on an
     internal error (a bug: one line, the traceback with --debug), 130 / 143 when interrupted / terminated."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed: list[str] = []
+    if argv[:1] == ["run"] and "--" in argv:  # `run SCRIPT.py [flags] -- ARGS`: ARGS are the script's, untouched
+        cut = argv.index("--")
+        argv, passed = argv[:cut], argv[cut + 1:]
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "run":
+            args.script_args = passed
     except SystemExit as e:  # argparse's error (one line, `Parser.error`) or --help: its status, not a raise
         return e.code if isinstance(e.code, int) else 2
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() \

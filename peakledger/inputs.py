@@ -265,7 +265,7 @@ def check_common(args) -> None:
         raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")
     timeout = getattr(args, "module_timeout", None)
     if timeout is not None:
-        if not getattr(args, "module", None):
+        if not getattr(args, "module", None) and args.command != "run":
             raise ConfigError("module_timeout", "only applies with --module (a Python file's factory); drop it")
         if not (0 <= timeout <= 86400):
             raise ConfigError("module_timeout", f"must be seconds in [0, 86400] (0: no limit), got {timeout!r}")

@@ -56,6 +56,8 @@ class Phase(str, enum.Enum):
     OPTIMIZER = "optimizer"
     ZERO_GRAD = "zero_grad"
     CHECKPOINT = "checkpoint"
+    EVAL = "eval"  # a script's evaluation: a model called without autograd or in eval mode (peakledger run)
+    GENERATE = "generate"  # a script's generation (transformers' generate) inside training (peakledger run)
 
 
 class Action(str, enum.Enum):

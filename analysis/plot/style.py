@@ -41,9 +41,11 @@ STACK_ORDER: tuple[Category, ...] = (
     Category.CHECKPOINT_STAGING, Category.ACTIVATION, Category.TEMPORARY, Category.UNKNOWN)
 
 PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e3eefa", Phase.BACKWARD: "#fbeadf",
-                 Phase.OPTIMIZER: "#e2f4dc", Phase.ZERO_GRAD: "#efe3f5", Phase.CHECKPOINT: "#fff3c2"}
+                 Phase.OPTIMIZER: "#e2f4dc", Phase.ZERO_GRAD: "#efe3f5", Phase.CHECKPOINT: "#fff3c2",
+                 Phase.EVAL: "#e0f2f1", Phase.GENERATE: "#fde4ec"}
 PHASE_SHORT = {Phase.LOAD: "load", Phase.FORWARD: "fwd", Phase.BACKWARD: "bwd", Phase.OPTIMIZER: "opt",
-               Phase.ZERO_GRAD: "zero", Phase.CHECKPOINT: "save"}
+               Phase.ZERO_GRAD: "zero", Phase.CHECKPOINT: "save",
+               Phase.EVAL: "eval", Phase.GENERATE: "gen"}
 
 BUDGET_COLOUR = "#C00000"
 OK_COLOUR, OVER_COLOUR, NEUTRAL_COLOUR, CHOSEN_COLOUR = "#009E73", "#D55E00", "#0072B2", "#7B3294"

@@ -1,0 +1,283 @@
+"""Where a training script is: its phase, optimizer step and micro-batch, learnt from what it calls.
+
+A user's script is not our loop: the step structure is discovered, not assumed. While a script runs, torch's and
+the libraries' entry points say where it is:
+- a call of a top-level `nn.Module` (no module running) with autograd on and the module in training mode starts a
+  micro-batch's FORWARD; the loss computed after it is still forward;
+- `Tensor.backward` / `torch.autograd.backward` (accelerate's `backward`, HF Trainer's, Lightning's all end there):
+  BACKWARD of that micro-batch; the micro-batches of a step are counted by the backward calls between two
+  optimizer steps (a script accumulating 4 micro-batches shows 4);
+- `Optimizer.step` (torch's global step hooks, so a wrapped optimizer, accelerate's or DeepSpeed's, counts once:
+  the innermost torch optimizer) is OPTIMIZER; `torch.nn.utils.clip_grad_norm_` before it is counted there too;
+- `Optimizer.zero_grad` / `Module.zero_grad`: ZERO_GRAD of the step that has run;
+- a top-level module called without autograd or in eval mode: EVAL (evaluation loops, metrics);
+- `torch.save` and safetensors' `save_file` / `save_model`: CHECKPOINT, for the call;
+- transformers' `GenerationMixin.generate`: GENERATE, for the call.
+Module calls made inside backward (activation checkpointing's recompute) or inside generate change nothing.
+
+The run stops at the first training forward after `steps` optimizer steps (`StopScript`): what the script does
+after its last counted step (its eval, its save) is in the run; its next step is not.
+
+`ScriptPhases` is shared by the prediction (models/script/record.py, fake tensors) and the measurement
+(traces/script_run.py, real tensors under the tracker): both see the same positions from the same calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ...simulator.events import Phase
+
+
+class StopScript(BaseException):
+    """Raised at the first training forward after the last counted optimizer step: the run ends there."""
+
+
+@dataclass(frozen=True)
+class Position:
+    phase: Phase
+    step: int
+    micro_batch: int
+
+
+@dataclass
+class Calls:
+    """What the script did, counted: the report's description of its loop."""
+
+    forwards: int = 0
+    backwards: int = 0
+    optimizer_steps: int = 0
+    zero_grads: int = 0
+    evals: int = 0
+    saves: int = 0
+    generates: int = 0
+    clips: int = 0
+    micro_batches: list[int] = field(default_factory=list)  # backward calls of each optimizer step
+    optimizers: list[str] = field(default_factory=list)  # class names, in the order first stepped
+    models: list[str] = field(default_factory=list)  # top-level modules' classes, in the order first called
+
+
+class ScriptPhases:
+    """Patches and global hooks that track the script's position (use as a context manager).
+
+    `on_position(position)`: the position changed (before the work of the new one runs). `on_scan(models,
+    optimizers)`: after a backward, an optimizer step or a zero_grad, to label gradients and optimizer states.
+    `on_inputs(tensors)`: the tensors a training or eval forward is given (the batch). `on_module(name | None)`:
+    the module running now (its path; None: none), at each module's start and end. `steps`: stop after this
+    many optimizer steps (None: run to the
+    end)."""
+
+    def __init__(self, steps: int | None, on_position: Callable[[Position], None],
+                 on_scan: Callable[[list, list], None], on_inputs: Callable[[list], None],
+                 on_module: Callable[[str | None], None]) -> None:
+        self.steps = steps
+        self.on_position, self.on_scan, self.on_inputs, self.on_module = on_position, on_scan, on_inputs, on_module
+        self.position = Position(Phase.LOAD, 0, -1)
+        self.calls = Calls()
+        self.models: dict[int, torch.nn.Module] = {}  # id -> each top-level module called
+        self.names: dict[int, dict[int, str]] = {}  # id(top) -> id(submodule) -> path
+        self.optimizers: dict[int, torch.optim.Optimizer] = {}
+        self.stack: list[str] = []
+        self._names: dict[int, str] = {}
+        self.step = 0  # the step the script is in: 1 from its first training forward (0: before it, loading)
+        self.done = 0  # optimizer steps completed
+        self.in_step = 0  # backward calls since the last optimizer step
+        self.inside = 0  # depth of calls that hide module calls (backward, generate, an optimizer step)
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- position -------------------------------------------------------------------------------------
+    def _move(self, phase: Phase, step: int, micro_batch: int) -> None:
+        position = Position(phase, step, micro_batch)
+        if position != self.position:
+            self.position = position
+            self.on_position(position)
+
+    @contextlib.contextmanager
+    def _during(self, phase: Phase, micro_batch: int = -1, hide: bool = True) -> Iterator[None]:
+        """The call is `phase`; the position before it comes back after (a save, a generate)."""
+        before = self.position
+        self._move(phase, self.step, micro_batch)
+        self.inside += hide
+        try:
+            yield
+        finally:
+            self.inside -= hide
+            self._move(before.phase, before.step, before.micro_batch)
+
+    # -- modules ----------------------------------------------------------------------------------------
+    def _call(self, original: Callable) -> Callable:
+        """`nn.Module._call_impl` (every module call, with its keyword arguments) wrapped: the top-level call
+        decides the position; every call names the work inside it by its module path."""
+        @functools.wraps(original)
+        def call(module, *args, **kwargs):
+            if not self.stack:
+                if not self.inside:
+                    self._top_level(module, args, kwargs)
+                key = id(module)
+                if key not in self.names:
+                    cls = type(module).__name__
+                    self.names[key] = {id(m): (f"{cls}.{n}" if n else cls) for n, m in module.named_modules()}
+                self._names = self.names[key]
+            name = self._names.get(id(module)) or f"{self.stack[-1] if self.stack else ''}.{type(module).__name__}"
+            self.stack.append(name)
+            self.on_module(name)
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                self.stack.pop()
+                self.on_module(self.stack[-1] if self.stack else None)
+        return call
+
+    def _top_level(self, module: torch.nn.Module, args, kwargs: dict) -> None:
+        if id(module) not in self.models:
+            self.models[id(module)] = module
+            self.calls.models.append(type(module).__name__)
+        training = torch.is_grad_enabled() and module.training
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if training:
+            if self.steps is not None and self.done >= self.steps:
+                raise StopScript()
+            self._new_step()
+            self.calls.forwards += 1
+            self._move(Phase.FORWARD, self.step, self.in_step)
+        else:
+            self.calls.evals += 1
+            self._move(Phase.EVAL, self.step, -1)
+        self.on_inputs(tensors)
+
+    def _new_step(self) -> None:
+        """Training work after an optimizer step (or the first) is the next step's: steps count from 1."""
+        if self.step != self.done + 1:
+            self.step, self.in_step = self.done + 1, 0
+
+    # -- backward, optimizer, zero_grad, clip, save, generate ------------------------------------------------
+    def _backward(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def backward(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            self._new_step()
+            self.calls.backwards += 1
+            self._move(Phase.BACKWARD, self.step, self.in_step)
+            self.inside += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.inside -= 1
+                self.in_step += 1
+                self.on_scan(list(self.models.values()), list(self.optimizers.values()))
+        return backward
+
+    def _step_pre(self, optimizer, args, kwargs) -> None:
+        if self.inside:
+            return
+        if id(optimizer) not in self.optimizers:
+            self.optimizers[id(optimizer)] = optimizer
+            self.calls.optimizers.append(type(optimizer).__name__)
+        self._new_step()
+        self._move(Phase.OPTIMIZER, self.step, -1)
+        self.inside += 1
+
+    def _step_post(self, optimizer, args, kwargs) -> None:
+        if self.inside != 1:
+            return
+        self.inside -= 1
+        self.done += 1
+        self.calls.optimizer_steps += 1
+        self.calls.micro_batches.append(self.in_step)
+        self.on_scan(list(self.models.values()), list(self.optimizers.values()))
+
+    def _zero_grad(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def zero_grad(obj, *args, **kwargs):
+            if self.inside:
+                return original(obj, *args, **kwargs)
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self.optimizers:
+                self.optimizers[id(obj)] = obj
+                self.calls.optimizers.append(type(obj).__name__)
+            self.calls.zero_grads += 1
+            self._move(Phase.ZERO_GRAD, self.step, -1)
+            self.inside += 1
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                self.inside -= 1
+                self.on_scan(list(self.models.values()), list(self.optimizers.values()))
+        return zero_grad
+
+    def _clip(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def clip(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            self.calls.clips += 1
+            self._move(Phase.OPTIMIZER, self.step, -1)
+            self.inside += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.inside -= 1
+        return clip
+
+    def _around(self, original: Callable, phase: Phase, counter: str) -> Callable:
+        @functools.wraps(original)
+        def call(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            setattr(self.calls, counter, getattr(self.calls, counter) + 1)
+            with self._during(phase):
+                return original(*args, **kwargs)
+        return call
+
+    # -- the patches ----------------------------------------------------------------------------------------
+    def __enter__(self) -> "ScriptPhases":
+        stack = self._stack = contextlib.ExitStack()
+        self._patch(torch.nn.Module, "_call_impl", self._call)
+        step_pre = register_optimizer_step_pre_hook(self._step_pre)
+        step_post = register_optimizer_step_post_hook(self._step_post)
+        for handle in (step_pre, step_post):
+            stack.callback(handle.remove)
+        self._patch(torch.Tensor, "backward", self._backward)
+        self._patch(torch.autograd, "backward", self._backward)
+        self._patch(torch.optim.Optimizer, "zero_grad", self._zero_grad)
+        self._patch(torch.nn.Module, "zero_grad", self._zero_grad)
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            for name in ("clip_grad_norm_", "clip_grad_value_"):
+                self._patch(owner, name, self._clip)
+        self._patch(torch, "save", lambda f: self._around(f, Phase.CHECKPOINT, "saves"))
+        for module, names in _library_calls():
+            for name in names:
+                phase, counter = (Phase.GENERATE, "generates") if name == "generate" else (Phase.CHECKPOINT, "saves")
+                self._patch(module, name, lambda f, p=phase, c=counter: self._around(f, p, c))
+        return self
+
+    def _patch(self, owner, name: str, wrap: Callable[[Callable], Callable]) -> None:
+        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if original is None:
+            return
+        setattr(owner, name, wrap(original))
+        self._stack.callback(setattr, owner, name, original)
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+def _library_calls() -> list[tuple[object, tuple[str, ...]]]:
+    """The libraries' own save and generate entry points, where they are imported (importing them is not ours to
+    do: a script that never imports transformers does not pay for it)."""
+    import sys
+
+    found = []
+    st = sys.modules.get("safetensors.torch")
+    if st is not None:
+        found.append((st, ("save_file", "save_model")))
+    generation = sys.modules.get("transformers.generation.utils")
+    if generation is not None:
+        found.append((generation.GenerationMixin, ("generate",)))
+    return found

@@ -1,0 +1,205 @@
+"""Run a user's training script as it is, inside peakledger: its arguments, its folder, no network, no traces left.
+
+`script_context(path, argv)` is the world a script runs in, for the prediction (`record_script`, fake tensors)
+and the measurement (traces/script_run.py, real tensors) alike:
+- `sys.argv` is `[path, *argv]`, `__name__` is "__main__", the script's folder is first on `sys.path`;
+- it runs in a scratch folder that holds a link to every entry of the folder it was started from, so the paths it
+  reads resolve as they would, and what it writes (checkpoints, logs, output folders) lands in the scratch folder,
+  removed after the run;
+- no network: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and HF_DATASETS_OFFLINE are set while it runs; a script that
+  asks the Hugging Face hub for a model or dataset is refused, naming what it asked for (`hub_error`);
+- the boundary of user code (models/trace/boundary.py): a time limit, its prints on stderr, `os._exit` refused; a
+  `sys.exit(0)` (or `None`) is a script ending, any other status an error naming the script.
+
+`record_script` is the prediction: the script under `FakeTensorMode` with the recorder (record.py) and the
+position tracking (phases.py), stopped after `steps` optimizer steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import runpy
+import shutil
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from ...simulator.events import Phase
+from ..config import ConfigError
+from ..trace.boundary import user_code
+from ..trace.realpath import cpu_fake_kernels, real_code_paths
+from .phases import Position, ScriptPhases, StopScript
+from .record import Recorder, ScriptRecording
+from .values import Values, numpy_reads
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# libraries a script may use whose save / generate entry points ScriptPhases wraps: imported before the script
+# runs (under the offline environment) when the script's text names them
+LIBRARIES = {"transformers": ("transformers", "transformers.generation.utils", "safetensors.torch"),
+             "trl": ("transformers", "transformers.generation.utils", "safetensors.torch"),
+             "accelerate": ("accelerate", "safetensors.torch"), "peft": ("transformers", "safetensors.torch"),
+             "safetensors": ("safetensors.torch",)}
+
+
+def check_script(path: str) -> Path:
+    p = Path(path)
+    if p.suffix != ".py":
+        raise ConfigError("script", f"{path!r} is not a Python file (SCRIPT.py)")
+    if not p.is_file():
+        raise ConfigError("script", f"{path!r} does not exist or is not a file")
+    return p.resolve()
+
+
+@contextlib.contextmanager
+def script_context(path: Path, argv: list[str]) -> Iterator[None]:
+    """The script's world (module docstring): argv, a scratch folder of links, offline, its libraries imported."""
+    start = Path.cwd()
+    scratch = Path(tempfile.mkdtemp(prefix="peakledger-run-"))
+    saved_env = {k: os.environ.get(k) for k in OFFLINE}
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    try:
+        for entry in start.iterdir():
+            try:
+                (scratch / entry.name).symlink_to(entry)
+            except OSError:
+                pass
+        os.environ.update(OFFLINE)
+        text = path.read_text(errors="replace")
+        for name, modules in LIBRARIES.items():
+            if name in text:
+                for module in modules:
+                    with contextlib.suppress(ImportError):
+                        __import__(module)
+        os.chdir(scratch)
+        sys.argv = [str(path), *argv]
+        sys.path.insert(0, str(path.parent))
+        yield
+    finally:
+        os.chdir(start)
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_path(path: Path, seconds: float | None) -> None:
+    """The script's code, run as `__main__` inside the boundary; a clean exit or the step limit ends it."""
+    what = f"running {path.name}"
+    try:
+        with user_code(what, seconds):
+            try:
+                runpy.run_path(str(path), run_name="__main__")
+            except StopScript:
+                pass
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    raise ConfigError("script", f"{path.name} exited with status {e.code!r}") from None
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise script_error(path, e) from None
+
+
+def script_error(path: Path, e: Exception) -> ConfigError:
+    """The script's failure as one line: the hub it asked for, or the error and where in the script it rose."""
+    hub = hub_error(e)
+    if hub is not None:
+        return ConfigError("script", f"{path.name} asks the Hugging Face hub for {hub}; peakledger runs the script "
+                                     "offline: point it at local files (a config.json, a local model folder)")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+    where = f" (line {frames[-1].lineno})" if frames else ""
+    return ConfigError("script", f"{path.name} failed{where}: {type(e).__name__}: {_first_line(e)}")
+
+
+def hub_error(e: BaseException) -> str | None:
+    """What the script asked the hub for, when `e` is the offline refusal of huggingface_hub / transformers."""
+    while e is not None:
+        text = str(e)
+        if type(e).__name__ in ("OfflineModeIsEnabled", "LocalEntryNotFoundError") or \
+                ("offline" in text.lower() and ("hub" in text.lower() or "huggingface" in text.lower())):
+            words = [w.strip("'\".,`") for w in text.split() if "/" in w and not w.startswith("http")]
+            return repr(words[0]) if words else "a file"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def record_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None) -> ScriptRecording:
+    """The script run on fake tensors (module docstring) and recorded, until it ends or `steps` steps have run."""
+    values = Values()
+    rec = Recorder(values, Position(Phase.LOAD, 0, -1))
+    phases = ScriptPhases(steps, on_position=lambda p: setattr(rec, "position", p), on_scan=rec.scan,
+                          on_inputs=rec.inputs, on_module=lambda name: setattr(rec, "module", name))
+    with script_context(path, argv):
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake, fake_module_moves(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
+                saves_counted(), phases, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
+            run_path(path, seconds)
+        return rec.finish(phases.calls, values.lines())
+
+
+class fake_module_moves:
+    """`module.to(...)` on a fake model: `Module._apply` swaps each fake parameter for its converted one
+    (`torch.utils.swap_tensors`), which refuses a tensor the fake mode's converter holds a weak reference to (every
+    fake `nn.Parameter`); the swap falls back to `param.data = new` there, which gives the parameter the new
+    storage and lets the old one go, as the real run's swap does."""
+
+    def __enter__(self):
+        self.original = original = torch.utils.swap_tensors
+
+        def swap_tensors(t1, t2):
+            try:
+                return original(t1, t2)
+            except RuntimeError as e:
+                if "weakref" not in str(e) or not (_is_fake(t1) and _is_fake(t2)):
+                    raise
+                t1.data = t2.data
+
+        torch.utils.swap_tensors = swap_tensors
+        return self
+
+    def __exit__(self, *exc):
+        torch.utils.swap_tensors = self.original
+        return False
+
+
+def _is_fake(t) -> bool:
+    return isinstance(t, FakeTensor)
+
+
+class saves_counted:
+    """`torch.save` and safetensors' `save_file` on a fake run: nothing written (fake tensors have no bytes);
+    the call still runs inside its CHECKPOINT phase (ScriptPhases wraps these, outside this)."""
+
+    def __enter__(self):
+        self.saved = [(torch, "save", torch.save)]
+        torch.save = _no_save
+        st = sys.modules.get("safetensors.torch")
+        if st is not None:
+            for name in ("save_file", "save_model"):
+                self.saved.append((st, name, getattr(st, name)))
+                setattr(st, name, _no_save)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, f in self.saved:
+            setattr(owner, name, f)
+        return False
+
+
+def _no_save(*args, **kwargs) -> None:
+    return None

@@ -1,0 +1,139 @@
+"""`peakledger run SCRIPT.py [-- ARGS]`: the user's own training script, as it is, predicted on fake tensors (and
+with --validate, also run for real on the CPU and held against the prediction)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .analysis.export import write_chrome_trace, write_snapshot
+from .analysis.report import render_text, report_json
+from .analysis.validate import render_validation, validation_json
+from .cli_common import _budget, _write_json, add_check_flag, decide, fit_verdict, flag_float, flag_int
+from .inputs import check_command_outputs
+from .models.config import ConfigError
+from .models.costs import DEVICES, device_profile
+from .progress import progress
+from .script import ScriptRun, predict_script, validate_script
+from .simulator.allocator import TORCH_VERSIONS
+
+DEFAULT_STEPS = 2
+
+
+def run_of(args) -> ScriptRun:
+    device = args.device or "cpu"
+    if device not in DEVICES:
+        raise ConfigError("device", f"{device!r} is not a device profile; allowed: {', '.join(DEVICES)}")
+    version = args.torch_version or "2.6"
+    if version not in TORCH_VERSIONS:
+        raise ConfigError("torch_version", f"{version!r} is not modelled; allowed: {', '.join(TORCH_VERSIONS)}")
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
+    if steps < 0:
+        raise ConfigError("steps", f"must be >= 1 (optimizer steps to run), or 0 for the whole script; got {steps}")
+    argv = list(getattr(args, "script_args", ()))
+    return ScriptRun(args.script, tuple(argv), steps or None, device, version, args.alloc_conf or "",
+                     args.module_timeout)
+
+
+def header(report, unit: str) -> list[str]:
+    """What the script did and what it ran on: the loop discovered, the values given, the libraries."""
+    s = report.metadata["script"]
+    c = s["calls"]
+    mbs = sorted(set(c["micro_batches"]))
+    per_step = (f"{mbs[0]} micro-batch{'es' if mbs[0] != 1 else ''} (backward calls) each" if len(mbs) == 1 else
+                f"{'/'.join(str(m) for m in c['micro_batches'])} micro-batches") if mbs else "no backward"
+    asked = s["steps_asked"]
+    stop = (f"stopped at the first training forward after step {asked} (--steps {asked})"
+            if asked is not None and c["optimizer_steps"] >= asked else "ran to the script's end")
+    lines = [f"  loop (the script's own, discovered): {c['optimizer_steps']} optimizer step"
+             f"{'s' if c['optimizer_steps'] != 1 else ''} of {', '.join(c['optimizers']) or 'no optimizer'}, "
+             f"{per_step}; models called: {', '.join(c['models']) or 'none'}; {stop}",
+             f"  calls: {c['forwards']} training forwards, {c['backwards']} backwards, {c['zero_grads']} zero_grads, "
+             f"{c['clips']} gradient clips, {c['evals']} eval forwards, {c['saves']} saves, {c['generates']} "
+             f"generates",
+             f"  program: {s['program']}; versions: "
+             + ", ".join(f"{k} {v}" for k, v in s["versions"].items())]
+    if s["stand_ins"]:
+        lines.append(f"  values read that fake tensors do not have, given stand-ins (1.0, 1, False; "
+                     f"memory does not depend on them): {'; '.join(s['stand_ins'][:6])}"
+                     + (f"; and {len(s['stand_ins']) - 6} more places" if len(s["stand_ins"]) > 6 else ""))
+    return lines
+
+
+def cmd_run(args) -> int:
+    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
+    run = run_of(args)
+    budget = _budget(args)
+    if args.check and budget is None:
+        profile = device_profile(run.device)
+        if profile.is_cpu:
+            raise ConfigError("budget", "--check needs a budget: give --budget (e.g. 24GiB; the cpu profile has no "
+                                        "memory size of its own) or a GPU --device, whose memory is the budget")
+        budget = profile.memory_bytes
+    with progress(f"running {Path(run.path).name} on fake tensors"):
+        report, graph = predict_script(run, budget)
+    validation = None
+    if args.validate:
+        with progress(f"running {Path(run.path).name} for real on the CPU, tracked"):
+            validation = validate_script(run, report)
+    if args.plot:
+        from .analysis.plot import plot_timeline
+        from .simulator.timeline import timeline
+
+        plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
+                      title=f"device memory of {run.title} over the run (the script on fake tensors)", budget=budget)
+    if args.export_snapshot:
+        write_snapshot(report.log, args.export_snapshot)
+    if args.export_chrome:
+        write_chrome_trace(report.log, args.export_chrome, graph)
+    verdict = fit_verdict(report, budget, 0.0) if args.check else None
+    code = 1 if verdict is not None and not verdict.fits else 0
+    if validation is not None and args.tolerance is not None and not validation.passes(args.tolerance):
+        code = 1
+    code = decide(args, code)
+    if args.json:
+        _write_json({**report_json(report), "script": report.metadata["script"],
+                     **({"validation": validation_json(validation)} if validation is not None else {}),
+                     **({"fit_check": verdict.as_json()} if verdict is not None else {})})
+        return code
+    text = render_text(report, args.unit).split("\n")
+    print("\n".join(text[:1] + header(report, args.unit) + text[1:]))
+    if validation is not None:
+        print()
+        print(render_validation(validation, args.unit))
+    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
+    if written:
+        print(f"written: {', '.join(written)}")
+    if verdict is not None:
+        print(verdict.line(args.unit))
+    return code
+
+
+def register(sub) -> None:
+    r = sub.add_parser("run", help="your own training script, as it is: run on fake tensors, its memory predicted",
+                       description="Run SCRIPT.py as it is on fake tensors: its models, optimizers, data and steps "
+                                   "are its own; the report is simulate's. The script's own arguments follow --: "
+                                   "peakledger run train.py --steps 3 -- --lr 1e-4")
+    r.add_argument("script", metavar="SCRIPT.py")
+    r.add_argument("--steps", type=flag_int, help=f"optimizer steps to run (default {DEFAULT_STEPS}; the run stops "
+                                                  "at the next training forward); 0: the whole script")
+    r.add_argument("--device", help="the device profile: cpu (default) or a GPU, " + ", ".join(DEVICES))
+    r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply on a GPU profile: 2.6 (default) "
+                                           "or 2.11")
+    r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF)")
+    r.add_argument("--budget", help="device capacity (80GiB, 24G, 80GB): record the first OOM")
+    add_check_flag(r)
+    r.add_argument("--validate", action="store_true",
+                   help="also run the script for real on the CPU under the allocation tracker and compare")
+    r.add_argument("--tolerance", type=flag_float, help="with --validate: exit 1 when the peak is off by more")
+    r.add_argument("--time-limit", dest="module_timeout", type=flag_float, metavar="SECONDS",
+                   help="the longest the script may run, each time (default 600; 0: no limit)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category over time")
+    r.add_argument("--export-snapshot", metavar="FILE", help="a CUDA memory snapshot pickle of the run")
+    r.add_argument("--export-chrome", metavar="FILE", help="a Chrome trace JSON of the run")
+    r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"], help="print sizes in this unit (default GiB)")
+    r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
+    r.set_defaults(func=cmd_run)
+
+
+__all__ = ["cmd_run", "register"]

@@ -1,0 +1,108 @@
+"""Measure a user's training script: run it for real on the CPU under the allocation tracker.
+
+The same script, arguments and world as the prediction (models/script/run.py `script_context`: argv, a scratch
+folder, offline), with real tensors: every storage it allocates and frees is the tracker's (traces/tracker.py),
+the position of each event comes from the same calls the prediction reads (models/script/phases.py
+`ScriptPhases`), and the labels from the models and optimizers the script used, scanned after each backward,
+optimizer step and zero_grad. It stops after the same number of optimizer steps. The result is an `EventLog`
+in the schema, held against the prediction by analysis/validate.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..models.script.phases import Position, ScriptPhases
+from ..models.script.run import run_path, script_context
+from ..models.config import ConfigError
+from ..simulator.events import Category, EventLog
+from .store import load_log, save_log
+from .tracker import AllocationTracker, _state_name
+
+
+def measure_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None,
+                   threads: int = 1) -> EventLog:
+    """The script's real CPU run, tracked, as an `EventLog` (`metadata["script_calls"]`: what it did)."""
+    tracker = AllocationTracker(discover_inputs=True)
+    names: dict[int, str] = {}
+
+    def position(p: Position) -> None:
+        tracker.phase_state = (p.phase, p.step, p.micro_batch)
+
+    def module(name: str | None) -> None:
+        tracker.module_stack[:] = [name] if name else []
+
+    def inputs(tensors: list) -> None:
+        for k, t in enumerate(tensors):
+            tracker.mark(t, Category.INPUT, name=f"batch.{k}")
+
+    def scan(models: list, optimizers: list) -> None:
+        for model in models:
+            for n, p in model.named_parameters():
+                names[id(p)] = n
+                tracker.mark(p, Category.PARAMETER, name=n)
+                if p.grad is not None:
+                    tracker.mark(p.grad, Category.GRADIENT, name=f"{n}.grad")
+            for n, b in model.named_buffers():
+                tracker.mark(b, Category.BUFFER, name=n)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    n = names.get(id(p), "param")
+                    tracker.mark(p, Category.PARAMETER, name=n)
+                    if p.grad is not None:
+                        tracker.mark(p.grad, Category.GRADIENT, name=f"{n}.grad")
+            for p, state in opt.state.items():
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor):
+                        tracker.mark(t, Category.OPTIMIZER_STATE, name=f"{names.get(id(p), 'param')}.{key}",
+                                     state=_state_name(key))
+
+    phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with script_context(path, argv):
+            with phases, tracker:
+                run_path(path, seconds)
+            log = tracker.log({"source": "torch-dispatch-tracker (peakledger run's measurement)",
+                               "script": path.name})
+    finally:
+        torch.set_num_threads(previous)
+    log.metadata["script_calls"] = vars(phases.calls)
+    return log
+
+
+def measure_in_process(path: Path, argv: list[str], steps: int | None, seconds: float | None = None) -> EventLog:
+    """`measure_script` in a fresh Python process: the script's real run sees none of what the prediction in this
+    process made (a library first imported under fake tensors keeps the fake constants it made at import)."""
+    with tempfile.TemporaryDirectory(prefix="peakledger-measure-") as folder:
+        out = Path(folder) / "log.json"
+        command = [sys.executable, "-m", "peakledger.traces.script_run", str(out), str(steps or 0),
+                   str(seconds or 0), str(path), *argv]
+        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sys.stderr.write(done.stderr)
+        if done.returncode != 0 or not out.exists():
+            last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no message"]
+            raise ConfigError("script", f"the real run of {path.name} failed (exit {done.returncode}): {last[0]}")
+        return load_log(out)
+
+
+def _main(argv: list[str]) -> int:
+    out, steps, seconds, script, *rest = argv
+    try:
+        log = measure_script(Path(script), rest, int(steps) or None, float(seconds) or None)
+    except ConfigError as e:
+        print(f"peakledger: error: {e}", file=sys.stderr)
+        return 2
+    save_log(log, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
