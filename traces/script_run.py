@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from ..models.config import ConfigError
 from ..models.script.phases import Position, ScriptPhases
 from ..models.script.run import run_path, script_context
-from ..models.config import ConfigError
 from ..simulator.events import Category, EventLog
 from .store import load_log, save_log
 from .tracker import AllocationTracker, _state_name

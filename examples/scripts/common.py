@@ -24,7 +24,23 @@ def tiny_gpt2_config(tokenizer, n_positions=128):
     )
 
 
+def make_model(folder):
+    """A local model folder (a tiny random GPT-2 and the tokenizer), as a hub download would leave one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer()
+    AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--make-model"]:
+        make_model(sys.argv[2])
+        sys.exit(0)
     # Rebuild data/tokenizer.json: byte-level BPE, vocab 500, trained on text.txt.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -1,11 +1,12 @@
-"""Preference tuning with TRL's DPOTrainer (implicit reference model).
+"""Preference tuning with TRL's DPOTrainer and a reference model.
 
 Reproduces: the TRL dpo.py quickstart (DPOTrainer + DPOConfig on a standard
-prompt/chosen/rejected dataset, ref_model omitted so DPOTrainer builds the
-reference model itself) on a tiny random GPT-2. The random initial model is
-first saved to <output-dir>/init-model and passed by path, as users pass a
-model id: TRL 1.16 re-loads the implicit reference model from
-config._name_or_path, which is empty for a model built with from_config.
+prompt/chosen/rejected dataset) on a tiny random GPT-2. By default the policy
+and the reference model are model objects built from the config (a copy of the
+policy's initial weights is the reference). With `--model DIR` (a local model
+folder, as users pass a model id: `python examples/scripts/common.py
+--make-model DIR` writes one) the model is passed by path and DPOTrainer builds
+the reference model itself (TRL 1.16 re-loads it from config._name_or_path).
 TRL's config defaults are kept (bf16 autocast, gradient checkpointing on).
 CPU only, no downloads.
 
@@ -27,13 +28,17 @@ parser.add_argument("--max-steps", type=int, default=3)
 parser.add_argument("--micro-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--output-dir", default="out-dpo")
+parser.add_argument("--model", help="a local model folder (default: a tiny random GPT-2 saved to the output dir)")
 args = parser.parse_args()
 
 set_seed(42)
 tokenizer = load_tokenizer()
-init_dir = os.path.join(args.output_dir, "init-model")
-AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer)).save_pretrained(init_dir)
-tokenizer.save_pretrained(init_dir)
+if args.model is None:
+    model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
+    ref_model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
+    ref_model.load_state_dict(model.state_dict())
+else:
+    model, ref_model = args.model, None
 
 # prompt = first four words of a line, chosen = the rest of that line,
 # rejected = the rest of the next line.
@@ -61,7 +66,8 @@ training_args = DPOConfig(
 )
 
 trainer = DPOTrainer(
-    model=init_dir,
+    model=model,
+    ref_model=ref_model,
     args=training_args,
     train_dataset=train_dataset,
     processing_class=tokenizer,

@@ -8,9 +8,14 @@ the libraries' entry points say where it is:
   BACKWARD of that micro-batch; the micro-batches of a step are counted by the backward calls between two
   optimizer steps (a script accumulating 4 micro-batches shows 4);
 - `Optimizer.step` (torch's global step hooks, so a wrapped optimizer, accelerate's or DeepSpeed's, counts once:
-  the innermost torch optimizer) is OPTIMIZER; `torch.nn.utils.clip_grad_norm_` before it is counted there too;
+  the innermost torch optimizer) is OPTIMIZER; a closure it is given (Lightning's `optimizer.step(closure)`)
+  runs as training code, its forward and backward seen as such; `torch.nn.utils.clip_grad_norm_` before it is
+  counted there too;
 - `Optimizer.zero_grad` / `Module.zero_grad`: ZERO_GRAD of the step that has run;
-- a top-level module called without autograd or in eval mode: EVAL (evaluation loops, metrics);
+- a top-level module called without autograd or in eval mode: EVAL (evaluation loops, metrics, a reference
+  model's forward in DPO);
+- work between an optimizer step and the next training forward (a zero_grad, logging, an eval, a save, GRPO's
+  generation of the next batch) is the finished step's;
 - `torch.save` and safetensors' `save_file` / `save_model`: CHECKPOINT, for the call;
 - transformers' `GenerationMixin.generate`: GENERATE, for the call.
 Module calls made inside backward (activation checkpointing's recompute) or inside generate change nothing.
@@ -174,15 +179,33 @@ class ScriptPhases:
                 self.on_scan(list(self.models.values()), list(self.optimizers.values()))
         return backward
 
-    def _step_pre(self, optimizer, args, kwargs) -> None:
+    def _step_pre(self, optimizer, args, kwargs):
         if self.inside:
-            return
+            return None
         if id(optimizer) not in self.optimizers:
             self.optimizers[id(optimizer)] = optimizer
             self.calls.optimizers.append(type(optimizer).__name__)
         self._new_step()
         self._move(Phase.OPTIMIZER, self.step, -1)
         self.inside += 1
+        closure = kwargs.get("closure", args[0] if args else None)
+        if callable(closure):  # Lightning's `optimizer.step(closure)`: the forward and backward run inside the step
+            wrapped = self._closure(closure)
+            return ((wrapped, *args[1:]), kwargs) if "closure" not in kwargs else (args, {**kwargs, "closure": wrapped})
+        return None
+
+    def _closure(self, closure: Callable) -> Callable:
+        """The step's closure runs as the script's own training code (its forward and backward are seen); the
+        optimizer step goes on after it."""
+        @functools.wraps(closure)
+        def run(*args, **kwargs):
+            inside, self.inside = self.inside, 0
+            try:
+                return closure(*args, **kwargs)
+            finally:
+                self.inside = inside
+                self._move(Phase.OPTIMIZER, self.step, -1)
+        return run
 
     def _step_post(self, optimizer, args, kwargs) -> None:
         if self.inside != 1:

@@ -155,7 +155,7 @@ class Recorder(TorchDispatchMode):
             values.shadows.follow(func, args, kwargs, real, out)
         if func in REAL_DRAWS:
             values.draw(func, args, kwargs, out)
-        values.assume(func, out)
+        values.assume(func, args, out)
         flops = op_flops(func, args, kwargs, out)
         if flops:
             self.flops[self.calls] = flops

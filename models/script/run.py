@@ -18,6 +18,7 @@ position tracking (phases.py), stopped after `steps` optimizer steps.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import runpy
 import shutil
@@ -96,7 +97,7 @@ def run_path(path: Path, seconds: float | None) -> None:
     """The script's code, run as `__main__` inside the boundary; a clean exit or the step limit ends it."""
     what = f"running {path.name}"
     try:
-        with user_code(what, seconds):
+        with user_code(what, seconds, field="script"):
             try:
                 runpy.run_path(str(path), run_name="__main__")
             except StopScript:
@@ -146,34 +147,54 @@ def record_script(path: Path, argv: list[str], steps: int | None, seconds: float
                           on_inputs=rec.inputs, on_module=lambda name: setattr(rec, "module", name))
     with script_context(path, argv):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
-        with fake, fake_module_moves(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
+        with fake, fake_gaps(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
                 saves_counted(), phases, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
             run_path(path, seconds)
         return rec.finish(phases.calls, values.lines())
 
 
-class fake_module_moves:
-    """`module.to(...)` on a fake model: `Module._apply` swaps each fake parameter for its converted one
-    (`torch.utils.swap_tensors`), which refuses a tensor the fake mode's converter holds a weak reference to (every
-    fake `nn.Parameter`); the swap falls back to `param.data = new` there, which gives the parameter the new
-    storage and lets the old one go, as the real run's swap does."""
+class fake_gaps:
+    """Two things torch does to tensors that fail on fake ones, done as the real run does them:
+    - `module.to(...)`: `Module._apply` swaps each fake parameter for its converted one (`torch.utils.swap_tensors`),
+      which refuses a tensor the fake mode's converter holds a weak reference to (every fake `nn.Parameter`); the
+      swap falls back to `param.data = new`, which gives the parameter the new storage and lets the old one go;
+    - `copy.deepcopy(tensor)` (torchmetrics' states, a reference model copied by hand): `Tensor.__deepcopy__`
+      copies the storage outside dispatch, a real storage a fake tensor cannot take; a fake leaf is cloned (its
+      elements' bytes, allocated by the clone), with its `requires_grad` and a copy of its `.grad`."""
 
     def __enter__(self):
-        self.original = original = torch.utils.swap_tensors
+        self.swap = swap = torch.utils.swap_tensors
+        self.deepcopy = deepcopy = torch.Tensor.__deepcopy__
 
         def swap_tensors(t1, t2):
             try:
-                return original(t1, t2)
+                return swap(t1, t2)
             except RuntimeError as e:
                 if "weakref" not in str(e) or not (_is_fake(t1) and _is_fake(t2)):
                     raise
                 t1.data = t2.data
 
+        def deepcopy_tensor(t, memo):
+            if not _is_fake(t) or not t.is_leaf or type(t) is not FakeTensor:
+                return deepcopy(t, memo)
+            if id(t) in memo:
+                return memo[id(t)]
+            with torch.no_grad():
+                new = t.clone()
+            if t.requires_grad:
+                new.requires_grad_()
+            if t.grad is not None:
+                new.grad = copy.deepcopy(t.grad, memo)
+            memo[id(t)] = new
+            return new
+
         torch.utils.swap_tensors = swap_tensors
+        torch.Tensor.__deepcopy__ = deepcopy_tensor
         return self
 
     def __exit__(self, *exc):
-        torch.utils.swap_tensors = self.original
+        torch.utils.swap_tensors = self.swap
+        torch.Tensor.__deepcopy__ = self.deepcopy
         return False
 
 

@@ -7,7 +7,9 @@ into numpy, `labels.ne(-100).sum()` to count tokens. A read is answered, in this
   (`torch.randint`, `torch.randperm`: a sampler's order, a seed drawn from torch's generator) on the same CPU
   generator the real run uses;
 - by the finite assumption: `isnan` / `isinf` of a tensor with no value are all False, `isfinite` all True (their
-  values follow through `any`, `logical_not`, `|`...): a training run whose loss is finite;
+  values follow through `any`, `logical_not`, `|`...): a training run whose loss is finite; and by boolean
+  algebra where one known side decides (`known_true | x`); a token a generation draws is never a stop token
+  (`isin(ids, eos_ids)` of drawn ids is all False): generation runs to its maximum length, the most memory;
 - else by a stand-in: 1.0 for a floating point read, 1 for an integer, False for a boolean; `.numpy()` and
   `.tolist()` of a tensor with no value give that stand-in in every element.
 Each stand-in read is counted by where the script made it (file:line of the first frame outside torch and
@@ -34,8 +36,15 @@ from ..trace.realpath import (
 )
 
 aten = torch.ops.aten
-ASSUMED_FALSE = {aten.isnan.default, aten.isinf.default, aten.isposinf.default, aten.isneginf.default}
+# the finite assumption (isnan of a loss: False), and generation runs to its maximum length: a drawn token is never
+# one of the stop tokens (`isin(completion_ids, eos_ids)`: False)
+ASSUMED_FALSE = {aten.isnan.default, aten.isinf.default, aten.isposinf.default, aten.isneginf.default,
+                 aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar}
 ASSUMED_TRUE = {aten.isfinite.default}
+# boolean ops one known side decides: op -> the value that side must have everywhere (True for or, False for and)
+ABSORBING = {aten.bitwise_or.Tensor: True, aten.logical_or.default: True, aten.bitwise_or_.Tensor: True,
+             aten.bitwise_and.Tensor: False, aten.logical_and.default: False, aten.bitwise_and_.Tensor: False,
+             aten.mul.Tensor: False}
 # random integer draws run for real (their outputs get values): a sampler's permutation, a seed, token ids
 REAL_DRAWS = {aten.randperm.default, aten.randperm.generator, aten.randint.default, aten.randint.generator,
               aten.randint.low, aten.randint.low_generator, aten.random_.default, getattr(aten.random_, "from"),
@@ -124,14 +133,30 @@ class Values:
             if func._schema.name.endswith("_") and args and isinstance(args[0], FakeTensor):
                 self.shadows.add(args[0], value)
 
-    def assume(self, func, out) -> None:
-        """The finite assumption: `isnan(x)` of an `x` with no value is all False (`isfinite` all True)."""
-        if func not in ASSUMED_FALSE and func not in ASSUMED_TRUE:
-            return
+    def assume(self, func, args, out) -> None:
+        """The finite assumption: `isnan(x)` of an `x` with no value is all False (`isfinite` all True); and what
+        boolean algebra decides without the unknown side: `known_true | x` is all True, `known_false & x` all False
+        (generation's stopping test: at the maximum length `is_done | eos_done` is all True whatever tokens were
+        drawn)."""
         if not isinstance(out, FakeTensor) or out in self.shadows.values or out.numel() > SHADOW_LIMIT:
             return
-        with unset_fake_temporarily():
-            self.shadows.add(out, torch.full(tuple(out.shape), func in ASSUMED_TRUE, dtype=torch.bool))
+        answer = None
+        if func in ASSUMED_FALSE or func in ASSUMED_TRUE:
+            answer = func in ASSUMED_TRUE
+        elif func in ABSORBING and (out.dtype is torch.bool or not (out.is_floating_point() or out.is_complex())):
+            wanted = ABSORBING[func]  # or: a known side all True (boolean outputs); and / mul: a known side all 0
+            with unset_fake_temporarily():
+                for a in args:
+                    value = self.shadows.values.get(a) if isinstance(a, FakeTensor) else None
+                    if value is None or not value.numel():
+                        continue
+                    if (wanted and out.dtype is torch.bool and value.dtype is torch.bool and bool(value.all())) or \
+                            (not wanted and not bool(value.any())):
+                        answer = wanted
+                        break
+        if answer is not None:
+            with unset_fake_temporarily():
+                self.shadows.add(out, torch.full(tuple(out.shape), answer, dtype=out.dtype))
 
     def array(self, t: torch.Tensor):
         """`t.numpy()` / `t.tolist()` of a fake tensor: its real value, else the stand-in in every element."""

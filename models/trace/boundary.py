@@ -177,9 +177,10 @@ def _guarding(what: str, seconds: float) -> Callable[..., Callable[..., Any]]:
 
 
 @contextlib.contextmanager
-def user_code(what: str, seconds: float | None = None, real_bytes: int = 0) -> Iterator[None]:
+def user_code(what: str, seconds: float | None = None, real_bytes: int = 0, field: str = "module") -> Iterator[None]:
     """Run the block as the user's code `what` (a phrase: "importing x.py", "factory(micro_batch=2)"), for at most
-    `seconds` (default: the process's limit), taking at most `real_bytes` of real memory (0: not measured)."""
+    `seconds` (default: the process's limit), taking at most `real_bytes` of real memory (0: not measured). `field`
+    names the input in its errors: "module" (a --module factory), "script" (peakledger run's script)."""
     seconds = _limit[0] if seconds is None else seconds
     before = _rss() if real_bytes else (0, 0)
     pid, real_exit, real_register = os.getpid(), os._exit, atexit.register
@@ -197,22 +198,24 @@ def user_code(what: str, seconds: float | None = None, real_bytes: int = 0) -> I
         after = _rss() if real_bytes else (0, 0)  # what it keeps, or what it took at most on the way
         grown = max(after[0] - before[0], after[1] - before[1])
         if grown > real_bytes:
-            raise ConfigError("module", f"{what} took {grown / 2**30:.2f} GiB of real memory: it made real tensors "
+            raise ConfigError(field, f"{what} took {grown / 2**30:.2f} GiB of real memory: it made real tensors "
                                         "outside peakledger's fake mode (a numpy array, torch.from_numpy, a tensor "
                                         "made at import); make them inside the factory with torch ops")
     except _TimedOut:
-        raise ConfigError("module", f"{what} ran for more than {seconds:g} s; a factory builds a model, it does "
-                                    "not train it (raise the limit with --module-timeout SECONDS)") from None
+        raise ConfigError(field, f"{what} ran for more than {seconds:g} s; " + (
+            "a factory builds a model, it does not train it (raise the limit with --module-timeout SECONDS)"
+            if field == "module" else "raise the limit with --time-limit SECONDS (0: none)")) from None
     except _Exited as e:
-        raise ConfigError("module", f"{what} called os._exit({e.status}); a factory must return (model, batch, "
-                                    "loss_fn)") from None
+        raise ConfigError(field, f"{what} called os._exit({e.status})" + (
+            "; a factory must return (model, batch, loss_fn)" if field == "module" else
+            ": a script peakledger runs ends by returning or sys.exit")) from None
     except SystemExit as e:
-        raise ConfigError("module", f"{what} called sys.exit({e.code!r}); a factory must return (model, batch, "
-                                    "loss_fn)") from None
+        raise ConfigError(field, f"{what} called sys.exit({e.code!r})" + (
+            "; a factory must return (model, batch, loss_fn)" if field == "module" else "")) from None
     except (KeyboardInterrupt, Exception):  # Ctrl-C is the user's; an error is read by the caller, which names it
         raise
     except BaseException as e:  # any other BaseException the user's code raises
-        raise ConfigError("module", f"{what} raised {type(e).__name__}: {e}") from None
+        raise ConfigError(field, f"{what} raised {type(e).__name__}: {e}") from None
     finally:
         os._exit, atexit.register = real_exit, real_register
 
