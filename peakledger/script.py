@@ -10,7 +10,6 @@ report's first lines: the loop is the script's, discovered, never assumed.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,12 +18,9 @@ from .analysis.report import Report, summarize
 from .analysis.validate import Validation, compare_logs
 from .models.costs import device_profile
 from .models.script import ScriptRecording, check_script, record_script, script_graph
+from .models.script.child import in_child
 from .simulator.engine import simulate
 from .simulator.events import Pool
-
-# the libraries whose versions the report names, when the script imported them
-LIBRARIES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "lightning",
-             "pytorch_lightning", "torchtune", "torchtitan", "torchao", "bitsandbytes", "safetensors")
 
 
 @dataclass(frozen=True)
@@ -46,17 +42,6 @@ class ScriptRun:
         return self.name or " ".join([Path(self.path).name, *self.argv])
 
 
-def versions() -> dict[str, str]:
-    """The versions of the libraries the script ran (those imported now)."""
-    out = {}
-    for name in LIBRARIES:
-        module = sys.modules.get(name)
-        version = getattr(module, "__version__", None) if module is not None else None
-        if version:
-            out[name] = str(version)
-    return out
-
-
 def script_metadata(run: ScriptRun, rec: ScriptRecording) -> dict:
     calls = vars(rec.calls)
     return {"model": f"script {Path(run.path).name}", "device": run.device, "rank_classes": {"0": [0]},
@@ -64,7 +49,7 @@ def script_metadata(run: ScriptRun, rec: ScriptRecording) -> dict:
             "describer": "script (peakledger run: the script run as it is on fake tensors)",
             "torch_version": run.torch_version, "alloc_conf": run.alloc_conf, "empty_cache_before_save": False,
             "script": {"path": run.path, "argv": list(run.argv), "steps_asked": run.steps, "calls": calls,
-                       "stand_ins": rec.standins, "versions": versions(),
+                       "stand_ins": rec.standins, "versions": rec.versions,
                        "program": "CPU" if device_profile(run.device).is_cpu else
                        "CPU program with the GPU profile's rules (cuBLAS workspace, caching allocator)"}}
 
@@ -73,7 +58,7 @@ def predict_script(run: ScriptRun, budget: int | None = None, stop_on_oom: bool 
     """The script predicted: (its report, its op graph)."""
     path = check_script(run.path)
     profile = device_profile(run.device)
-    rec = record_script(path, list(run.argv), run.steps, run.seconds)
+    rec = in_child(record_script, path, list(run.argv), run.steps, run.seconds)
     graph = script_graph(rec, profile)
     graph.metadata.update(script_metadata(run, rec), device_capacity=budget)
     capacities = {(0, Pool.DEVICE): budget} if budget is not None and not profile.is_cuda else None
@@ -84,9 +69,9 @@ def predict_script(run: ScriptRun, budget: int | None = None, stop_on_oom: bool 
 
 
 def validate_script(run: ScriptRun, predicted: Report) -> Validation:
-    """The script run for real on the CPU under the tracker, in a fresh process (traces/script_run.py), held
-    against `predicted`."""
-    from .traces.script_run import measure_in_process
+    """The script run for real on the CPU under the tracker (traces/script_run.py), in a child forked from this
+    process as the prediction's was (models/script/child.py), held against `predicted`."""
+    from .traces.script_run import measure_script
 
-    measured = measure_in_process(check_script(run.path), list(run.argv), run.steps, run.seconds)
+    measured = in_child(measure_script, check_script(run.path), list(run.argv), run.steps, run.seconds)
     return compare_logs(measured, predicted.log, run.title)

@@ -5,23 +5,19 @@ folder, offline), with real tensors: every storage it allocates and frees is the
 the position of each event comes from the same calls the prediction reads (models/script/phases.py
 `ScriptPhases`), and the labels from the models and optimizers the script used, scanned after each backward,
 optimizer step and zero_grad. It stops after the same number of optimizer steps. The result is an `EventLog`
-in the schema, held against the prediction by analysis/validate.py.
+in the schema, held against the prediction by analysis/validate.py. peakledger/script.py runs it in a forked
+child (models/script/child.py), as it runs the prediction.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..models.config import ConfigError
 from ..models.script.phases import Position, ScriptPhases
 from ..models.script.run import run_path, script_context
 from ..simulator.events import Category, EventLog
-from .store import load_log, save_log
 from .tracker import AllocationTracker, _state_name
 
 
@@ -76,33 +72,3 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
         torch.set_num_threads(previous)
     log.metadata["script_calls"] = vars(phases.calls)
     return log
-
-
-def measure_in_process(path: Path, argv: list[str], steps: int | None, seconds: float | None = None) -> EventLog:
-    """`measure_script` in a fresh Python process: the script's real run sees none of what the prediction in this
-    process made (a library first imported under fake tensors keeps the fake constants it made at import)."""
-    with tempfile.TemporaryDirectory(prefix="peakledger-measure-") as folder:
-        out = Path(folder) / "log.json"
-        command = [sys.executable, "-m", "peakledger.traces.script_run", str(out), str(steps or 0),
-                   str(seconds or 0), str(path), *argv]
-        done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sys.stderr.write(done.stderr)
-        if done.returncode != 0 or not out.exists():
-            last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or ["no message"]
-            raise ConfigError("script", f"the real run of {path.name} failed (exit {done.returncode}): {last[0]}")
-        return load_log(out)
-
-
-def _main(argv: list[str]) -> int:
-    out, steps, seconds, script, *rest = argv
-    try:
-        log = measure_script(Path(script), rest, int(steps) or None, float(seconds) or None)
-    except ConfigError as e:
-        print(f"peakledger: error: {e}", file=sys.stderr)
-        return 2
-    save_log(log, out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -303,4 +303,11 @@ def _library_calls() -> list[tuple[object, tuple[str, ...]]]:
     generation = sys.modules.get("transformers.generation.utils")
     if generation is not None:
         found.append((generation.GenerationMixin, ("generate",)))
+    for module, cls, names in (("transformers.modeling_utils", "PreTrainedModel", ("save_pretrained",)),
+                               ("transformers.trainer", "Trainer", ("_save_checkpoint", "save_model")),
+                               ("accelerate.accelerator", "Accelerator", ("save_state", "save_model")),
+                               ("lightning.pytorch.trainer.trainer", "Trainer", ("save_checkpoint",))):
+        owner = getattr(sys.modules.get(module), cls, None)
+        if owner is not None:
+            found.append((owner, names))
     return found

@@ -70,6 +70,7 @@ class ScriptRecording:
     calls: Calls
     standins: list[str] = field(default_factory=list)
     live_at_end: list[int] = field(default_factory=list)
+    versions: dict[str, str] = field(default_factory=dict)  # the libraries the script ran, by name
 
 
 class Recorder(TorchDispatchMode):

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import traceback
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +47,21 @@ LIBRARIES = {"transformers": ("transformers", "transformers.generation.utils", "
              "trl": ("transformers", "transformers.generation.utils", "safetensors.torch"),
              "accelerate": ("accelerate", "safetensors.torch"), "peft": ("transformers", "safetensors.torch"),
              "safetensors": ("safetensors.torch",)}
+
+
+# the libraries whose versions the report names, when the script imported them
+VERSIONED = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "deepspeed", "lightning",
+             "pytorch_lightning", "torchtune", "torchtitan", "torchao", "bitsandbytes", "safetensors")
+
+
+def versions() -> dict[str, str]:
+    """The versions of the libraries the script ran (those imported in this process)."""
+    out = {}
+    for name in VERSIONED:
+        version = getattr(sys.modules.get(name), "__version__", None)
+        if version:
+            out[name] = str(version)
+    return out
 
 
 def check_script(path: str) -> Path:
@@ -150,17 +166,22 @@ def record_script(path: Path, argv: list[str], steps: int | None, seconds: float
         with fake, fake_gaps(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
                 saves_counted(), phases, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
             run_path(path, seconds)
-        return rec.finish(phases.calls, values.lines())
+        recording = rec.finish(phases.calls, values.lines())
+    recording.versions = versions()
+    return recording
 
 
 class fake_gaps:
-    """Two things torch does to tensors that fail on fake ones, done as the real run does them:
+    """What torch and the libraries do to tensors that fails on fake ones, done as the real run does it:
     - `module.to(...)`: `Module._apply` swaps each fake parameter for its converted one (`torch.utils.swap_tensors`),
       which refuses a tensor the fake mode's converter holds a weak reference to (every fake `nn.Parameter`); the
       swap falls back to `param.data = new`, which gives the parameter the new storage and lets the old one go;
     - `copy.deepcopy(tensor)` (torchmetrics' states, a reference model copied by hand): `Tensor.__deepcopy__`
       copies the storage outside dispatch, a real storage a fake tensor cannot take; a fake leaf is cloned (its
-      elements' bytes, allocated by the clone), with its `requires_grad` and a copy of its `.grad`."""
+      elements' bytes, allocated by the clone), with its `requires_grad` and a copy of its `.grad`;
+    - data pointers: a fake storage has none (every one reads 0, so transformers' and safetensors' shared-storage
+      tests see every weight tied to every other); each fake storage gets its own address, 2^40 bytes apart, and a
+      tensor's is its storage's plus its offset (`Tensor.data_ptr`, `UntypedStorage.data_ptr`)."""
 
     def __enter__(self):
         self.swap = swap = torch.utils.swap_tensors
@@ -188,13 +209,33 @@ class fake_gaps:
             memo[id(t)] = new
             return new
 
+        bases = weakref.WeakKeyDictionary()
+        self.storage_ptr = storage_ptr = torch.UntypedStorage.data_ptr
+        self.had_tensor_ptr = "data_ptr" in FakeTensor.__dict__
+
+        def base(st) -> int:
+            if st not in bases:
+                bases[st] = (len(bases) + 1) << 40
+            return bases[st]
+
+        def storage_data_ptr(st):
+            return base(st) if st.device.type == "meta" else storage_ptr(st)
+
+        def tensor_data_ptr(t):
+            return base(t.untyped_storage()) + t.storage_offset() * t.element_size()
+
         torch.utils.swap_tensors = swap_tensors
         torch.Tensor.__deepcopy__ = deepcopy_tensor
+        torch.UntypedStorage.data_ptr = storage_data_ptr
+        FakeTensor.data_ptr = tensor_data_ptr
         return self
 
     def __exit__(self, *exc):
         torch.utils.swap_tensors = self.swap
         torch.Tensor.__deepcopy__ = self.deepcopy
+        torch.UntypedStorage.data_ptr = self.storage_ptr
+        if not self.had_tensor_ptr:
+            del FakeTensor.data_ptr
         return False
 
 
@@ -203,17 +244,26 @@ def _is_fake(t) -> bool:
 
 
 class saves_counted:
-    """`torch.save` and safetensors' `save_file` on a fake run: nothing written (fake tensors have no bytes);
-    the call still runs inside its CHECKPOINT phase (ScriptPhases wraps these, outside this)."""
+    """`torch.save` and safetensors' `save_file` / `save_model` on a fake run: nothing written (fake tensors have no
+    bytes), wherever the script's libraries hold them (`from safetensors.torch import save_file as safe_save_file`
+    in transformers: every module attribute that is one of them is replaced while the script runs); the call still
+    runs inside its CHECKPOINT phase (ScriptPhases wraps the libraries' save entry points)."""
 
     def __enter__(self):
-        self.saved = [(torch, "save", torch.save)]
-        torch.save = _no_save
+        originals = [torch.save]
         st = sys.modules.get("safetensors.torch")
         if st is not None:
-            for name in ("save_file", "save_model"):
-                self.saved.append((st, name, getattr(st, name)))
-                setattr(st, name, _no_save)
+            originals += [st.save_file, st.save_model]
+        ids = {id(f) for f in originals}
+        self.saved = []
+        for module in list(sys.modules.values()):
+            attrs = getattr(module, "__dict__", None)
+            if not isinstance(attrs, dict):
+                continue
+            for name, value in list(attrs.items()):
+                if id(value) in ids and callable(value):
+                    self.saved.append((module, name, value))
+                    setattr(module, name, _no_save)
         return self
 
     def __exit__(self, *exc):

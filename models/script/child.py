@@ -1,0 +1,86 @@
+"""A script runs in a forked child process, for the prediction and the measurement alike.
+
+A script changes the process it runs in: its libraries' modules are imported there (and a module first imported
+under fake tensors keeps the fake constants it made at import), torch's global settings (default dtype, threads,
+seeds, deterministic flags) are the script's, the atexit handlers it registers stay. Run in a fork of the caller,
+every run starts from the caller's state and leaves it as it was, and the prediction and the measurement of one
+script start from the same state (the same modules already imported), so what they count is the same program.
+
+`in_child(fn, *args)` returns `fn(*args)` from a forked child (its result pickled back through a pipe); an input
+error there is raised here as the same `InputError` (exit 2 for the CLI), a child that dies (a signal, the
+kernel's out-of-memory killer, `os._exit` past the boundary) is a ConfigError naming how it died, any other error
+in the child a RuntimeError with its message (an internal error).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+from ...simulator.files import InputError
+from ..config import ConfigError
+
+POLL_S = 0.5  # the parent wakes this often, so Ctrl-C and SIGTERM are handled while it waits
+STOP_S = 2.0  # a child's time to end after SIGTERM before SIGKILL
+
+
+def _child(conn, fn: Callable, args: tuple) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the child
+    try:
+        result = ("ok", fn(*args))
+    except InputError as e:
+        result = ("input", (type(e).__name__, e.field, e.message))
+    except BaseException as e:  # noqa: BLE001 (whatever the child raised goes back as text)
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:
+        conn.send(result)
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def in_child(fn: Callable, *args):
+    """`fn(*args)` run in a forked child process (module docstring)."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
+    process.start()
+    child.close()
+    result = None
+    try:
+        while result is None:
+            ready = wait([parent, process.sentinel], timeout=POLL_S)
+            if parent in ready:
+                try:
+                    result = parent.recv()
+                except EOFError:
+                    result = ("died", None)
+            elif process.sentinel in ready and not parent.poll():
+                result = ("died", None)
+    finally:
+        parent.close()
+        process.join(timeout=STOP_S if result is not None else 0)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=STOP_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    kind, value = result
+    if kind == "ok":
+        return value
+    if kind == "input":
+        name, field, message = value
+        raise ConfigError(field, message)
+    if kind == "died":
+        code = process.exitcode
+        how = f"was killed by signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0 else \
+            f"exited with status {code}"
+        hint = " (the out-of-memory killer sends SIGKILL: the run took more memory than this machine has)" \
+            if code == -signal.SIGKILL else ""
+        raise ConfigError("script", f"the process running the script {how}{hint}")
+    raise RuntimeError(f"in the process running the script: {value}")
