@@ -323,6 +323,12 @@ def steps_text(plan: StepPlan) -> str:
     return f"{plan.steps} steps" + (f" ({plan.summary()})" if plan.truncated else "")
 
 
+LOOP_WORDS = {"plain": "plain (the default; --loop hf-trainer for HF Trainer's step): out = model(batch); "
+                       "loss = loss_fn(out); loss.backward(), `out` (the logits) held until backward ends",
+              "hf-trainer": "hf-trainer (HF Trainer's training_step): loss = compute_loss(model, batch), the "
+                            "outputs dropped before backward; clip_grad_norm_(1.0) before each optimizer step"}
+
+
 def render_text(r: Report, unit: str = "GiB") -> str:
     """A plain-text report (monospace table), sizes labelled with their unit."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -339,6 +345,8 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  described by: {md.get('describer')}; batch per micro-batch: {md['batch']}")
         else:
             lines.append(f"  described by: {md.get('describer')}")
+        if setup.get("passes", "train") == "train" and "loop" in setup:
+            lines.append("  loop: " + LOOP_WORDS.get(setup["loop"], setup["loop"]))
         if r.gpu is not None:
             lines.append(f"  GPU rules: torch {md.get('torch_version', '2.6')}'s CUDA kernels and caching allocator "
                          f"on {md.get('device')}")

@@ -117,8 +117,11 @@ def _unmatched(a: list[Block], b: list[Block]) -> list[Block]:
 
 
 def compare_logs(measured: EventLog, simulated: EventLog, name: str = "", rank: int = 0,
-                 pool: Pool = Pool.DEVICE) -> Validation:
-    mt, st = timeline(measured, rank, pool), timeline(simulated, rank, pool)
+                 pool: Pool = Pool.DEVICE, simulated_rank: int | None = None) -> Validation:
+    """Measured rank `rank` against the simulation's rank `simulated_rank` (default: the same rank; a rank of a
+    class of identical ranks is held against the one the simulation ran)."""
+    srank = rank if simulated_rank is None else simulated_rank
+    mt, st = timeline(measured, rank, pool), timeline(simulated, srank, pool)
     mp, sp = mt.peak(), st.peak()
     first = PeakPair("first step", mt.peak(lambda e: e.step <= 1).bytes, st.peak(lambda e: e.step <= 1).bytes)
     has_steady = any(e.step >= 2 for e in mt.events) and any(e.step >= 2 for e in st.events)
@@ -147,7 +150,7 @@ def compare_logs(measured: EventLog, simulated: EventLog, name: str = "", rank: 
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for log in (measured, simulated) for e in log.events):
         host = PeakPair("host memory", timeline(measured, rank, Pool.HOST).peak().bytes,
-                        timeline(simulated, rank, Pool.HOST).peak().bytes)
+                        timeline(simulated, srank, Pool.HOST).peak().bytes)
     return Validation(name=name, overall=PeakPair("overall", mp.bytes, sp.bytes), first_step=first, steady=steady,
                       phases=phases, categories_at_peak=cats, unexplained=unexplained[:10], worst_phase=worst_label,
                       host=host, measured_by=measured_description(measured),

@@ -101,7 +101,7 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
     hf_causal_lm_loss(w, logits, idx)
     w.release("causal_lm.return", [x])  # `hidden_states`, a local of MixtralForCausalLM.forward
-    tape.held = (logits.name,) if setup.logits_held else ()
+    tape.held = (logits.name,) if setup.holds_outputs else ()
     return tape
 
 

@@ -354,10 +354,38 @@ def _describe_rank(b: GraphBuilder, steps: int) -> None:
             b.engine.end_backward(step, mb)
         if setup.passes == "forward":
             continue  # no loss, backward or optimizer step (models/config.py PASSES)
+        if setup.clips_gradients:
+            _clip_grad_norm(b, step)
         _optimizer_step(b, step, grads, states_loaded, offload)
         b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
         if saves_after(setup, step):
             save_checkpoint(b, step)
+
+
+def _clip_grad_norm(b: GraphBuilder, step: int) -> None:
+    """`torch.nn.utils.clip_grad_norm_(params, 1.0)` over the rank's gradients, as HF Trainer calls it before each
+    optimizer step (torch/nn/utils/clip_grad.py, torch 2.13: `_get_total_norm`, then `_clip_grads_with_norm_`):
+    `_foreach_norm` makes one 0-dim norm per gradient, `torch.stack` gathers them and `vector_norm` gives the
+    total (the stack goes at once, the norms when `_get_total_norm` returns); then `total + 1e-6`, `max_norm / it`
+    (a reciprocal, then a multiply) and `clamp(max=1.0)`, each a scalar, and `_foreach_mul_` scales the gradients in
+    place; the scalars go when it returns."""
+    dt = b.setup.grad_dtype
+    size = dtype_bytes(dt)
+    ph = Phase.OPTIMIZER
+    tensors = b.engine.optim_tensors()
+    norms = [b.block(f"{t.name}.grad_norm", size, Category.TEMPORARY, dt, ()) for t in tensors]
+    b.op("clip_grad_norm_.foreach_norm", ph, step, -1, norms, [], bytes_moved=sum(t.numel for t in tensors) * size)
+    stacked = b.block("clip_grad_norm_.stack", size * len(norms), Category.TEMPORARY, dt, (len(norms),))
+    b.op("clip_grad_norm_.stack", ph, step, -1, [stacked], [])
+    total = b.block("clip_grad_norm_.total_norm", size, Category.TEMPORARY, dt, ())
+    b.op("clip_grad_norm_.vector_norm", ph, step, -1, [total], [stacked.id] + [n.id for n in norms])
+    scalars = [b.block(f"clip_grad_norm_.{k}", size, Category.TEMPORARY, dt, ()) for k in ("add", "reciprocal")]
+    b.op("clip_grad_norm_.clip_coef", ph, step, -1, scalars, [])
+    coef = b.block("clip_grad_norm_.mul", size, Category.TEMPORARY, dt, ())
+    b.op("clip_grad_norm_.clip_coef.mul", ph, step, -1, [coef], [scalars[1].id])
+    clamped = b.block("clip_grad_norm_.clamp", size, Category.TEMPORARY, dt, ())
+    b.op("clip_grad_norm_.foreach_mul_", ph, step, -1, [clamped], [total.id, scalars[0].id, coef.id, clamped.id],
+         bytes_moved=2 * sum(t.numel for t in tensors) * size)
 
 
 def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,

@@ -30,8 +30,11 @@ def run_of(args) -> ScriptRun:
     if steps < 0:
         raise ConfigError("steps", f"must be >= 1 (optimizer steps to run), or 0 for the whole script; got {steps}")
     argv = list(getattr(args, "script_args", ()))
+    world = 1 if args.world_size is None else args.world_size
+    if not 1 <= world <= 1 << 20:
+        raise ConfigError("world_size", f"must be a number of ranks in [1, {1 << 20}], got {world}")
     return ScriptRun(args.script, tuple(argv), steps or None, device, version, args.alloc_conf or "",
-                     args.module_timeout)
+                     args.module_timeout, world)
 
 
 def header(report, unit: str) -> list[str]:
@@ -44,13 +47,16 @@ def header(report, unit: str) -> list[str]:
     asked = s["steps_asked"]
     stop = (f"stopped at the first training forward after step {asked} (--steps {asked})"
             if asked is not None and c["optimizer_steps"] >= asked else "ran to the script's end")
+    world = s.get("world_size", 1)
     lines = [f"  loop (the script's own, discovered): {c['optimizer_steps']} optimizer step"
              f"{'s' if c['optimizer_steps'] != 1 else ''} of {', '.join(c['optimizers']) or 'no optimizer'}, "
              f"{per_step}; models called: {', '.join(c['models']) or 'none'}; {stop}",
              f"  calls: {c['forwards']} training forwards, {c['backwards']} backwards, {c['zero_grads']} zero_grads, "
              f"{c['clips']} gradient clips, {c['evals']} eval forwards, {c['saves']} saves, {c['generates']} "
              f"generates",
-             f"  program: {s['program']}; versions: "
+             f"  program: {s['program']}" + (f"; {world} ranks (torch's fake process group), recorded: "
+                                              f"{', '.join(report.metadata['rank_class_ranges'])}" if world > 1 else "")
+             + "; versions: "
              + ", ".join(f"{k} {v}" for k, v in s["versions"].items())]
     if s["stand_ins"]:
         lines.append(f"  values read that fake tensors do not have, given stand-ins (1.0, 1, False; "
@@ -71,10 +77,10 @@ def cmd_run(args) -> int:
         budget = profile.memory_bytes
     with progress(f"running {Path(run.path).name} on fake tensors"):
         report, graph = predict_script(run, budget)
-    validation = None
+    validations = []
     if args.validate:
         with progress(f"running {Path(run.path).name} for real on the CPU, tracked"):
-            validation = validate_script(run, report)
+            validations = validate_script(run, report)
     if args.plot:
         from .analysis.plot import plot_timeline
         from .simulator.timeline import timeline
@@ -87,19 +93,20 @@ def cmd_run(args) -> int:
         write_chrome_trace(report.log, args.export_chrome, graph)
     verdict = fit_verdict(report, budget, 0.0) if args.check else None
     code = 1 if verdict is not None and not verdict.fits else 0
-    if validation is not None and args.tolerance is not None and not validation.passes(args.tolerance):
+    if args.tolerance is not None and not all(v.passes(args.tolerance) for v in validations):
         code = 1
     code = decide(args, code)
     if args.json:
         _write_json({**report_json(report), "script": report.metadata["script"],
-                     **({"validation": validation_json(validation)} if validation is not None else {}),
+                     **({"validation": validation_json(validations[0]),
+                         "validation_by_rank": [validation_json(v) for v in validations]} if validations else {}),
                      **({"fit_check": verdict.as_json()} if verdict is not None else {})})
         return code
     text = render_text(report, args.unit).split("\n")
     print("\n".join(text[:1] + header(report, args.unit) + text[1:]))
-    if validation is not None:
+    for v in validations:
         print()
-        print(render_validation(validation, args.unit))
+        print(render_validation(v, args.unit))
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
     if written:
         print(f"written: {', '.join(written)}")
@@ -120,6 +127,9 @@ def register(sub) -> None:
     r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply on a GPU profile: 2.6 (default) "
                                            "or 2.11")
     r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF)")
+    r.add_argument("--world-size", type=flag_int, help="a distributed script (torchrun's environment, "
+                   "init_process_group) runs as this many ranks (default 1): each rank class is recorded with torch's "
+                   "fake process group")
     r.add_argument("--budget", help="device capacity (80GiB, 24G, 80GB): record the first OOM")
     add_check_flag(r)
     r.add_argument("--validate", action="store_true",

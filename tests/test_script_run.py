@@ -138,3 +138,22 @@ def test_a_clean_exit_ends_the_script(tmp_path):
     report, _ = predict_script(ScriptRun(str(script), steps=None))
     assert report.metadata["script"]["calls"]["optimizer_steps"] == 2
     assert os.getcwd() != str(tmp_path)
+
+
+def test_fsdp2_script_two_ranks_is_exact_rank_by_rank():
+    run = ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=2)
+    report, _ = predict_script(run)
+    validations = validate_script(run, report)
+    assert len(validations) == 2
+    for v in validations:
+        assert v.overall.predicted == v.overall.measured
+        assert all(p.predicted == p.measured for p in v.phases)
+
+
+def test_fsdp2_script_at_64_ranks_shards_the_state():
+    small, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=2))
+    large, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=64))
+    assert large.log.metadata["rank_class_ranges"] == {"0": [[0, 63]]}
+    state = lambda r: sum(b for c, b in r.peaks.peak.live_by_category.items()  # noqa: E731
+                          if c.value in ("parameter", "optimizer_state"))
+    assert state(large) < state(small)

@@ -16,15 +16,16 @@ from pathlib import Path
 import torch
 
 from ..models.script.phases import Position, ScriptPhases
-from ..models.script.run import run_path, script_context
+from ..models.script.run import rank_env, run_path, script_context
 from ..simulator.events import Category, EventLog
 from .tracker import AllocationTracker, _state_name
 
 
 def measure_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None,
-                   threads: int = 1) -> EventLog:
-    """The script's real CPU run, tracked, as an `EventLog` (`metadata["script_calls"]`: what it did)."""
-    tracker = AllocationTracker(discover_inputs=True)
+                   threads: int = 1, rank: int = 0, world_size: int = 1, port: int = 29500) -> EventLog:
+    """The script's real CPU run, tracked, as an `EventLog` (`metadata["script_calls"]`: what it did): one rank of
+    `world_size`, with torchrun's environment (MASTER_PORT `port`: the script's process group is real, gloo)."""
+    tracker = AllocationTracker(discover_inputs=True, rank=rank)
     names: dict[int, str] = {}
 
     def position(p: Position) -> None:
@@ -63,7 +64,7 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with script_context(path, argv):
+        with script_context(path, argv, rank_env(rank, world_size, port)):
             with phases, tracker:
                 run_path(path, seconds)
             log = tracker.log({"source": "torch-dispatch-tracker (peakledger run's measurement)",

@@ -68,9 +68,10 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..models.script.record import plain_tensors
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 from .fsdp_labels import FSDPLabels
 
@@ -132,16 +133,6 @@ def _state_name(key: str) -> OptimizerState | None:
         return None
 
 
-def _plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors whose storages hold `t`'s memory: `t` itself, or the inner tensors of a wrapper
-    subclass (a DTensor's memory is its local shard, `_local_tensor`; the wrapper has no storage)."""
-    if is_traceable_wrapper_subclass(t):
-        inner, _ = t.__tensor_flatten__()
-        return [p for attr in inner if isinstance(getattr(t, attr), torch.Tensor)
-                for p in _plain_tensors(getattr(t, attr))]  # a DTensor also flattens its (opaque) device mesh
-    return [t]
-
-
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage()
@@ -196,7 +187,7 @@ class _Mode(TorchDispatchMode):
 
 
 def _tensors_in(tree) -> list[torch.Tensor]:
-    return [p for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor) for p in _plain_tensors(a)]
+    return [p for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor) for p in plain_tensors(a)]
 
 
 class _StorageResizeWatch:
@@ -356,7 +347,7 @@ class AllocationTracker:
 
     def record_of(self, t: torch.Tensor) -> _Record | None:
         """The live record of `t`'s storage (a DTensor's: its local shard's), or None."""
-        st = _storage(_plain_tensors(t)[0])
+        st = _storage(plain_tensors(t)[0])
         if st is None:
             return None
         hit = self.live.get(st.data_ptr())
@@ -367,7 +358,7 @@ class AllocationTracker:
         """Label the storage of `t` (recording it now if it was never seen); a DTensor's local shard, with
         the DTensor's shard factor; `pool` says it is host memory. Returns the record (None for 0 bytes)."""
         rec = None
-        for plain in _plain_tensors(t):
+        for plain in plain_tensors(t):
             rec = self.record_of(plain)
             if rec is None:
                 st = _storage(plain)

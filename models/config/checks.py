@@ -14,6 +14,11 @@ OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 # "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
 # optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
 PASSES = ("train", "forward")
+# the training loop around the model (models/training.py): "plain" `out = model(batch); loss = loss_fn(out);
+# loss.backward()`, the caller holding `out` (its logits) until backward ends; "hf-trainer" HF Trainer's
+# training_step: `loss = compute_loss(model, inputs)` (the outputs dropped before backward), the loss divided by
+# the accumulation steps, and `clip_grad_norm_` (max_grad_norm 1.0) before the optimizer step
+LOOPS = ("plain", "hf-trainer")
 CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
 DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
@@ -315,6 +320,10 @@ def _moe(setup) -> None:
 
 def _passes(setup) -> None:
     _choice(setup, "passes", PASSES)
+    _choice(setup, "loop", LOOPS)
+    if setup.loop != "plain" and setup.passes != "train":
+        raise ConfigError("loop", f"{setup.loop!r} is a training loop; passes \"forward\" runs no loss, backward or "
+                                  "optimizer step: use loop plain")
     if setup.passes == "forward":
         for name, ok, allowed in (("world_size", setup.world_size == 1, "1"),
                                   ("grad_accum", setup.grad_accum == 1, "1"),
@@ -336,6 +345,7 @@ def _compile(setup) -> None:
         return
     for name, ok, allowed in (
             ("passes", setup.passes == "train", "train"),
+            ("loop", setup.loop == "plain", "plain"),
             ("precision", setup.precision in COMPILE_PRECISIONS, ", ".join(COMPILE_PRECISIONS)),
             ("checkpointing", setup.checkpointing in COMPILE_CHECKPOINTING, ", ".join(COMPILE_CHECKPOINTING)),
             ("world_size", setup.world_size == 1, "1 (data or model parallelism under compile is not modelled yet)"),

@@ -15,6 +15,7 @@ from .checks import (
     COMPILE_MODES,
     DP_ENGINES,
     LOAD_MODES,
+    LOOPS,
     OFFLOAD_FIRST_STEPS,
     OPTIMIZER_IMPLS,
     OPTIMIZER_OFFLOADS,
@@ -53,6 +54,9 @@ class TrainingSetup:
                        "`out = model(batch)` with autograd on, no loss, backward or step", choices=PASSES,
                        argparse_choices=True)
     logits_held: bool = knob(True, "batch", "the caller keeps `logits` alive until backward ends", cli="none")
+    loop: str = knob("plain", "batch", "the training loop: plain (default: `out = model(batch)` held through "
+                     "backward) or hf-trainer (HF Trainer's step: outputs dropped before backward, loss / "
+                     "accumulation, clip_grad_norm_ before the optimizer step)", choices=LOOPS, argparse_choices=True)
 
     # precision and optimizer (models/precision.py, models/optimizers.py)
     precision: str = knob("fp32", "precision", choices=PRECISIONS)
@@ -153,6 +157,16 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         check_setup(self)
+
+    @property
+    def holds_outputs(self) -> bool:
+        """The caller keeps the model's output (its logits) alive until backward ends: the plain loop's `out`."""
+        return self.logits_held and self.loop == "plain"
+
+    @property
+    def clips_gradients(self) -> bool:
+        """`clip_grad_norm_` runs before each optimizer step (HF Trainer's loop, max_grad_norm 1.0)."""
+        return self.loop == "hf-trainer"
 
     @property
     def prec(self) -> Precision:

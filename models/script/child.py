@@ -45,34 +45,54 @@ def _child(conn, fn: Callable, args: tuple) -> None:
 
 def in_child(fn: Callable, *args):
     """`fn(*args)` run in a forked child process (module docstring)."""
+    return in_children([(fn, args)])[0]
+
+
+def in_children(calls: list[tuple[Callable, tuple]]) -> list:
+    """Each `fn(*args)` of `calls` in its own forked child, all at once (the ranks of a distributed run talk to
+    each other), their results in order; the first failure is raised once every child has ended."""
     ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
-    process.start()
-    child.close()
-    result = None
+    running = []
+    for fn, args in calls:
+        parent, child = ctx.Pipe(duplex=False)
+        process = ctx.Process(target=_child, args=(child, fn, args), daemon=True)
+        process.start()
+        child.close()
+        running.append((parent, process))
+    results: list = [None] * len(running)
     try:
-        while result is None:
-            ready = wait([parent, process.sentinel], timeout=POLL_S)
-            if parent in ready:
-                try:
-                    result = parent.recv()
-                except EOFError:
-                    result = ("died", None)
-            elif process.sentinel in ready and not parent.poll():
-                result = ("died", None)
+        while any(r is None for r in results):
+            waiting = [k for k, r in enumerate(results) if r is None]
+            ready = wait([x for k in waiting for x in (running[k][0], running[k][1].sentinel)], timeout=POLL_S)
+            for k in waiting:
+                parent, process = running[k]
+                if parent in ready:
+                    try:
+                        results[k] = parent.recv()
+                    except EOFError:
+                        results[k] = ("died", None)
+                elif process.sentinel in ready and not parent.poll():
+                    results[k] = ("died", None)
+            if any(r is not None and r[0] != "ok" for r in results):
+                break  # one failed: the others (its peers, waiting on it) are stopped below
     finally:
-        parent.close()
-        process.join(timeout=STOP_S if result is not None else 0)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=STOP_S)
+        for parent, process in running:
+            parent.close()
+            process.join(timeout=STOP_S if all(r is not None for r in results) else 0)
             if process.is_alive():
-                process.kill()
-                process.join()
+                process.terminate()
+                process.join(timeout=STOP_S)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+    for (_, process), result in zip(running, results):
+        if result is not None and result[0] != "ok":
+            _raise(result, process)
+    return [value for _, value in results]
+
+
+def _raise(result: tuple, process) -> None:
     kind, value = result
-    if kind == "ok":
-        return value
     if kind == "input":
         name, field, message = value
         raise ConfigError(field, message)

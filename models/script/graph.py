@@ -26,14 +26,17 @@ from .record import ScriptRecording
 _THREAD = {Phase.BACKWARD: "autograd"}
 
 
-def script_graph(rec: ScriptRecording, device: DeviceProfile) -> OpGraph:
-    """The op graph of a recorded script on `device` (one rank, rank 0)."""
+def script_graph(rec: ScriptRecording, device: DeviceProfile, rank: int = 0, graph: OpGraph | None = None) -> OpGraph:
+    """The op graph of a recorded script on `device`, as rank `rank` (its ops and blocks carry it), added to
+    `graph` (a distributed script: one recording per rank class, each its own chain of ops) or a new one."""
+    graph = graph if graph is not None else OpGraph()
+    base = graph.metadata.setdefault("script_block_ids", 0)  # block ids already taken by other ranks' recordings
     blocks: dict[int, Block] = {}
     for s in rec.storages.values():
-        blocks[s.id] = new_block(s.id, s.nbytes, s.category, s.label_name or s.name, s.dtype, s.shape,
-                                 s.state if s.category is Category.OPTIMIZER_STATE else None, 1, 0)
-    graph = OpGraph()
-    next_id = [max(blocks, default=0) + 1]
+        blocks[s.id] = new_block(base + s.id, s.nbytes, s.category, s.label_name or s.name, s.dtype, s.shape,
+                                 s.state if s.category is Category.OPTIMIZER_STATE else None, 1, rank)
+    next_id = [base + max(rec.storages, default=0) + 1]
+    first = len(graph)
     workspaces: set[str] = set()
     flop_rate = device.flops["fp32"] * device.flops_efficiency
     byte_rate = device.bandwidth * device.bandwidth_efficiency
@@ -50,14 +53,14 @@ def script_graph(rec: ScriptRecording, device: DeviceProfile) -> OpGraph:
                 workspaces.add(thread)
                 size = cublas_workspace_bytes(device.compute_capability)
                 allocs = [new_block(next_id[0], size, Category.WORKSPACE, f"cublas_workspace.{thread}_thread",
-                                    "uint8", (size,), None, 1, 0)] + allocs
+                                    "uint8", (size,), None, 1, rank)] + allocs
                 next_id[0] += 1
         moved = 2 * sum(b.nbytes for b in allocs)
         duration = max(flops / flop_rate, moved / byte_rate) + device.launch_latency
         op_id = len(graph)
         graph.add(new_op(op_id, pending["name"], Stream.COMPUTE, position.phase, position.step, position.micro_batch,
-                         duration, 0, tuple(allocs), tuple(pending["frees"]), flops, False),
-                  after=(op_id - 1,) if op_id else ())
+                         duration, rank, tuple(allocs), tuple(blocks[f].id for f in pending["frees"]), flops, False),
+                  after=(op_id - 1,) if op_id > first else ())
 
     for action, sid, call, position, name in rec.events:
         if action == "alloc":
@@ -72,4 +75,5 @@ def script_graph(rec: ScriptRecording, device: DeviceProfile) -> OpGraph:
                 pending = {"call": call, "position": position, "name": name, "allocs": [], "frees": [], "flops": 0}
             pending["frees"].append(sid)
     flush()
+    graph.metadata["script_block_ids"] = next_id[0]
     return graph

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ...simulator.events import Category, OptimizerState
 from ..trace.kernel_outputs import real_outputs
@@ -90,6 +90,7 @@ class Recorder(TorchDispatchMode):
         self.op = "load"
         self.active = True
         self._finalizers: list[weakref.finalize] = []
+        self._gone: set[int] = set()  # storages whose free is recorded
 
     # -- storages -----------------------------------------------------------------------------------------
     def _lookup(self, t: torch.Tensor):
@@ -117,17 +118,44 @@ class Recorder(TorchDispatchMode):
         return sid
 
     def _freed(self, key: int, sid: int) -> None:
+        if sid in self._gone:  # its storage was resized since: that allocation went then
+            return
         hit = self.live.get(key)
         if hit is not None and hit[0] == sid:
             del self.live[key]
+        self._gone.add(sid)
         if self.active:
             self.events.append(("free", sid, self.calls, self.position, self._name("free")))
 
+    def resized(self, st, nbytes: int) -> None:
+        """Storage `st` was resized (`UntypedStorage.resize_`: FSDP2 frees an unsharded parameter with a resize to
+        0 and gathers it again with a resize back): its allocation goes, and a new one of `nbytes` (if any) takes its
+        labels, as the tracker records it (traces/tracker.py `_StorageResizeWatch`)."""
+        hit = self.live.get(id(st))
+        old = self.storages[hit[0]] if hit is not None and hit[1]() is st else None
+        if old is not None:
+            del self.live[id(st)]
+            self._gone.add(old.id)
+            self.events.append(("free", old.id, self.calls, self.position, self._name("resize_")))
+        if nbytes == 0:
+            return
+        sid = len(self.storages) + 1
+        name = old.name if old is not None else self._name("resize_")
+        new = Stored(sid, nbytes, old.dtype if old is not None else "int8",
+                     old.shape if old is not None and old.nbytes == nbytes else (nbytes,), name)
+        if old is not None:
+            new.category, new.label_name, new.state = old.category, old.label_name, old.state
+        self.storages[sid] = new
+        self.live[id(st)] = (sid, weakref.ref(st))
+        self._finalizers.append(weakref.finalize(st, self._freed, id(st), sid))
+        self.events.append(("alloc", sid, self.calls, self.position, name))
+
     def label(self, t: torch.Tensor, category: Category, name: str | None = None,
               state: OptimizerState | None = None) -> None:
-        sid = self.see(t, name or self._name("mark"))
-        if sid is not None:
-            self.storages[sid].label(category, name, state)
+        for plain in plain_tensors(t):  # a DTensor's memory: its local shard
+            sid = self.see(plain, name or self._name("mark"))
+            if sid is not None:
+                self.storages[sid].label(category, name, state)
 
     def _name(self, short: str) -> str:
         where = self.module or self.position.phase.value
@@ -145,8 +173,9 @@ class Recorder(TorchDispatchMode):
         short = str(func).replace("aten.", "").replace(".default", "")
         self.calls += 1
         if func not in LIFTS:  # what was made outside dispatch is allocated when first read
-            for t in _tensors((args, kwargs)):
+            for t in _plain((args, kwargs)):
                 self.see(t, self._name(f"untracked.{short}"))
+        grown = _storage_sizes(args) if func in RESIZES else None
         known = values.shadows.known_shape(func, args, kwargs, real)
         if known is not None and known[0] == "out":
             out = known[1]
@@ -157,10 +186,14 @@ class Recorder(TorchDispatchMode):
         if func in REAL_DRAWS:
             values.draw(func, args, kwargs, out)
         values.assume(func, args, out)
+        if grown is not None:  # `Tensor.resize_` that grows its storage reallocates it (the tracker sees a new pointer)
+            for st, before in grown:
+                if st.nbytes() > before:
+                    self.resized(st, st.nbytes())
         flops = op_flops(func, args, kwargs, out)
         if flops:
             self.flops[self.calls] = flops
-        outs = _tensors(out)
+        outs = _plain(out)
         for k, t in enumerate(outs):
             self.see(t, self._name(short) + (f".out{k}" if k else ""))
         return out
@@ -168,9 +201,10 @@ class Recorder(TorchDispatchMode):
     # -- labels ---------------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks' pack: what autograd saves is an activation (same storage, detached: no cycle)."""
-        sid = self._lookup(t)[1]
-        if sid is not None:
-            self.storages[sid].label(Category.ACTIVATION)
+        for plain in plain_tensors(t):
+            sid = self._lookup(plain)[1]
+            if sid is not None:
+                self.storages[sid].label(Category.ACTIVATION)
         return t.detach()
 
     def inputs(self, tensors: list) -> None:
@@ -208,6 +242,61 @@ class Recorder(TorchDispatchMode):
         for f in self._finalizers:
             f.detach()
         return ScriptRecording(self.storages, self.events, self.flops, calls, standins, live)
+
+
+RESIZES = {torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default}
+
+
+def _storage_sizes(args) -> list:
+    out = []
+    for t in _tensors(args):
+        try:
+            st = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        out.append((st, st.nbytes()))
+    return out
+
+
+class resize_watch:
+    """`torch.UntypedStorage.resize_` seen while recording (dispatch never sees a storage resize; FSDP2 frees and
+    gathers every unsharded parameter so): a resize to 0 frees the storage's allocation, one that grows it
+    reallocates it (`Recorder.resized`); a shrink keeps its memory, as the caching allocator does."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+
+    def __enter__(self) -> "resize_watch":
+        self.original = original = torch.UntypedStorage.resize_
+        recorder = self.recorder
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            result = original(storage, size)
+            after = storage.nbytes()
+            if after != before and (after == 0 or after > before):
+                recorder.resized(storage, after)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self.original
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose storages hold `t`'s memory: `t` itself, or the inner tensors of a wrapper
+    subclass (a DTensor's memory is its local shard, `_local_tensor`; the wrapper has no storage)."""
+    if is_traceable_wrapper_subclass(t):
+        inner, _ = t.__tensor_flatten__()
+        return [p for attr in inner if isinstance(getattr(t, attr), torch.Tensor)
+                for p in plain_tensors(getattr(t, attr))]  # a DTensor also flattens its (opaque) device mesh
+    return [t]
+
+
+def _plain(tree) -> list[torch.Tensor]:
+    return [p for t in _tensors(tree) for p in plain_tensors(t)]
 
 
 def _fake(t: torch.Tensor) -> bool:

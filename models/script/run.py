@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import runpy
 import shutil
@@ -37,7 +38,7 @@ from ..config import ConfigError
 from ..trace.boundary import user_code
 from ..trace.realpath import cpu_fake_kernels, real_code_paths
 from .phases import Position, ScriptPhases, StopScript
-from .record import Recorder, ScriptRecording
+from .record import Recorder, ScriptRecording, resize_watch
 from .values import Values, numpy_reads
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -73,12 +74,21 @@ def check_script(path: str) -> Path:
     return p.resolve()
 
 
+def rank_env(rank: int, world_size: int, port: int = 29500) -> dict[str, str]:
+    """The environment torchrun gives rank `rank` of `world_size` on one node."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "peakledger"}
+
+
 @contextlib.contextmanager
-def script_context(path: Path, argv: list[str]) -> Iterator[None]:
-    """The script's world (module docstring): argv, a scratch folder of links, offline, its libraries imported."""
+def script_context(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
+    """The script's world (module docstring): argv, a scratch folder of links, offline, its libraries imported;
+    `env` more environment (a rank's, `rank_env`)."""
     start = Path.cwd()
     scratch = Path(tempfile.mkdtemp(prefix="peakledger-run-"))
-    saved_env = {k: os.environ.get(k) for k in OFFLINE}
+    extra = {**OFFLINE, **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in extra}
     saved_argv, saved_path = sys.argv, list(sys.path)
     try:
         for entry in start.iterdir():
@@ -86,7 +96,7 @@ def script_context(path: Path, argv: list[str]) -> Iterator[None]:
                 (scratch / entry.name).symlink_to(entry)
             except OSError:
                 pass
-        os.environ.update(OFFLINE)
+        os.environ.update(extra)
         text = path.read_text(errors="replace")
         for name, modules in LIBRARIES.items():
             if name in text:
@@ -155,20 +165,53 @@ def _first_line(e: BaseException) -> str:
     return text[0][:300] if text else ""
 
 
-def record_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None) -> ScriptRecording:
-    """The script run on fake tensors (module docstring) and recorded, until it ends or `steps` steps have run."""
+def record_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None, rank: int = 0,
+                  world_size: int = 1) -> ScriptRecording:
+    """The script run on fake tensors (module docstring) and recorded, until it ends or `steps` steps have run, as
+    rank `rank` of `world_size` (`fake_process_group`)."""
     values = Values()
     rec = Recorder(values, Position(Phase.LOAD, 0, -1))
     phases = ScriptPhases(steps, on_position=lambda p: setattr(rec, "position", p), on_scan=rec.scan,
                           on_inputs=rec.inputs, on_module=lambda name: setattr(rec, "module", name))
-    with script_context(path, argv):
+    with script_context(path, argv, rank_env(rank, world_size)), fake_process_group(rank, world_size):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, fake_gaps(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
-                saves_counted(), phases, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
+                saves_counted(), phases, resize_watch(rec), rec, \
+                torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
             run_path(path, seconds)
         recording = rec.finish(phases.calls, values.lines())
     recording.versions = versions()
     return recording
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """`torch.distributed.init_process_group(...)` in the script makes torch's fake process group instead
+    (torch/testing/_internal/distributed/fake_pg.py: every collective returns at once, its outputs' shapes right),
+    as rank `rank` of `world_size`, whatever backend the script asks for: one process stands for one rank, with
+    no peers, as torch's own memory tracker runs FSDP2 (torch/distributed/_tools/mem_tracker.py)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        timeout = kwargs.get("timeout")
+        return original("fake", store=FakeStore(), rank=rank, world_size=world_size,
+                        **({"timeout": timeout} if timeout is not None else {}))
+
+    dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        dist.init_process_group = original
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class fake_gaps:

@@ -104,7 +104,7 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                 ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],
                 buffers=[dataclasses.replace(_spec(s, s.name), requires_grad=False) for s in rec.buffers]
                 + [_spec(st[sid], name[sid]) for sid in kept],
-                held=tuple(name[s] for s in rec.held), backward=nodes, layers=layers,
+                held=tuple(name[s] for s in rec.held) if setup.holds_outputs else (), backward=nodes, layers=layers,
                 buffers_follow_params=False, describer=describer,
                 gradless=tuple(n for n, _, _, rg in rec.params if (n not in set(rec.param_grads.values())
                                                                       if setup.passes == "train" else not rg)),

@@ -84,7 +84,7 @@ def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False
     hf_causal_lm_loss(w, logits, idx)
     w.release("lm_head_model.return", [x])  # the last hidden state, a local of GPT2LMHeadModel.forward
     w.release("autocast.exit", w.autocast_cache)
-    tape.held = (logits.name,) if setup.logits_held else ()
+    tape.held = (logits.name,) if setup.holds_outputs else ()
     return tape
 
 

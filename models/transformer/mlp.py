@@ -36,5 +36,5 @@ def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     w.end_layers()
     w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", (), h.dtype)], saves=(h.name, y_true.name),
          workspace=(w.t("loss.mse.diff", h.shape, h.dtype, False),))
-    tape.held = (h.name,) if setup.logits_held else ()
+    tape.held = (h.name,) if setup.holds_outputs else ()
     return tape

@@ -61,7 +61,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     _cross_entropy(w, logits, targets)
     if w.autocast or w.lora_targets:  # the final norm's output is a local of GPT.forward until it returns (the
         w.op("model.return", "release", [x], [])  # head saves a cast of it, or nothing: a frozen head under LoRA)
-    tape.held = (logits.name,) if setup.logits_held else ()
+    tape.held = (logits.name,) if setup.holds_outputs else ()
     if chosen:
         lora.lazy_recompute(tape)
     return tape
