@@ -14,7 +14,7 @@ import sys
 from itertools import chain
 
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator, set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import load_tokenizer, read_lines, tiny_gpt2_config  # noqa: E402
@@ -26,13 +26,20 @@ parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--grad-accum", type=int, default=2)
 parser.add_argument("--output-dir", default="out-trainer")
 parser.add_argument("--save", action="store_true", help="save a checkpoint every 2 steps")
+parser.add_argument("--config", help="a config.json to build the model from (default: a tiny GPT-2)")
+parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TrainingArguments.bf16)")
+parser.add_argument("--eval-steps", type=int, default=2, help="evaluate every N steps (0: no evaluation)")
+parser.add_argument("--repeat", type=int, default=1, help="the text this many times (long --seq-len blocks)")
 args = parser.parse_args()
 
 set_seed(42)
 tokenizer = load_tokenizer()
-model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
+if args.config:
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config))
+else:
+    model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
 
-lines = read_lines()
+lines = read_lines() * args.repeat
 raw = {"train": Dataset.from_dict({"text": lines[:-20]}), "validation": Dataset.from_dict({"text": lines[-20:]})}
 
 
@@ -66,8 +73,9 @@ training_args = TrainingArguments(
     gradient_accumulation_steps=args.grad_accum,
     learning_rate=5e-4,
     optim="adamw_torch",
-    eval_strategy="steps",
-    eval_steps=2,
+    eval_strategy="steps" if args.eval_steps else "no",
+    eval_steps=args.eval_steps or None,
+    bf16=args.bf16,
     logging_steps=1,
     save_strategy="steps" if args.save else "no",
     save_steps=2,

@@ -75,7 +75,10 @@ def check_script(path: str) -> Path:
 
 
 def rank_env(rank: int, world_size: int, port: int = 29500) -> dict[str, str]:
-    """The environment torchrun gives rank `rank` of `world_size` on one node."""
+    """The environment torchrun gives rank `rank` of `world_size` on one node; none for a world of one (a script
+    started with `python`: accelerate, HF Trainer and Lightning read these to decide they are distributed)."""
+    if world_size == 1:
+        return {}
     return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "peakledger"}

@@ -224,6 +224,16 @@ def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
     return (hit or recording(model, setup)).layers
 
 
+def traced_versions() -> str:
+    """The libraries the trace ran, as installed: "torch 2.13.0+cpu, transformers 5.25.0" (peft when loaded)."""
+    import sys
+
+    import torch
+
+    names = [("torch", torch)] + [(n, sys.modules[n]) for n in ("transformers", "peft") if n in sys.modules]
+    return ", ".join(f"{n} {getattr(m, '__version__', '?')}" for n, m in names)
+
+
 def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
                 cuda: tuple[tuple[int, int], str] | None = None) -> Tape:
     """The recording as a tape: the CPU program (`cpu`), or the CUDA program of `cuda` = (compute capability,
@@ -233,7 +243,7 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
 
     target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
     rec = recording(model, setup, target)
-    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class})")
+    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class}; {traced_versions()})")
     if cpu:
         return tape
     return cuda_tape(tape, *target)
