@@ -11,6 +11,8 @@ the libraries' entry points say where it is:
   the innermost torch optimizer) is OPTIMIZER; a closure it is given (Lightning's `optimizer.step(closure)`)
   runs as training code, its forward and backward seen as such; `torch.nn.utils.clip_grad_norm_` before it is
   counted there too;
+- gradient clipping (`torch.nn.utils.clip_grad_norm_`, its `get_total_norm` / `clip_grads_with_norm_`, accelerate's
+  `Accelerator.clip_grad_norm_`): OPTIMIZER, counted as a clip;
 - `Optimizer.zero_grad` / `Module.zero_grad`: ZERO_GRAD of the step that has run;
 - a top-level module called without autograd or in eval mode: EVAL (evaluation loops, metrics, a reference
   model's forward in DPO);
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -270,9 +273,12 @@ class ScriptPhases:
         self._patch(torch.autograd, "backward", self._backward)
         self._patch(torch.optim.Optimizer, "zero_grad", self._zero_grad)
         self._patch(torch.nn.Module, "zero_grad", self._zero_grad)
-        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-            for name in ("clip_grad_norm_", "clip_grad_value_"):
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):  # (the names scripts and libraries call)
+            for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_"):
                 self._patch(owner, name, self._clip)
+        accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
+        if accelerator is not None:  # accelerate's own (a total norm by device mesh, then torch's clip_grads_with_norm_)
+            self._patch(accelerator, "clip_grad_norm_", self._clip)
         self._patch(torch, "save", lambda f: self._around(f, Phase.CHECKPOINT, "saves"))
         for module, names in _library_calls():
             for name in names:
