@@ -52,12 +52,29 @@ GPT2_CASES = {
     "gpt2-124m-dropped": ("plain_loop.py", GPT2 + ["--loop", "dropped"],
                           "GPT-2 124M, outputs dropped (HF Trainer's step)"),
 }
-GROUPS = {"frameworks": CASES, "gpt2": GPT2_CASES}
+TORCHTUNE_CASES = {  # torchtune's own recipes, run from its installed package (examples/scripts/torchtune/README.md)
+    "torchtune-full": ("recipes/full_finetune_single_device.py",
+                       ["--config", "examples/scripts/torchtune/full_single_device.yaml"],
+                       "torchtune full_finetune_single_device: optimizer_in_bwd, activation checkpointing, "
+                       "chunked cross-entropy"),
+    "torchtune-lora": ("recipes/lora_finetune_single_device.py",
+                       ["--config", "examples/scripts/torchtune/lora_single_device.yaml"],
+                       "torchtune lora_finetune_single_device: activation checkpointing, chunked cross-entropy"),
+}
+GROUPS = {"frameworks": CASES, "gpt2": GPT2_CASES, "torchtune": TORCHTUNE_CASES}
 
 
-def run_case(name: str, script: str, args: list[str], steps: int, limit: float) -> dict:
-    command = [sys.executable, "-m", "peakledger.cli", "run", os.path.join(SCRIPTS, script), "--validate", "--json",
-               "--steps", str(steps), "--time-limit", str(limit), "--", *args]
+def run_case(name: str, script: str, args: list[str], steps: int, limit: float, venv: str | None = None) -> dict:
+    """`peakledger run --validate` of one case; `venv`: run it with that venv's peakledger (a framework installed
+    there only: torchtune), the script a path inside its site-packages."""
+    if venv is None:
+        command = [sys.executable, "-m", "peakledger.cli", "run", os.path.join(SCRIPTS, script)]
+    else:
+        site = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                               "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        command = [os.path.join(venv, "bin", "peakledger"), "run", os.path.join(site, script)]
+    command += ["--validate", "--json", "--steps", str(steps), "--time-limit", str(limit), "--", *args]
     start = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -102,16 +119,23 @@ def main() -> None:
     p.add_argument("--write", action="store_true", help="replace this section of bench/VALIDATION.md")
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     p.add_argument("--rows", metavar="FILE", help="no runs: the rows a run wrote with --json (to --write them)")
+    p.add_argument("--torchtune-venv", default="/tmp/ttvenv",
+                   help="torchtune cases: a venv with torchtune and peakledger (examples/scripts/torchtune)")
     a = p.parse_args()
-    every = {**CASES, **GPT2_CASES}
+    every = {**CASES, **GPT2_CASES, **TORCHTUNE_CASES}
     chosen = GROUPS.get(a.cases) or {n: every[n] for n in a.cases.split(",")}
     rows = []
     if a.rows:
         with open(a.rows) as f:
             rows = json.load(f)
         chosen = {}
+    venv = None
+    if any(n in TORCHTUNE_CASES for n in chosen):
+        venv = a.torchtune_venv
+        subprocess.run([os.path.join(venv, "bin", "python"), os.path.join(SCRIPTS, "torchtune", "prepare.py")],
+                       cwd=ROOT, check=True, capture_output=True)
     for name, (script, args, _) in chosen.items():
-        rows.append(run_case(name, script, args, a.steps, a.time_limit))
+        rows.append(run_case(name, script, args, a.steps, a.time_limit, venv if name in TORCHTUNE_CASES else None))
         r = rows[-1]
         print(f"{name}: " + (r["error"] if isinstance(r.get("error"), str) else
                              f"peak {r['measured']:,} measured, {r['predicted']:,} predicted ({r['error']:+.4%}); "
@@ -127,7 +151,10 @@ def main() -> None:
         versions = next((r["versions"] for r in rows if "versions" in r), {})
         section = "\n".join([
             HEADING, "",
-            f"`python bench/validate_scripts.py --cases {a.cases} --write` (torch.set_num_threads(1) in the measured "
+            f"`python bench/validate_scripts.py --cases {a.cases} --write`"
+            + (" (torchtune 0.6.1 and torchao 0.13.0 in their own venv with peakledger installed, "
+               "examples/scripts/torchtune/README.md; torchtune's recipes are run from its package as they are)"
+               if a.cases == "torchtune" else "") + " (torch.set_num_threads(1) in the measured "
             f"run; {', '.join(f'{k} {v}' for k, v in versions.items())}). Each row: `peakledger run SCRIPT "
             f"--steps {a.steps} --validate -- ARGS`: the script as it is on fake tensors, simulated (predicted), and "
             "the same script run for real on the CPU under the allocation tracker, in a child process forked as the "
@@ -137,7 +164,15 @@ def main() -> None:
             "(of a step) whose peak is furthest off. Targets: the peak within 0.5%, every phase within 1%."
             + (" GPT-2 124M runs at micro-batch 4: the real run of micro-batch 8 (the issue's example) was killed "
                "by the out-of-memory killer on this 23 GiB machine (its tensors alone are over 16 GiB)."
-               if a.cases == "gpt2" else ""), "",
+               if a.cases == "gpt2" else "")
+            + (" What does not run on this CPU, as the frameworks are: torchtune's `enable_activation_offloading` "
+               "(the recipes refuse it off CUDA: recipes/full_finetune_single_device.py:167 \"should only be True "
+               "when training on CUDA\"); torchtitan 0.3.0's trainer (its device is CUDA whatever the machine: "
+               "torchtitan/tools/utils.py:55 `_get_available_device_type() or \"cuda\"`, then trainer.py:301 "
+               "`set_device` fails on a CPU build of torch; its process group defaults to nccl, "
+               "distributed/utils.py:513), so it is not in the table. The full recipe's optimizer runs inside "
+               "backward (optimizer_in_bwd): no backward call ends before its steps, hence 0 micro-batches counted."
+               if a.cases == "torchtune" else ""), "",
             text, ""])
         replace_section(HEADING if a.cases == "frameworks" else HEADING + f" ({a.cases})",
                         section if a.cases == "frameworks" else

@@ -3,17 +3,20 @@ with --validate, also run for real on the CPU and held against the prediction)."
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from pathlib import Path
 
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.report import render_text, report_json
+from .analysis.units import format_bytes
 from .analysis.validate import render_validation, validation_json
 from .cli_common import _budget, _write_json, add_check_flag, decide, fit_verdict, flag_float, flag_int
 from .inputs import check_command_outputs
 from .models.config import ConfigError
 from .models.costs import DEVICES, device_profile
 from .progress import progress
-from .script import ScriptRun, predict_script, validate_script
+from .script import ScriptRun, predict_script, validate_script, with_args
 from .simulator.allocator import TORCH_VERSIONS
 
 DEFAULT_STEPS = 2
@@ -65,6 +68,22 @@ def header(report, unit: str) -> list[str]:
     return lines
 
 
+def try_lines(report, tries: list, budget: int | None, unit: str) -> list[str]:
+    """The script's own knobs tried (--try), each re-run on fake tensors: fitting the budget first, then lowest."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    base = report.capacity_needed
+    rows = sorted(tries, key=lambda t: (budget is not None and t[1].capacity_needed > budget, t[1].capacity_needed))
+    lines = ["the script's own arguments changed (--try), each run again on fake tensors"
+             + (f"; budget {f(budget)}" if budget is not None else "") + ":",
+             f"  {'change':<36}{'needs':>14}{'vs as given':>16}" + ("  fits" if budget is not None else "")]
+    for text, r in rows:
+        need = r.capacity_needed
+        lines.append(f"  {text:<36}{f(need):>14}{f(need - base):>16}"
+                     + (f"  {'yes' if fit_verdict(r, budget, 0.0).fits else 'no'}" if budget is not None else ""))
+    lines.append(f"  {'(as given)':<36}{f(base):>14}")
+    return lines
+
+
 def cmd_run(args) -> int:
     check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
     run = run_of(args)
@@ -77,6 +96,15 @@ def cmd_run(args) -> int:
         budget = profile.memory_bytes
     with progress(f"running {Path(run.path).name} on fake tensors"):
         report, graph = predict_script(run, budget)
+    tries = []
+    for text in args.tries or ():
+        change = shlex.split(text)
+        if not change or not change[0].startswith("-"):
+            raise ConfigError("try", f"{text!r} is not a change to the script's arguments: give flags, e.g. "
+                                     "'--micro-batch 2'")
+        changed = dataclasses.replace(run, argv=with_args(run.argv, change), name=run.title + f" [{text}]")
+        with progress(f"running {Path(run.path).name} with {text} on fake tensors"):
+            tries.append((text, predict_script(changed, budget)[0]))
     validations = []
     if args.validate:
         with progress(f"running {Path(run.path).name} for real on the CPU, tracked"):
@@ -98,12 +126,18 @@ def cmd_run(args) -> int:
     code = decide(args, code)
     if args.json:
         _write_json({**report_json(report), "script": report.metadata["script"],
+                     **({"tries": [{"args": t, "peak": r.peaks.peak.bytes, "capacity_needed": r.capacity_needed,
+                                    "fits": None if budget is None else fit_verdict(r, budget, 0.0).fits}
+                                   for t, r in tries]} if tries else {}),
                      **({"validation": validation_json(validations[0]),
                          "validation_by_rank": [validation_json(v) for v in validations]} if validations else {}),
                      **({"fit_check": verdict.as_json()} if verdict is not None else {})})
         return code
     text = render_text(report, args.unit).split("\n")
     print("\n".join(text[:1] + header(report, args.unit) + text[1:]))
+    if tries:
+        print()
+        print("\n".join(try_lines(report, tries, budget, args.unit)))
     for v in validations:
         print()
         print(render_validation(v, args.unit))
@@ -132,6 +166,10 @@ def register(sub) -> None:
                    "fake process group")
     r.add_argument("--budget", help="device capacity (80GiB, 24G, 80GB): record the first OOM")
     add_check_flag(r)
+    r.add_argument("--try", dest="tries", action="append", metavar="'ARGS'",
+                   help="a change to the script's own arguments to predict too (repeat): '--micro-batch 2', "
+                        "'--gradient_checkpointing', '--lr=1e-4'; each is run on fake tensors and compared with the "
+                        "script as given, fitting the budget first")
     r.add_argument("--validate", action="store_true",
                    help="also run the script for real on the CPU under the allocation tracker and compare")
     r.add_argument("--tolerance", type=flag_float, help="with --validate: exit 1 when the peak is off by more")

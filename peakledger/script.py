@@ -128,6 +128,36 @@ def validate_script(run: ScriptRun, predicted: Report) -> list[Validation]:
     return out
 
 
+def with_args(argv: tuple[str, ...], change: list[str]) -> tuple[str, ...]:
+    """The script's arguments with `change` applied (a fix that maps to the script's own knobs): each `--flag value`
+    or `--flag=value` of `change` replaces that flag's value where the arguments have it, else is appended; a bare
+    `--flag` is added once."""
+    out = list(argv)
+    k = 0
+    while k < len(change):
+        flag = change[k]
+        if "=" in flag and flag.startswith("-"):
+            flag, value = flag.split("=", 1)
+            values = [value]
+            k += 1
+        elif k + 1 < len(change) and not change[k + 1].startswith("--"):
+            values = [change[k + 1]]
+            k += 2
+        else:
+            values = []
+            k += 1
+        at = next((i for i, a in enumerate(out) if a == flag or a.startswith(flag + "=")), None)
+        if at is None:
+            out += [flag, *values]
+        elif out[at].startswith(flag + "="):
+            out[at] = f"{flag}={values[0]}" if values else flag
+        elif values and at + 1 < len(out) and not out[at + 1].startswith("--"):
+            out[at + 1] = values[0]
+        elif values:
+            out[at + 1:at + 1] = values
+    return tuple(out)
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for the measured ranks' rendezvous."""
     with socket.socket() as s:

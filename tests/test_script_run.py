@@ -157,3 +157,24 @@ def test_fsdp2_script_at_64_ranks_shards_the_state():
     state = lambda r: sum(b for c, b in r.peaks.peak.live_by_category.items()  # noqa: E731
                           if c.value in ("parameter", "optimizer_state"))
     assert state(large) < state(small)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (["--micro-batch", "2"], ("--loop", "held", "--micro-batch", "2")),
+    (["--loop", "dropped"], ("--loop", "dropped")),
+    (["--loop=dropped"], ("--loop", "dropped")),
+    (["--flag"], ("--loop", "held", "--flag")),
+])
+def test_a_tried_change_replaces_or_appends_the_scripts_own_flags(change, expected):
+    from peakledger.script import with_args
+
+    assert with_args(("--loop", "held"), change) == expected
+
+
+def test_try_runs_each_change_and_ranks_by_the_budget(capsys):
+    assert main(["run", PLAIN, "--json", "--steps", "1", "--budget", "7MiB", "--try", "--micro-batch 2",
+                 "--try", "--loop dropped", "--", "--loop", "held"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    tries = {t["args"]: t for t in out["tries"]}
+    assert tries["--micro-batch 2"]["fits"] is True
+    assert tries["--micro-batch 2"]["peak"] < tries["--loop dropped"]["peak"] < out["peak"]["bytes"]

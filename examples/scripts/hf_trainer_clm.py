@@ -30,6 +30,7 @@ parser.add_argument("--config", help="a config.json to build the model from (def
 parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TrainingArguments.bf16)")
 parser.add_argument("--eval-steps", type=int, default=2, help="evaluate every N steps (0: no evaluation)")
 parser.add_argument("--repeat", type=int, default=1, help="the text this many times (long --seq-len blocks)")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: train on the GPU")
 args = parser.parse_args()
 
 set_seed(42)
@@ -64,7 +65,7 @@ for split, ds in raw.items():
 
 training_args = TrainingArguments(
     output_dir=args.output_dir,
-    use_cpu=True,
+    use_cpu=args.device == "cpu",
     report_to=[],
     seed=42,
     max_steps=args.max_steps,

@@ -12,7 +12,7 @@ import os
 import sys
 
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, set_seed
+from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -23,19 +23,23 @@ parser.add_argument("--max-steps", type=int, default=3)
 parser.add_argument("--micro-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--output-dir", default="out-sft")
+parser.add_argument("--config", help="a config.json to build the model from (default: a tiny GPT-2)")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: train on the GPU")
+parser.add_argument("--repeat", type=int, default=1, help="the text this many times")
 args = parser.parse_args()
 
 set_seed(42)
 tokenizer = load_tokenizer()
-model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.config) if args.config
+                                         else tiny_gpt2_config(tokenizer))
 
-lines = read_lines()
+lines = read_lines() * args.repeat
 # Two sentences per example, so examples have varied lengths.
 train_dataset = Dataset.from_dict({"text": [" ".join(lines[i : i + 2]) for i in range(0, len(lines), 2)]})
 
 training_args = SFTConfig(
     output_dir=args.output_dir,
-    use_cpu=True,
+    use_cpu=args.device == "cpu",
     report_to=[],
     seed=42,
     max_steps=args.max_steps,

@@ -277,7 +277,7 @@ class ScriptPhases:
             for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_"):
                 self._patch(owner, name, self._clip)
         accelerator = getattr(sys.modules.get("accelerate.accelerator"), "Accelerator", None)
-        if accelerator is not None:  # accelerate's own (a total norm by device mesh, then torch's clip_grads_with_norm_)
+        if accelerator is not None:  # accelerate's own (a norm per device mesh, then clip_grads_with_norm_)
             self._patch(accelerator, "clip_grad_norm_", self._clip)
         self._patch(torch, "save", lambda f: self._around(f, Phase.CHECKPOINT, "saves"))
         for module, names in _library_calls():

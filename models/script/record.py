@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ...simulator.events import Category, OptimizerState
@@ -181,7 +182,12 @@ class Recorder(TorchDispatchMode):
             out = known[1]
         else:
             call, call_args, call_kwargs = known[1:] if known is not None else (func, args, kwargs)
-            out = real_outputs(func, args, kwargs, call(*call_args, **(call_kwargs or {})))
+            if func in STORAGE_ARGS and args and _fake(args[0]):
+                with disable_fake_tensor_cache(args[0].fake_mode):  # its cache key would hold the storage for good
+                    result = call(*call_args, **(call_kwargs or {}))
+            else:
+                result = call(*call_args, **(call_kwargs or {}))
+            out = real_outputs(func, args, kwargs, result)
             values.shadows.follow(func, args, kwargs, real, out)
         if func in REAL_DRAWS:
             values.draw(func, args, kwargs, out)
@@ -245,6 +251,9 @@ class Recorder(TorchDispatchMode):
 
 
 RESIZES = {torch.ops.aten.resize_.default, torch.ops.aten.resize_as_.default}
+# ops given a storage: the fake mode's dispatch cache keeps its arguments in the key, so a storage `torch.load` made
+# (`empty().set_(storage, ...)`) would never be freed; they run without the cache
+STORAGE_ARGS = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_Storage_storage_offset}
 
 
 def _storage_sizes(args) -> list:

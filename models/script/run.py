@@ -40,6 +40,7 @@ from ..trace.realpath import cpu_fake_kernels, real_code_paths
 from .phases import Position, ScriptPhases, StopScript
 from .record import Recorder, ScriptRecording, resize_watch
 from .values import Values, numpy_reads
+from .weights import header_only_weights
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 # libraries a script may use whose save / generate entry points ScriptPhases wraps: imported before the script
@@ -146,8 +147,13 @@ def script_error(path: Path, e: Exception) -> ConfigError:
     if hub is not None:
         return ConfigError("script", f"{path.name} asks the Hugging Face hub for {hub}; peakledger runs the script "
                                      "offline: point it at local files (a config.json, a local model folder)")
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+    every = traceback.extract_tb(e.__traceback__)
+    frames = [f for f in every if f.filename == str(path)]
     where = f" (line {frames[-1].lineno})" if frames else ""
+    if any(f.filename.endswith(os.path.join("nn", "parallel", "distributed.py")) for f in every):
+        return ConfigError("script", f"{path.name}{where} wraps its model in DistributedDataParallel, which does not "
+                                     "run on fake tensors (its C++ Reducer reads and writes real gradient buckets); "
+                                     "FSDP2 (fully_shard) does: peakledger run predicts FSDP2 scripts")
     return ConfigError("script", f"{path.name} failed{where}: {type(e).__name__}: {_first_line(e)}")
 
 
@@ -179,7 +185,7 @@ def record_script(path: Path, argv: list[str], steps: int | None, seconds: float
     with script_context(path, argv, rank_env(rank, world_size)), fake_process_group(rank, world_size):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, fake_gaps(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \
-                saves_counted(), phases, resize_watch(rec), rec, \
+                saves_counted(), header_only_weights(), phases, resize_watch(rec), rec, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda x: x):
             run_path(path, seconds)
         recording = rec.finish(phases.calls, values.lines())
