@@ -29,7 +29,7 @@ def _has(*modules: str) -> bool:
 
 def _exact(run: ScriptRun) -> None:
     report, _ = predict_script(run)
-    v = validate_script(run, report)
+    (v,) = validate_script(run, report)
     assert v.overall.measured > 0
     assert v.overall.predicted == v.overall.measured
     for p in v.phases:
@@ -178,3 +178,26 @@ def test_try_runs_each_change_and_ranks_by_the_budget(capsys):
     tries = {t["args"]: t for t in out["tries"]}
     assert tries["--micro-batch 2"]["fits"] is True
     assert tries["--micro-batch 2"]["peak"] < tries["--loop dropped"]["peak"] < out["peak"]["bytes"]
+
+
+def test_ddp_is_refused_with_the_reason(capsys):
+    assert main(["run", str(SCRIPTS / "ddp_loop.py"), "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "DistributedDataParallel, which does not run on fake tensors" in err and "FSDP2" in err
+
+
+def test_local_weights_are_read_from_the_header_only(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from peakledger.models.script.weights import FakeSafeOpen
+
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.ones(3, 5, dtype=torch.bfloat16), "b": torch.zeros(7)}, str(path))
+    with FakeTensorMode():
+        f = FakeSafeOpen(str(path))
+        a, b = f.get_tensor("a"), f.get_slice("b")[...]
+    assert sorted(f.keys()) == ["a", "b"] and f.get_slice("a").get_shape() == [3, 5]
+    assert isinstance(a, FakeTensor) and a.dtype == torch.bfloat16 and tuple(a.shape) == (3, 5)
+    assert isinstance(b, FakeTensor) and tuple(b.shape) == (7,)

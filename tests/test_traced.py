@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from realrun import assert_matches_real_run
 
 import peakledger as pl
@@ -123,7 +124,10 @@ def test_fsdp2_on_a_traced_model_equals_each_rank():
 def test_the_tape_carries_the_recorded_backward_and_the_layers():
     setup = TrainingSetup(micro_batch=2, seq_len=16, precision="fp32")
     tape = traced_tape(from_hf_dict(HF["gpt_neox"], "neox"), setup)
-    assert tape.describer == "traced (hf: GPTNeoXForCausalLM)"
+    import transformers  # the report names the versions the trace ran, as installed
+
+    assert tape.describer == (f"traced (hf: GPTNeoXForCausalLM; torch {torch.__version__}, "
+                              f"transformers {transformers.__version__})")
     assert tape.layers == ("gpt_neox.layers.0", "gpt_neox.layers.1")
     assert tape.backward and all(n.op is None or 0 <= n.op < len(tape.ops) for n in tape.backward)
     grads = [p for n in tape.backward for step in n.steps for p in step.grads]
@@ -162,7 +166,7 @@ def test_simulate_module_names_the_describer_and_the_batch(capsys):
                            "--seq-len", "16", "--precision", "fp32", "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["describer"] == "traced (module: Encoder)"
+    assert data["describer"].startswith(f"traced (module: Encoder; torch {torch.__version__}")
     assert data["batch"] == "the factory's batch (micro_batch=2, seq_len=16 passed)"
 
 
