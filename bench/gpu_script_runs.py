@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,8 +77,9 @@ def main() -> None:
         path = os.path.join(SCRIPTS, script)
         start = time.perf_counter()
         snap = os.path.join(a.out, "snapshots", f"{name}.pickle")
-        done = subprocess.run([sys.executable, "-c", REAL, path, snap, *args], cwd=ROOT, capture_output=True,
-                              text=True)
+        with tempfile.TemporaryDirectory(prefix="peakledger-gpu-run-") as scratch:  # (its output folders go here)
+            done = subprocess.run([sys.executable, "-c", REAL, path, os.path.abspath(snap), *args], cwd=scratch,
+                                  capture_output=True, text=True)
         line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
         real = json.loads(line[-1][7:]) if line else {"error": done.stderr.strip()[-600:]}
         real["seconds"] = time.perf_counter() - start
