@@ -45,7 +45,7 @@ from .costs import DeviceProfile, device_profile
 from .families import family_of
 from .moe import active_params, has_experts
 from .offload import OffloadedStates
-from .optimizers import BNB_QMAP_BYTES, has_sqrt_temporaries, state_specs, step_pool, update_flops
+from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
 from .parallel.checks import check_model_parallel
 from .parallel.expert import expert_metadata
@@ -344,6 +344,10 @@ def _describe_rank(b: GraphBuilder, steps: int) -> None:
     b.engine.load(grads)
     states_loaded = load_checkpoint(b)
     offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.optimizer_offload != "none" else None
+    if not OPTIMIZERS[setup.optimizer].lazy and not states_loaded:  # made by the optimizer's constructor (Adagrad)
+        for k, group in enumerate(b.engine.optim_groups()):
+            _create_states(b, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
+        states_loaded = True
     for step in range(1, steps + 1):
         if setup.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
             b.engine.run_step(step, grads)
@@ -435,9 +439,9 @@ def _offloaded_update(b: GraphBuilder, step: int, offload: OffloadedStates, crea
         offload.offload(k, step)
 
 
-def _create_states(b: GraphBuilder, step: int, tensors, op_name: str) -> list[Block]:
+def _create_states(b: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER) -> list[Block]:
     """torch's lazy state init (`_init_group`) for `tensors`: every state of each, on the device (Adam's
-    `step` scalar on the host unless fused)."""
+    `step` scalar on the host unless fused); `phase` LOAD for an optimizer whose constructor makes them."""
     s = b.setup
     shard = b.engine.state_shard()
     step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
@@ -452,7 +456,7 @@ def _create_states(b: GraphBuilder, step: int, tensors, op_name: str) -> list[Bl
     if s.optimizer == "adam-8bit":
         states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                               state=OptimizerState.QUANT_STATE))
-    b.op(op_name, Phase.OPTIMIZER, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
+    b.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
     return states
 
 
@@ -466,26 +470,26 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     total_numel = sum(t.numel for t in tensors)
     flops = update_flops(s.optimizer, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
-    if has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "foreach":
-        temps = [b.block(f"{t.name}.exp_avg_sq_sqrt", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
+    spec = OPTIMIZERS[s.optimizer]
+    if spec.foreach_temps and s.optimizer_impl == "foreach":  # every parameter's temporaries at once
+        temps = [b.block(f"{t.name}.{kind}", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
                          Category.TEMPORARY, own_dtype(b.tape, t.name) or state_dtype, t.shape, shard=shard)
-                 for t in tensors]
+                 for kind in spec.foreach_temps for t in tensors]
         b.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
              bytes_moved=bytes_moved, after=after)
-    elif has_sqrt_temporaries(s.optimizer) and s.optimizer_impl == "for-loop":
-        previous_denom = None
+    elif spec.loop_temps and s.optimizer_impl == "for-loop":  # one parameter after the other
+        previous = None  # the last temporary of the parameter before, referenced until this one's replaces it
         for i, t in enumerate(tensors):
             dt = own_dtype(b.tape, t.name) or state_dtype
             nbytes = t.numel * dtype_bytes(dt)
-            sqrt = b.block(f"{t.name}.exp_avg_sq_sqrt", nbytes, Category.TEMPORARY, dt, t.shape)
-            denom = b.block(f"{t.name}.denom", nbytes, Category.TEMPORARY, dt, t.shape)
-            frees = [sqrt.id] + ([previous_denom.id] if previous_denom else [])
-            b.op(f"{name}.update.{t.name}", ph, step, -1, [sqrt, denom], frees,
+            temps = [b.block(f"{t.name}.{kind}", nbytes, Category.TEMPORARY, dt, t.shape) for kind in spec.loop_temps]
+            frees = [x.id for x in temps[:-1]] + ([previous.id] if previous else [])
+            b.op(f"{name}.update.{t.name}", ph, step, -1, temps, frees,
                  flops=update_flops(s.optimizer, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,
                  after=after if i == 0 else ())
-            previous_denom = denom
-        if previous_denom:
-            b.op(f"{name}.update.end", ph, step, -1, [], [previous_denom.id])
+            previous = temps[-1]
+        if previous:
+            b.op(f"{name}.update.end", ph, step, -1, [], [previous.id])
     else:
         b.op(f"{name}.{s.optimizer_impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
              after=after)

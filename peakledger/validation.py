@@ -10,6 +10,7 @@ import dataclasses
 
 from .analysis.validate import compare_logs
 from .models.config import ConfigError
+from .models.optimizers import OPTIMIZERS
 from .models.training import describe
 from .scenario import Scenario
 from .simulator.engine import simulate
@@ -35,9 +36,9 @@ def measure(scenario: Scenario, model_hook=None):
         raise ConfigError("world_size", "one real CPU process runs without data parallelism; use validate_ranks "
                                         "(peakledger validate --world-size N --dp-engine fsdp2|ddp|"
                                         "zero-redundancy-optimizer) for real multi-process runs")
-    if setup.optimizer == "adam-8bit":
-        raise ConfigError("optimizer", "adam-8bit needs bitsandbytes (CUDA); use sgd, sgd-momentum, adam, "
-                                       "adamw or amsgrad")
+    if OPTIMIZERS[setup.optimizer].torch_class is None:
+        raise ConfigError("optimizer", f"{setup.optimizer} needs bitsandbytes (CUDA); use one of torch's: "
+                                       + ", ".join(n for n, spec in OPTIMIZERS.items() if spec.torch_class))
     if setup.compile:  # a compiled step: inductor's buffers are seen by torch.profiler only
         from .traces.compiled_run import measure_compiled  # torch
 

@@ -47,6 +47,8 @@ class OptimizerState(str, enum.Enum):
     MOMENTUM_BUFFER = "momentum_buffer"
     STEP = "step"
     QUANT_STATE = "quantization_state"  # 8-bit optimizers: per-block absmax scales
+    SQUARE_AVG = "square_avg"  # RMSprop
+    SUM = "sum"  # Adagrad
 
 
 class Phase(str, enum.Enum):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peakledger.models.autograd import param_bytes
-from peakledger.models.config import MLPConfig, TrainingSetup
+from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
 from peakledger.models.optimizers import state_specs
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
@@ -286,3 +286,24 @@ def test_simulated_peaks_match_measured_training_run(name, attention):
     simulated = simulate(describe(cfg, setup, "cpu"))
     assert abs(peak(simulated)[0] - peak(measured)[0]) <= SCALAR_SLACK
     assert abs(_phase_peak(simulated, Phase.FORWARD, 1) - _phase_peak(measured, Phase.FORWARD, 1)) <= SCALAR_SLACK
+
+
+@pytest.mark.parametrize("optimizer, impl", [("rmsprop", "foreach"), ("rmsprop", "for-loop"), ("adagrad", "foreach"),
+                                             ("adagrad", "for-loop"), ("adagrad", "fused")])
+def test_registry_optimizers_step_exactly_as_torch(optimizer, impl):
+    """RMSprop and Adagrad, each one entry of models/optimizers.py OPTIMIZERS: the optimizer phases of a real run
+    (Adagrad's states made in its constructor: the load phase) equal the simulation's, byte for byte."""
+    cfg = preset("tiny-mlp")
+    setup = TrainingSetup(micro_batch=64, seq_len=1, steps=2, optimizer=optimizer, optimizer_impl=impl)
+    model = build_model(cfg, setup)
+    measured = run_training_steps(model, make_optimizer(model, setup), make_batch(cfg, setup), steps=2)
+    simulated = simulate(describe(cfg, setup, "cpu"))
+    if impl != "fused":  # the peak is the step's (fused: the backward's, where the MLP's ReLU differs by 4 KiB)
+        assert peak(simulated)[0] == peak(measured)[0]
+    for phase, step in ((Phase.LOAD, 0), (Phase.OPTIMIZER, 1), (Phase.ZERO_GRAD, 1), (Phase.OPTIMIZER, 2)):
+        assert _phase_peak(simulated, phase, step) == _phase_peak(measured, phase, step)
+
+
+def test_an_implementation_torch_lacks_is_refused():
+    with pytest.raises(ConfigError, match="RMSprop has no fused implementation; allowed: foreach, for-loop"):
+        TrainingSetup(optimizer="rmsprop", optimizer_impl="fused")

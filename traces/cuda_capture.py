@@ -51,13 +51,14 @@ from pathlib import Path
 
 from ..models.config import ConfigError
 from ..models.costs import DEVICES
+from ..models.optimizers import OPTIMIZERS
 from ..models.trace.model import TracedModel
 from ..simulator.events import EventLog, Phase
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
 MAX_ENTRIES = 1_000_000
 CAPTURE_PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-mixed")
-CAPTURE_OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad")
+CAPTURE_OPTIMIZERS = tuple(name for name, spec in OPTIMIZERS.items() if spec.capture)  # models/optimizers.py
 ALLOCATOR_RULES = ("2.6", "2.11")  # torch versions whose allocator rules are modelled (simulator/allocator)
 MARK_GAP_S = 0.002  # quiet seconds on each side of a loop mark: no allocation lies near a phase boundary
 

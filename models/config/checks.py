@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from ..dp_engines import knob_rules as engine_knob_rules
+from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
 from ..precision import PRECISIONS
 from .base import INT64_MAX, ConfigError, _at_most, _choice, _positive_int
 
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "amsgrad", "adam-8bit")
+OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
 # "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
 # optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
@@ -92,6 +93,10 @@ def _optimizer_offload_fields(setup) -> None:
     if setup.optimizer == "adam-8bit":
         raise ConfigError("optimizer_offload", "bitsandbytes' 8-bit states (its paged optimizers) are not modelled "
                                                "for offload; allowed with: sgd-momentum, adam, adamw, amsgrad")
+    if not OPTIMIZER_REGISTRY[setup.optimizer].lazy:
+        raise ConfigError("optimizer_offload", f"{setup.optimizer} makes its states in its constructor, not in the "
+                                               "first step: its offload is not modelled; allowed with: "
+                                               "sgd-momentum, adam, adamw, amsgrad, rmsprop")
     if setup.dp_engine == "deepspeed" and (setup.world_size > 1 or setup.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
                                                "the step runs on the CPU), not modelled; allowed with one device, "
@@ -271,6 +276,10 @@ def _precision_optimizer(setup) -> None:
     _choice(setup, "precision", PRECISIONS)
     _choice(setup, "optimizer", OPTIMIZERS)
     _choice(setup, "optimizer_impl", OPTIMIZER_IMPLS)
+    spec = OPTIMIZER_REGISTRY[setup.optimizer]
+    if setup.optimizer_impl not in spec.impls:
+        raise ConfigError("optimizer_impl", f"torch's {spec.torch_class or setup.optimizer} has no "
+                                            f"{setup.optimizer_impl} implementation; allowed: {', '.join(spec.impls)}")
 
 
 def _activation_checkpointing(setup) -> None:

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from ...models.families import family_of
-from ...models.optimizers import offload_chunks
+from ...models.optimizers import OPTIMIZERS, offload_chunks
 from ...models.trace.model import TracedModel
 from .lora import apply_lora
 from .mixtral import hf_mixtral
@@ -75,8 +75,6 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     return trainable
 
 
-OPTIMIZER_CLASSES = {"sgd": ("SGD", {"momentum": 0.0}), "sgd-momentum": ("SGD", {"momentum": 0.9}),
-                     "adam": ("Adam", {}), "adamw": ("AdamW", {}), "amsgrad": ("Adam", {"amsgrad": True})}
 IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fused": {"fused": True}}
 
 
@@ -88,14 +86,14 @@ def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
 
 
 def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The torch.optim class and its keyword arguments for `setup.optimizer` / `setup.optimizer_impl`:
-    sgd: SGD(momentum=0); sgd-momentum: SGD(momentum=0.9); adam: Adam; adamw: AdamW; amsgrad:
-    Adam(amsgrad=True); optimizer_impl "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" ->
-    fused=True."""
-    if setup.optimizer not in OPTIMIZER_CLASSES:
+    """The torch.optim class and its keyword arguments for `setup.optimizer` / `setup.optimizer_impl`, as the
+    optimizer's entry in models/optimizers.py `OPTIMIZERS` names them (sgd: SGD(momentum=0); sgd-momentum:
+    SGD(momentum=0.9); amsgrad: Adam(amsgrad=True); rmsprop: RMSprop; adagrad: Adagrad; ...); optimizer_impl
+    "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" -> fused=True."""
+    spec = OPTIMIZERS[setup.optimizer]
+    if spec.torch_class is None:
         raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
-    cls_name, kwargs = OPTIMIZER_CLASSES[setup.optimizer]
-    return getattr(torch.optim, cls_name), {**kwargs, **IMPL_FLAGS[setup.optimizer_impl]}
+    return getattr(torch.optim, spec.torch_class), {**dict(spec.torch_kwargs), **IMPL_FLAGS[setup.optimizer_impl]}
 
 
 def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
