@@ -31,6 +31,12 @@ class Precision:
     def mixed(self) -> bool:
         return self.master is not None
 
+    @property
+    def uniform(self) -> bool:
+        """One dtype for every tensor: no master copy, no autocast (fp32, pure bf16). The real multi-process and
+        model-parallel programs measure these."""
+        return self.master is None and self.autocast is None
+
 
 PRECISION_TABLE: dict[str, Precision] = {p.name: p for p in (
     Precision("fp32", "fp32", "fp32", None, "fp32", None),
@@ -41,3 +47,4 @@ PRECISION_TABLE: dict[str, Precision] = {p.name: p for p in (
     Precision("bf16", "bf16", "bf16", None, "bf16", None),
 )}
 PRECISIONS = tuple(PRECISION_TABLE)
+UNIFORM_PRECISIONS = tuple(p.name for p in PRECISION_TABLE.values() if p.uniform)  # ("fp32", "bf16")

@@ -106,7 +106,7 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
     if setup.pp_schedule not in SCHEDULES:
         raise ConfigError("pp_schedule", f"real pipeline runs use {', '.join(SCHEDULES)}; {setup.pp_schedule} is "
                                          "not simulated yet")
-    if setup.precision not in ("fp32", "bf16"):
+    if not setup.prec.uniform:
         raise ConfigError("precision", f"real pipeline runs are fp32 or bf16, not {setup.precision!r}")
     logs = measure_pipeline(scenario.model, setup)
     simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True), simulator=scenario.simulator)

@@ -81,3 +81,15 @@ def test_every_package_folder_installs():
     folders = {"peakledger." + ".".join(p.parent.relative_to(REPO).parts).removeprefix("peakledger").lstrip(".")
                for layer in LAYERS for p in (REPO / layer).rglob("__init__.py")}
     assert folders - {"peakledger."} <= set(tool["packages"]) | {"peakledger"}, folders - set(tool["packages"])
+
+
+def test_precision_sets_are_read_from_precision_objects():
+    """A set of precisions is a property of `Precision` (models/precision.py: `uniform`, `mixed`, `autocast`), never
+    a tuple of names written out where it is used (`setup.precision not in ("fp32", "bf16")`)."""
+    import re
+
+    pattern = re.compile(r"precision\s+(not\s+)?in\s+\(")
+    found = sorted(f"{path.relative_to(REPO)}:{n}" for mod, path in _modules().items()
+                   if path != REPO / "models" / "precision.py"
+                   for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line))
+    assert found == []

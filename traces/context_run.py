@@ -156,7 +156,7 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
         raise ValueError(f"seq_len={setup.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"unknown rotate_method {rotate_method!r}; allowed: {', '.join(ROTATE_METHODS)}")
-    if setup.precision not in ("fp32", "bf16"):
+    if not setup.prec.uniform:
         raise NotImplementedError(f"context-parallel measurement runs fp32 or pure bf16, not {setup.precision!r}")
     if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout \
             or setup.optimizer_offload != "none":

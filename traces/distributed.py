@@ -128,7 +128,7 @@ def _check(setup: TrainingSetup, world_size: int, engine: str, backend: str) -> 
         raise ValueError(f"unknown process-group backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if world_size < 2:
         raise ValueError(f"world_size must be at least 2, got {world_size}")
-    if setup.precision not in ("fp32", "bf16"):
+    if not setup.prec.uniform:
         raise NotImplementedError(f"distributed measurement runs fp32 or pure bf16, not {setup.precision!r}")
     optimizer_class(setup)  # refuses an optimizer torch.optim does not have before any process starts
     if setup.checkpointing != "none" or setup.frozen:

@@ -107,7 +107,7 @@ def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
                                   f"{setup.dp})")
     if model_cfg.num_local_experts % setup.ep:
         raise ValueError(f"ep={setup.ep} does not divide num_local_experts={model_cfg.num_local_experts}")
-    if setup.precision not in ("fp32", "bf16"):
+    if not setup.prec.uniform:
         raise NotImplementedError(f"expert-parallel runs measure fp32 or bf16, not {setup.precision!r}")
     if setup.checkpointing != "none" or setup.frozen or setup.lora_r:
         raise NotImplementedError("expert-parallel runs measure without checkpointing, frozen parameters or LoRA")

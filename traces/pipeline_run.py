@@ -67,7 +67,7 @@ def _check(model_cfg, setup: TrainingSetup) -> None:
         raise ValueError(f"a pipeline run needs pp >= 2, got {setup.pp}")
     if setup.pp_schedule not in SCHEDULES:
         raise NotImplementedError(f"real pipeline runs use {', '.join(SCHEDULES)}, not {setup.pp_schedule!r}")
-    if setup.precision not in ("fp32", "bf16"):
+    if not setup.prec.uniform:
         raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision!r}")
     check_model_parallel(model_cfg, setup)
     optimizer_class(setup)

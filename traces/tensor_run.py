@@ -121,7 +121,7 @@ def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) ->
             raise ValueError(f"tp={tp} does not divide {what}={heads}")
     if sequence_parallel and setup.seq_len % tp:
         raise ValueError(f"seq_len={setup.seq_len} is not a multiple of tp={tp}")
-    if setup.precision not in ("fp32", "bf16", "bf16-autocast"):
+    if not (setup.prec.uniform or setup.prec.autocast == "bf16"):
         raise NotImplementedError(f"tensor-parallel measurement runs fp32, bf16 or bf16-autocast, "
                                   f"not {setup.precision!r}")
     if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout:

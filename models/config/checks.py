@@ -129,7 +129,7 @@ def _lora_fields(setup) -> None:
     if setup.quantize != "none" and r == 0:
         raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")
-    if setup.quantize != "none" and setup.precision not in ("fp32", "bf16"):
+    if setup.quantize != "none" and not setup.prec.uniform:
         raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 "
                                       f"(Linear4bit's compute "
                                       f"dtype), not {setup.precision!r}; allowed: fp32, bf16")

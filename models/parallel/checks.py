@@ -119,7 +119,7 @@ def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
                ("dp_engine", s.dp == 1 or s.dp_engine == "fsdp2",
                 f"cp with data parallelism runs FSDP2 over dp x cp (torchtitan's dp_shard_cp): dp_engine fsdp2; "
                 f"{s.dp_engine} with cp is not simulated yet (or give world_size = cp x tp = {s.cp * s.tp})"),
-               ("precision", s.precision in ("fp32", "bf16"),
+               ("precision", s.prec.uniform,
                 f"cp with precision {s.precision} is not simulated yet; allowed: fp32, bf16"),
                ("checkpointing", s.checkpointing == "none", "cp with activation checkpointing is not simulated yet"),
                ("lora_r", s.lora_r == 0, "cp with LoRA is not simulated yet"),
