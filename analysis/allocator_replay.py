@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..simulator.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
 from ..simulator.files import read_input
-from ..traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, _check_shape, safe_loads
+from ..traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, check_shape, safe_loads
 from ..traces.cuda_snapshot import start_state as _start_state
 
 
@@ -85,7 +85,7 @@ def infer_capacity(entries: list[dict], start_reserved: int) -> dict:
 
 def replay_entries(snapshot: dict, device: int = 0, config: AllocatorConfig | None = None,
                    capacity: int | None = None) -> dict:
-    entries = _check_shape(snapshot, device, "trace")
+    entries = check_shape(snapshot, device, "trace")
     segs, blocks = start_state(snapshot, entries, device)
     inferred = infer_capacity(entries, sum(size for size, _, _ in segs.values()))
     if capacity is None:

@@ -56,7 +56,7 @@ from .config import dtype_bytes
 from .replay_backward import DerivedBackward
 from .replay_checkpoint import CheckpointRegions
 from .replay_forward import ForwardPass
-from .replay_grads import GradientFlow, GradState, _Storage, replace_grad
+from .replay_grads import GradientFlow, GradState, GradStorage, replace_grad
 from .replay_offload import OffloadedSaves
 from .replay_plan import ReplayPlan
 from .replay_recorded import RecordedBackward
@@ -89,7 +89,7 @@ class MicroBatchReplay(ReplayPlan, ForwardPass, CheckpointRegions, DerivedBackwa
         self.specs.update({name: spec for name, (spec, _) in self.external.items()})
         self.live: dict[str, Block] = {}
         self.reasons: dict[str, int] = {}
-        self.grad_of: dict[str, _Storage] = {}
+        self.grad_of: dict[str, GradStorage] = {}
         self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
         self.contributed: set[str] = set()  # parameters with a gradient contribution in this backward
         self.grad_seen: dict[str, int] = {}  # contributions so far of a parameter read by several ops

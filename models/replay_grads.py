@@ -1,6 +1,6 @@
 """Gradients in the replay: where an activation's gradient lives, and how gradients are summed and handed on.
 
-Mixed into models/autograd.py's `MicroBatchReplay` (`GradientFlow`). An activation's gradient is a `_Storage`,
+Mixed into models/autograd.py's `MicroBatchReplay` (`GradientFlow`). An activation's gradient is a `GradStorage`,
 shared by every tensor an add hands it on to unchanged (`grad_of`, name -> storage, with a count of those names);
 a new contribution to a gradient already there is summed into it in place (the contribution goes with its node),
 or, when the gradient is `pinned` (owned outside the replay: a pipeline stage's gradient receive buffer), out of
@@ -25,7 +25,7 @@ class GradState:
     persistent: bool = False  # fp32 main-grad buffers allocated at load: every contribution is a temporary
 
 
-class _Storage:
+class GradStorage:
     """An activation gradient's memory, shared by the tensors an add hands it to. A `pinned` one is owned
     outside the replay (a pipeline stage's gradient receive buffer): never freed here, and a gradient summed
     into it is summed out of place (autograd's input buffer adds in place only into a tensor it holds the
@@ -43,7 +43,7 @@ def replace_grad(replay, tensor: str, block: Block) -> list[int]:
     all-reduce and out-of-place sum, the backward of a slice)."""
     storage = replay.grad_of[tensor]
     storage.refs -= 1
-    replay.grad_of[tensor] = _Storage(block)
+    replay.grad_of[tensor] = GradStorage(block)
     return [storage.block.id] if storage.refs == 0 else []
 
 
@@ -60,7 +60,7 @@ class GradientFlow:
         goes with the node), or into a pinned one out of place (`_sum_into_pinned`)."""
         storage = self.grad_of.get(name)
         if storage is None:
-            self.grad_of[name] = _Storage(blk)
+            self.grad_of[name] = GradStorage(blk)
         elif storage.pinned:
             self._sum_into_pinned(name, blk)
         else:
@@ -74,12 +74,12 @@ class GradientFlow:
         total = self.b.block(f"{name}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         self.after_node.append((f"{name}.grad_accumulate", [total], [contribution.id] if contribution else []))
         self.grad_of[name].refs -= 1
-        self.grad_of[name] = _Storage(total)
+        self.grad_of[name] = GradStorage(total)
 
     def receive_grad(self, name: str, block: Block) -> None:
         """`name`'s gradient arrives from outside the replay, in `block` (a pipeline stage's gradient receive
         buffer, its owner's for good): pinned, before `backward()`."""
-        self.grad_of[name] = _Storage(block, pinned=True)
+        self.grad_of[name] = GradStorage(block, pinned=True)
 
     def take_grad(self, name: str) -> Block | None:
         """The gradient the backward left for `name`, a tensor no op of the tape made (a pipeline stage's

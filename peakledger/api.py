@@ -23,7 +23,7 @@ from .models.costs import device_profile
 from .models.trace import from_hf_dict
 from .models.trace.model import TracedModel
 from .models.training import build_tape, describe
-from .scenario import Scenario, _traced_scenario, build_scenario
+from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
 from .simulator.ops import OpGraph
@@ -43,7 +43,7 @@ def trace(hf_config=None, *, module: str | None = None, name: str | None = None,
         raise ConfigError("hf_config", "give exactly one of hf_config (a config.json path or dict) and module")
     if isinstance(hf_config, dict):
         model = from_hf_dict(hf_config, name or str(hf_config.get("model_type", "hf")))
-        return _traced_scenario(model, {}, training, {"device": device}, name, None)
+        return traced_scenario(model, {}, training, {"device": device}, name, None)
     table = {"hf_config": str(hf_config)} if hf_config is not None else {"module": module}
     return build_scenario({**table, "describer": describer}, training, {"device": device}, name=name)
 

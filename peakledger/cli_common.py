@@ -54,7 +54,7 @@ def decide(args, code: int) -> int:
     return code
 
 
-def _add_scenario_flags(p: argparse.ArgumentParser) -> None:
+def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
     g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
@@ -137,7 +137,7 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
                                **({"choices": how.choices} if how.argparse_choices else {}), **extra)
 
 
-def _budget(args, name: str = "budget") -> int | None:
+def budget_flag(args, name: str = "budget") -> int | None:
     """A size flag as bytes (None when not given; an empty value is an error, never "no budget")."""
     value = getattr(args, name, None)
     return None if value is None else parse_bytes(value, name)
@@ -147,7 +147,7 @@ def budget_of(args, scenario, needed_by: str) -> int:
     """The budget a command checks against: --budget, or else the device profile's memory (a GPU profile is a
     card of that size); a ConfigError naming `needed_by` when neither gives one (the cpu profile without
     --budget)."""
-    given = _budget(args)
+    given = budget_flag(args)
     if given is not None:
         return given
     profile = device_profile(scenario.device)
@@ -211,7 +211,7 @@ def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
     return FitVerdict(fits, need, budget, by_retry=fits and need > budget)
 
 
-def _parse_case(text: str) -> tuple[str, dict]:
+def parse_case(text: str) -> tuple[str, dict]:
     name, sep, rest = text.partition(":")
     if not sep or not name.strip():
         raise ConfigError("case", f"expected 'name: key=value ...', got {text!r}")
@@ -229,5 +229,5 @@ def _parse_case(text: str) -> tuple[str, dict]:
     return name.strip(), changes
 
 
-def _write_json(obj) -> None:
+def write_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")

@@ -42,7 +42,7 @@ from .analysis.calibrate import (
     to_json,
 )
 from .analysis.units import format_bytes, parse_bytes
-from .cli_common import _add_scenario_flags
+from .cli_common import add_scenario_flags
 from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_KNOBS, scenario_from_args
 from .models.config import TrainingSetup
 from .simulator.files import InputError, check_outputs, read_input, read_text, write_atomic
@@ -380,7 +380,7 @@ def register(subparsers) -> None:
     f = cs.add_parser("fit", help="fit a calibration from measured peaks (CSV, --case, CUDA snapshots)",
                       description="Rows: the scenario flags with each row's fields on top; each row gives seq_len "
                                   "and its measurement. Columns / case keys: " + ", ".join(ALLOWED))
-    _add_scenario_flags(f)
+    add_scenario_flags(f)
     f.add_argument("--csv", metavar="FILE.csv", help="columns: scenario fields (seq_len required) and "
                    "measured_allocated [measured_reserved] (bytes or 12.5GiB), or snapshot (a CUDA snapshot)")
     f.add_argument("--snapshot", action="append", metavar="FILE.pickle",
@@ -393,7 +393,7 @@ def register(subparsers) -> None:
     f.add_argument("--json", action="store_true", help="print the calibration JSON instead of the table")
     f.set_defaults(func=cmd_fit)
     a = cs.add_parser("apply", help="a scenario's raw and calibrated predicted peaks")
-    _add_scenario_flags(a)
+    add_scenario_flags(a)
     a.add_argument("--calibration", required=True, metavar="FILE.json", help="written by calibrate fit")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=cmd_apply)

@@ -12,13 +12,13 @@ from .analysis.explain import live_at_moment, moment_json, render_moment, render
 from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
 from .cli_common import (
-    _add_scenario_flags,
-    _budget,
-    _write_json,
     add_check_flag,
+    add_scenario_flags,
+    budget_flag,
     budget_of,
     check_line,
     decide,
+    write_json,
 )
 from .inputs import scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
@@ -26,10 +26,10 @@ from .traces.store import load_trace
 
 
 def cmd_explain(args) -> int:
-    host_budget = _budget(args, "host_budget")
+    host_budget = budget_flag(args, "host_budget")
     u = args.unit
     if args.trace:
-        budget = _budget(args)
+        budget = budget_flag(args)
         if budget is None:
             raise ConfigError("budget", "explain --trace needs --budget: the device the trace is held against")
         return _explain_trace(args, budget, host_budget)
@@ -39,7 +39,7 @@ def cmd_explain(args) -> int:
     setup = dataclasses.asdict(scenario.setup)
     status = decide(args, 1 if args.check and not x.fits else 0)
     if args.json:
-        _write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
+        write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
                      "capacity_needed": x.capacity_needed, "fits": x.fits, "step_time_s": x.step_time,
                      "where": x.where, "first_step": x.first_step,
                      "phases": [p.as_json() for p in x.phases], "risks": x.risks,
@@ -145,7 +145,7 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     at_moment = live_at_moment(trace.reserved, moment) if reserved else None
     warning = trace.warning()
     if args.json:
-        _write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
+        write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
                      "lower_bound": trace.truncated, "warning": warning,
                      "moment": {**moment_json(moment, log.metadata.get("setup")),
                                 **({"reserved_bytes": at_moment} if at_moment is not None else {})},
@@ -203,7 +203,7 @@ def cmd_replay(args) -> int:
 def register(sub) -> None:
     """Add explain and replay to the `peakledger` parser's sub-commands."""
     x = sub.add_parser("explain", help="why a scenario (or a measured trace) does not fit a budget, and ranked fixes")
-    _add_scenario_flags(x)
+    add_scenario_flags(x)
     x.add_argument("--budget", help="device memory per rank: 24GiB, 24G, 24GB (default: the --device profile's "
                    "memory)")
     x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")

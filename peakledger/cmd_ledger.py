@@ -30,7 +30,7 @@ from .analysis.user_events import (
     timeline_csv,
     timeline_rows,
 )
-from .cli_common import _write_json, flag_int, given_on_command_line
+from .cli_common import flag_int, given_on_command_line, write_json
 from .simulator.events import Pool
 from .simulator.files import InputError, check_outputs, write_atomic
 
@@ -58,7 +58,7 @@ def cmd_ledger(args) -> int:
     if args.export_timeline:
         write_atomic(args.export_timeline, timeline_csv(u, pools[0]))
     if args.json:
-        _write_json(ledger_json(u, pools))
+        write_json(ledger_json(u, pools))
         return 0
     unit = args.unit if unit_given else _auto_unit(max(p.peak.bytes for p in pools))
     print("\n".join(ledger_text(u, pools, unit)))

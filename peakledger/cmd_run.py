@@ -11,7 +11,7 @@ from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
 from .analysis.validate import render_validation, validation_json
-from .cli_common import _budget, _write_json, add_check_flag, decide, fit_verdict, flag_float, flag_int
+from .cli_common import add_check_flag, budget_flag, decide, fit_verdict, flag_float, flag_int, write_json
 from .inputs import check_command_outputs
 from .models.config import ConfigError
 from .models.costs import DEVICES, device_profile
@@ -87,7 +87,7 @@ def try_lines(report, tries: list, budget: int | None, unit: str) -> list[str]:
 def cmd_run(args) -> int:
     check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
     run = run_of(args)
-    budget = _budget(args)
+    budget = budget_flag(args)
     if args.check and budget is None:
         profile = device_profile(run.device)
         if profile.is_cpu:
@@ -125,7 +125,7 @@ def cmd_run(args) -> int:
         code = 1
     code = decide(args, code)
     if args.json:
-        _write_json({**report_json(report), "script": report.metadata["script"],
+        write_json({**report_json(report), "script": report.metadata["script"],
                      **({"tries": [{"args": t, "peak": r.peaks.peak.bytes, "capacity_needed": r.capacity_needed,
                                     "fits": None if budget is None else fit_verdict(r, budget, 0.0).fits}
                                    for t, r in tries]} if tries else {}),

@@ -27,15 +27,15 @@ from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
 from .cli_common import (
-    _add_scenario_flags,
-    _budget,
-    _parse_case,
-    _write_json,
     add_check_flag,
+    add_scenario_flags,
+    budget_flag,
     budget_of,
     decide,
     fit_verdict,
     flag_int,
+    parse_case,
+    write_json,
 )
 from .deadline import deadline_budget, parse_count, parse_duration, render_ranking
 from .inputs import (
@@ -71,7 +71,7 @@ def critical_path_text(path: CriticalPath) -> str:
 
 def cmd_simulate(args) -> int:
     check_command_outputs(args, ["plot", "export_snapshot", "export_chrome", "export_graph"])
-    budget = _budget(args)
+    budget = budget_flag(args)
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
     scenario = scenario_from_args(args)
@@ -115,7 +115,7 @@ def cmd_simulate(args) -> int:
         with progress(f"simulating {scenario.name} eager, for the comparison"):
             savings = api.compile_savings(scenario, report)
     if args.json:
-        _write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
+        write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
                      **({"compile_vs_eager": savings} if savings else {}),
                      **({"fit_check": verdict.as_json()} if verdict is not None else {})})
     else:
@@ -169,7 +169,7 @@ def cmd_max_batch(args) -> int:
         result["why_none"] = _why_no_batch(best, fixed, one.capacity_needed, budget, args.unit)
     code = decide(args, 1 if args.check and best < 1 else 0)
     if args.json:
-        _write_json(result)
+        write_json(result)
         return code
     u = args.unit
     print(f"{scenario.name}: budget {format_bytes(budget, u)}, fixed state {format_bytes(fixed, u)}")
@@ -205,13 +205,13 @@ def cmd_peers(args, base) -> int:
     if s.tp * s.pp * s.cp * s.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
         rows = api.parallel_peers(base)
         if args.json:
-            _write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
+            write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
             return 0
         print(render_parallel_peers(rows, args.unit, base.name))
         return 0
     rows = api.peers(base)
     if args.json:
-        _write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
+        write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
         return 0
     print(render_peers(base.name, rows, args.unit))
     return 0
@@ -225,10 +225,10 @@ def cmd_compare(args) -> int:
     if args.peers and args.plot:
         raise ConfigError("plot", "--plot draws the --case comparison; --peers prints the estimators' table: drop one")
     check_command_outputs(args, ["plot"])
-    budget = _budget(args)
+    budget = budget_flag(args)
     if args.peers:
         return cmd_peers(args, base)
-    cases = [_parse_case(c) for c in (args.case or DEFAULT_CASES)]
+    cases = [parse_case(c) for c in (args.case or DEFAULT_CASES)]
     results = []
     with progress("simulating the cases", total=len(cases)) as bar:
         for name, changes in cases:
@@ -241,7 +241,7 @@ def cmd_compare(args) -> int:
 
         plot_compare(results, args.plot, args.unit, budget=budget, setup="base: " + setup_text(base, budget, args.unit))
     if args.json:
-        _write_json({"cases": [report_json(r) for _, r in results]})
+        write_json({"cases": [report_json(r) for _, r in results]})
         return 0
     u = args.unit
     rows = ["peak", "first-step peak", "steady peak"]
@@ -284,7 +284,7 @@ def cmd_sweep(args) -> int:
         from .analysis.plot import check_sweep_plot
 
         check_sweep_plot(grid)  # before any work
-    budget = _budget(args)
+    budget = budget_flag(args)
     deadline = deadline_budget(args.target_tokens, args.target_steps, args.deadline, args.step_time, budget)
     max_points = sweep.DEFAULT_MAX_POINTS if args.max_points is None else parse_count(args.max_points, "max_points")
     time_limit = None if args.time_limit == "none" else parse_duration(args.time_limit, "time_limit")
@@ -315,7 +315,7 @@ def _say_estimate(estimate: sweep.Estimate) -> None:
 
 def cmd_checkpointing(args) -> int:
     check_command_outputs(args, ["plot"])
-    budget = _budget(args)
+    budget = budget_flag(args)
     scenario = scenario_from_args(args)
     with progress(f"simulating each checkpointing policy of {scenario.name}"
                   + (" and searching the layer set" if budget is not None else "")):
@@ -329,7 +329,7 @@ def cmd_checkpointing(args) -> int:
                                unit=args.unit, budget=budget, chosen=best,
                                setup=setup_text(scenario, budget, args.unit))
     if args.json:
-        _write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
+        write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
                      "optimal": best.as_json() if best else None})
         return 0
     print(render_table(rows, args.unit))
@@ -344,7 +344,7 @@ def cmd_checkpointing(args) -> int:
 def register(sub) -> None:
     """Add simulate, max-batch, compare, checkpointing and sweep to the `peakledger` parser's sub-commands."""
     s = sub.add_parser("simulate", help="simulate a scenario and print the ledger and peaks")
-    _add_scenario_flags(s)
+    add_scenario_flags(s)
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--plot", metavar="FILE", help="write a PNG of occupancy by category over time, the budget, "
                                                   "zooms on the optimizer step and the peak")
@@ -364,13 +364,13 @@ def register(sub) -> None:
                    help="write the op graph as GraphML (networkx) and print its critical path")
     s.set_defaults(func=cmd_simulate)
     m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
-    _add_scenario_flags(m)
+    add_scenario_flags(m)
     m.add_argument("--budget", help="80GiB, 24G, 80GB (default: the --device profile's memory)")
     m.add_argument("--json", action="store_true")
     add_check_flag(m)
     m.set_defaults(func=cmd_max_batch)
     c = sub.add_parser("compare", help="several scenarios side by side")
-    _add_scenario_flags(c)
+    add_scenario_flags(c)
     c.add_argument("--case", action="append", help="'name: key=value ...' changes to the base scenario")
     c.add_argument("--peers", action="store_true",
                    help="ZeRO stages 0-3: peakledger per rank vs the ZeRO paper and DeepSpeed's estimators")
@@ -380,14 +380,14 @@ def register(sub) -> None:
     c.set_defaults(func=cmd_compare)
     a = sub.add_parser("checkpointing", help="activation checkpointing policies: peak, recompute, step time; "
                                              "the cheapest layer set that fits a budget")
-    _add_scenario_flags(a)
+    add_scenario_flags(a)
     a.add_argument("--budget", help="find the least-recompute set of checkpointed layers that fits (80GiB, ...)")
     a.add_argument("--plot", metavar="FILE", help="PNG of device memory vs step time per policy, the budget and "
                                                   "the chosen layer set")
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=cmd_checkpointing)
     w = sub.add_parser("sweep", help="simulate a grid of inputs on every core into CSV / JSON")
-    _add_scenario_flags(w)
+    add_scenario_flags(w)
     w.add_argument("--grid", action="append", metavar="KEY=V1,V2",
                    help="a field and its values (repeat for more fields; points are the product)")
     w.add_argument("--budget", help="mark which points fit (80GiB, 80GB, bytes)")

@@ -14,7 +14,7 @@ from .analysis.device import device_settings, gpu_memory
 from .analysis.plot import plot_overlay
 from .analysis.units import format_bytes
 from .analysis.validate import PeakPair, compare_logs, render_validation, validation_json
-from .cli_common import _add_scenario_flags, _write_json, decide, flag_float
+from .cli_common import add_scenario_flags, decide, flag_float, write_json
 from .inputs import (
     VALIDATE_DEFAULTS,
     check_command_outputs,
@@ -137,7 +137,7 @@ def cmd_validate_ranks(args, scenario) -> int:
         ok = worst.passes(args.tolerance)
         decide(args, 0 if ok else 1)
     if args.json:
-        _write_json({"ranks": [validation_json(v) for v, _ in results]})
+        write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
         for v, _ in results:
             print(render_validation(v, args.unit or "MiB"))
@@ -187,7 +187,7 @@ def cmd_validate(args) -> int:
     ok = result.passes(args.tolerance) if args.tolerance is not None else True
     decide(args, 0 if ok else 1)
     if args.json:
-        _write_json(validation_json(result))
+        write_json(validation_json(result))
     else:
         print(render_validation(result, args.unit or "MiB"))
     if args.tolerance is not None:
@@ -280,7 +280,7 @@ def _validate_cuda_trace(scenario, trace):
 def register(sub) -> None:
     """Add validate and capture to the `peakledger` parser's sub-commands."""
     v = sub.add_parser("validate", help="run the scenario for real on CPU and hold the simulation against it")
-    _add_scenario_flags(v)
+    add_scenario_flags(v)
     v.add_argument("--tolerance", type=flag_float, help="exit 1 when |peak error| is larger (0.01 = 1%%)")
     v.add_argument("--plot", metavar="FILE", help="PNG overlaying measured and predicted totals")
     v.add_argument("--json", action="store_true")
@@ -293,7 +293,7 @@ def register(sub) -> None:
     v.set_defaults(func=cmd_validate)
     k = sub.add_parser("capture", help="run real training steps on CPU (or a CUDA GPU: --device-kind cuda) and save "
                                        "the exact memory trace")
-    _add_scenario_flags(k)
+    add_scenario_flags(k)
     k.add_argument("--output", required=True, metavar="FILE", help="versioned JSON trace (traces/store.py)")
     k.add_argument("--wall-times", action="store_true",
                    help="keep measured wall-clock times (default: event index, so the file is reproducible)")

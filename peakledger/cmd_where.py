@@ -11,7 +11,7 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 from __future__ import annotations
 
 from .analysis.units import format_bytes
-from .cli_common import _add_scenario_flags, _write_json, decide
+from .cli_common import add_scenario_flags, decide, write_json
 from .inputs import scenario_from_args
 from .models.config import ConfigError
 from .progress import progress
@@ -76,7 +76,7 @@ def cmd_where(args) -> int:
                        progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"))
     code = decide(args, 1 if args.check and not result.fits_on else 0)
     if args.json:
-        _write_json(result.as_json())
+        write_json(result.as_json())
     else:
         print(render(result, args.unit))
     return code
@@ -85,7 +85,7 @@ def cmd_where(args) -> int:
 def register(sub) -> None:
     """Adds the `where` sub-command: the scenario on every GPU device profile."""
     w = sub.add_parser("where", help="on which GPUs the scenario fits, and the largest micro-batch on each")
-    _add_scenario_flags(w)
+    add_scenario_flags(w)
     w.add_argument("--devices", metavar="NAME,NAME", help="GPU profiles to try (default: all): "
                                                           + ", ".join(GPU_PROFILES))
     w.add_argument("--no-max-batch", action="store_true",

@@ -188,7 +188,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
         raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}")
     base = _traced_source(hf, module, describer, training)
     if base is not None:
-        return _traced_scenario(base, model_table, training, run, name, defaults)
+        return traced_scenario(base, model_table, training, run, name, defaults)
     if describer == "traced":
         raise ConfigError("describer", "traced applies to --hf-config and --module models; a preset or a model "
                                        "table is described by hand")
@@ -211,7 +211,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     else:
         model = _replace(base, model_table)
     if training.get("compile") is True and isinstance(model, TransformerConfig):
-        return _traced_scenario(compiled_model(model), {}, training, run, name or model.name, defaults)
+        return traced_scenario(compiled_model(model), {}, training, run, name or model.name, defaults)
     _check_training_keys(training)
     if isinstance(model, MLPConfig) and "seq_len" in training:
         raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
@@ -280,7 +280,7 @@ def _traced_source(hf, module, describer: str, training: dict) -> TracedModel | 
     return from_hf_dict(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")
 
 
-def _traced_scenario(model: TracedModel, model_table: dict, training: dict, run: dict, name, defaults) -> Scenario:
+def traced_scenario(model: TracedModel, model_table: dict, training: dict, run: dict, name, defaults) -> Scenario:
     if model_table:
         raise ConfigError(sorted(model_table)[0], "model fields change hand-written configs; a traced model is what "
                                                   "its config.json or factory builds: edit that instead")

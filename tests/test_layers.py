@@ -93,3 +93,14 @@ def test_precision_sets_are_read_from_precision_objects():
                    if path != REPO / "models" / "precision.py"
                    for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line))
     assert found == []
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name one module gives another is public (no leading underscore): its owner says it is shared."""
+    private = []
+    for mod, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("peakledger")):
+                private += [f"{mod}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []

@@ -26,9 +26,9 @@ from ..models.compile.step import CPU_THREADS
 from ..models.config import ConfigError, TrainingSetup
 from ..models.trace.model import TracedModel
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
-from .profiler import _category
+from .profiler import category_of
 from .reference import TORCH_DTYPES, build_model, make_batch, make_optimizer
-from .tracker import _batch_for
+from .tracker import batch_for
 
 SOURCE = "torch-profiler (compiled)"
 MARK = "peakledger:"
@@ -38,7 +38,7 @@ def _loop(model, optimizer, batches, setup: TrainingSetup, autocast, steps: rang
     for step in steps:
         for mb in range(setup.grad_accum):
             with _mark(marks, Phase.FORWARD, step, mb):
-                batch = tuple(t.clone() for t in _batch_for(batches, step, mb, setup.grad_accum))
+                batch = tuple(t.clone() for t in batch_for(batches, step, mb, setup.grad_accum))
                 with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
                     out, loss = model(*batch)
             with _mark(marks, Phase.BACKWARD, step, mb):
@@ -86,7 +86,7 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
     for t, action, (key, version), _ in memory.timeline:
         ptr = getattr(getattr(key, "storage", None), "ptr", None)
         if action == PAction.CREATE and ptr is not None and getattr(key, "device", cpu) == cpu:
-            category[(t, ptr)] = _category(memory._categories.get(key, version))
+            category[(t, ptr)] = category_of(memory._categories.get(key, version))
 
     def add(kind: Action, block: Block, where) -> None:
         events.append(Event(seq=len(events), time=float(len(events)), action=kind, block=block, phase=where[0],
@@ -96,7 +96,8 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
         ptr = getattr(getattr(key, "storage", None), "ptr", None)
         if action != PAction.PREEXISTING or ptr is None or getattr(key, "device", cpu) != cpu or ptr in host_batch:
             continue
-        block = Block(id=len(events) + 1, nbytes=int(nbytes), category=_category(memory._categories.get(key, version)),
+        labelled = category_of(memory._categories.get(key, version))
+        block = Block(id=len(events) + 1, nbytes=int(nbytes), category=labelled,
                       name=f"storage@{ptr:#x}", dtype="?", pool=Pool.DEVICE)
         live[ptr] = block
         add(Action.ALLOC, block, (Phase.LOAD, 0, -1))

@@ -204,7 +204,7 @@ def _u64(x) -> bool:
     return _int(x) and 0 <= x < 1 << 64
 
 
-def _check_shape(snapshot, device: int, field_name: str) -> list[dict]:
+def check_shape(snapshot, device: int, field_name: str) -> list[dict]:
     """The parts of a snapshot this reader uses, with the types torch writes them in; else SnapshotError
     naming the first entry that is not (torch/cuda/memory.py `_snapshot`, c10/cuda/CUDACachingAllocator.h)."""
     def bad(where: str, what: str):
@@ -282,7 +282,7 @@ def final_state(snapshot: dict, device: int = 0) -> tuple[dict, dict]:
 
 
 def start_state(snapshot: dict, entries: list[dict], device: int = 0) -> StartState:
-    """Undo `entries` (one device's trace, checked by _check_shape) from the final state. An alloc undone removes
+    """Undo `entries` (one device's trace, checked by check_shape) from the final state. An alloc undone removes
     its block, a free_completed undone puts it back (its rounded size; in the large pool it also takes a following
     free gap of 1 MiB or less: such a gap can only be the leftover the block kept, as should_split never leaves a
     large free block of <= 1 MiB); a segment_alloc / segment_map undone removes the range, a segment_free /
@@ -394,7 +394,7 @@ def start_state(snapshot: dict, entries: list[dict], device: int = 0) -> StartSt
 
 def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace", *, first_id: int = 0) -> SnapshotTrace:
     """One device's trace as two EventLogs (allocated, reserved) that open with the state at record start."""
-    entries = _check_shape(snapshot, device, field_name)
+    entries = check_shape(snapshot, device, field_name)
     start = start_state(snapshot, entries, device)
     problems = [m for _, m in start.problems]
     max_entries = snapshot.get("max_entries")
@@ -493,7 +493,7 @@ def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace", *
 
 def parse_snapshot_devices(snapshot: dict, field_name: str = "trace") -> list[SnapshotTrace]:
     """Every device of a snapshot, in device order (block ids unique across them)."""
-    _check_shape(snapshot, 0, field_name)
+    check_shape(snapshot, 0, field_name)
     out: list[SnapshotTrace] = []
     for d in range(max(len(snapshot["device_traces"]), 1)):
         first = max((e.block.id for t in out for log in (t.allocated, t.reserved) for e in log.events), default=0)

@@ -14,12 +14,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action as PAction
 
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
-from .tracker import _batch_for
+from .tracker import batch_for
 
 SOURCE = "torch-profiler"
 
 
-def _category(profiler_category) -> Category:
+def category_of(profiler_category) -> Category:
     if profiler_category is None:
         return Category.UNKNOWN
     name = profiler_category.name
@@ -34,7 +34,7 @@ def profiled_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         for step in range(1, steps + 1):
             for mb in range(grad_accum):
-                x, y = (t.clone() for t in _batch_for(batches, step, mb, grad_accum))
+                x, y = (t.clone() for t in batch_for(batches, step, mb, grad_accum))
                 out, loss = model(x, y)
                 loss.backward()
                 del out, loss, x, y
@@ -59,7 +59,7 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
             continue
         if action in (PAction.PREEXISTING, PAction.CREATE):
             next_id += 1
-            block = Block(id=next_id, nbytes=int(nbytes), category=_category(memory._categories.get(key, version)),
+            block = Block(id=next_id, nbytes=int(nbytes), category=category_of(memory._categories.get(key, version)),
                           name=f"storage@{ptr:#x}", dtype="?", pool=Pool.DEVICE)
             live[key] = block
             kind = Action.ALLOC

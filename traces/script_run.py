@@ -18,7 +18,7 @@ import torch
 from ..models.script.phases import Position, ScriptPhases
 from ..models.script.run import rank_env, run_path, script_context
 from ..simulator.events import Category, EventLog
-from .tracker import AllocationTracker, _state_name
+from .tracker import AllocationTracker, state_name
 
 
 def measure_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None,
@@ -58,7 +58,7 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
                 for key, t in state.items():
                     if isinstance(t, torch.Tensor):
                         tracker.mark(t, Category.OPTIMIZER_STATE, name=f"{names.get(id(p), 'param')}.{key}",
-                                     state=_state_name(key))
+                                     state=state_name(key))
 
     phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module)
     previous = torch.get_num_threads()

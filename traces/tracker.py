@@ -126,7 +126,7 @@ class _Record:
         self.state, self.shard_factor = previous.state, previous.shard_factor
 
 
-def _state_name(key: str) -> OptimizerState | None:
+def state_name(key: str) -> OptimizerState | None:
     try:
         return OptimizerState(key)
     except ValueError:
@@ -390,12 +390,12 @@ class AllocationTracker:
             # an optimizer-state offload (traces/reference/build.py StateOffload) names its host buffers: host memory
             for (pid, k), t in getattr(self.optimizer, "host_buffers", {}).items():
                 self.mark(t, Category.OPTIMIZER_STATE, name=f"{self.param_names.get(pid, 'param')}.{k}.host",
-                          state=_state_name(k), pool=Pool.HOST)
+                          state=state_name(k), pool=Pool.HOST)
             for p, state in self.optimizer.state.items():
                 pname = self.param_names.get(id(p), "param")
                 for k, v in state.items():
                     if isinstance(v, torch.Tensor):
-                        self.mark(v, Category.OPTIMIZER_STATE, name=f"{pname}.{k}", state=_state_name(k))
+                        self.mark(v, Category.OPTIMIZER_STATE, name=f"{pname}.{k}", state=state_name(k))
 
     # -- context --------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -498,7 +498,7 @@ class AllocationTracker:
         return EventLog(events=events, source=SOURCE, metadata=meta)
 
 
-def _batch_for(batches, step: int, mb: int, grad_accum: int):
+def batch_for(batches, step: int, mb: int, grad_accum: int):
     return batches[((step - 1) * grad_accum + mb) % len(batches)]
 
 
@@ -538,7 +538,7 @@ def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer:
     for step in range(first_step, first_step + steps):
         for mb in range(grad_accum):
             with tracker.phase(Phase.FORWARD, step, mb):
-                batch = tuple(t.clone() for t in _batch_for(batches, step, mb, grad_accum))  # (x, y), or a
+                batch = tuple(t.clone() for t in batch_for(batches, step, mb, grad_accum))  # (x, y), or a
                 tracker.mark_input(*batch)  # traced model's batch tensors (traces/reference/traced.py real_model)
                 with (torch.autocast("cpu", dtype=autocast) if autocast is not None
                       else contextlib.nullcontext()):

@@ -17,13 +17,13 @@ from .style import (
     NEUTRAL_COLOUR,
     OK_COLOUR,
     OVER_COLOUR,
-    _axis_unit,
-    _short,
-    _size,
-    _style,
-    _time_unit,
-    _titles,
+    axis_unit,
+    plot_style,
     save_figure,
+    set_titles,
+    short_label,
+    size_text,
+    time_unit,
 )
 
 
@@ -45,7 +45,7 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
     rank (what a budget holds; a tick at the tensors' peak where the device needs more) against the budget line;
     right: its simulated step time against no checkpointing's, so what recompute and offloading's host-link
     copies cost shows. Policies that do not apply are rows marked n/a."""
-    unit = _axis_unit(unit, max([r.capacity_needed for r in rows] + [budget or 0]))
+    unit = axis_unit(unit, max([r.capacity_needed for r in rows] + [budget or 0]))
     scale = UNITS[unit]
     base = next((r for r in rows if r.error is None and r.policy == "none"), None)
     entries = [(r.label, r, False) for r in rows]
@@ -56,14 +56,14 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
     ys = np.arange(n)[::-1]  # the first row on top
     mem_max = max([getattr(r, "capacity_needed", 0) for _, r, _ in entries] + [budget or 0, 1]) / scale
     t_max = max([getattr(r, "step_time_s", 0.0) for _, r, _ in entries] + [1e-30])
-    tmul, tname = _time_unit(t_max)
-    with plt.rc_context(_style()):
+    tmul, tname = time_unit(t_max)
+    with plt.rc_context(plot_style()):
         fig = Figure(figsize=(13, 1.6 + 0.55 * n + 1.2), dpi=100, layout="constrained")
         mem, tim = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [1, 1]})
         for y, (label, r, is_chosen) in zip(ys, entries):
             if getattr(r, "error", None):
                 reason = r.error.split(": ", 1)[1] if r.error.split(": ", 1)[0].isidentifier() else r.error
-                for ax, text in ((mem, "n/a: " + _short(reason, 52)), (tim, "n/a")):
+                for ax, text in ((mem, "n/a: " + short_label(reason, 52)), (tim, "n/a")):
                     ax.text(0.01, y, text, transform=ax.get_yaxis_transform(), va="center", ha="left",
                             fontsize=BASE_FONT - 2, color="#666666")
                 continue
@@ -76,8 +76,8 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
             if r.peak != r.capacity_needed:
                 mem.plot([r.peak / scale] * 2, [y - 0.31, y + 0.31], color="black", lw=1.6, zorder=4, gid="tensors")
             host = getattr(r, "host_activations", 0)
-            text = _size(r.capacity_needed, unit) + ("" if fits else " over") + \
-                (f"  (+ {_size(host, unit)} on the host)" if host else "")
+            text = size_text(r.capacity_needed, unit) + ("" if fits else " over") + \
+                (f"  (+ {size_text(host, unit)} on the host)" if host else "")
             mem.text(r.capacity_needed / scale + mem_max * 0.01, y, text, va="center", ha="left",
                      fontsize=BASE_FONT - 1, color="black", zorder=7,
                      bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8))
@@ -92,7 +92,7 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
         handles = []
         if budget is not None:
             handles.append(mem.axvline(budget / scale, color=BUDGET_COLOUR, lw=1.8, ls="--", zorder=6, gid="budget",
-                                       label=f"budget {_size(budget, unit)}"))
+                                       label=f"budget {size_text(budget, unit)}"))
         if base is not None:
             handles.append(tim.axvline(base.step_time_s * tmul, color="black", lw=1.0, ls=":", zorder=6,
                                        gid="baseline", label="no checkpointing's step time"))
@@ -122,7 +122,7 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
                                   label="tensors' peak (allocated); the device\nneeds more: the caching allocator, CUDA"
                                         " context"))
         tim.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-        _titles(fig, title or "activation checkpointing: memory and step time per policy", setup)
+        set_titles(fig, title or "activation checkpointing: memory and step time per policy", setup)
     return fig
 
 

@@ -54,11 +54,11 @@ BASE_FONT = 10
 _ENGINES = {"fsdp2": "FSDP2", "ddp": "DDP", "zero-redundancy-optimizer": "DDP + ZeroRedundancyOptimizer"}
 
 
-def _label(category: Category) -> str:
+def category_label(category: Category) -> str:
     return category.value.replace("_", " ")
 
 
-def _style() -> dict:
+def plot_style() -> dict:
     return {"font.size": BASE_FONT, "axes.titlesize": BASE_FONT + 1, "axes.labelsize": BASE_FONT,
             "legend.fontsize": BASE_FONT - 1, "xtick.labelsize": BASE_FONT - 1, "ytick.labelsize": BASE_FONT - 1,
             "svg.hashsalt": "peakledger"}
@@ -104,16 +104,16 @@ def setup_text(scenario, budget: int | None = None, unit: str = "GiB", varied=()
         device += f", torch {getattr(scenario, 'torch_version', '2.6')} rules"
     parts.append(device)
     if budget is not None:
-        parts.append(f"budget {_size(budget, _axis_unit(unit, budget))}")
+        parts.append(f"budget {size_text(budget, axis_unit(unit, budget))}")
     return " | ".join(p for p in parts if p)
 
 
-def _size(nbytes: float, unit: str) -> str:
+def size_text(nbytes: float, unit: str) -> str:
     """Bytes in `unit`, or a smaller unit for what is under a hundredth of it (analysis/units.py)."""
     return format_bytes(int(round(nbytes)), unit)
 
 
-def _axis_unit(unit: str, top: float) -> str:
+def axis_unit(unit: str, top: float) -> str:
     """`unit`, or a smaller one of its family when the largest value drawn is under one `unit` (a tiny model's
     picture reads in MiB, not 0.0025 GiB)."""
     while top < UNITS[unit] and SMALLER.get(unit, "B") != "B":  # (down to KiB / KB, never bytes)
@@ -121,7 +121,7 @@ def _axis_unit(unit: str, top: float) -> str:
     return unit
 
 
-def _time_unit(end: float) -> tuple[float, str]:
+def time_unit(end: float) -> tuple[float, str]:
     """(multiplier, name) to show seconds up to `end` in s, ms or us."""
     if end >= 1:
         return 1.0, "s"
@@ -130,7 +130,7 @@ def _time_unit(end: float) -> tuple[float, str]:
     return 1e6, "µs"
 
 
-def _titles(fig: Figure, what: str, setup: str) -> None:
+def set_titles(fig: Figure, what: str, setup: str) -> None:
     """The title: what is drawn, then the setup, wrapped at its " | " to the figure's width."""
     most = int(fig.get_figwidth() * 11)  # characters of the title's font across the figure
     lines = [what]
@@ -142,24 +142,24 @@ def _titles(fig: Figure, what: str, setup: str) -> None:
     fig.suptitle("\n".join(lines), fontsize=BASE_FONT + 1)
 
 
-def _budget_lines(ax, budget: int | None, scale: float, unit: str, headroom: float = 0.0,
+def budget_lines(ax, budget: int | None, scale: float, unit: str, headroom: float = 0.0,
                   label: str = "budget") -> list:
     """The budget as a red dashed line (gid "budget"), and with headroom the part of it a run may use."""
     handles = []
     if budget is None:
         return handles
     handles.append(ax.axhline(budget / scale, color=BUDGET_COLOUR, lw=1.6, ls="--", zorder=6, gid="budget",
-                              label=f"{label} {_size(budget, unit)}"))
+                              label=f"{label} {size_text(budget, unit)}"))
     if headroom:
         usable = budget / (1 + headroom)
         handles.append(ax.axhline(usable / scale, color=BUDGET_COLOUR, lw=1.0, ls=":", zorder=6, gid="usable",
-                                  label=f"usable with {headroom:.0%} headroom {_size(usable, unit)}"))
+                                  label=f"usable with {headroom:.0%} headroom {size_text(usable, unit)}"))
     return handles
 
 
 # -- occupancy over time -----------------------------------------------------------------------------
 
-def _short(text: str, most: int = 90) -> str:
+def short_label(text: str, most: int = 90) -> str:
     text = text.split(";")[0].split(" (")[0]
     return text if len(text) <= most else text[:most - 3] + "..."
 

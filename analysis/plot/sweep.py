@@ -14,7 +14,17 @@ from matplotlib.patches import Rectangle
 
 from ...models.config import ConfigError
 from ..units import UNITS
-from .style import BASE_FONT, BUDGET_COLOUR, OVER_COLOUR, _axis_unit, _budget_lines, _size, _style, _titles, save_figure
+from .style import (
+    BASE_FONT,
+    BUDGET_COLOUR,
+    OVER_COLOUR,
+    axis_unit,
+    budget_lines,
+    plot_style,
+    save_figure,
+    set_titles,
+    size_text,
+)
 
 SWEEP_MAX_LINES = 10  # lines one sweep picture draws at most (grids of three fields and more)
 
@@ -49,15 +59,15 @@ def sweep_figure(grid: dict[str, list], points, unit: str = "GiB", *, budget: in
     keys = list(grid)
     table = {tuple(_show(p.values[k]) for k in keys): p.result for p in points}
     needed = [_needed(r) for r in table.values()]
-    unit = _axis_unit(unit, max([v for v in needed if not math.isnan(v)] + [budget or 0]))
+    unit = axis_unit(unit, max([v for v in needed if not math.isnan(v)] + [budget or 0]))
     scale = UNITS[unit]
-    with plt.rc_context(_style()):
+    with plt.rc_context(plot_style()):
         if len(keys) == 2:
             fig = _sweep_heatmap(grid, keys, table, scale, unit, budget)
         else:
             fig = _sweep_lines(grid, keys, table, scale, unit, budget)
         what = title or ("sweep: device memory needed per rank over " + " x ".join(keys))
-        _titles(fig, what, setup)
+        set_titles(fig, what, setup)
     return fig
 
 
@@ -120,7 +130,7 @@ def _sweep_lines(grid, keys, table, scale, unit, budget) -> Figure:
     if dashed:
         handles.append(Line2D([], [], color="#555555", lw=1.0, ls="--", label="allocated peak (tensors), below\n"
                                                                              "what the device needs"))
-    handles += _budget_lines(ax, budget, scale, unit)
+    handles += budget_lines(ax, budget, scale, unit)
     if budget is not None:
         handles.append(Line2D([], [], marker="X", ms=9, color=OVER_COLOUR, mec="white", ls="none",
                               label="over the budget"))
@@ -184,7 +194,7 @@ def _sweep_heatmap(grid, keys, table, scale, unit, budget) -> Figure:
     ax.set_ylabel(rows_k)
     label = f"device memory needed per rank ({unit})"
     if budget is not None:
-        label += f"\nred line: the budget, {_size(budget, unit)}"
+        label += f"\nred line: the budget, {size_text(budget, unit)}"
     bar = fig.colorbar(image, ax=ax, label=label)
     if budget is not None:
         bar.ax.axhline(budget / scale, color=BUDGET_COLOUR, lw=3, ls="-", gid="budget")

@@ -20,15 +20,15 @@ from .style import (
     PHASE_COLOURS,
     PHASE_SHORT,
     STACK_ORDER,
-    _axis_unit,
-    _budget_lines,
-    _label,
-    _short,
-    _size,
-    _style,
-    _time_unit,
-    _titles,
+    axis_unit,
+    budget_lines,
+    category_label,
+    plot_style,
     save_figure,
+    set_titles,
+    short_label,
+    size_text,
+    time_unit,
 )
 
 
@@ -97,17 +97,17 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
     device total, which is what a budget holds there. `capacity`: (name, bytes) of the device, drawn when it is
     near the data. `oom`: (time, text) of the first OOM under the budget."""
     reserved_top = max((float(r) for _, _, r in reserved or []), default=0.0)
-    unit = _axis_unit(unit, max(float(max(tl.total, default=0)), reserved_top + outside, budget or 0))
+    unit = axis_unit(unit, max(float(max(tl.total, default=0)), reserved_top + outside, budget or 0))
     scale = UNITS[unit]
     x = np.asarray(tl.times, dtype=float)
     end = float(x[-1]) if len(x) else 1.0
-    tmul, tname = _time_unit(end)
+    tmul, tname = time_unit(end)
     x = x * tmul
     end *= tmul
     total = np.asarray(tl.total, dtype=float) / scale
     spans = _merge_spans(_phase_spans(tl, x)) if len(x) else []
     windows = _zoom_windows(tl, x, spans, end) if zoom and len(x) > 1 else []
-    with plt.rc_context(_style()):
+    with plt.rc_context(plot_style()):
         fig = Figure(figsize=(14, 8.6 if windows else 5.8), dpi=100, layout="constrained")
         if windows:
             grid = fig.add_gridspec(2, len(windows), height_ratios=[3, 2])
@@ -142,21 +142,23 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
                 peak_i = int(np.argmax(total)) if len(total) else -1
                 at_peak = {c: float(tl.by_category[c][peak_i]) for c in cats} if peak_i >= 0 else {}
                 handles += [Patch(facecolor=p.get_facecolor()[0], hatch=CATEGORY_HATCHES.get(c), edgecolor="white",
-                                  label=f"{_label(c)}: {_size(at_peak.get(c, 0), unit)}")
+                                  label=f"{category_label(c)}: {size_text(at_peak.get(c, 0), unit)}")
                             for p, c in zip(polys, cats) if float(np.max(np.asarray(tl.by_category[c], float))) > 0]
             if res is not None:
                 line = ax.step(res[0], res[1], where="post", color="black", lw=1.1, zorder=5, gid="reserved",
-                               label=f"reserved (caching allocator), peak {_size(float(res[1].max()) * scale, unit)}")
+                               label="reserved (caching allocator), peak "
+                                     f"{size_text(float(res[1].max()) * scale, unit)}")
                 if gpu_total is not None:
-                    text = f"device total: reserved + {_size(outside, unit)} outside\nthe allocator (CUDA context, ...)"
+                    text = (f"device total: reserved + {size_text(outside, unit)} outside\n"
+                            "the allocator (CUDA context, ...)")
                     line += ax.step(gpu_total[0], gpu_total[1], where="post", color="black", lw=1.0, ls=(0, (1, 1.5)),
                                     zorder=5, gid="device_total", label=text)
                 if k == 0:
                     handles += line
-            lines = _budget_lines(ax, budget, scale, unit, headroom)
+            lines = budget_lines(ax, budget, scale, unit, headroom)
             if capacity is not None:
                 lines.append(ax.axhline(capacity[1] / scale, color="#555555", lw=1.0, ls="-.", zorder=6,
-                                        gid="capacity", label=f"{capacity[0]} memory {_size(capacity[1], unit)}"))
+                                        gid="capacity", label=f"{capacity[0]} memory {size_text(capacity[1], unit)}"))
             if k == 0:
                 handles += lines
             if len(total):
@@ -176,8 +178,8 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
         if len(total):
             e = tl.events[int(np.argmax(total))]
             handles.append(Line2D([], [], color="black", lw=0.8, ls="--", marker="o", ms=4,
-                                  label=f"peak {_size(float(tl.total[int(np.argmax(total))]), unit)} at\n"
-                                        f"{_short(e.op, 40)} ({e.phase.value}, step {e.step})"))
+                                  label=f"peak {size_text(float(tl.total[int(np.argmax(total))]), unit)} at\n"
+                                        f"{short_label(e.op, 40)} ({e.phase.value}, step {e.step})"))
         phases = []
         for _, _, phase, _ in spans:
             if phase not in phases:
@@ -212,7 +214,7 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
             title_fontsize=BASE_FONT - 1, frameon=False, alignment="left", ncols=2 if len(phase_handles) > 3 else 1)
         if not zooms:
             main.add_artist(first)  # the phases' legend replaced it as the axes' legend
-        _titles(fig, title or "occupancy by category", setup)
+        set_titles(fig, title or "occupancy by category", setup)
     return fig
 
 

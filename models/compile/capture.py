@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 from ..config import ConfigError, TrainingSetup
-from ..trace import _adopt, _fake_batch, freeze
+from ..trace import adopt, fake_batch, freeze
 from ..trace.boundary import user_code
 from ..trace.model import TracedModel
 from ..trace.record import DTYPES, FlopCount, find_layers
@@ -203,9 +203,9 @@ def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
-        _adopt(net, mode)
+        adopt(net, mode)
         freeze(net, setup.frozen)
-        batch, _ = _fake_batch(mode, batch)
+        batch, _ = fake_batch(mode, batch)
         if cuda:
             batch = _on_cuda(net, batch)
     layers = find_layers(net)

@@ -51,7 +51,7 @@ def dtype_bytes(dtype: str) -> int:
 INT64_MAX = 2**63 - 1  # torch sizes are int64 (c10::SymInt): no dimension, count or element number is larger
 
 
-def _positive_int(obj, *names: str) -> None:
+def positive_int(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -72,7 +72,7 @@ COUNT_LIMITS = {
 }
 
 
-def _at_most(obj, *names: str) -> None:
+def at_most(obj, *names: str) -> None:
     for name in names:
         limit, why = COUNT_LIMITS[name]
         value = getattr(obj, name)
@@ -80,7 +80,7 @@ def _at_most(obj, *names: str) -> None:
             raise ConfigError(name, f"{value:,} is over the limit of {limit:,} ({why})")
 
 
-def _choice(obj, name: str, allowed) -> None:
+def choice_of(obj, name: str, allowed) -> None:
     value = getattr(obj, name)
     if value not in allowed:
         raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(map(str, allowed))}")

@@ -8,7 +8,7 @@ from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
 from ..precision import PRECISIONS
-from .base import INT64_MAX, ConfigError, _at_most, _choice, _positive_int
+from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -65,8 +65,8 @@ def _checkpoint_io_fields(setup) -> None:
     every = setup.checkpoint_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError("checkpoint_every", f"must be an integer >= 0 (0 = never save), got {every!r}")
-    _choice(setup, "save_mode", SAVE_MODES)
-    _choice(setup, "load_mode", LOAD_MODES)
+    choice_of(setup, "save_mode", SAVE_MODES)
+    choice_of(setup, "load_mode", LOAD_MODES)
     if setup.save_mode.startswith("full-") and setup.dp_engine == "zero-redundancy-optimizer":
         raise ConfigError("save_mode", f"{setup.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
                                        "is not modelled; allowed there: torch-save, sharded, async")
@@ -75,9 +75,9 @@ def _checkpoint_io_fields(setup) -> None:
 def _optimizer_offload_fields(setup) -> None:
     """`optimizer_offload` and its knobs (models/optimizers.py): a mode this describer models, on an
     optimizer with tensor states, under an engine that leaves the torch optimizer's states alone."""
-    _choice(setup, "optimizer_offload", OPTIMIZER_OFFLOADS)
-    _choice(setup, "offload_first_step", OFFLOAD_FIRST_STEPS)
-    _positive_int(setup, "offload_chunk_params")
+    choice_of(setup, "optimizer_offload", OPTIMIZER_OFFLOADS)
+    choice_of(setup, "offload_first_step", OFFLOAD_FIRST_STEPS)
+    positive_int(setup, "offload_chunk_params")
     prefetch = setup.offload_prefetch
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError("offload_prefetch", f"must be an integer >= 0, got {prefetch!r}")
@@ -125,7 +125,7 @@ def _lora_fields(setup) -> None:
         raise ConfigError("lora_dropout", f"must be a number in [0, 1), got {p!r}")
     if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
         raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
-    _choice(setup, "quantize", QUANTIZE)
+    choice_of(setup, "quantize", QUANTIZE)
     if setup.quantize != "none" and r == 0:
         raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")
@@ -148,7 +148,7 @@ def _build_field(setup) -> None:
     """`build` (BUILDS): "device-fp32" is the program of one device, or of FSDP2 ranks, that builds the model on its
     GPU; what model parallelism, DeepSpeed's or DDP's wrapping, the fp32 master copies of a mixed precision outside
     FSDP2, 4-bit base weights or a model built on the meta device (meta-assign) would do to it is not modelled."""
-    _choice(setup, "build", BUILDS)
+    choice_of(setup, "build", BUILDS)
     if setup.build == "direct":
         return
     if setup.tp * setup.pp * setup.cp * setup.ep > 1:
@@ -177,9 +177,9 @@ def _model_parallel_fields(setup) -> None:
     parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
     needing experts) is checked when the model is described (models/parallel/checks.py `check_model_parallel`),
     and so are the combinations of tp, cp, ep and sequence_parallel not simulated yet."""
-    _positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
-    _at_most(setup, "pp", "virtual_stages")
-    _choice(setup, "pp_schedule", PP_SCHEDULES)
+    positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
+    at_most(setup, "pp", "virtual_stages")
+    choice_of(setup, "pp_schedule", PP_SCHEDULES)
     n = setup.world_size
     for name in ("tp", "pp", "cp", "ep"):
         degree = getattr(setup, name)
@@ -268,14 +268,14 @@ def check_given_knobs(setup, given) -> None:
 
 
 def _batch(setup) -> None:
-    _positive_int(setup, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
-    _at_most(setup, "grad_accum", "world_size")
+    positive_int(setup, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
+    at_most(setup, "grad_accum", "world_size")
 
 
 def _precision_optimizer(setup) -> None:
-    _choice(setup, "precision", PRECISIONS)
-    _choice(setup, "optimizer", OPTIMIZERS)
-    _choice(setup, "optimizer_impl", OPTIMIZER_IMPLS)
+    choice_of(setup, "precision", PRECISIONS)
+    choice_of(setup, "optimizer", OPTIMIZERS)
+    choice_of(setup, "optimizer_impl", OPTIMIZER_IMPLS)
     spec = OPTIMIZER_REGISTRY[setup.optimizer]
     if setup.optimizer_impl not in spec.impls:
         raise ConfigError("optimizer_impl", f"torch's {spec.torch_class or setup.optimizer} has no "
@@ -283,8 +283,8 @@ def _precision_optimizer(setup) -> None:
 
 
 def _activation_checkpointing(setup) -> None:
-    _choice(setup, "checkpointing", CHECKPOINTING)
-    _positive_int(setup, "checkpoint_every_k")
+    choice_of(setup, "checkpointing", CHECKPOINTING)
+    positive_int(setup, "checkpoint_every_k")
     _checkpoint_layers(setup)
 
 
@@ -292,19 +292,19 @@ def _data_parallel(setup) -> None:
     """The engine (models/dp_engines.py) and its knobs; ZeRO stages are DeepSpeed's."""
     if setup.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("zero_stage", f"unknown value {setup.zero_stage!r}; allowed: 0, 1, 2, 3")
-    _choice(setup, "dp_engine", tuple(DP_ENGINE_REGISTRY))
+    choice_of(setup, "dp_engine", tuple(DP_ENGINE_REGISTRY))
     if setup.zero_stage and setup.dp_engine != "deepspeed":
         raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {setup.dp_engine} "
                                         "shards by itself: fsdp2 = parameters, gradients and states "
                                         "(reshard_after_forward false: like stage 2), "
                                         "zero-redundancy-optimizer = states (like stage 1), ddp = none")
-    _positive_int(setup, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
+    positive_int(setup, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
                   "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
     for name in ("forward_prefetch", "backward_prefetch", "stage3_param_persistence_threshold"):
         value = getattr(setup, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
-    _choice(setup, "reduce_dtype", REDUCE_DTYPES)
+    choice_of(setup, "reduce_dtype", REDUCE_DTYPES)
     if not isinstance(setup.reshard_after_forward, bool):
         raise ConfigError("reshard_after_forward", f"must be true or false, got {setup.reshard_after_forward!r}")
 
@@ -328,8 +328,8 @@ def _moe(setup) -> None:
 
 
 def _passes(setup) -> None:
-    _choice(setup, "passes", PASSES)
-    _choice(setup, "loop", LOOPS)
+    choice_of(setup, "passes", PASSES)
+    choice_of(setup, "loop", LOOPS)
     if setup.loop != "plain" and setup.passes != "train":
         raise ConfigError("loop", f"{setup.loop!r} is a training loop; passes \"forward\" runs no loss, backward or "
                                   "optimizer step: use loop plain")
@@ -347,7 +347,7 @@ def _compile(setup) -> None:
     """torch.compile (models/compile): its mode only with it; what is not modelled under it yet refused by name."""
     if not isinstance(setup.compile, bool):
         raise ConfigError("compile", f"must be true or false, got {setup.compile!r}")
-    _choice(setup, "compile_mode", COMPILE_MODES)
+    choice_of(setup, "compile_mode", COMPILE_MODES)
     if not setup.compile:
         if setup.compile_mode != "default":
             raise ConfigError("compile_mode", f"{setup.compile_mode!r} only applies with compile (--compile)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..fields import check_types
-from .base import COUNT_LIMITS, INT64_MAX, ConfigError, _at_most, _choice, _positive_int
+from .base import COUNT_LIMITS, INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
 FAMILIES = ("gpt2", "llama")
 ATTENTION = ("eager", "sdpa")
@@ -69,16 +69,16 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
-        _at_most(self, "n_layer")
-        _choice(self, "family", FAMILIES)
-        _choice(self, "attention", ATTENTION)
-        _positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
+        at_most(self, "n_layer")
+        choice_of(self, "family", FAMILIES)
+        choice_of(self, "attention", ATTENTION)
+        positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
         if self.n_kv_head is not None:
-            _positive_int(self, "n_kv_head")
+            positive_int(self, "n_kv_head")
         if self.d_ff is not None:
-            _positive_int(self, "d_ff")
+            positive_int(self, "d_ff")
         if self.head_dim is not None:
-            _positive_int(self, "head_dim")
+            positive_int(self, "head_dim")
         elif self.d_model % self.n_head:
             raise ConfigError("n_head", f"n_head={self.n_head} must divide d_model={self.d_model} "
                                         "(or give head_dim)")
@@ -86,9 +86,9 @@ class TransformerConfig:
             raise ConfigError("n_kv_head", f"n_kv_head={self.kv_heads} must divide n_head={self.n_head}")
         if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
             raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout!r}")
-        _choice(self, "implementation", IMPLEMENTATIONS)
+        choice_of(self, "implementation", IMPLEMENTATIONS)
         if self.activation is not None:
-            _choice(self, "activation", GPT2_ACTIVATIONS)
+            choice_of(self, "activation", GPT2_ACTIVATIONS)
             if self.family != "gpt2":
                 raise ConfigError("activation", f"only family gpt2 takes an activation; {self.family} runs gated SiLU")
             if self.implementation == "nanogpt" and self.activation != "gelu":
@@ -184,7 +184,7 @@ def _check_experts(cfg: TransformerConfig) -> None:
     for name in ("num_local_experts", "num_experts_per_tok"):
         if getattr(cfg, name) is None:
             raise ConfigError(name, "a mixture of experts needs both num_local_experts and num_experts_per_tok")
-        _positive_int(cfg, name)
+        positive_int(cfg, name)
     if cfg.num_experts_per_tok > cfg.num_local_experts:
         raise ConfigError("num_experts_per_tok", f"{cfg.num_experts_per_tok} is more than num_local_experts "
                                                  f"{cfg.num_local_experts}")
@@ -198,7 +198,7 @@ def _check_experts(cfg: TransformerConfig) -> None:
     if cfg.bias or cfg.out_bias or cfg.mlp_bias:
         raise ConfigError("bias", "HF Mixtral has no biases: bias, out_bias and mlp_bias must be left out or false")
     if cfg.experts_implementation is not None:
-        _choice(cfg, "experts_implementation", EXPERTS_IMPLEMENTATIONS)
+        choice_of(cfg, "experts_implementation", EXPERTS_IMPLEMENTATIONS)
 
 
 @dataclass(frozen=True)
@@ -217,9 +217,9 @@ class MLPConfig:
         if len(self.hidden) > COUNT_LIMITS["hidden"][0]:
             raise ConfigError("hidden", f"{len(self.hidden):,} layers is over the limit of "
                                         f"{COUNT_LIMITS['hidden'][0]:,} ({COUNT_LIMITS['hidden'][1]})")
-        _positive_int(self, "d_in", "d_out")
+        positive_int(self, "d_in", "d_out")
         if not self.hidden or any(isinstance(h, bool) or not isinstance(h, int) or not 0 < h <= INT64_MAX
                                   for h in self.hidden):
             raise ConfigError("hidden", f"must be a non-empty list of positive integers, got {self.hidden!r}")
-        _choice(self, "activation", ("relu", "gelu"))
+        choice_of(self, "activation", ("relu", "gelu"))
 

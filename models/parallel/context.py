@@ -39,7 +39,7 @@ from dataclasses import replace
 
 from ..config import dtype_bytes
 from ..tape import Tape, TapeOp, TensorSpec
-from .ring import _Heap, ring_backward, ring_forward
+from .ring import Heap, ring_backward, ring_forward
 
 POSITIONS = "cp_positions"  # the model's int64 (T,) position buffer
 
@@ -53,7 +53,7 @@ def _with_dim(spec: TensorSpec, dim: int, size: int) -> TensorSpec:
 def context_entry(B: int, T: int, cp: int) -> tuple[int, list[int]]:
     """(highest point, kept blocks) of `context_parallel`'s entry for int64 (B, T) inputs and labels and the (T,)
     positions: the restore clone, the index tensors, each buffer gathered and its shard kept, the shards cloned."""
-    h = _Heap()
+    h = Heap()
     Tl = T // cp
     h.set("restore", h.new(8 * T))
     for name, n in (("arange", 4 * T), ("head", 8 * cp), ("tail", 8 * cp), ("heads", 2 * T), ("tails", 2 * T)):

@@ -3,7 +3,7 @@
 torch/distributed/tensor/experimental/_context_parallel/_attention.py `_templated_ring_attention` and
 `_templated_ring_attention_backward` with `_cp_options`' defaults (the all-gather rotater for k / v, all-to-all
 for the k / v gradients, head-tail load balancing under causal masking, `convert_to_f32`): `RingCall` runs their
-loops on a tiny reference-counting allocator (`_Heap`: each Python variable holds a storage; rebinding it drops
+loops on a tiny reference-counting allocator (`Heap`: each Python variable holds a storage; rebinding it drops
 the old one; a storage goes when its last reference does), in the order the code allocates and rebinds, and
 returns the call's highest point and what it hands back. models/parallel/context.py turns the difference into
 one workspace block of the attention op, forward and backward, so the simulated peak of each call is the
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-class _Heap:
+class Heap:
     def __init__(self) -> None:
         self.size: dict[int, int] = {}
         self.refs: dict[int, int] = {}
@@ -54,7 +54,7 @@ class _Heap:
         self.peak = max(self.peak, self.live + nbytes)
 
 
-def _contiguous_kv(h: _Heap, ek: int, ev: int, k_contiguous: bool, v_contiguous: bool) -> None:
+def _contiguous_kv(h: Heap, ek: int, ev: int, k_contiguous: bool, v_contiguous: bool) -> None:
     """`key = key.contiguous(); value = value.contiguous()`, both loops' first lines: a copy of each strided one."""
     if not k_contiguous:
         h.set("key", h.new(ek))
@@ -78,7 +78,7 @@ def _behaviour(rank: int, i: int) -> str:
 
 def ring_forward(rank: int, cp: int, eq: int, ek: int, ev: int, lse: int, k_contiguous: bool, v_contiguous: bool,
                  dsize: int) -> RingCall:
-    h = _Heap()
+    h = Heap()
     f32 = lambda n: n * 4 // dsize  # noqa: E731  the fp32 size of n bytes of the model's dtype
     _contiguous_kv(h, ek, ev, k_contiguous, v_contiguous)
     gathered = None
@@ -140,7 +140,7 @@ def ring_forward(rank: int, cp: int, eq: int, ek: int, ev: int, lse: int, k_cont
 
 def ring_backward(rank: int, cp: int, eq: int, ek: int, ev: int, lse: int, k_contiguous: bool, v_contiguous: bool,
                   dsize: int) -> RingCall:
-    h = _Heap()
+    h = Heap()
     f32 = lambda n: n * 4 // dsize  # noqa: E731
     h.set("grad_query", h.new(f32(eq)))  # zeros_like(..., dtype=float32) accumulators
     h.set("grad_key", h.new(f32(ek)))

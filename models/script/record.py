@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from ...simulator.events import Category, OptimizerState
 from ..trace.kernel_outputs import real_outputs
-from ..trace.realpath import SCALAR_READS, _tensors
+from ..trace.realpath import SCALAR_READS, tensors_in
 from ..trace.record import DTYPES, op_flops
 from .phases import Calls, Position
 from .values import REAL_DRAWS, Values
@@ -258,7 +258,7 @@ STORAGE_ARGS = {torch.ops.aten.set_.source_Storage, torch.ops.aten.set_.source_S
 
 def _storage_sizes(args) -> list:
     out = []
-    for t in _tensors(args):
+    for t in tensors_in(args):
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
@@ -305,7 +305,7 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _plain(tree) -> list[torch.Tensor]:
-    return [p for t in _tensors(tree) for p in plain_tensors(t)]
+    return [p for t in tensors_in(tree) for p in plain_tensors(t)]
 
 
 def _fake(t: torch.Tensor) -> bool:

@@ -103,9 +103,9 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
         program = cuda_program(*target)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
-        _adopt(net, mode)
+        adopt(net, mode)
         freeze(net, setup.frozen)
-        batch, values = _fake_batch(mode, batch)
+        batch, values = fake_batch(mode, batch)
         try:
             with user_code(f"the {model.name} model's forward, loss and backward"):
                 rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast,
@@ -170,7 +170,7 @@ def _trace_failure(e: Exception) -> str:
     return f"the model failed while traced on fake tensors{at}: {type(e).__name__}: {first}"
 
 
-def _adopt(net, mode) -> None:
+def adopt(net, mode) -> None:
     """Parameters and buffers that are not this mode's fake tensors (real ones, or fake ones of another mode, as
     `copy.deepcopy` of a module makes: nn.TransformerEncoder clones its layers so) become this mode's, once:
     otherwise every op would convert them anew, a new storage each time."""
@@ -188,7 +188,7 @@ def _adopt(net, mode) -> None:
                 table[key] = fake
 
 
-def _fake_batch(mode, batch):
+def fake_batch(mode, batch):
     """The batch as fake tensors, with the real values of those that had them (a HF batch is built real)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensor

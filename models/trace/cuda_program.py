@@ -48,7 +48,7 @@ import weakref
 import torch
 
 from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend
-from .realpath import _tensors
+from .realpath import tensors_in
 
 # autocast_mode.h (torch 2.13): the CUDA policy of every op AutocastCUDA registers ("aten::name.overload")
 LOWER = ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -168,7 +168,7 @@ def _autocast_kernel(op, policy: str, cache: _CastCache, redispatch=None):
                 return redispatch(*args, **kwargs, dtype=torch.float32 if _eligible(first) else first.dtype)
             if policy == "promote":
                 to = lower
-                for t in _tensors((args, kwargs)):
+                for t in tensors_in((args, kwargs)):
                     if _eligible(t) and t.dtype != lower:
                         to = torch.promote_types(to, t.dtype)
                 a, k = _cast_all(args, kwargs, lambda t: cache.cast(t, to, lower))

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def tensors_in(tree) -> list[torch.Tensor]:
     return [a for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor)]
 
 
@@ -114,7 +114,7 @@ class Shadows:
 
     def inputs(self, func, args, kwargs):
         """(real args, real kwargs) when every tensor argument has a value, else None."""
-        leaves = _tensors((args, kwargs))
+        leaves = tensors_in((args, kwargs))
         if any(isinstance(t, FakeTensor) and t not in self.values for t in leaves):
             return None
         swap = lambda a: self._value(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
@@ -129,7 +129,7 @@ class Shadows:
         fake kernel then raises); `RandomBranch` when the value is made only of random draws."""
         if real is not None:
             return self.run(func, real)
-        if any(t in self.draws for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)):
+        if any(t in self.draws for t in tensors_in((args, kwargs)) if isinstance(t, FakeTensor)):
             raise RandomBranch(func)
         return None
 
@@ -145,7 +145,7 @@ class Shadows:
         `nn.functional.ctc_loss(..., input_lengths, target_lengths)`, the token ids and lengths known); so is
         its SpecAugment (`hidden_states[mask_time_indices] = ...`, a mask numpy draws). A shape that depends
         on float values stays unknown: the fake kernel refuses it (exit 2, the module named)."""
-        fake = next((t for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)), None)
+        fake = next((t for t in tensors_in((args, kwargs)) if isinstance(t, FakeTensor)), None)
         if fake is None:
             return None
         if real is not None and torch.Tag.dynamic_output_shape in func.tags:
@@ -197,10 +197,10 @@ class Shadows:
 
     def follow(self, func, args, kwargs, real, out) -> None:
         """After `func` ran on fake tensors: its outputs' values (`real`: its inputs' values, or None)."""
-        fakes = _tensors(out)
+        fakes = tensors_in(out)
         if real is not None and self._eligible(func, fakes):
             try:
-                values = _tensors(self.run(func, real))
+                values = tensors_in(self.run(func, real))
             except Exception:  # an op that will not run on the real values: its outputs have none
                 values = ()
             if len(values) == len(fakes):
@@ -218,7 +218,7 @@ class Shadows:
         written = [t for t in fakes if t in self.values]
         for k, name in _written_args(func):
             value = args[k] if k is not None and k < len(args) else (kwargs or {}).get(name)
-            written += [t for t in _tensors(value) if isinstance(t, FakeTensor) and t in self.values]
+            written += [t for t in tensors_in(value) if isinstance(t, FakeTensor) and t in self.values]
         for t in written:
             real = self.values.pop(t, None)
             if real is None:
@@ -231,7 +231,7 @@ class Shadows:
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if not seeded and not self.draws:  # no draw made yet: nothing to follow (the common case)
             return
-        ins = [t for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)]
+        ins = [t for t in tensors_in((args, kwargs)) if isinstance(t, FakeTensor)]
         if seeded:
             if func in SHAPE_DRAWS or not ins:
                 bounds = (0.0, 1.0) if func in UNIT_DRAWS else None

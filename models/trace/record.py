@@ -35,10 +35,10 @@ from .realpath import (
     INPLACE_KEY,
     SCALAR_READS,
     Shadows,
-    _tensors,
     cpu_fake_kernels,
     fresh_caches,
     real_code_paths,
+    tensors_in,
     view_replays,
 )
 
@@ -254,7 +254,7 @@ class Recorder(TorchDispatchMode):
         if self.replays.pending and not func.is_view:  # not inside autograd's replay of a view (it holds the
             self._resolve_replays()                    # view's lock while it dispatches the view ops again)
         self._resolve_pending()
-        ins = _tensors((args, kwargs))
+        ins = tensors_in((args, kwargs))
         in_ids = {}
         new = []  # forward: storages this op allocates (and tensors made outside dispatch it is the first to read)
         for t in ins:
@@ -277,7 +277,7 @@ class Recorder(TorchDispatchMode):
             out = real_outputs(func, args, kwargs, call(*call_args, **(call_kwargs or {})))
             self.shadows.follow(func, args, kwargs, real, out)
         short = str(func).replace("aten.", "").replace(".default", "")
-        outs = _tensors(out)
+        outs = tensors_in(out)
         flops = op_flops(func, args, kwargs, out)
         temps = self.temporaries(func, args, kwargs, out) if self.temporaries is not None else ()
         if self.phase == "forward":
@@ -405,7 +405,7 @@ def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
         if sid is not None:
             buffers.append(rec.storages[sid])
     inputs = []
-    for k, t in enumerate(_tensors(batch)):
+    for k, t in enumerate(tensors_in(batch)):
         sid = rec.see(t, "input", f"batch.{k}")
         if sid is not None and rec.storages[sid] not in inputs:
             inputs.append(rec.storages[sid])
@@ -453,7 +453,7 @@ def _record(model, batch, loss_fn, autocast, values, program) -> Recording:
             rec._resolve_replays()
             rec.phase = "graph"
             if loss_fn is None:
-                graph = _graph_nodes(*(t.grad_fn for t in _tensors(out) if t.grad_fn is not None))
+                graph = _graph_nodes(*(t.grad_fn for t in tensors_in(out) if t.grad_fn is not None))
             elif not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.grad_fn is None:
                 raise TypeError("loss_fn(output) must return a scalar tensor that requires grad")
             else:
