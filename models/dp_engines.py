@@ -2,13 +2,14 @@
 
 Each `DpEngine` says what the rest of the project needs to know of an engine without running it:
 - `name`: the value of `dp_engine` (and of `--dp-engine`, `[training] dp_engine`);
-- `engine`: where its simulation lives, "module:callable" in models/parallel (the callable takes the rank's
-  GraphBuilder and returns its `Engine`: a class, or a function choosing one, as DeepSpeed's stages do);
+- its simulation is its class in models/parallel (`ENGINES` there: the class, or a function choosing one, as
+  DeepSpeed's stages do, by direct reference; this module cannot import that package, which imports the config);
 - `knobs`: the TrainingSetup fields only this engine reads, each with when it reads them and how to say so; a
   knob set by the user that the setup never reads is refused (models/config.py `check_given_knobs`);
 - `summary`: one line for help texts.
 
-Adding an engine is one module in models/parallel (its `Engine` subclass) and one `DpEngine(...)` line below;
+Adding an engine is one module in models/parallel (its `Engine` subclass), one `DpEngine(...)` line below and
+its class in models/parallel `ENGINES` (tests/test_dp_engines.py holds the two registries to the same names);
 the setup's check, the flags' help and `make_engine` read `DP_ENGINES` when they run.
 What an engine does is in its module; which engines another feature composes with (pipeline, context and
 expert parallelism, the real multi-process runs) is said by that feature, by name, and refuses the others.
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class DpEngine:
     name: str
-    engine: str  # "module:callable" under models/parallel
     summary: str
     # field -> (does this setup read it?, what it needs); None: read whenever this engine runs
     knobs: dict[str, tuple[Callable, str] | None] = field(default_factory=dict)
@@ -36,18 +36,18 @@ def _stage3(s) -> bool:
 
 
 DP_ENGINES: dict[str, DpEngine] = {e.name: e for e in (
-    DpEngine("deepspeed", "deepspeed:deepspeed_engine", "DeepSpeed ZeRO 0-3 (--zero-stage)",
+    DpEngine("deepspeed", "DeepSpeed ZeRO 0-3 (--zero-stage)",
              {"reduce_bucket_size": (lambda s: s.world_size > 1, "dp_engine deepspeed on > 1 rank"),
               "allgather_bucket_size": (lambda s: s.zero_stage in (1, 2), "dp_engine deepspeed with zero_stage 1 or 2"),
               "stage3_prefetch_bucket_size": (_stage3, "zero_stage 3"),
               "stage3_max_live_parameters": (_stage3, "zero_stage 3"),
               "stage3_param_persistence_threshold": (_stage3, "zero_stage 3")}),
-    DpEngine("fsdp2", "fsdp:FSDP2", "torch fully_shard per block, then the root",
+    DpEngine("fsdp2", "torch fully_shard per block, then the root",
              {"reshard_after_forward": None, "forward_prefetch": None, "backward_prefetch": None,
               "reduce_dtype": None}),
-    DpEngine("ddp", "ddp:DDP", "torch DistributedDataParallel: replicas, gradient buckets all-reduced",
+    DpEngine("ddp", "torch DistributedDataParallel: replicas, gradient buckets all-reduced",
              {"ddp_bucket_cap_mb": None}),
-    DpEngine("zero-redundancy-optimizer", "ddp:ZeroRedundancy", "DDP with torch's ZeroRedundancyOptimizer",
+    DpEngine("zero-redundancy-optimizer", "DDP with torch's ZeroRedundancyOptimizer",
              {"ddp_bucket_cap_mb": None}),
 )}
 

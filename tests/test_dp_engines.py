@@ -1,6 +1,6 @@
 """The data-parallel engine registry (models/dp_engines.py): every entry names an Engine the describer builds, the
-setup check and the CLI take their names and knob rules from it, and an engine added there (one module, one line)
-is simulated and its knobs checked with no other edit."""
+setup check and the CLI take their names and knob rules from it, models/parallel's `ENGINES` holds each one's class,
+and an engine added there (one module, a line in each) is simulated and its knobs checked with no other edit."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ import pytest
 from peakledger.models import dp_engines
 from peakledger.models.config import DP_ENGINES, KNOB_APPLIES, ConfigError, TrainingSetup, check_given_knobs
 from peakledger.models.dp_engines import DpEngine
-from peakledger.models.parallel import _factory
+from peakledger.models.parallel import DDP, ENGINES, Engine
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 
 
 def test_every_entry_builds_its_engine_and_the_setup_takes_its_names():
-    assert DP_ENGINES == tuple(dp_engines.DP_ENGINES)
+    assert DP_ENGINES == tuple(dp_engines.DP_ENGINES) == tuple(ENGINES)  # the two registries name the same
     for e in dp_engines.DP_ENGINES.values():
-        assert callable(_factory(e.engine))
+        assert callable(ENGINES[e.name])
+        assert not isinstance(ENGINES[e.name], str)  # a direct reference, not a path resolved at run time
         for knob in e.knobs:
             assert knob in dp_engines.knob_rules() and knob not in KNOB_APPLIES
             assert knob in TrainingSetup.__dataclass_fields__
@@ -32,9 +33,11 @@ def test_make_engine_gives_the_engine_the_setup_names(engine):
 
 
 def test_an_engine_registered_in_one_line_is_simulated_and_its_knobs_checked(monkeypatch):
-    """The throwaway engine of issue 24's count: DDP under another name, registered by one line."""
+    """The throwaway engine of issue 24's count: DDP under another name, registered by one line in each registry."""
     monkeypatch.setitem(dp_engines.DP_ENGINES, "ddp-copy",
-                        DpEngine("ddp-copy", "ddp:DDP", "DDP again", {"ddp_bucket_cap_mb": None}))
+                        DpEngine("ddp-copy", "DDP again", {"ddp_bucket_cap_mb": None}))
+    monkeypatch.setitem(ENGINES, "ddp-copy", DDP)
+    assert issubclass(ENGINES["ddp-copy"], Engine)
     kw = dict(micro_batch=2, seq_len=16, world_size=2, ddp_bucket_cap_mb=1)
     copy, ddp = TrainingSetup(dp_engine="ddp-copy", **kw), TrainingSetup(dp_engine="ddp", **kw)
     check_given_knobs(copy, {"ddp_bucket_cap_mb"})

@@ -62,13 +62,12 @@ context parallelism in, mesh.py `folds_cp`).
 
 from __future__ import annotations
 
-import functools
-import importlib
+from collections.abc import Callable
 
 from ..dp_engines import DP_ENGINES
 from .checks import check_model_parallel
 from .ddp import DDP, ZeroRedundancy
-from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket
+from .deepspeed import DeepSpeedReplica, DeepSpeedZero3, DeepSpeedZero12, IpgBucket, deepspeed_engine
 from .engine import DeviceBuild, Engine
 from .fsdp import FSDP2
 from .gathering import Gathering
@@ -92,21 +91,20 @@ from .layout import (
 from .pipeline import PipelineEngine
 from .stages import rank_actions, stage_layout
 
-
-@functools.cache
-def _factory(path: str):
-    """A registry entry's "module:callable" (models/dp_engines.py), from this package."""
-    module, name = path.split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+# each data-parallel engine of models/dp_engines.py (its name, knobs and summary, which the config reads without
+# importing this package) by its class, or the function choosing one (DeepSpeed's stages): it takes the rank's
+# GraphBuilder and returns its `Engine`
+ENGINES: dict[str, Callable] = {"deepspeed": deepspeed_engine, "fsdp2": FSDP2, "ddp": DDP,
+                                "zero-redundancy-optimizer": ZeroRedundancy}
 
 
 def make_engine(b) -> Engine:
-    """The engine `b.setup.dp_engine` names, as the registry (models/dp_engines.py) says where it lives."""
-    return _factory(DP_ENGINES[b.setup.dp_engine].engine)(b)
+    """The engine `b.setup.dp_engine` names (`ENGINES`)."""
+    return ENGINES[DP_ENGINES[b.setup.dp_engine].name](b)
 
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",
            "DeviceBuild", "FSDP2", "Gathering", "DDP_FIRST_BUCKET_BYTES", "DS_ALIGNMENT", "DS_SUB_GROUP_SIZE", "ROOT",
            "UNIT_PATTERN", "OptimTensor", "ceil_div", "dim0_ranges", "dim0_shard", "flat_partition", "greedy_owners",
-           "greedy_partition", "own_dtype", "sub_groups", "unit_of", "make_engine", "PipelineEngine",
+           "greedy_partition", "own_dtype", "sub_groups", "unit_of", "make_engine", "ENGINES", "PipelineEngine",
            "check_model_parallel", "rank_actions", "stage_layout"]
