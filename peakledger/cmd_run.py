@@ -51,9 +51,15 @@ def header(report, unit: str) -> list[str]:
     stop = (f"stopped at the first training forward after step {asked} (--steps {asked})"
             if asked is not None and c["optimizer_steps"] >= asked else "ran to the script's end")
     world = s.get("world_size", 1)
+    held = c.get("outputs_held", 0)
+    outputs = ("" if not c["backwards"] else
+               "; the forward's outputs (logits) held through backward, as `out = model(batch)` keeps them"
+               if held == c["backwards"] else
+               "; the forward's outputs dropped before backward, as HF Trainer's compute_loss drops them"
+               if held == 0 else f"; the forward's outputs held through {held} of {c['backwards']} backwards")
     lines = [f"  loop (the script's own, discovered): {c['optimizer_steps']} optimizer step"
              f"{'s' if c['optimizer_steps'] != 1 else ''} of {', '.join(c['optimizers']) or 'no optimizer'}, "
-             f"{per_step}; models called: {', '.join(c['models']) or 'none'}; {stop}",
+             f"{per_step}{outputs}; models called: {', '.join(c['models']) or 'none'}; {stop}",
              f"  calls: {c['forwards']} training forwards, {c['backwards']} backwards, {c['zero_grads']} zero_grads, "
              f"{c['clips']} gradient clips, {c['evals']} eval forwards, {c['saves']} saves, {c['generates']} "
              f"generates",

@@ -41,10 +41,14 @@ def test_plain_loop_is_exact_and_the_loop_changes_the_peak(loop):
     _exact(ScriptRun(PLAIN, ("--loop", loop)))
 
 
-def test_the_two_loops_differ_by_the_outputs_held():
+def test_the_two_loops_differ_by_the_outputs_held_and_the_report_names_the_loop(capsys):
     held, _ = predict_script(ScriptRun(PLAIN, ("--loop", "held")))
     dropped, _ = predict_script(ScriptRun(PLAIN, ("--loop", "dropped")))
     assert held.peaks.peak.bytes > dropped.peaks.peak.bytes
+    assert held.metadata["script"]["calls"]["outputs_held"] == 2
+    assert dropped.metadata["script"]["calls"]["outputs_held"] == 0
+    assert main(["run", PLAIN, "--", "--loop", "dropped"]) == 0
+    assert "outputs dropped before backward, as HF Trainer's compute_loss drops them" in capsys.readouterr().out
 
 
 def test_the_step_structure_is_discovered():

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -66,6 +67,7 @@ class Calls:
     saves: int = 0
     generates: int = 0
     clips: int = 0
+    outputs_held: int = 0  # backward calls that began with the forward's non-scalar outputs still referenced
     micro_batches: list[int] = field(default_factory=list)  # backward calls of each optimizer step
     optimizers: list[str] = field(default_factory=list)  # class names, in the order first stepped
     models: list[str] = field(default_factory=list)  # top-level modules' classes, in the order first called
@@ -93,6 +95,7 @@ class ScriptPhases:
         self.optimizers: dict[int, torch.optim.Optimizer] = {}
         self.stack: list[str] = []
         self._names: dict[int, str] = {}
+        self._outputs: list[weakref.ref] = []  # the last training forward's non-scalar outputs
         self.step = 0  # the step the script is in: 1 from its first training forward (0: before it, loading)
         self.done = 0  # optimizer steps completed
         self.in_step = 0  # backward calls since the last optimizer step
@@ -124,8 +127,9 @@ class ScriptPhases:
         decides the position; every call names the work inside it by its module path."""
         @functools.wraps(original)
         def call(module, *args, **kwargs):
+            top = not self.stack and not self.inside
             if not self.stack:
-                if not self.inside:
+                if top:
                     self._top_level(module, args, kwargs)
                 key = id(module)
                 if key not in self.names:
@@ -136,10 +140,13 @@ class ScriptPhases:
             self.stack.append(name)
             self.on_module(name)
             try:
-                return original(module, *args, **kwargs)
+                out = original(module, *args, **kwargs)
             finally:
                 self.stack.pop()
                 self.on_module(self.stack[-1] if self.stack else None)
+            if top and self.position.phase is Phase.FORWARD:  # what the caller holds of it, watched until backward
+                self._outputs = [weakref.ref(t) for t in _output_tensors(out) if t.dim() > 0]
+            return out
         return call
 
     def _top_level(self, module: torch.nn.Module, args, kwargs: dict) -> None:
@@ -172,6 +179,9 @@ class ScriptPhases:
                 return original(*args, **kwargs)
             self._new_step()
             self.calls.backwards += 1
+            if any(ref() is not None for ref in self._outputs):  # the forward's outputs (its logits) still held
+                self.calls.outputs_held += 1
+            self._outputs = []
             self._move(Phase.BACKWARD, self.step, self.in_step)
             self.inside += 1
             try:
@@ -295,6 +305,17 @@ class ScriptPhases:
 
     def __exit__(self, *exc) -> None:
         self._stack.close()
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a model's output: a tensor, a tuple / list, a dict (HF's ModelOutput is one)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _output_tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _output_tensors(v)]
+    return []
 
 
 def _library_calls() -> list[tuple[object, tuple[str, ...]]]:
