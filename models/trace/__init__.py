@@ -224,13 +224,15 @@ def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
     return (hit or recording(model, setup)).layers
 
 
-def traced_versions() -> str:
-    """The libraries the trace ran, as installed: "torch 2.13.0+cpu, transformers 5.25.0" (peft when loaded)."""
+def traced_versions(setup: TrainingSetup) -> str:
+    """The libraries the trace ran, as installed: "torch 2.13.0+cpu, transformers 5.25.0", and peft with LoRA (the
+    same whatever else the process imported before)."""
     import sys
 
     import torch
 
-    names = [("torch", torch)] + [(n, sys.modules[n]) for n in ("transformers", "peft") if n in sys.modules]
+    used = ("transformers",) + (("peft",) if setup.lora_r else ())
+    names = [("torch", torch)] + [(n, sys.modules[n]) for n in used if n in sys.modules]
     return ", ".join(f"{n} {getattr(m, '__version__', '?')}" for n, m in names)
 
 
@@ -243,7 +245,7 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
 
     target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
     rec = recording(model, setup, target)
-    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class}; {traced_versions()})")
+    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class}; {traced_versions(setup)})")
     if cpu:
         return tape
     return cuda_tape(tape, *target)
