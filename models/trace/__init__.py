@@ -245,7 +245,8 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
 
     target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
     rec = recording(model, setup, target)
-    tape = to_tape(rec, setup, rec.layers, describer=f"traced ({model.kind}: {rec.model_class}; {traced_versions(setup)})")
+    describer = f"traced ({model.kind}: {rec.model_class}; {traced_versions(setup)})"
+    tape = to_tape(rec, setup, rec.layers, describer=describer)
     if cpu:
         return tape
     return cuda_tape(tape, *target)
