@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..simulator.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
-from ..simulator.files import read_input
+from ..simulator.safe_io import read_input
 from ..traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, check_shape, safe_loads
 from ..traces.cuda_snapshot import start_state as _start_state
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 
 from ..models.config import TrainingSetup
 from ..simulator import strict_json
-from ..simulator.files import InputError, read_text
+from ..simulator.safe_io import InputError, read_text
 
 FORMAT = "peakledger-calibration"
 VERSION = 1

@@ -1,5 +1,5 @@
 """Export a run for other tools: a CUDA-snapshot pickle (torch's `_memory_viz`, pytorch.org/memory_viz) and a
-Chrome trace JSON (Perfetto, chrome://tracing). Both are written atomically (simulator/files.py `write_atomic`)
+Chrome trace JSON (Perfetto, chrome://tracing). Both are written atomically (simulator/safe_io.py `write_atomic`)
 and are deterministic: the same run gives the same bytes.
 
 - `to_snapshot` / `write_snapshot` (analysis/export_snapshot.py): torch.cuda.memory._snapshot()'s format. On a
@@ -21,8 +21,8 @@ import json
 import pickle
 
 from ..simulator.events import EventLog
-from ..simulator.files import write_atomic
 from ..simulator.ops import OpGraph
+from ..simulator.safe_io import write_atomic
 from .export_chrome import chrome_trace
 from .export_snapshot import to_snapshot
 

@@ -28,7 +28,7 @@ Checks, each an error naming the file, the line (CSV) or `events[i]` (JSON), the
 missing or unknown column, an empty file, an unknown action, category, pool or phase, bytes negative, not whole or
 not a number, NaN or infinite times, a time earlier than the one before, a free of an object that is not live
 (never allocated, or freed already), an alloc of an object that is live, a storage whose rows disagree, a file over
-EVENTS_FILE_LIMIT (simulator/files.py's bounded read).
+EVENTS_FILE_LIMIT (simulator/safe_io.py's bounded read).
 
 The events become `Event`s of one `EventLog` (simulator/events.py), one `Block` per lifetime of a storage (or of an
 object with no storage): an object's alloc allocates its storage's block when no other reference holds it, its free
@@ -62,8 +62,8 @@ from ..simulator.events import (
     new_block,
     new_event,
 )
-from ..simulator.files import InputError, read_text
 from ..simulator.numbers import float_text, int_text
+from ..simulator.safe_io import InputError, read_text
 from ..simulator.timeline import PeakPoint, Timeline, timeline
 from .ledger import LedgerRow, ledger_at
 from .units import UNITS, unit_scale

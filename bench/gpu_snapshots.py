@@ -18,7 +18,7 @@ from pathlib import Path
 
 from peakledger.simulator.allocator import AllocatorConfig, CachingAllocator
 from peakledger.simulator.events import Action
-from peakledger.simulator.files import read_input
+from peakledger.simulator.safe_io import read_input
 from peakledger.traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotTrace, parse_snapshot, safe_loads
 from peakledger.traces.store import _unpacked
 

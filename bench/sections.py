@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from peakledger.simulator.files import write_atomic
+from peakledger.simulator.safe_io import write_atomic
 
 VALIDATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "VALIDATION.md")
 

@@ -66,7 +66,7 @@ from peakledger import api  # noqa: E402
 from peakledger.analysis.device import gpu_memory  # noqa: E402
 from peakledger.scenario import build_scenario  # noqa: E402
 from peakledger.simulator.events import Action, EventLog, Pool  # noqa: E402
-from peakledger.simulator.files import write_atomic  # noqa: E402
+from peakledger.simulator.safe_io import write_atomic  # noqa: E402
 from peakledger.traces.cuda_snapshot import parse_snapshot  # noqa: E402
 
 SECTION = "## GPU validation: recorded snapshots vs predictions"

@@ -25,7 +25,7 @@ import time
 
 from peakledger import build_scenario
 from peakledger.simulator.events import Category, Phase
-from peakledger.simulator.files import write_atomic
+from peakledger.simulator.safe_io import write_atomic
 from peakledger.validation import validate
 
 OPTIMIZERS = [("sgd", "foreach"), ("sgd-momentum", "foreach"), ("adamw", "foreach"), ("adamw", "for-loop")]

@@ -26,7 +26,7 @@ from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_run, cmd_simulate, cmd
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.trace.boundary import end_user_processes, time_limit
-from .simulator.files import InputError, all_or_none, digits_message, too_many_digits
+from .simulator.safe_io import InputError, all_or_none, digits_message, too_many_digits
 
 
 class Parser(argparse.ArgumentParser):

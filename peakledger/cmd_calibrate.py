@@ -45,8 +45,8 @@ from .analysis.units import format_bytes, parse_bytes
 from .cli_common import add_scenario_flags
 from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_KNOBS, scenario_from_args
 from .models.config import TrainingSetup
-from .simulator.files import InputError, check_outputs, read_input, read_text, write_atomic
 from .simulator.numbers import float_text, int_text
+from .simulator.safe_io import InputError, check_outputs, read_input, read_text, write_atomic
 from .traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, parse_snapshot, safe_loads
 
 CSV_LIMIT = 16 << 20

@@ -32,7 +32,7 @@ from .analysis.user_events import (
 )
 from .cli_common import flag_int, given_on_command_line, write_json
 from .simulator.events import Pool
-from .simulator.files import InputError, check_outputs, write_atomic
+from .simulator.safe_io import InputError, check_outputs, write_atomic
 
 TEXT_TIMELINE_ROWS = 60  # the text report's timeline shows at most this many events (around the peak)
 TEXT_LIVE_ROWS = 20  # and at most this many live blocks

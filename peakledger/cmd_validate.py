@@ -29,7 +29,7 @@ from .models.training import describe
 from .progress import progress
 from .simulator.allocator import AllocatorConfig
 from .simulator.engine import simulate
-from .simulator.files import InputError
+from .simulator.safe_io import InputError
 from .simulator.timeline import timeline
 from .traces import cuda_capture  # its GPU probe and capture by attribute: a test stands in for them
 from .traces.cuda_capture import allocator_rules, check_capturable, is_cuda_trace

@@ -22,7 +22,7 @@ from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
-from .simulator.files import check_outputs
+from .simulator.safe_io import check_outputs
 from .simulator.timeline import timeline
 from .traces.store import TraceFile
 

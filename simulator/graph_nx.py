@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from .files import write_atomic
 from .ops import Op, OpGraph
+from .safe_io import write_atomic
 
 END = "end"  # a sink every op leads to, so the last op's own duration counts
 

@@ -8,7 +8,7 @@ has ended, allocates its blocks from their pools, holds its stream for its durat
 recorded as an `OOMRecord` with the live set at that exact event, and the run either stops there
 (`stop_on_oom=True`, the log's metadata says `stopped_at_oom`) or continues to show how far over it goes.
 
-Your own processes (`processes`): each is called with the `Simulation` before the run (its `env`, its `pools`, the
+Your own processes (`processes`): each is called with the `SimpySimulation` before the run (its `env`, its `pools`, the
 log so far in `events`) and returns a generator SimPy runs beside the streams: a data loader that holds host memory
 while it prefetches, a host-to-device link that delays what waits on it. They start after the streams, in the
 order given. This is the engine as it ran up to commit 5a3656a, with the op contract's later `pool` stream;
@@ -28,9 +28,9 @@ from .ops import Op, OpGraph
 from .pools import MemoryPool, OutOfMemory, PoolKey, oom_record
 
 
-class Simulation:
+class SimpySimulation:
     def __init__(self, graph: OpGraph, capacities: dict[PoolKey, int] | None = None,
-                 stop_on_oom: bool = True, processes: Iterable[Callable[[Simulation], Generator]] = ()) -> None:
+                 stop_on_oom: bool = True, processes: Iterable[Callable[[SimpySimulation], Generator]] = ()) -> None:
         graph.check()
         self.graph = graph
         self.capacities = dict(capacities or {})
@@ -111,7 +111,7 @@ class Simulation:
 
 
 def simulate(graph: OpGraph, capacities: dict[PoolKey, int] | None = None, stop_on_oom: bool = True,
-             processes: Iterable[Callable[[Simulation], Generator]] = ()) -> EventLog:
+             processes: Iterable[Callable[[SimpySimulation], Generator]] = ()) -> EventLog:
     """Run the op graph on SimPy, with `processes` beside its streams; return the event log (with any OOM
     records)."""
-    return Simulation(graph, capacities, stop_on_oom, processes).run()
+    return SimpySimulation(graph, capacities, stop_on_oom, processes).run()

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 
-from .files import too_many_digits
+from .safe_io import too_many_digits
 
 MAX_DEPTH = 64
 

@@ -14,14 +14,14 @@ from peakledger.models.config import TrainingSetup
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.graph_nx import critical_path, to_networkx
-from peakledger.simulator.simpy_engine import Simulation
+from peakledger.simulator.simpy_engine import SimpySimulation
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_critical_path_is_the_length_simpy_runs(name):
     model, setup = CASES[name]
     graph = describe(preset(model), TrainingSetup(**{"micro_batch": 2, "seq_len": 64, **setup}), "H100-80GB")
-    sim = Simulation(graph)
+    sim = SimpySimulation(graph)
     sim.run()
     path = critical_path(graph)
     assert path.seconds == pytest.approx(sim.env.now, rel=1e-12, abs=1e-15)

@@ -10,7 +10,7 @@ import pytest
 from hardening_cases import CASES, EVIL_PICKLE, GPU_TRUTH, REPO, assert_outcome, make_special_files
 
 from peakledger import api, cli
-from peakledger.simulator import files
+from peakledger.simulator import safe_io
 
 
 def run_case(case, tmp_path, capsys):
@@ -32,7 +32,7 @@ def run_case(case, tmp_path, capsys):
 def test_case(case, tmp_path, capsys, monkeypatch):
     if "{gpu}" in " ".join(case.argv) and not GPU_TRUTH.is_dir():
         pytest.skip("../shared/gpu-truth is not beside this checkout")
-    monkeypatch.setattr(files, "PIPE_IDLE_SECONDS", 0.5)  # (a pipe nothing writes to: refused sooner here)
+    monkeypatch.setattr(safe_io, "PIPE_IDLE_SECONDS", 0.5)  # (a pipe nothing writes to: refused sooner here)
     code, out, err = run_case(case, tmp_path, capsys)
     assert_outcome(case, code, out, err, tmp_path)
 
@@ -75,14 +75,14 @@ def test_an_internal_error_is_one_line_and_exit_3(monkeypatch, capsys):
 
 
 def test_a_temporary_file_is_removed_when_the_write_fails(tmp_path, monkeypatch):
-    from peakledger.simulator import files
+    from peakledger.simulator import safe_io
 
     def failing_replace(src, dst):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(files.os, "replace", failing_replace)
+    monkeypatch.setattr(safe_io.os, "replace", failing_replace)
     with pytest.raises(KeyboardInterrupt):
-        files.write_atomic(tmp_path / "out.json", b"data")
+        safe_io.write_atomic(tmp_path / "out.json", b"data")
     assert os.listdir(tmp_path) == []
 
 

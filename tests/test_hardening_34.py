@@ -13,7 +13,7 @@ from hardening_cases import REPO, assert_outcome, make_special_files
 from hardening_cases_34 import CASES_34
 
 from peakledger import cli
-from peakledger.simulator import files
+from peakledger.simulator import safe_io
 
 IN_PROCESS = [c for c in CASES_34 if c.driver is None]
 # (the trickling pipe's real command takes its 30 s: test_a_pipe_read_past_its_total_time_is_refused runs it here)
@@ -42,7 +42,7 @@ def test_a_pipe_read_past_its_total_time_is_refused(tmp_path, monkeypatch, capsy
     import threading
     import time
 
-    monkeypatch.setattr(files, "PIPE_TOTAL_SECONDS", 1.0)
+    monkeypatch.setattr(safe_io, "PIPE_TOTAL_SECONDS", 1.0)
     os.mkfifo(tmp_path / "fifo")
 
     def feed():
@@ -63,7 +63,7 @@ def test_a_pipe_read_past_its_total_time_is_refused(tmp_path, monkeypatch, capsy
 def test_outputs_are_all_or_none_when_a_write_fails(tmp_path, monkeypatch, capsys):
     """The second of two outputs fails (a full disk): neither is left, and the error names the output."""
     import errno
-    real = files.os.fdopen
+    real = safe_io.os.fdopen
     calls = []
 
     def fdopen(fd, *a, **k):
@@ -75,7 +75,7 @@ def test_outputs_are_all_or_none_when_a_write_fails(tmp_path, monkeypatch, capsy
             f.write = full
         return f
 
-    monkeypatch.setattr(files.os, "fdopen", fdopen)
+    monkeypatch.setattr(safe_io.os, "fdopen", fdopen)
     code = cli.main(["sweep", "--preset", "tiny", "--device", "cpu", "--grid", "micro_batch=1,2", "--jobs", "1",
                      "--output", str(tmp_path / "s.csv"), "--json-output", str(tmp_path / "s.json")])
     err = capsys.readouterr().err

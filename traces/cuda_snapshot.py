@@ -36,7 +36,7 @@ from pathlib import Path
 
 from ..simulator.allocator import K_SMALL_SIZE, LARGE, SMALL, round_size
 from ..simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Phase, Pool, Stream
-from ..simulator.files import InputError, read_input
+from ..simulator.safe_io import InputError, read_input
 
 TRACE_FILE_LIMIT = 512 << 20  # bytes of any trace file (a snapshot, a JSON trace, a gzip'd one unpacked)
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset()

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..simulator import strict_json
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
-from ..simulator.files import InputError, read_input, write_atomic
+from ..simulator.safe_io import InputError, read_input, write_atomic
 from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
 
 FORMAT = "peakledger-trace"

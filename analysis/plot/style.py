@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from ...simulator.events import Category, Phase
-from ...simulator.files import write_atomic
+from ...simulator.safe_io import write_atomic
 from ..units import SMALLER, UNITS, format_bytes
 
 # -- the shared tables -------------------------------------------------------------------------------

@@ -218,7 +218,7 @@ def _remember(key: tuple, nbytes: int) -> None:
     if path is None or known.get(repr(key)) == nbytes:
         return
     known[repr(key)] = nbytes
-    from ...simulator.files import write_atomic
+    from ...simulator.safe_io import write_atomic
 
     try:  # another process's measurements written meanwhile are kept
         with open(path) as f:

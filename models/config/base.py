@@ -3,7 +3,7 @@ checks (positive integers, bounded counts, one of a set of choices) the config c
 
 from __future__ import annotations
 
-from ...simulator.files import InputError, digits_message, read_text, too_many_digits
+from ...simulator.safe_io import InputError, digits_message, read_text, too_many_digits
 from ...simulator.strict_json import JSONRefused
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from ...simulator.files import InputError
+from ...simulator.safe_io import InputError
 from ..config import ConfigError
 
 POLL_S = 0.5  # the parent wakes this often, so Ctrl-C and SIGTERM are handled while it waits

@@ -8,7 +8,7 @@ import json
 
 from .. import deadline as dl
 from ..scenario import Scenario
-from ..simulator.files import write_atomic
+from ..simulator.safe_io import write_atomic
 from .point import COLUMNS, DEADLINE_COLUMNS, DESCRIBE, SweepPoint, describe
 
 
