@@ -145,13 +145,16 @@ def test_a_clean_exit_ends_the_script(tmp_path):
 
 
 def test_fsdp2_script_two_ranks_is_exact_rank_by_rank():
+    """The peak exact on both ranks; every phase within the issue's 1% (run alone, every phase is exact too; once, in
+    the whole suite, a phase was not, with the peak still exact: the ranks' real gloo runs are threads and
+    processes whose frees the prediction need not order the same way at every phase's peak)."""
     run = ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=2)
     report, _ = predict_script(run)
     validations = validate_script(run, report)
     assert len(validations) == 2
     for v in validations:
         assert v.overall.predicted == v.overall.measured
-        assert all(p.predicted == p.measured for p in v.phases)
+        assert all(abs(p.error) <= 0.01 for p in v.phases), [(p.label, p.measured, p.predicted) for p in v.phases]
 
 
 def test_fsdp2_script_at_64_ranks_shards_the_state():
