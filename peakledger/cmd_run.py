@@ -11,10 +11,10 @@ from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
 from .analysis.validate import render_validation, validation_json
-from .cli_common import add_check_flag, budget_flag, decide, fit_verdict, flag_float, flag_int, write_json
+from .cli_common import add_check_flag, budget_flag, budget_of, decide, fit_verdict, flag_float, flag_int, write_json
 from .inputs import check_command_outputs
 from .models.config import ConfigError
-from .models.costs import DEVICES, device_profile
+from .models.costs import DEVICES
 from .progress import progress
 from .script import ScriptRun, predict_script, validate_script, with_args
 from .simulator.allocator import TORCH_VERSIONS
@@ -95,11 +95,7 @@ def cmd_run(args) -> int:
     run = run_of(args)
     budget = budget_flag(args)
     if args.check and budget is None:
-        profile = device_profile(run.device)
-        if profile.is_cpu:
-            raise ConfigError("budget", "--check needs a budget: give --budget (e.g. 24GiB; the cpu profile has no "
-                                        "memory size of its own) or a GPU --device, whose memory is the budget")
-        budget = profile.memory_bytes
+        budget = budget_of(args, run, "--check")  # (a ScriptRun names its device as a scenario does)
     with progress(f"running {Path(run.path).name} on fake tensors"):
         report, graph = predict_script(run, budget)
     tries = []

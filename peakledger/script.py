@@ -21,6 +21,7 @@ from .models.config import ConfigError
 from .models.costs import device_profile
 from .models.script import ScriptRecording, check_script, record_script, script_graph
 from .models.script.child import in_children
+from .models.training import RANK_LIST_LIMIT
 from .simulator.engine import simulate
 from .simulator.events import Pool
 
@@ -72,8 +73,8 @@ def rank_classes(run: ScriptRun, recordings: dict[int, ScriptRecording]) -> dict
 
 def script_metadata(run: ScriptRun, rec: ScriptRecording, classes: dict[int, list[tuple[int, int]]]) -> dict:
     calls = vars(rec.calls)
-    listed = {str(r): [k for a, b in spans for k in range(a, b + 1)] if sum(b - a + 1 for a, b in spans) <= 65_536
-              else None for r, spans in classes.items()}
+    listed = {str(r): [k for a, b in spans for k in range(a, b + 1)]
+              if sum(b - a + 1 for a, b in spans) <= RANK_LIST_LIMIT else None for r, spans in classes.items()}
     return {"model": f"script {Path(run.path).name}", "device": run.device, "rank_classes": listed,
             "rank_class_ranges": {str(r): [list(x) for x in spans] for r, spans in classes.items()},
             "steps": max(1, rec.calls.optimizer_steps),

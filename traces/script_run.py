@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from ..models.script.phases import Position, ScriptPhases
+from ..models.script.record import label_state
 from ..models.script.run import rank_env, run_path, script_context
 from ..simulator.events import Category, EventLog
-from .tracker import AllocationTracker, state_name
+from .tracker import AllocationTracker
 
 
 def measure_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None,
@@ -26,7 +27,6 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
     """The script's real CPU run, tracked, as an `EventLog` (`metadata["script_calls"]`: what it did): one rank of
     `world_size`, with torchrun's environment (MASTER_PORT `port`: the script's process group is real, gloo)."""
     tracker = AllocationTracker(discover_inputs=True, rank=rank)
-    names: dict[int, str] = {}
 
     def position(p: Position) -> None:
         tracker.phase_state = (p.phase, p.step, p.micro_batch)
@@ -39,26 +39,8 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
             tracker.mark(t, Category.INPUT, name=f"batch.{k}")
 
     def scan(models: list, optimizers: list) -> None:
-        for model in models:
-            for n, p in model.named_parameters():
-                names[id(p)] = n
-                tracker.mark(p, Category.PARAMETER, name=n)
-                if p.grad is not None:
-                    tracker.mark(p.grad, Category.GRADIENT, name=f"{n}.grad")
-            for n, b in model.named_buffers():
-                tracker.mark(b, Category.BUFFER, name=n)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    n = names.get(id(p), "param")
-                    tracker.mark(p, Category.PARAMETER, name=n)
-                    if p.grad is not None:
-                        tracker.mark(p.grad, Category.GRADIENT, name=f"{n}.grad")
-            for p, state in opt.state.items():
-                for key, t in state.items():
-                    if isinstance(t, torch.Tensor):
-                        tracker.mark(t, Category.OPTIMIZER_STATE, name=f"{names.get(id(p), 'param')}.{key}",
-                                     state=state_name(key))
+        label_state(models, optimizers, lambda t, category, name, state: tracker.mark(t, category, name=name,
+                                                                                       state=state))
 
     phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module)
     previous = torch.get_num_threads()

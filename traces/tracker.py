@@ -71,7 +71,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..models.script.record import plain_tensors
+from ..models.script.record import plain_tensors, state_name
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 from .fsdp_labels import FSDPLabels
 
@@ -124,13 +124,6 @@ class _Record:
         self.labels = set(previous.labels)
         self.label_rank, self.label_name = previous.label_rank, previous.label_name
         self.state, self.shard_factor = previous.state, previous.shard_factor
-
-
-def state_name(key: str) -> OptimizerState | None:
-    try:
-        return OptimizerState(key)
-    except ValueError:
-        return None
 
 
 def _storage(t: torch.Tensor):

@@ -17,6 +17,7 @@ test; the CPU kernels' fake rules); values.py answers the values the script read
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -218,28 +219,8 @@ class Recorder(TorchDispatchMode):
             self.label(t, Category.INPUT, f"batch.{k}")
 
     def scan(self, models: list, optimizers: list) -> None:
-        """Label the models' parameters, buffers and `.grad`s and the optimizers' states."""
-        names: dict[int, str] = {}
-        for model in models:
-            for n, p in model.named_parameters():
-                names[id(p)] = n
-                self.label(p, Category.PARAMETER, n)
-                if p.grad is not None:
-                    self.label(p.grad, Category.GRADIENT, f"{n}.grad")
-            for n, b in model.named_buffers():
-                self.label(b, Category.BUFFER, n)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    n = names.get(id(p), "param")
-                    self.label(p, Category.PARAMETER, n)
-                    if p.grad is not None:
-                        self.label(p.grad, Category.GRADIENT, f"{n}.grad")
-            for p, state in opt.state.items():
-                for key, t in state.items():
-                    if isinstance(t, torch.Tensor):
-                        self.label(t, Category.OPTIMIZER_STATE, f"{names.get(id(p), 'param')}.{key}",
-                                   _state(key))
+        """Label the models' parameters, buffers and `.grad`s and the optimizers' states (`label_state`)."""
+        label_state(models, optimizers, self.label)
 
     def finish(self, calls: Calls, standins: list[str]) -> ScriptRecording:
         """Stop recording (later frees are not the run's) and hand over what was seen."""
@@ -314,8 +295,35 @@ def _fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _state(key: str) -> OptimizerState | None:
+def state_name(key: str) -> OptimizerState | None:
+    """The `OptimizerState` an optimizer's state key names (None: a key the schema has no name for)."""
     try:
         return OptimizerState(key)
     except ValueError:
         return None
+
+
+def label_state(models: list, optimizers: list, label: Callable) -> None:
+    """Call `label(tensor, category, name, state)` for every parameter, buffer and `.grad` of `models` and every
+    parameter, `.grad` and state tensor of `optimizers` (parameters only an optimizer holds keep its name
+    "param"): the one walk the prediction (`Recorder.scan`) and the measurement (traces/script_run.py) label by."""
+    names: dict[int, str] = {}
+    for model in models:
+        for n, p in model.named_parameters():
+            names[id(p)] = n
+            label(p, Category.PARAMETER, n, None)
+            if p.grad is not None:
+                label(p.grad, Category.GRADIENT, f"{n}.grad", None)
+        for n, b in model.named_buffers():
+            label(b, Category.BUFFER, n, None)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                n = names.get(id(p), "param")
+                label(p, Category.PARAMETER, n, None)
+                if p.grad is not None:
+                    label(p.grad, Category.GRADIENT, f"{n}.grad", None)
+        for p, state in opt.state.items():
+            for key, t in state.items():
+                if isinstance(t, torch.Tensor):
+                    label(t, Category.OPTIMIZER_STATE, f"{names.get(id(p), 'param')}.{key}", state_name(key))
