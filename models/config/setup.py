@@ -27,7 +27,7 @@ from .checks import (
     SAVE_MODES,
     check_setup,
 )
-from .knobs import knob
+from .knobs import knob, setup_knobs
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,16 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         check_setup(self)
+
+    def knob_values(self) -> dict[str, object]:
+        """The setup's one serialised form: every knob by its flag's name (the scenario file's [training] keys), in
+        declaration order. `from_knob_values` reads it back."""
+        return {k.name: getattr(self, k.name) for k in setup_knobs(type(self))}
+
+    @classmethod
+    def from_knob_values(cls, values: dict) -> TrainingSetup:
+        """The setup `knob_values` wrote (lists read back as the tuples they were)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
     @property
     def holds_outputs(self) -> bool:
