@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import dataclass, fields
 
-from ..models.config import TrainingSetup
+from ..models.config import SETUP_KNOBS
 from ..simulator import strict_json
 from ..simulator.safe_io import InputError, read_text
 
@@ -135,9 +135,9 @@ def setup_fields(scenario) -> dict:
     every field of the model ("model.<field>"; a traced model by its kind, name, source digest and batch
     knobs), each as a JSON value. `NOT_COMPARED` fields are left out."""
     out = {"device": scenario.device}
-    for f in fields(TrainingSetup):
-        if f.name not in NOT_COMPARED:
-            out[f.name] = getattr(scenario.setup, f.name)
+    for k in SETUP_KNOBS:
+        if k.name not in NOT_COMPARED:
+            out[k.name] = k.read(scenario.setup)
     model = scenario.model
     out["model.class"] = type(model).__name__
     names = [f.name for f in fields(model)]
@@ -255,11 +255,19 @@ def calibrate(scenario, allocated: list[Measurement], reserved: list[Measurement
 
 def describe_setup(scenario) -> str:
     s = scenario.setup
-    parts = [f"{scenario.model.name} on {scenario.device}", f"micro_batch {s.micro_batch}", s.precision, s.optimizer]
-    if s.world_size > 1:
-        parts.append(f"world_size {s.world_size} ({s.dp_engine}, zero_stage {s.zero_stage})")
-    if s.checkpointing != "none":
-        parts.append(f"checkpointing {s.checkpointing}")
+    parts = [
+        f"{scenario.model.name} on {scenario.device}",
+        f"micro_batch {s.batch.micro_batch}",
+        s.precision.name,
+        s.optimizer.name,
+    ]
+    if s.mesh.world_size > 1:
+        parts.append(
+            f"world_size {s.mesh.world_size} ({s.data_parallel.engine}, "
+            f"zero_stage {s.data_parallel.deepspeed.zero_stage})"
+        )
+    if s.checkpointing.policy != "none":
+        parts.append(f"checkpointing {s.checkpointing.policy}")
     return ", ".join(parts)
 
 
@@ -294,7 +302,7 @@ def apply_calibration(calibration, report_or_peak, scenario) -> CalibratedPredic
     if raw is None:
         raise CalibrationError("report_or_peak", f"expected a Report or a peak in bytes, got {report_or_peak!r}")
     raw_reserved = predicted_reserved(report_or_peak) if peaks is not None else None
-    seq_len = scenario.setup.seq_len
+    seq_len = scenario.setup.batch.seq_len
     warnings, notes = [], []
     out = {}
     for fit_, value in ((calibration.allocated, raw), (calibration.reserved, raw_reserved)):

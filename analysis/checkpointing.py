@@ -199,11 +199,11 @@ class PolicyRow:
 
 def policy_label(setup) -> str:
     """The policy with the knob that shapes it: "every-k (k=2)", "layers [0, 3]"."""
-    if setup.checkpointing == "every-k":
-        return f"every-k (k={setup.checkpoint_every_k})"
-    if setup.checkpointing == "layers":
-        return f"layers {list(setup.checkpoint_layers)}"
-    return setup.checkpointing
+    if setup.checkpointing.policy == "every-k":
+        return f"every-k (k={setup.checkpointing.every_k})"
+    if setup.checkpointing.policy == "layers":
+        return f"layers {list(setup.checkpointing.layers)}"
+    return setup.checkpointing.policy
 
 
 COMPILE_POLICIES = ("none", "full", "op-policy")  # the rows torch.compile adds where it is modelled
@@ -214,7 +214,7 @@ def compile_applies(scenario) -> bool:
     equivalent (models/presets.py `hf_equivalent`, which a compiled preset runs as), not compiled already, on the cpu
     profile or on a CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a
     CUDA build of torch seeing a device of the profile's compute capability); elsewhere compile is refused."""
-    if scenario.setup.compile or not isinstance(scenario.model, (TracedModel, TransformerConfig)):
+    if scenario.setup.compile.on or not isinstance(scenario.model, (TracedModel, TransformerConfig)):
         return False
     if isinstance(scenario.model, TransformerConfig):
         try:
@@ -238,7 +238,7 @@ def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True)
     cases = [(policy, False) for policy in policies]
     if with_compile and compile_applies(scenario):
         cases += [(policy, True) for policy in COMPILE_POLICIES]
-    compiled = scenario.setup.compile
+    compiled = scenario.setup.compile.on
     rows = []
     for policy, add_compile in cases:
         changes = {"checkpointing": policy, **({"compile": True} if add_compile else {})}

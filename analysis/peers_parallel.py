@@ -235,7 +235,7 @@ def megatron_theoretical(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, se
                    "rank's share), d excludes cp")
     if pp_schedule and pp_schedule.lower().startswith(("gpipe", "all-forward")):
         why.append("assumes 1F1B (at most p micro-batches in flight); GPipe keeps all m in flight")
-    if precision != "bf16-mixed":
+    if not (PRECISION_TABLE[precision].mixed and PRECISION_TABLE[precision].param == "bf16"):
         why.append(f"precision {precision}: the formula still counts the bf16-params / fp32-grads row of Megatron's "
                    "docs (fp16 / fp16: 20 or 4 + 16/d; fp32: 16 or 8 + 8/d)")
     why.append("leaves out the allocator (fragmentation, cached blocks), the CUDA context and workspaces, "
@@ -281,7 +281,7 @@ def llm_analysis(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, seq, micro
 
 
 def _get(setup, name, default=None):
-    return setup.get(name, default) if isinstance(setup, dict) else getattr(setup, name, default)
+    return setup.get(name, default) if isinstance(setup, dict) else setup.knob(name)
 
 
 def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
@@ -289,7 +289,8 @@ def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequenc
                    recompute: str | None = None, ep: int = 1) -> list[dict]:
     """Megatron's and llm-analysis's rows for a peakledger TransformerConfig and a TrainingSetup (or a dict with its
     fields). tp/pp/cp/... are arguments until the setup has them. `distributed_optimizer` None: zero_stage >= 1;
-    `recompute` None: from setup.checkpointing (none -> none, selective -> selective, any layer policy -> full)."""
+    `recompute` None: from setup.checkpointing.policy (none -> none, selective -> selective, any layer policy ->
+    full)."""
     world = _get(setup, "world_size", 1)
     if world % (tp * pp * cp):
         raise ConfigError("world_size", f"{world} ranks do not divide into tp {tp} x pp {pp} x cp {cp}")

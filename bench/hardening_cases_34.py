@@ -186,7 +186,7 @@ POISON = ("import os, signal, sys\n"
           "from peakledger import api\n"
           "parent, real = os.getpid(), api.run\n"
           "def run(scenario, *a, **k):\n"
-          "    if os.getpid() != parent and scenario.setup.micro_batch == 3:\n"
+          "    if os.getpid() != parent and scenario.setup.batch.micro_batch == 3:\n"
           "        os.kill(os.getpid(), signal.SIGKILL)\n"
           "    return real(scenario, *a, **k)\n"
           "api.run = run\n")

@@ -59,7 +59,7 @@ def main() -> None:
               "Ranks with identical layouts are simulated once (`rank_classes`); the time includes finding them.", "",
               "| engine | seconds | ranks simulated | events | per-rank peak | target |", "|---|---|---|---|---|---|"]
     for label, changes in [("DeepSpeed ZeRO-3", dict(zero_stage=3)), ("FSDP2", dict(dp_engine="fsdp2"))]:
-        sc = replace(s70, setup=replace(s70.setup, world_size=64, **changes))
+        sc = replace(s70, setup=s70.setup.replace(world_size=64, **changes))
 
         def one_step():
             g = describe(sc.model, sc.setup, sc.device)
@@ -75,7 +75,7 @@ def main() -> None:
         sc = build_scenario({"preset": preset}, {"seq_len": seq, "micro_batch": 1},
                             {"device": "H100-80GB"})
         if preset == "llama-3-70b":
-            sc = replace(sc, setup=replace(sc.setup, world_size=64, zero_stage=3))
+            sc = replace(sc, setup=sc.setup.replace(world_size=64, zero_stage=3))
         t, best = best_of(1, lambda: max_micro_batch(sc, parse_bytes(budget)))
         lines.append(f"| {preset} seq {seq}{' ZeRO-3 x64' if preset == 'llama-3-70b' else ''} | {budget} | {best} | "
                      f"{t:.2f} | {'met' if t < 5 else 'NOT met'} (< 5 s) |")

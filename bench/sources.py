@@ -28,7 +28,7 @@ def run(name, **kw):
     logs = []
     for measure in (profile_training_steps, run_training_steps):
         model = build_model(cfg, setup)
-        logs.append(measure(model, make_optimizer(model, setup), make_batch(cfg, setup), steps=setup.steps))
+        logs.append(measure(model, make_optimizer(model, setup), make_batch(cfg, setup), steps=setup.batch.steps))
     return agreement(*logs)
 
 

@@ -19,7 +19,6 @@ derivation is proven on the model itself: the derived recording against the trac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import sys
@@ -147,7 +146,7 @@ def memtracker(config: dict) -> dict:
             model.train()
             out["build"] = time.perf_counter() - t0
             optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            ids = torch.randint(0, cfg.vocab_size, (SETUP.micro_batch, SETUP.seq_len))
+            ids = torch.randint(0, cfg.vocab_size, (SETUP.batch.micro_batch, SETUP.batch.seq_len))
             stage = "step"
             t1 = time.perf_counter()
             mt = MemTracker()
@@ -244,7 +243,7 @@ def main() -> int:
     if mt is not None:  # peakledger on MemTracker's setting: pure bf16 (a new recording: the parameter dtype)
         # torch.optim.AdamW on CPU tensors defaults to its for-loop implementation (foreach only on CUDA-like
         # devices: torch/optim/optimizer.py _default_to_fused_or_foreach), so the same setting is for-loop
-        pure = dataclasses.replace(SETUP, precision="bf16", optimizer_impl="for-loop")
+        pure = SETUP.replace(precision="bf16", optimizer_impl="for-loop")
         t0 = time.perf_counter()
         # on the cpu profile, as MemTracker ran: tensors only (a GPU profile adds the cuBLAS workspaces, models/gpu.py)
         mt["ours_peak"] = timeline(simulate(describe(results[0]["model"], pure, "cpu"))).peak().bytes

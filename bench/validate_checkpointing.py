@@ -134,7 +134,7 @@ def brute_force() -> dict:
                               {"device": "cpu"})
     subsets = [s for k in range(5) for s in itertools.combinations(range(4), k)]
     runs = {s: simulate_run(with_checkpointed_layers(scenario, s)) for s in subsets}
-    cost = {s: step_flops(r.graph, r.rank, scenario.setup.steps)[1] for s, r in runs.items()}
+    cost = {s: step_flops(r.graph, r.rank, scenario.setup.batch.steps)[1] for s, r in runs.items()}
     budgets = sorted({r.capacity_needed for r in runs.values()})
     agree = 0
     for budget in budgets:

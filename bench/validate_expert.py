@@ -50,7 +50,7 @@ def compare_case(cfg: TransformerConfig, ep: int, dp: int, precision: str, routi
     path = os.path.join(tmp, f"{cfg.name}-{ep}-{dp}-{precision}-{routing}.json")
     with open(path, "w") as f:
         json.dump(counts, f)
-    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
+    routed = setup.replace(moe_routing=f"counts:{path}")
     graph = describe(cfg, routed, "cpu", ranks=list(range(dp)), all_steps=True)
     simulated = simulate(graph)
     received = graph.metadata["expert_parallel"]["received_rows"]

@@ -355,7 +355,7 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     setup = scenario.setup
     traced = isinstance(scenario.model, TracedModel)
     model, batches = place_model(scenario.model, setup, device)
-    optimizer = make_optimizer(model, setup) if setup.passes == "train" else None
+    optimizer = make_optimizer(model, setup) if setup.batch.passes == "train" else None
     return model, optimizer, batches, traced
 
 
@@ -365,14 +365,14 @@ def run_loop(model, optimizer, batches, setup, traced: bool, device: str = "cuda
     optimizer step and zero_grad(set_to_none). Passes "forward": `out = model(batch)` with autograd on, dropped."""
     import torch
 
-    autocast = setup.precision == "bf16-autocast"
-    for step in range(setup.steps):
-        for mb in range(setup.grad_accum):
-            src = batches[(step * setup.grad_accum + mb) % len(batches)]
+    autocast = setup.precision.name == "bf16-autocast"
+    for step in range(setup.batch.steps):
+        for mb in range(setup.batch.grad_accum):
+            src = batches[(step * setup.batch.grad_accum + mb) % len(batches)]
             batch = tuple(t.clone() if t.device.type == device else t.to(device) for t in src)
             loss = None
             with torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
-                if setup.passes == "forward":
+                if setup.batch.passes == "forward":
                     out = _peakledger_forward_only(model, batch, traced)
                 else:
                     out, loss = _peakledger_forward(model, batch)

@@ -65,12 +65,12 @@ def real_run(impl: str, precision: str, worst: bool, tmp: Path) -> dict:
     scenario = Scenario(name=TINY.name, model=cfg, setup=setup, device="cpu")
     measured = measure(scenario, model_hook=hook)
     path = tmp / f"counts-{impl}-{precision}-{worst}.json"
-    recorder.write(path, setup.micro_batch, setup.seq_len, TINY.name)
-    routed = dataclasses.replace(scenario, setup=dataclasses.replace(setup, moe_routing=f"counts:{path}"))
+    recorder.write(path, setup.batch.micro_batch, setup.batch.seq_len, TINY.name)
+    routed = dataclasses.replace(scenario, setup=setup.replace(moe_routing=f"counts:{path}"))
     v, _, simulated = validate(routed, measured=measured)
     fb = [p for p in v.phases if p.label.startswith(("forward", "backward"))]
     step1 = lambda log: phase_peak(log, (Phase.FORWARD, Phase.BACKWARD), step=1)  # noqa: E731
-    return {"steps": setup.steps, "impl": impl, "fb_measured": step1(measured), "fb_predicted": step1(simulated),
+    return {"steps": setup.batch.steps, "impl": impl, "fb_measured": step1(measured), "fb_predicted": step1(simulated),
             "precision": precision, "routing": "worst (routers zeroed)" if worst else "as initialised",
             "counts": recorder.layers(), "measured": v.overall.measured, "predicted": v.overall.predicted,
             "error": v.overall.error, "fb_worst": max(abs(p.error) for p in fb),

@@ -99,7 +99,7 @@ def compare_mesh_case(name: str, tp: int, pp: int, dp: int, schedule: str | None
     t0 = time.perf_counter()
     measured = (measure_tensor_parallel(cfg, setup, tp, sp) if pp == dp == 1 else measure_mesh(cfg, setup))
     seconds = time.perf_counter() - t0
-    simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True))
+    simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(setup.mesh.world_size)), all_steps=True))
     rows = []
     for rank, log in enumerate(measured):
         val = compare_logs(log, simulated, rank=rank)

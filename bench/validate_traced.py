@@ -137,7 +137,7 @@ def before_of(hf: dict | None, setup: TrainingSetup, measured: int, refusal: str
 
 
 def run_row(label: str, model, setup: TrainingSetup, before) -> Row:
-    row = Row(label, setup.precision, setup.optimizer)
+    row = Row(label, setup.precision.name, setup.optimizer.name)
     t0 = time.perf_counter()
     try:
         v, measured, simulated = validation.validate(Scenario(name=label, model=model, setup=setup, device="cpu"))
@@ -174,7 +174,7 @@ def rows_for(label: str, precisions=PRECISIONS, optimizers=OPTIMIZERS):
                     yield run_row(label, model, setup, lambda m: "refused: an nn.Module (no hand-written describer)")
                 else:
                     hf, lora = hand
-                    yield run_row(label, model, setup, lambda m, s=dataclasses.replace(setup, **lora): before_of(
+                    yield run_row(label, model, setup, lambda m, s=setup.replace(**lora): before_of(
                         hf, s, m, ""))
 
 
@@ -211,10 +211,10 @@ def run_whatifs() -> list[tuple[str, str, int, int, float, float]]:
     for what, changes in WHATIFS:
         setup = TrainingSetup(**{**dict(SHAPE, steps=2, precision="fp32"), **changes})
         sc = Scenario(name=what, model=model, setup=setup, device="cpu")
-        runs = validate_ranks(sc)[0] if setup.world_size > 1 else [validation.validate(sc)[:2]]
+        runs = validate_ranks(sc)[0] if setup.mesh.world_size > 1 else [validation.validate(sc)[:2]]
         for k, (v, _) in enumerate(runs):
             worst = max((abs(p.error) for p in v.phases if p.label.startswith(("forward", "backward"))), default=0.0)
-            out.append((what, str(k) if setup.world_size > 1 else "-", v.overall.measured, v.overall.predicted,
+            out.append((what, str(k) if setup.mesh.world_size > 1 else "-", v.overall.measured, v.overall.predicted,
                         v.overall.error, worst))
         print(f"what-if {what}: {[f'{r[4]:+.4%}' for r in out if r[0] == what]}", flush=True)
     return out

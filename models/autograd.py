@@ -115,7 +115,7 @@ class MicroBatchReplay(ReplayPlan, ForwardPass, CheckpointRegions, DerivedBackwa
 
     def run(self) -> None:
         self.forward()
-        if self.b.setup.passes == "forward":
+        if self.b.setup.batch.passes == "forward":
             self.drop_output()
         else:
             self.backward()

@@ -60,17 +60,17 @@ class GraphBuilder:
             torch_version = self.graph.metadata.get("torch_version", "2.6")
         self.torch_version = torch_version
         self._lt_workspace = cublaslt_workspace_bytes(torch_version) if device.is_cuda else 0
-        self.trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
+        self.trainable = trainable_params(tape, setup.optimizer.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
         self.replay_plans: dict = {}  # models/replay_plan.py: each tape's replay plan, made once for this rank
         self.replay_templates: dict = {}  # models/replay_template.py: each plan's recorded passes
         # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
-        self._flop_rate = device.flops.get(setup.compute_dtype, device.flops["fp32"]) * device.flops_efficiency
+        self._flop_rate = device.flops.get(setup.precision.compute, device.flops["fp32"]) * device.flops_efficiency
         self._byte_rate = device.bandwidth * device.bandwidth_efficiency
         self._cuda = device.is_cuda
         self.engine = make_engine(self)
-        if setup.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
+        if setup.mesh.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
             self.engine = PipelineEngine(self, self.engine)
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
@@ -84,7 +84,7 @@ class GraphBuilder:
         """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
         its FLOPs run through on CUDA, "cublas", or "cublaslt" (models/gpu.py `gemm_takes_cublaslt`); None when its
         kernel never runs although its time is counted (a recompute stopping before it: replay_checkpoint.py)."""
-        if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.compute_dtype), inline
+        if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.precision.compute), inline
             duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
         if self._cuda and flops and gemm and stream is Stream.COMPUTE and (phase is Phase.FORWARD
                                                                           or phase is Phase.BACKWARD):

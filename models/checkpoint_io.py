@@ -157,13 +157,13 @@ def host_pool(b) -> Pool:
 
 def step_pool(b) -> Pool:
     """Where Adam's `step` tensors live, as models/training.py creates them."""
-    return optimizer_step_pool(b.device.is_cpu, b.setup.optimizer_impl)
+    return optimizer_step_pool(b.device.is_cpu, b.setup.optimizer.impl)
 
 
 def rank_state(b) -> tuple[StateTensor, ...]:
     """Rank `b.rank`'s training state in state-dict order: parameters, master weights, optimizer states."""
     e, s = b.engine, b.setup
-    n = s.world_size
+    n = s.mesh.world_size
     params = {p.name: p for p in b.tape.params}
     out: list[StateTensor] = []
     dtype = e.param_storage_dtype()
@@ -188,11 +188,11 @@ def rank_state(b) -> tuple[StateTensor, ...]:
             out.append(StateTensor(f"{t.name}.master", Category.MASTER_PARAMETER, "fp32", t.shape, t.numel * 4,
                                    t.numel * 4, full_numel(t) * 4, padded_numel(t) * shard * 4, shard, replicated,
                                    Pool.DEVICE))
-    state_pool = Pool.HOST if s.optimizer_offload != "none" else Pool.DEVICE  # offloaded: host buffers (offload.py)
+    state_pool = Pool.HOST if s.offload.mode != "none" else Pool.DEVICE  # offloaded: host buffers (offload.py)
     for t in tensors:
-        local = state_specs(s.optimizer, t.numel, s.state_dtype)
-        full = state_specs(s.optimizer, full_numel(t), s.state_dtype)
-        padded = state_specs(s.optimizer, padded_numel(t), s.state_dtype)
+        local = state_specs(s.optimizer.name, t.numel, s.precision.state)
+        full = state_specs(s.optimizer.name, full_numel(t), s.precision.state)
+        padded = state_specs(s.optimizer.name, padded_numel(t), s.precision.state)
         for (state, numel, dt), (_, full_n, _), (_, padded_n, _) in zip(local, full, padded):
             split = state is not OptimizerState.STEP
             k = dtype_bytes(dt)
@@ -200,7 +200,7 @@ def rank_state(b) -> tuple[StateTensor, ...]:
                                    numel * k, numel * k, full_n * k if split else numel * k,
                                    padded_n * shard * k if split else numel * k, shard if split else 1,
                                    replicated, state_pool if split else step_pool(b), state))
-    if s.optimizer == "adam-8bit":
+    if s.optimizer.name == "adam-8bit":
         out.append(StateTensor("optimizer.qmaps", Category.OPTIMIZER_STATE, "fp32", (2, 256), BNB_QMAP_BYTES,
                                BNB_QMAP_BYTES, BNB_QMAP_BYTES, BNB_QMAP_BYTES, 1, replicated, Pool.DEVICE,
                                OptimizerState.QUANT_STATE))
@@ -252,9 +252,9 @@ def written_by(b, state: tuple[StateTensor, ...], writers: dict[str, int] | None
     """The tensors rank `b.rank` writes in a per-rank save ("torch-save", "sharded"): its own, and the
     replicated ones it is given (rank 0 for torch-save; DCP's deduplication for sharded: `writers`, as
     `sharded_writers(b)` gives them, computed here when not given)."""
-    if b.setup.save_mode == "sharded":
+    if b.setup.checkpoint_io.save_mode == "sharded":
         items = state_dict_items(b, state)
-        if b.setup.world_size == 1:
+        if b.setup.mesh.world_size == 1:
             return items
         if writers is None:
             writers = sharded_writers(b, items if b.rank == 0 else None)
@@ -267,17 +267,17 @@ def sharded_writers(b, rank0_items: tuple[StateTensor, ...] | None = None) -> di
     (`rank0_items`, else rank 0's state built here; `b` is any rank's builder)."""
     if rank0_items is None:
         rank0_items = state_dict_items(b, rank_state(type(b)(b.tape, b.setup, b.device)))
-    return dcp_writers(rank0_items, b.setup.world_size)
+    return dcp_writers(rank0_items, b.setup.mesh.world_size)
 
 
 def saves_after(setup, step: int) -> bool:
     """Whether the run saves a checkpoint after optimizer step `step` (every `checkpoint_every` steps)."""
-    return setup.checkpoint_every > 0 and step % setup.checkpoint_every == 0
+    return setup.checkpoint_io.every > 0 and step % setup.checkpoint_io.every == 0
 
 
 def saves_any(setup) -> bool:
     """Whether the run saves at all: some step in 1..steps is a multiple of `checkpoint_every` (in O(1))."""
-    return 0 < setup.checkpoint_every <= setup.steps
+    return 0 < setup.checkpoint_io.every <= setup.batch.steps
 
 
 def rank_signature(b, writers: dict[str, int] | None = None) -> tuple:
@@ -287,9 +287,9 @@ def rank_signature(b, writers: dict[str, int] | None = None) -> tuple:
     s = b.setup
     if not saves_any(s):
         return ()
-    if s.save_mode in FULL_MODES:
+    if s.checkpoint_io.save_mode in FULL_MODES:
         return ("rank0" if b.rank == 0 else "other",)
-    if s.save_mode in ("torch-save", "sharded"):
+    if s.checkpoint_io.save_mode in ("torch-save", "sharded"):
         return tuple(t.nbytes for t in written_by(b, rank_state(b), writers))
     return ()
 
@@ -300,9 +300,9 @@ def signature_ranks(b) -> set[int]:
     sharded save, at every DCP writer and the rank after it. `b` is rank 0's builder."""
     s = b.setup
     out = {1}
-    if s.save_mode == "sharded" and s.world_size > 1 and saves_any(s):
+    if s.checkpoint_io.save_mode == "sharded" and s.mesh.world_size > 1 and saves_any(s):
         out |= {r + k for r in set(sharded_writers(b, state_dict_items(b, rank_state(b))).values()) for k in (0, 1)}
-    return {r for r in out if r < s.world_size}
+    return {r for r in out if r < s.mesh.world_size}
 
 
 def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
@@ -314,15 +314,22 @@ def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
     s = b.setup
     ranks = list(ranks)
     saves = saves_any(s)
-    if not saves or s.save_mode not in ("torch-save", "sharded"):
-        return {r: ("rank0" if r == 0 else "other",) if saves and s.save_mode in FULL_MODES else () for r in ranks}
+    if not saves or s.checkpoint_io.save_mode not in ("torch-save", "sharded"):
+        return {
+            r: ("rank0" if r == 0 else "other",) if saves and s.checkpoint_io.save_mode in FULL_MODES else ()
+            for r in ranks
+        }
     state = rank_state(b)
-    items = state_dict_items(b, state) if s.save_mode == "sharded" else state
-    writers = dcp_writers(items, s.world_size) if s.save_mode == "sharded" and s.world_size > 1 else None
+    items = state_dict_items(b, state) if s.checkpoint_io.save_mode == "sharded" else state
+    writers = (
+        dcp_writers(items, s.mesh.world_size)
+        if s.checkpoint_io.save_mode == "sharded" and s.mesh.world_size > 1
+        else None
+    )
     if not b.engine.symmetric:
         return {r: rank_signature(b if r == b.rank else builder(r), writers) for r in ranks}
     if writers is None:  # torch-save (rank 0 writes the replicated tensors), or a sharded save on one rank
-        mine = tuple(t.nbytes for t in items if not t.replicated or s.save_mode == "sharded")
+        mine = tuple(t.nbytes for t in items if not t.replicated or s.checkpoint_io.save_mode == "sharded")
         everything = tuple(t.nbytes for t in items)
         return {r: everything if r == 0 else mine for r in ranks}
     own = [i for i, t in enumerate(items) if not t.replicated]
@@ -358,7 +365,7 @@ def _staging(b, name: str, nbytes: int, t: StateTensor, pool: Pool, whole: bool 
 
 def save_checkpoint(b, step: int) -> None:
     """Add the ops of one checkpoint save after optimizer step `step` (Phase.CHECKPOINT) to rank `b.rank`."""
-    mode = b.setup.save_mode
+    mode = b.setup.checkpoint_io.save_mode
     state = rank_state(b)
     if mode == "torch-save":
         _torch_save(b, step, written_by(b, state), "checkpoint.torch_save")
@@ -393,7 +400,7 @@ def _torch_save(b, step: int, tensors, prefix: str, storages=None) -> None:
 def _full_state_dict(b, step: int, state: tuple[StateTensor, ...]) -> None:
     """A full state dict gathered tensor by tensor on every rank, kept or offloaded on rank 0, then
     written by rank 0 (see the module docstring for full-rank0 / full-rank0-offload / full-all)."""
-    mode, rank0, ph = b.setup.save_mode, b.rank == 0, Phase.CHECKPOINT
+    mode, rank0, ph = b.setup.checkpoint_io.save_mode, b.rank == 0, Phase.CHECKPOINT
     offload = mode == "full-rank0-offload" and not b.device.is_cpu
     keep = (rank0 and not offload) or mode == "full-all"
     kept: list[Block] = []
@@ -453,7 +460,7 @@ def _async_save(b, step: int, state: tuple[StateTensor, ...]) -> None:
     StateDictStager._offload_tensor) that `set_` replaces by the staged storage: a transient of one
     element per tensor."""
     ph, pool = Phase.CHECKPOINT, host_pool(b)
-    first = step == b.setup.checkpoint_every
+    first = step == b.setup.checkpoint_io.every
     for t in state:
         placeholder = b.block(f"checkpoint.{t.name}.placeholder", dtype_bytes(t.dtype), Category.CHECKPOINT_STAGING,
                               t.dtype, (), pool=pool)
@@ -472,9 +479,9 @@ def _adopted(b, t: StateTensor) -> Block:
 
 
 def load_checkpoint(b) -> bool:
-    """Add the ops of loading the rank's checkpoint (`setup.load_mode`, Phase.LOAD, after the engine has
+    """Add the ops of loading the rank's checkpoint (`setup.checkpoint_io.load_mode`, Phase.LOAD, after the engine has
     built the model). True when the optimizer states now exist (the first step creates none)."""
-    mode = b.setup.load_mode
+    mode = b.setup.checkpoint_io.load_mode
     if mode == "none":
         return False
     state = rank_state(b)

@@ -34,8 +34,8 @@ class Family:
 
 
 def _transformer(model: TransformerConfig, setup: TrainingSetup) -> None:
-    if setup.seq_len > model.max_seq_len:
-        raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    if setup.batch.seq_len > model.max_seq_len:
+        raise ConfigError("seq_len", f"{setup.batch.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     check_routing(model, setup)
 
 

@@ -37,10 +37,23 @@ def _adapters(cls) -> tuple[tuple[str, object, TypeAdapter], ...]:
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         parts = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-        if any(dataclasses.is_dataclass(p) for p in parts):
+        if any(dataclasses.is_dataclass(p) or getattr(p, "CHECKS_ITSELF", False) for p in parts):
             continue  # another config: it checks itself
         out.append((f.name, tp, TypeAdapter(tp, config=STRICT)))
     return tuple(out)
+
+
+@functools.cache
+def _adapter(tp) -> TypeAdapter:
+    return TypeAdapter(tp, config=STRICT)
+
+
+def check_value(name: str, tp, value, error: type[Exception]) -> None:
+    """Raise `error(name, message)` when `value` is not strictly of type `tp`."""
+    try:
+        _adapter(tp).validate_python(value)
+    except ValidationError:
+        raise error(name, f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
 
 
 def check_types(obj, error: type[Exception]) -> None:
@@ -54,4 +67,4 @@ def check_types(obj, error: type[Exception]) -> None:
             raise error(name, f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
 
 
-__all__ = ["check_types"]
+__all__ = ["check_types", "check_value"]

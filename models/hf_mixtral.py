@@ -56,21 +56,23 @@ class _MixtralWriter(HFWriter):
 
 def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False, ep_rank: int = 0) -> Tape:
     """`MixtralForCausalLM.forward(input_ids=idx, labels=idx)` (see the notes above); with expert parallelism
-    (`setup.ep` > 1) the tape of expert-parallel rank `ep_rank` (models/parallel/expert.py): its own experts and
+    (`setup.mesh.ep` > 1) the tape of expert-parallel rank `ep_rank` (models/parallel/expert.py): its own experts and
     its token dispatch and combine."""
-    if setup.checkpointing not in MIXTRAL_CHECKPOINTING:
+    if setup.checkpointing.policy not in MIXTRAL_CHECKPOINTING:
         raise ConfigError("checkpointing", f"HF Mixtral (experts) is modelled without activation checkpointing, "
-                                           f"not {setup.checkpointing!r}; allowed: none")
-    if cfg.experts_implementation == "eager" and setup.prec.autocast:
+                                           f"not {setup.checkpointing.policy!r}; allowed: none")
+    if cfg.experts_implementation == "eager" and setup.precision.autocast:
         raise ConfigError("experts_implementation", "the eager experts loop under torch.autocast (16-bit copies of "
                                                     "weight slices, not cached) is not modelled; allowed there: "
                                                     "grouped_mm")
-    B, T, D, hd = setup.micro_batch, setup.seq_len, cfg.d_model, cfg.head_size
+    B, T, D, hd = setup.batch.micro_batch, setup.batch.seq_len, cfg.d_model, cfg.head_size
     params = transformer_params(cfg)
-    if setup.ep > 1:  # Shard(0) of the experts' 3-D weights: this rank's E / ep experts
+    if setup.mesh.ep > 1:  # Shard(0) of the experts' 3-D weights: this rank's E / ep experts
         local = tuple(p.name for p in params if p.name.endswith(EXPERT_WEIGHTS))
-        params = [replace(p, shape=(p.shape[0] // setup.ep,) + p.shape[1:]) if p.name in local else p for p in params]
-        tape = ExpertParallelTape(params=params, ep=setup.ep, ep_rank=ep_rank, local_params=local)
+        params = [
+            replace(p, shape=(p.shape[0] // setup.mesh.ep,) + p.shape[1:]) if p.name in local else p for p in params
+        ]
+        tape = ExpertParallelTape(params=params, ep=setup.mesh.ep, ep_rank=ep_rank, local_params=local)
     else:
         tape = Tape(params=params)
     w = _MixtralWriter(tape, setup, cpu)
@@ -79,7 +81,7 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     tape.inputs = [idx, TensorSpec("batch.targets", (B, T), "int64", False)]
     tape.buffers = [TensorSpec(f"model.rotary_emb.{n}", (hd // 2,), "fp32", False)
                     for n in ("inv_freq", "original_inv_freq")]
-    emb_dt = w.fp32_op_dtype() if w.autocast else setup.param_dtype
+    emb_dt = w.fp32_op_dtype() if w.autocast else setup.precision.param
     (x,) = w.op("model.embed_tokens", "embedding", [idx], [w.t("model.embed_tokens.out", (B, T, D), emb_dt)],
                 saves=(idx.name,), params=("model.embed_tokens.weight",))
     (pos,) = w.op("model.position_ids", "arange", [], [w.t("model.position_ids", (1, T), "int64", False)],
@@ -101,7 +103,7 @@ def hf_mixtral_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = Fa
     logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
     hf_causal_lm_loss(w, logits, idx)
     w.release("causal_lm.return", [x])  # `hidden_states`, a local of MixtralForCausalLM.forward
-    tape.held = (logits.name,) if setup.holds_outputs else ()
+    tape.held = (logits.name,) if setup.loop.holds_outputs else ()
     return tape
 
 

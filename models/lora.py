@@ -65,7 +65,7 @@ def targets(model, setup: TrainingSetup) -> tuple[str, ...]:
     if model.implementation == "hf":
         raise ConfigError("lora_r", "LoRA on HF's GPT2LMHeadModel (Conv1D, fan_in_fan_out) is not modelled; allowed: "
                                     "implementation nanogpt (the gpt2 / llama presets)")
-    chosen = setup.lora_targets or DEFAULT_TARGETS[model.family]
+    chosen = setup.lora.targets or DEFAULT_TARGETS[model.family]
     linears = BLOCK_LINEARS[model.family]
     allowed = sorted({p.rpartition(".")[2] for p in linears}) + [p for p in linears
                                                                  if sum(q.endswith(p.rpartition(".")[2])
@@ -84,7 +84,7 @@ def is_target(name: str, chosen: tuple[str, ...]) -> bool:
 def adapter_dtype(setup: TrainingSetup) -> str:
     """peft get_peft_model(autocast_adapter_dtype=True) upcasts fp16/bf16 adapters to fp32
     (peft/tuners/tuners_utils.py `_cast_adapter_dtype`); under mixed precision the engine casts the module."""
-    return "fp32" if setup.precision == "bf16" else setup.param_dtype
+    return "fp32" if setup.precision.uniform and setup.precision.param == "bf16" else setup.precision.param
 
 
 @dataclass
@@ -118,7 +118,7 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
         base = f"{module}.base_layer" if target else module
         if leaf == "weight":
             shape = p.shape
-            if setup.quantize != "none":
+            if setup.lora.quantize != "none":
                 packed = qlora.packed_params(f"{base}.weight", p.shape)
                 out.append(packed[0][0])
                 state = [spec for spec, _ in packed[1:]]  # registered on the module after weight and bias
@@ -129,14 +129,14 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
         else:
             out.append(ParamSpec(f"{base}.bias", p.shape))
         last_of_module = i + 1 == len(params) or params[i + 1].name.rpartition(".")[0] != module
-        if last_of_module and setup.quantize != "none":
+        if last_of_module and setup.lora.quantize != "none":
             out += state
         if target and last_of_module:
             out_f, in_f = shape
-            adapters = [ParamSpec(f"{module}.lora_A.default.weight", (setup.lora_r, in_f)),
-                        ParamSpec(f"{module}.lora_B.default.weight", (out_f, setup.lora_r))]
+            adapters = [ParamSpec(f"{module}.lora_A.default.weight", (setup.lora.r, in_f)),
+                        ParamSpec(f"{module}.lora_B.default.weight", (out_f, setup.lora.r))]
             out += adapters
-            if adapter_dtype(setup) != setup.param_dtype:
+            if adapter_dtype(setup) != setup.precision.param:
                 dtypes.update({a.name: adapter_dtype(setup) for a in adapters})
     return LoraTape(params=out, param_dtypes=dtypes, logical_numel=logical)
 
@@ -159,7 +159,7 @@ def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, wei
     base = f"{name}.base_layer" if target else name
     weight = weight if (weight and not target) else f"{base}.weight"
     bias_name = f"{base}.bias" if bias else None
-    if setup.quantize != "none" and name != "lm_head":
+    if setup.lora.quantize != "none" and name != "lm_head":
         y = qlora.nf4_linear(w, name, x, out_features, weight, bias_name)
     else:
         y = frozen_linear(w, name, x, out_features, weight, bias_name)
@@ -192,7 +192,7 @@ def _adapter_branch(w, name: str, x: TensorSpec, result: TensorSpec, out_feature
     """peft/tuners/lora/layer.py Linear.forward (or lora/bnb.py Linear4bit.forward under QLoRA) after the base."""
     setup = w.setup
     adt = adapter_dtype(setup)
-    qlora_path = setup.quantize != "none"
+    qlora_path = setup.lora.quantize != "none"
     if qlora_path:  # lora/bnb.py: "for 4bit, we need to defensively clone here"
         (result,) = w.op(f"{name}.result_clone", "clone", [result], [w.t(f"{name}.result_clone", result.shape,
                                                                           result.dtype)], passthrough=True)
@@ -200,8 +200,8 @@ def _adapter_branch(w, name: str, x: TensorSpec, result: TensorSpec, out_feature
     copy = None
     if convert and x.dtype != adt:
         (x,) = copy = w.op(f"{name}.lora_input_cast", "to_copy", [x], [w.t(f"{name}.lora_input", x.shape, adt)])
-    x = w.dropout(f"{name}.lora_dropout.default", x, setup.lora_dropout)
-    a = w.linear(f"{name}.lora_A.default", x, setup.lora_r, False, adapter=True)
+    x = w.dropout(f"{name}.lora_dropout.default", x, setup.lora.dropout)
+    a = w.linear(f"{name}.lora_A.default", x, setup.lora.r, False, adapter=True)
     b = w.linear(f"{name}.lora_B.default", a, out_features, False, adapter=True)
     (scaled,) = w.op(f"{name}.lora_scale", "mul", [b], [w.t(f"{name}.lora_scaled", b.shape, b.dtype)],
                      flops=b.shape[0] * b.shape[1] * out_features)

@@ -62,7 +62,7 @@ def active_params(cfg: TransformerConfig, n_params: int) -> int:
 
 def check_routing(cfg, setup: TrainingSetup) -> None:
     """`moe_routing` is for models with experts; a counts file must fit the model and the micro-batch."""
-    if setup.moe_routing is None:
+    if setup.moe.routing is None:
         return
     if not has_experts(cfg):
         raise ConfigError("moe_routing", f"the model {getattr(cfg, 'name', cfg)!r} has no experts; moe_routing "
@@ -73,13 +73,13 @@ def check_routing(cfg, setup: TrainingSetup) -> None:
 def routing_counts(cfg: TransformerConfig, setup: TrainingSetup, layer: int) -> tuple[int, ...]:
     """Tokens each expert of `layer` receives in one micro-batch (they sum to tokens x top-k)."""
     E, k = cfg.num_local_experts, cfg.num_experts_per_tok
-    pairs = setup.micro_batch * setup.seq_len * k
-    mode = setup.moe_routing or "balanced"
+    pairs = setup.batch.micro_batch * setup.batch.seq_len * k
+    mode = setup.moe.routing or "balanced"
     if mode == "balanced":
         base, extra = divmod(pairs, E)
         return tuple(base + (1 if e < extra else 0) for e in range(E))
     if mode == "worst":
-        tokens = setup.micro_batch * setup.seq_len
+        tokens = setup.batch.micro_batch * setup.batch.seq_len
         return tuple(tokens if e < k else 0 for e in range(E))
     return read_counts(mode[len("counts:"):], cfg, setup)[layer]
 
@@ -117,7 +117,7 @@ def _read_counts(path: str, cfg: TransformerConfig, setup: TrainingSetup) -> tup
         raise bad("format", f"must be {COUNTS_FORMAT!r}, got {data.get('format')!r}")
     if data.get("version") != COUNTS_VERSION or isinstance(data.get("version"), bool):
         raise bad("version", f"must be {COUNTS_VERSION}, got {data.get('version')!r}")
-    for key, want in (("micro_batch", setup.micro_batch), ("seq_len", setup.seq_len),
+    for key, want in (("micro_batch", setup.batch.micro_batch), ("seq_len", setup.batch.seq_len),
                       ("num_experts_per_tok", cfg.num_experts_per_tok)):
         value = data.get(key, want if key == "num_experts_per_tok" else None)
         if isinstance(value, bool) or not isinstance(value, int):
@@ -128,7 +128,7 @@ def _read_counts(path: str, cfg: TransformerConfig, setup: TrainingSetup) -> tup
     if not isinstance(layers, list) or len(layers) != cfg.n_layer:
         got = f"{len(layers)} layers" if isinstance(layers, list) else repr(type(layers).__name__)
         raise bad("layers", f"must be a list of {cfg.n_layer} layers (one per decoder layer), got {got}")
-    pairs = setup.micro_batch * setup.seq_len * cfg.num_experts_per_tok
+    pairs = setup.batch.micro_batch * setup.batch.seq_len * cfg.num_experts_per_tok
     out = []
     for i, row in enumerate(layers):
         if not isinstance(row, list) or len(row) != cfg.num_local_experts:
@@ -137,9 +137,12 @@ def _read_counts(path: str, cfg: TransformerConfig, setup: TrainingSetup) -> tup
         for e, n in enumerate(row):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise bad(f"layers[{i}][{e}]", f"must be an integer >= 0, got {n!r}")
-            if n > setup.micro_batch * setup.seq_len:
-                raise bad(f"layers[{i}][{e}]", f"{n} is more than the micro-batch's {setup.micro_batch * setup.seq_len}"
-                                               " tokens (an expert sees a token at most once)")
+            if n > setup.batch.micro_batch * setup.batch.seq_len:
+                raise bad(
+                    f"layers[{i}][{e}]",
+                    f"{n} is more than the micro-batch's {setup.batch.micro_batch * setup.batch.seq_len}"
+                    " tokens (an expert sees a token at most once)",
+                )
         if sum(row) != pairs:
             raise bad(f"layers[{i}]", f"sums to {sum(row)}, not tokens x top-k = {pairs}")
         out.append(tuple(row))
@@ -196,12 +199,12 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
     (ids_f,) = w.op(f"{x}.histc_input", "to_copy", [ids_g], [w.t(f"{x}.histc_input", (S,), "fp32", False)])
     (hist,) = w.op(f"{x}.histc", "histc", [ids_f], [w.t(f"{x}.tokens_per_expert", (E,), "fp32", False)])
     ep_locals = ()
-    if w.setup.ep > 1:  # torchtitan's token dispatch: this rank's experts get their rows from every rank
+    if w.setup.mesh.ep > 1:  # torchtitan's token dispatch: this rank's experts get their rows from every rank
         rows, routed, ep_idx, offs, ep_locals = expert_dispatch(w, x, gathered, hist, counts, E)
     else:
         (offs,) = w.op(f"{x}.offsets", "cumsum", [hist], [w.t(f"{x}.offsets", (E,), "int32", False)])
         rows, routed = gathered, S
-    pdt = w.setup.param_dtype  # grouped_mm is not autocast-enabled: `input.to(weight.dtype)`, in the weights' dtype
+    pdt = w.setup.precision.param  # grouped_mm is not autocast-enabled: `input.to(weight.dtype)`, in the weights' dtype
     rows = _to(w, f"{x}.gate_up_proj", rows, pdt)
     M = rows.shape[0]
     (proj,) = w.op(f"{x}.gate_up_proj", "grouped_mm", [rows, offs], [w.t(f"{x}.gate_up_out", (M, 2 * F), pdt)],
@@ -214,7 +217,7 @@ def moe_block(w, cfg: TransformerConfig, h: str, m: TensorSpec, layer: int, resi
     (down,) = w.op(f"{x}.down_proj", "grouped_mm", [prod, offs], [w.t(f"{x}.down_out", (M, D), pdt)],
                    saves=(prod.name, offs.name), params=(f"{x}.down_proj",), saved_params=(f"{x}.down_proj",),
                    flops=2 * routed * F * D)
-    if w.setup.ep > 1:  # torchtitan's combine: the rows back to the ranks of their tokens
+    if w.setup.mesh.ep > 1:  # torchtitan's combine: the rows back to the ranks of their tokens
         down = expert_combine(w, x, down, ep_idx, routed, S)
     wdt = "fp32" if "fp32" in (pdt, weights_g.dtype) else pdt
     (weighted,) = w.op(f"{x}.weigh", "mul", [down, weights_g], [w.t(f"{x}.weighted", (S, D), wdt)],
@@ -244,7 +247,7 @@ def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: Ten
     gradient reaches every expert's output without any memory of its own. Returns (output, accumulator)."""
     N, D = m.shape[0] * m.shape[1], m.shape[2]
     E, k, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.ffn
-    pdt, ddt = w.setup.param_dtype, m.dtype
+    pdt, ddt = w.setup.precision.param, m.dtype
     x = f"{x}.experts"
     (acc,) = w.op(f"{x}.zeros", "zeros_like", [], [w.t(f"{x}.accumulator", m.shape, ddt, False)])
     (mask,) = w.op(f"{x}.one_hot", "one_hot", [idx], [w.t(f"{x}.expert_mask", (N, k, E + 1), "int64", False)])
@@ -261,7 +264,7 @@ def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: Ten
         w.release(f"{ex}.current_state.reassigned", [prev_state])  # the loop's local of the previous expert
         (proj,) = w.op(f"{ex}.gate_up_proj", "linear", [state], [w.t(f"{ex}.gate_up_out", (n, 2 * F), pdt)],
                        saves=(state.name,), params=(f"{x}.gate_up_proj",), saved_params=(f"{x}.gate_up_proj",),
-                       bwd_workspace=(w.t(f"{ex}.gate_up_proj.slice_grad", (2 * F, D), w.setup.grad_dtype, False),),
+                       bwd_workspace=(w.t(f"{ex}.gate_up_proj.slice_grad", (2 * F, D), w.setup.precision.grad, False),),
                        flops=2 * n * D * 2 * F)
         (act,) = w.op(f"{ex}.act", "silu", [proj], [w.t(f"{ex}.act", (n, F), pdt)], saves=(proj.name,),
                       views=(proj.name,))
@@ -270,7 +273,7 @@ def _eager_experts(w, cfg: TransformerConfig, x: str, m: TensorSpec, scores: Ten
         w.release(f"{ex}.current_hidden_states.reassigned", [prev_weighted])
         (down,) = w.op(f"{ex}.down_proj", "linear", [prod], [w.t(f"{ex}.down_out", (n, D), pdt)],
                        saves=(prod.name,), params=(f"{x}.down_proj",), saved_params=(f"{x}.down_proj",),
-                       bwd_workspace=(w.t(f"{ex}.down_proj.slice_grad", (D, F), w.setup.grad_dtype, False),),
+                       bwd_workspace=(w.t(f"{ex}.down_proj.slice_grad", (D, F), w.setup.precision.grad, False),),
                        flops=2 * n * F * D)
         (wsel,) = w.op(f"{ex}.routing_weight", "index", [scores, pairs], [w.t(f"{ex}.routing_weight", (n, 1), "fp32")],
                        saves=(pairs.name,),

@@ -30,9 +30,9 @@ class OffloadedStates:
     def __init__(self, b, tensors) -> None:
         s = b.setup
         self.b = b
-        indices = offload_chunks([t.numel for t in tensors], s.optimizer_offload, s.offload_chunk_params)
+        indices = offload_chunks([t.numel for t in tensors], s.offload.mode, s.offload.chunk_params)
         self.chunks = [[tensors[i] for i in chunk] for chunk in indices]
-        self.prefetch = s.offload_prefetch if s.optimizer_offload == "chunked" else 0
+        self.prefetch = s.offload.prefetch if s.offload.mode == "chunked" else 0
         self.host: dict[str, Block] = {}
         self.device: dict[str, Block] = {}
 
@@ -42,7 +42,7 @@ class OffloadedStates:
 
     def _specs(self, t):
         s = self.b.setup
-        for state, numel, dtype in state_specs(s.optimizer, t.numel, s.state_dtype):
+        for state, numel, dtype in state_specs(s.optimizer.name, t.numel, s.precision.state):
             if offloaded(state):
                 yield f"{t.name}.{state.value}", state, numel, dtype
 

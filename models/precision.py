@@ -1,5 +1,6 @@
 """What a precision name means, decoded once: for each `TrainingSetup.precision`, the dtype of each kind of tensor
-and whether the forward runs under torch.autocast. Every module reads these fields (`setup.prec`), not the name.
+and whether the forward runs under torch.autocast. Every module reads these fields (`setup.precision.param`), not the
+name.
 
 | name          | parameters | activations | fp32 master | optimizer states | autocast |
 |---------------|------------|-------------|-------------|------------------|----------|
@@ -10,22 +11,42 @@ and whether the forward runs under torch.autocast. Every module reads these fiel
 | fp16-autocast | fp32       | fp16        | no          | fp32             | fp16     |
 | bf16          | bf16       | bf16        | no          | bf16             | no       |
 
-Gradients take the parameters' dtype, or fp32 with `fp32_grads` (mixed precision only): `TrainingSetup.grad_dtype`.
+Gradients take the parameters' dtype, or fp32 with `fp32_grads` (mixed precision only): `Precision.grad`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from .knobs import Section, knob
 
-@dataclass(frozen=True)
-class Precision:
-    name: str
-    param: str  # the dtype parameters are stored in
-    compute: str  # the dtype of activations
-    master: str | None  # fp32 master weights beside 16-bit parameters (mixed precision), else None
-    state: str  # the optimizer states' dtype
-    autocast: str | None  # torch.autocast's dtype around the forward and the loss, else None
+# name, parameters, activations, fp32 master, optimizer states, autocast (the table above)
+_ROWS = (
+    ("fp32", "fp32", "fp32", None, "fp32", None),
+    ("bf16-mixed", "bf16", "bf16", "fp32", "fp32", None),
+    ("fp16-mixed", "fp16", "fp16", "fp32", "fp32", None),
+    ("bf16-autocast", "fp32", "bf16", None, "fp32", "bf16"),
+    ("fp16-autocast", "fp32", "fp16", None, "fp32", "fp16"),
+    ("bf16", "bf16", "bf16", None, "bf16", None),
+)
+PRECISIONS = tuple(row[0] for row in _ROWS)
+
+
+@dataclass(frozen=True, eq=False)
+class Precision(Section):
+    """The setup's precision section (`setup.precision.name`): its two knobs, the precision's `name` (the string users
+    write) and `fp32_grads`, and the dtypes the name means, decoded from the table."""
+
+    DERIVED = ("param", "compute", "master", "state", "autocast")
+
+    name: str = knob("fp32", "precision", choices=PRECISIONS, name="precision")
+    param: str = "fp32"  # the dtype parameters are stored in
+    compute: str = "fp32"  # the dtype of activations
+    master: str | None = None  # fp32 master weights beside 16-bit parameters (mixed precision), else None
+    state: str = "fp32"  # the optimizer states' dtype
+    autocast: str | None = None  # torch.autocast's dtype around the forward and the loss, else None
+    fp32_grads: bool = knob(False, "precision", "mixed precision: fp32 gradients", cli="on")
 
     @property
     def mixed(self) -> bool:
@@ -37,14 +58,15 @@ class Precision:
         model-parallel programs measure these."""
         return self.master is None and self.autocast is None
 
+    @property
+    def grad(self) -> str:
+        """The gradients' dtype: the parameters', or fp32 with `fp32_grads` (mixed precision only)."""
+        return "fp32" if self.fp32_grads else self.param
 
-PRECISION_TABLE: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", "fp32", "fp32", None, "fp32", None),
-    Precision("bf16-mixed", "bf16", "bf16", "fp32", "fp32", None),
-    Precision("fp16-mixed", "fp16", "fp16", "fp32", "fp32", None),
-    Precision("bf16-autocast", "fp32", "bf16", None, "fp32", "bf16"),
-    Precision("fp16-autocast", "fp32", "fp16", None, "fp32", "fp16"),
-    Precision("bf16", "bf16", "bf16", None, "bf16", None),
-)}
-PRECISIONS = tuple(PRECISION_TABLE)
+    @classmethod
+    def from_knobs(cls, values: dict) -> Precision:
+        return dataclasses.replace(PRECISION_TABLE[values["precision"]], fp32_grads=values["fp32_grads"])
+
+
+PRECISION_TABLE: dict[str, Precision] = {row[0]: Precision(*row) for row in _ROWS}
 UNIFORM_PRECISIONS = tuple(p.name for p in PRECISION_TABLE.values() if p.uniform)  # ("fp32", "bf16")

@@ -59,7 +59,7 @@ def nf4_linear(w, name: str, x: TensorSpec, out_features: int, weight: str, bias
     quant = (weight, f"{weight}_absmax", f"{weight}_offset", f"{weight}_code", f"{weight}_absmax2",
              f"{weight}_code2")
     params = quant + ((bias,) if bias else ())
-    weight_dtype = w.setup.param_dtype  # Params4bit's quant_state.dtype: the weight's dtype when quantized
+    weight_dtype = w.setup.precision.param  # Params4bit's quant_state.dtype: the weight's dtype when quantized
     # the absmaxes (n / 16 bytes) go when dequantize_4bit returns, before the matmul makes the input's gradient
     # (B x T x in, larger): the backward's highest moment holds the dequantized weight and that gradient
     bwd = (w.t(f"{name}.weight_dequant_grad", (out_features, in_features), weight_dtype, False),)

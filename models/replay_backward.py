@@ -89,7 +89,7 @@ class DerivedBackward:
         cast_grads = []  # autocast: the op's gradient of a 16-bit weight copy, turned fp32 by the next node
         for p in op.params:
             if p in op.casts and p in self.trainable:
-                cdt = self.b.setup.compute_dtype
+                cdt = self.b.setup.precision.compute
                 tmp = self.b.block(f"{p}.autocast_copy.grad", self.b.param_numel[p] * dtype_bytes(cdt),
                                    Category.TEMPORARY, cdt, self.b.param_shape[p])
                 allocs.append(tmp)

@@ -95,9 +95,13 @@ class ForwardPass:
             held = bool(saves) and not offload and self._saves_param(op, p)
             # autocast caches its casts of trainable parameters until the forward pass ends (its context exits)
             cached_cast = not recomputing and p in self.trainable
-            cast = self.b.block(f"{p}.autocast_copy", self.b.param_numel[p] * dtype_bytes(self.b.setup.compute_dtype),
-                                Category.ACTIVATION if held else Category.TEMPORARY,
-                                self.b.setup.compute_dtype, self.b.param_shape[p])
+            cast = self.b.block(
+                f"{p}.autocast_copy",
+                self.b.param_numel[p] * dtype_bytes(self.b.setup.precision.compute),
+                Category.ACTIVATION if held else Category.TEMPORARY,
+                self.b.setup.precision.compute,
+                self.b.param_shape[p],
+            )
             allocs.append(cast)
             casts.append(cast)
             if held or cached_cast:

@@ -44,7 +44,7 @@ class OffloadedSaves:
         for p in op.saved_params:
             if p in op.casts or not self._saves_param(op, p):
                 continue
-            dtype = self.b.setup.param_dtype
+            dtype = self.b.setup.precision.param
             pack(p, self.b.param_numel[p] * dtype_bytes(dtype), dtype, self.b.param_shape[p])
         return out
 

@@ -251,7 +251,7 @@ def sqrt_segments(n_layer: int) -> tuple[range, ...]:
 
 def checkpoint_segments(setup: TrainingSetup, n_layer: int) -> tuple[Segment, ...]:
     """The layers of a model (transformer blocks; an MLP's Linear(+activation) pairs) under
-    `setup.checkpointing`, as segments in order:
+    `setup.checkpointing.policy`, as segments in order:
 
     none       every layer plain.
     full       every layer its own checkpoint region.
@@ -262,19 +262,19 @@ def checkpoint_segments(setup: TrainingSetup, n_layer: int) -> tuple[Segment, ..
     sqrt       `sqrt_segments`: ceil(sqrt(n_layer)) regions of consecutive layers.
     selective, op-policy, offload: every layer, wrapped so (see `Segment`).
     """
-    policy = setup.checkpointing
+    policy = setup.checkpointing.policy
     one = lambda i, wrap: Segment(range(i, i + 1), wrap)  # noqa: E731
     if policy == "sqrt":
         return tuple(Segment(r, "checkpoint") for r in sqrt_segments(n_layer))
     if policy in ("selective", "op-policy", "offload"):
         return tuple(one(i, policy) for i in range(n_layer))
     if policy == "every-k":
-        chosen = set(range(0, n_layer, setup.checkpoint_every_k))
+        chosen = set(range(0, n_layer, setup.checkpointing.every_k))
     elif policy == "layers":
-        bad = [i for i in setup.checkpoint_layers if i >= n_layer]
+        bad = [i for i in setup.checkpointing.layers if i >= n_layer]
         if bad:
             raise ConfigError("checkpoint_layers", f"layer {bad[0]} is not in 0..{n_layer - 1}")
-        chosen = set(setup.checkpoint_layers)
+        chosen = set(setup.checkpointing.layers)
     elif policy == "full":
         chosen = set(range(n_layer))
     else:

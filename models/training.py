@@ -10,9 +10,9 @@ The training loop described is the usual one:
         optimizer.step()                        # states created here at step 1
         optimizer.zero_grad(set_to_none=...)
 
-With data parallelism, the engine of `setup.dp_engine` (models/parallel/) decides each rank's layout,
+With data parallelism, the engine of `setup.data_parallel.engine` (models/parallel/) decides each rank's layout,
 its gathers and reduce buckets; `describe` writes one representative rank per class of identical ranks.
-With `setup.optimizer_offload` the optimizer is wrapped (models/optimizers.py, models/offload.py): its
+With `setup.offload.mode` the optimizer is wrapped (models/optimizers.py, models/offload.py): its
 states live on the host between steps and `step()` runs chunk by chunk, each chunk copied in and out.
 
 Steps repeat. Only a few things in a step's ops depend on its number (`step_kind`): the first step
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from math import prod
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
@@ -66,11 +66,11 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s. A
     traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
     check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
-    if setup.compile:  # the compiled program of a traced model (models/compile)
+    if setup.compile.on:  # the compiled program of a traced model (models/compile)
         return compiled_tape(model, setup, cpu, cuda)
     family = family_of(model)  # models/families.py
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
-    if family.hand_written and setup.passes == "forward":
+    if family.hand_written and setup.batch.passes == "forward":
         # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run (a trace records none)
         tape = replace(tape, ops=[op for op in tape.ops if not op.name.startswith("loss.")])
     return tape
@@ -84,7 +84,7 @@ def step_kind(setup: TrainingSetup, step: int) -> tuple[bool, bool, bool]:
     parallel.py; a checkpoint save after it, models/checkpoint_io.saves_after; the first async save, which
     allocates the stager's cache for good). Two steps of one kind that follow steps of one kind are the same
     ops, once every one-off step has passed. A describer that makes a step depend on its number adds it here."""
-    first_async_save = setup.save_mode == "async" and step == setup.checkpoint_every
+    first_async_save = setup.checkpoint_io.save_mode == "async" and step == setup.checkpoint_io.every
     return (step == 1, saves_after(setup, step), first_async_save)
 
 
@@ -156,7 +156,7 @@ class StepPlan:
 
 
 def step_plan(setup: TrainingSetup) -> StepPlan:
-    """How many of `setup.steps` steps to simulate so that every distinct step is there, with the step
+    """How many of `setup.batch.steps` steps to simulate so that every distinct step is there, with the step
     before and after it, and the repeating tail once in full.
 
     The period is the save interval (1 without saves in the run). `step_kind` reads the step number only
@@ -168,7 +168,7 @@ def step_plan(setup: TrainingSetup) -> StepPlan:
     step's ops as in the full run (collectives and host copies can run across the step boundary):
         simulated = min(steps, u + 2 + period)
     4 steps without checkpoint saves, 3 + N with a save every N steps, 2N + 2 with async saves."""
-    n, every = setup.steps, setup.checkpoint_every
+    n, every = setup.batch.steps, setup.checkpoint_io.every
     period = every if 0 < every <= n else 1
     horizon = min(n - period, period + 1)  # compare steps of the run only
     last_once = max([1] + [t for t in range(1, horizon + 1)
@@ -198,7 +198,7 @@ def _check_tensor_sizes(tape: Tape) -> None:
 @gc_paused  # hundreds of thousands of blocks and ops, no cycles (simulator/gcpause.py)
 def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfile = "H100-80GB",
              ranks: list[int] | None = None, all_steps: bool = False, torch_version: str = "2.6") -> OpGraph:
-    """The op graph of `setup.steps` training steps of `model`: the steps `step_plan(setup)` simulates
+    """The op graph of `setup.batch.steps` training steps of `model`: the steps `step_plan(setup)` simulates
     (metadata `steps_simulated`; later steps repeat them, see `StepPlan`), or every step (`all_steps`).
 
     With data parallelism each rank is described by its engine (models/parallel/) into the same graph.
@@ -211,9 +211,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
                            RANK_LIST_LIMIT (65,536) ranks, whose list would outweigh the rest of the run.
     On a GPU profile a traced model is the CUDA program of `torch_version`'s kernel rules (models/trace)."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
-    plan = StepPlan(setup.steps, setup.steps) if all_steps else step_plan(setup)
+    plan = StepPlan(setup.batch.steps, setup.batch.steps) if all_steps else step_plan(setup)
     cuda = (profile.compute_capability, torch_version) if profile.is_cuda else None
-    if setup.cp > 1 and not profile.is_cpu:  # (first: whatever else the setup has, no GPU profile runs cp yet)
+    if setup.mesh.cp > 1 and not profile.is_cpu:  # (first: whatever else the setup has, no GPU profile runs cp yet)
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
@@ -229,9 +229,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     elif ranks is None:
         classes = rank_classes(tape, setup, profile)
     else:
-        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < setup.world_size)]
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < setup.mesh.world_size)]
         if bad:
-            raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.world_size - 1}")
+            raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.mesh.world_size - 1}")
         classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
     for rank in simulated_ranks(classes, setup) if model_parallel else classes:
         b = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
@@ -240,28 +240,28 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     if plan.truncated:
         check_repeats(graph, plan)
     graph.metadata = {
-        "model": model.name, "setup": asdict(setup), "device": profile.name, **plan.metadata(),
+        "model": model.name, "setup": setup.knob_values(), "device": profile.name, **plan.metadata(),
         "describer": tape.describer, "batch": model.batch_note(setup) if isinstance(model, TracedModel) else None,
         "describer_note": None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
-        "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.grad_accum
+        "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.batch.grad_accum
         if tape.backward else None,
         "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,
-        "tokens_per_step": setup.effective_batch * setup.seq_len,
+        "tokens_per_step": setup.effective_batch * setup.batch.seq_len,
         "rank_classes": {str(r): list(members) if len(members) <= RANK_LIST_LIMIT else None
                          for r, members in classes.items()},
         "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
         "assumptions": profile.assumptions(),
     }
-    if setup.pp > 1 or setup.tp > 1 or setup.ep > 1:  # a rank holds a part: count the whole model's
-        trainable = trainable_params(tape, setup.frozen) - set(tape.gradless)
+    if setup.mesh.pp > 1 or setup.mesh.tp > 1 or setup.mesh.ep > 1:  # a rank holds a part: count the whole model's
+        trainable = trainable_params(tape, setup.optimizer.frozen) - set(tape.gradless)
         experts = getattr(tape, "local_params", ())  # an expert-parallel rank's experts: 1 / ep of them
-        graph.metadata["n_trainable"] = sum(p.numel * (setup.ep if p.name in experts else 1)
+        graph.metadata["n_trainable"] = sum(p.numel * (setup.mesh.ep if p.name in experts else 1)
                                             for p in tape.params if p.name in trainable)
-    if setup.pp > 1:
+    if setup.mesh.pp > 1:
         graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
-    if setup.ep > 1:
+    if setup.mesh.ep > 1:
         graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup, model.num_experts_per_tok)
     if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)
@@ -284,7 +284,7 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
     all of them, the ranks fall into ranges of equal signatures; a range whose engine signature no other
     range has is a class of its own, and the others are told apart by `rank_signatures` of their first
     ranks. O(ranges x parameters), whatever the world size."""
-    n = setup.world_size
+    n = setup.mesh.world_size
     first = GraphBuilder(tape, setup, profile, 0)
     segments = first.engine.rank_segments()
     starts = sorted({start for start, _ in segments} | signature_ranks(first))
@@ -340,25 +340,25 @@ def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
 def _describe_rank(b: GraphBuilder, steps: int) -> None:
     """Load, then optimizer steps 1..`steps` of rank `b.rank`."""
     setup = b.setup
-    grads = GradState(persistent=setup.fp32_grads)
+    grads = GradState(persistent=setup.precision.fp32_grads)
     b.engine.load(grads)
     states_loaded = load_checkpoint(b)
-    offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.optimizer_offload != "none" else None
-    if not OPTIMIZERS[setup.optimizer].lazy and not states_loaded:  # made by the optimizer's constructor (Adagrad)
+    offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.offload.mode != "none" else None
+    if not OPTIMIZERS[setup.optimizer.name].lazy and not states_loaded:  # made by the optimizer's constructor (Adagrad)
         for k, group in enumerate(b.engine.optim_groups()):
             _create_states(b, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
         states_loaded = True
     for step in range(1, steps + 1):
-        if setup.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
+        if setup.mesh.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
             b.engine.run_step(step, grads)
-        for mb in range(setup.grad_accum if setup.pp == 1 else 0):
+        for mb in range(setup.batch.grad_accum if setup.mesh.pp == 1 else 0):
             MicroBatchReplay(b, b.tape, step, mb, grads).run()
-            if setup.passes == "forward":
+            if setup.batch.passes == "forward":
                 break
             b.engine.end_backward(step, mb)
-        if setup.passes == "forward":
+        if setup.batch.passes == "forward":
             continue  # no loss, backward or optimizer step (models/config.py PASSES)
-        if setup.clips_gradients:
+        if setup.loop.clips_gradients:
             _clip_grad_norm(b, step)
         _optimizer_step(b, step, grads, states_loaded, offload)
         b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
@@ -373,7 +373,7 @@ def _clip_grad_norm(b: GraphBuilder, step: int) -> None:
     total (the stack goes at once, the norms when `_get_total_norm` returns); then `total + 1e-6`, `max_norm / it`
     (a reciprocal, then a multiply) and `clamp(max=1.0)`, each a scalar, and `_foreach_mul_` scales the gradients in
     place; the scalars go when it returns."""
-    dt = b.setup.grad_dtype
+    dt = b.setup.precision.grad
     size = dtype_bytes(dt)
     ph = Phase.OPTIMIZER
     tensors = b.engine.optim_tensors()
@@ -398,7 +398,7 @@ def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded:
     they were loaded from a checkpoint), inside the optimizer-state offload when there is one."""
     tensors = b.engine.optim_tensors()
     create = step == 1 and not states_loaded
-    chunked_first = create and offload is not None and b.setup.offload_first_step == "chunked"
+    chunked_first = create and offload is not None and b.setup.offload.first_step == "chunked"
     groups = b.engine.optim_groups() if offload is None else [tensors]
     if create and not chunked_first:
         created = _create_states(b, step, groups[0], "optimizer.init_state")
@@ -444,16 +444,18 @@ def _create_states(b: GraphBuilder, step: int, tensors, op_name: str, phase: Pha
     `step` scalar on the host unless fused); `phase` LOAD for an optimizer whose constructor makes them."""
     s = b.setup
     shard = b.engine.state_shard()
-    step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
+    step_state_pool = step_pool(b.device.is_cpu, s.optimizer.impl)
     states = []
     for t in tensors:
-        for state, numel, dtype in state_specs(s.optimizer, t.numel, own_dtype(b.tape, t.name) or s.state_dtype):
+        for state, numel, dtype in state_specs(
+            s.optimizer.name, t.numel, own_dtype(b.tape, t.name) or s.precision.state
+        ):
             sharded = state is not OptimizerState.STEP
             states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
                                   dtype, (numel,) if sharded else (), state=state,
                                   shard=shard if sharded else 1,
                                   pool=step_state_pool if not sharded else Pool.DEVICE))
-    if s.optimizer == "adam-8bit":
+    if s.optimizer.name == "adam-8bit":
         states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                               state=OptimizerState.QUANT_STATE))
     b.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
@@ -462,22 +464,22 @@ def _create_states(b: GraphBuilder, step: int, tensors, op_name: str, phase: Pha
 
 def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     """The update kernels of one torch `step()` over `tensors` (ops named `<name>.<kind>`), with the
-    temporaries of `setup.optimizer_impl`; the first op waits for `after`."""
+    temporaries of `setup.optimizer.impl`; the first op waits for `after`."""
     s = b.setup
     shard = b.engine.state_shard()
-    state_dtype = s.state_dtype
+    state_dtype = s.precision.state
     ph = Phase.OPTIMIZER
     total_numel = sum(t.numel for t in tensors)
-    flops = update_flops(s.optimizer, total_numel)
+    flops = update_flops(s.optimizer.name, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
-    spec = OPTIMIZERS[s.optimizer]
-    if spec.foreach_temps and s.optimizer_impl == "foreach":  # every parameter's temporaries at once
+    spec = OPTIMIZERS[s.optimizer.name]
+    if spec.foreach_temps and s.optimizer.impl == "foreach":  # every parameter's temporaries at once
         temps = [b.block(f"{t.name}.{kind}", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
                          Category.TEMPORARY, own_dtype(b.tape, t.name) or state_dtype, t.shape, shard=shard)
                  for kind in spec.foreach_temps for t in tensors]
         b.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
              bytes_moved=bytes_moved, after=after)
-    elif spec.loop_temps and s.optimizer_impl == "for-loop":  # one parameter after the other
+    elif spec.loop_temps and s.optimizer.impl == "for-loop":  # one parameter after the other
         previous = None  # the last temporary of the parameter before, referenced until this one's replaces it
         for i, t in enumerate(tensors):
             dt = own_dtype(b.tape, t.name) or state_dtype
@@ -485,11 +487,11 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
             temps = [b.block(f"{t.name}.{kind}", nbytes, Category.TEMPORARY, dt, t.shape) for kind in spec.loop_temps]
             frees = [x.id for x in temps[:-1]] + ([previous.id] if previous else [])
             b.op(f"{name}.update.{t.name}", ph, step, -1, temps, frees,
-                 flops=update_flops(s.optimizer, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,
+                 flops=update_flops(s.optimizer.name, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,
                  after=after if i == 0 else ())
             previous = temps[-1]
         if previous:
             b.op(f"{name}.update.end", ph, step, -1, [], [previous.id])
     else:
-        b.op(f"{name}.{s.optimizer_impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
+        b.op(f"{name}.{s.optimizer.impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
              after=after)

@@ -80,7 +80,7 @@ def fits(report: Report, budget: int) -> bool:
 
 def fixed_state_peak(scenario: Scenario) -> int:
     """Highest bytes of parameters + master weights + gradients + optimizer states at any moment."""
-    graph = describe(scenario.model, dataclasses.replace(scenario.setup, micro_batch=1), scenario.device,
+    graph = describe(scenario.model, scenario.setup.replace(micro_batch=1), scenario.device,
                      torch_version=scenario.torch_version)
     log = simulate(graph)
     best = 0
@@ -113,7 +113,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
                 peak = fixed_state_peak(scenario)
                 cache[b] = with_headroom(peak, scenario.headroom)  # a lower bound: tensors only
             else:
-                report = run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=b)))
+                report = run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=b)))
                 cache[b] = report.capacity_needed
                 if cache[b] > budget and fits(report, budget):
                     cache[b] = budget  # the allocator's retry makes it fit
@@ -129,7 +129,7 @@ def peers(scenario: Scenario) -> list[dict]:
     tape = build_tape(scenario.model, scenario.setup)
     psi = tape.n_params
     largest = largest_layer_params({p.name: p.shape for p in tape.params})
-    n = scenario.setup.world_size
+    n = scenario.setup.mesh.world_size
     rows = []
     for stage in range(4):
         case = scenario.with_changes(dp_engine="deepspeed", zero_stage=stage)
@@ -147,8 +147,17 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
     (analysis/peers_parallel.py) beside peakledger's simulation of the same layout, its worst rank first; where
     peakledger does not simulate the layout yet, its row says why instead of a number."""
     s = scenario.setup
-    rows = formulas(scenario.model, s, tp=s.tp, pp=s.pp, cp=s.cp, sequence_parallel=s.sequence_parallel,
-                    virtual_stages=s.virtual_stages, pp_schedule=s.pp_schedule, ep=s.ep)
+    rows = formulas(
+        scenario.model,
+        s,
+        tp=s.mesh.tp,
+        pp=s.mesh.pp,
+        cp=s.mesh.cp,
+        sequence_parallel=s.mesh.sequence_parallel,
+        virtual_stages=s.mesh.virtual_stages,
+        pp_schedule=s.mesh.pp_schedule,
+        ep=s.mesh.ep,
+    )
     try:
         report = run(scenario)
     except ConfigError as e:

@@ -13,7 +13,7 @@ from . import api
 from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
-from .models.config import SECTIONS, ConfigError, TrainingSetup, setup_knobs
+from .models.config import FLAG_GROUPS, SETUP_KNOBS, ConfigError
 from .models.costs import DEVICES, device_profile
 from .models.presets import PRESETS
 from .scenario import parse_value
@@ -119,9 +119,9 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
     """One group of flags per section of the training setup, generated from its knobs (models/config/knobs.py):
     --name VALUE typed by the field, --name for a switch that is off by default, --no-name for one that is on,
     a repeated flag for a list of patterns. Every flag defaults to None: only what the user gives is set."""
-    groups = {section: p.add_argument_group(title) for section, title in SECTIONS.items()}
-    for k in setup_knobs(TrainingSetup):
-        how, group = k.knob, groups[k.knob.section]
+    groups = {group: p.add_argument_group(title) for group, title in FLAG_GROUPS.items()}
+    for k in SETUP_KNOBS:
+        how, group = k.knob, groups[k.knob.group]
         extra = {"help": argparse.SUPPRESS if how.hidden else (how.text or None), "dest": k.name}
         if how.metavar:
             extra["metavar"] = how.metavar

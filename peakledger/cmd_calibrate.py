@@ -22,7 +22,7 @@ import csv
 import io
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from . import api
 from .analysis.calibrate import (
@@ -44,7 +44,7 @@ from .analysis.calibrate import (
 from .analysis.units import format_bytes, parse_bytes
 from .cli_common import add_scenario_flags
 from .inputs import MODEL_FLAG_TYPES, MODEL_SOURCES, TRAINING_KNOBS, scenario_from_args
-from .models.config import TrainingSetup
+from .models.config import SETUP_KNOBS
 from .simulator.numbers import float_text, int_text
 from .simulator.safe_io import InputError, check_outputs, read_input, read_text, write_atomic
 from .traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, parse_snapshot, safe_loads
@@ -52,7 +52,7 @@ from .traces.cuda_snapshot import TRACE_FILE_LIMIT, SnapshotError, parse_snapsho
 CSV_LIMIT = 16 << 20
 MEASURED = ("measured_allocated", "measured_reserved", "snapshot")
 _MODEL_TYPES = dict(MODEL_FLAG_TYPES)
-_SETUP_DEFAULTS = {f.name: f.default for f in fields(TrainingSetup)}
+_SETUP_DEFAULTS = {k.name: k.default for k in SETUP_KNOBS}
 # field (as a CSV column / case key) -> where scenario_from_args reads it on the namespace
 FIELD_DESTS = {**{n: n for n in ("scenario", *MODEL_SOURCES, "describer", "device", "headroom")},
                **{n: f"model_{n}" for n in _MODEL_TYPES}, **{n: n for n in TRAINING_KNOBS}}
@@ -288,12 +288,12 @@ def cmd_fit(args) -> int:
             except InputError as e:
                 raise InputError(e.field, f"{e.message} ({row.where})") from None
         report = cache[repr(sc)]
-        allocated_rows.append(Measurement(row.where, sc.setup.seq_len, report.peaks.peak.bytes, alloc))
+        allocated_rows.append(Measurement(row.where, sc.setup.batch.seq_len, report.peaks.peak.bytes, alloc))
         rp = predicted_reserved(report)
         if rp is None:
             reserved_predicted = False
         elif res is not None:
-            reserved_rows.append(Measurement(row.where, sc.setup.seq_len, rp, res))
+            reserved_rows.append(Measurement(row.where, sc.setup.batch.seq_len, rp, res))
     if not reserved_predicted:
         notes.append("reserved peak not calibrated: this peakledger predicts no reserved peak (its report has no "
                      "reserved_peak); allocated only")
@@ -346,9 +346,9 @@ def cmd_apply(args) -> int:
     report = api.run(scenario)
     result = apply_calibration(calibration, report, scenario)
     warnings = list(result.warnings)
-    known = recheck_seq_len(calibration, scenario.setup.seq_len)  # is the prediction still the one calibrated?
+    known = recheck_seq_len(calibration, scenario.setup.batch.seq_len)  # is the prediction still the one calibrated?
     if known is not None:
-        then = report if known == scenario.setup.seq_len else api.run(scenario.with_changes(seq_len=known))
+        then = report if known == scenario.setup.batch.seq_len else api.run(scenario.with_changes(seq_len=known))
         warnings += [w for w in [stale_check(calibration, known, then.peaks.peak.bytes)] if w]
     for w in warnings:
         print(f"peakledger: warning: {w}", file=sys.stderr)

@@ -3,7 +3,6 @@ through the caching-allocator model): why memory runs out, in allocated and in r
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from . import diagnosis
@@ -36,7 +35,7 @@ def cmd_explain(args) -> int:
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "explain")
     x = diagnosis.explain(scenario, budget, host_budget)
-    setup = dataclasses.asdict(scenario.setup)
+    setup = scenario.setup.knob_values()
     status = decide(args, 1 if args.check and not x.fits else 0)
     if args.json:
         write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,

@@ -111,7 +111,7 @@ def cmd_simulate(args) -> int:
     verdict = fit_verdict(report, budget, scenario.headroom) if args.check else None
     code = decide(args, 1 if verdict is not None and not verdict.fits else 0)
     savings = None
-    if scenario.setup.compile:  # what compile saves: the same run simulated eager, beside it
+    if scenario.setup.compile.on:  # what compile saves: the same run simulated eager, beside it
         with progress(f"simulating {scenario.name} eager, for the comparison"):
             savings = api.compile_savings(scenario, report)
     if args.json:
@@ -160,11 +160,11 @@ def cmd_max_batch(args) -> int:
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
               "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
     if best > 0:
-        at = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=best)))
+        at = api.run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=best)))
         result["peak_at_max"] = at.peaks.peak.bytes
-        result["effective_batch_at_max"] = best * scenario.setup.grad_accum * scenario.setup.dp
+        result["effective_batch_at_max"] = best * scenario.setup.batch.grad_accum * scenario.setup.mesh.dp
     else:
-        one = api.run(dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, micro_batch=1)))
+        one = api.run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=1)))
         result["capacity_needed_at_1"] = one.capacity_needed
         result["why_none"] = _why_no_batch(best, fixed, one.capacity_needed, budget, args.unit)
     code = decide(args, 1 if args.check and best < 1 else 0)
@@ -180,7 +180,7 @@ def cmd_max_batch(args) -> int:
               f"more: peak there {format_bytes(result['peak_at_max'], u)})")
     else:
         print(f"max micro-batch: {best} (peak {format_bytes(result['peak_at_max'], u)}; B_eff "
-              f"{result['effective_batch_at_max']} with accumulation {scenario.setup.grad_accum})")
+              f"{result['effective_batch_at_max']} with accumulation {scenario.setup.batch.grad_accum})")
     if args.check:
         print("fit check: FITS (micro-batch 1 and up to the maximum)" if best >= 1 else
               "fit check: DOES NOT FIT (not even micro-batch 1)")
@@ -202,7 +202,7 @@ def _why_no_batch(best: int, fixed: int, at_one: int, budget: int, unit: str) ->
 
 def cmd_peers(args, base) -> int:
     s = base.setup
-    if s.tp * s.pp * s.cp * s.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
+    if s.mesh.tp * s.mesh.pp * s.mesh.cp * s.mesh.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
         rows = api.parallel_peers(base)
         if args.json:
             write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})

@@ -51,7 +51,7 @@ def cmd_capture(args) -> int:
     peak = max(timeline(log).total, default=0)
     print(f"captured {len(log.events):,} events of {scenario.name} (peak {int(peak):,} B) into {args.output}")
     if recorder:
-        recorder.write(args.moe_counts, scenario.setup.micro_batch, scenario.setup.seq_len, scenario.name)
+        recorder.write(args.moe_counts, scenario.setup.batch.micro_batch, scenario.setup.batch.seq_len, scenario.name)
         print(f"routing counts (tokens per expert per layer, first micro-batch) written to {args.moe_counts}")
     return 0
 
@@ -68,7 +68,7 @@ def _capture_cuda(args, scenario) -> int:
     meta = trace.allocated.metadata
     print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} on {meta['gpu']} (peak "
           f"{trace.peak_bytes(allow_truncated=True):,} B allocated, {meta['reserved_peak']:,} B reserved; steps "
-          f"1-{scenario.setup.steps}) into {args.output}; the raw snapshot is {snapshot}")
+          f"1-{scenario.setup.batch.steps}) into {args.output}; the raw snapshot is {snapshot}")
     if trace.truncated:
         print(f"peakledger: the snapshot is truncated ({'; '.join(trace.problems[:2])}): its peaks are lower bounds",
               file=sys.stderr)
@@ -130,7 +130,7 @@ def cmd_validate_ranks(args, scenario) -> int:
     if args.plot:
         raise ConfigError("plot", "validate --world-size N prints one table per rank; --plot draws one run: drop it "
                                   "(or validate one rank's trace with --trace)")
-    with progress(f"running {scenario.setup.world_size} ranks of {scenario.name} for real, then simulating"):
+    with progress(f"running {scenario.setup.mesh.world_size} ranks of {scenario.name} for real, then simulating"):
         results, simulated = validation.validate_ranks(scenario, backend=args.pg_backend or "gloo")
     if args.tolerance is not None:
         worst = max((v for v, _ in results), key=lambda v: abs(v.overall.error))
@@ -142,7 +142,7 @@ def cmd_validate_ranks(args, scenario) -> int:
         for v, _ in results:
             print(render_validation(v, args.unit or "MiB"))
             print("")
-    if scenario.setup.pp > 1 and not args.json:  # what the stages hold apart: first stage vs last stage
+    if scenario.setup.mesh.pp > 1 and not args.json:  # what the stages hold apart: first stage vs last stage
         first, last = results[0][0].overall, results[-1][0].overall
         print(f"last stage - first stage peak: measured {last.measured - first.measured:+,} B, predicted "
               f"{last.predicted - first.predicted:+,} B")
@@ -174,10 +174,10 @@ def cmd_validate(args) -> int:
                 result, measured, simulated = validation.validate(scenario, trace.log)
     else:
         scenario = real_run_scenario(args)
-        if args.pg_backend is not None and scenario.setup.world_size == 1:
+        if args.pg_backend is not None and scenario.setup.mesh.world_size == 1:
             raise ConfigError("pg_backend", "only applies to a real run of world_size > 1 (one process per rank)")
         check_real_run(args, scenario)
-        if scenario.setup.world_size > 1:
+        if scenario.setup.mesh.world_size > 1:
             return cmd_validate_ranks(args, scenario)
         with progress(f"running {scenario.name} for real under the tracker, then simulating"):
             result, measured, simulated = validation.validate(scenario)

@@ -259,7 +259,7 @@ def check_sweep(base: Scenario, grid: dict[str, list], budget: int | None, deadl
         profile = device_profile(base.device)
         if profile.is_cpu:
             raise _no_capacity(base.device, profile.memory_bytes, point=False)
-    if base.setup.passes == "forward" and "passes" not in grid:
+    if base.setup.batch.passes == "forward" and "passes" not in grid:
         raise _not_training(point=False)
 
 
@@ -268,7 +268,7 @@ def point_budget(scenario: Scenario, budget: int | None) -> int:
     `budget`, else the point's device profile's capacity when it is a GPU's; a ConfigError naming `budget` for a
     point on the cpu profile without one, and naming `passes` for a point that runs forward passes only (what the
     deadline prices is training)."""
-    if scenario.setup.passes == "forward":
+    if scenario.setup.batch.passes == "forward":
         raise _not_training(point=True)
     if budget is not None:
         return budget

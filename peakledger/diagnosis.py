@@ -120,15 +120,17 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     s, md = scenario.setup, report.metadata
     f = lambda n: format_bytes(n, "GiB")  # noqa: E731
     out = []
-    if s.passes == "train" and s.optimizer != "sgd":
+    if s.batch.passes == "train" and s.optimizer.name != "sgd":
         out.append("optimizer states appear inside the first step() (included above: the step 1 optimizer phase); a "
                    "run that loads a checkpoint allocates them at the load instead (--load-mode)")
-    if s.checkpoint_every == 0:
+    if s.checkpoint_io.every == 0:
         out.append("no checkpoint save is simulated: a save gathers or stages copies of the state (full state dicts on "
                    "rank 0 can double it); re-run with --checkpoint-every N --save-mode <yours>")
-    if s.passes == "train":
-        out.append(f"every micro-batch is simulated at seq_len {s.seq_len}: with variable lengths the longest batch "
-                   "sets the peak, and an evaluation loop (no_grad, often a larger batch) is not simulated")
+    if s.batch.passes == "train":
+        out.append(
+            f"every micro-batch is simulated at seq_len {s.batch.seq_len}: with variable lengths the longest batch "
+            "sets the peak, and an evaluation loop (no_grad, often a larger batch) is not simulated"
+        )
     if report.gpu is not None:
         ctx = report.gpu.context
         out.append(f"outside PyTorch: the CUDA context ({f(ctx)} here, assumed where not measured) and any other "
@@ -143,7 +145,7 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     if md.get("describer") == "traced":
         out.append("traced models: described from the CPU program's kernels; GPU kernels (SDPA backends, fused "
                    "losses) can save different tensors")
-    if not s.compile:
+    if not s.compile.on:
         out.append("a compiled step (torch.compile) saves fewer activations and fuses temporaries away: --compile "
                    "models inductor's program of a traced model (on a GPU profile, with a CUDA build of torch)")
     return out
@@ -208,9 +210,17 @@ def _helps(fix: Fix, base: Report, fits_now: bool) -> bool:
 
 def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
     report = api.run(scenario.with_changes(**changes))
-    return Fix(name=name, changes=changes, peak=report.peaks.peak.bytes, capacity_needed=report.capacity_needed,
-               fits=api.fits(report, budget), step_time=report.time_per_step_s, changes_training=changes_training,
-               note=note, more_gpus=changes.get("world_size", scenario.setup.world_size) > scenario.setup.world_size)
+    return Fix(
+        name=name,
+        changes=changes,
+        peak=report.peaks.peak.bytes,
+        capacity_needed=report.capacity_needed,
+        fits=api.fits(report, budget),
+        step_time=report.time_per_step_s,
+        changes_training=changes_training,
+        note=note,
+        more_gpus=changes.get("world_size", scenario.setup.mesh.world_size) > scenario.setup.mesh.world_size,
+    )
 
 
 def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:

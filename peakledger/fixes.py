@@ -49,7 +49,7 @@ def allocator_fixes(scenario: Scenario) -> list[Candidate]:
     if "max_split_size_mb" not in settings and settings.get("expandable_segments") != "True":
         out.append(("allocator: max_split_size_mb:128", {"alloc_conf": merged(max_split_size_mb="128")}, False,
                     "none: blocks of 128 MiB and more are never split, so large requests find whole blocks"))
-    if scenario.setup.checkpoint_every and not scenario.empty_cache_before_save:
+    if scenario.setup.checkpoint_io.every and not scenario.empty_cache_before_save:
         out.append(("torch.cuda.empty_cache() before each save", {"empty_cache_before_save": True}, False,
                     "the cache is rebuilt after the save (cudaMalloc calls, a short stall)"))
     return out
@@ -59,15 +59,19 @@ def save_load_fixes(scenario: Scenario) -> list[Candidate]:
     """A checkpoint save's other modes, a load's other modes, and building the model in its training dtype."""
     s = scenario.setup
     out: list[Candidate] = []
-    if s.checkpoint_every:
+    if s.checkpoint_io.every:
         for mode in SAVE_MODES:
-            if mode != s.save_mode:
-                out.append((f"save_mode {s.save_mode} -> {mode}", {"save_mode": mode}, False, SAVE_NOTES[mode]))
-    if s.load_mode != "none":
+            if mode != s.checkpoint_io.save_mode:
+                out.append(
+                    (f"save_mode {s.checkpoint_io.save_mode} -> {mode}", {"save_mode": mode}, False, SAVE_NOTES[mode])
+                )
+    if s.checkpoint_io.load_mode != "none":
         for mode in LOAD_MODES[1:]:
-            if mode != s.load_mode:
-                out.append((f"load_mode {s.load_mode} -> {mode}", {"load_mode": mode}, False, LOAD_NOTES[mode]))
-    if s.build == "device-fp32":
+            if mode != s.checkpoint_io.load_mode:
+                out.append(
+                    (f"load_mode {s.checkpoint_io.load_mode} -> {mode}", {"load_mode": mode}, False, LOAD_NOTES[mode])
+                )
+    if s.checkpoint_io.build == "device-fp32":
         out.append(("build direct (from_pretrained(torch_dtype=...), no fp32 build)", {"build": "direct"}, False,
                     "none: each parameter allocated once, in its training dtype"))
     return out
@@ -77,20 +81,20 @@ def data_parallel_fixes(scenario: Scenario) -> list[Candidate]:
     """Shard more (ZeRO stages, FSDP2), and FSDP2's own knobs: reshard after forward, fewer units prefetched."""
     s = scenario.setup
     out: list[Candidate] = []
-    if s.world_size > 1 and s.dp_engine == "deepspeed":
-        for stage in range(s.zero_stage + 1, 4):
+    if s.mesh.world_size > 1 and s.data_parallel.engine == "deepspeed":
+        for stage in range(s.data_parallel.deepspeed.zero_stage + 1, 4):
             out.append((f"ZeRO-{stage}", {"zero_stage": stage}, False,
                         "more communication: " + {1: "none extra", 2: "gradients reduce-scattered",
                                                   3: "parameters all-gathered per module"}[stage]))
-    if s.world_size > 1 and s.dp_engine in ("ddp", "zero-redundancy-optimizer"):
+    if s.mesh.world_size > 1 and s.data_parallel.engine in ("ddp", "zero-redundancy-optimizer"):
         out.append(("FSDP2", {"dp_engine": "fsdp2"}, False, "parameters all-gathered per block"))
-    if s.dp_engine == "fsdp2" and s.dp > 1:
-        if not s.reshard_after_forward:
+    if s.data_parallel.engine == "fsdp2" and s.mesh.dp > 1:
+        if not s.data_parallel.fsdp2.reshard_after_forward:
             out.append(("fsdp2 reshard_after_forward=True", {"reshard_after_forward": True}, False,
                         "parameters all-gathered again in backward"))
-        if s.forward_prefetch:
+        if s.data_parallel.fsdp2.forward_prefetch:
             out.append(("fsdp2 forward_prefetch 0", {"forward_prefetch": 0}, False, "less overlap in forward"))
-        if s.backward_prefetch > 1:
+        if s.data_parallel.fsdp2.backward_prefetch > 1:
             out.append(("fsdp2 backward_prefetch 1", {"backward_prefetch": 1}, False, "less overlap in backward"))
     return out
 
@@ -101,19 +105,19 @@ def activation_fixes(scenario: Scenario) -> list[Candidate]:
     traced = isinstance(model, TracedModel)
     out: list[Candidate] = []
     for policy in CHECKPOINTING:
-        if policy not in (s.checkpointing, "none", "layers") and not (traced and policy == "selective"):
+        if policy not in (s.checkpointing.policy, "none", "layers") and not (traced and policy == "selective"):
             # "layers" needs a set (`peakledger checkpointing`); "selective" names transformer-block parts
             cost = ("saved activations copied to the host and back over the host link" if policy == "offload"
                     else "recompute in backward")
             out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, cost))
-    mb = s.micro_batch if not traced or "micro_batch" in model.varies else 1  # a fixed factory batch
+    mb = s.batch.micro_batch if not traced or "micro_batch" in model.varies else 1  # a fixed factory batch
     for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
-        out.append((f"micro-batch {mb} -> {d}, accumulation {s.grad_accum} -> {s.grad_accum * mb // d}",
-                    {"micro_batch": d, "grad_accum": s.grad_accum * mb // d}, False,
+        out.append((f"micro-batch {mb} -> {d}, accumulation {s.batch.grad_accum} -> {s.batch.grad_accum * mb // d}",
+                    {"micro_batch": d, "grad_accum": s.batch.grad_accum * mb // d}, False,
                     "same B_eff, more and smaller steps (lower arithmetic intensity)"))
     if (isinstance(model, TransformerConfig) or traced and "seq_len" in model.varies and model.batch_note(s)
-            .startswith("input_ids")) and s.seq_len > 1:
-        out.append((f"seq_len {s.seq_len} -> {s.seq_len // 2}", {"seq_len": s.seq_len // 2}, True,
+            .startswith("input_ids")) and s.batch.seq_len > 1:
+        out.append((f"seq_len {s.batch.seq_len} -> {s.batch.seq_len // 2}", {"seq_len": s.batch.seq_len // 2}, True,
                     "shorter context: changes what the model learns"))
     return out
 
@@ -123,30 +127,34 @@ def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
     gradient and master dtypes."""
     s = scenario.setup
     out: list[Candidate] = []
-    if s.optimizer in ("adam", "adamw"):
+    if s.optimizer.name in ("adam", "adamw"):
         out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
-    if s.optimizer_impl != "fused" and s.optimizer != "adam-8bit":
+    if s.optimizer.impl != "fused" and s.optimizer.name != "adam-8bit":
         out.append(("fused optimizer", {"optimizer_impl": "fused"}, False, "none: no step temporaries"))
-    if s.optimizer_impl == "foreach" and s.optimizer != "adam-8bit":
+    if s.optimizer.impl == "foreach" and s.optimizer.name != "adam-8bit":
         out.append(("for-loop optimizer (foreach=False)", {"optimizer_impl": "for-loop"}, False,
                     "one parameter's temporaries at a time instead of a whole group's; a slower step"))
     chunked = {"optimizer_offload": "chunked", "offload_first_step": "chunked"}
     copies = "optimizer states copied to the device and back every step, over the host link"
-    if s.optimizer_offload == "none":
+    if s.offload.mode == "none":
         out.append(("optimizer-state offload, chunked", chunked, False, copies))
         out.append(("optimizer-state offload", {"optimizer_offload": "states"}, False, copies))
-    elif s.optimizer_offload == "states":
+    elif s.offload.mode == "states":
         out.append(("optimizer-state offload in chunks", chunked, False, copies + ", chunk by chunk"))
-    elif s.offload_first_step == "whole":
+    elif s.offload.first_step == "whole":
         out.append(("first step chunk by chunk (offload_first_step=chunked)", {"offload_first_step": "chunked"}, False,
                     "none: the first step creates and offloads the states chunk by chunk"))
-    if s.fp32_grads:
+    if s.precision.fp32_grads:
         out.append(("gradients in the parameters' dtype (fp32_grads off)", {"fp32_grads": False}, True,
                     "16-bit gradient accumulation"))
-    if s.dp_engine == "fsdp2" and s.reduce_dtype == "fp32" and s.prec.param != "fp32":
+    if (
+        s.data_parallel.engine == "fsdp2"
+        and s.data_parallel.fsdp2.reduce_dtype == "fp32"
+        and s.precision.param != "fp32"
+    ):
         out.append(("fsdp2 reduce_dtype grad (the gradients' own dtype)", {"reduce_dtype": "grad"}, True,
                     "gradients reduced in 16 bits"))
-    if s.precision == "fp32":
+    if s.precision.uniform and s.precision.param == "fp32":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
     return out
 
@@ -156,32 +164,43 @@ def model_parallel_fixes(scenario: Scenario) -> list[Candidate]:
     pipeline-parallel ranks, which say that they take more GPUs (models/parallel/)."""
     s = scenario.setup
     out: list[Candidate] = []
-    if s.pp > 1 and s.pp_schedule == "gpipe" and s.grad_accum >= s.pp:
+    if s.mesh.pp > 1 and s.mesh.pp_schedule == "gpipe" and s.batch.grad_accum >= s.mesh.pp:
         out.append(("pipeline schedule gpipe -> 1f1b", {"pp_schedule": "1f1b"}, False,
                     "same GPUs: at most pp micro-batches in flight on the first stage instead of all of them"))
-    if s.tp > 1 or (s.pp == 1 and s.world_size == 1 and isinstance(scenario.model, TransformerConfig)):
-        tp = s.tp * 2
-        out.append((f"tp {s.tp} -> {tp} ({s.world_size} -> {s.world_size * 2} GPUs)",
-                    {"tp": tp, "world_size": s.world_size * 2}, False,
+    if s.mesh.tp > 1 or (s.mesh.pp == 1 and s.mesh.world_size == 1 and isinstance(scenario.model, TransformerConfig)):
+        tp = s.mesh.tp * 2
+        out.append((f"tp {s.mesh.tp} -> {tp} ({s.mesh.world_size} -> {s.mesh.world_size * 2} GPUs)",
+                    {"tp": tp, "world_size": s.mesh.world_size * 2}, False,
                     f"twice the GPUs: each holds 1/{tp} of the weights and of the activations between linears"))
-    if s.cp > 1 or (s.world_size == 1 and isinstance(scenario.model, TransformerConfig) and s.seq_len % 4 == 0):
-        cp = s.cp * 2  # skipped (a ConfigError) where context parallelism is not simulated for the scenario
-        out.append((f"cp {s.cp} -> {cp} ({s.world_size} -> {s.world_size * 2} GPUs)",
-                    {"cp": cp, "world_size": s.world_size * 2}, False,
+    if s.mesh.cp > 1 or (
+        s.mesh.world_size == 1 and isinstance(scenario.model, TransformerConfig) and s.batch.seq_len % 4 == 0
+    ):
+        cp = s.mesh.cp * 2  # skipped (a ConfigError) where context parallelism is not simulated for the scenario
+        out.append((f"cp {s.mesh.cp} -> {cp} ({s.mesh.world_size} -> {s.mesh.world_size * 2} GPUs)",
+                    {"cp": cp, "world_size": s.mesh.world_size * 2}, False,
                     f"twice the GPUs: each holds 1/{cp} of the sequence's activations (ring attention)"))
-    if s.pp > 1:
-        out.append((f"pp {s.pp} -> {2 * s.pp} ({s.world_size} -> {s.world_size * 2} GPUs)",
-                    {"pp": 2 * s.pp, "world_size": s.world_size * 2, "grad_accum": max(s.grad_accum, 2 * s.pp)},
-                    False, "twice the GPUs: each stage holds half as many layers"))
+    if s.mesh.pp > 1:
+        out.append(
+            (
+                f"pp {s.mesh.pp} -> {2 * s.mesh.pp} ({s.mesh.world_size} -> {s.mesh.world_size * 2} GPUs)",
+                {
+                    "pp": 2 * s.mesh.pp,
+                    "world_size": s.mesh.world_size * 2,
+                    "grad_accum": max(s.batch.grad_accum, 2 * s.mesh.pp),
+                },
+                False,
+                "twice the GPUs: each stage holds half as many layers",
+            )
+        )
     return out
 
 
 def freeze_fixes(scenario: Scenario) -> list[Candidate]:
     """Fine-tune the upper half only (no gradients nor states for the lower half)."""
     s, model = scenario.setup, scenario.model
-    if s.lora_r:
+    if s.lora.r:
         return []
-    if isinstance(model, TracedModel) and s.checkpointing == "none":
+    if isinstance(model, TracedModel) and s.checkpointing.policy == "none":
         layers = traced_layers(model, s)
         if len(layers) > 1:
             half = layers[:len(layers) // 2]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
-from .models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes, setup_knobs
+from .models.config import KNOBS, SETUP_KNOBS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .models.trace.model import TracedModel, from_module_spec
 from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
@@ -30,7 +30,7 @@ MODEL_FLAG_TYPES = [("family", str), ("n_layer", int), ("d_model", int), ("n_hea
                     ("head_dim", int), ("d_ff", int), ("vocab_size", int), ("max_seq_len", int), ("dropout", float),
                     ("attention", str), ("experts_implementation", str)]
 MODEL_FLAGS = [name for name, _ in MODEL_FLAG_TYPES]
-TRAINING_KNOBS = {k.name: k for k in setup_knobs(TrainingSetup) if k.knob.cli != "none"}  # with a flag each
+TRAINING_KNOBS = {k.name: k for k in SETUP_KNOBS if k.knob.cli != "none"}  # with a flag each
 RUN_FLAGS = ["device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version", "simulator"]
 SOURCE_FLAGS = ["scenario", "preset", "hf_config", "module"]
 MODEL_SOURCES = ["preset", "hf_config", "module"]
@@ -97,7 +97,7 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
         if isinstance(config, TracedModel):  # (a module's file is the user's --module: `_recorded_module`)
             config = dataclasses.replace(config, varies=tuple(config.varies),
                                          defaults=tuple(tuple(d) for d in config.defaults))
-        training = TrainingSetup(**known(TrainingSetup, setup))
+        training = TrainingSetup.from_knob_values({k: v for k, v in setup.items() if k in KNOBS})
     except (TypeError, ConfigError) as e:
         raise ConfigError("trace", f"the scenario recorded in the trace is not one this peakledger reads: {e}") \
             from None
@@ -127,13 +127,16 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
     given = given_flags(args)
     changes = {**given["model"], **given["training"], **{k: v for k, v in given["run"].items()
                                                                  if k != "device"}}
-    if changes.get("world_size", recorded.setup.world_size) != recorded.setup.world_size:
-        raise ConfigError("world_size", f"{trace.path} was measured with world_size {recorded.setup.world_size}: its "
-                                        "ranks are fixed by the run; capture a trace of the other world size")
+    if changes.get("world_size", recorded.setup.mesh.world_size) != recorded.setup.mesh.world_size:
+        raise ConfigError(
+            "world_size",
+            f"{trace.path} was measured with world_size {recorded.setup.mesh.world_size}: its "
+            "ranks are fixed by the run; capture a trace of the other world size",
+        )
     scenario = recorded.with_changes(**changes) if changes else recorded
     notes = [f"scenario recorded in {trace.path}: {recorded.name}"] + module_notes
     for key, value in changes.items():
-        old = getattr(recorded.setup, key, getattr(recorded.model, key, getattr(recorded, key, None)))
+        old = recorded.setup.knob(key) if key in KNOBS else getattr(recorded.model, key, getattr(recorded, key, None))
         if old != value:
             notes.append(f"overrode {key}: {old!r} in the trace, {value!r} from {flag(key)}")
     return scenario, notes
@@ -183,7 +186,7 @@ def real_run_limit() -> int:
 def real_run_estimate(scenario: Scenario) -> int:
     """Host memory a real CPU run of `scenario` needs: the simulated peak of every rank on the "cpu" profile
     (device and host pools: on a CPU both are host memory) plus one torch process per rank."""
-    graph = describe(scenario.model, dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2)), "cpu")
+    graph = describe(scenario.model, scenario.setup.replace(steps=min(scenario.setup.batch.steps, 2)), "cpu")
     log = simulate(graph)
     total = 0
     for rank, members in graph.metadata["rank_classes"].items():
@@ -210,7 +213,7 @@ def host_need(scenario, profile: str, torch_version: str = "2.6", alloc_conf: st
     `build_model` makes it (every floating parameter and buffer in fp32, before the cast and the move) or the
     run's host pool (offloaded states, saved activations), whichever is larger, plus one torch process
     (HOST_BASELINE) and the CUDA libraries (CUDA_HOST_BYTES, assumed); on the device, the simulated total."""
-    setup = dataclasses.replace(scenario.setup, steps=min(scenario.setup.steps, 2))
+    setup = scenario.setup.replace(steps=min(scenario.setup.batch.steps, 2))
     graph = describe(scenario.model, setup, profile, torch_version=torch_version)
     graph.metadata.update(alloc_conf=alloc_conf, torch_version=torch_version)
     log = simulate(graph)
@@ -240,12 +243,15 @@ def real_run_scenario(args):
 
 def check_real_run(args, scenario) -> None:
     """A real run on this CPU first estimates its memory and refuses what would not fit (unless --force)."""
-    if scenario.setup.passes != "train":
+    if scenario.setup.batch.passes != "train":
         raise ConfigError("passes", f"{args.command} runs real training steps (forward, loss, backward, optimizer "
                                     "step); passes \"forward\" is simulated only: drop --passes")
-    if scenario.setup.steps > REAL_RUN_STEPS:
-        raise ConfigError("steps", f"{scenario.setup.steps:,} is over the limit of {REAL_RUN_STEPS} for a real run "
-                                   f"({args.command} runs every step for real; the simulation takes any number)")
+    if scenario.setup.batch.steps > REAL_RUN_STEPS:
+        raise ConfigError(
+            "steps",
+            f"{scenario.setup.batch.steps:,} is over the limit of {REAL_RUN_STEPS} for a real run "
+            f"({args.command} runs every step for real; the simulation takes any number)",
+        )
     need, limit = real_run_estimate(scenario), real_run_limit()
     if need > limit and not args.force:
         raise ConfigError("force", f"a real run of {scenario.name} needs about {format_bytes(need, 'GiB')} of host "

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .models.config import (
     COUNT_LIMITS,
+    KNOBS,
     ConfigError,
     MLPConfig,
     TrainingSetup,
@@ -76,12 +77,12 @@ class Scenario:
 
     def settings(self) -> set[str]:
         """Every name `with_changes` accepts: TrainingSetup fields, this model's fields, device, headroom, name."""
-        return {f.name for f in fields(TrainingSetup)} | {f.name for f in fields(type(self.model))} | \
+        return set(KNOBS) | {f.name for f in fields(type(self.model))} | \
             set(RUN_FIELDS) | {"name"}
 
     def with_changes(self, **changes) -> "Scenario":
         """Change setup fields, model fields or run fields by name (for comparisons and sweeps)."""
-        setup_keys = {f.name for f in fields(TrainingSetup)}
+        setup_keys = set(KNOBS)
         model_keys = {f.name for f in fields(type(self.model))}
         setup = {k: v for k, v in changes.items() if k in setup_keys}
         model = {k: v for k, v in changes.items() if k in model_keys and k not in setup_keys and k != "name"}
@@ -91,7 +92,9 @@ class Scenario:
             allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
             raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
         new = dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
-        if new.setup.compile and not self.setup.compile:  # compile as a fix (explain, checkpointing): a preset too
+        if (
+            new.setup.compile.on and not self.setup.compile.on
+        ):  # compile as a fix (explain, checkpointing): a preset too
             new = dataclasses.replace(new, model=compiled_model(new.model))
         return new
 
@@ -118,7 +121,7 @@ def _replace(obj, changes: dict):
     if not changes:
         return obj
     try:
-        return dataclasses.replace(obj, **changes)
+        return obj.replace(**changes) if isinstance(obj, TrainingSetup) else dataclasses.replace(obj, **changes)
     except TypeError as e:
         raise ConfigError(next(iter(changes)), str(e)) from None
 
@@ -224,7 +227,7 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
 
 
 def _check_training_keys(training: dict) -> None:
-    setup_keys = {f.name for f in fields(TrainingSetup)}
+    setup_keys = set(KNOBS)
     for key in training:
         if key not in setup_keys:
             raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")

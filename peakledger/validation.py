@@ -29,17 +29,21 @@ def measure(scenario: Scenario, model_hook=None):
     from .traces.tracker import run_training_steps
 
     setup = scenario.setup
-    if setup.precision not in VALIDATABLE_PRECISIONS:
+    if setup.precision.name not in VALIDATABLE_PRECISIONS:
         raise ConfigError("precision", f"real CPU runs support {', '.join(VALIDATABLE_PRECISIONS)}; got "
-                                       f"{setup.precision!r}")
-    if setup.world_size != 1 or setup.zero_stage != 0 or setup.dp_engine != "deepspeed":
+                                       f"{setup.precision.name!r}")
+    if (
+        setup.mesh.world_size != 1
+        or setup.data_parallel.deepspeed.zero_stage != 0
+        or setup.data_parallel.engine != "deepspeed"
+    ):
         raise ConfigError("world_size", "one real CPU process runs without data parallelism; use validate_ranks "
                                         "(peakledger validate --world-size N --dp-engine fsdp2|ddp|"
                                         "zero-redundancy-optimizer) for real multi-process runs")
-    if OPTIMIZERS[setup.optimizer].torch_class is None:
-        raise ConfigError("optimizer", f"{setup.optimizer} needs bitsandbytes (CUDA); use one of torch's: "
+    if OPTIMIZERS[setup.optimizer.name].torch_class is None:
+        raise ConfigError("optimizer", f"{setup.optimizer.name} needs bitsandbytes (CUDA); use one of torch's: "
                                        + ", ".join(n for n, spec in OPTIMIZERS.items() if spec.torch_class))
-    if setup.compile:  # a compiled step: inductor's buffers are seen by torch.profiler only
+    if setup.compile.on:  # a compiled step: inductor's buffers are seen by torch.profiler only
         from .traces.compiled_run import measure_compiled  # torch
 
         return measure_compiled(scenario.model, setup)
@@ -48,11 +52,11 @@ def measure(scenario: Scenario, model_hook=None):
         model_hook(model)
     optimizer = make_optimizer(model, setup)
     metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(scenario.model),
-                "model_kind": type(scenario.model).__name__, "setup": dataclasses.asdict(setup),
+                "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
                 "device": "cpu", "scenario": scenario.name}
-    return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.steps,
-                              grad_accum=setup.grad_accum, set_to_none=setup.set_to_none,
-                              autocast=TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None,
+    return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.batch.steps,
+                              grad_accum=setup.batch.grad_accum, set_to_none=setup.optimizer.set_to_none,
+                              autocast=TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None,
                               metadata=metadata)
 
 
@@ -69,31 +73,41 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     from .traces.distributed import measure_distributed, without_backend_copies
 
     setup = scenario.setup
-    if setup.cp > 1:
+    if setup.mesh.cp > 1:
         return validate_context_parallel(scenario, backend)
-    if sum(d > 1 for d in (setup.tp, setup.pp, setup.dp)) > 1:  # two mesh dimensions or more
+    if sum(d > 1 for d in (setup.mesh.tp, setup.mesh.pp, setup.mesh.dp)) > 1:  # two mesh dimensions or more
         return validate_mesh(scenario, backend)
-    if setup.pp > 1:
+    if setup.mesh.pp > 1:
         return validate_pipeline(scenario, backend)
-    if setup.tp > 1:
+    if setup.mesh.tp > 1:
         return validate_tensor_parallel(scenario, backend)
-    if setup.optimizer_offload != "none" and setup.dp_engine == "zero-redundancy-optimizer":
+    if setup.offload.mode != "none" and setup.data_parallel.engine == "zero-redundancy-optimizer":
         raise ConfigError("optimizer_offload", "real runs wrap FSDP2's and DDP's optimizers in the offload, not "
                                                "ZeroRedundancyOptimizer's local one; allowed there: none")
-    if setup.dp_engine not in DISTRIBUTED_ENGINES:
+    if setup.data_parallel.engine not in DISTRIBUTED_ENGINES:
         raise ConfigError("dp_engine", f"real multi-process runs use torch's engines: {', '.join(DISTRIBUTED_ENGINES)}"
                                        " (DeepSpeed needs CUDA)")
-    logs = [without_backend_copies(log) for log in measure_distributed(
-        scenario.model, setup, setup.world_size, setup.dp_engine, reshard_after_forward=setup.reshard_after_forward,
-        backend=backend)]
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True),
-                         simulator=scenario.simulator)
+    logs = [
+        without_backend_copies(log)
+        for log in measure_distributed(
+            scenario.model,
+            setup,
+            setup.mesh.world_size,
+            setup.data_parallel.engine,
+            reshard_after_forward=setup.data_parallel.fsdp2.reshard_after_forward,
+            backend=backend,
+        )
+    ]
+    simulated = simulate(
+        describe(scenario.model, setup, "cpu", ranks=list(range(setup.mesh.world_size)), all_steps=True),
+        simulator=scenario.simulator,
+    )
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r}", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
 
 def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
-    """`validate_ranks` for pipeline parallelism (`setup.pp` > 1): the scenario's stages run for real with
+    """`validate_ranks` for pipeline parallelism (`setup.mesh.pp` > 1): the scenario's stages run for real with
     torch.distributed.pipelining on `pp` CPU processes (gloo, 127.0.0.1; traces/pipeline_run.py), every rank
     measured and held against its simulated rank. Returns [(Validation, measured log)] in rank order, and
     the simulated log."""
@@ -103,15 +117,15 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
     if backend != "gloo":
         raise ConfigError("pg_backend", "a pipeline runs over gloo (its sends and receives move real activations); "
                                         "drop --pg-backend or give gloo")
-    if setup.pp_schedule not in SCHEDULES:
-        raise ConfigError("pp_schedule", f"real pipeline runs use {', '.join(SCHEDULES)}; {setup.pp_schedule} is "
+    if setup.mesh.pp_schedule not in SCHEDULES:
+        raise ConfigError("pp_schedule", f"real pipeline runs use {', '.join(SCHEDULES)}; {setup.mesh.pp_schedule} is "
                                          "not simulated yet")
-    if not setup.prec.uniform:
-        raise ConfigError("precision", f"real pipeline runs are fp32 or bf16, not {setup.precision!r}")
+    if not setup.precision.uniform:
+        raise ConfigError("precision", f"real pipeline runs are fp32 or bf16, not {setup.precision.name!r}")
     logs = measure_pipeline(scenario.model, setup)
     simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True), simulator=scenario.simulator)
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (pipeline stage"
-                                                f"{'s' if setup.virtual_stages > 1 else ''} "
+                                                f"{'s' if setup.mesh.virtual_stages > 1 else ''} "
                                                 f"{', '.join(str(st['index']) for st in log.metadata['stages'])})",
                           rank=r), log)
             for r, log in enumerate(logs)], simulated
@@ -126,20 +140,22 @@ def _validate_model_parallel(scenario: Scenario, backend: str, what: str, measur
                                         "drop --pg-backend or give gloo")
     describe(scenario.model, setup, "cpu")  # what the simulation refuses, refused before any process starts
     logs = measure(scenario.model, setup)
-    simulated = simulate(describe(scenario.model, setup, "cpu", ranks=list(range(setup.world_size)), all_steps=True),
-                         simulator=scenario.simulator)
+    simulated = simulate(
+        describe(scenario.model, setup, "cpu", ranks=list(range(setup.mesh.world_size)), all_steps=True),
+        simulator=scenario.simulator,
+    )
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} ({label(r, log)})", rank=r), log)
             for r, log in enumerate(logs)], simulated
 
 
 def validate_tensor_parallel(scenario: Scenario, backend: str = "gloo"):
-    """`validate_ranks` for tensor parallelism (`setup.tp` > 1): the model parallelized with DTensor
+    """`validate_ranks` for tensor parallelism (`setup.mesh.tp` > 1): the model parallelized with DTensor
     (`parallelize_module`, torchtitan's plan, loss_parallel) on `tp` CPU processes (traces/tensor_run.py)."""
     from .traces.tensor_run import measure_tensor_parallel
 
     return _validate_model_parallel(
         scenario, backend, "tensor parallelism",
-        lambda model, setup: measure_tensor_parallel(model, setup, setup.tp, setup.sequence_parallel),
+        lambda model, setup: measure_tensor_parallel(model, setup, setup.mesh.tp, setup.mesh.sequence_parallel),
         lambda r, log: "tensor parallel")
 
 
@@ -175,10 +191,10 @@ def validate(scenario: Scenario, measured=None):
     if len(ranks) != 1:
         raise ConfigError("trace", f"the measured log holds ranks {ranks}: validate holds one rank at a time")
     rank = ranks[0]
-    if rank >= scenario.setup.world_size:
+    if rank >= scenario.setup.mesh.world_size:
         raise ConfigError("world_size", f"the measured log is rank {rank}'s, but the scenario has world_size "
-                                        f"{scenario.setup.world_size}")
+                                        f"{scenario.setup.mesh.world_size}")
     simulated = simulate(describe(scenario.model, scenario.setup, "cpu",  # every step: held against each measured one
-                                  ranks=[rank] if scenario.setup.world_size > 1 else None, all_steps=True),
+                                  ranks=[rank] if scenario.setup.mesh.world_size > 1 else None, all_steps=True),
                          simulator=scenario.simulator)
     return compare_logs(measured, simulated, name=scenario.name, rank=rank), measured, simulated

@@ -105,7 +105,10 @@ class Where:
 def uses_bf16(scenario: Scenario) -> bool:
     """The step computes or keeps tensors in bf16 (its precision, or FSDP2's bf16 gradient reduction)."""
     s = scenario.setup
-    return "bf16" in (s.prec.param, s.prec.compute, s.prec.state, s.prec.autocast) or s.reduce_dtype == "bf16"
+    return (
+        "bf16" in (s.precision.param, s.precision.compute, s.precision.state, s.precision.autocast)
+        or s.data_parallel.fsdp2.reduce_dtype == "bf16"
+    )
 
 
 def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
@@ -121,8 +124,8 @@ def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
     s = scenario.setup
     n_kv = model.kv_heads
     def pick(capability):
-        return gpu.sdpa_backend(s.prec.compute, model.head_size, model.dropout, False, True, capability, rules,
-                                seq_q=s.seq_len, seq_k=s.seq_len, n_head=model.n_head, n_kv_head=n_kv,
+        return gpu.sdpa_backend(s.precision.compute, model.head_size, model.dropout, False, True, capability, rules,
+                                seq_q=s.batch.seq_len, seq_k=s.batch.seq_len, n_head=model.n_head, n_kv_head=n_kv,
                                 enable_gqa=n_kv != model.n_head)
 
     written, here = pick(cc), pick(profile.compute_capability)
@@ -178,6 +181,6 @@ def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool
             progress(i, len(profiles), profile.name)
         placements.append(place(scenario, profile, search))
     s = scenario.setup
-    return Where(scenario=scenario.name, micro_batch=s.micro_batch, precision=s.precision,
-                 headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.world_size,
+    return Where(scenario=scenario.name, micro_batch=s.batch.micro_batch, precision=s.precision.name,
+                 headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.mesh.world_size,
                  placements=placements)

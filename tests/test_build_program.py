@@ -87,7 +87,7 @@ def fp32(items) -> list[tuple[str, int, str]]:
 # -- the setup field -----------------------------------------------------------------------------------------------
 
 def test_default_is_direct_and_loads_as_before(llama_config):
-    assert TrainingSetup().build == "direct"
+    assert TrainingSetup().checkpoint_io.build == "direct"
     ops = load_ops(llama_config, precision="bf16", build="direct")
     assert [op.name for op in ops] == ["load.parameters"]
     assert allocs(ops[0]) == [(n, prod(s) * 2, "bf16") for n, s in llama_params()] + fp32(ROTARY)
@@ -115,7 +115,7 @@ def test_combinations_not_modelled_are_refused_naming_the_field(fields, says):
                                     dict(precision="bf16", lora_r=4), dict(load_mode="map-to-device"),
                                     dict(optimizer_offload="states")])
 def test_combinations_modelled_are_accepted(fields):
-    assert TrainingSetup(build="device-fp32", **fields).build == "device-fp32"
+    assert TrainingSetup(build="device-fp32", **fields).checkpoint_io.build == "device-fp32"
 
 
 def test_cli_flag_and_toml_key(capsys, llama_config, tmp_path):

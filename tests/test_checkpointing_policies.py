@@ -208,7 +208,7 @@ def test_search_answer_fits_when_verified_and_no_subset_is_cheaper(case):
     n = n_layers(base.model)
     subsets = [s for k in range(n + 1) for s in itertools.combinations(range(n), k)]
     runs = {s: simulate_run(with_checkpointed_layers(base, s)) for s in subsets}
-    recompute = {s: step_flops(r.graph, r.rank, base.setup.steps)[1] for s, r in runs.items()}
+    recompute = {s: step_flops(r.graph, r.rank, base.setup.batch.steps)[1] for s, r in runs.items()}
     costs, _, _ = layer_costs(base)
     assert all(costs.peak(s) == r.peak for s, r in runs.items())  # layers are independent in the replay
     for budget in sorted({r.capacity_needed for r in runs.values()}):

@@ -8,7 +8,6 @@ against."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -109,8 +108,8 @@ def test_a_shallow_or_unlike_model_is_not_derived():
     assert depth.shallow(from_hf_dict({**llama, "num_hidden_layers": first}, "llama"), setup) is None
     deep = from_hf_dict({**llama, "num_hidden_layers": first + 1}, "llama")
     assert depth.shallow(deep, setup) == ("num_hidden_layers", first + 1)
-    assert depth.shallow(deep, dataclasses.replace(setup, frozen=("model.embed_tokens.*",))) is None
-    assert depth.shallow(deep, dataclasses.replace(setup, checkpointing="every-k", checkpoint_every_k=2)) is None
+    assert depth.shallow(deep, setup.replace(frozen=("model.embed_tokens.*",))) is None
+    assert depth.shallow(deep, setup.replace(checkpointing="every-k", checkpoint_every_k=2)) is None
 
 
 def test_gemm_scratchpads_are_kept_on_disk(tmp_path, monkeypatch):

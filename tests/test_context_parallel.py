@@ -58,7 +58,7 @@ def test_a_cp_rank_holds_its_sequence_rows():
 ])
 def test_what_cp_is_not_simulated_with_names_the_field(model, fields, device, field):
     with pytest.raises(ConfigError) as e:
-        describe(model, replace(SETUP, **fields), device)
+        describe(model, SETUP.replace(**fields), device)
     assert e.value.field == field
 
 
@@ -79,8 +79,8 @@ def test_fsdp2_shards_over_dp_x_cp():
     holds what FSDP2 rank r of dp x cp ranks holds without cp (its static rows), whatever its sequence chunk."""
     from peakledger.analysis.validate import static_rows
 
-    cp = replace(SETUP, world_size=4, dp_engine="fsdp2")
-    plain = replace(SETUP, cp=1, world_size=4, dp_engine="fsdp2")
+    cp = SETUP.replace(world_size=4, dp_engine="fsdp2")
+    plain = SETUP.replace(cp=1, world_size=4, dp_engine="fsdp2")
     with_cp = simulate(describe(GPT, cp, "cpu", ranks=[0, 1, 2, 3]))
     without = simulate(describe(GPT, plain, "cpu", ranks=[0, 1, 2, 3]))
     for rank in range(4):

@@ -31,7 +31,7 @@ def test_checks():
     cfg = preset("tiny")
     _check(cfg, _setup(2), "allgather")
     with pytest.raises(ValueError, match="2 x cp"):
-        _check(cfg, replace(_setup(4), seq_len=36), "allgather")
+        _check(cfg, _setup(4).replace(seq_len=36), "allgather")
     with pytest.raises(NotImplementedError, match="dp_engine fsdp2"):
         _check(cfg, TrainingSetup(micro_batch=2, seq_len=32, world_size=4, cp=2), "allgather")
     _check(cfg, TrainingSetup(micro_batch=2, seq_len=32, world_size=4, cp=2, dp_engine="fsdp2"), "allgather")
@@ -43,7 +43,7 @@ def test_checks():
     with pytest.raises(ValueError, match="rotate_method"):
         _check(cfg, _setup(2), "ring")
     with pytest.raises(NotImplementedError, match="checkpointing"):
-        _check(cfg, replace(_setup(2), checkpointing="full"), "allgather")
+        _check(cfg, _setup(2).replace(checkpointing="full"), "allgather")
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
@@ -112,7 +112,7 @@ def _check_run(name: str, cp: int, rotate_method: str = "allgather"):
     logs = measure_context_parallel(cfg, setup, rotate_method=rotate_method)
     assert len(logs) == cp
     params, states = _param_bytes(cfg, setup), _state_bytes(cfg, setup)
-    n_kv, hd, B, T = cfg.kv_heads, cfg.head_size, setup.micro_batch, setup.seq_len
+    n_kv, hd, B, T = cfg.kv_heads, cfg.head_size, setup.batch.micro_batch, setup.batch.seq_len
     kv_bytes = 2 * B * n_kv * (T // cp) * hd * 4  # this rank's k and v, concatenated (fp32)
     for r, log in enumerate(logs):
         md = log.metadata
@@ -191,7 +191,7 @@ def test_fsdp2_over_dp_x_cp_matches_the_simulation(name, world):
     from peakledger.traces.distributed import without_backend_copies
 
     cfg = replace(preset(name), attention="sdpa")
-    setup = replace(_setup(2), world_size=world, dp_engine="fsdp2")
+    setup = _setup(2).replace(world_size=world, dp_engine="fsdp2")
     measured = [without_backend_copies(log) for log in measure_context_parallel(cfg, setup)]
     simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(world)), all_steps=True))
     whole = _param_bytes(cfg, setup)
@@ -214,7 +214,7 @@ def test_cp_x_tp_matches_the_simulation(name):
     from peakledger.traces.context_run import measure_context_parallel
 
     cfg = replace(preset(name), attention="sdpa")
-    setup = replace(_setup(2), tp=2, world_size=4)
+    setup = _setup(2).replace(tp=2, world_size=4)
     measured = measure_context_parallel(cfg, setup)
     simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(4)), all_steps=True))
     for rank, log in enumerate(measured):

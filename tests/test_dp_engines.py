@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from peakledger.models import dp_engines
-from peakledger.models.config import DP_ENGINES, KNOB_APPLIES, ConfigError, TrainingSetup, check_given_knobs
+from peakledger.models.config import DP_ENGINES, KNOB_APPLIES, KNOBS, ConfigError, TrainingSetup, check_given_knobs
 from peakledger.models.dp_engines import DpEngine
+from peakledger.models.knobs import section_knobs
 from peakledger.models.parallel import DDP, ENGINES, Engine
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
@@ -20,9 +21,9 @@ def test_every_entry_builds_its_engine_and_the_setup_takes_its_names():
     for e in dp_engines.DP_ENGINES.values():
         assert callable(ENGINES[e.name])
         assert not isinstance(ENGINES[e.name], str)  # a direct reference, not a path resolved at run time
-        for knob in e.knobs:
-            assert knob in dp_engines.knob_rules() and knob not in KNOB_APPLIES
-            assert knob in TrainingSetup.__dataclass_fields__
+        for knob in section_knobs(e.knobs):
+            assert knob.name in KNOBS and knob.name not in KNOB_APPLIES
+            assert knob.name in dp_engines.knob_rules() or knob.name in e.unchecked
 
 
 @pytest.mark.parametrize("engine", DP_ENGINES)
@@ -35,7 +36,7 @@ def test_make_engine_gives_the_engine_the_setup_names(engine):
 def test_an_engine_registered_in_one_line_is_simulated_and_its_knobs_checked(monkeypatch):
     """The throwaway engine of issue 24's count: DDP under another name, registered by one line in each registry."""
     monkeypatch.setitem(dp_engines.DP_ENGINES, "ddp-copy",
-                        DpEngine("ddp-copy", "DDP again", {"ddp_bucket_cap_mb": None}))
+                        DpEngine("ddp-copy", "DDP again", dp_engines.DdpKnobs))
     monkeypatch.setitem(ENGINES, "ddp-copy", DDP)
     assert issubclass(ENGINES["ddp-copy"], Engine)
     kw = dict(micro_batch=2, seq_len=16, world_size=2, ddp_bucket_cap_mb=1)

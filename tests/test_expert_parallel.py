@@ -41,8 +41,8 @@ def _setup(ep: int, **kw) -> TrainingSetup:
 def _compare(measured, counts, setup, tmp_path):
     path = tmp_path / "counts.json"
     path.write_text(json.dumps(counts))
-    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
-    graph = describe(TINY, routed, "cpu", ranks=list(range(setup.world_size)), all_steps=True)
+    routed = setup.replace(moe_routing=f"counts:{path}")
+    graph = describe(TINY, routed, "cpu", ranks=list(range(setup.mesh.world_size)), all_steps=True)
     simulated = simulate(graph)
     for rank, log in enumerate(measured):
         v = compare_logs(log, simulated, rank=rank)
@@ -79,7 +79,7 @@ def test_real_expert_parallel_bf16_one_expert_a_rank(tmp_path):
 
 def test_real_expert_parallel_with_expert_replicas(tmp_path):
     """dp 4, ep 2: ranks r and r + 2 hold the same experts (Megatron's layout) and average their gradients."""
-    setup = dataclasses.replace(_setup(2), world_size=4)
+    setup = _setup(2).replace(world_size=4)
     measured, counts = measure_expert_parallel(TINY, setup)
     graph, _ = _compare(measured, counts, setup, tmp_path)
     assert [log.metadata["ep_rank"] for log in measured] == [0, 1, 0, 1]
@@ -129,7 +129,7 @@ def test_expert_parallel_params_and_counts():
 ])
 def test_what_expert_parallelism_is_not_simulated_with(extra, field):
     with pytest.raises(ConfigError) as e:  # (LoRA with a data-parallel engine is refused by the setup itself)
-        describe(TINY, dataclasses.replace(_setup(2), **extra), "cpu")
+        describe(TINY, _setup(2).replace(**extra), "cpu")
     assert e.value.field == field
 
 

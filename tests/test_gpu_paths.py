@@ -157,7 +157,7 @@ def test_hand_written_llama_bf16_runs_flash_with_its_backward_workspace():
     ws = {w.name.rsplit(".", 1)[-1]: w.nbytes for w in next(o for o in gpu.ops if o.name == op).bwd_workspace}
     assert ws == {"softmax_d": B * H * 128 * 4, "dq_accum": B * 128 * H * 32 * 4,
                   "dk_expanded": B * T * H * hd * 2, "dv_expanded": B * T * H * hd * 2}
-    log = simulate(describe(cfg, replace(setup, steps=1), "H100-80GB"))
+    log = simulate(describe(cfg, setup.replace(steps=1), "H100-80GB"))
     allocs = {e.block.name: e.block.nbytes for e in log.events if e.action is Action.ALLOC}
     assert allocs[f"{op}.dq_accum"] == 131_072
 
@@ -203,7 +203,7 @@ def test_traced_llama_bf16_flash_on_h100():
         assert extra == {"softmax_d": B * H * 128 * 4, "dq_accum": B * 128 * H * 32 * 4,
                          "dk_expanded": B * T * H * D * 2, "dv_expanded": B * T * H * D * 2}
         assert set(node.steps[0].frees) >= {a.name for a in node.steps[0].allocs[3:]}
-    log = simulate(describe(model, replace(setup, steps=1), "H100-80GB"))
+    log = simulate(describe(model, setup.replace(steps=1), "H100-80GB"))
     assert any(e.action is Action.ALLOC and ".dq_accum." in e.block.name for e in log.events)
 
 

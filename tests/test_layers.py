@@ -85,12 +85,25 @@ def test_every_package_folder_installs():
 
 def test_precision_sets_are_read_from_precision_objects():
     """A set of precisions is a property of `Precision` (models/precision.py: `uniform`, `mixed`, `autocast`), never
-    a tuple of names written out where it is used (`setup.precision not in ("fp32", "bf16")`)."""
+    a tuple of names written out where it is used (`setup.precision.name not in ("fp32", "bf16")`)."""
     import re
 
     pattern = re.compile(r"precision\s+(not\s+)?in\s+\(")
     found = sorted(f"{path.relative_to(REPO)}:{n}" for mod, path in _modules().items()
                    if path != REPO / "models" / "precision.py"
+                   for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line))
+    assert found == []
+
+
+def test_precision_is_tested_by_its_fields_not_its_name():
+    """`setup.precision` is a `Precision`: code asks what it means (`.mixed`, `.uniform`, `.param`), never compares
+    its name with a string (`setup.precision.name == "bf16"`), outside models/precision.py and the checks of the
+    knobs as the user wrote them (models/config/checks.py)."""
+    import re
+
+    pattern = re.compile(r"precision(\.name)?\s*(==|!=)\s*[\"']")
+    allowed = {REPO / "models" / "precision.py", REPO / "models" / "config" / "checks.py"}
+    found = sorted(f"{path.relative_to(REPO)}:{n}" for mod, path in _modules().items() if path not in allowed
                    for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line))
     assert found == []
 

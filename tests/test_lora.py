@@ -52,9 +52,9 @@ def test_parameters_are_peft_s_own_names_shapes_dtypes_and_trainability(preset_n
         warnings.simplefilter("ignore")
         model = build_model(scenario.model, scenario.setup)
     tape = build_tape(scenario.model, scenario.setup, cpu=True)
-    trainable = trainable_params(tape, scenario.setup.frozen)
+    trainable = trainable_params(tape, scenario.setup.optimizer.frozen)
     real = [(n, tuple(p.shape), DTYPE_NAMES[p.dtype], p.requires_grad) for n, p in model.named_parameters()]
-    described = [(p.name, p.shape, own_dtype(tape, p.name) or scenario.setup.param_dtype, p.name in trainable)
+    described = [(p.name, p.shape, own_dtype(tape, p.name) or scenario.setup.precision.param, p.name in trainable)
                  for p in tape.params]
     assert described == real
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == sum(

@@ -37,9 +37,9 @@ def _setup(**kw) -> TrainingSetup:
 
 def test_coordinates_put_tp_innermost_and_pp_outermost():
     s = _setup(tp=2, pp=2, world_size=12, dp_engine="deepspeed", zero_stage=1)  # dp 3
-    assert s.dp == 3
+    assert s.mesh.dp == 3
     seen = set()
-    for rank in range(s.world_size):
+    for rank in range(s.mesh.world_size):
         at = mesh_coords(s, rank)
         assert mesh_rank(s, at.pp, at.dp, at.cp, at.tp) == rank
         seen.add((at.pp, at.dp, at.tp))
@@ -99,7 +99,7 @@ def test_fsdp2_under_a_pipeline_shards_each_stage_and_reduces_once():
                  {e.op for e in log.events if e.block.rank == rank and e.step == 1 and "fsdp.reduce_scatter." in e.op}}
         scatters = [e for e in log.events if e.block.rank == rank and e.step == 1 and e.action is Action.ALLOC
                     and e.op.startswith("fsdp.reduce_scatter.") and e.op.endswith(".issue")]
-        assert len(scatters) == len(units) and all(e.micro_batch_index == s.grad_accum - 1 for e in scatters)
+        assert len(scatters) == len(units) and all(e.micro_batch_index == s.batch.grad_accum - 1 for e in scatters)
 
 
 def test_the_last_stage_gathers_for_backward_after_the_loss():
@@ -147,7 +147,7 @@ def test_mesh_classes_equal_the_definition(kw):
     tapes = MeshTapes(tape, s)
     classes = mesh_classes(tapes, CPU, engine_classes)
     brute: dict[tuple, list[int]] = {}
-    for rank in range(s.world_size):
+    for rank in range(s.mesh.world_size):
         b = rank_builder(tape, s, CPU, rank, tapes=tapes)
         key = (mesh_coords(s, rank).pp, tuple((p.name, p.shape) for p in b.tape.params), b.engine.signature())
         brute.setdefault(key, []).append(rank)
@@ -155,7 +155,7 @@ def test_mesh_classes_equal_the_definition(kw):
     sim = simulated_ranks(classes, s)
     for rank in sim:
         at = mesh_coords(s, rank)
-        assert all(mesh_rank(s, p, at.dp, at.cp, at.tp) in sim for p in range(s.pp))
+        assert all(mesh_rank(s, p, at.dp, at.cp, at.tp) in sim for p in range(s.mesh.pp))
 
 
 def test_a_million_ranks_take_few_classes():
@@ -163,7 +163,7 @@ def test_a_million_ranks_take_few_classes():
                       grad_accum=4, pp_schedule="1f1b", zero_stage=1)
     tape = build_tape(TINY, s, False)
     classes = mesh_classes(MeshTapes(tape, s), device_profile("H100-80GB"), engine_classes)
-    assert sorted(len(m) for m in classes.values()) == [s.world_size // 2] * 2
+    assert sorted(len(m) for m in classes.values()) == [s.mesh.world_size // 2] * 2
     assert all(len(m.ranges) == 1 for m in classes.values())
 
 

@@ -75,7 +75,7 @@ def _expected_static(cfg, setup: TrainingSetup, n_blocks: int, first: bool, last
     except a plain-TP embedding that is not tied to the head on the rank: its gradient is a Replicate (V, D)
     DTensor (the vocabulary-parallel lookup's backward is an embedding_dense_backward over the whole table,
     redistributed only when FSDP2 reduce-scatters it: with dp > 1 the stored gradient is the shard again)."""
-    dp, tp = setup.dp, setup.tp
+    dp, tp = setup.mesh.dp, setup.mesh.tp
     shapes = _block_shapes(cfg, tp) * n_blocks + _outer_shapes(cfg, tp, first, last, tied_kept=first and last)
     params = _bytes(shapes, dp)
     grads = params
@@ -96,14 +96,14 @@ def _check_logs(cfg, setup: TrainingSetup, logs) -> None:
     from peakledger.traces.distributed import without_backend_copies
     from peakledger.traces.mesh_run import mesh_coords
 
-    assert len(logs) == setup.world_size
+    assert len(logs) == setup.mesh.world_size
     for rank, log in enumerate(logs):
         coords = mesh_coords(setup, rank)
         assert log.metadata["rank"] == rank and log.metadata["mesh"] == coords
-        assert log.metadata["mesh_shape"] == {"pp": setup.pp, "dp": setup.dp, "tp": setup.tp}
+        assert log.metadata["mesh_shape"] == {"pp": setup.mesh.pp, "dp": setup.mesh.dp, "tp": setup.mesh.tp}
         assert {e.block.rank for e in log.events} == {rank}
         assert any(e.phase.value == "optimizer" for e in log.events)
-        if setup.pp > 1:
+        if setup.mesh.pp > 1:
             specs = rank_stages(setup, cfg.n_layer, coords["pp"])
             assert [s["index"] for s in log.metadata["stages"]] == [s.index for s in specs]
             n_blocks = sum(len(s.layers) for s in specs)
@@ -174,9 +174,9 @@ def test_stage_plan_is_the_whole_models_plan_on_its_modules(name, sequence_paral
     setup = TrainingSetup(**{**BASE, "grad_accum": 4}, world_size=2, pp=2, pp_schedule="1f1b")
     full = build_model(cfg, setup, seed=0)
     whole = tp_plan(full, sequence_parallel)
-    for pp_rank in range(setup.pp):
+    for pp_rank in range(setup.mesh.pp):
         for spec in rank_stages(setup, cfg.n_layer, pp_rank):
-            stage = StageModule(full, cfg, spec, setup.seq_len)
+            stage = StageModule(full, cfg, spec, setup.batch.seq_len)
             names = {n for n, _ in stage.named_modules()}
             own = [(k, repr(v)) for k, v in tp_plan(stage, sequence_parallel).items() if k in names]
             assert own == [(k, repr(v)) for k, v in whole.items() if k in names]

@@ -54,7 +54,7 @@ def _measure_with_counts(setup: TrainingSetup, tmp_path, hook=None, cfg: Transfo
 
     log = measure(_scenario(setup, cfg), model_hook=attach)
     path = tmp_path / f"counts-{len(list(tmp_path.iterdir()))}.json"
-    recorder.write(path, setup.micro_batch, setup.seq_len, cfg.name)
+    recorder.write(path, setup.batch.micro_batch, setup.batch.seq_len, cfg.name)
     return log, path, recorder.layers()
 
 
@@ -73,9 +73,9 @@ def _phase_peak(log, phase: Phase, step: int = 1) -> int:
 def test_real_mixtral_run_matches_the_simulation_with_its_own_routing(precision, tmp_path):
     setup = TrainingSetup(micro_batch=2, seq_len=32, precision=precision, optimizer="adamw", steps=2)
     measured, path, layers = _measure_with_counts(setup, tmp_path)
-    tokens = setup.micro_batch * setup.seq_len
+    tokens = setup.batch.micro_batch * setup.batch.seq_len
     assert [sum(row) for row in layers] == [tokens * TINY.num_experts_per_tok] * TINY.n_layer
-    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
+    routed = setup.replace(moe_routing=f"counts:{path}")
     v, _, simulated = validate(_scenario(routed), measured=measured)
     assert abs(v.overall.error) <= TOLERANCE, (v.overall, v.unexplained[:3])
     for phase in v.phases:
@@ -89,9 +89,9 @@ def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
     router's run, and the simulation gives the same bytes under balanced and worst routing."""
     setup = TrainingSetup(micro_batch=2, seq_len=32, precision="fp32", optimizer="adamw", steps=1)
     worst_log, _, worst_layers = _measure_with_counts(setup, tmp_path, zero_routers)
-    tokens = setup.micro_batch * setup.seq_len
+    tokens = setup.batch.micro_batch * setup.batch.seq_len
     k = TINY.num_experts_per_tok
-    worst = dataclasses.replace(setup, moe_routing="worst")
+    worst = setup.replace(moe_routing="worst")
     assert [sorted(row) for row in worst_layers] == [sorted(routing_counts(TINY, worst, i))
                                                      for i in range(TINY.n_layer)]
     assert all(sorted(row)[-k:] == [tokens] * k for row in worst_layers)
@@ -101,7 +101,7 @@ def test_routing_does_not_change_memory_on_the_grouped_mm_path(tmp_path):
         assert (timeline(worst_log).peak(lambda e, p=phase: e.phase is p).bytes
                 == timeline(random_log).peak(lambda e, p=phase: e.phase is p).bytes)
     assert timeline(worst_log).peak().bytes == timeline(random_log).peak().bytes
-    sims = [timeline(simulate(describe(TINY, dataclasses.replace(setup, moe_routing=r), "cpu"))).peak().bytes
+    sims = [timeline(simulate(describe(TINY, setup.replace(moe_routing=r), "cpu"))).peak().bytes
             for r in ("balanced", "worst")]
     assert sims[0] == sims[1] == timeline(worst_log).peak().bytes
 
@@ -112,10 +112,10 @@ SETUP = TrainingSetup(micro_batch=2, seq_len=32)
 
 
 def _counts_file(tmp_path, **change) -> str:
-    tokens, k, E = SETUP.micro_batch * SETUP.seq_len, TINY.num_experts_per_tok, TINY.num_local_experts
+    tokens, k, E = SETUP.batch.micro_batch * SETUP.batch.seq_len, TINY.num_experts_per_tok, TINY.num_local_experts
     row = [tokens * k // E] * E
-    doc = {"format": "peakledger-moe-counts", "version": 1, "micro_batch": SETUP.micro_batch,
-           "seq_len": SETUP.seq_len, "layers": [list(row) for _ in range(TINY.n_layer)]}
+    doc = {"format": "peakledger-moe-counts", "version": 1, "micro_batch": SETUP.batch.micro_batch,
+           "seq_len": SETUP.batch.seq_len, "layers": [list(row) for _ in range(TINY.n_layer)]}
     doc.update(change)
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
@@ -124,11 +124,13 @@ def _counts_file(tmp_path, **change) -> str:
 
 def test_balanced_and_worst_counts_sum_to_tokens_times_top_k():
     for routing in ("balanced", "worst"):
-        setup = dataclasses.replace(SETUP, seq_len=31, moe_routing=routing)  # a remainder to spread
+        setup = SETUP.replace(seq_len=31, moe_routing=routing)  # a remainder to spread
         counts = routing_counts(TINY, setup, 0)
         assert len(counts) == TINY.num_local_experts
-        assert sum(counts) == setup.micro_batch * setup.seq_len * TINY.num_experts_per_tok
-        assert max(counts) - min(counts) <= (1 if routing == "balanced" else setup.micro_batch * setup.seq_len)
+        assert sum(counts) == setup.batch.micro_batch * setup.batch.seq_len * TINY.num_experts_per_tok
+        assert max(counts) - min(counts) <= (
+            1 if routing == "balanced" else setup.batch.micro_batch * setup.batch.seq_len
+        )
 
 
 @pytest.mark.parametrize("change,field", [
@@ -153,7 +155,7 @@ def test_a_counts_file_that_does_not_fit_names_the_field(tmp_path, change, field
 
 
 def test_a_fitting_counts_file_is_read(tmp_path):
-    setup = dataclasses.replace(SETUP, moe_routing=f"counts:{_counts_file(tmp_path)}")
+    setup = SETUP.replace(moe_routing=f"counts:{_counts_file(tmp_path)}")
     assert routing_counts(TINY, setup, 1) == (32, 32, 32, 32)
 
 
@@ -227,7 +229,7 @@ def test_real_eager_run_matches_the_simulation_with_its_own_routing(precision, t
     file holds one micro-batch), within the tolerance."""
     setup = TrainingSetup(micro_batch=2, seq_len=32, precision=precision, optimizer="adamw", steps=2)
     measured, path, _ = _measure_with_counts(setup, tmp_path, cfg=EAGER)
-    routed = dataclasses.replace(setup, moe_routing=f"counts:{path}")
+    routed = setup.replace(moe_routing=f"counts:{path}")
     v, _, simulated = validate(_scenario(routed, EAGER), measured=measured)
     assert abs(v.overall.error) <= TOLERANCE, v.overall
     for phase in v.phases:
@@ -244,7 +246,7 @@ def test_eager_routing_changes_the_backward_and_the_simulation_follows(tmp_path)
     runs = {}
     for worst in (False, True):
         log, path, _ = _measure_with_counts(setup, tmp_path, zero_routers if worst else None, cfg=EAGER)
-        sim = simulate(describe(EAGER, dataclasses.replace(setup, moe_routing=f"counts:{path}"), "cpu"))
+        sim = simulate(describe(EAGER, setup.replace(moe_routing=f"counts:{path}"), "cpu"))
         runs[worst] = [(_phase_peak(log, ph), _phase_peak(sim, ph)) for ph in (Phase.FORWARD, Phase.BACKWARD)]
     measured_gap = runs[False][1][0] - runs[True][1][0]
     predicted_gap = runs[False][1][1] - runs[True][1][1]

@@ -83,7 +83,7 @@ def test_first_step_above_the_steady_state_on_a_real_run_and_why():
     text = render_text(report, "MiB")
     assert "the first step is" in text and "creates every optimizer state lazily" in text
     # chunking the first step too removes the transient, measured as well
-    chunked = dataclasses.replace(scenario, setup=dataclasses.replace(scenario.setup, offload_first_step="chunked"))
+    chunked = dataclasses.replace(scenario, setup=scenario.setup.replace(offload_first_step="chunked"))
     vc, _, _ = validation.validate(chunked)
     assert vc.first_step.measured <= vc.steady.measured < v.first_step.measured
     assert (vc.first_step.predicted, vc.steady.predicted) == (vc.first_step.measured, vc.steady.measured)

@@ -24,6 +24,5 @@ def test_each_precision_is_what_its_name_says(name):
 @pytest.mark.parametrize("name", PRECISIONS)
 def test_the_setup_reads_its_dtypes_from_the_table(name):
     s, p = TrainingSetup(precision=name), PRECISION_TABLE[name]
-    assert s.prec is p
-    assert (s.param_dtype, s.compute_dtype, s.master_dtype, s.state_dtype) == (p.param, p.compute, p.master, p.state)
-    assert s.grad_dtype == p.param
+    assert s.precision == p and s.precision.name == name
+    assert s.precision.grad == p.param

@@ -67,7 +67,9 @@ def test_run_invariants(case):
     assert all(e.op == "batch.release" for e in log.events
                if e.action is Action.FREE and e.block.category is Category.INPUT)
     # engines keep their buckets, DeepSpeed its gradient partition, FSDP2 its last all-gather output
-    kept_grads = not setup.set_to_none or setup.fp32_grads or setup.zero_stage >= 2
+    kept_grads = (
+        not setup.optimizer.set_to_none or setup.precision.fp32_grads or setup.data_parallel.deepspeed.zero_stage >= 2
+    )
     # and a GPU's cuBLAS handles their workspaces (models/gpu.py)
     allowed_at_end = PERSISTENT | {Category.REDUCE_SCATTER_BUCKET, Category.ALL_GATHER_BUFFER, Category.WORKSPACE} | \
         ({Category.GRADIENT} if kept_grads else set())

@@ -34,7 +34,7 @@ SAVES = [dict(), dict(checkpoint_every=1, save_mode="torch-save"), dict(checkpoi
 def brute_force(tape, setup, profile) -> dict[int, list[int]]:
     """The definition: one builder per rank, grouped by (engine signature, checkpoint rank signature)."""
     classes: dict[tuple, list[int]] = {}
-    for rank in range(setup.world_size):
+    for rank in range(setup.mesh.world_size):
         b = GraphBuilder(tape, setup, profile, rank)
         classes.setdefault((b.engine.signature(), rank_signature(b)), []).append(rank)
     return {members[0]: members for members in classes.values()}

@@ -87,7 +87,7 @@ def _check(name: str, tp: int, sp: bool, model=None, setup: TrainingSetup = SETU
     model = model or preset(name)
     logs = measure_tensor_parallel(model, setup, tp, sp)
     for rank, log in enumerate(logs):
-        sim = simulate(describe(model, replace(setup, tp=tp, sequence_parallel=sp, world_size=tp), "cpu", ranks=[rank],
+        sim = simulate(describe(model, setup.replace(tp=tp, sequence_parallel=sp, world_size=tp), "cpu", ranks=[rank],
                                 all_steps=True))
         assert static_rows(log, rank) == static_rows(sim, rank)
         v = compare_logs(log, sim, rank=rank)
@@ -117,7 +117,7 @@ def test_tiny_llama_tp4_matches_dtensor(sp):
 @pytest.mark.parametrize("name, sp", [("tiny", True), ("tiny-llama", False)])
 def test_16_bit_matches_dtensor(precision, name, sp):
     """Pure bf16 (loss_parallel computes 16-bit logits in fp32: the forward's peak) and CPU bf16 autocast."""
-    _check(name, 2, sp, setup=replace(SETUP, micro_batch=4, seq_len=64, precision=precision))
+    _check(name, 2, sp, setup=SETUP.replace(micro_batch=4, seq_len=64, precision=precision))
 
 
 @slow
@@ -127,7 +127,7 @@ def test_small_vocabulary_llama(sp):
     temporaries) and the sharded blocks."""
     model = replace(preset("tiny-llama"), name="tiny-llama-v32", vocab_size=32, d_model=128, n_head=8, n_kv_head=4,
                     d_ff=352)
-    _check("tiny-llama", 2, sp, model, replace(SETUP, micro_batch=4, seq_len=64))
+    _check("tiny-llama", 2, sp, model, SETUP.replace(micro_batch=4, seq_len=64))
 
 
 def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(capsys):
@@ -163,7 +163,7 @@ def test_optimizer_groups_are_the_real_plans(name, sp):
     from peakledger.traces.reference import build_model
     from peakledger.traces.tensor_run import parallelize
 
-    setup = replace(SETUP, tp=2, sequence_parallel=sp, world_size=2)
+    setup = SETUP.replace(tp=2, sequence_parallel=sp, world_size=2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model = parallelize(build_model(preset(name), setup), 2, sp)

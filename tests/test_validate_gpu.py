@@ -90,8 +90,8 @@ def test_matrix():
     assert c.label == "tiny, eager, bf16, adamw (for-loop), ckpt=full, B=4 T=64"
     assert c.slug == "tiny-eager-bf16-for-loop-ckpt-full-b4t64"
     sc = c.scenario("A100-80GB", "2.11")
-    assert (sc.device, sc.torch_version, sc.setup.steps) == ("A100-80GB", "2.11", 2)
-    assert sc.setup.optimizer_impl == "for-loop" and sc.setup.checkpointing == "full"
+    assert (sc.device, sc.torch_version, sc.setup.batch.steps) == ("A100-80GB", "2.11", 2)
+    assert sc.setup.optimizer.impl == "for-loop" and sc.setup.checkpointing.policy == "full"
     mlp = vg.GpuConfig("tiny-mlp", "fp32", passes="forward", micro_batch=32, seq_len=None)
     assert mlp.scenario().setup.passes == "forward" and mlp.steps == 1
     assert [c.label for c in vg.select(configs, ["cs336-small, fp32, forward"])] == [

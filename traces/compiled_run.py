@@ -36,9 +36,9 @@ MARK = "peakledger:"
 
 def _loop(model, optimizer, batches, setup: TrainingSetup, autocast, steps: range, marks: bool) -> None:
     for step in steps:
-        for mb in range(setup.grad_accum):
+        for mb in range(setup.batch.grad_accum):
             with _mark(marks, Phase.FORWARD, step, mb):
-                batch = tuple(t.clone() for t in batch_for(batches, step, mb, setup.grad_accum))
+                batch = tuple(t.clone() for t in batch_for(batches, step, mb, setup.batch.grad_accum))
                 with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
                     out, loss = model(*batch)
             with _mark(marks, Phase.BACKWARD, step, mb):
@@ -49,7 +49,7 @@ def _loop(model, optimizer, batches, setup: TrainingSetup, autocast, steps: rang
         with _mark(marks, Phase.OPTIMIZER, step, -1):
             optimizer.step()
         with _mark(marks, Phase.ZERO_GRAD, step, -1):
-            optimizer.zero_grad(set_to_none=setup.set_to_none)
+            optimizer.zero_grad(set_to_none=setup.optimizer.set_to_none)
 
 
 def _mark(on: bool, phase: Phase, step: int, mb: int):
@@ -133,7 +133,7 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
 
 
 def measure_compiled(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> EventLog:
-    """Run `setup.steps` compiled training steps of `model` for real on the CPU (see the module docstring)."""
+    """Run `setup.batch.steps` compiled training steps of `model` for real on the CPU (see the module docstring)."""
     import torch._dynamo
 
     if not isinstance(model, TracedModel):
@@ -153,21 +153,21 @@ def _measure(model: TracedModel, setup: TrainingSetup, seed: int) -> EventLog:
     net = build_model(model, setup, seed)
     optimizer = make_optimizer(net, setup)
     batches = make_batch(model, setup, seed)
-    net.forward = torch.compile(net.forward, mode=setup.compile_mode, dynamic=False)  # (out, loss_fn(out))
-    autocast = TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None
+    net.forward = torch.compile(net.forward, mode=setup.compile.mode, dynamic=False)  # (out, loss_fn(out))
+    autocast = TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None
     torch.manual_seed(seed)
     _loop(net, optimizer, batches, setup, autocast, range(1, 2), marks=False)  # compiles forward and backward
     optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        _loop(net, optimizer, batches, setup, autocast, range(1, setup.steps + 1), marks=True)
+        _loop(net, optimizer, batches, setup, autocast, range(1, setup.batch.steps + 1), marks=True)
     memory = prof._memory_profile()  # torch/profiler/_memory_profiler.py MemoryProfile
     ranges = _ranges(prof)
     torch._dynamo.reset()
     events = _events(memory, prof, ranges, {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
     metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(model), "model_kind": "TracedModel",
-                "setup": dataclasses.asdict(setup), "device": "cpu", "steps": setup.steps,
-                "compile": {"mode": setup.compile_mode, "optimizer_step": "eager",
+                "setup": setup.knob_values(), "device": "cpu", "steps": setup.batch.steps,
+                "compile": {"mode": setup.compile.mode, "optimizer_step": "eager",
                             "measured_by": "torch.profiler memory timeline"}}
     return EventLog(events=events, source=SOURCE, metadata=metadata)
 

@@ -1,6 +1,6 @@
 """Measure every rank of a real context-parallel CPU run: torch's `context_parallel` (ring attention) on gloo.
 
-`measure_context_parallel` spawns `setup.world_size` processes (cp alone, or dp x cp with FSDP2) joined as every
+`measure_context_parallel` spawns `setup.mesh.world_size` processes (cp alone, or dp x cp with FSDP2) joined as every
 real run joins its ranks (traces/harness.py `measure_ranks`: a TCPStore rank 0 binds to 127.0.0.1 at a free port,
 gloo on `lo`), builds torchtitan's CP mesh
 
@@ -14,7 +14,7 @@ that attention runs on the rank's local heads, whose q, k and v `context_paralle
 `optimizer_groups`.)
 
 and the same reference model on every rank (`traces.reference.build_model`, same seed: the parameters are
-replicated over the cp ranks), and runs `setup.steps` training steps the way torchtitan's trainer runs them
+replicated over the cp ranks), and runs `setup.batch.steps` training steps the way torchtitan's trainer runs them
 under CP (torchtitan/train.py `forward_backward_step`, torchtitan/distributed/utils.py
 `create_context_parallel_ctx` / `maybe_enable_context_parallel`). For every micro-batch:
 
@@ -123,9 +123,9 @@ class CPJob(Job):
 
 def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, *, rotate_method: str = "allgather",
                              seed: int = 0, timeout_s: float = 180.0) -> list[EventLog]:
-    """Run `setup.steps` real context-parallel training steps of `model_cfg` on `setup.cp` CPU processes (gloo,
-    loopback only; `setup.world_size` must equal `setup.cp`); one tracked `EventLog` per rank, in rank order,
-    every Block carrying its rank. Uses micro_batch, seq_len (a multiple of 2 x cp: the load balancer's chunks),
+    """Run `setup.batch.steps` real context-parallel training steps of `model_cfg` on `setup.mesh.cp` CPU processes
+    (gloo, loopback only; `setup.mesh.world_size` must equal `setup.mesh.cp`); one tracked `EventLog` per rank, in rank
+    order, every Block carrying its rank. Uses micro_batch, seq_len (a multiple of 2 x cp: the load balancer's chunks),
     grad_accum, steps, precision ("fp32" or "bf16"), optimizer, optimizer_impl and set_to_none. `rotate_method`:
     torch's `set_rotate_method` ("allgather", its default, or "alltoall") for k / v in forward and backward (the
     k / v gradients always rotate by all-to-all). Call under `if __name__ == "__main__":` in a script; every
@@ -133,7 +133,7 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
     rank's traceback is raised as RuntimeError."""
     _check(model_cfg, setup, rotate_method)
     job = functools.partial(CPJob, model_cfg, setup, seed=seed, timeout_s=timeout_s, rotate_method=rotate_method)
-    return measure_ranks(_measure_rank, job, setup.world_size, f"cp={setup.cp} x dp={setup.dp} ranks",
+    return measure_ranks(_measure_rank, job, setup.mesh.world_size, f"cp={setup.mesh.cp} x dp={setup.mesh.dp} ranks",
                          prefix="peakledger-cp-")
 
 
@@ -141,25 +141,31 @@ def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
     if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
             or model_cfg.num_local_experts:
         raise NotImplementedError("real context-parallel runs use the hand-written GPT-2 / Llama reference models")
-    cp = setup.cp
+    cp = setup.mesh.cp
     if cp < 2:
         raise ValueError(f"a context-parallel run needs cp >= 2, got {cp}")
-    if setup.pp != 1 or (setup.tp > 1 and (setup.world_size != cp * setup.tp or setup.sequence_parallel)):
-        raise NotImplementedError(f"context-parallel measurement runs dp x cp, or cp x tp (no sequence parallelism): "
-                                  f"pp 1 (got world_size {setup.world_size}, tp {setup.tp}, pp {setup.pp})")
-    if setup.dp > 1 and setup.dp_engine != "fsdp2":
+    if setup.mesh.pp != 1 or (
+        setup.mesh.tp > 1 and (setup.mesh.world_size != cp * setup.mesh.tp or setup.mesh.sequence_parallel)
+    ):
+        raise NotImplementedError(
+            f"context-parallel measurement runs dp x cp, or cp x tp (no sequence parallelism): "
+            f"pp 1 (got world_size {setup.mesh.world_size}, tp {setup.mesh.tp}, pp {setup.mesh.pp})"
+        )
+    if setup.mesh.dp > 1 and setup.data_parallel.engine != "fsdp2":
         raise NotImplementedError("context parallelism with data parallelism runs FSDP2 over dp x cp (torchtitan's "
-                                  f"dp_shard_cp): dp_engine fsdp2, not {setup.dp_engine!r}")
-    if setup.seq_len % (2 * cp):
-        raise ValueError(f"seq_len={setup.seq_len} is not a multiple of 2 x cp={2 * cp} (the load balancer's chunks)")
-    if setup.seq_len > model_cfg.max_seq_len:
-        raise ValueError(f"seq_len={setup.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
+                                  f"dp_shard_cp): dp_engine fsdp2, not {setup.data_parallel.engine!r}")
+    if setup.batch.seq_len % (2 * cp):
+        raise ValueError(
+            f"seq_len={setup.batch.seq_len} is not a multiple of 2 x cp={2 * cp} (the load balancer's chunks)"
+        )
+    if setup.batch.seq_len > model_cfg.max_seq_len:
+        raise ValueError(f"seq_len={setup.batch.seq_len} exceeds max_seq_len={model_cfg.max_seq_len}")
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"unknown rotate_method {rotate_method!r}; allowed: {', '.join(ROTATE_METHODS)}")
-    if not setup.prec.uniform:
-        raise NotImplementedError(f"context-parallel measurement runs fp32 or pure bf16, not {setup.precision!r}")
-    if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout \
-            or setup.optimizer_offload != "none":
+    if not setup.precision.uniform:
+        raise NotImplementedError(f"context-parallel measurement runs fp32 or pure bf16, not {setup.precision.name!r}")
+    if setup.checkpointing.policy != "none" or setup.optimizer.frozen or setup.lora.r or model_cfg.dropout \
+            or setup.offload.mode != "none":
         raise NotImplementedError("context-parallel measurement runs without checkpointing, frozen parameters, "
                                   "LoRA, dropout or optimizer offload")
     optimizer_class(setup)
@@ -293,10 +299,10 @@ def run_config(model_cfg: TransformerConfig) -> TransformerConfig:
 
 def build_cp_model(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int = 0) -> torch.nn.Module:
     """The reference model of `run_config(model_cfg)` with its positions in a `cp_positions` buffer (int64, the
-    whole sequence `setup.seq_len`) read by the bound `_gpt2_forward` / `_llama_forward`: the model a CP rank
+    whole sequence `setup.batch.seq_len`) read by the bound `_gpt2_forward` / `_llama_forward`: the model a CP rank
     runs, and, outside `context_parallel`, the same computation as the reference model."""
     model = build_model(run_config(model_cfg), setup, seed=seed)
-    positions = torch.arange(setup.seq_len, dtype=torch.long)
+    positions = torch.arange(setup.batch.seq_len, dtype=torch.long)
     holder = model if model_cfg.family == "gpt2" else model.model
     holder.register_buffer("cp_positions", positions, persistent=False)
     holder.forward = types.MethodType(_gpt2_forward if model_cfg.family == "gpt2" else _llama_forward, holder)
@@ -314,33 +320,33 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
     enable_cpu_ring_attention()
     set_rotate_method(job.rotate_method)
     setup = job.setup
-    fsdp = setup.dp_engine == "fsdp2"
-    dp_rank = rank // (setup.cp * setup.tp)
+    fsdp = setup.data_parallel.engine == "fsdp2"
+    dp_rank = rank // (setup.mesh.cp * setup.mesh.tp)
     tp_mesh = None
-    if setup.tp > 1:  # torchtitan's mesh: (cp, tp), tp innermost; TP on "tp" first, then CP on "cp"
-        world = init_device_mesh("cpu", (setup.cp, setup.tp), mesh_dim_names=("cp", "tp"))
+    if setup.mesh.tp > 1:  # torchtitan's mesh: (cp, tp), tp innermost; TP on "tp" first, then CP on "cp"
+        world = init_device_mesh("cpu", (setup.mesh.cp, setup.mesh.tp), mesh_dim_names=("cp", "tp"))
         mesh = shard_mesh = world["cp"]
         tp_mesh = world["tp"]
-    elif setup.dp > 1:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over both flattened ("dp_shard_cp")
-        world = init_device_mesh("cpu", (setup.dp, setup.cp), mesh_dim_names=("dp", "cp"))
+    elif setup.mesh.dp > 1:  # torchtitan's mesh: (dp_shard, cp), FSDP2 over both flattened ("dp_shard_cp")
+        world = init_device_mesh("cpu", (setup.mesh.dp, setup.mesh.cp), mesh_dim_names=("dp", "cp"))
         mesh, shard_mesh = world["cp"], world["dp", "cp"]._flatten("dp_cp")
     else:
-        mesh = shard_mesh = init_device_mesh("cpu", (setup.cp,), mesh_dim_names=("cp",))
+        mesh = shard_mesh = init_device_mesh("cpu", (setup.mesh.cp,), mesh_dim_names=("cp",))
     model = build_cp_model(job.model_cfg, setup, seed=job.seed)
     if tp_mesh is not None:
-        parallelize(model, setup.tp, False, mesh=tp_mesh)
-    release = apply_fsdp2(model, setup.reshard_after_forward, mesh=shard_mesh) if fsdp else None
+        parallelize(model, setup.mesh.tp, False, mesh=tp_mesh)
+    release = apply_fsdp2(model, setup.data_parallel.fsdp2.reshard_after_forward, mesh=shard_mesh) if fsdp else None
     optimizer = torch_optimizer(optimizer_groups(model) if tp_mesh is not None else model.parameters(), setup,
                                 job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + dp_rank)  # the same data on every cp rank
     options = cp_options()
-    balancer = _create_default_load_balancer(setup.seq_len, setup.cp, "cpu")
+    balancer = _create_default_load_balancer(setup.batch.seq_len, setup.mesh.cp, "cpu")
     tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
     positions = position_buffer(model)
     losses: list[list] = []
     with tracking(tracker, job.seed, loss_parallel() if tp_mesh is not None else contextlib.nullcontext()):
-        for step in range(1, setup.steps + 1):
-            for mb in range(setup.grad_accum):
+        for step in range(1, setup.batch.steps + 1):
+            for mb in range(setup.batch.grad_accum):
                 with tracker.phase(Phase.FORWARD, step, mb):
                     inputs, labels = (t.clone() for t in batches[mb])
                     tracker.mark_input(inputs, labels)
@@ -360,29 +366,45 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                             ctx.__exit__(None, None, None)
                 with tracker.phase(Phase.BACKWARD, step, mb):
                     del inputs, labels, ctx
-                    if mb == setup.grad_accum - 1 and not fsdp:  # FSDP2 reduce-scatters (averages) itself
+                    if mb == setup.batch.grad_accum - 1 and not fsdp:  # FSDP2 reduce-scatters (averages) itself
                         with tracker.scope("cp.grad_all_reduce"):
                             for p in model.parameters():  # (no local name: it would keep the last gradient)
                                 if p.grad is not None:
                                     local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                                     dist.all_reduce(local, group=mesh.get_group())
-                                    local.div_(setup.cp)
+                                    local.div_(setup.mesh.cp)
                                     del local
                     tracker.scan()
             with tracker.phase(Phase.OPTIMIZER, step):
                 optimizer.step()
                 tracker.scan()
             with tracker.phase(Phase.ZERO_GRAD, step):
-                optimizer.zero_grad(set_to_none=setup.set_to_none)
+                optimizer.zero_grad(set_to_none=setup.optimizer.set_to_none)
                 tracker.scan()
-    fsdp_run = {**fsdp_details(model, setup.reshard_after_forward, release), "fsdp_mesh": "dp_shard_cp"} if fsdp else {}
-    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp,
-                        "tp": setup.tp, "dp": setup.dp, "dp_rank": dp_rank,
-                        "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,
-                        "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE, "attention": "sdpa",
-                        **fsdp_run,
-                        "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // setup.cp,
-                        "losses": losses, **run_metadata(rank, setup.world_size, run_config(job.model_cfg), setup)})
+    fsdp_run = (
+        {**fsdp_details(model, setup.data_parallel.fsdp2.reshard_after_forward, release), "fsdp_mesh": "dp_shard_cp"}
+        if fsdp
+        else {}
+    )
+    return tracker.log(
+        {
+            "engine": "context-parallel",
+            "cp": setup.mesh.cp,
+            "cp_rank": rank // setup.mesh.tp % setup.mesh.cp,
+            "tp": setup.mesh.tp,
+            "dp": setup.mesh.dp,
+            "dp_rank": dp_rank,
+            "cp_options": options,
+            "load_balancer": type(balancer).__name__ if balancer else None,
+            "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE,
+            "attention": "sdpa",
+            **fsdp_run,
+            "attention_requested": job.model_cfg.attention,
+            "local_seq_len": setup.batch.seq_len // setup.mesh.cp,
+            "losses": losses,
+            **run_metadata(rank, setup.mesh.world_size, run_config(job.model_cfg), setup),
+        }
+    )
 
 
 def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int = 0, lr: float = 1e-3) -> list:
@@ -394,13 +416,13 @@ def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: i
     batches = make_batch(model_cfg, setup, seed=seed + 1)
     out = []
     torch.manual_seed(seed)
-    for step in range(1, setup.steps + 1):
-        for mb in range(setup.grad_accum):
+    for step in range(1, setup.batch.steps + 1):
+        for mb in range(setup.batch.grad_accum):
             _, loss = model(*batches[mb])
             loss.backward()
             out.append([step, mb, float(loss.detach())])
         optimizer.step()
-        optimizer.zero_grad(set_to_none=setup.set_to_none)
+        optimizer.zero_grad(set_to_none=setup.optimizer.set_to_none)
     return out
 
 

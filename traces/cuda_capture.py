@@ -68,22 +68,29 @@ MARK_GAP_S = 0.002  # quiet seconds on each side of a loop mark: no allocation l
 def check_capturable(scenario) -> None:
     """Refuse, naming the field, a setup the capture does not run as the simulator describes it."""
     setup = scenario.setup
-    if setup.passes != "train":
+    if setup.batch.passes != "train":
         raise ConfigError("passes", "capture runs real training steps (forward, loss, backward, optimizer step); "
                                     "passes \"forward\" is simulated only: drop --passes")
-    if setup.precision not in CAPTURE_PRECISIONS:
-        raise ConfigError("precision", f"a CUDA capture runs {', '.join(CAPTURE_PRECISIONS)}; got "
-                                       f"{setup.precision!r} (fp16 needs a loss scaler the simulation does not model)")
-    if setup.world_size != 1 or setup.zero_stage != 0 or setup.dp_engine != "deepspeed":
+    if setup.precision.name not in CAPTURE_PRECISIONS:
+        raise ConfigError(
+            "precision",
+            f"a CUDA capture runs {', '.join(CAPTURE_PRECISIONS)}; got "
+            f"{setup.precision.name!r} (fp16 needs a loss scaler the simulation does not model)",
+        )
+    if (
+        setup.mesh.world_size != 1
+        or setup.data_parallel.deepspeed.zero_stage != 0
+        or setup.data_parallel.engine != "deepspeed"
+    ):
         raise ConfigError("world_size", "a CUDA capture is one process on one GPU, without data or model "
                                         "parallelism: world_size 1, zero_stage 0")
-    if setup.optimizer not in CAPTURE_OPTIMIZERS:
+    if setup.optimizer.name not in CAPTURE_OPTIMIZERS:
         raise ConfigError("optimizer", f"a CUDA capture runs torch.optim's {', '.join(CAPTURE_OPTIMIZERS)}; got "
-                                       f"{setup.optimizer!r}")
-    if setup.checkpoint_every:
+                                       f"{setup.optimizer.name!r}")
+    if setup.checkpoint_io.every:
         raise ConfigError("checkpoint_every", "a capture runs training steps without checkpoint saves: drop "
                                               "--checkpoint-every (saves are simulated)")
-    if setup.load_mode != "none":
+    if setup.checkpoint_io.load_mode != "none":
         raise ConfigError("load_mode", "a capture starts from a freshly built model: drop --load-mode")
 
 
@@ -92,7 +99,7 @@ class MasterWeights:
     after them (`load.master_weights`); the torch optimizer over the masters, so its states are fp32; at each
     step the bf16 gradients copied to fp32 (`optimizer.grads_to_fp32`), the update, the masters copied back
     into the parameters and the fp32 gradients dropped (`optimizer.copy_master_to_params`); zero_grad drops
-    the bf16 gradients. With `setup.fp32_grads` the fp32 gradients are persistent main gradients instead
+    the bf16 gradients. With `setup.precision.fp32_grads` the fp32 gradients are persistent main gradients instead
     (`load.main_grads`): a hook adds each bf16 gradient in as autograd accumulates it and drops it, and
     zero_grad zeroes them in place."""
 
@@ -101,10 +108,10 @@ class MasterWeights:
 
         from .reference import freeze, torch_optimizer
 
-        freeze(model, setup.frozen)
+        freeze(model, setup.optimizer.frozen)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.masters = [p.detach().float() for p in self.params]
-        self.main_grads = [torch.zeros_like(m) for m in self.masters] if setup.fp32_grads else None
+        self.main_grads = [torch.zeros_like(m) for m in self.masters] if setup.precision.fp32_grads else None
         self._hooks = []
         if self.main_grads is not None:
             for p, main in zip(self.params, self.main_grads):
@@ -166,8 +173,8 @@ def build_program(scenario, device: str = "cuda"):
 
     check_capturable(scenario)
     setup = scenario.setup
-    mixed = setup.prec.mixed
-    built = dataclasses.replace(setup, precision="bf16", fp32_grads=False) if mixed else setup
+    mixed = setup.precision.mixed
+    built = setup.replace(precision="bf16", fp32_grads=False) if mixed else setup
     torch.manual_seed(0)
     model, batches = place_model(scenario.model, built, device)
     optimizer = MasterWeights(model, setup) if mixed else make_optimizer(model, setup)
@@ -239,11 +246,11 @@ def run_loop(model, optimizer, batches, setup, device: str, marks: LoopMarks) ->
     the batch and outputs dropped; then the optimizer step and zero_grad. Each phase starts with a mark."""
     import torch
 
-    autocast = setup.prec.autocast is not None
-    for step in range(1, setup.steps + 1):
-        for mb in range(setup.grad_accum):
+    autocast = setup.precision.autocast is not None
+    for step in range(1, setup.batch.steps + 1):
+        for mb in range(setup.batch.grad_accum):
             marks.mark(Phase.FORWARD, step, mb)
-            src = batches[((step - 1) * setup.grad_accum + mb) % len(batches)]
+            src = batches[((step - 1) * setup.batch.grad_accum + mb) % len(batches)]
             batch = tuple(t.clone() if t.device.type == torch.device(device).type else t.to(device) for t in src)
             with torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if autocast \
                     else contextlib.nullcontext():
@@ -254,7 +261,7 @@ def run_loop(model, optimizer, batches, setup, device: str, marks: LoopMarks) ->
         marks.mark(Phase.OPTIMIZER, step)
         _peakledger_optimizer_step(optimizer)
         marks.mark(Phase.ZERO_GRAD, step)
-        _peakledger_zero_grad(optimizer, setup.set_to_none)
+        _peakledger_zero_grad(optimizer, setup.optimizer.set_to_none)
     marks.mark(None)
 
 
@@ -354,7 +361,7 @@ def capture_cuda(scenario, snapshot_path: str | Path, max_entries: int = MAX_ENT
             "gpu_total_memory": device["total_memory"], "gpu_profile": device["profile"],
             "device_profile": device["profile"], "allocator_rules": device["allocator_rules"],
             "alloc_conf": device["alloc_conf"], "model": dataclasses.asdict(scenario.model),
-            "model_kind": type(scenario.model).__name__, "setup": dataclasses.asdict(setup),
+            "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
             "scenario": scenario.name, "source_pickle": Path(snapshot_path).name, "reserved_peak": reserved_peak,
             "step_labels": labels, "loop_marks": marks.as_json()}
     trace.allocated.metadata.update(meta)

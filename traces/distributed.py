@@ -96,12 +96,12 @@ def measure_distributed(model_cfg: TransformerConfig | MLPConfig, setup: Trainin
                         engine: str, reshard_after_forward: bool = True, *,
                         root_reshard_after_forward: bool | None = None, seed: int = 0,
                         timeout_s: float = 120.0, backend: str = "gloo") -> list[EventLog]:
-    """Run `setup.steps` real training steps of `model_cfg` on `world_size` CPU processes (gloo, loopback
+    """Run `setup.batch.steps` real training steps of `model_cfg` on `world_size` CPU processes (gloo, loopback
     only) with `engine` ("fsdp2", "ddp" or "zero-redundancy-optimizer"); one tracked `EventLog` per
     rank, in rank order, every Block carrying its `rank`.
 
-    `setup.micro_batch`, `seq_len`, `grad_accum`, `steps`, `optimizer`, `optimizer_impl`, `precision`
-    ("fp32" or "bf16") and `set_to_none` are used; `setup.world_size` and `zero_stage` are ignored
+    `setup.batch.micro_batch`, `seq_len`, `grad_accum`, `steps`, `optimizer`, `optimizer_impl`, `precision`
+    ("fp32" or "bf16") and `set_to_none` are used; `setup.mesh.world_size` and `zero_stage` are ignored
     (`world_size` and `engine` say how the run is distributed). FSDP2: `reshard_after_forward` is given
     to every block unit; the root unit gets `root_reshard_after_forward`, None being fully_shard's
     default (False for the root: its parameters stay unsharded from forward into backward).
@@ -128,12 +128,12 @@ def _check(setup: TrainingSetup, world_size: int, engine: str, backend: str) -> 
         raise ValueError(f"unknown process-group backend {backend!r}; allowed: {', '.join(BACKENDS)}")
     if world_size < 2:
         raise ValueError(f"world_size must be at least 2, got {world_size}")
-    if not setup.prec.uniform:
-        raise NotImplementedError(f"distributed measurement runs fp32 or pure bf16, not {setup.precision!r}")
+    if not setup.precision.uniform:
+        raise NotImplementedError(f"distributed measurement runs fp32 or pure bf16, not {setup.precision.name!r}")
     optimizer_class(setup)  # refuses an optimizer torch.optim does not have before any process starts
-    if setup.checkpointing != "none" or setup.frozen:
+    if setup.checkpointing.policy != "none" or setup.optimizer.frozen:
         raise NotImplementedError("distributed measurement runs without checkpointing or frozen parameters")
-    if setup.optimizer_offload != "none" and engine == "zero-redundancy-optimizer":
+    if setup.offload.mode != "none" and engine == "zero-redundancy-optimizer":
         raise NotImplementedError("the optimizer-state offload wraps FSDP2's and DDP's optimizers, not "
                                   "ZeroRedundancyOptimizer's local one")
 

@@ -79,7 +79,7 @@ class ExpertJob(Job):
 
 def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, *, routing: str = "measured",
                             seed: int = 0, timeout_s: float = 120.0) -> tuple[list[EventLog], dict]:
-    """Run `setup.steps` real training steps of an HF Mixtral `model_cfg` on `setup.ep` CPU processes (gloo,
+    """Run `setup.batch.steps` real training steps of an HF Mixtral `model_cfg` on `setup.mesh.ep` CPU processes (gloo,
     loopback only), experts placed on ranks; (one tracked `EventLog` per rank, the routing counts document every
     rank routed by: "peakledger-moe-counts", what `moe_routing="counts:FILE"` reads). Uses ep, world_size (= dp, a
     multiple of ep),
@@ -87,8 +87,13 @@ def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
     `if __name__ == "__main__":` in a script; a failing rank's traceback is raised as RuntimeError."""
     check_expert_run(model_cfg, setup, routing)
     job = functools.partial(ExpertJob, model_cfg, setup, seed=seed, timeout_s=timeout_s, routing=routing)
-    logs = measure_ranks(_measure_rank, job, setup.world_size, f"expert parallel ep{setup.ep} dp{setup.dp}",
-                         prefix="peakledger-ep-")
+    logs = measure_ranks(
+        _measure_rank,
+        job,
+        setup.mesh.world_size,
+        f"expert parallel ep{setup.mesh.ep} dp{setup.mesh.dp}",
+        prefix="peakledger-ep-",
+    )
     return logs, logs[0].metadata["routing_counts"]
 
 
@@ -101,17 +106,19 @@ def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
                                   f"{model_cfg.experts_implementation!r}")
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r}; allowed: {', '.join(ROUTINGS)}")
-    if setup.ep < 2 or setup.world_size != setup.dp or setup.dp % setup.ep:
-        raise NotImplementedError(f"expert-parallel runs are data parallel with experts placed: ep >= 2, world_size "
-                                  f"= dp a multiple of ep (got ep {setup.ep}, world_size {setup.world_size}, dp "
-                                  f"{setup.dp})")
-    if model_cfg.num_local_experts % setup.ep:
-        raise ValueError(f"ep={setup.ep} does not divide num_local_experts={model_cfg.num_local_experts}")
-    if not setup.prec.uniform:
-        raise NotImplementedError(f"expert-parallel runs measure fp32 or bf16, not {setup.precision!r}")
-    if setup.checkpointing != "none" or setup.frozen or setup.lora_r:
+    if setup.mesh.ep < 2 or setup.mesh.world_size != setup.mesh.dp or setup.mesh.dp % setup.mesh.ep:
+        raise NotImplementedError(
+            f"expert-parallel runs are data parallel with experts placed: ep >= 2, world_size "
+            f"= dp a multiple of ep (got ep {setup.mesh.ep}, world_size {setup.mesh.world_size}, dp "
+            f"{setup.mesh.dp})"
+        )
+    if model_cfg.num_local_experts % setup.mesh.ep:
+        raise ValueError(f"ep={setup.mesh.ep} does not divide num_local_experts={model_cfg.num_local_experts}")
+    if not setup.precision.uniform:
+        raise NotImplementedError(f"expert-parallel runs measure fp32 or bf16, not {setup.precision.name!r}")
+    if setup.checkpointing.policy != "none" or setup.optimizer.frozen or setup.lora.r:
         raise NotImplementedError("expert-parallel runs measure without checkpointing, frozen parameters or LoRA")
-    if setup.optimizer_offload != "none" or setup.checkpoint_every or setup.load_mode != "none":
+    if setup.offload.mode != "none" or setup.checkpoint_io.every or setup.checkpoint_io.load_mode != "none":
         raise NotImplementedError("expert-parallel runs measure without offload or checkpoint saves / loads")
 
 
@@ -249,19 +256,19 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
         for name, module in model.named_modules():
             if name.endswith(".mlp.gate"):
                 torch.nn.init.zeros_(module.weight)
-    ep, dp = setup.ep, setup.dp
+    ep, dp = setup.mesh.ep, setup.mesh.dp
     # Megatron's layout with tp = 1: expert-parallel groups of consecutive ranks, expert-data-parallel groups of the
     # ranks that hold the same experts (every rank creates every group, as new_group requires)
     ep_groups = [dist.new_group(list(range(g * ep, (g + 1) * ep))) for g in range(dp // ep)]
     edp_groups = [dist.new_group(list(range(e, dp, ep))) for e in range(ep)] if dp > ep else None
     ignored = place_experts(model, ep, rank % ep, ep_groups[rank // ep])
     batch = make_batch(cfg, setup, seed=job.seed + 1, n=1)[0]  # the same micro-batch on every rank, every time
-    batches = [batch] * setup.grad_accum
+    batches = [batch] * setup.batch.grad_accum
     recorder = RoutingRecorder().attach(model)
     with torch.no_grad():  # untracked: the routing every forward of the run repeats (lr 0: the weights stay)
         model(*batch)
     recorder.detach()
-    counts = recorder.document(setup.micro_batch, setup.seq_len, cfg.name)
+    counts = recorder.document(setup.batch.micro_batch, setup.batch.seq_len, cfg.name)
     optimizer = torch_optimizer(model.parameters(), setup, job.lr)
     if edp_groups is not None:  # the experts' replicas average their gradients in place before the step
         names = set(ignored)
@@ -284,7 +291,7 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
                         "expert_grad_sync": "all_reduce-average over rank % ep" if dp > ep else None,
                         "routing": job.routing, "routing_counts": counts,
                         "ddp_ignored": ignored, "ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap),
-                        **run_metadata(rank, setup.world_size, cfg, setup), "model_kind": type(cfg).__name__})
+                        **run_metadata(rank, setup.mesh.world_size, cfg, setup), "model_kind": type(cfg).__name__})
 
 
 __all__ = ["measure_expert_parallel", "check_expert_run", "ep_experts_forward", "place_experts", "permute_indices",

@@ -248,17 +248,27 @@ def tracking(tracker, seed: int, *contexts):
 
 
 def train_steps(tracker, model, optimizer, batches, setup: TrainingSetup, autocast: torch.dtype | None = None) -> None:
-    """`setup.steps` steps of `setup.grad_accum` micro-batches of `batches` (traces.tracker.training_loop: FORWARD
-    and BACKWARD per micro-batch, OPTIMIZER, ZERO_GRAD with setup.set_to_none) under `tracker`, already entered."""
-    training_loop(tracker, model, optimizer, batches, setup.steps, setup.grad_accum, setup.set_to_none, autocast)
+    """`setup.batch.steps` steps of `setup.batch.grad_accum` micro-batches of `batches` (traces.tracker.training_loop:
+    FORWARD and BACKWARD per micro-batch, OPTIMIZER, ZERO_GRAD with setup.optimizer.set_to_none) under `tracker`,
+    already entered."""
+    training_loop(
+        tracker,
+        model,
+        optimizer,
+        batches,
+        setup.batch.steps,
+        setup.batch.grad_accum,
+        setup.optimizer.set_to_none,
+        autocast,
+    )
 
 
 def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, backend: str = "gloo") -> dict:
     """What every run's log records of itself: world size, rank, backend, torch version, the model and setup run,
     steps, grad_accum and set_to_none."""
     return {"world_size": world_size, "rank": rank, "backend": backend, "torch_version": torch.__version__,
-            "model": dataclasses.asdict(model_cfg), "setup": dataclasses.asdict(setup), "steps": setup.steps,
-            "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none}
+            "model": dataclasses.asdict(model_cfg), "setup": setup.knob_values(), "steps": setup.batch.steps,
+            "grad_accum": setup.batch.grad_accum, "set_to_none": setup.optimizer.set_to_none}
 
 
 __all__ = ["Job", "measure_ranks", "spawn_ranks", "process_group", "gloo_group", "loopback_listener", "log_path",

@@ -1,7 +1,7 @@
 """Measure every rank of a real multi-dimensional (device-mesh) CPU run: FSDP2 x TP (2D), TP x PP, FSDP2 x PP and
 FSDP2 x TP x PP, on gloo over 127.0.0.1, one tracked `EventLog` per global rank.
 
-`measure_mesh` spawns `setup.world_size` processes joined as every real run joins its ranks (traces/harness.py
+`measure_mesh` spawns `setup.mesh.world_size` processes joined as every real run joins its ranks (traces/harness.py
 `measure_ranks`: a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), and every process builds the
 device mesh torchtitan's ParallelDims builds,
 
@@ -16,8 +16,8 @@ Layouts
   `apply_tp`, then `apply_fsdp`): traces/tensor_run.py `parallelize` on the "tp" sub-mesh (its `tp_plan`,
   attention on local heads, a tied embedding re-tied), then `fully_shard` on each transformer block and on the
   root with the "dp" sub-mesh, traces/distributed.py's `apply_fsdp2` as its FSDP2 engine applies it (its
-  `fsdp_units`; every block with `setup.reshard_after_forward`, the root with fully_shard's default; each
-  unit's collectives return once gloo has let go of their tensors: `wrap_released`, `BackendReleased`). The
+  `fsdp_units`; every block with `setup.data_parallel.fsdp2.reshard_after_forward`, the root with fully_shard's default;
+  each unit's collectives return once gloo has let go of their tensors: `wrap_released`, `BackendReleased`). The
   optimizer takes tensor_run's `optimizer_groups` (one group per device mesh). The loop is
   `traces.tracker.training_loop` under `loss_parallel()`, as tensor_run runs it (`grad_accum` micro-batches per
   step, each a FORWARD and a BACKWARD with its micro-batch index, then OPTIMIZER and ZERO_GRAD).
@@ -26,8 +26,8 @@ Layouts
   tensor-parallelized on the "tp" sub-mesh by tensor_run's `parallelize` (the entries of `tp_plan` that name one
   of its modules; no tie to restore: a stage holds the embedding or the head, never both once pp > 1), wrapped
   in a `PipelineStage` whose peers are the "pp" sub-mesh's group (pipeline_run's `build_pipeline`, with
-  `group` and the local sequence length), scheduled by `setup.pp_schedule` (gpipe, 1f1b,
-  interleaved-1f1b) over `setup.grad_accum` micro-batches with the reference cross-entropy as loss_fn; the
+  `group` and the local sequence length), scheduled by `setup.mesh.pp_schedule` (gpipe, 1f1b,
+  interleaved-1f1b) over `setup.batch.grad_accum` micro-batches with the reference cross-entropy as loss_fn; the
   whole step runs under `loss_parallel()` (torchtitan's train context does the same around
   `pp_schedule.step`): the last stage's logits stay vocabulary-sharded DTensors and the loss is computed on
   the shards. The activations between stages are the tensor-parallel rank's local tensors: (B, T, D), or
@@ -38,8 +38,8 @@ Layouts
   then OPTIMIZER and ZERO_GRAD).
 - FSDP2 x PP and FSDP2 x TP x PP (dp > 1, pp > 1, dp_engine "fsdp2"): as torchtitan applies FSDP2 to each model
   part, each stage module (tensor-parallelized first when tp > 1) gets `fully_shard` on its blocks
-  (`setup.reshard_after_forward`) and then on itself as the root (fully_shard's default), with the "dp"
-  sub-mesh (`apply_fsdp2`: a stage's `fsdp_units` are its blocks); PipelineStage drives the FSDP2 root (no
+  (`setup.data_parallel.fsdp2.reshard_after_forward`) and then on itself as the root (fully_shard's default), with the
+  "dp" sub-mesh (`apply_fsdp2`: a stage's `fsdp_units` are its blocks); PipelineStage drives the FSDP2 root (no
   reduce-scatter before the last micro-batch's backward, whose post-backward then reduce-scatters the
   accumulated unsharded gradients).
 
@@ -86,7 +86,7 @@ class MeshJob(Job):
 
 def measure_mesh(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: int = 0,
                  timeout_s: float = 180.0) -> list[EventLog]:
-    """Run `setup.steps` real training steps of `model_cfg` on `setup.world_size` CPU processes laid out as a
+    """Run `setup.batch.steps` real training steps of `model_cfg` on `setup.mesh.world_size` CPU processes laid out as a
     (pp, dp, tp) device mesh (gloo, loopback only); one tracked `EventLog` per global rank, in rank order. Uses
     tp, sequence_parallel, pp, pp_schedule, virtual_stages, world_size (dp = world_size / (tp x pp)),
     dp_engine ("fsdp2" when dp > 1), reshard_after_forward, micro_batch, seq_len, grad_accum (micro-batches of
@@ -97,12 +97,14 @@ def measure_mesh(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: in
     traceback is raised as RuntimeError."""
     check_mesh(model_cfg, setup)
     job = functools.partial(MeshJob, model_cfg, setup, seed=seed, timeout_s=timeout_s)
-    return measure_ranks(_measure_rank, job, setup.world_size, f"mesh {_describe(setup)}", prefix="peakledger-mesh-")
+    return measure_ranks(
+        _measure_rank, job, setup.mesh.world_size, f"mesh {_describe(setup)}", prefix="peakledger-mesh-"
+    )
 
 
 def mesh_sizes(setup: TrainingSetup) -> dict[str, int]:
     """{"pp": pp, "dp": dp, "tp": tp}: every dimension, outermost first."""
-    return {"pp": setup.pp, "dp": setup.dp, "tp": setup.tp}
+    return {"pp": setup.mesh.pp, "dp": setup.mesh.dp, "tp": setup.mesh.tp}
 
 
 def mesh_coords(setup: TrainingSetup, rank: int) -> dict[str, int]:
@@ -116,7 +118,7 @@ def mesh_coords(setup: TrainingSetup, rank: int) -> dict[str, int]:
 
 def mesh_rank(setup: TrainingSetup, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
     """The global rank at mesh coordinates (pp, dp, tp)."""
-    return (pp * setup.dp + dp) * setup.tp + tp
+    return (pp * setup.mesh.dp + dp) * setup.mesh.tp + tp
 
 
 def _describe(setup: TrainingSetup) -> str:
@@ -130,39 +132,41 @@ def check_mesh(model_cfg, setup: TrainingSetup) -> None:
             or model_cfg.num_local_experts:
         raise NotImplementedError("mesh runs use the hand-written dense GPT-2 / Llama reference models "
                                   "(implementation nanogpt, no experts)")
-    if setup.cp != 1 or setup.ep != 1:
+    if setup.mesh.cp != 1 or setup.mesh.ep != 1:
         raise NotImplementedError("mesh runs have no context or expert parallelism: cp 1, ep 1")
-    dp, pp = setup.dp, setup.pp
-    if setup.tp < 2 and not (dp > 1 and pp > 1):
-        raise NotImplementedError(f"mesh runs combine at least two of FSDP2, TP and PP: tp >= 2 (got {setup.tp}) "
+    dp, pp = setup.mesh.dp, setup.mesh.pp
+    if setup.mesh.tp < 2 and not (dp > 1 and pp > 1):
+        raise NotImplementedError(f"mesh runs combine at least two of FSDP2, TP and PP: tp >= 2 (got {setup.mesh.tp}) "
                                   "with dp > 1 or pp > 1, or FSDP2 x PP (dp > 1 and pp > 1); one dimension alone "
                                   "is traces/distributed.py measure_distributed or traces/pipeline_run.py "
                                   "measure_pipeline")
     if dp == 1 and pp == 1:
-        raise ValueError(f"tp={setup.tp} alone is a one-dimensional layout: use traces/tensor_run.py "
+        raise ValueError(f"tp={setup.mesh.tp} alone is a one-dimensional layout: use traces/tensor_run.py "
                          "measure_tensor_parallel (or give world_size = dp x tp x pp with dp > 1 or pp > 1)")
-    if dp > 1 and setup.dp_engine != "fsdp2":
+    if dp > 1 and setup.data_parallel.engine != "fsdp2":
         raise NotImplementedError(f"the data-parallel dimension of a mesh run is FSDP2 (dp_engine fsdp2), "
-                                  f"not {setup.dp_engine!r}")
-    if setup.zero_stage:
+                                  f"not {setup.data_parallel.engine!r}")
+    if setup.data_parallel.deepspeed.zero_stage:
         raise NotImplementedError("mesh runs have no DeepSpeed ZeRO stage: zero_stage 0")
     for what, heads in (("n_head", model_cfg.n_head), ("n_kv_head", model_cfg.kv_heads)):
-        if heads % setup.tp:
-            raise ValueError(f"tp={setup.tp} does not divide {what}={heads}: each tensor-parallel rank holds "
+        if heads % setup.mesh.tp:
+            raise ValueError(f"tp={setup.mesh.tp} does not divide {what}={heads}: each tensor-parallel rank holds "
                              "whole heads")
-    if setup.sequence_parallel and setup.seq_len % setup.tp:
-        raise ValueError(f"seq_len={setup.seq_len} is not a multiple of tp={setup.tp} (sequence parallelism)")
-    if setup.precision not in PRECISIONS:
-        raise NotImplementedError(f"mesh runs measure {' or '.join(PRECISIONS)}, not {setup.precision!r}")
-    if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout:
+    if setup.mesh.sequence_parallel and setup.batch.seq_len % setup.mesh.tp:
+        raise ValueError(
+            f"seq_len={setup.batch.seq_len} is not a multiple of tp={setup.mesh.tp} (sequence parallelism)"
+        )
+    if setup.precision.name not in PRECISIONS:
+        raise NotImplementedError(f"mesh runs measure {' or '.join(PRECISIONS)}, not {setup.precision.name!r}")
+    if setup.checkpointing.policy != "none" or setup.optimizer.frozen or setup.lora.r or model_cfg.dropout:
         raise NotImplementedError("mesh runs measure without checkpointing, frozen parameters, LoRA or dropout")
-    if setup.optimizer_offload != "none" or setup.checkpoint_every or setup.load_mode != "none":
+    if setup.offload.mode != "none" or setup.checkpoint_io.every or setup.checkpoint_io.load_mode != "none":
         raise NotImplementedError("mesh runs measure without optimizer-state offload or checkpoint saves / loads")
-    if setup.passes != "train":
+    if setup.batch.passes != "train":
         raise NotImplementedError("mesh runs measure training steps: passes train")
     if pp > 1:
-        if setup.pp_schedule not in SCHEDULES:
-            raise NotImplementedError(f"mesh runs schedule {', '.join(SCHEDULES)}, not {setup.pp_schedule!r}")
+        if setup.mesh.pp_schedule not in SCHEDULES:
+            raise NotImplementedError(f"mesh runs schedule {', '.join(SCHEDULES)}, not {setup.mesh.pp_schedule!r}")
         stage_layout(setup, model_cfg.n_layer)  # ConfigError: more stages than n_layer + 2
     optimizer_class(setup)
 
@@ -179,7 +183,7 @@ def _measure_rank(rank: int, job: MeshJob) -> EventLog:
     """One rank's run (traces/harness.py `measure_ranks` runs it in a spawned process, in the process group)."""
     mesh = build_mesh(job.setup)
     coords = mesh_coords(job.setup, rank)
-    if job.setup.pp > 1:
+    if job.setup.mesh.pp > 1:
         log, details = _measure_pipeline(rank, job, mesh, coords)
     else:
         log, details = _measure_fsdp_tp(rank, job, mesh, coords)
@@ -190,8 +194,8 @@ def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
     s = job.setup
     return {"engine": "mesh", "mesh": coords, "mesh_shape": mesh_sizes(s),
             "mesh_dim_names": [n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
-            "tp": s.tp, "sequence_parallel": s.sequence_parallel, "dp": s.dp, "pp": s.pp,
-            **run_metadata(rank, s.world_size, job.model_cfg, s), "model_kind": type(job.model_cfg).__name__,
+            "tp": s.mesh.tp, "sequence_parallel": s.mesh.sequence_parallel, "dp": s.mesh.dp, "pp": s.mesh.pp,
+            **run_metadata(rank, s.mesh.world_size, job.model_cfg, s), "model_kind": type(job.model_cfg).__name__,
             **details}
 
 
@@ -211,14 +215,17 @@ def _placements(model: nn.Module) -> dict[str, str]:
 def _fsdp_details(setup: TrainingSetup, model: nn.Module, release) -> dict:
     """What the metadata records of FSDP2 on the dp sub-mesh (traces/distributed.py `fsdp_details`), the roots with
     fully_shard's default."""
-    return {**fsdp_details(model, setup.reshard_after_forward, release), "root_reshard_after_forward": None}
+    return {
+        **fsdp_details(model, setup.data_parallel.fsdp2.reshard_after_forward, release),
+        "root_reshard_after_forward": None,
+    }
 
 
 def _measure_fsdp_tp(rank: int, job: MeshJob, mesh, coords: dict):
     setup = job.setup
     model = build_model(job.model_cfg, setup, seed=job.seed)
-    parallelize(model, setup.tp, setup.sequence_parallel, mesh=mesh["tp"])
-    release = apply_fsdp2(model, setup.reshard_after_forward, mesh=mesh["dp"])
+    parallelize(model, setup.mesh.tp, setup.mesh.sequence_parallel, mesh=mesh["tp"])
+    release = apply_fsdp2(model, setup.data_parallel.fsdp2.reshard_after_forward, mesh=mesh["dp"])
     optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1 + coords["dp"])  # the tp group's own data
     tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
@@ -241,23 +248,25 @@ def _measure_pipeline(rank: int, job: MeshJob, mesh, coords: dict):
     modules, dtype = stage_modules(cfg, setup, specs, job.seed)
     release = None
     for module in modules:
-        if setup.tp > 1:
-            parallelize(module, setup.tp, setup.sequence_parallel, mesh=mesh["tp"])
-        if setup.dp > 1:  # the stage module is the root (fully_shard's default for a root: kept unsharded)
-            release = apply_fsdp2(module, setup.reshard_after_forward, mesh=mesh["dp"], release=release)
+        if setup.mesh.tp > 1:
+            parallelize(module, setup.mesh.tp, setup.mesh.sequence_parallel, mesh=mesh["tp"])
+        if setup.mesh.dp > 1:  # the stage module is the root (fully_shard's default for a root: kept unsharded)
+            release = apply_fsdp2(
+                module, setup.data_parallel.fsdp2.reshard_after_forward, mesh=mesh["dp"], release=release
+            )
     # between stages: this rank's local activations, (B, T / tp, D) with sequence parallelism
-    local_seq_len = setup.seq_len // setup.tp if setup.sequence_parallel else setup.seq_len
+    local_seq_len = setup.batch.seq_len // setup.mesh.tp if setup.mesh.sequence_parallel else setup.batch.seq_len
     stages, schedule, tracked = build_pipeline(modules, specs, cfg, setup, dtype, group=mesh["pp"].get_group(),
                                                local_seq_len=local_seq_len)
     optimizer = torch_optimizer(optimizer_groups(tracked), setup, job.lr)
     batches = make_batch(cfg, setup, seed=job.seed + 1 + coords["dp"])
     tracker = train_pipeline(DTensorTracker, stages, schedule, tracked, optimizer, specs, batches, setup, rank=rank,
-                             seed=job.seed, contexts=[loss_parallel()] if setup.tp > 1 else [])
-    engines = ["pipeline"] + (["dtensor-tp"] if setup.tp > 1 else []) + (["fsdp2"] if setup.dp > 1 else [])
-    fsdp = _fsdp_details(setup, tracked, release) if setup.dp > 1 else {}
-    details = {"engines": engines, **fsdp, "pp_schedule": setup.pp_schedule,
-               "virtual_stages": setup.virtual_stages, "stages": stage_records(specs),
-               "loss_parallel": setup.tp > 1, "placements": _placements(tracked)}
+                             seed=job.seed, contexts=[loss_parallel()] if setup.mesh.tp > 1 else [])
+    engines = ["pipeline"] + (["dtensor-tp"] if setup.mesh.tp > 1 else []) + (["fsdp2"] if setup.mesh.dp > 1 else [])
+    fsdp = _fsdp_details(setup, tracked, release) if setup.mesh.dp > 1 else {}
+    details = {"engines": engines, **fsdp, "pp_schedule": setup.mesh.pp_schedule,
+               "virtual_stages": setup.mesh.virtual_stages, "stages": stage_records(specs),
+               "loss_parallel": setup.mesh.tp > 1, "placements": _placements(tracked)}
     return tracker.log, details
 
 

@@ -1,20 +1,20 @@
 """Measure every rank of a real pipeline-parallel CPU run: torch.distributed.pipelining on gloo, 127.0.0.1.
 
-`measure_pipeline` spawns `setup.pp` processes (one per pipeline rank) joined as every real run joins its ranks
+`measure_pipeline` spawns `setup.mesh.pp` processes (one per pipeline rank) joined as every real run joins its ranks
 (traces/harness.py `measure_ranks`: rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on
 `lo`). Each process
 builds the same reference model (`traces.reference.build_model`, same seed), cuts its stages out of it as
 torchtitan's `pipeline_module_split` does (`stage_modules`; the stage layout is models/parallel/stages.py
 `stage_layout`: a stage keeps deep copies of its modules, so a tied embedding / head weight becomes one
 parameter on the first stage and one on the last), wraps each in a `PipelineStage` with its input and output
-shapes given (`build_pipeline`; static metadata: no shape-inference forward), and runs `setup.steps` steps of
+shapes given (`build_pipeline`; static metadata: no shape-inference forward), and runs `setup.batch.steps` steps of
 (`run_pipeline_steps`)
 
     schedule.step(x, target=y, return_outputs=False)   # torchtitan's call; x on the first stage, y on the last
     optimizer.step(); optimizer.zero_grad(set_to_none)
 
-with the schedule of `setup.pp_schedule` (ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B over
-`setup.grad_accum` micro-batches of `setup.micro_batch`, loss_fn = the reference model's own cross-entropy,
+with the schedule of `setup.mesh.pp_schedule` (ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B over
+`setup.batch.grad_accum` micro-batches of `setup.batch.micro_batch`, loss_fn = the reference model's own cross-entropy,
 scale_grads=True: the gradients are divided in place by the micro-batch count after the last backward) under
 the rank's own `AllocationTracker(rank=r)`. The whole batch (x: (m x B, T) token ids, y: targets) is built at
 the start of each step on the rank that reads it, as INPUT; the schedule splits it into views. Each stage's
@@ -51,24 +51,24 @@ PipelineJob = Job  # what every pipeline rank is sent: the harness's job (the se
 
 def measure_pipeline(model_cfg: TransformerConfig, setup: TrainingSetup, *, seed: int = 0,
                      timeout_s: float = 120.0) -> list[EventLog]:
-    """Run `setup.steps` real pipeline-parallel training steps of `model_cfg` on `setup.pp` CPU processes (gloo,
-    loopback only); one tracked `EventLog` per pipeline rank, in rank order. Uses micro_batch, seq_len,
+    """Run `setup.batch.steps` real pipeline-parallel training steps of `model_cfg` on `setup.mesh.pp` CPU processes
+    (gloo, loopback only); one tracked `EventLog` per pipeline rank, in rank order. Uses micro_batch, seq_len,
     grad_accum (the micro-batches of a step), steps, precision ("fp32" or "bf16"), optimizer, optimizer_impl,
     set_to_none, pp, pp_schedule and virtual_stages. Call under `if __name__ == "__main__":` in a script;
     every process is joined within `timeout_s` seconds, else all are killed and TimeoutError is raised."""
     _check(model_cfg, setup)
     job = functools.partial(PipelineJob, model_cfg, setup, seed=seed, timeout_s=timeout_s)
-    return measure_ranks(_measure_rank, job, setup.pp, f"{setup.pp_schedule} x {setup.pp} ranks",
+    return measure_ranks(_measure_rank, job, setup.mesh.pp, f"{setup.mesh.pp_schedule} x {setup.mesh.pp} ranks",
                          prefix="peakledger-pp-")
 
 
 def _check(model_cfg, setup: TrainingSetup) -> None:
-    if setup.pp < 2:
-        raise ValueError(f"a pipeline run needs pp >= 2, got {setup.pp}")
-    if setup.pp_schedule not in SCHEDULES:
-        raise NotImplementedError(f"real pipeline runs use {', '.join(SCHEDULES)}, not {setup.pp_schedule!r}")
-    if not setup.prec.uniform:
-        raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision!r}")
+    if setup.mesh.pp < 2:
+        raise ValueError(f"a pipeline run needs pp >= 2, got {setup.mesh.pp}")
+    if setup.mesh.pp_schedule not in SCHEDULES:
+        raise NotImplementedError(f"real pipeline runs use {', '.join(SCHEDULES)}, not {setup.mesh.pp_schedule!r}")
+    if not setup.precision.uniform:
+        raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision.name!r}")
     check_model_parallel(model_cfg, setup)
     optimizer_class(setup)
 
@@ -146,10 +146,10 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _stage_shapes(cfg: TransformerConfig, setup: TrainingSetup, spec: StageSpec, dtype: torch.dtype,
                   local_seq_len: int | None = None):
     """Example input and output tensors of one stage's micro-batch (PipelineStage's static metadata). The
-    activations between stages hold `local_seq_len` positions (None: setup.seq_len; with sequence parallelism a
+    activations between stages hold `local_seq_len` positions (None: setup.batch.seq_len; with sequence parallelism a
     tensor-parallel rank's T / tp); the token ids and the last stage's output (its logits, not sent) the whole
     sequence."""
-    B, T = setup.micro_batch, setup.seq_len
+    B, T = setup.batch.micro_batch, setup.batch.seq_len
     hidden = torch.empty(B, T if local_seq_len is None else local_seq_len, cfg.d_model, dtype=dtype,
                          requires_grad=True)
     x = torch.zeros(B, T, dtype=torch.long) if spec.first else hidden
@@ -164,7 +164,7 @@ def stage_modules(cfg: TransformerConfig, setup: TrainingSetup, specs: list[Stag
 
     full = build_model(cfg, setup, seed=seed)
     dtype = next(full.parameters()).dtype
-    modules = [StageModule(full, cfg, spec, setup.seq_len).train() for spec in specs]
+    modules = [StageModule(full, cfg, spec, setup.batch.seq_len).train() for spec in specs]
     del full
     gc.collect()
     return modules, dtype
@@ -173,19 +173,22 @@ def stage_modules(cfg: TransformerConfig, setup: TrainingSetup, specs: list[Stag
 def build_pipeline(modules: list[nn.Module], specs: list[StageSpec], cfg: TransformerConfig,
                    setup: TrainingSetup, dtype: torch.dtype, *, group=None, local_seq_len: int | None = None):
     """Each stage module in a `PipelineStage` (static input / output shapes, `_stage_shapes`: no shape-inference
-    forward) whose peers are the ranks of `group` (None: the default group), scheduled by `setup.pp_schedule`
-    over `setup.grad_accum` micro-batches with `pipeline_loss`. Returns (stages, schedule, the module the
+    forward) whose peers are the ranks of `group` (None: the default group), scheduled by `setup.mesh.pp_schedule`
+    over `setup.batch.grad_accum` micro-batches with `pipeline_loss`. Returns (stages, schedule, the module the
     tracker names: the one stage module, or a ModuleDict of them keyed "stage<index>")."""
-    n_stages = setup.pp * setup.virtual_stages
+    n_stages = setup.mesh.pp * setup.mesh.virtual_stages
     stages = []
     for spec, module in zip(specs, modules):
         x, out = _stage_shapes(cfg, setup, spec, dtype, local_seq_len)
         stages.append(PipelineStage(module, spec.index, n_stages, torch.device("cpu"), input_args=(x,),
                                     output_args=(out,), group=group))
         del x, out
-    cls = getattr(schedules, SCHEDULES[setup.pp_schedule])
-    schedule = cls(stages if setup.pp_schedule == "interleaved-1f1b" else stages[0], n_microbatches=setup.grad_accum,
-                   loss_fn=pipeline_loss)
+    cls = getattr(schedules, SCHEDULES[setup.mesh.pp_schedule])
+    schedule = cls(
+        stages if setup.mesh.pp_schedule == "interleaved-1f1b" else stages[0],
+        n_microbatches=setup.batch.grad_accum,
+        loss_fn=pipeline_loss,
+    )
     tracked = modules[0] if len(modules) == 1 else nn.ModuleDict({f"stage{s.index}": mod
                                                                   for s, mod in zip(specs, modules)})
     return stages, schedule, tracked
@@ -207,14 +210,14 @@ def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
     batches = make_batch(cfg, setup, seed=job.seed + 1)  # the m micro-batches of a step, the same every step
     tracker = train_pipeline(AllocationTracker, stages, schedule, tracked, optimizer, specs, batches, setup,
                              rank=rank, seed=job.seed)
-    return tracker.log({"engine": "pipeline", "pp": setup.pp, "pp_schedule": setup.pp_schedule,
-                        "virtual_stages": setup.virtual_stages, "stages": stage_records(specs),
-                        **run_metadata(rank, setup.pp, cfg, setup), "model_kind": type(cfg).__name__})
+    return tracker.log({"engine": "pipeline", "pp": setup.mesh.pp, "pp_schedule": setup.mesh.pp_schedule,
+                        "virtual_stages": setup.mesh.virtual_stages, "stages": stage_records(specs),
+                        **run_metadata(rank, setup.mesh.pp, cfg, setup), "model_kind": type(cfg).__name__})
 
 
 def train_pipeline(tracker_class, stages, schedule, tracked: nn.Module, optimizer, specs: list[StageSpec], batches,
                    setup: TrainingSetup, *, rank: int, seed: int, contexts=()):
-    """`setup.steps` steps of a rank's pipeline (`run_pipeline_steps`, the stages and the schedule labelled by
+    """`setup.batch.steps` steps of a rank's pipeline (`run_pipeline_steps`, the stages and the schedule labelled by
     `label_pipeline`) under a new `tracker_class` (AllocationTracker; a mesh run's DTensorTracker) of `tracked` and
     `optimizer` for `rank`, told of the step's whole batch (the micro-batches of `batches` concatenated) and of
     the micro-batches, entered after seeding torch's RNG with `seed`, then `contexts` (a mesh run's
@@ -230,11 +233,11 @@ def train_pipeline(tracker_class, stages, schedule, tracked: nn.Module, optimize
 
 def run_pipeline_steps(tracker, schedule, optimizer, whole: tuple[torch.Tensor, torch.Tensor], first: bool,
                        last: bool, setup: TrainingSetup, step_now: list[int]) -> None:
-    """`setup.steps` steps under `tracker` (already entered): the whole batch `whole` (x, y) cloned on the rank
+    """`setup.batch.steps` steps under `tracker` (already entered): the whole batch `whole` (x, y) cloned on the rank
     that reads it (x on the `first` stage's rank, y on the `last` one's) and marked INPUT, `schedule.step`, all
     FORWARD with micro-batch -1 (the stages' own work relabelled by `label_pipeline`, whose `step_now` is kept
-    at the current step); then OPTIMIZER (optimizer.step()) and ZERO_GRAD (zero_grad(setup.set_to_none))."""
-    for step in range(1, setup.steps + 1):
+    at the current step); then OPTIMIZER (optimizer.step()) and ZERO_GRAD (zero_grad(setup.optimizer.set_to_none))."""
+    for step in range(1, setup.batch.steps + 1):
         step_now[0] = step
         with tracker.phase(Phase.FORWARD, step, -1):
             x = whole[0].clone() if first else None
@@ -251,7 +254,7 @@ def run_pipeline_steps(tracker, schedule, optimizer, whole: tuple[torch.Tensor, 
             optimizer.step()
             tracker.scan()
         with tracker.phase(Phase.ZERO_GRAD, step):
-            optimizer.zero_grad(set_to_none=setup.set_to_none)
+            optimizer.zero_grad(set_to_none=setup.optimizer.set_to_none)
             tracker.scan()
 
 

@@ -3,7 +3,7 @@
 `measure_tensor_parallel` spawns `tp` processes joined as every real run joins its ranks (traces/harness.py
 `measure_ranks`: rendezvous on a TCPStore rank 0 binds to 127.0.0.1 at a free port, gloo on `lo`), builds a
 one-dimensional DeviceMesh over "cpu", builds the same reference model on every rank
-(`traces.reference.build_model`, same seed), applies `tp_plan` with `parallelize_module`, and runs `setup.steps`
+(`traces.reference.build_model`, same seed), applies `tp_plan` with `parallelize_module`, and runs `setup.batch.steps`
 training steps (forward and loss under `loss_parallel()`, backward, the optimizer's step, zero_grad) on the same
 micro-batches on every rank (tensor parallelism splits the model, not the data) under the rank's own tracker. One
 `EventLog` per rank, rank order.
@@ -99,7 +99,7 @@ class TPJob(Job):
 def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, tp: int,
                             sequence_parallel: bool = False, *, seed: int = 0,
                             timeout_s: float = 120.0) -> list[EventLog]:
-    """Run `setup.steps` real DTensor tensor-parallel training steps of `model_cfg` on `tp` CPU processes (gloo,
+    """Run `setup.batch.steps` real DTensor tensor-parallel training steps of `model_cfg` on `tp` CPU processes (gloo,
     loopback only); one tracked `EventLog` per rank, in rank order. Uses micro_batch, seq_len, grad_accum, steps,
     precision ("fp32", "bf16" or "bf16-autocast"), optimizer, optimizer_impl and set_to_none. Call under
     `if __name__ == "__main__":` in a script; every process is joined within `timeout_s` seconds, else all are
@@ -119,12 +119,12 @@ def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) ->
     for what, heads in (("n_head", model_cfg.n_head), ("n_kv_head", model_cfg.kv_heads)):
         if heads % tp:
             raise ValueError(f"tp={tp} does not divide {what}={heads}")
-    if sequence_parallel and setup.seq_len % tp:
-        raise ValueError(f"seq_len={setup.seq_len} is not a multiple of tp={tp}")
-    if not (setup.prec.uniform or setup.prec.autocast == "bf16"):
+    if sequence_parallel and setup.batch.seq_len % tp:
+        raise ValueError(f"seq_len={setup.batch.seq_len} is not a multiple of tp={tp}")
+    if not (setup.precision.uniform or setup.precision.autocast == "bf16"):
         raise NotImplementedError(f"tensor-parallel measurement runs fp32, bf16 or bf16-autocast, "
-                                  f"not {setup.precision!r}")
-    if setup.checkpointing != "none" or setup.frozen or setup.lora_r or model_cfg.dropout:
+                                  f"not {setup.precision.name!r}")
+    if setup.checkpointing.policy != "none" or setup.optimizer.frozen or setup.lora.r or model_cfg.dropout:
         raise NotImplementedError("tensor-parallel measurement runs without checkpointing, frozen parameters, "
                                   "LoRA or dropout")
     optimizer_class(setup)
@@ -324,7 +324,7 @@ def _measure_rank(rank: int, job: TPJob) -> EventLog:
     optimizer = torch_optimizer(optimizer_groups(model), setup, job.lr)
     batches = make_batch(job.model_cfg, setup, seed=job.seed + 1)  # the same data on every tensor-parallel rank
     tracker = DTensorTracker(model, optimizer, known=batch_tensors(batches), rank=rank)
-    autocast = TORCH_DTYPES[setup.prec.autocast] if setup.prec.autocast else None
+    autocast = TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None
     with tracking(tracker, job.seed, loss_parallel()):
         train_steps(tracker, model, optimizer, batches, setup, autocast)
     return tracker.log({"engine": "dtensor-tp", "tp": job.tp, "sequence_parallel": job.sequence_parallel,

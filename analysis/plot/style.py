@@ -72,10 +72,10 @@ def setup_text(scenario, budget: int | None = None, unit: str = "GiB", varied=()
     varied = set(varied)
 
     def g(name, default=None):
-        return "*" if name in varied else getattr(s, name, default)
+        return "*" if name in varied else s.knob(name)
 
     def on(name, off):  # a knob that is set (or swept)
-        return name in varied or getattr(s, name, off) != off
+        return name in varied or s.knob(name) != off
 
     parts = [str(scenario.name)]
     precision = f"{g('precision')}, {g('optimizer')}"

@@ -22,7 +22,7 @@ How the pieces compose:
                AccumulateGrad's copy of a gradient whose layout is not its parameter's.
 - `gpu.py`     on a CUDA profile: whether this torch can lower the CUDA program for it (a CUDA build seeing a
                device of the profile's compute capability), and what its capture's cache key adds.
-- here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile`) and the cache.
+- here         `compiled_tape` (what `models.training.build_tape` calls when `setup.compile.on`) and the cache.
 
 What is modelled: the CPU program (inductor's C++ kernels, as torch on this machine compiles them for
 `step.CPU_THREADS` threads, which the real run uses too: the program depends on the count) and the CUDA program
@@ -58,12 +58,23 @@ CACHE_SIZE = 16
 
 
 def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
-    mb = setup.micro_batch if "micro_batch" in model.varies else None
-    seq = setup.seq_len if "seq_len" in model.varies else None
-    return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, setup.prec.autocast,
-            tuple(setup.frozen), setup.checkpointing, setup.checkpoint_every_k, tuple(setup.checkpoint_layers),
-            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, tuple(setup.lora_targets), setup.quantize),
-            setup.compile_mode)
+    mb = setup.batch.micro_batch if "micro_batch" in model.varies else None
+    seq = setup.batch.seq_len if "seq_len" in model.varies else None
+    return (
+        model.kind,
+        model.source,
+        model.digest,
+        mb,
+        seq,
+        setup.precision.param,
+        setup.precision.autocast,
+        tuple(setup.optimizer.frozen),
+        setup.checkpointing.policy,
+        setup.checkpointing.every_k,
+        tuple(setup.checkpointing.layers),
+        (setup.lora.r, setup.lora.alpha, setup.lora.dropout, tuple(setup.lora.targets), setup.lora.quantize),
+        setup.compile.mode,
+    )
 
 
 def cached_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False) -> Capture:
@@ -100,11 +111,11 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
         from .gpu import gpu_check
 
         gpu_check(cuda[0])
-        if setup.compile_mode == "reduce-overhead":  # torch/_inductor/__init__.py list_mode_options: cudagraphs
+        if setup.compile.mode == "reduce-overhead":  # torch/_inductor/__init__.py list_mode_options: cudagraphs
             raise ConfigError("compile_mode", "reduce-overhead records CUDA graphs, whose private memory pool "
                                               "(cudagraph trees) is not modelled yet; allowed on a CUDA profile: "
                                               "default")
-    if setup.compile_mode == "max-autotune-no-cudagraphs":
+    if setup.compile.mode == "max-autotune-no-cudagraphs":
         raise ConfigError("compile_mode", "max-autotune-no-cudagraphs benchmarks kernels to choose them, which a "
                                           "fake-tensor compile cannot; allowed: default, reduce-overhead")
     from .convert import to_tape  # (with .capture: torch)
@@ -115,7 +126,7 @@ def compiled_tape(model, setup: TrainingSetup, cpu: bool, cuda: tuple | None = N
 
     program = "inductor CPU" if cuda is None else f"inductor CUDA (triton) of torch {running_torch()}"
     return to_tape(cap, setup, torch_version=running_torch(),
-                   describer=f"compiled (torch.compile {setup.compile_mode}, {program}, {graphs}; "
+                   describer=f"compiled (torch.compile {setup.compile.mode}, {program}, {graphs}; "
                              f"optimizer step: {OPTIMIZER_STEP}; traced {model.kind}: {cap.model_class})")
 
 

@@ -173,14 +173,14 @@ def _eager_checkpoint(model: TracedModel, setup: TrainingSetup, reasons: list[st
     hub layers' `CompileableContextVar.set` assigns a global in the forward): the checkpoint call then breaks the graph
     and runs eagerly, and with it the layer under it (eager checkpoint: its pack hooks, its recompute in the backward,
     frames dynamo skips), between the compiled graphs. That eager program is not modelled under compile yet."""
-    if setup.checkpointing == "none":
+    if setup.checkpointing.policy == "none":
         return
     hop = [r for r in reasons if r.startswith("HOP:")]
     if not hop:
         return
     lines = [x.strip() for x in hop[0].splitlines() if x.strip()]
     context = next((x.split(":", 1)[1].strip() for x in lines if x.startswith("Developer debug context:")), "")
-    raise ConfigError("checkpointing", f"{setup.checkpointing} with compile: dynamo could not keep "
+    raise ConfigError("checkpointing", f"{setup.checkpointing.policy} with compile: dynamo could not keep "
                                        f"torch.utils.checkpoint in the graph of {model.name} ({lines[0]}"
                                        f"{': ' + context if context else ''}), so its checkpointed layers run "
                                        "eagerly between compiled graphs, which is not modelled yet; allowed with "
@@ -204,7 +204,7 @@ def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
         adopt(net, mode)
-        freeze(net, setup.frozen)
+        freeze(net, setup.optimizer.frozen)
         batch, _ = fake_batch(mode, batch)
         if cuda:
             batch = _on_cuda(net, batch)
@@ -253,8 +253,8 @@ def compile_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False
         graphs.append(gm)
         return compile_fx(gm, example_inputs, inner_compile=inner)
 
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.prec.autocast or "")
-    options = {"fx_graph_cache": False, "cpp.threads": CPU_THREADS, **list_mode_options(setup.compile_mode)}
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision.autocast or "")
+    options = {"fx_graph_cache": False, "cpp.threads": CPU_THREADS, **list_mode_options(setup.compile.mode)}
     torch._dynamo.reset()  # a new model: no guard of an earlier one, no recompile limit reached
     breaks = counters["graph_break"]
     seen_breaks = dict(breaks)

@@ -313,5 +313,5 @@ def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: s
                          for k, name in cap.buffers.items() if k in cap.storages],
                 held=held, backward=tuple(nodes), layers=cap.layers, buffers_follow_params=False,
                 describer=describer, gradless=tuple(n for n, _, _, _ in cap.param_specs if n not in trained),
-                param_dtypes={n: dt for n, _, dt, _ in cap.param_specs if dt != setup.param_dtype},
+                param_dtypes={n: dt for n, _, dt, _ in cap.param_specs if dt != setup.precision.param},
                 ties=cap.ties)

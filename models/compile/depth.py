@@ -414,8 +414,12 @@ def shallow(model: TracedModel, setup: TrainingSetup) -> tuple[str, int] | None:
     count, more layers than the first window compiles in all, its layers alike (models/trace/depth.py `uniform`),
     and nothing in the setup that tells a layer by its index (frozen-parameter patterns, checkpointing other than
     none, full or op-policy, LoRA targets naming a number)."""
-    if model.kind != "hf" or setup.frozen or setup.checkpointing not in ("none", "full", "op-policy") or \
-            any(ch.isdigit() for target in setup.lora_targets for ch in target):  # LoRA on some layers only
+    if (
+        model.kind != "hf"
+        or setup.optimizer.frozen
+        or setup.checkpointing.policy not in ("none", "full", "op-policy")
+        or any(ch.isdigit() for target in setup.lora.targets for ch in target)
+    ):  # LoRA on some layers only
         return None
     data = model.hf_dict()
     key = layer_key(data)

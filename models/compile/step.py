@@ -47,13 +47,16 @@ def wrap_checkpointed(net, layers: tuple[str, ...], setup: TrainingSetup) -> Non
     """Each checkpointed layer's forward under non-reentrant `checkpoint`, op-policy's under torch's selective
     checkpoint contexts (models/tape.py `checkpointed`, which traces/reference/traced.py `_wrap_layers` gives the
     real model too)."""
-    if setup.checkpointing == "none":
+    if setup.checkpointing.policy == "none":
         return
     for seg in checkpoint_segments(setup, len(layers)):
         if seg.wrap == "none":
             continue
         if seg.wrap not in ("checkpoint", "op-policy") or len(seg.layers) != 1:  # (checks.py keeps them out)
-            raise ConfigError("checkpointing", f"{setup.checkpointing} with compile is not modelled yet; allowed "
-                                               "with it: none, full, every-k, layers, op-policy")
+            raise ConfigError(
+                "checkpointing",
+                f"{setup.checkpointing.policy} with compile is not modelled yet; allowed "
+                "with it: none, full, every-k, layers, op-policy",
+            )
         module = net.get_submodule(layers[seg.layers.start])
         module.forward = checkpointed(module.forward, seg.wrap)

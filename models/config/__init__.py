@@ -7,12 +7,17 @@ clear message (exit 2) instead of a traceback or a wrong number.
 How the modules compose, bottom up:
     base.py    ConfigError, config files read safely, dtype names, the small checks every config uses
     model.py   TransformerConfig, MLPConfig: what the model is
-    knobs.py   a training knob's declaration (section, help, how a command line sets it) and the sections
-    checks.py  what each knob may be (the choice tuples) and the checks of each section, run in one order
-    setup.py   TrainingSetup: its knobs declared section by section, checked by checks.py on creation
-The CLI's flags and the scenario file's [training] keys are generated from setup.py's declarations.
+    checks.py  what each knob may be (the choice tuples) and the checks of the setup's knobs, run in one order
+    sections.py the setup's sections (batch, loop, optimizer, checkpointing, mesh, checkpoint I/O, offload, LoRA,
+               MoE, compile), their knobs declared with models/knobs.py's `knob`; precision's is
+               models/precision.py's, the data-parallel one models/dp_engines.py's
+    setup.py   TrainingSetup: the sections, made from knobs by name, checked by checks.py on creation
+The CLI's flags, the scenario file's [training] keys and the setup's serialised form are generated from the
+sections' declarations.
 """
 
+from ..knobs import FLAG_GROUPS, SetupKnob
+from ..precision import PRECISIONS
 from .base import (
     COUNT_LIMITS,
     INT64_MAX,
@@ -38,12 +43,12 @@ from .checks import (
     SAVE_MODES,
     check_given_knobs,
 )
-from .knobs import SECTIONS, SetupKnob, setup_knobs
 from .model import ATTENTION, GPT2_ACTIVATIONS, IMPLEMENTATIONS, MLPConfig, TransformerConfig
-from .setup import PRECISIONS, TrainingSetup
+from .setup import KNOBS, SETUP_KNOBS, TrainingSetup
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
            "read_config_file", "COUNT_LIMITS", "INT64_MAX", "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "ATTENTION",
            "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING", "DP_ENGINES", "OPTIMIZER_OFFLOADS",
            "OFFLOAD_FIRST_STEPS", "QUANTIZE", "PP_SCHEDULES", "BUILDS", "PASSES", "SAVE_MODES", "LOAD_MODES",
-           "REDUCE_DTYPES", "KNOB_APPLIES", "check_given_knobs", "SECTIONS", "SetupKnob", "setup_knobs"]
+           "REDUCE_DTYPES", "KNOB_APPLIES", "check_given_knobs", "FLAG_GROUPS", "SetupKnob", "SETUP_KNOBS",
+           "KNOBS"]

@@ -1,10 +1,12 @@
-"""The checks of a `TrainingSetup`, one function per section (models/config/knobs.py), run in one order by
-`check_setup`; what each knob may be (the CHOICES tuples); and which knobs a setup reads (`check_given_knobs`:
-a knob the user set that this setup never reads is refused, not ignored)."""
+"""The checks of a `TrainingSetup`, one function per concern, run in one order by `check_setup` on the setup's
+knobs by name (`knobs.lora_r`: each error names the knob as the user gave it); what each knob may be (the CHOICES
+tuples); and which knobs a setup reads (`check_given_knobs`: a knob the user set that this setup never reads is
+refused, not ignored)."""
 
 from __future__ import annotations
 
 from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
+from ..dp_engines import REDUCE_DTYPES
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
 from ..precision import PRECISIONS
@@ -34,8 +36,6 @@ OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 # pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
 # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
-# fsdp2's MixedPrecisionPolicy.reduce_dtype: "grad" = torch's None (the gradients' own dtype, the param_dtype)
-REDUCE_DTYPES = ("grad", "fp32", "bf16", "fp16")
 QUANTIZE = ("none", "nf4")  # models/lora.py
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile(mode=...)
 # checkpointing policies modelled under compile (models/compile): single layers under non-reentrant checkpoint, which
@@ -48,166 +48,166 @@ COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers", "op-policy")
 COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
 
 
-def _checkpoint_layers(setup) -> None:
+def _checkpoint_layers(knobs) -> None:
     """`checkpoint_layers`: distinct layer indices >= 0, given only with checkpointing "layers"."""
-    layers = setup.checkpoint_layers
+    layers = knobs.checkpoint_layers
     if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
         raise ConfigError("checkpoint_layers", f"must be a list of layer indices >= 0, got {layers!r}")
     if len(set(layers)) != len(layers):
         raise ConfigError("checkpoint_layers", f"lists a layer twice: {layers!r}")
-    if layers and setup.checkpointing != "layers":
-        raise ConfigError("checkpoint_layers", f"only applies to checkpointing \"layers\", not {setup.checkpointing!r}")
+    if layers and knobs.checkpointing != "layers":
+        raise ConfigError("checkpoint_layers", f"only applies to checkpointing \"layers\", not {knobs.checkpointing!r}")
 
 
-def _checkpoint_io_fields(setup) -> None:
+def _checkpoint_io_fields(knobs) -> None:
     """`checkpoint_every` >= 0, `save_mode` / `load_mode` known; a full state dict needs an engine whose
     gather is modelled (not ZeroRedundancyOptimizer's consolidate_state_dict)."""
-    every = setup.checkpoint_every
+    every = knobs.checkpoint_every
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError("checkpoint_every", f"must be an integer >= 0 (0 = never save), got {every!r}")
-    choice_of(setup, "save_mode", SAVE_MODES)
-    choice_of(setup, "load_mode", LOAD_MODES)
-    if setup.save_mode.startswith("full-") and setup.dp_engine == "zero-redundancy-optimizer":
-        raise ConfigError("save_mode", f"{setup.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
+    choice_of(knobs, "save_mode", SAVE_MODES)
+    choice_of(knobs, "load_mode", LOAD_MODES)
+    if knobs.save_mode.startswith("full-") and knobs.dp_engine == "zero-redundancy-optimizer":
+        raise ConfigError("save_mode", f"{knobs.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
                                        "is not modelled; allowed there: torch-save, sharded, async")
 
 
-def _optimizer_offload_fields(setup) -> None:
+def _optimizer_offload_fields(knobs) -> None:
     """`optimizer_offload` and its knobs (models/optimizers.py): a mode this describer models, on an
     optimizer with tensor states, under an engine that leaves the torch optimizer's states alone."""
-    choice_of(setup, "optimizer_offload", OPTIMIZER_OFFLOADS)
-    choice_of(setup, "offload_first_step", OFFLOAD_FIRST_STEPS)
-    positive_int(setup, "offload_chunk_params")
-    prefetch = setup.offload_prefetch
+    choice_of(knobs, "optimizer_offload", OPTIMIZER_OFFLOADS)
+    choice_of(knobs, "offload_first_step", OFFLOAD_FIRST_STEPS)
+    positive_int(knobs, "offload_chunk_params")
+    prefetch = knobs.offload_prefetch
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ConfigError("offload_prefetch", f"must be an integer >= 0, got {prefetch!r}")
-    mode = setup.optimizer_offload
-    if setup.offload_first_step != "whole" and mode != "chunked":
-        raise ConfigError("offload_first_step", f"{setup.offload_first_step!r} only applies to optimizer_offload "
+    mode = knobs.optimizer_offload
+    if knobs.offload_first_step != "whole" and mode != "chunked":
+        raise ConfigError("offload_first_step", f"{knobs.offload_first_step!r} only applies to optimizer_offload "
                                                 f"\"chunked\", not {mode!r}")
     if mode == "none":
         return
-    if setup.optimizer == "sgd":
+    if knobs.optimizer == "sgd":
         raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad")
-    if setup.optimizer == "adam-8bit":
+    if knobs.optimizer == "adam-8bit":
         raise ConfigError("optimizer_offload", "bitsandbytes' 8-bit states (its paged optimizers) are not modelled "
                                                "for offload; allowed with: sgd-momentum, adam, adamw, amsgrad")
-    if not OPTIMIZER_REGISTRY[setup.optimizer].lazy:
-        raise ConfigError("optimizer_offload", f"{setup.optimizer} makes its states in its constructor, not in the "
+    if not OPTIMIZER_REGISTRY[knobs.optimizer].lazy:
+        raise ConfigError("optimizer_offload", f"{knobs.optimizer} makes its states in its constructor, not in the "
                                                "first step: its offload is not modelled; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad, rmsprop")
-    if setup.dp_engine == "deepspeed" and (setup.world_size > 1 or setup.zero_stage):
+    if knobs.dp_engine == "deepspeed" and (knobs.world_size > 1 or knobs.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
                                                "the step runs on the CPU), not modelled; allowed with one device, "
                                                "fsdp2, ddp or zero-redundancy-optimizer")
-    if setup.load_mode != "none":
-        raise ConfigError("load_mode", f"{setup.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
+    if knobs.load_mode != "none":
+        raise ConfigError("load_mode", f"{knobs.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
                                        "moved to the host) is not modelled; allowed there: none")
-    if setup.save_mode.startswith("full-") and setup.world_size > 1:
-        raise ConfigError("save_mode", f"{setup.save_mode!r} gathers sharded states on the device; with host-resident "
+    if knobs.save_mode.startswith("full-") and knobs.world_size > 1:
+        raise ConfigError("save_mode", f"{knobs.save_mode!r} gathers sharded states on the device; with host-resident "
                                        "offloaded states that is not modelled; allowed there: torch-save, sharded, "
                                        "async")
 
 
 
 
-def _lora_fields(setup) -> None:
+def _lora_fields(knobs) -> None:
     """LoRA knobs (models/lora.py): rank >= 0, alpha > 0, dropout in [0, 1), quantize known; nf4 needs adapters
     (transformers' Trainer refuses to fine-tune a purely quantized model); one device only."""
-    r = setup.lora_r
+    r = knobs.lora_r
     if isinstance(r, bool) or not isinstance(r, int) or r < 0 or r > INT64_MAX:
         raise ConfigError("lora_r", f"must be an integer >= 0 (0 = no LoRA), got {r!r}")
-    alpha, p = setup.lora_alpha, setup.lora_dropout
+    alpha, p = knobs.lora_alpha, knobs.lora_dropout
     if not 0 < alpha < float("inf"):
         raise ConfigError("lora_alpha", f"must be a finite number > 0 (scaling = lora_alpha / lora_r), got {alpha!r}")
     if not 0 <= p < 1:
         raise ConfigError("lora_dropout", f"must be a number in [0, 1), got {p!r}")
-    if len(set(setup.lora_targets)) != len(setup.lora_targets) or not all(setup.lora_targets):
-        raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {setup.lora_targets!r}")
-    choice_of(setup, "quantize", QUANTIZE)
-    if setup.quantize != "none" and r == 0:
-        raise ConfigError("quantize", f"{setup.quantize!r} freezes every base linear in 4 bits: nothing would train; "
+    if len(set(knobs.lora_targets)) != len(knobs.lora_targets) or not all(knobs.lora_targets):
+        raise ConfigError("lora_targets", f"must be distinct non-empty module names, got {knobs.lora_targets!r}")
+    choice_of(knobs, "quantize", QUANTIZE)
+    if knobs.quantize != "none" and r == 0:
+        raise ConfigError("quantize", f"{knobs.quantize!r} freezes every base linear in 4 bits: nothing would train; "
                                       "give lora_r > 0 (QLoRA), or quantize none")
-    if setup.quantize != "none" and not setup.prec.uniform:
-        raise ConfigError("quantize", f"{setup.quantize!r} is modelled with precision fp32 or bf16 "
+    if knobs.quantize != "none" and not knobs.prec.uniform:
+        raise ConfigError("quantize", f"{knobs.quantize!r} is modelled with precision fp32 or bf16 "
                                       f"(Linear4bit's compute "
-                                      f"dtype), not {setup.precision!r}; allowed: fp32, bf16")
-    if r and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
+                                      f"dtype), not {knobs.precision!r}; allowed: fp32, bf16")
+    if r and (knobs.world_size > 1 or knobs.zero_stage or knobs.dp_engine != "deepspeed"):
         raise ConfigError("lora_r", "LoRA is modelled on one device without a data-parallel engine; allowed with it: "
                                     "world_size 1, zero_stage 0, dp_engine left out")
-    if r and setup.checkpointing in ("offload", "op-policy"):  # what they keep of frozen / 4-bit linears: unmodelled
-        raise ConfigError("checkpointing", f"{setup.checkpointing!r} with LoRA is not modelled; allowed with it: none, "
+    if r and knobs.checkpointing in ("offload", "op-policy"):  # what they keep of frozen / 4-bit linears: unmodelled
+        raise ConfigError("checkpointing", f"{knobs.checkpointing!r} with LoRA is not modelled; allowed with it: none, "
                                            "full, every-k, selective, sqrt, layers")
-    if r and setup.optimizer_offload != "none":
+    if r and knobs.optimizer_offload != "none":
         raise ConfigError("lora_r", "LoRA with optimizer_offload is not modelled; allowed with it: optimizer_offload "
                                     "none")
 
 
-def _build_field(setup) -> None:
+def _build_field(knobs) -> None:
     """`build` (BUILDS): "device-fp32" is the program of one device, or of FSDP2 ranks, that builds the model on its
     GPU; what model parallelism, DeepSpeed's or DDP's wrapping, the fp32 master copies of a mixed precision outside
     FSDP2, 4-bit base weights or a model built on the meta device (meta-assign) would do to it is not modelled."""
-    choice_of(setup, "build", BUILDS)
-    if setup.build == "direct":
+    choice_of(knobs, "build", BUILDS)
+    if knobs.build == "direct":
         return
-    if setup.tp * setup.pp * setup.cp * setup.ep > 1:
-        what, needs = f"tp {setup.tp}, pp {setup.pp}, cp {setup.cp}, ep {setup.ep}", "tp, pp, cp and ep 1"
-    elif setup.dp_engine != "fsdp2" and (setup.world_size > 1 or setup.zero_stage or setup.dp_engine != "deepspeed"):
-        what = f"dp_engine {setup.dp_engine}, world_size {setup.world_size}, zero_stage {setup.zero_stage}"
+    if knobs.tp * knobs.pp * knobs.cp * knobs.ep > 1:
+        what, needs = f"tp {knobs.tp}, pp {knobs.pp}, cp {knobs.cp}, ep {knobs.ep}", "tp, pp, cp and ep 1"
+    elif knobs.dp_engine != "fsdp2" and (knobs.world_size > 1 or knobs.zero_stage or knobs.dp_engine != "deepspeed"):
+        what = f"dp_engine {knobs.dp_engine}, world_size {knobs.world_size}, zero_stage {knobs.zero_stage}"
         needs = "one device (dp_engine and zero_stage left out) or dp_engine fsdp2"
-    elif setup.master_dtype and setup.dp_engine != "fsdp2":
-        what, needs = (f"precision {setup.precision} outside fsdp2",
+    elif knobs.prec.master and knobs.dp_engine != "fsdp2":
+        what, needs = (f"precision {knobs.precision} outside fsdp2",
                        "precision fp32, bf16 or *-autocast, or dp_engine fsdp2")
-    elif setup.quantize != "none":
-        what, needs = f"quantize {setup.quantize}", "quantize none"
-    elif setup.load_mode == "meta-assign":
+    elif knobs.quantize != "none":
+        what, needs = f"quantize {knobs.quantize}", "quantize none"
+    elif knobs.load_mode == "meta-assign":
         what, needs = "load_mode meta-assign (a model built on the meta device)", "load_mode none, full-then-device " \
                                                                                   "or map-to-device"
     else:
         return
-    raise ConfigError("build", f"{setup.build!r} is not modelled with {what} (it needs {needs}); allowed here: "
+    raise ConfigError("build", f"{knobs.build!r} is not modelled with {what} (it needs {needs}); allowed here: "
                                f"{BUILDS[0]}")
 
 
-def _model_parallel_fields(setup) -> None:
+def _model_parallel_fields(knobs) -> None:
     """The model-parallel degrees: positive, dividing world_size (= dp x tp x pp x cp), ep borrowed from dp x cp
     as torchtitan's ParallelDims._validate takes it (ep % cp == 0 and (dp x cp) % ep == 0, its etp = tp case);
     the schedule's own micro-batch rules, as torch.distributed.pipelining checks them; and what pipeline
     parallelism is not simulated with yet. What needs the model (tp dividing the heads, stages <= layers, ep
     needing experts) is checked when the model is described (models/parallel/checks.py `check_model_parallel`),
     and so are the combinations of tp, cp, ep and sequence_parallel not simulated yet."""
-    positive_int(setup, "pp", "virtual_stages", "tp", "cp", "ep")
-    at_most(setup, "pp", "virtual_stages")
-    choice_of(setup, "pp_schedule", PP_SCHEDULES)
-    n = setup.world_size
+    positive_int(knobs, "pp", "virtual_stages", "tp", "cp", "ep")
+    at_most(knobs, "pp", "virtual_stages")
+    choice_of(knobs, "pp_schedule", PP_SCHEDULES)
+    n = knobs.world_size
     for name in ("tp", "pp", "cp", "ep"):
-        degree = getattr(setup, name)
+        degree = getattr(knobs, name)
         if n % degree:
             raise ConfigError(name, f"{name}={degree} does not divide world_size={n} (world_size = dp x tp x pp x cp): "
                                     f"give a world_size that is a multiple of {degree}")
-    model_parallel = setup.tp * setup.pp * setup.cp
+    model_parallel = knobs.tp * knobs.pp * knobs.cp
     if n % model_parallel:
-        raise ConfigError("world_size", f"world_size={n} is not a multiple of tp x pp x cp = {setup.tp} x {setup.pp} x "
-                                        f"{setup.cp} = {model_parallel} (world_size = dp x tp x pp x cp)")
+        raise ConfigError("world_size", f"world_size={n} is not a multiple of tp x pp x cp = {knobs.tp} x {knobs.pp} x "
+                                        f"{knobs.cp} = {model_parallel} (world_size = dp x tp x pp x cp)")
     dp = n // model_parallel
-    if setup.ep > 1 and (setup.ep % setup.cp or (dp * setup.cp) % setup.ep):
-        raise ConfigError("ep", f"ep={setup.ep} takes its ranks from dp x cp = {dp} x {setup.cp} (torchtitan "
+    if knobs.ep > 1 and (knobs.ep % knobs.cp or (dp * knobs.cp) % knobs.ep):
+        raise ConfigError("ep", f"ep={knobs.ep} takes its ranks from dp x cp = {dp} x {knobs.cp} (torchtitan "
                                 "ParallelDims): ep must be a multiple of cp and divide dp x cp")
-    if setup.sequence_parallel and setup.tp == 1:
+    if knobs.sequence_parallel and knobs.tp == 1:
         raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel "
                                                "ranks: it needs tp > 1")
-    _pipeline_schedule(setup)
+    _pipeline_schedule(knobs)
 
 
-def _pipeline_schedule(setup) -> None:
+def _pipeline_schedule(knobs) -> None:
     """Stages per rank and micro-batches per step for `pp_schedule`, as torch/distributed/pipelining/schedules.py
     refuses them (torch 2.13): ScheduleGPipe and Schedule1F1B are single-stage schedules (one stage per rank);
     Schedule1F1B.__init__ raises when n_microbatches < the number of stages; ScheduleInterleaved1F1B.__init__
     when n_microbatches % number_of_rounds != 0, number_of_rounds = max(1, n_microbatches // pp_group_size) (a
     multi-stage schedule: torchtitan's pipeline_llm asks for >= 2 stages per rank); ScheduleZBVZeroBubble.__init__
     when a rank does not hold exactly 2 stages. grad_accum is the number of micro-batches (n_microbatches)."""
-    schedule, v, pp, m = setup.pp_schedule, setup.virtual_stages, setup.pp, setup.grad_accum
+    schedule, v, pp, m = knobs.pp_schedule, knobs.virtual_stages, knobs.pp, knobs.grad_accum
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError("virtual_stages", f"{schedule} runs one stage per rank (a single-stage schedule), got "
                                             f"virtual_stages={v}; allowed: 1, or pp_schedule interleaved-1f1b / zbv")
@@ -255,119 +255,120 @@ KNOB_APPLIES = {
 
 
 def check_given_knobs(setup, given) -> None:
-    """Each field in `given` (the ones the user set) must be read by this setup: ConfigError naming the first
-    that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
+    """Each knob in `given` (the ones the user set) must be read by `setup` (a TrainingSetup): ConfigError naming
+    the first that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
+    knobs = setup.knob_view()
     rules = {**engine_knob_rules(), **KNOB_APPLIES}  # an engine's own knobs: models/dp_engines.py
     for name in sorted(given):
         rule = rules.get(name)
-        if rule is not None and not rule[0](setup):
+        if rule is not None and not rule[0](knobs):
             raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
-                                    f"{setup.dp_engine}, zero_stage {setup.zero_stage}, checkpointing "
-                                    f"{setup.checkpointing}, optimizer_offload {setup.optimizer_offload}, "
-                                    f"checkpoint_every {setup.checkpoint_every}): drop it or change what it needs")
+                                    f"{knobs.dp_engine}, zero_stage {knobs.zero_stage}, checkpointing "
+                                    f"{knobs.checkpointing}, optimizer_offload {knobs.optimizer_offload}, "
+                                    f"checkpoint_every {knobs.checkpoint_every}): drop it or change what it needs")
 
 
-def _batch(setup) -> None:
-    positive_int(setup, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
-    at_most(setup, "grad_accum", "world_size")
+def _batch(knobs) -> None:
+    positive_int(knobs, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
+    at_most(knobs, "grad_accum", "world_size")
 
 
-def _precision_optimizer(setup) -> None:
-    choice_of(setup, "precision", PRECISIONS)
-    choice_of(setup, "optimizer", OPTIMIZERS)
-    choice_of(setup, "optimizer_impl", OPTIMIZER_IMPLS)
-    spec = OPTIMIZER_REGISTRY[setup.optimizer]
-    if setup.optimizer_impl not in spec.impls:
-        raise ConfigError("optimizer_impl", f"torch's {spec.torch_class or setup.optimizer} has no "
-                                            f"{setup.optimizer_impl} implementation; allowed: {', '.join(spec.impls)}")
+def _precision_optimizer(knobs) -> None:
+    choice_of(knobs, "precision", PRECISIONS)
+    choice_of(knobs, "optimizer", OPTIMIZERS)
+    choice_of(knobs, "optimizer_impl", OPTIMIZER_IMPLS)
+    spec = OPTIMIZER_REGISTRY[knobs.optimizer]
+    if knobs.optimizer_impl not in spec.impls:
+        raise ConfigError("optimizer_impl", f"torch's {spec.torch_class or knobs.optimizer} has no "
+                                            f"{knobs.optimizer_impl} implementation; allowed: {', '.join(spec.impls)}")
 
 
-def _activation_checkpointing(setup) -> None:
-    choice_of(setup, "checkpointing", CHECKPOINTING)
-    positive_int(setup, "checkpoint_every_k")
-    _checkpoint_layers(setup)
+def _activation_checkpointing(knobs) -> None:
+    choice_of(knobs, "checkpointing", CHECKPOINTING)
+    positive_int(knobs, "checkpoint_every_k")
+    _checkpoint_layers(knobs)
 
 
-def _data_parallel(setup) -> None:
+def _data_parallel(knobs) -> None:
     """The engine (models/dp_engines.py) and its knobs; ZeRO stages are DeepSpeed's."""
-    if setup.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError("zero_stage", f"unknown value {setup.zero_stage!r}; allowed: 0, 1, 2, 3")
-    choice_of(setup, "dp_engine", tuple(DP_ENGINE_REGISTRY))
-    if setup.zero_stage and setup.dp_engine != "deepspeed":
-        raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {setup.dp_engine} "
+    if knobs.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_stage", f"unknown value {knobs.zero_stage!r}; allowed: 0, 1, 2, 3")
+    choice_of(knobs, "dp_engine", tuple(DP_ENGINE_REGISTRY))
+    if knobs.zero_stage and knobs.dp_engine != "deepspeed":
+        raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {knobs.dp_engine} "
                                         "shards by itself: fsdp2 = parameters, gradients and states "
                                         "(reshard_after_forward false: like stage 2), "
                                         "zero-redundancy-optimizer = states (like stage 1), ddp = none")
-    positive_int(setup, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
+    positive_int(knobs, "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size",
                   "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
     for name in ("forward_prefetch", "backward_prefetch", "stage3_param_persistence_threshold"):
-        value = getattr(setup, name)
+        value = getattr(knobs, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
-    choice_of(setup, "reduce_dtype", REDUCE_DTYPES)
-    if not isinstance(setup.reshard_after_forward, bool):
-        raise ConfigError("reshard_after_forward", f"must be true or false, got {setup.reshard_after_forward!r}")
+    choice_of(knobs, "reduce_dtype", REDUCE_DTYPES)
+    if not isinstance(knobs.reshard_after_forward, bool):
+        raise ConfigError("reshard_after_forward", f"must be true or false, got {knobs.reshard_after_forward!r}")
 
 
-def _fp32_grads(setup) -> None:
-    if setup.fp32_grads and not setup.prec.mixed:
+def _fp32_grads(knobs) -> None:
+    if knobs.fp32_grads and not knobs.prec.mixed:
         raise ConfigError("fp32_grads", "only applies to bf16-mixed or fp16-mixed precision")
     # FSDP2 has no unsharded fp32 gradient buffer: fp32 gradients are its MixedPrecisionPolicy(reduce_dtype=
     # torch.float32), reduce-scattered into fp32 shards (torch/distributed/fsdp/_fully_shard/_fsdp_api.py)
-    if setup.fp32_grads and setup.dp_engine == "fsdp2":
+    if knobs.fp32_grads and knobs.dp_engine == "fsdp2":
         raise ConfigError("fp32_grads", "fsdp2 keeps fp32 gradients as MixedPrecisionPolicy(reduce_dtype=fp32): "
                                         "sharded fp32 gradients, not a full fp32 copy on every rank; give "
                                         "--reduce-dtype fp32 instead of --fp32-grads")
 
 
-def _moe(setup) -> None:
-    routing = setup.moe_routing
+def _moe(knobs) -> None:
+    routing = knobs.moe_routing
     if routing is not None and not (routing in ("balanced", "worst") or routing.startswith("counts:") and routing[7:]):
         raise ConfigError("moe_routing", f"unknown value {routing!r}; allowed: balanced, worst, "
                                          "counts:PATH (a peakledger-moe-counts JSON file)")
 
 
-def _passes(setup) -> None:
-    choice_of(setup, "passes", PASSES)
-    choice_of(setup, "loop", LOOPS)
-    if setup.loop != "plain" and setup.passes != "train":
-        raise ConfigError("loop", f"{setup.loop!r} is a training loop; passes \"forward\" runs no loss, backward or "
+def _passes(knobs) -> None:
+    choice_of(knobs, "passes", PASSES)
+    choice_of(knobs, "loop", LOOPS)
+    if knobs.loop != "plain" and knobs.passes != "train":
+        raise ConfigError("loop", f"{knobs.loop!r} is a training loop; passes \"forward\" runs no loss, backward or "
                                   "optimizer step: use loop plain")
-    if setup.passes == "forward":
-        for name, ok, allowed in (("world_size", setup.world_size == 1, "1"),
-                                  ("grad_accum", setup.grad_accum == 1, "1"),
-                                  ("checkpoint_every", setup.checkpoint_every == 0, "0"),
-                                  ("optimizer_offload", setup.optimizer_offload == "none", "none")):
+    if knobs.passes == "forward":
+        for name, ok, allowed in (("world_size", knobs.world_size == 1, "1"),
+                                  ("grad_accum", knobs.grad_accum == 1, "1"),
+                                  ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+                                  ("optimizer_offload", knobs.optimizer_offload == "none", "none")):
             if not ok:
                 raise ConfigError(name, f"passes \"forward\" runs forward passes on one device without an "
                                         f"optimizer: {name} must be {allowed}")
 
 
-def _compile(setup) -> None:
+def _compile(knobs) -> None:
     """torch.compile (models/compile): its mode only with it; what is not modelled under it yet refused by name."""
-    if not isinstance(setup.compile, bool):
-        raise ConfigError("compile", f"must be true or false, got {setup.compile!r}")
-    choice_of(setup, "compile_mode", COMPILE_MODES)
-    if not setup.compile:
-        if setup.compile_mode != "default":
-            raise ConfigError("compile_mode", f"{setup.compile_mode!r} only applies with compile (--compile)")
+    if not isinstance(knobs.compile, bool):
+        raise ConfigError("compile", f"must be true or false, got {knobs.compile!r}")
+    choice_of(knobs, "compile_mode", COMPILE_MODES)
+    if not knobs.compile:
+        if knobs.compile_mode != "default":
+            raise ConfigError("compile_mode", f"{knobs.compile_mode!r} only applies with compile (--compile)")
         return
     for name, ok, allowed in (
-            ("passes", setup.passes == "train", "train"),
-            ("loop", setup.loop == "plain", "plain"),
-            ("precision", setup.precision in COMPILE_PRECISIONS, ", ".join(COMPILE_PRECISIONS)),
-            ("checkpointing", setup.checkpointing in COMPILE_CHECKPOINTING, ", ".join(COMPILE_CHECKPOINTING)),
-            ("world_size", setup.world_size == 1, "1 (data or model parallelism under compile is not modelled yet)"),
-            ("grad_accum", setup.grad_accum == 1, "1 (a compiled backward hands every gradient on at its end: "
+            ("passes", knobs.passes == "train", "train"),
+            ("loop", knobs.loop == "plain", "plain"),
+            ("precision", knobs.precision in COMPILE_PRECISIONS, ", ".join(COMPILE_PRECISIONS)),
+            ("checkpointing", knobs.checkpointing in COMPILE_CHECKPOINTING, ", ".join(COMPILE_CHECKPOINTING)),
+            ("world_size", knobs.world_size == 1, "1 (data or model parallelism under compile is not modelled yet)"),
+            ("grad_accum", knobs.grad_accum == 1, "1 (a compiled backward hands every gradient on at its end: "
                                                   "accumulation into kept gradients is not modelled yet)"),
-            ("set_to_none", setup.set_to_none, "true (gradients kept between steps are not modelled yet)"),
-            ("quantize", setup.quantize == "none", "none (QLoRA's 4-bit base linears under compile are not "
+            ("set_to_none", knobs.set_to_none, "true (gradients kept between steps are not modelled yet)"),
+            ("quantize", knobs.quantize == "none", "none (QLoRA's 4-bit base linears under compile are not "
                                                    "modelled yet)"),
-            ("optimizer_offload", setup.optimizer_offload == "none", "none"),
-            ("load_mode", setup.load_mode == "none", "none"),
-            ("checkpoint_every", setup.checkpoint_every == 0, "0")):
+            ("optimizer_offload", knobs.optimizer_offload == "none", "none"),
+            ("load_mode", knobs.load_mode == "none", "none"),
+            ("checkpoint_every", knobs.checkpoint_every == 0, "0")):
         if not ok:
-            raise ConfigError(name, f"{getattr(setup, name)!r} with compile is not modelled yet; allowed with it: "
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with compile is not modelled yet; allowed with it: "
                                     f"{allowed}")
 
 
@@ -377,7 +378,8 @@ SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data
                   _build_field, _passes, _compile)
 
 
-def check_setup(setup) -> None:
-    """Every check of `setup` (types are checked before, by models/fields.py), in SECTION_CHECKS order."""
+def check_setup(knobs) -> None:
+    """Every check of a setup's `knobs` (models/config/setup.py KnobValues: the knobs by name, as each error names
+    them; their types are checked before, by models/fields.py), in SECTION_CHECKS order."""
     for check in SECTION_CHECKS:
-        check(setup)
+        check(knobs)

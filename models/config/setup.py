@@ -1,38 +1,72 @@
-"""`TrainingSetup`: how the model is trained, one frozen dataclass whose fields are declared section by section
-(models/config/knobs.py), checked section by section (models/config/checks.py), and decoded where a field is a
-code (`prec`: models/precision.py)."""
+"""`TrainingSetup`: how the model is trained, made of frozen sections (models/config/sections.py,
+models/precision.py, models/dp_engines.py) read as `setup.lora.r`, `setup.precision.param`,
+`setup.data_parallel.fsdp2.reshard_after_forward`.
+
+It is built from knobs by name, as users write them (`TrainingSetup(micro_batch=4, lora_r=8)`: the flags and the
+scenario file's [training] keys), from whole sections (`TrainingSetup(lora=Lora(r=8))`), or both (knobs apply
+over sections); `setup.replace(...)` takes the same. Every knob is type-checked (models/fields.py) and the setup
+checked as a whole (models/config/checks.py) before its sections are made, so a bad value is one ConfigError
+naming the knob. Its one serialised form is `knob_values()`: every knob by name, in the order stored traces and
+`--json` have always had; `from_knob_values` reads it back.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import types
 
-from ..fields import check_types
-from ..precision import PRECISION_TABLE, PRECISIONS, Precision
+from ..dp_engines import DataParallel
+from ..fields import check_value
+from ..knobs import Section, SetupKnob, section_knobs
+from ..precision import PRECISION_TABLE, Precision
 from .base import ConfigError
-from .checks import (
-    BUILDS,
-    CHECKPOINTING,
-    COMPILE_MODES,
-    DP_ENGINES,
-    LOAD_MODES,
-    LOOPS,
-    OFFLOAD_FIRST_STEPS,
-    OPTIMIZER_IMPLS,
-    OPTIMIZER_OFFLOADS,
-    OPTIMIZERS,
-    PASSES,
-    PP_SCHEDULES,
-    QUANTIZE,
-    REDUCE_DTYPES,
-    SAVE_MODES,
-    check_setup,
+from .checks import check_setup
+from .sections import Batch, Checkpointing, CheckpointIO, Compile, Loop, Lora, Mesh, Moe, Offload, Optimizer
+
+SECTIONS: dict[str, type[Section]] = {
+    "batch": Batch, "loop": Loop, "precision": Precision, "optimizer": Optimizer, "checkpointing": Checkpointing,
+    "data_parallel": DataParallel, "mesh": Mesh, "checkpoint_io": CheckpointIO, "offload": Offload, "lora": Lora,
+    "moe": Moe, "compile": Compile,
+}
+
+# The knobs in the order of the serialised form of version 1 (when the setup was one flat dataclass), so stored
+# traces and --json keep their bytes; a knob added since follows them, in the sections' declaration order.
+SERIAL_ORDER = (
+    "micro_batch", "seq_len", "grad_accum", "steps", "passes", "logits_held", "loop", "precision", "fp32_grads",
+    "optimizer", "optimizer_impl", "set_to_none", "frozen", "checkpointing", "checkpoint_every_k", "checkpoint_layers",
+    "dp_engine", "zero_stage", "reshard_after_forward", "reduce_dtype", "forward_prefetch", "backward_prefetch",
+    "ddp_bucket_cap_mb", "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+    "stage3_max_live_parameters", "stage3_param_persistence_threshold", "world_size", "pp", "pp_schedule",
+    "virtual_stages", "tp", "cp", "ep", "sequence_parallel", "build", "checkpoint_every", "save_mode", "load_mode",
+    "optimizer_offload", "offload_chunk_params", "offload_prefetch", "offload_first_step", "lora_r", "lora_alpha",
+    "lora_dropout", "lora_targets", "quantize", "moe_routing", "compile", "compile_mode",
 )
-from .knobs import knob, setup_knobs
 
 
-@dataclass(frozen=True)
+def _all_knobs() -> tuple[SetupKnob, ...]:
+    found = [k for name, cls in SECTIONS.items() for k in section_knobs(cls, (name,))]
+    names = [k.name for k in found]
+    if len(set(names)) != len(names) or not set(SERIAL_ORDER) <= set(names):
+        raise TypeError(f"two knobs share a name, or a knob of version 1 is gone: {names}")
+    place = {name: i for i, name in enumerate(SERIAL_ORDER)}
+    return tuple(sorted(found, key=lambda k: place.get(k.name, len(place))))  # (a stable sort)
+
+
+SETUP_KNOBS: tuple[SetupKnob, ...] = _all_knobs()
+KNOBS: dict[str, SetupKnob] = {k.name: k for k in SETUP_KNOBS}
+
+
+class KnobValues(types.SimpleNamespace):
+    """A setup's knobs by name, as the checks read them (each error names the knob the user gave), with the
+    precision the name means."""
+
+    @property
+    def prec(self) -> Precision:
+        return PRECISION_TABLE[self.precision]
+
+
 class TrainingSetup:
-    """How the model is trained.
+    """How the model is trained: its sections (models/config/sections.py).
 
     precision:
       fp32           everything fp32.
@@ -43,177 +77,93 @@ class TrainingSetup:
       bf16           pure bf16: parameters, gradients and states all bf16.
     """
 
-    # batch, sequence, steps
-    micro_batch: int = knob(1, "batch")
-    seq_len: int = knob(1024, "batch")
-    grad_accum: int = knob(1, "batch")
-    steps: int = knob(2, "batch", "default 2, so the steady state is visible")
-    # "train": forward, loss, backward, step; "forward": `out = model(batch)` with autograd on (no torch.no_grad)
-    # and no loss, backward or optimizer step; every saved tensor and the output live until the step ends
-    passes: str = knob("train", "batch", "train (default): forward, loss, backward, optimizer step; forward: "
-                       "`out = model(batch)` with autograd on, no loss, backward or step", choices=PASSES,
-                       argparse_choices=True)
-    logits_held: bool = knob(True, "batch", "the caller keeps `logits` alive until backward ends", cli="none")
-    loop: str = knob("plain", "batch", "the training loop: plain (default: `out = model(batch)` held through "
-                     "backward) or hf-trainer (HF Trainer's step: outputs dropped before backward, loss / "
-                     "accumulation, clip_grad_norm_ before the optimizer step)", choices=LOOPS, argparse_choices=True)
+    __slots__ = tuple(SECTIONS)
+    CHECKS_ITSELF = True  # a config field of this type is checked by this class (models/fields.py)
+    batch: Batch
+    loop: Loop
+    precision: Precision
+    optimizer: Optimizer
+    checkpointing: Checkpointing
+    data_parallel: DataParallel
+    mesh: Mesh
+    checkpoint_io: CheckpointIO
+    offload: Offload
+    lora: Lora
+    moe: Moe
+    compile: Compile
 
-    # precision and optimizer (models/precision.py, models/optimizers.py)
-    precision: str = knob("fp32", "precision", choices=PRECISIONS)
-    fp32_grads: bool = knob(False, "precision", "mixed precision: fp32 gradients", cli="on")
-    optimizer: str = knob("adamw", "precision", choices=OPTIMIZERS)
-    optimizer_impl: str = knob("foreach", "precision", choices=OPTIMIZER_IMPLS)
-    set_to_none: bool = knob(True, "precision", "zero_grad(set_to_none=False): gradients stay allocated between "
-                             "steps", cli="off")
-    frozen: tuple[str, ...] = knob((), "precision", "freeze parameters matching a glob (fnmatch over parameter "
-                                   "names; repeat the flag)", cli="append", flag="freeze", metavar="PATTERN")
+    def __init__(self, _sections: tuple[Section, ...] = (), **given) -> None:
+        """`_sections`: whole sections a knob given by the same name does not replace (`replace`'s)."""
+        values = {k.name: k.default for k in SETUP_KNOBS}
+        whole = [*_sections, *(v for name, v in given.items() if isinstance(v, SECTIONS.get(name, ())))]
+        for section in whole:  # whole sections first, then knobs over them
+            name = next(n for n, cls in SECTIONS.items() if isinstance(section, cls))
+            values.update({k.name: k.read_from(section) for k in SETUP_KNOBS if k.path[0] == name})
+        for name, value in given.items():
+            if name in KNOBS:
+                if not isinstance(value, Section):
+                    values[name] = value
+            elif name not in SECTIONS:
+                raise TypeError(f"TrainingSetup() got an unexpected keyword argument {name!r}")
+        for k in SETUP_KNOBS:
+            check_value(k.name, k.annotation, values[k.name], ConfigError)
+        check_setup(KnobValues(**values))
+        for name, cls in SECTIONS.items():
+            object.__setattr__(self, name, cls.from_knobs(values))
 
-    # activation checkpointing (models/tape.py)
-    checkpointing: str = knob("none", "checkpointing", choices=CHECKPOINTING)
-    checkpoint_every_k: int = knob(2, "checkpointing", "checkpointing every-k: layers 0, k, 2k, ... (default 2)")
-    checkpoint_layers: tuple[int, ...] = knob((), "checkpointing", "checkpointing layers: exactly these layer "
-                                              "indices, e.g. 0,3,7")
+    # --- reading and changing by knob name ------------------------------------------------------------------
 
-    # data parallelism (models/dp_engines.py): which engine shards what, and its knobs
-    dp_engine: str = knob("deepspeed", "data-parallel", "default deepspeed: --zero-stage applies", choices=DP_ENGINES)
-    zero_stage: int = knob(0, "data-parallel", "deepspeed: 0, 1, 2, 3")
-    reshard_after_forward: bool = knob(True, "data-parallel", "fsdp2: keep unsharded parameters from forward to "
-                                       "backward", cli="off")
-    reduce_dtype: str = knob("grad", "data-parallel", "fsdp2: MixedPrecisionPolicy.reduce_dtype; default grad: the "
-                             "gradients' own dtype, torch's None", choices=REDUCE_DTYPES)
-    forward_prefetch: int = knob(0, "data-parallel", "fsdp2: units all-gathered ahead of the one running, in forward",
-                                 hidden=True)
-    backward_prefetch: int = knob(1, "data-parallel", "fsdp2: likewise in backward (FSDP2's default implicit "
-                                  "prefetch is 1)", hidden=True)
-    ddp_bucket_cap_mb: int = knob(25, "data-parallel", "ddp / zero-redundancy-optimizer: DDP gradient bucket size "
-                                  "(MiB)", hidden=True)
-    reduce_bucket_size: int = knob(500_000_000, "data-parallel", "deepspeed: elements per gradient reduce bucket",
-                                   hidden=True)
-    allgather_bucket_size: int = knob(500_000_000, "data-parallel", "deepspeed stages 1-2: elements per parameter "
-                                      "all-gather", hidden=True)
-    stage3_prefetch_bucket_size: int = knob(50_000_000, "data-parallel", "deepspeed stage 3: elements fetched ahead",
-                                            hidden=True)
-    stage3_max_live_parameters: int = knob(1_000_000_000, "data-parallel", "deepspeed stage 3: gathered elements "
-                                           "kept at most", hidden=True)
-    stage3_param_persistence_threshold: int = knob(100_000, "data-parallel", "deepspeed stage 3: smaller parameters "
-                                                   "stay whole", hidden=True)
-
-    # the mesh: world_size = dp x tp x pp x cp (checks.py `_model_parallel_fields`), each simulated on the device
-    # mesh (models/parallel/mesh.py); models/parallel/checks.py names the combinations that are not
-    world_size: int = knob(1, "mesh", "ranks in all")
-    pp: int = knob(1, "mesh", "pipeline-parallel ranks, one stage each (default 1); --grad-accum is the number of "
-                   "micro-batches per step")
-    pp_schedule: str = knob("1f1b", "mesh", "default 1f1b; torch.distributed.pipelining's", choices=PP_SCHEDULES)
-    virtual_stages: int = knob(1, "mesh", "stages per pipeline rank (interleaved-1f1b: >= 2, zbv: 2)")
-    tp: int = knob(1, "mesh", "tensor-parallel ranks (DTensor column / row-parallel linears, vocab-parallel "
-                   "embedding and loss)")
-    cp: int = knob(1, "mesh", "context-parallel ranks (torch's context_parallel ring attention; cpu profile)")
-    ep: int = knob(1, "mesh", "expert-parallel ranks, MoE models: experts placed on ranks, tokens all-to-all'd as "
-                   "torchtitan does (world_size = dp, a multiple of ep; dp_engine ddp)")
-    sequence_parallel: bool = knob(False, "mesh", "sequence parallelism over the tp ranks (norms and residual "
-                                   "stream sharded on the sequence)", cli="on")
-
-    # model load and training checkpoints (models/checkpoint_io.py): saved after every N-th optimizer step
-    # how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
-    # allocated once in its training dtype (from_pretrained(..., torch_dtype=...), or a model moved from the CPU);
-    # "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
-    # where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
-    build: str = knob("direct", "checkpoint-io", "how the parameters reach the device: direct = once each, in the "
-                      "training dtype; device-fp32 = built on the device in fp32, then model.to(dtype) where they "
-                      "are 16-bit, then fully_shard's copies under fsdp2", choices=BUILDS)
-    checkpoint_every: int = knob(0, "checkpoint-io", "save a checkpoint after every N-th optimizer step (0: never)")
-    save_mode: str = knob("torch-save", "checkpoint-io", choices=SAVE_MODES)
-    load_mode: str = knob("none", "checkpoint-io", "a checkpoint loaded before the first step", choices=LOAD_MODES)
-
-    # optimizer-state offload (models/optimizers.py): the states live in host memory between steps
-    optimizer_offload: str = knob("none", "offload", "states in host memory between steps",
-                                  choices=OPTIMIZER_OFFLOADS)
-    offload_chunk_params: int = knob(100_000_000, "offload", "chunked: parameter elements whose states are copied and "
-                                     "updated together (default 100000000)")
-    offload_prefetch: int = knob(1, "offload", "chunked: chunks copied in ahead of the one updated (default 1)")
-    offload_first_step: str = knob("whole", "offload", "chunked: step 1 as one torch step, or chunk by chunk",
-                                   choices=OFFLOAD_FIRST_STEPS)
-
-    # LoRA / QLoRA (models/lora.py): peft adapters on the named linears, the whole base model frozen
-    lora_r: int = knob(0, "lora", "adapter rank (0: no LoRA)")
-    lora_alpha: float = knob(8.0, "lora", "scaling = alpha / r (default 8, peft's LoraConfig)")
-    lora_dropout: float = knob(0.0, "lora", "dropout on the adapters' input, in [0, 1) (default 0: nn.Identity, "
-                               "nothing saved)")
-    lora_targets: tuple[str, ...] = knob((), "lora", "peft target_modules, e.g. q_proj,k_proj,v_proj,o_proj "
-                                         "(default: peft's for the family)")
-    quantize: str = knob("none", "lora", "nf4: bitsandbytes 4-bit base linears (Linear4bit, double quant): QLoRA",
-                         choices=QUANTIZE)
-
-    # mixture of experts (models/moe.py)
-    moe_routing: str | None = knob(None, "moe", "tokens per expert: balanced (default), worst (every token to the "
-                                   "same top-k experts) or counts:FILE (measured, from capture --moe-counts)",
-                                   metavar="ROUTING")
-
-    # torch.compile (models/compile): the forward and loss compiled by inductor, the backward its compiled graph
-    compile: bool = knob(False, "compile", "torch.compile the forward and loss (the step's backward is compiled "
-                         "with it; the optimizer step stays eager)", cli="on")
-    compile_mode: str = knob("default", "compile", "torch.compile's mode", choices=COMPILE_MODES)
-
-    def __post_init__(self) -> None:
-        check_types(self, ConfigError)
-        check_setup(self)
+    def knob(self, name: str) -> object:
+        """The value of the knob `name` (`setup.knob("lora_r")` is `setup.lora.r`)."""
+        return KNOBS[name].read(self)
 
     def knob_values(self) -> dict[str, object]:
-        """The setup's one serialised form: every knob by its flag's name (the scenario file's [training] keys), in
-        declaration order. `from_knob_values` reads it back."""
-        return {k.name: getattr(self, k.name) for k in setup_knobs(type(self))}
+        """The setup's one serialised form: every knob by name (the scenario file's [training] keys), in
+        SERIAL_ORDER. `from_knob_values` reads it back."""
+        return {k.name: k.read(self) for k in SETUP_KNOBS}
+
+    def knob_view(self) -> KnobValues:
+        """The knobs by name as the checks read them."""
+        return KnobValues(**self.knob_values())
 
     @classmethod
     def from_knob_values(cls, values: dict) -> TrainingSetup:
         """The setup `knob_values` wrote (lists read back as the tuples they were)."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
-    @property
-    def holds_outputs(self) -> bool:
-        """The caller keeps the model's output (its logits) alive until backward ends: the plain loop's `out`."""
-        return self.logits_held and self.loop == "plain"
+    def replace(self, **changes) -> TrainingSetup:
+        """This setup with knobs (by name) or whole sections changed, checked again."""
+        return TrainingSetup(tuple(getattr(self, name) for name in SECTIONS), **changes)
 
-    @property
-    def clips_gradients(self) -> bool:
-        """`clip_grad_norm_` runs before each optimizer step (HF Trainer's loop, max_grad_norm 1.0)."""
-        return self.loop == "hf-trainer"
-
-    @property
-    def prec(self) -> Precision:
-        """`precision` decoded (models/precision.py): each kind of tensor's dtype, and autocast's."""
-        return PRECISION_TABLE[self.precision]
-
-    @property
-    def param_dtype(self) -> str:
-        return PRECISION_TABLE[self.precision].param
-
-    @property
-    def compute_dtype(self) -> str:
-        """The dtype of activations."""
-        return PRECISION_TABLE[self.precision].compute
-
-    @property
-    def grad_dtype(self) -> str:
-        return "fp32" if self.fp32_grads else self.param_dtype
-
-    @property
-    def master_dtype(self) -> str | None:
-        """fp32 master weights exist only in the mixed-precision modes."""
-        return PRECISION_TABLE[self.precision].master
-
-    @property
-    def state_dtype(self) -> str:
-        return PRECISION_TABLE[self.precision].state
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: world_size / (tp x pp x cp)."""
-        return self.world_size // (self.tp * self.pp * self.cp)
+    # --- what combines sections -----------------------------------------------------------------------------
 
     @property
     def effective_batch(self) -> int:
         """B_eff = micro-batch x accumulation x data-parallel degree (world_size without tp, pp, cp)."""
-        return self.micro_batch * self.grad_accum * self.dp
+        return self.batch.micro_batch * self.batch.grad_accum * self.mesh.dp
+
+    # --- a frozen value -------------------------------------------------------------------------------------
+
+    def __setattr__(self, name, value) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, TrainingSetup):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in SECTIONS)
+
+    def __hash__(self) -> int:
+        return hash(tuple(getattr(self, name) for name in SECTIONS))
+
+    def __reduce__(self):
+        return (TrainingSetup.from_knob_values, (self.knob_values(),))
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{k.name}={k.read(self)!r}" for k in SETUP_KNOBS if k.read(self) != k.default)
+        return f"TrainingSetup({changed})"
 
 
-__all__ = ["TrainingSetup"]
+__all__ = ["TrainingSetup", "SECTIONS", "SETUP_KNOBS", "KNOBS", "KnobValues", "SERIAL_ORDER"]

@@ -56,7 +56,7 @@ ring.py) into a context-parallel rank's; stages.py cuts it into a pipeline rank'
 actions) and pipeline.py wraps the engine in `PipelineEngine`, which replays them in the schedule's order; expert.py
 holds an expert-parallel rank's experts and token dispatch (written into its Mixtral tape) and wraps the engine in
 `ExpertParallelEngine`. checks.py says what each degree is checked against and what is not simulated yet. The
-data-parallel engine sees its dp group only (`setup.dp` ranks, the builder's `dp_rank`; dp x cp when FSDP2 folds
+data-parallel engine sees its dp group only (`setup.mesh.dp` ranks, the builder's `dp_rank`; dp x cp when FSDP2 folds
 context parallelism in, mesh.py `folds_cp`).
 """
 
@@ -99,8 +99,8 @@ ENGINES: dict[str, Callable] = {"deepspeed": deepspeed_engine, "fsdp2": FSDP2, "
 
 
 def make_engine(b) -> Engine:
-    """The engine `b.setup.dp_engine` names (`ENGINES`)."""
-    return ENGINES[DP_ENGINES[b.setup.dp_engine].name](b)
+    """The engine `b.setup.data_parallel.engine` names (`ENGINES`)."""
+    return ENGINES[DP_ENGINES[b.setup.data_parallel.engine].name](b)
 
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",

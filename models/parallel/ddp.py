@@ -18,7 +18,7 @@ class DDP(Engine):
     pure_replay_hooks = Engine.pure_replay_hooks  # its work is at load and when backward ends
 
     def bucket_numels(self) -> list[int]:
-        cap = self.setup.ddp_bucket_cap_mb * 1024 * 1024
+        cap = self.setup.data_parallel.ddp.bucket_cap_mb * 1024 * 1024
         size = dtype_bytes(self.grad_dtype)
         buckets, current, limit = [], 0, DDP_FIRST_BUCKET_BYTES
         ignored = set(getattr(self.b.tape, "local_params", ()))  # expert parallelism's experts: each rank's own
@@ -86,5 +86,5 @@ class ZeroRedundancy(DDP):
         owners = self.owners
         for r in range(self.n):
             names = owners[r] if r < len(owners) else []
-            nbytes = sum(self.params[n].numel for n in names) * dtype_bytes(self.setup.param_dtype)
+            nbytes = sum(self.params[n].numel for n in names) * dtype_bytes(self.setup.precision.param)
             self.collective(f"zero.broadcast.rank{r}", "broadcast", nbytes, Phase.OPTIMIZER, step, -1)

@@ -13,11 +13,11 @@ from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 def deepspeed_engine(b) -> Engine:
     """DeepSpeed's engine for the builder's setup: ZeRO-3, ZeRO-1/2, plain replicas, or one device."""
     s = b.setup
-    if s.zero_stage == 3:
+    if s.data_parallel.deepspeed.zero_stage == 3:
         return DeepSpeedZero3(b)
-    if s.zero_stage in (1, 2):
+    if s.data_parallel.deepspeed.zero_stage in (1, 2):
         return DeepSpeedZero12(b)
-    return DeepSpeedReplica(b) if s.dp > 1 else Engine(b)
+    return DeepSpeedReplica(b) if s.mesh.dp > 1 else Engine(b)
 
 
 class DeepSpeedReplica(Engine):
@@ -26,13 +26,13 @@ class DeepSpeedReplica(Engine):
     pure_replay_hooks = Engine.pure_replay_hooks  # its work is when backward ends
 
     def end_backward(self, step: int, mb: int) -> None:
-        if self.n == 1 or mb != self.setup.grad_accum - 1:
+        if self.n == 1 or mb != self.setup.batch.grad_accum - 1:
             return
         total = sum(p.numel for p in self.trainable)
         size = dtype_bytes(self.grad_dtype)
         k = 0
         while total > 0:
-            n = min(total, self.setup.reduce_bucket_size)
+            n = min(total, self.setup.data_parallel.deepspeed.reduce_bucket_size)
             bucket = self.b.block(f"deepspeed.allreduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
                                   self.grad_dtype, (n,))
             self.collective(f"deepspeed.all_reduce.bucket{k}", "all_reduce", n * size, Phase.BACKWARD, step, mb,
@@ -69,11 +69,11 @@ class IpgBucket:
         allocs.append(tmp)
         frees.append(tmp.id)
         if self.bucket is None:
-            n = e.setup.reduce_bucket_size
+            n = e.setup.data_parallel.deepspeed.reduce_bucket_size
             self.bucket = e.b.block("deepspeed.ipg_bucket", n * size, Category.REDUCE_SCATTER_BUCKET, e.grad_dtype,
                                     (n,))
             allocs.append(self.bucket)
-        if self.filled and self.filled + spec.numel > e.setup.reduce_bucket_size:
+        if self.filled and self.filled + spec.numel > e.setup.data_parallel.deepspeed.reduce_bucket_size:
             self.flush(step, mb)
         self.filled += spec.numel
 
@@ -116,28 +116,32 @@ class DeepSpeedZero12(Engine):
         pad = self.padded - self.total
         if not pad:
             return []
-        dt = self.setup.param_dtype
+        dt = self.setup.precision.param
         return [self.b.block("flat_group0.padding", pad * dtype_bytes(dt), Category.PARAMETER, dt, (pad,))]
 
     def pure_replay_hooks(self, replay) -> bool:
-        return self.setup.zero_stage == 1  # ZeRO-2's gradients go through the ipg bucket, the engine's state
+        return (
+            self.setup.data_parallel.deepspeed.zero_stage == 1
+        )  # ZeRO-2's gradients go through the ipg bucket, the engine's state
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
-        if self.setup.zero_stage == 1:
+        if self.setup.data_parallel.deepspeed.zero_stage == 1:
             return super().param_grad(replay, p, allocs, frees)
         self.ipg.add(p, replay.step, replay.mb, allocs, frees)
 
     def end_backward(self, step: int, mb: int) -> None:
-        if self.setup.zero_stage == 2:
+        if self.setup.data_parallel.deepspeed.zero_stage == 2:
             self.ipg.flush(step, mb)
 
     def before_step(self, step: int, grads) -> list[Block]:
         b = self.b
-        if self.setup.zero_stage == 1:  # full gradients reduced now, through one bucket at a time
+        if (
+            self.setup.data_parallel.deepspeed.zero_stage == 1
+        ):  # full gradients reduced now, through one bucket at a time
             size = dtype_bytes(self.grad_dtype)
             left, k = self.total, 0
             while left > 0:
-                n = min(left, self.setup.reduce_bucket_size)
+                n = min(left, self.setup.data_parallel.deepspeed.reduce_bucket_size)
                 bucket = b.block(f"deepspeed.reduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
                                  self.grad_dtype, (n,))
                 self.collective(f"deepspeed.reduce.bucket{k}", "reduce_scatter", n * size, Phase.OPTIMIZER, step, -1,
@@ -146,23 +150,23 @@ class DeepSpeedZero12(Engine):
                 k += 1
         fp32 = b.block("flat_group0.partition.grad_fp32", self.partition * 4, Category.TEMPORARY, "fp32",
                        (self.partition,), shard=self.n)
-        frees = self.zero_grad_frees(grads) if self.setup.zero_stage == 1 else []
+        frees = self.zero_grad_frees(grads) if self.setup.data_parallel.deepspeed.zero_stage == 1 else []
         b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, [fp32], frees, bytes_moved=3 * fp32.nbytes,
              after=(b.last(Stream.COMMUNICATION),) if b.last(Stream.COMMUNICATION) is not None else ())
         return [fp32]
 
     def after_step(self, step: int) -> None:
-        size = dtype_bytes(self.setup.param_dtype)
+        size = dtype_bytes(self.setup.precision.param)
         left, k = self.padded, 0
         while left > 0:
-            n = min(left, self.setup.allgather_bucket_size)
+            n = min(left, self.setup.data_parallel.deepspeed.allgather_bucket_size)
             self.collective(f"deepspeed.all_gather.params{k}", "all_gather", n * size, Phase.OPTIMIZER, step, -1,
                             after=(self.b.last(Stream.COMPUTE),))
             left -= n
             k += 1
 
     def zero_grad_frees(self, grads) -> list[int]:
-        if self.setup.zero_stage == 2:
+        if self.setup.data_parallel.deepspeed.zero_stage == 2:
             return []
         return super().zero_grad_frees(grads)
 
@@ -174,7 +178,7 @@ class DeepSpeedZero3(Gathering):
 
     def __init__(self, b) -> None:
         super().__init__(b)
-        threshold = self.setup.stage3_param_persistence_threshold
+        threshold = self.setup.data_parallel.deepspeed.stage3_param_persistence_threshold
         self.persistent = {p.name for p in b.tape.params if p.numel <= threshold}
         self.op_groups = [tuple(dict.fromkeys(p for p in op.params if p not in self.persistent)) for op in b.tape.ops]
         partitions = [ceil_div(p.numel, self.n) for p in self.trainable]
@@ -214,7 +218,7 @@ class DeepSpeedZero3(Gathering):
         """Fetch the next groups of the recorded trace, up to the prefetch bucket and the live limit."""
         if step < 2:
             return  # the first step records the trace; DeepSpeed prefetches from the second on
-        budget = self.setup.stage3_prefetch_bucket_size
+        budget = self.setup.data_parallel.deepspeed.stage3_prefetch_bucket_size
         live = sum(self.padded_full(p.name) for g in list(self.live) + list(self.in_flight)
                    for p in self.group_params(g))
         for j in order:
@@ -224,7 +228,7 @@ class DeepSpeedZero3(Gathering):
             if not self.op_groups[j] or group in self.live or group in self.in_flight:
                 continue
             numel = sum(self.padded_full(p.name) for p in self.group_params(group))
-            if live + numel > self.setup.stage3_max_live_parameters:
+            if live + numel > self.setup.data_parallel.deepspeed.stage3_max_live_parameters:
                 return
             self.gather(group, phase, step, mb)
             live += numel

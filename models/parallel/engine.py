@@ -162,12 +162,12 @@ class Engine:
     def __init__(self, b) -> None:
         self.b = b
         self.setup = b.setup
-        self.n = b.setup.dp  # the rank's data-parallel group (world_size without tp, pp, cp)
+        self.n = b.setup.mesh.dp  # the rank's data-parallel group (world_size without tp, pp, cp)
         self.rank = b.dp_rank
         self.params = {p.name: p for p in b.tape.params}
         self.trainable = [p for p in b.tape.params if p.name in b.trainable]
-        self.grad_dtype = b.setup.grad_dtype
-        self.contribution_dtype = "fp32" if b.setup.param_dtype == "fp32" else b.setup.param_dtype
+        self.grad_dtype = b.setup.precision.grad
+        self.contribution_dtype = "fp32" if b.setup.precision.param == "fp32" else b.setup.precision.param
 
     # layout ------------------------------------------------------------------------------------------
     def param_numel(self, name: str) -> tuple[int, int]:
@@ -182,7 +182,7 @@ class Engine:
         return [self.optim_tensors()]
 
     def master_dtype(self) -> str | None:
-        return self.setup.master_dtype
+        return self.setup.precision.master
 
     def state_shard(self) -> int:
         return 1
@@ -207,7 +207,7 @@ class Engine:
     # load --------------------------------------------------------------------------------------------
     def load(self, grads) -> None:
         b = self.b
-        if self.setup.build == "device-fp32":
+        if self.setup.checkpoint_io.build == "device-fp32":
             self.build_on_device()
         else:
             self.load_direct()
@@ -224,7 +224,8 @@ class Engine:
         self.after_load()
 
     def load_direct(self) -> None:
-        """setup.build "direct": every parameter allocated once, in its training dtype and layout, then the buffers."""
+        """setup.checkpoint_io.build "direct": every parameter allocated once, in its training dtype and layout, then
+        the buffers."""
         b = self.b
         params = []
         for p in b.tape.params:
@@ -242,10 +243,10 @@ class Engine:
         b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
 
     def build_on_device(self) -> None:
-        """setup.build "device-fp32": the model built on the device in fp32, cast by `model.to(dtype)` where this
-        engine stores 16-bit parameters, LoRA's adapters made and cast (`DeviceBuild`), then `shard_built` (FSDP2's
-        fully_shard). Traced models only (ConfigError "build" otherwise): a hand-written tape stands for code whose
-        construction and tying order it does not record (nanoGPT ties `wte.weight = lm_head.weight`: the tensor
+        """setup.checkpoint_io.build "device-fp32": the model built on the device in fp32, cast by `model.to(dtype)`
+        where this engine stores 16-bit parameters, LoRA's adapters made and cast (`DeviceBuild`), then `shard_built`
+        (FSDP2's fully_shard). Traced models only (ConfigError "build" otherwise): a hand-written tape stands for code
+        whose construction and tying order it does not record (nanoGPT ties `wte.weight = lm_head.weight`: the tensor
         named first is made last), and a tied parameter is followed in transformers' direction only (the holder's
         own tensor dropped), so a traced `--module` that ties one is refused too."""
         b = self.b
@@ -306,7 +307,7 @@ class Engine:
         its live block). One device keeps them as they are."""
 
     def param_storage_dtype(self) -> str:
-        return self.setup.param_dtype
+        return self.setup.precision.param
 
     def extra_param_blocks(self) -> list[Block]:
         return []
@@ -389,7 +390,7 @@ class Engine:
     def before_step(self, step: int, grads) -> list[Block]:
         """Before the update: fp32 copies of 16-bit gradients where mixed precision needs them (freed after)."""
         s, b = self.setup, self.b
-        if not (s.master_dtype and not s.fp32_grads):
+        if not (s.precision.master and not s.precision.fp32_grads):
             return []
         fp32 = [b.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape,
                         shard=self.state_shard()) for t in self.optim_tensors()]
@@ -403,7 +404,7 @@ class Engine:
     def zero_grad_frees(self, grads) -> list[int]:
         """`zero_grad(set_to_none=True)` drops the gradients in parameter order (torch/optim/optimizer.py
         `zero_grad`: its param_groups in `model.parameters()` order)."""
-        if self.setup.set_to_none and not grads.persistent:
+        if self.setup.optimizer.set_to_none and not grads.persistent:
             order = {p.name: i for i, p in enumerate(self.b.tape.params)}
             frees = [blk.id for _, blk in sorted(grads.blocks.items(), key=lambda kv: order.get(kv[0], len(order)))]
             grads.blocks.clear()

@@ -81,10 +81,10 @@ def padded_rows(got: list[int], ep: int, align: int = TOKEN_GROUP_ALIGN_SIZE_M) 
 
 def expert_dispatch(w, x: str, gathered: TensorSpec, hist: TensorSpec, counts, E: int):
     """The ops from the histogram to the permuted rows (see the module notes), on rank `w.ep_rank` of
-    `w.setup.ep`: returns (the P permuted rows, R the rows received, the permutation's indices, the groups' offsets,
-    the locals released when the experts return). The rows received in this layer are appended to
+    `w.setup.mesh.ep`: returns (the P permuted rows, R the rows received, the permutation's indices, the groups'
+    offsets, the locals released when the experts return). The rows received in this layer are appended to
     `w.tape.received_rows`."""
-    ep = w.setup.ep
+    ep = w.setup.mesh.ep
     S, D = gathered.shape
     got = received(counts, ep, w.ep_rank)
     R, P, E_l = sum(got), padded_rows(got, ep), E // ep
@@ -150,7 +150,7 @@ class ExpertParallelEngine:
 
     def before_step(self, step: int, grads):
         """With dp > ep, the experts' replicas all-reduce their gradients in place first (no new memory)."""
-        ep, dp = self.tape.ep, self.inner.setup.dp
+        ep, dp = self.tape.ep, self.inner.setup.mesh.dp
         if dp > ep:
             b = self.inner.b
             nbytes = sum(grads.blocks[p].nbytes for p in self.tape.local_params if p in grads.blocks)
@@ -175,8 +175,8 @@ def expert_classes(tape_of, setup) -> dict:
     layer are identical (balanced routing: one class; otherwise one per ep rank, its ranks every ep-th)."""
 
     groups: dict[tuple, list[int]] = {}
-    for r in range(setup.world_size):
-        groups.setdefault(tape_of(r % setup.ep).received_rows, []).append(r)
+    for r in range(setup.mesh.world_size):
+        groups.setdefault(tape_of(r % setup.mesh.ep).received_rows, []).append(r)
     return {ranks[0]: RankRanges([(r, r + 1) for r in ranks]) for ranks in groups.values()}
 
 
@@ -185,9 +185,13 @@ def expert_metadata(tape_of, classes, setup, top_k: int) -> dict:
     ranks receives per MoE layer (each rank sends tokens x `top_k`)."""
     first = tape_of(0)
     experts = next(p.shape[0] for p in first.params if p.name in first.local_params)
-    return {"ep": setup.ep, "experts_per_rank": experts, "routing": setup.moe_routing or "balanced",
-            "sent_rows": setup.micro_batch * setup.seq_len * top_k,
-            "received_rows": {str(r): [sum(rows) for rows in tape_of(r % setup.ep).received_rows] for r in classes}}
+    return {
+        "ep": setup.mesh.ep,
+        "experts_per_rank": experts,
+        "routing": setup.moe.routing or "balanced",
+        "sent_rows": setup.batch.micro_batch * setup.batch.seq_len * top_k,
+        "received_rows": {str(r): [sum(rows) for rows in tape_of(r % setup.mesh.ep).received_rows] for r in classes},
+    }
 
 
 __all__ = ["ExpertParallelTape", "ExpertParallelEngine", "TOKEN_GROUP_ALIGN_SIZE_M", "EXPERT_WEIGHTS", "local_experts",

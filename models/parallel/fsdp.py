@@ -24,7 +24,8 @@ class FSDP2(Gathering):
               unit's reduce-scatter input, allocates its own (N x padded shards), frees the unsharded
               gradients and reduce-scatters into one flat sharded-gradient buffer (summed into the
               existing one in later micro-batches); the last input is freed by the final callback.
-    reduce    input and output in `setup.reduce_dtype` (MixedPrecisionPolicy.reduce_dtype; "grad": the
+    reduce    input and output in `setup.data_parallel.fsdp2.reduce_dtype` (MixedPrecisionPolicy.reduce_dtype; "grad":
+    the
               gradients' dtype), the output allocated under the reduce-scatter stream (its caching-allocator
               pool on a GPU) and cast to the sharded parameters' dtype where the two differ.
     one rank  no all-gather: each shard is cast to the param dtype and copied into its unsharded storage
@@ -33,8 +34,8 @@ class FSDP2(Gathering):
     Not modelled: gloo's reduce-scatter clones its input on its worker threads, freed at a moment that
     varies from run to run (NCCL makes no such copy); measured logs drop it (`without_backend_copies`).
 
-    With setup.build "device-fp32" the model is first built whole on every rank (engine.py `DeviceBuild`), then
-    `fully_shard` runs on each unit in the order of its first parameter, the root last (run_cases.py: every
+    With setup.checkpoint_io.build "device-fp32" the model is first built whole on every rank (engine.py `DeviceBuild`),
+    then `fully_shard` runs on each unit in the order of its first parameter, the root last (run_cases.py: every
     decoder layer, then the model): `shard_built`.
     """
 
@@ -68,7 +69,7 @@ class FSDP2(Gathering):
         return dim0_shard(self.params[name].shape, self.n, self.rank)[0], self.n
 
     def param_storage_dtype(self) -> str:
-        return "fp32" if self.setup.master_dtype else self.setup.param_dtype
+        return "fp32" if self.setup.precision.master else self.setup.precision.param
 
     def master_dtype(self) -> str | None:
         return None  # the fp32 sharded parameters are the master weights under mixed precision
@@ -178,7 +179,7 @@ class FSDP2(Gathering):
         """Issue the all-gathers of the next `backward_prefetch` units in backward order after `unit`."""
         order = list(reversed(self.forward_order))
         k = 0 if unit is None else order.index(unit) + 1
-        for ahead in order[k:k + self.setup.backward_prefetch]:
+        for ahead in order[k:k + self.setup.data_parallel.fsdp2.backward_prefetch]:
             if ahead not in self.live:
                 self.gather(ahead, Phase.BACKWARD, step, mb)
 
@@ -195,7 +196,7 @@ class FSDP2(Gathering):
             if unit != ROOT:
                 self.wait(unit, phase, step, mb)
                 k = self.forward_order.index(unit)
-                for ahead in self.forward_order[k + 1:k + 1 + self.setup.forward_prefetch]:
+                for ahead in self.forward_order[k + 1:k + 1 + self.setup.data_parallel.fsdp2.forward_prefetch]:
                     self.gather(ahead, phase, step, mb)
             return
         if not self.backward_started:  # the root's pre-backward
@@ -216,7 +217,11 @@ class FSDP2(Gathering):
             return
         if phase is Phase.FORWARD:
             last = i == self.module_last
-            if unit != ROOT and (last or self.op_unit[i + 1] != unit) and self.setup.reshard_after_forward:
+            if (
+                unit != ROOT
+                and (last or self.op_unit[i + 1] != unit)
+                and self.setup.data_parallel.fsdp2.reshard_after_forward
+            ):
                 self.release(unit, phase, replay.step, replay.mb)
             if last and self.kept_gather is not None:  # the root's post-forward drops all_gather_state
                 self.b.op("fsdp.root_post_forward", phase, replay.step, replay.mb, [], [self.kept_gather.id])
@@ -251,7 +256,11 @@ class FSDP2(Gathering):
         # _fsdp_collectives.py foreach_reduce: the reduce-scatter input (current stream) and output (allocated
         # under the reduce-scatter stream: its pool) in reduce_dtype (None: the gradients' dtype), the output
         # cast to the sharded parameter's dtype where they differ
-        dt = self.gather_dtype if self.setup.reduce_dtype == "grad" else self.setup.reduce_dtype
+        dt = (
+            self.gather_dtype
+            if self.setup.data_parallel.fsdp2.reduce_dtype == "grad"
+            else self.setup.data_parallel.fsdp2.reduce_dtype
+        )
         full = sum(self.padded_full(p.name) for p in self.group_params(unit))
         rs_input = b.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
                            dt, (full,))
@@ -293,7 +302,7 @@ class FSDP2(Gathering):
                   after=(self.b.last(Stream.COMMUNICATION),))
 
     def zero_grad_frees(self, grads) -> list[int]:
-        if not self.setup.set_to_none:
+        if not self.setup.optimizer.set_to_none:
             return []
         frees = [blk.id for blk in self.sharded_grads.values()]
         self.sharded_grads.clear()

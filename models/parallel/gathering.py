@@ -17,7 +17,7 @@ class Gathering(Engine):
 
     def __init__(self, b) -> None:
         super().__init__(b)
-        self.gather_dtype = self.setup.param_dtype
+        self.gather_dtype = self.setup.precision.param
         self.live: dict[str, list[Block]] = {}  # group -> unsharded parameter blocks now allocated
         self.in_flight: dict[str, int] = {}  # group -> id of the collective that fetched it
         self.buffers: dict[str, Block] = {}  # group -> its all-gather output

@@ -22,7 +22,7 @@ schedule's sends and receives link them.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..builder import GraphBuilder
 from ..config import TrainingSetup
@@ -45,41 +45,41 @@ class MeshCoords:
 
 def mesh_coords(setup: TrainingSetup, rank: int) -> MeshCoords:
     """The coordinates of global `rank` (tp innermost, pp outermost)."""
-    rest, tp = divmod(rank, setup.tp)
-    rest, cp = divmod(rest, setup.cp)
-    pp, dp = divmod(rest, setup.dp)
+    rest, tp = divmod(rank, setup.mesh.tp)
+    rest, cp = divmod(rest, setup.mesh.cp)
+    pp, dp = divmod(rest, setup.mesh.dp)
     return MeshCoords(pp=pp, dp=dp, cp=cp, tp=tp)
 
 
 def mesh_rank(setup: TrainingSetup, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
     """The global rank at these coordinates."""
-    return ((pp * setup.dp + dp) * setup.cp + cp) * setup.tp + tp
+    return ((pp * setup.mesh.dp + dp) * setup.mesh.cp + cp) * setup.mesh.tp + tp
 
 
 def is_model_parallel(setup: TrainingSetup) -> bool:
-    return setup.tp > 1 or setup.pp > 1 or setup.cp > 1 or setup.ep > 1
+    return setup.mesh.tp > 1 or setup.mesh.pp > 1 or setup.mesh.cp > 1 or setup.mesh.ep > 1
 
 
 def folds_cp(setup: TrainingSetup) -> bool:
     """FSDP2 shards over dp x cp with context parallelism (torchtitan's "dp_shard_cp" mesh: the cp ranks of one
     data-parallel rank hold different sequence chunks of the same batch, and their gradients are reduced with
     the data-parallel ones)."""
-    return setup.cp > 1 and setup.dp_engine == "fsdp2"
+    return setup.mesh.cp > 1 and setup.data_parallel.engine == "fsdp2"
 
 
 def shard_rank(setup: TrainingSetup, at: MeshCoords) -> int:
     """A rank's place in its data-parallel engine's group: its dp coordinate, or dp x cp + cp when FSDP2 folds cp."""
-    return at.dp * setup.cp + at.cp if folds_cp(setup) else at.dp
+    return at.dp * setup.mesh.cp + at.cp if folds_cp(setup) else at.dp
 
 
 def local_setup(setup: TrainingSetup) -> TrainingSetup:
     """The setup one rank's data-parallel engine and pipeline see: its tape is already tensor-parallel, so tp = 1,
     and the world is its pipeline's ranks times its data-parallel group (`dp` unchanged; dp x cp when FSDP2
     folds cp, `folds_cp`)."""
-    if setup.tp == 1 and setup.cp == 1:
+    if setup.mesh.tp == 1 and setup.mesh.cp == 1:
         return setup
-    group = setup.dp * setup.cp if folds_cp(setup) else setup.dp
-    return replace(setup, tp=1, cp=1, sequence_parallel=False, world_size=group * setup.pp)
+    group = setup.mesh.dp * setup.mesh.cp if folds_cp(setup) else setup.mesh.dp
+    return setup.replace(tp=1, cp=1, sequence_parallel=False, world_size=group * setup.mesh.pp)
 
 
 class MeshTapes:
@@ -100,9 +100,9 @@ class MeshTapes:
 
         if (tp, cp) not in self._tp:
             s = self.setup
-            local = (tensor_parallel_tape(self.tape, s.tp, s.sequence_parallel, tp, untied=s.pp > 1)
-                     if s.tp > 1 else self.tape)
-            self._tp[(tp, cp)] = context_parallel_tape(local, s.cp, cp) if s.cp > 1 else local
+            local = (tensor_parallel_tape(self.tape, s.mesh.tp, s.mesh.sequence_parallel, tp, untied=s.mesh.pp > 1)
+                     if s.mesh.tp > 1 else self.tape)
+            self._tp[(tp, cp)] = context_parallel_tape(local, s.mesh.cp, cp) if s.mesh.cp > 1 else local
         return self._tp[(tp, cp)]
 
     def ep_tape(self, ep_rank: int):
@@ -112,7 +112,7 @@ class MeshTapes:
 
     def rank_tape(self, tp: int, pp: int, cp: int = 0):
 
-        if self.setup.pp == 1:
+        if self.setup.mesh.pp == 1:
             return self.tp_tape(tp, cp)
         if (tp, cp, pp) not in self._ranks:
             if (tp, cp) not in self._cuts:
@@ -131,14 +131,14 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
 
     tapes = tapes if tapes is not None else MeshTapes(tape, setup)
     at = mesh_coords(setup, rank)
-    if setup.ep > 1:  # expert parallelism with dp only (checks.py): the experts of ep rank dp % ep
-        local = tapes.ep_tape(at.dp % setup.ep)
+    if setup.mesh.ep > 1:  # expert parallelism with dp only (checks.py): the experts of ep rank dp % ep
+        local = tapes.ep_tape(at.dp % setup.mesh.ep)
         b = GraphBuilder(local, setup, profile, rank, graph, block_ids)
         b.engine = ExpertParallelEngine(b.engine, local)
         return b
     b = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
                      dp_rank=shard_rank(setup, at), pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
-    if setup.tp > 1:
+    if setup.mesh.tp > 1:
         b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp, at.cp))
     return b
 
@@ -150,19 +150,19 @@ def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:
     of a tp class are refined together: one pipeline group per refined dp range."""
 
     setup = tapes.setup
-    if setup.ep > 1:  # expert parallelism with dp only: ranks that receive the same rows in every layer are alike
+    if setup.mesh.ep > 1:  # expert parallelism with dp only: ranks that receive the same rows in every layer are alike
         return expert_classes(tapes.ep_tape, setup)
-    if setup.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
-        return {r: RankRanges([(r, r + 1)]) for r in range(setup.world_size)}  # the ring differs by rank
-    tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.tp > 1 else {0: RankRanges([(0, 1)])}
+    if setup.mesh.cp > 1:  # context parallelism alone (models/parallel/checks.py check_context_parallel_supported):
+        return {r: RankRanges([(r, r + 1)]) for r in range(setup.mesh.world_size)}  # the ring differs by rank
+    tp_groups = tensor_parallel_classes(tapes.tape, setup) if setup.mesh.tp > 1 else {0: RankRanges([(0, 1)])}
     out: dict[int, RankRanges] = {}
     for tp_rep, tp_members in tp_groups.items():
         per_stage = []
-        for pp in range(setup.pp):
+        for pp in range(setup.mesh.pp):
             b = rank_builder(tapes.tape, setup, profile, mesh_rank(setup, pp, 0, 0, tp_rep), tapes=tapes)
             per_stage.append(dp_classes(b))
         cuts = sorted({start for classes in per_stage for ranges in classes.values() for start, _ in ranges})
-        refined = [(a, cuts[k + 1] if k + 1 < len(cuts) else setup.dp) for k, a in enumerate(cuts)]
+        refined = [(a, cuts[k + 1] if k + 1 < len(cuts) else setup.mesh.dp) for k, a in enumerate(cuts)]
         # a stage's class: the refined ranges inside one of its own classes; one rep per refined range is simulated
         reps = {}
         for pp, classes in enumerate(per_stage):
@@ -187,12 +187,15 @@ def _member_ranges(setup: TrainingSetup, pp: int, ranges, tp_members):
     """Global rank ranges of (pp, dp in ranges, any cp, tp in `tp_members`, a RankRanges): each of its ranges of tp
     ranks is one range of global ranks; with every tp rank a member, consecutive dp ranks are too."""
     tp_runs = tp_members.ranges
-    whole_tp = tp_runs == ((0, setup.tp),)
+    whole_tp = tp_runs == ((0, setup.mesh.tp),)
     for a, stop in ranges:
         if whole_tp:
-            yield mesh_rank(setup, pp, a, 0, 0), mesh_rank(setup, pp, stop - 1, setup.cp - 1, setup.tp - 1) + 1
+            yield (
+                mesh_rank(setup, pp, a, 0, 0),
+                mesh_rank(setup, pp, stop - 1, setup.mesh.cp - 1, setup.mesh.tp - 1) + 1,
+            )
             continue
-        for d, cp in itertools.product(range(a, stop), range(setup.cp)):
+        for d, cp in itertools.product(range(a, stop), range(setup.mesh.cp)):
             for t0, t1 in tp_runs:
                 yield mesh_rank(setup, pp, d, cp, t0), mesh_rank(setup, pp, d, cp, t1 - 1) + 1
 
@@ -200,12 +203,12 @@ def _member_ranges(setup: TrainingSetup, pp: int, ranges, tp_members):
 def simulated_ranks(classes: dict, setup: TrainingSetup) -> list[int]:
     """The global ranks to simulate for `classes`: with pipeline parallelism every stage of each representative's
     pipeline group (the schedule needs them all), else the representatives."""
-    if setup.pp == 1:
+    if setup.mesh.pp == 1:
         return list(classes)
     ranks = set()
     for rep in classes:
         at = mesh_coords(setup, rep)
-        ranks.update(mesh_rank(setup, pp, at.dp, at.cp, at.tp) for pp in range(setup.pp))
+        ranks.update(mesh_rank(setup, pp, at.dp, at.cp, at.tp) for pp in range(setup.mesh.pp))
     return sorted(ranks)
 
 

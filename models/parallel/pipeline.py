@@ -86,7 +86,7 @@ class PipelineEngine:
         sync = hasattr(self.inner, "sync_grads")
         if sync:
             self.inner.sync_grads = True
-        self.inner.end_backward(step, self.pipeline.setup.grad_accum - 1)
+        self.inner.end_backward(step, self.pipeline.setup.batch.grad_accum - 1)
         if sync:
             self.inner.sync_grads = False
 
@@ -148,7 +148,7 @@ class PipelineRank:
         self.replays: dict[tuple[int, int], MicroBatchReplay] = {}
         self.outputs: dict[tuple[int, int], _Held] = {}
         self.input_grads: dict[tuple[int, int], _Held] = {}
-        m = s.grad_accum
+        m = s.batch.grad_accum
         self.batch = {}
         for st in self.stages:
             for t in st.batch:
@@ -161,9 +161,9 @@ class PipelineRank:
             self._init_buffers()
         self.vars: list[_Var] = []
         self.losses = self._var()
-        if s.pp_schedule == "gpipe":
+        if s.mesh.pp_schedule == "gpipe":
             self._gpipe(self.stages[0])
-        elif s.pp_schedule == "1f1b":
+        elif s.mesh.pp_schedule == "1f1b":
             self._one_f_one_b(self.stages[0])
         else:
             self._runtime()
@@ -185,7 +185,7 @@ class PipelineRank:
             self.b.op("pp.release", Phase.FORWARD, self.step, -1, [], frees)
 
     def _init_buffers(self) -> None:
-        b, m = self.b, self.setup.grad_accum
+        b, m = self.b, self.setup.batch.grad_accum
         acts, grads = [], []
         for st in self.stages:
             if st.input is not None:
@@ -278,7 +278,7 @@ class PipelineRank:
     def _gpipe(self, st: StageTape) -> None:
         """ScheduleGPipe._step_microbatches: the variables `output`, `ops`, `works`, and the lists of every
         send's Works (`fwd_sends_to_wait`, `bwd_sends_to_wait`), all alive until the step returns."""
-        m = self.setup.grad_accum
+        m = self.setup.batch.grad_accum
         output, ops, works, fwd_list, bwd_list = (self._var() for _ in range(5))
         for i in range(m):
             frees: list[int] = []
@@ -321,8 +321,8 @@ class PipelineRank:
         """Schedule1F1B._step_microbatches: warm-up forwards (the last one's send fused with the first
         backward's receive), 1B1F, cool-down; its variables `output`, `fwd_sends`, `bwd_sends` (P2POps) and
         `send_work` (the Works of the latest unfused send) keep their tensors until reassigned."""
-        s, m = st.spec.index, self.setup.grad_accum
-        warmup = min(m, self.setup.pp - s)
+        s, m = st.spec.index, self.setup.batch.grad_accum
+        warmup = min(m, self.setup.mesh.pp - s)
         output, fwd_sends, bwd_sends, send_work = (self._var() for _ in range(4))
         out = lambda k: [self.outputs[(s, k)]] if st.output is not None else []  # noqa: E731
         fwd = bwd = 0
@@ -385,7 +385,7 @@ class PipelineRank:
         s = self.setup
         send_ops = self._var()
         rank = self.stages[0].spec.rank
-        for a in rank_actions(s.pp_schedule, s.pp, s.grad_accum, rank, s.virtual_stages):
+        for a in rank_actions(s.mesh.pp_schedule, s.mesh.pp, s.batch.grad_accum, rank, s.mesh.virtual_stages):
             st = self.by_index[a.stage]
             if a.kind == F:
                 self.forward(st, a.mb)
@@ -405,14 +405,32 @@ class PipelineRank:
 def pipeline_metadata(tape: Tape, setup: TrainingSetup) -> dict:
     """The layout and schedule a pipeline graph records (`metadata["pipeline"]`)."""
     stages = stage_tapes(tape, setup)
-    return {"pp": setup.pp, "schedule": setup.pp_schedule, "virtual_stages": setup.virtual_stages,
-            "micro_batches": setup.grad_accum,
-            "stages": [{"index": st.spec.index, "rank": st.spec.rank, "layers": [st.spec.layers.start,
-                                                                                st.spec.layers.stop],
-                        "embeddings": st.spec.first, "output": st.spec.last, "parameters": list(st.params)}
-                       for st in stages],
-            "actions": {r: [str(a) for a in rank_actions(setup.pp_schedule, setup.pp, setup.grad_accum, r,
-                                                         setup.virtual_stages)] for r in range(setup.pp)}}
+    return {
+        "pp": setup.mesh.pp,
+        "schedule": setup.mesh.pp_schedule,
+        "virtual_stages": setup.mesh.virtual_stages,
+        "micro_batches": setup.batch.grad_accum,
+        "stages": [
+            {
+                "index": st.spec.index,
+                "rank": st.spec.rank,
+                "layers": [st.spec.layers.start, st.spec.layers.stop],
+                "embeddings": st.spec.first,
+                "output": st.spec.last,
+                "parameters": list(st.params),
+            }
+            for st in stages
+        ],
+        "actions": {
+            r: [
+                str(a)
+                for a in rank_actions(
+                    setup.mesh.pp_schedule, setup.mesh.pp, setup.batch.grad_accum, r, setup.mesh.virtual_stages
+                )
+            ]
+            for r in range(setup.mesh.pp)
+        },
+    }
 
 
 def pipeline_timing(graph) -> dict[int, dict]:

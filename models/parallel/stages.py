@@ -84,10 +84,12 @@ def stage_rank(stage: int, pp: int, n_stages: int, style: str = "loop") -> int:
 
 
 def stage_layout(setup: TrainingSetup, n_layer: int) -> list[StageSpec]:
-    n = setup.pp * setup.virtual_stages
-    style = "v" if setup.pp_schedule == "zbv" else "loop"
-    return [StageSpec(index=s, rank=stage_rank(s, setup.pp, n, style), layers=layers, first=s == 0, last=s == n - 1)
-            for s, layers in enumerate(stage_layers(n, n_layer))]
+    n = setup.mesh.pp * setup.mesh.virtual_stages
+    style = "v" if setup.mesh.pp_schedule == "zbv" else "loop"
+    return [
+        StageSpec(index=s, rank=stage_rank(s, setup.mesh.pp, n, style), layers=layers, first=s == 0, last=s == n - 1)
+        for s, layers in enumerate(stage_layers(n, n_layer))
+    ]
 
 
 def rank_stages(setup: TrainingSetup, n_layer: int, rank: int) -> list[StageSpec]:

@@ -551,10 +551,10 @@ def tensor_parallel_classes(tape: Tape, setup) -> dict:
     rank's differ): {representative rank: RankRanges}. A rank's tape depends on its rank only through the
     chunks of the dimensions the transform splits (`TensorParallelTape.chunked`, recorded on rank 0's)."""
 
-    first = tensor_parallel_tape(tape, setup.tp, setup.sequence_parallel, 0)
+    first = tensor_parallel_tape(tape, setup.mesh.tp, setup.mesh.sequence_parallel, 0)
     groups: dict[tuple, list[int]] = {}
-    for r in range(setup.tp):
-        groups.setdefault(tuple(chunk(n, setup.tp, r) for n in first.chunked), []).append(r)
+    for r in range(setup.mesh.tp):
+        groups.setdefault(tuple(chunk(n, setup.mesh.tp, r) for n in first.chunked), []).append(r)
     return {members[0]: RankRanges.of(members) for members in groups.values()}
 
 

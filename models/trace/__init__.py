@@ -48,21 +48,31 @@ _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not 
 
 
 def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
-    mb = setup.micro_batch if "micro_batch" in model.varies else None
-    seq = setup.seq_len if "seq_len" in model.varies else None
-    return (model.kind, model.source, model.digest, mb, seq, setup.param_dtype, _autocast_name(setup),
-            tuple(setup.frozen), setup.checkpointing != "none",
-            (setup.lora_r, setup.lora_alpha, setup.lora_dropout, setup.lora_targets, setup.quantize), setup.passes,
-            target)
+    mb = setup.batch.micro_batch if "micro_batch" in model.varies else None
+    seq = setup.batch.seq_len if "seq_len" in model.varies else None
+    return (
+        model.kind,
+        model.source,
+        model.digest,
+        mb,
+        seq,
+        setup.precision.param,
+        _autocast_name(setup),
+        tuple(setup.optimizer.frozen),
+        setup.checkpointing.policy != "none",
+        (setup.lora.r, setup.lora.alpha, setup.lora.dropout, setup.lora.targets, setup.lora.quantize),
+        setup.batch.passes,
+        target,
+    )
 
 
 def _autocast_name(setup: TrainingSetup) -> str | None:
-    return setup.prec.autocast
+    return setup.precision.autocast
 
 
 def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
-    if model.max_seq_len is not None and setup.seq_len > model.max_seq_len:
-        raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's maximum positions {model.max_seq_len}")
+    if model.max_seq_len is not None and setup.batch.seq_len > model.max_seq_len:
+        raise ConfigError("seq_len", f"{setup.batch.seq_len} exceeds the model's maximum positions {model.max_seq_len}")
 
 
 def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = None, by_depth: bool = True):
@@ -81,7 +91,7 @@ def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = N
     if "micro_batch" in model.varies:  # three traced sizes of one affine program give every other size
         from .scale import derive
         points = {k[3]: r for k, r in _CACHE.items() if k[:3] == key[:3] and k[4:] == key[4:] and k not in _DERIVED}
-        derived = derive(points, setup.micro_batch)
+        derived = derive(points, setup.batch.micro_batch)
         if derived is not None:
             _DERIVED.add(key)
             return _remember(key, derived)
@@ -104,11 +114,11 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         net, batch, loss_fn = model.build(setup)
         adopt(net, mode)
-        freeze(net, setup.frozen)
+        freeze(net, setup.optimizer.frozen)
         batch, values = fake_batch(mode, batch)
         try:
             with user_code(f"the {model.name} model's forward, loss and backward"):
-                rec = record(net, batch, loss_fn if setup.passes == "train" else None, autocast=autocast,
+                rec = record(net, batch, loss_fn if setup.batch.passes == "train" else None, autocast=autocast,
                              values=values, program=program)
         except ConfigError:
             raise
@@ -231,7 +241,7 @@ def traced_versions(setup: TrainingSetup) -> str:
 
     import torch
 
-    used = ("transformers",) + (("peft",) if setup.lora_r else ())
+    used = ("transformers",) + (("peft",) if setup.lora.r else ())
     names = [("torch", torch)] + [(n, sys.modules[n]) for n in used if n in sys.modules]
     return ", ".join(f"{n} {getattr(m, '__version__', '?')}" for n, m in names)
 

@@ -100,15 +100,24 @@ def to_tape(rec: Recording, setup: TrainingSetup, layers: tuple[str, ...], descr
                           autocast_cached=tuple(name[s] for s in op.outputs if s in autocast_cached
                                                 and s not in kept_set)))
     nodes = tuple(_node(n, st, name, rec.param_grads, index, bool(saves.get(n.op))) for n in rec.nodes)
-    return Tape(params=[ParamSpec(n, shape) for n, shape, _, _ in rec.params],
-                ops=ops, inputs=[_spec(s, name[s.id]) for s in rec.inputs],
-                buffers=[dataclasses.replace(_spec(s, s.name), requires_grad=False) for s in rec.buffers]
-                + [_spec(st[sid], name[sid]) for sid in kept],
-                held=tuple(name[s] for s in rec.held) if setup.holds_outputs else (), backward=nodes, layers=layers,
-                buffers_follow_params=False, describer=describer,
-                gradless=tuple(n for n, _, _, rg in rec.params if (n not in set(rec.param_grads.values())
-                                                                      if setup.passes == "train" else not rg)),
-                param_dtypes={n: dt for n, _, dt, _ in rec.params if dt != setup.param_dtype})
+    return Tape(
+        params=[ParamSpec(n, shape) for n, shape, _, _ in rec.params],
+        ops=ops,
+        inputs=[_spec(s, name[s.id]) for s in rec.inputs],
+        buffers=[dataclasses.replace(_spec(s, s.name), requires_grad=False) for s in rec.buffers]
+        + [_spec(st[sid], name[sid]) for sid in kept],
+        held=tuple(name[s] for s in rec.held) if setup.loop.holds_outputs else (),
+        backward=nodes,
+        layers=layers,
+        buffers_follow_params=False,
+        describer=describer,
+        gradless=tuple(
+            n
+            for n, _, _, rg in rec.params
+            if (n not in set(rec.param_grads.values()) if setup.batch.passes == "train" else not rg)
+        ),
+        param_dtypes={n: dt for n, _, dt, _ in rec.params if dt != setup.precision.param},
+    )
 
 
 def _node(n, st, name, param_grads, index, has_saves: bool) -> GradNode:
@@ -143,10 +152,10 @@ def _regions(rec: Recording, keep: list[int], setup: TrainingSetup, layers: tupl
     n = len(keep)
     regions: list[int | None] = [None] * n
     offloaded, cached = [False] * n, [False] * n
-    if setup.checkpointing == "none":
+    if setup.checkpointing.policy == "none":
         return regions, offloaded, cached
-    if setup.checkpointing not in POLICIES:
-        raise ConfigError("checkpointing", f"{setup.checkpointing!r} is not defined on a traced model (it names "
+    if setup.checkpointing.policy not in POLICIES:
+        raise ConfigError("checkpointing", f"{setup.checkpointing.policy!r} is not defined on a traced model (it names "
                                            f"parts of a transformer block); allowed: {', '.join(POLICIES)}")
     if not layers:
         raise ConfigError("checkpointing", "the traced model has no repeated blocks (an nn.ModuleList or "

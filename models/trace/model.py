@@ -79,11 +79,11 @@ class TracedModel:
     def batch_note(self, setup: TrainingSetup) -> str:
         if self.kind == "module":
             given = [k for k in ("micro_batch", "seq_len") if k in self.varies]
-            return (f"the factory's batch ({', '.join(f'{k}={getattr(setup, k)}' for k in given)} passed)" if given
+            return (f"the factory's batch ({', '.join(f'{k}={setup.knob(k)}' for k in given)} passed)" if given
                     else "the factory's batch (fixed: the factory takes no micro_batch / seq_len)")
         task = hf_task(self.hf_dict())[1]
         data = self.hf_dict()
-        B, T = setup.micro_batch, setup.seq_len
+        B, T = setup.batch.micro_batch, setup.batch.seq_len
         if task == "AutoModelForImageClassification":
             vision = data if "image_size" in data else data.get("vision_config") or {}
             return f"{_pixels_note(vision, B)} and {B} labels"
@@ -223,7 +223,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
 
     cls, task = hf_task(data)
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
-    if setup.checkpointing != "none":  # transformers drops the cache when layers are checkpointed
+    if setup.checkpointing.policy != "none":  # transformers drops the cache when layers are checkpointed
         kwargs["use_cache"] = False    # (transformers/modeling_layers.py GradientCheckpointingLayer)
     try:
         config = CONFIG_MAPPING[data["model_type"]](**kwargs)
@@ -231,7 +231,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
         field = getattr(e, "field", None)  # huggingface_hub's StrictDataclassFieldValidationError names it
         raise ConfigError(f"hf_config.{field}" if isinstance(field, str) else "hf_config",
                           f"transformers refused the config: {' '.join(str(e).split())}") from None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.param_dtype, torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision.param, torch.float32)
     from .realpath import build_values
     try:
         with no_init_weights(), build_values():  # values computed from the config (drop-path rates) are real
@@ -240,7 +240,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
     except Exception as e:  # transformers' own checks on the config (a pad_token_id outside the vocabulary...)
         raise ConfigError("hf_config", f"transformers could not build {cls.__name__} from it: "
                                        f"{type(e).__name__}: {e}") from None
-    if setup.lora_r:
+    if setup.lora.r:
         model = _peft_lora(model, setup)
     model.train()
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -252,15 +252,15 @@ def _peft_lora(model, setup: TrainingSetup):
     """peft's LoRA on the HF model, as `get_peft_model(model, LoraConfig(...))` makes it (the base frozen, the
     adapters trainable); targets () take peft's default for the model type. Its moves of fake adapters go through
     `fake_module_moves`."""
-    if setup.quantize != "none":
+    if setup.lora.quantize != "none":
         raise ConfigError("quantize", "QLoRA is modelled on the hand-written describers (--preset, or --describer "
                                       "hand-written for GPT-2 / Llama-family configs); a traced model takes LoRA only")
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ConfigError("lora_r", "LoRA on a traced model runs peft: pip install 'peakledger[lora]'") from None
-    config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
-                        target_modules=list(setup.lora_targets) or None)
+    config = LoraConfig(r=setup.lora.r, lora_alpha=setup.lora.alpha, lora_dropout=setup.lora.dropout,
+                        target_modules=list(setup.lora.targets) or None)
     try:
         with fake_module_moves():
             return get_peft_model(model, config)
@@ -303,7 +303,7 @@ class fake_module_moves:
 def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
     import torch
 
-    B, T = setup.micro_batch, setup.seq_len
+    B, T = setup.batch.micro_batch, setup.batch.seq_len
     g = torch.Generator().manual_seed(0)
     if task == "AutoModelForImageClassification":
         # a model of an image and a text tower (CLIP, SigLIP) holds the image's size in its vision config
@@ -432,7 +432,7 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
 
     path, factory = _split_spec(spec)
     fn = _load_factory(path, factory)
-    kwargs = {k: getattr(setup, k) for k in varies}
+    kwargs = {k: setup.knob(k) for k in varies}
     call = f"{factory}({', '.join(f'{k}={v}' for k, v in kwargs.items())})"
     from .realpath import build_values, fake_mode_active
     try:
@@ -459,8 +459,8 @@ def _module_build(spec: str, setup: TrainingSetup, varies: tuple[str, ...]):
     if not callable(loss_fn):
         raise ConfigError("module", f"{factory}() returned {type(loss_fn).__name__} as loss_fn; it must be "
                                     "callable: loss_fn(output) -> scalar tensor")
-    if setup.param_dtype != "fp32":
-        _cast(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[setup.param_dtype])
+    if setup.precision.param != "fp32":
+        _cast(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[setup.precision.param])
     model.train()
     return model, batch, loss_fn
 

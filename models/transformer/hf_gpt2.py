@@ -54,16 +54,16 @@ class HFWriter(TapeWriter):
 
 def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """`GPT2LMHeadModel.forward(input_ids=idx, labels=idx)` as torch runs it (see the notes above)."""
-    if setup.checkpointing not in HF_CHECKPOINTING:
+    if setup.checkpointing.policy not in HF_CHECKPOINTING:
         raise ConfigError("checkpointing", f"implementation 'hf' is modelled with {' or '.join(HF_CHECKPOINTING)} "
-                                           f"(HF's own switch), not {setup.checkpointing!r}")
-    B, T, D = setup.micro_batch, setup.seq_len, cfg.d_model
+                                           f"(HF's own switch), not {setup.checkpointing.policy!r}")
+    B, T, D = setup.batch.micro_batch, setup.batch.seq_len, cfg.d_model
     tape = Tape(params=transformer_params(cfg))
     w = HFWriter(tape, setup, cpu)
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
-    emb_dt = w.fp32_op_dtype() if w.autocast else setup.param_dtype
+    emb_dt = w.fp32_op_dtype() if w.autocast else setup.precision.param
     (tokens,) = w.op("transformer.wte", "embedding", [idx], [w.t("transformer.wte.out", (B, T, D), emb_dt)],
                      saves=(idx.name,), params=("transformer.wte.weight",))
     pos = _hf_position_ids(w, T)
@@ -74,7 +74,7 @@ def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False
     mask = _hf_causal_mask(w, B, T, emb_dt) if cfg.attention == "eager" else None
     x = w.dropout("transformer.drop", x, cfg.dropout)
     for i in range(cfg.n_layer):
-        w.region = i if setup.checkpointing == "full" else None
+        w.region = i if setup.checkpointing.policy == "full" else None
         x = _hf_gpt2_block(w, cfg, f"transformer.h.{i}", x, mask)
     w.region = None
     x = w.layernorm("transformer.ln_f", x, True)
@@ -84,7 +84,7 @@ def hf_gpt2_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = False
     hf_causal_lm_loss(w, logits, idx)
     w.release("lm_head_model.return", [x])  # the last hidden state, a local of GPT2LMHeadModel.forward
     w.release("autocast.exit", w.autocast_cache)
-    tape.held = (logits.name,) if setup.holds_outputs else ()
+    tape.held = (logits.name,) if setup.loop.holds_outputs else ()
     return tape
 
 

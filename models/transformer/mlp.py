@@ -13,12 +13,12 @@ from .writer import TapeWriter
 def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in); F.mse_loss, a
     fused kernel that keeps its input and target for backward."""
-    if setup.lora_r:
+    if setup.lora.r:
         lora.targets(cfg, setup)  # refused: LoRA is modelled on transformers
-    B = setup.micro_batch
+    B = setup.batch.micro_batch
     tape = Tape(params=mlp_params(cfg))
     w = TapeWriter(tape, setup, cpu)
-    x = TensorSpec("batch.x", (B, 1, cfg.d_in), setup.compute_dtype if not w.autocast else "fp32", False)
+    x = TensorSpec("batch.x", (B, 1, cfg.d_in), setup.precision.compute if not w.autocast else "fp32", False)
     y_true = TensorSpec("batch.y", (B, 1, cfg.d_out), x.dtype, False)
     tape.inputs = [x, y_true]
     dims = (cfg.d_in, *cfg.hidden, cfg.d_out)
@@ -36,5 +36,5 @@ def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     w.end_layers()
     w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", (), h.dtype)], saves=(h.name, y_true.name),
          workspace=(w.t("loss.mse.diff", h.shape, h.dtype, False),))
-    tape.held = (h.name,) if setup.holds_outputs else ()
+    tape.held = (h.name,) if setup.loop.holds_outputs else ()
     return tape

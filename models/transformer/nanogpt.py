@@ -17,10 +17,10 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
                      torch_version: str = "2.6") -> Tape:
     """`cpu`: the device's autocast op lists are CPU's (see `TapeWriter.softmax_dtype`); `torch_version`: on a GPU,
     whose CUDA kernels nn.RMSNorm runs (`TapeWriter.rmsnorm`)."""
-    chosen = lora.targets(cfg, setup) if setup.lora_r else ()
+    chosen = lora.targets(cfg, setup) if setup.lora.r else ()
     if cfg.implementation == "hf":
         return hf_gpt2_tape(cfg, setup, cpu)
-    B, T = setup.micro_batch, setup.seq_len
+    B, T = setup.batch.micro_batch, setup.batch.seq_len
     tape = lora.lora_tape(cfg, setup, transformer_params(cfg)) if chosen else Tape(params=transformer_params(cfg))
     w = TapeWriter(tape, setup, cpu)
     w.lora_targets = chosen
@@ -31,7 +31,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     gpt2 = cfg.family == "gpt2"
     tape.buffers = _buffers(cfg)
     wte = "transformer.wte" if gpt2 else "model.embed_tokens"
-    emb_dt = w.fp32_op_dtype() if setup.prec.autocast else setup.param_dtype
+    emb_dt = w.fp32_op_dtype() if setup.precision.autocast else setup.precision.param
     (x,) = w.op(wte, "embedding", [idx], [w.t(f"{wte}.out", (B, T, cfg.d_model), emb_dt)],
                 saves=(idx.name,), params=(f"{wte}.weight",))
     if gpt2:
@@ -61,7 +61,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     _cross_entropy(w, logits, targets)
     if w.autocast or w.lora_targets:  # the final norm's output is a local of GPT.forward until it returns (the
         w.op("model.return", "release", [x], [])  # head saves a cast of it, or nothing: a frozen head under LoRA)
-    tape.held = (logits.name,) if setup.holds_outputs else ()
+    tape.held = (logits.name,) if setup.loop.holds_outputs else ()
     if chosen:
         lora.lazy_recompute(tape)
     return tape

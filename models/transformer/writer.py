@@ -19,13 +19,13 @@ class TapeWriter:
         self.tape = tape
         self.setup = setup
         self.cpu = cpu
-        self.autocast = setup.prec.autocast is not None
-        self.act = setup.compute_dtype
+        self.autocast = setup.precision.autocast is not None
+        self.act = setup.precision.compute
         self.region: int | None = None
         self.core_region: int | None = None  # "selective": the region of this layer's attention core
         self.sac = False  # "op-policy": matmul and SDPA outputs are kept by the region's first pass
         self.offload = False  # "offload": saved tensors go to the host
-        self.lora_targets: tuple[str, ...] = ()  # setup.lora_r > 0: peft target_modules (models/lora.py)
+        self.lora_targets: tuple[str, ...] = ()  # setup.lora.r > 0: peft target_modules (models/lora.py)
         self.fused_rms_norm = False  # nn.RMSNorm runs CUDA's fused kernel (models/gpu.py `cuda_fused_rms_norm`)
 
     def begin_layer(self, segment: Segment, layer: int) -> None:
@@ -80,7 +80,7 @@ class TapeWriter:
 
     def linear(self, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None = None,
                adapter: bool = False):
-        if self.setup.lora_r and not adapter:  # LoRA / QLoRA: frozen or 4-bit base, adapters (models/lora.py)
+        if self.setup.lora.r and not adapter:  # LoRA / QLoRA: frozen or 4-bit base, adapters (models/lora.py)
             return lora.write_linear(self, name, x, out_features, bias, weight)
         weight = weight or f"{name}.weight"
         params = (weight, f"{name}.bias") if bias else (weight,)

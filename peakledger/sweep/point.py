@@ -32,8 +32,8 @@ class SweepPoint:
 
 def describe(base: Scenario) -> dict:
     """The DESCRIBE columns of the base scenario (a grid that varies one of them has its own column instead)."""
-    return {"model": base.model.name, "precision": base.setup.precision, "device": base.device,
-            "world_size": base.setup.world_size}
+    return {"model": base.model.name, "precision": base.setup.precision.name, "device": base.device,
+            "world_size": base.setup.mesh.world_size}
 
 
 def evaluate(task: tuple[Scenario, dict, int | None, bool, dl.DeadlineBudget | None]) -> dict:
@@ -81,17 +81,24 @@ def price(scenario: Scenario, report: Report, budget: int, max_micro_batch: int 
     that), micro-batch 1, priced as not fitting (OOM by what it needs over the budget). `priced_micro_batch` says
     which micro-batch the columns price."""
     s = scenario.setup
-    micro_batch, priced = s.micro_batch, report
+    micro_batch, priced = s.batch.micro_batch, report
     if max_micro_batch is not None:
         micro_batch = max(1, max_micro_batch)
-        if micro_batch != s.micro_batch:
+        if micro_batch != s.batch.micro_batch:
             priced = api.run(scenario.with_changes(micro_batch=micro_batch))
     fits = api.fits(priced, budget) and (max_micro_batch is None or max_micro_batch >= 1)
     step_time, source = dl.steady_step_seconds(priced.log) if deadline.step_time_s is None else (0.0, "")
-    return dl.plan_point(deadline, tokens=dl.tokens_per_step(micro_batch, s.seq_len, s.grad_accum, s.dp),
-                         step_time_s=step_time, step_time_source=source, world_size=s.world_size,
-                         capacity_needed=priced.capacity_needed, fits=fits, memory_bytes=budget,
-                         micro_batch=micro_batch)
+    return dl.plan_point(
+        deadline,
+        tokens=dl.tokens_per_step(micro_batch, s.batch.seq_len, s.batch.grad_accum, s.mesh.dp),
+        step_time_s=step_time,
+        step_time_source=source,
+        world_size=s.mesh.world_size,
+        capacity_needed=priced.capacity_needed,
+        fits=fits,
+        memory_bytes=budget,
+        micro_batch=micro_batch,
+    )
 
 
 def _invalid(out: dict, error: ConfigError, deadline: dl.DeadlineBudget | None) -> dict:

@@ -25,7 +25,7 @@ from .traced import real_batches, real_model
 
 
 def _checkpointing(setup: TrainingSetup | None) -> str:
-    return setup.checkpointing if setup is not None else "none"
+    return setup.checkpointing.policy if setup is not None else "none"
 
 
 # each hand-written family's real program (models/families.py names them): (config, setup) -> nn.Module
@@ -40,7 +40,7 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
 
     Supported precisions: "fp32", pure "bf16" and "bf16-autocast" (fp32 parameters; run the forward
     and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
-    `setup.checkpointing` runs the transformer blocks / MLP Linear(+activation) layers in the segments of
+    `setup.checkpointing.policy` runs the transformer blocks / MLP Linear(+activation) layers in the segments of
     `models.tape.checkpoint_segments`, the describer's regions ("full": each one under
     `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
     `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
@@ -48,14 +48,14 @@ def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None 
     family = family_of(cfg).name  # models/families.py
     if family == "traced":  # the traced program, for real (traced.py)
         return real_model(cfg, setup if setup is not None else TrainingSetup(), seed)
-    if setup is not None and setup.precision not in REFERENCE_PRECISIONS:
+    if setup is not None and setup.precision.name not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
-                                  f"not {setup.precision!r}")
+                                  f"not {setup.precision.name!r}")
     torch.manual_seed(seed)
     model = PROGRAMS[family](cfg, setup)
-    if setup is not None and setup.precision == "bf16":
+    if setup is not None and setup.precision.uniform and setup.precision.param == "bf16":
         model = model.to(torch.bfloat16)
-    if setup is not None and setup.lora_r:  # peft LoRA / QLoRA (lora.py)
+    if setup is not None and setup.lora.r:  # peft LoRA / QLoRA (lora.py)
         model = apply_lora(model, cfg, setup)
     return model.train()
 
@@ -79,29 +79,31 @@ IMPL_FLAGS = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "fus
 
 
 def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
-    """`torch_optimizer` over the trainable parameters, after `setup.frozen` patterns have frozen theirs
+    """`torch_optimizer` over the trainable parameters, after `setup.optimizer.frozen` patterns have frozen theirs
     (requires_grad=False)."""
-    freeze(model, setup.frozen)
+    freeze(model, setup.optimizer.frozen)
     return torch_optimizer([p for p in model.parameters() if p.requires_grad], setup, lr)
 
 
 def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict]:
-    """The torch.optim class and its keyword arguments for `setup.optimizer` / `setup.optimizer_impl`, as the
+    """The torch.optim class and its keyword arguments for `setup.optimizer.name` / `setup.optimizer.impl`, as the
     optimizer's entry in models/optimizers.py `OPTIMIZERS` names them (sgd: SGD(momentum=0); sgd-momentum:
     SGD(momentum=0.9); amsgrad: Adam(amsgrad=True); rmsprop: RMSprop; adagrad: Adagrad; ...); optimizer_impl
     "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" -> fused=True."""
-    spec = OPTIMIZERS[setup.optimizer]
+    spec = OPTIMIZERS[setup.optimizer.name]
     if spec.torch_class is None:
-        raise NotImplementedError(f"no plain-torch reference for optimizer {setup.optimizer!r} (needs bitsandbytes)")
-    return getattr(torch.optim, spec.torch_class), {**dict(spec.torch_kwargs), **IMPL_FLAGS[setup.optimizer_impl]}
+        raise NotImplementedError(
+            f"no plain-torch reference for optimizer {setup.optimizer.name!r} (needs bitsandbytes)"
+        )
+    return getattr(torch.optim, spec.torch_class), {**dict(spec.torch_kwargs), **IMPL_FLAGS[setup.optimizer.impl]}
 
 
 def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
-    """The `optimizer_class` optimizer over `params` (DTensors included); with `setup.optimizer_offload`
+    """The `optimizer_class` optimizer over `params` (DTensors included); with `setup.offload.mode`
     it comes wrapped in a `StateOffload`."""
     cls, kwargs = optimizer_class(setup)
     optimizer = cls(params, lr=lr, **kwargs)
-    return StateOffload(optimizer, setup) if setup.optimizer_offload != "none" else optimizer
+    return StateOffload(optimizer, setup) if setup.offload.mode != "none" else optimizer
 
 
 class StateOffload:
@@ -119,11 +121,11 @@ class StateOffload:
     def __init__(self, optimizer: torch.optim.Optimizer, setup: TrainingSetup) -> None:
         self.optimizer = optimizer
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        chunks = offload_chunks([_local(p).numel() for p in params], setup.optimizer_offload,
-                                setup.offload_chunk_params)
+        chunks = offload_chunks([_local(p).numel() for p in params], setup.offload.mode,
+                                setup.offload.chunk_params)
         self.chunks = [[params[i] for i in chunk] for chunk in chunks]
-        self.prefetch = setup.offload_prefetch if setup.optimizer_offload == "chunked" else 0
-        self.chunked_first = setup.offload_first_step == "chunked"
+        self.prefetch = setup.offload.prefetch if setup.offload.mode == "chunked" else 0
+        self.chunked_first = setup.offload.first_step == "chunked"
         self.host_buffers: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), key)
         self.started = False
 
@@ -211,7 +213,7 @@ def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
                n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` (default `setup.grad_accum`) deterministic micro-batches of (inputs, targets).
+    """`n` (default `setup.batch.grad_accum`) deterministic micro-batches of (inputs, targets).
 
     Transformers: int64 token ids and next-token targets, (micro_batch, seq_len). MLPs: (micro_batch,
     d_in) inputs and (micro_batch, d_out) targets in the parameter dtype.
@@ -220,14 +222,14 @@ def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: i
         return real_batches(cfg, setup, seed)
     g = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(setup.grad_accum if n is None else n):
+    for _ in range(setup.batch.grad_accum if n is None else n):
         if isinstance(cfg, TransformerConfig):
-            if setup.seq_len > cfg.max_seq_len:
-                raise ConfigError("seq_len", f"{setup.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-            tokens = torch.randint(0, cfg.vocab_size, (setup.micro_batch, setup.seq_len + 1), generator=g)
+            if setup.batch.seq_len > cfg.max_seq_len:
+                raise ConfigError("seq_len", f"{setup.batch.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+            tokens = torch.randint(0, cfg.vocab_size, (setup.batch.micro_batch, setup.batch.seq_len + 1), generator=g)
             out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
         else:
-            dt = TORCH_DTYPES[setup.param_dtype]
-            out.append((torch.randn(setup.micro_batch, cfg.d_in, generator=g).to(dt),
-                        torch.randn(setup.micro_batch, cfg.d_out, generator=g).to(dt)))
+            dt = TORCH_DTYPES[setup.precision.param]
+            out.append((torch.randn(setup.batch.micro_batch, cfg.d_in, generator=g).to(dt),
+                        torch.randn(setup.batch.micro_batch, cfg.d_out, generator=g).to(dt)))
     return out

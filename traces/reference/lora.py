@@ -21,9 +21,9 @@ def apply_lora(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -
     from peft import LoraConfig, get_peft_model
 
     chosen = targets(cfg, setup)
-    if setup.quantize != "none":
+    if setup.lora.quantize != "none":
         quantize_linears(model, cfg, setup)
-    config = LoraConfig(r=setup.lora_r, lora_alpha=setup.lora_alpha, lora_dropout=setup.lora_dropout,
+    config = LoraConfig(r=setup.lora.r, lora_alpha=setup.lora.alpha, lora_dropout=setup.lora.dropout,
                         target_modules=list(chosen), bias="none")
     peft_model = get_peft_model(model, config)
     return peft_model.get_base_model()

@@ -90,8 +90,8 @@ def attention_core(fn, checkpointed: bool, *tensors: torch.Tensor) -> torch.Tens
 
 def autocast_context(setup: TrainingSetup | None):
     """The context the forward pass and loss run under: torch.autocast("cpu", bf16) for "bf16-autocast"."""
-    if setup is not None and setup.prec.autocast:
-        return torch.autocast("cpu", dtype=TORCH_DTYPES[setup.prec.autocast])
+    if setup is not None and setup.precision.autocast:
+        return torch.autocast("cpu", dtype=TORCH_DTYPES[setup.precision.autocast])
     return contextlib.nullcontext()
 
 

@@ -26,7 +26,7 @@ from .nanogpt import TORCH_DTYPES
 def quantize_linears(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -> None:
     import bitsandbytes as bnb
 
-    compute = TORCH_DTYPES[setup.compute_dtype]
+    compute = TORCH_DTYPES[setup.precision.compute]
     shared: dict[int, nn.Parameter] = {}
     for path, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):

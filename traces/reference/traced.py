@@ -32,7 +32,7 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
         with torch.no_grad():
             for p in net.parameters():
                 p.normal_(0.0, 0.02)
-    freeze(net, setup.frozen)
+    freeze(net, setup.optimizer.frozen)
     for cache in lru_caches(net):  # a real run starts as the trace did: transformers' memoised tensors made anew
         cache.cache_clear()
     layers = find_layers(net)
@@ -43,20 +43,20 @@ def real_model(model: TracedModel, setup: TrainingSetup, seed: int = 0):
 
 
 def _real_key(model: TracedModel, setup: TrainingSetup, seed: int) -> tuple:
-    return (model.source, model.digest, setup.micro_batch, setup.seq_len, setup.param_dtype, seed)
+    return (model.source, model.digest, setup.batch.micro_batch, setup.batch.seq_len, setup.precision.param, seed)
 
 
 def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
     """Run each checkpointed layer as the simulation's region (models/trace/convert.py `_regions`): the layer's
     forward under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (op-policy: with torch's
     selective checkpoint contexts), or under `save_on_cpu` (offload)."""
-    if setup.checkpointing == "none":
+    if setup.checkpointing.policy == "none":
         return
     for seg in checkpoint_segments(setup, len(layers)):
         if seg.wrap == "none":
             continue
         if len(seg.layers) > 1:
-            raise ConfigError("checkpointing", f"{setup.checkpointing} makes regions of several layers, which a "
+            raise ConfigError("checkpointing", f"{setup.checkpointing.policy} makes regions of several layers, which a "
                                                "traced model's own loop cannot run for real; simulate it, or "
                                                "validate full, every-k, layers, op-policy or offload")
         module = net.get_submodule(layers[seg.layers.start])
@@ -66,10 +66,10 @@ def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
 def real_batches(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> list[tuple]:
     same = _REAL_BATCH.pop(_real_key(model, setup, seed), None)
     if same is not None:  # the batch of the model `real_model` just built: a loss_fn may hold its targets
-        return [same] * setup.grad_accum
+        return [same] * setup.batch.grad_accum
     torch.manual_seed(seed)
     _, batch, _ = model.build(setup)
-    return [_flat(batch)] * setup.grad_accum
+    return [_flat(batch)] * setup.batch.grad_accum
 
 
 def _flat(batch) -> tuple:
