@@ -36,89 +36,96 @@ A tensor read as equal views (`TapeOp.views`: q, k and v split from one projecti
 by several) gets one view-sized gradient piece from each view's backward node; its own gradient is made
 (SplitBackward's concatenation, the pieces then freed) right after the node that gives the last piece.
 
-The replay is `MicroBatchReplay`, put together from one mixin per concept, each in its own module, all on the
-state set up here (the live blocks, the reasons each is alive, `_hold` and `_release`):
-- replay_plan.py (`ReplayPlan`): the plan, what the tape's replay knows before it runs, made once per tape;
-- replay_forward.py (`ForwardPass`): the forward pass op by op, and a recompute's ops;
-- replay_checkpoint.py (`CheckpointRegions`): a checkpoint region recomputed before its backward, let go after;
-- replay_backward.py (`DerivedBackward`): a hand-written tape's backward, node by node in reverse;
-- replay_recorded.py (`RecordedBackward`): a traced tape's backward, as the real engine ran it;
-- replay_grads.py (`GradientFlow`, `GradState`): activation gradients' storages and sums, parameter gradients
-  through the engine;
-- replay_offload.py (`OffloadedSaves`): save_on_cpu's pack and unpack hooks;
-- replay_template.py: a pass played from the plan's first recording of it where the engine's hooks allow.
+The replay is `MicroBatchReplay`, made of one module per concept in this package, each a set of steps that take
+the replay's state (`ReplayState`, state.py: every field documented; the live blocks, the reasons each is alive,
+`hold` and `release`) and reach the builder through it; the engines' hooks (models/parallel) get the same state:
+- state.py (`ReplayState`, `GradStorage`, `GradState`): what one micro-batch's replay is of, and everything its
+  passes change;
+- plan.py (`ReplayPlan`, `load_plan`): the plan, what the tape's replay knows before it runs, made once per tape;
+- forward.py (`run_forward`, `run_op`): the forward pass op by op, and a recompute's ops;
+- checkpoint.py (`recompute`, `end_region`): a checkpoint region recomputed before its backward, let go after;
+- backward_derived.py (`derived_backward`): a hand-written tape's backward, node by node in reverse;
+- backward_recorded.py (`recorded_backward`): a traced tape's backward, as the real engine ran it;
+- grads.py (`replace_grad`, `add_grad`, `param_grad`): activation gradients' storages (state.py `GradStorage`) and
+  sums, parameter gradients through the engine (state.py `GradState`: which parameters hold a `.grad`);
+- offload.py (`pack`, `unpack`): save_on_cpu's pack and unpack hooks;
+- template.py: a pass played from the plan's first recording of it where the engine's hooks allow.
 """
 
 from __future__ import annotations
 
-from ..simulator.events import Block, Category
-from .config import dtype_bytes
-from .replay_backward import DerivedBackward
-from .replay_checkpoint import CheckpointRegions
-from .replay_forward import ForwardPass
-from .replay_grads import GradientFlow, GradState, GradStorage, replace_grad
-from .replay_offload import OffloadedSaves
-from .replay_plan import ReplayPlan
-from .replay_recorded import RecordedBackward
-from .tape import Tape, TensorSpec
+from ...simulator.events import Block
+from ..config import dtype_bytes
+from ..tape import Tape, TensorSpec
+from . import template
+from .backward_derived import derived_backward
+from .backward_recorded import recorded_backward
+from .forward import drop_output, run_forward
+from .grads import receive_grad, replace_grad, take_grad
+from .plan import load_plan
+from .state import GradState, ReplayState
 
-__all__ = ["MicroBatchReplay", "GradState", "replace_grad", "param_bytes"]
+__all__ = ["MicroBatchReplay", "ReplayState", "GradState", "replace_grad", "param_bytes", "run_forward",
+           "run_backward"]
 
 
-class MicroBatchReplay(ReplayPlan, ForwardPass, CheckpointRegions, DerivedBackward, RecordedBackward, GradientFlow,
-                       OffloadedSaves):
-    """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (training.py): its plan
-    (replay_plan.py), its forward (replay_forward.py), its backward derived op by op (replay_backward.py) or, for a
-    traced tape, following its recording (replay_recorded.py), with checkpoint regions recomputed
-    (replay_checkpoint.py), gradients summed and handed to the engine (replay_grads.py) and offloaded saves through
-    save_on_cpu's hooks (replay_offload.py); a pass the plan's first replay recorded is played from that recording
-    where the engine's hooks allow it (replay_template.py)."""
+class MicroBatchReplay:
+    """Emit forward and backward ops for one micro-batch of a tape, through a `builder` (models/builder.py): its
+    state (`state`, a `ReplayState`) with its plan (plan.py), its forward (forward.py), its backward derived op by
+    op (backward_derived.py) or, for a traced tape, following its recording (backward_recorded.py), with checkpoint
+    regions recomputed (checkpoint.py), gradients summed and handed to the engine (grads.py) and offloaded saves
+    through save_on_cpu's hooks (offload.py); a pass the plan's first replay recorded is played from that
+    recording where the engine's hooks allow it (template.py)."""
+
+    __slots__ = ("state",)
 
     def __init__(self, builder, tape: Tape, step: int, micro_batch: int, grads: GradState,
                  external: dict[str, tuple[TensorSpec, Block]] | None = None) -> None:
         """`external`: tensors the tape reads that exist outside this replay (a pipeline stage's received
         activation, the views of a whole batch), with their blocks: read and saved, never freed here."""
-        self.b = builder
-        self.external = external or {}
-        self.tape = tape
-        self.step = step
-        self.mb = micro_batch
-        self.grads = grads
-        self.trainable = builder.trainable
-        self.specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
-        self.specs.update({name: spec for name, (spec, _) in self.external.items()})
-        self.live: dict[str, Block] = {}
-        self.reasons: dict[str, int] = {}
-        self.grad_of: dict[str, GradStorage] = {}
-        self.saved_at: dict[int, tuple[str, ...]] = {}  # what each op's backward node holds
-        self.contributed: set[str] = set()  # parameters with a gradient contribution in this backward
-        self.grad_seen: dict[str, int] = {}  # contributions so far of a parameter read by several ops
-        self.grad_buffer: dict[str, Block] = {}  # its AccumulateGrad input buffer (the sum so far)
-        self.grad_had: dict[str, bool] = {}  # whether it had a `.grad` when its first contribution came
-        self.after_node: list[tuple[str, list, list]] = []  # input-buffer sums to emit once a node is done
-        self.autocast_cache: list[str] = []  # weight casts autocast keeps until the forward pass ends
-        self.view_pieces: dict[str, list[Block]] = {}  # the pieces of a viewed tensor's gradient in so far
-        self.cache_pending: dict[int, set[str]] = {}  # region -> cached outputs its recompute has not reused yet
-        self._load_plan()
-
-    # -- blocks --------------------------------------------------------------------------------------
-    def _new_block(self, spec: TensorSpec, category: Category, name: str | None = None) -> Block:
-        return self.b.block(name or spec.name, spec.nbytes, category, spec.dtype, spec.shape)
-
-    def _hold(self, name: str, n: int = 1) -> None:
-        self.reasons[name] = self.reasons.get(name, 0) + n
-
-    def _release(self, name: str, frees: list[int]) -> None:
-        self.reasons[name] -= 1
-        if self.reasons[name] == 0 and name in self.live:
-            frees.append(self.live.pop(name).id)
+        external = external or {}
+        specs: dict[str, TensorSpec] = {t.name: t for t in tape.inputs}
+        specs.update({name: spec for name, (spec, _) in external.items()})
+        trainable = builder.trainable
+        plan, plan_key = load_plan(builder, tape, trainable, external, specs)
+        self.state = ReplayState(builder=builder, tape=tape, step=step, mb=micro_batch, grads=grads,
+                                 external=external, trainable=trainable, specs=specs, plan=plan, plan_key=plan_key)
 
     def run(self) -> None:
-        self.forward()
-        if self.b.setup.passes == "forward":
-            self.drop_output()
+        """The micro-batch: its forward, then its backward (or, for passes "forward", the output dropped)."""
+        state = self.state
+        run_forward(state)
+        if state.builder.setup.passes == "forward":
+            drop_output(state)
         else:
-            self.backward()
+            run_backward(state)
+
+    def forward(self) -> None:
+        run_forward(self.state)
+
+    def backward(self) -> None:
+        run_backward(self.state)
+
+    def receive_grad(self, name: str, block: Block) -> None:
+        """`name`'s gradient arrives from outside the replay (grads.py `receive_grad`), before `backward()`."""
+        receive_grad(self.state, name, block)
+
+    def take_grad(self, name: str) -> Block | None:
+        """The gradient the backward left for `name`, a tensor no op of the tape made (grads.py `take_grad`)."""
+        return take_grad(self.state, name)
+
+
+def run_backward(state: ReplayState) -> None:
+    """The micro-batch's backward pass: played from the plan's recording where it can (template.py), else a traced
+    tape's recorded nodes (backward_recorded.py) or a hand-written tape's, derived (backward_derived.py)."""
+    template.backward(state, _backward_pass)
+
+
+def _backward_pass(state: ReplayState) -> None:
+    if state.tape.backward:
+        recorded_backward(state)
+    else:
+        derived_backward(state)
 
 
 def param_bytes(numel: int, dtype: str, shard: int = 1) -> int:
