@@ -121,7 +121,7 @@ def render(matrix: list[dict], edges: list[dict], seconds: float) -> str:
         f"rows exact in {static}/{len(matrix)}. Before (the nanoGPT tape on the same config) the worst error was "
         f"{worst_before['before_error']:+.1%}.**", "",
         *table(matrix), "",
-        "Edge cases (the autograd replay in `models/autograd.py`, shared with the nanoGPT tape):", "",
+        "Edge cases (the autograd replay in `models/replay/`, shared with the nanoGPT tape):", "",
         *table(edges), "",
         "- Closed. Eager attention, checkpointed, small MLP, where the softmax backward is the peak: q, k and v are "
         "views of the c_attn projection's split, read by different ops (q k^T reads q and k, the copy of v reads v); "

@@ -1,7 +1,7 @@
 """`GraphBuilder`: one rank's maker of blocks and ops. It gives each block a fresh id and each op its place on
 its stream and its duration from the cost model (models/costs.py), adds the cuBLAS / cuBLASLt workspaces a GPU
 thread's first GEMM allocates (models/gpu.py), and holds the rank's data-parallel engine (models/parallel) that
-the replay (models/autograd.py) calls around every op. models/training.py `describe` makes one per simulated
+the replay (models/replay/) calls around every op. models/training.py `describe` makes one per simulated
 rank; models/parallel/mesh.py `rank_builder` makes a model-parallel rank's.
 """
 
@@ -63,8 +63,8 @@ class GraphBuilder:
         self.trainable = trainable_params(tape, setup.optimizer.frozen) - set(tape.gradless)
         self.param_numel = {p.name: p.numel for p in tape.params}
         self.param_shape = {p.name: p.shape for p in tape.params}
-        self.replay_plans: dict = {}  # models/replay_plan.py: each tape's replay plan, made once for this rank
-        self.replay_templates: dict = {}  # models/replay_template.py: each plan's recorded passes
+        self.replay_plans: dict = {}  # models/replay/plan.py: each tape's replay plan, made once for this rank
+        self.replay_templates: dict = {}  # models/replay/template.py: each plan's recorded passes
         # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
         self._flop_rate = device.flops.get(setup.precision.compute, device.flops["fp32"]) * device.flops_efficiency
         self._byte_rate = device.bandwidth * device.bandwidth_efficiency
@@ -83,7 +83,7 @@ class GraphBuilder:
            duration: float | None = None, after=(), gemm: str | None = "cublas", pool: Stream | None = None) -> Op:
         """Add an op after the previous op of its stream (streams run in order) and after `after`. `gemm`: the library
         its FLOPs run through on CUDA, "cublas", or "cublaslt" (models/gpu.py `gemm_takes_cublaslt`); None when its
-        kernel never runs although its time is counted (a recompute stopping before it: replay_checkpoint.py)."""
+        kernel never runs although its time is counted (a recompute stopping before it: replay/checkpoint.py)."""
         if duration is None:  # self.device.duration(flops, bytes_moved, self.setup.precision.compute), inline
             duration = max(flops / self._flop_rate, bytes_moved / self._byte_rate) + self.device.launch_latency
         if self._cuda and flops and gemm and stream is Stream.COMPUTE and (phase is Phase.FORWARD
@@ -102,7 +102,7 @@ class GraphBuilder:
         return self.graph.add(op, after=deps)
 
     def recorded(self, actions: list) -> tuple[list, list]:
-        """A pass as `play` makes it again, from what models/replay_template.py recorded of it in order: each
+        """A pass as `play` makes it again, from what models/replay/template.py recorded of it in order: each
         `Block` made, and for each op emitted (the `Op` as `op` made it, the places in the pass's block table of
         the blocks it was given to allocate and free, the places among the pass's ops of the ops it was to follow).
         Each op keeps its fields but the id, step, micro-batch and blocks (a dict in `Op`'s order), the place of

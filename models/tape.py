@@ -2,7 +2,7 @@
 
 A describer does not compute memory. It lists the forward ops in execution order (`TapeOp`), each with
 the tensors it reads and creates, the tensors autograd saves for its backward, and the parameters it
-uses. `models/autograd.py` then replays the tape like torch's autograd would (reference counts,
+uses. `models/replay/` then replays the tape like torch's autograd would (reference counts,
 saved tensors released by their backward node, gradients flowing in reverse) and emits the
 simulator's ops with exact alloc/free lists. Views (split, transpose of a contiguous tensor, view)
 are not tensors here: ops read the base tensor.
@@ -128,7 +128,7 @@ class Tape:
     """The forward pass of one micro-batch, plus the parameters it uses.
 
     A hand-written describer leaves `backward` empty: the replay derives each op's backward node from the
-    op (models/autograd.py). A traced tape (models/trace) carries the backward the real autograd engine
+    op (models/replay/). A traced tape (models/trace) carries the backward the real autograd engine
     ran, node by node (`GradNode`), and the replay follows it instead; everything else (saves, regions,
     the engines' hooks, parameter gradients) goes through the same replay.
     """

@@ -36,7 +36,6 @@ from math import prod
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
-from .autograd import GradState, MicroBatchReplay
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -52,6 +51,7 @@ from .parallel.expert import expert_metadata
 from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_builder, simulated_ranks
 from .parallel.pipeline import pipeline_metadata, pipeline_timing
 from .rank_ranges import RankRanges
+from .replay import GradState, MicroBatchReplay
 from .tape import Tape
 from .trace.model import TracedModel
 

@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from peakledger.models.autograd import param_bytes
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
 from peakledger.models.optimizers import state_specs
 from peakledger.models.presets import preset
+from peakledger.models.replay import param_bytes
 from peakledger.models.training import describe
 from peakledger.models.transformer import mlp_params, transformer_params
 from peakledger.simulator.engine import simulate

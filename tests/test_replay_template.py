@@ -1,4 +1,4 @@
-"""Micro-batch templates (models/replay_template.py): a graph described with recorded passes played again is the
+"""Micro-batch templates (models/replay/template.py): a graph described with recorded passes played again is the
 graph the replay derives pass by pass, op for op (ids, names, durations, blocks field for field, frees,
 dependencies) and in its metadata; and the recordings are used where the engine's hooks allow it."""
 
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from peakledger.models import replay_template
 from peakledger.models.config import TrainingSetup
 from peakledger.models.costs import device_profile
 from peakledger.models.presets import preset
+from peakledger.models.replay import template as replay_template
 from peakledger.models.training import GraphBuilder, build_tape, describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Category, Phase
@@ -56,7 +56,7 @@ NOT_PLAYED = {name for name in SETUPS if name.endswith("(not played)")}
 def _graph(model: str, fields: dict, device: str, templates: bool, monkeypatch):
     with monkeypatch.context() as m:
         if not templates:
-            m.setattr(replay_template, "pure_hooks", lambda engine, replay: False)
+            m.setattr(replay_template, "pure_hooks", lambda engine, state: False)
         played = []
         play = GraphBuilder.play
         m.setattr(GraphBuilder, "play", lambda self, *a: played.append(1) or play(self, *a))
@@ -97,8 +97,8 @@ def test_a_pass_that_cannot_be_named_is_not_recorded():
     setup = TrainingSetup(micro_batch=2, seq_len=16)
     b = GraphBuilder(build_tape(preset("tiny"), setup), setup, device_profile("cpu"))
     stray = b.block("stray", 4, Category.TEMPORARY, "fp32", (1,))
-    replay = SimpleNamespace(step=1, mb=0)
-    rec = replay_template._Recorder(b, replay, [])
+    state = SimpleNamespace(step=1, mb=0)
+    rec = replay_template._Recorder(b, state, [])
     with rec:
         made = b.block("made", 4, Category.TEMPORARY, "fp32", (1,))
         b.op("ok", Phase.FORWARD, 1, 0, [made], [made.id])

@@ -38,7 +38,7 @@ Engines (`TrainingSetup.dp_engine`):
   keeps optimizer states for its own parameters only and broadcasts them after its step.
 
 The layout functions are pure. `Engine` objects receive hooks from the describer (`training.py`) and
-the autograd replay (`autograd.py`) at the moments the real engine acts.
+the autograd replay (`models/replay/`, passing its `ReplayState`) at the moments the real engine acts.
 
 How the parameters reach the device (`TrainingSetup.build`, `Engine.load`): "direct" allocates each once, in its
 training dtype and layout; "device-fp32" replays the program that builds the model on the GPU in fp32, casts it

@@ -316,6 +316,7 @@ class Engine:
         pass
 
     # forward / backward hooks ------------------------------------------------------------------------
+    # (`replay`: the micro-batch's `ReplayState`, models/replay/state.py: its tape, plan, gradients, builder)
     def before_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         pass
 
@@ -323,8 +324,8 @@ class Engine:
         pass
 
     def pure_replay_hooks(self, replay) -> bool:
-        """Whether the replay's hooks act on nothing but the op, the replay and its GradState (models/
-        replay_template.py `pure_hooks`, asked of each class itself): these do nothing, and `param_grad` reads and
+        """Whether the replay's hooks act on nothing but the op, the replay's state and its GradState (models/
+        replay/template.py `pure_hooks`, asked of each class itself): these do nothing, and `param_grad` reads and
         writes nothing else."""
         return True
 
@@ -343,7 +344,7 @@ class Engine:
         own = own_dtype(b.tape, p)  # a LoRA adapter kept fp32 under pure bf16: its gradient is fp32 too
         grad_dtype, contribution_dtype = (own, own) if own else (self.grad_dtype, self.contribution_dtype)
         has_grad = replay.grads.persistent or p in replay.grads.blocks or p in replay.contributed
-        uses = replay.grad_uses.get(p, 1)
+        uses = replay.plan.grad_uses.get(p, 1)
         if uses > 1:
             seen = replay.grad_seen[p] = replay.grad_seen.get(p, 0) + 1
             cdt = contribution_dtype

@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...simulator.events import Category, Phase, Stream
-from ..autograd import replace_grad
 from ..rank_ranges import RankRanges
+from ..replay import replace_grad
 from ..tape import Tape, TensorSpec
 
 TOKEN_GROUP_ALIGN_SIZE_M = 8  # torchtitan/distributed/expert_parallel.py: rows of an expert's group, bf16 / fp32
@@ -140,7 +140,7 @@ class ExpertParallelEngine:
         op = replay.tape.ops[i]
         if op.kind != "all_to_all":
             return
-        b = replay.b
+        b = replay.builder
         nbytes = max(sum(o.nbytes for o in op.outputs), sum(replay.specs[n].nbytes for n in op.inputs))
         b.op(f"{op.name}.transfer" if phase is Phase.FORWARD else f"{op.name}.backward.transfer", phase, replay.step,
              replay.mb, [], [], stream=Stream.COMMUNICATION,
@@ -163,7 +163,7 @@ class ExpertParallelEngine:
 
         if view not in replay.grad_of:
             return
-        b = replay.b
+        b = replay.builder
         grown = b.block(f"{view}.grad_slice_backward", full.nbytes, Category.TEMPORARY, full.dtype, full.shape)
         frees = replace_grad(replay, view, grown)
         b.op(f"{view}.slice.backward", Phase.BACKWARD, replay.step, replay.mb, [grown], frees,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
+from ..replay.plan import backward_order
 from .engine import DeviceBuild
 from .gathering import Gathering
 from .layout import ROOT, UNIT_PATTERN, OptimTensor, dim0_ranges, dim0_shard, own_dtype, unit_of
@@ -202,7 +203,7 @@ class FSDP2(Gathering):
         if not self.backward_started:  # the root's pre-backward
             self.backward_started = True
             self.last_backward = {}
-            for j in replay.backward_order():
+            for j in backward_order(replay.tape, replay.plan):
                 if self.op_unit[j] != ROOT:
                     self.last_backward[self.op_unit[j]] = j
             self.wait(ROOT, phase, step, mb)

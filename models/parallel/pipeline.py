@@ -8,9 +8,9 @@ keeps, and the sends and receives linked across ranks (`PipelineRank`), over the
 from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream
-from ..autograd import MicroBatchReplay
 from ..config import TrainingSetup
-from ..replay_template import pure_hooks
+from ..replay import MicroBatchReplay
+from ..replay.template import pure_hooks
 from ..tape import Tape
 from .engine import Engine
 from .stages import F, StageTape, rank_actions, stage_tapes
@@ -19,21 +19,21 @@ from .stages import F, StageTape, rank_actions, stage_tapes
 
 class _Held:
     """A tensor the schedule's own Python code references (a variable, a list of P2POps or of send Works,
-    `bwd_cache`): the stage output or logits a replay owns (one reason of the replay's per reference), or an
-    input gradient the pipeline took from its replay (freed when the last reference goes)."""
+    `bwd_cache`): the stage output or logits a replay owns (one reason in the replay's state per reference), or
+    an input gradient the pipeline took from its replay (freed when the last reference goes)."""
 
-    def __init__(self, replay=None, name: str | None = None, block: Block | None = None) -> None:
-        self.replay, self.name, self.block, self.count = replay, name, block, 0
+    def __init__(self, state=None, name: str | None = None, block: Block | None = None) -> None:
+        self.state, self.name, self.block, self.count = state, name, block, 0
 
     def hold(self) -> None:
-        if self.replay is not None:
-            self.replay._hold(self.name)
+        if self.state is not None:
+            self.state.hold(self.name)
         else:
             self.count += 1
 
     def drop(self, frees: list[int]) -> None:
-        if self.replay is not None:
-            self.replay._release(self.name, frees)
+        if self.state is not None:
+            self.state.release(self.name, frees)
             return
         self.count -= 1
         if self.count == 0:
@@ -91,8 +91,8 @@ class PipelineEngine:
             self.inner.sync_grads = False
 
     def pure_replay_hooks(self, replay) -> bool:
-        """No code of the schedule's runs inside this replay's forward (`module_end`), and the inner engine's hooks
-        are pure (models/replay_template.py)."""
+        """No code of the schedule's runs inside this replay's forward (`module_end`, by the replay's state), and the
+        inner engine's hooks are pure (models/replay/template.py)."""
         return id(replay) not in self.pipeline.module_end and pure_hooks(self.inner, replay)
 
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
@@ -218,16 +218,17 @@ class PipelineRank:
         if st.input is not None:
             external[st.input.name] = (st.input, self.recv_act[key])
         replay = MicroBatchReplay(self.b, st.tape, self.step, mb, self.grads, external=external)
+        state = replay.state  # what the engine's hooks get
         self.replays[key] = replay
         out = st.output.name if st.output is not None else st.tape.held[0]
-        self.outputs[key] = _Held(replay, out)
+        self.outputs[key] = _Held(state, out)
         if after_module is not None:
             end = max(i for i, op in enumerate(st.tape.ops) if not op.name.startswith("loss."))
-            self.module_end[id(replay)] = (end, after_module)
+            self.module_end[id(state)] = (end, after_module)
         replay.forward()
-        self.module_end.pop(id(replay), None)
-        if st.tape.loss in replay.live:  # the schedule keeps every loss (`_internal_losses`) until the step returns
-            self.losses.extend([_Held(replay, st.tape.loss)])
+        self.module_end.pop(id(state), None)
+        if st.tape.loss in state.live:  # the schedule keeps every loss (`_internal_losses`) until the step returns
+            self.losses.extend([_Held(state, st.tape.loss)])
 
     def backward(self, st: StageTape, mb: int) -> _Held | None:
         """`backward_one_chunk` (after waiting for its gradient): the input's gradient, in `bwd_cache`."""

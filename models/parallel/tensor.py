@@ -40,7 +40,7 @@ traces/tensor_run.py `tp_plan` (torchtitan's `apply_tp`, torchtitan/models/llama
   logits from exp(log-softmax) in three (B, T, V / tp) tensors at its highest point.
 
 What no TapeOp can say is kept on the returned `TensorParallelTape` and done by `TensorParallelEngine`, a thin
-wrapper of the rank's data-parallel engine that the replay's hooks reach (models/autograd.py calls
+wrapper of the rank's data-parallel engine that the replay's hooks reach (models/replay/ calls
 `engine.before_op` / `after_op` around every op, `engine.param_grad` for every parameter gradient):
 - `grad_hooks`: after an op's backward node, (a) "sum": a gradient contribution that DTensor sums out of place
   (Partial input gradients of the q/k/v and gate/up linears, measured as `ViewBackward0.add`; SP: the residual
@@ -66,9 +66,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ...simulator.events import Category, Phase, Stream
-from ..autograd import replace_grad
 from ..rank_ranges import RankRanges
-from ..replay_template import pure_hooks
+from ..replay import replace_grad
+from ..replay.template import pure_hooks
 from ..tape import ParamSpec, Tape, TapeOp, TensorSpec
 from .stages import layer_of
 
@@ -461,7 +461,7 @@ class TensorParallelEngine:
 
     def pure_replay_hooks(self, replay) -> bool:
         """The hooks act on the op and the replay only (`_before` holds a gradient from an op's before_op to its
-        after_op), the rest is the inner engine's (models/replay_template.py)."""
+        after_op), the rest is the inner engine's (models/replay/template.py)."""
 
         return pure_hooks(self.inner, replay)
 
@@ -475,7 +475,7 @@ class TensorParallelEngine:
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         self.inner.after_op(replay, i, phase, recompute)
         op = replay.tape.ops[i]
-        b = replay.b
+        b = replay.builder
         if phase is Phase.FORWARD and op.kind in COLLECTIVES and op.kind != "shard":
             nbytes = sum(o.nbytes for o in op.outputs)
             kind = op.kind
@@ -499,7 +499,7 @@ class TensorParallelEngine:
         if had is None or storage is not had:
             return
         spec = replay.specs[tensor]
-        b = replay.b
+        b = replay.builder
         shadow = b.block(f"{tensor}.grad_contribution", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         total = b.block(f"{tensor}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         frees = [shadow.id] + replace_grad(replay, tensor, total)
@@ -512,7 +512,7 @@ class TensorParallelEngine:
         if tensor not in replay.grad_of:
             return
         spec = replay.specs[tensor]
-        b = replay.b
+        b = replay.builder
         reduced = b.block(f"{tensor}.grad_all_reduce", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         frees = replace_grad(replay, tensor, reduced)
         issue = b.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,

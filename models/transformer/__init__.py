@@ -31,7 +31,7 @@ Activation checkpointing: the layers are written segment by segment (`models.tap
 and the writer marks each op with what the segment's policy does to it (`_Writer.begin_layer`): the
 checkpoint region it belongs to (whole layers, or only the attention core under "selective"),
 whether op-policy's selective checkpointing keeps its outputs (`TapeOp.cached`, matmul and SDPA ops),
-or whether what it saves is offloaded to the host (`TapeOp.offloaded`). `models/autograd.py` replays them.
+or whether what it saves is offloaded to the host (`TapeOp.offloaded`). `models/replay/` replays them.
 
 Under torch.autocast, linears and matmuls run in 16-bit: their weights and biases are cast (autocast
 caches the copies until the forward ends; the weight's is saved for backward, and 16-bit gradients are

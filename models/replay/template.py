@@ -1,9 +1,10 @@
 """Micro-batch templates: a replay's passes repeated from a recording instead of derived again.
 
-Every micro-batch of a tape replays the same ops. A pass of the replay (models/autograd.py `MicroBatchReplay`: its
-forward, or its backward) is a function of four things only:
+Every micro-batch of a tape replays the same ops. A pass of the replay (forward.py `forward`, or the package's
+`backward`: models/replay/__init__.py) is a function of four things only:
 - its plan: the tape, the trainable set and the external tensors' specs (the plan's key, `GraphBuilder.replay_plans`);
-- the replay's own state when the pass starts (live blocks, reasons, gradients, saves, ...: `STATE`);
+- the replay's own state when the pass starts (state.py `ReplayState`: live blocks, reasons, gradients, saves,
+  ...: `STATE` names the fields);
 - which of the tape's parameters hold a `.grad` (`GradState`), read and written by the engine's `param_grad`;
 - the engine's hooks, when they act on nothing else (`pure_hooks`: an engine says so for itself, in its class's own
   `pure_replay_hooks`; the single-device engine, DDP, ZeroRedundancyOptimizer and DeepSpeed ZeRO-0/1 do, and tensor
@@ -25,18 +26,19 @@ of the state's, an op of another step or micro-batch) is never recorded: that pl
 
 from __future__ import annotations
 
-from ..simulator.events import Block, Stream
+from ...simulator.events import Block, Stream
 
 STATE = ("live", "reasons", "grad_of", "saved_at", "contributed", "grad_seen", "grad_buffer", "grad_had",
-         "after_node", "autocast_cache", "view_pieces", "cache_pending")  # what a pass of the replay changes
+         "after_node", "autocast_cache", "view_pieces", "cache_pending")  # the ReplayState fields a pass changes
 
 
-def pure_hooks(engine, replay) -> bool:
-    """Whether `engine`'s replay hooks (before_op, after_op, param_grad) act on nothing but the op, `replay` and its
-    GradState. Asked of the engine's class itself (never inherited: a subclass that overrides a hook must say so
-    again, and a wrapper reaching its inner engine through __getattr__ is not answered for by the inner one)."""
+def pure_hooks(engine, state) -> bool:
+    """Whether `engine`'s replay hooks (before_op, after_op, param_grad) act on nothing but the op, the replay's
+    `state` and its GradState. Asked of the engine's class itself (never inherited: a subclass that overrides a hook
+    must say so again, and a wrapper reaching its inner engine through __getattr__ is not answered for by the inner
+    one)."""
     own = type(engine).__dict__.get("pure_replay_hooks")
-    return own is not None and own(engine, replay)
+    return own is not None and own(engine, state)
 
 
 class _Unnamed(Exception):
@@ -47,114 +49,114 @@ class _Template:
     """One plan's recordings: its forward pass, and its backward passes by the state each starts from. It keeps the
     tape and trainable set it was made for (the plan's key names them by id, as the plan cache does: `matches`)."""
 
-    def __init__(self, replay, forward: tuple | None, end: tuple | None) -> None:
-        self.tape, self.trainable = replay.tape, replay.trainable
+    def __init__(self, state, forward: tuple | None, end: tuple | None) -> None:
+        self.tape, self.trainable = state.tape, state.trainable
         self.forward, self.end = forward, end  # None: the forward pass cannot be recorded
         self.backward: dict[tuple, tuple | None] = {}  # start -> (actions, end state, .grad changes); None: never
 
-    def matches(self, replay) -> bool:
-        return self.tape is replay.tape and self.trainable is replay.trainable
+    def matches(self, state) -> bool:
+        return self.tape is state.tape and self.trainable is state.trainable
 
 
-def forward(replay, run) -> None:
-    """The replay's forward pass (`run`, the real one): played from its plan's recording, or run (and recorded
-    when it is the plan's first)."""
-    b = replay.b
-    templates = b.__dict__.get("replay_templates")
-    key = replay.plan_key
-    if templates is None or key is None or replay.tape.backward or not pure_hooks(b.engine, replay):
-        run()
+def forward(state, run) -> None:
+    """The replay's forward pass (`run(state)`, the real one): played from its plan's recording, or run (and
+    recorded when it is the plan's first)."""
+    builder = state.builder
+    templates = builder.__dict__.get("replay_templates")
+    key = state.plan_key
+    if templates is None or key is None or state.tape.backward or not pure_hooks(builder.engine, state):
+        run(state)
         return
-    tab = [blk for _, blk in replay.external.values()]
+    tab = [blk for _, blk in state.external.values()]
     template = templates.get(key)
-    if template is not None and template.matches(replay):
+    if template is not None and template.matches(state):
         if template.forward is None:  # never recordable
-            run()
+            run(state)
             return
-        b.play(template.forward, tab, replay.step, replay.mb)
-        _restore(replay, template.end, tab)
-        replay.template, replay.tab = template, tab
+        builder.play(template.forward, tab, state.step, state.mb)
+        _restore(state, template.end, tab)
+        state.template, state.tab = template, tab
         return
-    rec = _Recorder(b, replay, tab)
+    rec = _Recorder(builder, state, tab)
     with rec:
-        run()
+        run(state)
     try:
         if not rec.ok:
             raise _Unnamed
-        end = _capture(replay, rec.index)
+        end = _capture(state, rec.index)
     except _Unnamed:
-        templates[key] = _Template(replay, None, None)
+        templates[key] = _Template(state, None, None)
         return
-    templates[key] = replay.template = _Template(replay, b.recorded(rec.actions), end)
-    replay.tab, replay.tab_index = tab, rec.index
+    templates[key] = state.template = _Template(state, builder.recorded(rec.actions), end)
+    state.tab, state.tab_index = tab, rec.index
 
 
-def backward(replay, run) -> None:
-    """The replay's backward pass (`run`, the real one): played when its forward was (or was recorded) and it starts
-    from a state a backward of the plan was recorded from; otherwise run, and recorded."""
-    template = getattr(replay, "template", None)
+def backward(state, run) -> None:
+    """The replay's backward pass (`run(state)`, the real one): played when its forward was (or was recorded) and it
+    starts from a state a backward of the plan was recorded from; otherwise run, and recorded."""
+    template = state.template
     if template is None:
-        run()
+        run(state)
         return
-    tab = replay.tab
-    index = getattr(replay, "tab_index", None) or {blk.id: j for j, blk in enumerate(tab)}
+    builder, tab = state.builder, state.tab
+    index = state.tab_index or {blk.id: j for j, blk in enumerate(tab)}
     try:
-        start = _start(replay, tab, index)
+        start = _start(state, tab, index)
     except _Unnamed:
-        run()
+        run(state)
         return
     recorded = template.backward.get(start, False)
     if recorded:
         actions, end, grads = recorded
-        replay.b.play(actions, tab, replay.step, replay.mb)
-        _restore(replay, end, tab)
-        blocks = replay.grads.blocks
+        builder.play(actions, tab, state.step, state.mb)
+        _restore(state, end, tab)
+        blocks = state.grads.blocks
         for p, j in grads:
             blocks[p] = tab[j]
         return
     if recorded is None:
-        run()
+        run(state)
         return
-    before = dict(replay.grads.blocks)
-    rec = _Recorder(replay.b, replay, tab, index)
+    before = dict(state.grads.blocks)
+    rec = _Recorder(builder, state, tab, index)
     with rec:
-        run()
+        run(state)
     try:
         if not rec.ok:
             raise _Unnamed
-        after = replay.grads.blocks
+        after = state.grads.blocks
         if any(p not in after for p in before):
             raise _Unnamed
         grads = tuple((p, rec.ref(blk)) for p, blk in after.items() if before.get(p) is not blk)
-        template.backward[start] = (replay.b.recorded(rec.actions), _capture(replay, rec.index), grads)
+        template.backward[start] = (builder.recorded(rec.actions), _capture(state, rec.index), grads)
     except _Unnamed:
         template.backward[start] = None
 
 
-def _start(replay, tab: list, index: dict) -> tuple:
+def _start(state, tab: list, index: dict) -> tuple:
     """The state a backward starts from, its blocks named by position: the blocks it holds that no pass made (a
     gradient receive buffer, a parameter's `.grad`) are named where they are found, and added to `tab`."""
     found = []
-    for name, storage in replay.grad_of.items():
+    for name, storage in state.grad_of.items():
         if storage.block.id not in index:
             index[storage.block.id] = len(tab)
             tab.append(storage.block)
             found.append(("grad_of", name))
-    blocks = replay.grads.blocks
+    blocks = state.grads.blocks
     held = []
-    for p in replay.plan_params:
+    for p in state.plan.params:
         blk = blocks.get(p)
         held.append(blk is not None)
         if blk is not None and blk.id not in index:
             index[blk.id] = len(tab)
             tab.append(blk)
             found.append(("grads", p))
-    return (tuple(found), tuple(held), replay.grads.persistent, _capture(replay, index))
+    return (tuple(found), tuple(held), state.grads.persistent, _capture(state, index))
 
 
-def _capture(replay, index: dict) -> tuple:
+def _capture(state, index: dict) -> tuple:
     """The replay's `STATE`, its blocks named by their place in the pass's table (`index`: block id -> place)."""
-    if replay.after_node:
+    if state.after_node:
         raise _Unnamed
 
     def ref(blk: Block) -> int:
@@ -166,44 +168,45 @@ def _capture(replay, index: dict) -> tuple:
     storages: dict[int, int] = {}
     made = []
     grad_of = []
-    for name, s in replay.grad_of.items():
+    for name, s in state.grad_of.items():
         k = storages.get(id(s))
         if k is None:
             k = storages[id(s)] = len(made)
             made.append((type(s), ref(s.block), s.refs, s.pinned))
         grad_of.append((name, k))
-    return (tuple((n, ref(blk)) for n, blk in replay.live.items()), tuple(replay.reasons.items()), tuple(made),
-            tuple(grad_of), tuple(replay.saved_at.items()), frozenset(replay.contributed),
-            tuple(replay.grad_seen.items()), tuple((p, ref(blk)) for p, blk in replay.grad_buffer.items()),
-            tuple(replay.grad_had.items()), tuple(replay.autocast_cache),
-            tuple((n, tuple(ref(blk) for blk in pieces)) for n, pieces in replay.view_pieces.items()),
-            tuple((r, frozenset(names)) for r, names in replay.cache_pending.items()))
+    return (tuple((n, ref(blk)) for n, blk in state.live.items()), tuple(state.reasons.items()), tuple(made),
+            tuple(grad_of), tuple(state.saved_at.items()), frozenset(state.contributed),
+            tuple(state.grad_seen.items()), tuple((p, ref(blk)) for p, blk in state.grad_buffer.items()),
+            tuple(state.grad_had.items()), tuple(state.autocast_cache),
+            tuple((n, tuple(ref(blk) for blk in pieces)) for n, pieces in state.view_pieces.items()),
+            tuple((r, frozenset(names)) for r, names in state.cache_pending.items()))
 
 
-def _restore(replay, state: tuple, tab: list) -> None:
+def _restore(state, captured: tuple, tab: list) -> None:
     """Set the replay's `STATE` to a captured one, its blocks taken from `tab`."""
-    live, reasons, made, grad_of, saved_at, contributed, seen, buffer, had, cache, views, pending = state
-    replay.live = {n: tab[j] for n, j in live}
-    replay.reasons = dict(reasons)
+    live, reasons, made, grad_of, saved_at, contributed, seen, buffer, had, cache, views, pending = captured
+    state.live = {n: tab[j] for n, j in live}
+    state.reasons = dict(reasons)
     storages = [cls(tab[j], refs, pinned) for cls, j, refs, pinned in made]
-    replay.grad_of = {n: storages[k] for n, k in grad_of}
-    replay.saved_at = dict(saved_at)
-    replay.contributed = set(contributed)
-    replay.grad_seen = dict(seen)
-    replay.grad_buffer = {p: tab[j] for p, j in buffer}
-    replay.grad_had = dict(had)
-    replay.after_node = []
-    replay.autocast_cache = list(cache)
-    replay.view_pieces = {n: [tab[j] for j in pieces] for n, pieces in views}
-    replay.cache_pending = {r: set(names) for r, names in pending}
+    state.grad_of = {n: storages[k] for n, k in grad_of}
+    state.saved_at = dict(saved_at)
+    state.contributed = set(contributed)
+    state.grad_seen = dict(seen)
+    state.grad_buffer = {p: tab[j] for p, j in buffer}
+    state.grad_had = dict(had)
+    state.after_node = []
+    state.autocast_cache = list(cache)
+    state.view_pieces = {n: [tab[j] for j in pieces] for n, pieces in views}
+    state.cache_pending = {r: set(names) for r, names in pending}
 
 
 class _Recorder:
     """Records a pass as it runs: the builder's `block` and `op` are its own meanwhile (instance attributes over
-    the class's methods), each block made named by its place in `tab`, each op by its place among the pass's."""
+    the class's methods), each block made named by its place in `tab`, each op by its place among the pass's
+    (`state`: the replay's, for its step and micro-batch)."""
 
-    def __init__(self, b, replay, tab: list, index: dict | None = None) -> None:
-        self.b, self.replay, self.tab = b, replay, tab
+    def __init__(self, builder, state, tab: list, index: dict | None = None) -> None:
+        self.builder, self.state, self.tab = builder, state, tab
         self.index = index if index is not None else {blk.id: j for j, blk in enumerate(tab)}
         self.actions: list = []
         self.ops: dict[int, int] = {}
@@ -211,11 +214,11 @@ class _Recorder:
         self.inside = False  # in the builder's op: a block it makes (the cuBLAS workspace) is the builder's own
 
     def __enter__(self):
-        self.b.block, self.b.op = self.block, self.op
+        self.builder.block, self.builder.op = self.block, self.op
         return self
 
     def __exit__(self, *exc) -> None:
-        del self.b.block, self.b.op
+        del self.builder.block, self.builder.op
 
     def ref(self, blk: Block) -> int:
         j = self.index.get(blk.id)
@@ -224,7 +227,7 @@ class _Recorder:
         return j
 
     def block(self, *args, **kw) -> Block:
-        blk = type(self.b).block(self.b, *args, **kw)
+        blk = type(self.builder).block(self.builder, *args, **kw)
         if not self.inside:
             self.index[blk.id] = len(self.tab)
             self.tab.append(blk)
@@ -235,7 +238,7 @@ class _Recorder:
            stream=Stream.COMPUTE, duration=None, after=(), gemm="cublas"):
         index = self.index
         try:
-            if step != self.replay.step or micro_batch != self.replay.mb:
+            if step != self.state.step or micro_batch != self.state.mb:
                 raise _Unnamed
             a = tuple(self.ref(blk) for blk in allocs)
             f = tuple(index[i] for i in frees)
@@ -245,8 +248,8 @@ class _Recorder:
             a = f = deps = ()
         self.inside = True
         try:
-            op = type(self.b).op(self.b, name, phase, step, micro_batch, allocs, frees, flops, bytes_moved, recompute,
-                                 stream, duration, after, gemm)
+            op = type(self.builder).op(self.builder, name, phase, step, micro_batch, allocs, frees, flops,
+                                       bytes_moved, recompute, stream, duration, after, gemm)
         finally:
             self.inside = False
         self.ops[op.id] = len(self.ops)
