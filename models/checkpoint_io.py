@@ -150,27 +150,27 @@ class StateTensor:
 
 # -- the state (pure) ---------------------------------------------------------------------------------
 
-def host_pool(b) -> Pool:
+def host_pool(builder) -> Pool:
     """Where host memory is counted: the rank's host pool, or the device pool on the "cpu" profile."""
-    return Pool.DEVICE if b.device.is_cpu else Pool.HOST
+    return Pool.DEVICE if builder.device.is_cpu else Pool.HOST
 
 
-def step_pool(b) -> Pool:
+def step_pool(builder) -> Pool:
     """Where Adam's `step` tensors live, as models/training.py creates them."""
-    return optimizer_step_pool(b.device.is_cpu, b.setup.optimizer.impl)
+    return optimizer_step_pool(builder.device.is_cpu, builder.setup.optimizer.impl)
 
 
-def rank_state(b) -> tuple[StateTensor, ...]:
-    """Rank `b.rank`'s training state in state-dict order: parameters, master weights, optimizer states."""
-    e, s = b.engine, b.setup
+def rank_state(builder) -> tuple[StateTensor, ...]:
+    """Rank `builder.rank`'s training state in state-dict order: parameters, master weights, optimizer states."""
+    e, s = builder.engine, builder.setup
     n = s.mesh.world_size
-    params = {p.name: p for p in b.tape.params}
+    params = {p.name: p for p in builder.tape.params}
     out: list[StateTensor] = []
     dtype = e.param_storage_dtype()
     size = dtype_bytes(dtype)
-    for p in b.tape.params:
+    for p in builder.tape.params:
         stored, shard = e.param_numel(p.name)
-        own = dim0_shard(p.shape, n, b.rank)[1] if isinstance(e, FSDP2) else stored
+        own = dim0_shard(p.shape, n, builder.rank)[1] if isinstance(e, FSDP2) else stored
         out.append(StateTensor(p.name, Category.PARAMETER, dtype, p.shape, own * size, stored * size,
                                p.numel * size, stored * shard * size, shard, shard == 1, Pool.DEVICE))
     shard = e.state_shard()
@@ -199,7 +199,7 @@ def rank_state(b) -> tuple[StateTensor, ...]:
             out.append(StateTensor(f"{t.name}.{state.value}", Category.OPTIMIZER_STATE, dt, (numel,) if split else (),
                                    numel * k, numel * k, full_n * k if split else numel * k,
                                    padded_n * shard * k if split else numel * k, shard if split else 1,
-                                   replicated, state_pool if split else step_pool(b), state))
+                                   replicated, state_pool if split else step_pool(builder), state))
     if s.optimizer.name == "adam-8bit":
         out.append(StateTensor("optimizer.qmaps", Category.OPTIMIZER_STATE, "fp32", (2, 256), BNB_QMAP_BYTES,
                                BNB_QMAP_BYTES, BNB_QMAP_BYTES, BNB_QMAP_BYTES, 1, replicated, Pool.DEVICE,
@@ -237,37 +237,39 @@ def dcp_writers(rank0_state: tuple[StateTensor, ...], world_size: int) -> dict[s
     return writers
 
 
-def state_dict_items(b, state: tuple[StateTensor, ...]) -> tuple[StateTensor, ...]:
+def state_dict_items(builder, state: tuple[StateTensor, ...]) -> tuple[StateTensor, ...]:
     """The tensors of a state dict in order, one per key: a tied output embedding is a key of its own
     (`model.state_dict()` lists `lm_head.weight` next to the embedding it is). DCP writes, and a full
     state dict gathers, every key (torch.save and the async stager copy a shared storage once)."""
     params = [t for t in state if t.category is Category.PARAMETER]
     by_name = {t.name: t for t in params}
-    aliases = [replace(by_name[p], name="lm_head.weight") for op in b.tape.ops if op.name == "lm_head"
+    aliases = [replace(by_name[p], name="lm_head.weight") for op in builder.tape.ops if op.name == "lm_head"
                for p in op.params if p != "lm_head.weight" and p in by_name]
     return (*params, *aliases, *state[len(params):])
 
 
-def written_by(b, state: tuple[StateTensor, ...], writers: dict[str, int] | None = None) -> tuple[StateTensor, ...]:
-    """The tensors rank `b.rank` writes in a per-rank save ("torch-save", "sharded"): its own, and the
+def written_by(
+    builder, state: tuple[StateTensor, ...], writers: dict[str, int] | None = None
+) -> tuple[StateTensor, ...]:
+    """The tensors rank `builder.rank` writes in a per-rank save ("torch-save", "sharded"): its own, and the
     replicated ones it is given (rank 0 for torch-save; DCP's deduplication for sharded: `writers`, as
     `sharded_writers(b)` gives them, computed here when not given)."""
-    if b.setup.checkpoint_io.save_mode == "sharded":
-        items = state_dict_items(b, state)
-        if b.setup.mesh.world_size == 1:
+    if builder.setup.checkpoint_io.save_mode == "sharded":
+        items = state_dict_items(builder, state)
+        if builder.setup.mesh.world_size == 1:
             return items
         if writers is None:
-            writers = sharded_writers(b, items if b.rank == 0 else None)
-        return tuple(t for t in items if not t.replicated or writers[t.name] == b.rank)
-    return tuple(t for t in state if not t.replicated or b.rank == 0)
+            writers = sharded_writers(builder, items if builder.rank == 0 else None)
+        return tuple(t for t in items if not t.replicated or writers[t.name] == builder.rank)
+    return tuple(t for t in state if not t.replicated or builder.rank == 0)
 
 
-def sharded_writers(b, rank0_items: tuple[StateTensor, ...] | None = None) -> dict[str, int]:
+def sharded_writers(builder, rank0_items: tuple[StateTensor, ...] | None = None) -> dict[str, int]:
     """`dcp_writers` of a sharded save: the plan every rank shares, from rank 0's state-dict items
-    (`rank0_items`, else rank 0's state built here; `b` is any rank's builder)."""
+    (`rank0_items`, else rank 0's state built here; `builder` is any rank's)."""
     if rank0_items is None:
-        rank0_items = state_dict_items(b, rank_state(type(b)(b.tape, b.setup, b.device)))
-    return dcp_writers(rank0_items, b.setup.mesh.world_size)
+        rank0_items = state_dict_items(builder, rank_state(type(builder)(builder.tape, builder.setup, builder.device)))
+    return dcp_writers(rank0_items, builder.setup.mesh.world_size)
 
 
 def saves_after(setup, step: int) -> bool:
@@ -280,38 +282,42 @@ def saves_any(setup) -> bool:
     return 0 < setup.checkpoint_io.every <= setup.batch.steps
 
 
-def rank_signature(b, writers: dict[str, int] | None = None) -> tuple:
+def rank_signature(builder, writers: dict[str, int] | None = None) -> tuple:
     """What a checkpoint makes differ between ranks of identical layout (empty when nothing is saved):
     rank 0 alone keeps a full state dict; per-rank saves write different replicated tensors (`writers`:
     a sharded save's `sharded_writers`, computed when not given)."""
-    s = b.setup
+    s = builder.setup
     if not saves_any(s):
         return ()
     if s.checkpoint_io.save_mode in FULL_MODES:
-        return ("rank0" if b.rank == 0 else "other",)
+        return ("rank0" if builder.rank == 0 else "other",)
     if s.checkpoint_io.save_mode in ("torch-save", "sharded"):
-        return tuple(t.nbytes for t in written_by(b, rank_state(b), writers))
+        return tuple(t.nbytes for t in written_by(builder, rank_state(builder), writers))
     return ()
 
 
-def signature_ranks(b) -> set[int]:
+def signature_ranks(builder) -> set[int]:
     """Where `rank_signature` can change along the ranks beyond the engine's layout (`Engine.rank_segments`):
     at rank 1 (rank 0 keeps the full state dict, writes the replicated tensors of a torch-save) and, with a
-    sharded save, at every DCP writer and the rank after it. `b` is rank 0's builder."""
-    s = b.setup
+    sharded save, at every DCP writer and the rank after it. `builder` is rank 0's."""
+    s = builder.setup
     out = {1}
     if s.checkpoint_io.save_mode == "sharded" and s.mesh.world_size > 1 and saves_any(s):
-        out |= {r + k for r in set(sharded_writers(b, state_dict_items(b, rank_state(b))).values()) for k in (0, 1)}
+        out |= {
+            r + k
+            for r in set(sharded_writers(builder, state_dict_items(builder, rank_state(builder))).values())
+            for k in (0, 1)
+        }
     return {r for r in out if r < s.mesh.world_size}
 
 
-def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
-    """`rank_signature` of each of `ranks` at once. `b` is rank 0's builder; `builder(r)` makes rank r's, and
+def rank_signatures(builder, ranks, make_builder) -> dict[int, tuple]:
+    """`rank_signature` of each of `ranks` at once. `builder` is rank 0's; `make_builder(r)` makes rank r's, and
     is called only where a rank's own state tells it apart: a torch-save or sharded save by an engine whose
     layout is not the same on every rank. A symmetric engine's ranks share rank 0's state and one DCP
     plan: rank r's sharded signature is the state's rank-own tensors merged, in state-dict order, with the
     replicated ones r writes (O(tensors + ranks x what each writes), not O(tensors x ranks))."""
-    s = b.setup
+    s = builder.setup
     ranks = list(ranks)
     saves = saves_any(s)
     if not saves or s.checkpoint_io.save_mode not in ("torch-save", "sharded"):
@@ -319,15 +325,15 @@ def rank_signatures(b, ranks, builder) -> dict[int, tuple]:
             r: ("rank0" if r == 0 else "other",) if saves and s.checkpoint_io.save_mode in FULL_MODES else ()
             for r in ranks
         }
-    state = rank_state(b)
-    items = state_dict_items(b, state) if s.checkpoint_io.save_mode == "sharded" else state
+    state = rank_state(builder)
+    items = state_dict_items(builder, state) if s.checkpoint_io.save_mode == "sharded" else state
     writers = (
         dcp_writers(items, s.mesh.world_size)
         if s.checkpoint_io.save_mode == "sharded" and s.mesh.world_size > 1
         else None
     )
-    if not b.engine.symmetric:
-        return {r: rank_signature(b if r == b.rank else builder(r), writers) for r in ranks}
+    if not builder.engine.symmetric:
+        return {r: rank_signature(builder if r == builder.rank else make_builder(r), writers) for r in ranks}
     if writers is None:  # torch-save (rank 0 writes the replicated tensors), or a sharded save on one rank
         mine = tuple(t.nbytes for t in items if not t.replicated or s.checkpoint_io.save_mode == "sharded")
         everything = tuple(t.nbytes for t in items)
@@ -348,38 +354,38 @@ def _storage_seconds(nbytes: int) -> float:
     return nbytes / STORAGE_BANDWIDTH
 
 
-def _copy_seconds(b, nbytes: int) -> float:
-    return nbytes / b.device.host_link
+def _copy_seconds(builder, nbytes: int) -> float:
+    return nbytes / builder.device.host_link
 
 
-def _on_device(b, t: StateTensor) -> bool:
+def _on_device(builder, t: StateTensor) -> bool:
     """A tensor a save must copy to host memory: one in device memory of a GPU profile."""
-    return not b.device.is_cpu and t.pool is Pool.DEVICE
+    return not builder.device.is_cpu and t.pool is Pool.DEVICE
 
 
-def _staging(b, name: str, nbytes: int, t: StateTensor, pool: Pool, whole: bool = False) -> Block:
+def _staging(builder, name: str, nbytes: int, t: StateTensor, pool: Pool, whole: bool = False) -> Block:
     """A checkpoint buffer holding `t` (its shard, or the `whole` tensor rebuilt by a gather)."""
-    return b.block(name, nbytes, Category.CHECKPOINT_STAGING, t.dtype, t.shape, shard=1 if whole else t.shard,
+    return builder.block(name, nbytes, Category.CHECKPOINT_STAGING, t.dtype, t.shape, shard=1 if whole else t.shard,
                    pool=pool)
 
 
-def save_checkpoint(b, step: int) -> None:
-    """Add the ops of one checkpoint save after optimizer step `step` (Phase.CHECKPOINT) to rank `b.rank`."""
-    mode = b.setup.checkpoint_io.save_mode
-    state = rank_state(b)
+def save_checkpoint(builder, step: int) -> None:
+    """Add the ops of one checkpoint save after optimizer step `step` (Phase.CHECKPOINT) to rank `builder.rank`."""
+    mode = builder.setup.checkpoint_io.save_mode
+    state = rank_state(builder)
     if mode == "torch-save":
-        _torch_save(b, step, written_by(b, state), "checkpoint.torch_save")
+        _torch_save(builder, step, written_by(builder, state), "checkpoint.torch_save")
     elif mode in FULL_MODES:
-        _full_state_dict(b, step, state)
+        _full_state_dict(builder, step, state)
     elif mode == "sharded":
-        _dcp_save(b, step, written_by(b, state))
+        _dcp_save(builder, step, written_by(builder, state))
     elif mode == "async":
-        _async_save(b, step, state)
+        _async_save(builder, step, state)
     else:
         raise ValueError(f"unknown save_mode {mode!r}")
 
 
-def _torch_save(b, step: int, tensors, prefix: str, storages=None) -> None:
+def _torch_save(builder, step: int, tensors, prefix: str, storages=None) -> None:
     """torch.save of `tensors` (a rank's own file): one host copy at a time of each device storage.
     `storages` maps a tensor name to the device block it is written from, when that is not the tensor
     itself (a gathered full tensor)."""
@@ -387,153 +393,169 @@ def _torch_save(b, step: int, tensors, prefix: str, storages=None) -> None:
     for t in tensors:
         source = (storages or {}).get(t.name)
         nbytes = source.nbytes if source is not None else t.storage_nbytes
-        on_device = _on_device(b, t) if source is None else not b.device.is_cpu
+        on_device = _on_device(builder, t) if source is None else not builder.device.is_cpu
         if not on_device:
             written += nbytes
             continue
-        host = _staging(b, f"checkpoint.{t.name}.host", nbytes, t, Pool.HOST, whole=source is not None)
-        b.op(f"{prefix}.write.{t.name}", ph, step, -1, [host], [host.id],
-             duration=_copy_seconds(b, nbytes) + _storage_seconds(nbytes))
-    b.op(f"{prefix}.write", ph, step, -1, [], [], duration=_storage_seconds(written))
+        host = _staging(builder, f"checkpoint.{t.name}.host", nbytes, t, Pool.HOST, whole=source is not None)
+        builder.op(f"{prefix}.write.{t.name}", ph, step, -1, [host], [host.id],
+             duration=_copy_seconds(builder, nbytes) + _storage_seconds(nbytes))
+    builder.op(f"{prefix}.write", ph, step, -1, [], [], duration=_storage_seconds(written))
 
 
-def _full_state_dict(b, step: int, state: tuple[StateTensor, ...]) -> None:
+def _full_state_dict(builder, step: int, state: tuple[StateTensor, ...]) -> None:
     """A full state dict gathered tensor by tensor on every rank, kept or offloaded on rank 0, then
     written by rank 0 (see the module docstring for full-rank0 / full-rank0-offload / full-all)."""
-    mode, rank0, ph = b.setup.checkpoint_io.save_mode, b.rank == 0, Phase.CHECKPOINT
-    offload = mode == "full-rank0-offload" and not b.device.is_cpu
+    mode, rank0, ph = builder.setup.checkpoint_io.save_mode, builder.rank == 0, Phase.CHECKPOINT
+    offload = mode == "full-rank0-offload" and not builder.device.is_cpu
     keep = (rank0 and not offload) or mode == "full-all"
     kept: list[Block] = []
     storages: dict[str, Block] = {}
-    items = state_dict_items(b, state)
+    items = state_dict_items(builder, state)
     for t in items:
         if t.sharded:
-            full = _staging(b, f"checkpoint.{t.name}.full", t.gathered_nbytes, t, Pool.DEVICE, whole=True)
+            full = _staging(builder, f"checkpoint.{t.name}.full", t.gathered_nbytes, t, Pool.DEVICE, whole=True)
             shard = t.gathered_nbytes // t.shard  # a shorter local shard is padded to it as the gather's input
-            padded = [_staging(b, f"checkpoint.{t.name}.padded_shard", shard, t, Pool.DEVICE)
+            padded = [_staging(builder, f"checkpoint.{t.name}.padded_shard", shard, t, Pool.DEVICE)
                       for _ in range(t.nbytes < shard)]
-            gather = b.engine.collective(f"checkpoint.all_gather.{t.name}", "all_gather", t.gathered_nbytes, ph,
+            gather = builder.engine.collective(f"checkpoint.all_gather.{t.name}", "all_gather", t.gathered_nbytes, ph,
                                          step, -1, allocs=[*padded, full], frees=[x.id for x in padded],
-                                         after=(b.last(Stream.COMPUTE),))
+                                         after=(builder.last(Stream.COMPUTE),))
             if keep:
                 kept.append(full)
                 storages[t.name] = full
                 continue
-            host = [_staging(b, f"checkpoint.{t.name}.host", t.full_nbytes, t, Pool.HOST, whole=True)
+            host = [_staging(builder, f"checkpoint.{t.name}.host", t.full_nbytes, t, Pool.HOST, whole=True)
                     for _ in range(rank0)]
-            b.op(f"checkpoint.full.{'offload' if rank0 else 'drop'}.{t.name}", ph, step, -1, host, [full.id],
-                 duration=_copy_seconds(b, t.full_nbytes) if rank0 else 0.0, after=(gather.id,))
+            builder.op(f"checkpoint.full.{'offload' if rank0 else 'drop'}.{t.name}", ph, step, -1, host, [full.id],
+                 duration=_copy_seconds(builder, t.full_nbytes) if rank0 else 0.0, after=(gather.id,))
             kept += host
-        elif rank0 and offload and _on_device(b, t):
-            host = _staging(b, f"checkpoint.{t.name}.host", t.storage_nbytes, t, Pool.HOST)
-            b.op(f"checkpoint.full.offload.{t.name}", ph, step, -1, [host], [],
-                 duration=_copy_seconds(b, t.storage_nbytes))
+        elif rank0 and offload and _on_device(builder, t):
+            host = _staging(builder, f"checkpoint.{t.name}.host", t.storage_nbytes, t, Pool.HOST)
+            builder.op(f"checkpoint.full.offload.{t.name}", ph, step, -1, [host], [],
+                 duration=_copy_seconds(builder, t.storage_nbytes))
             kept.append(host)
     if rank0:
         if offload:
-            b.op("checkpoint.full.torch_save.write", ph, step, -1, [], [],
+            builder.op("checkpoint.full.torch_save.write", ph, step, -1, [], [],
                  duration=_storage_seconds(sum(x.nbytes for x in kept)))
         else:
-            _torch_save(b, step, items, "checkpoint.full.torch_save", storages)
-    b.op("checkpoint.full.release", ph, step, -1, [], [x.id for x in kept], after=(b.last(Stream.COMMUNICATION),))
+            _torch_save(builder, step, items, "checkpoint.full.torch_save", storages)
+    builder.op(
+        "checkpoint.full.release", ph, step, -1, [], [x.id for x in kept], after=(builder.last(Stream.COMMUNICATION),)
+    )
 
 
-def _dcp_save(b, step: int, tensors) -> None:
+def _dcp_save(builder, step: int, tensors) -> None:
     """DCP save with the FileSystemWriter: every device tensor the rank writes is staged to the host
     (smallest first) and kept until the rank's file is written."""
     ph = Phase.CHECKPOINT
     staged: list[Block] = []
     for t in sorted(tensors, key=lambda x: x.nbytes):  # _OverlappingCpuLoader.start_loading sorts by size
-        if not _on_device(b, t):
+        if not _on_device(builder, t):
             continue
-        host = _staging(b, f"checkpoint.{t.name}.host", t.nbytes, t, Pool.HOST)
-        b.op(f"checkpoint.dcp.stage.{t.name}", ph, step, -1, [host], [], duration=_copy_seconds(b, t.nbytes))
+        host = _staging(builder, f"checkpoint.{t.name}.host", t.nbytes, t, Pool.HOST)
+        builder.op(
+            f"checkpoint.dcp.stage.{t.name}", ph, step, -1, [host], [], duration=_copy_seconds(builder, t.nbytes)
+        )
         staged.append(host)
-    b.op("checkpoint.dcp.write", ph, step, -1, [], [x.id for x in staged],
+    builder.op("checkpoint.dcp.write", ph, step, -1, [], [x.id for x in staged],
          duration=_storage_seconds(sum(t.nbytes for t in tensors)))
 
 
-def _async_save(b, step: int, state: tuple[StateTensor, ...]) -> None:
+def _async_save(builder, step: int, state: tuple[StateTensor, ...]) -> None:
     """Async save: the stager's deep copy of every storage into its cached host copy (allocated at the
     first save), on the compute stream, then the write on the rank's host stream in the background.
     Each tensor's copy starts from a one-element host placeholder (`x.new_empty([], device="cpu")`,
     StateDictStager._offload_tensor) that `set_` replaces by the staged storage: a transient of one
     element per tensor."""
-    ph, pool = Phase.CHECKPOINT, host_pool(b)
-    first = step == b.setup.checkpoint_io.every
+    ph, pool = Phase.CHECKPOINT, host_pool(builder)
+    first = step == builder.setup.checkpoint_io.every
     for t in state:
-        placeholder = b.block(f"checkpoint.{t.name}.placeholder", dtype_bytes(t.dtype), Category.CHECKPOINT_STAGING,
-                              t.dtype, (), pool=pool)
-        staged = [_staging(b, f"checkpoint.{t.name}.staging", t.storage_nbytes, t, pool)] if first else []
-        b.op(f"checkpoint.async.stage.{t.name}", ph, step, -1, [placeholder] + staged, [placeholder.id],
-             duration=_copy_seconds(b, t.storage_nbytes))
-    b.op("checkpoint.async.write", ph, step, -1, [], [], stream=Stream.HOST,
-         duration=_storage_seconds(sum(t.storage_nbytes for t in state)), after=(b.last(Stream.COMPUTE),))
+        placeholder = builder.block(
+            f"checkpoint.{t.name}.placeholder",
+            dtype_bytes(t.dtype),
+            Category.CHECKPOINT_STAGING,
+            t.dtype,
+            (),
+            pool=pool,
+        )
+        staged = [_staging(builder, f"checkpoint.{t.name}.staging", t.storage_nbytes, t, pool)] if first else []
+        builder.op(f"checkpoint.async.stage.{t.name}", ph, step, -1, [placeholder] + staged, [placeholder.id],
+             duration=_copy_seconds(builder, t.storage_nbytes))
+    builder.op("checkpoint.async.write", ph, step, -1, [], [], stream=Stream.HOST,
+         duration=_storage_seconds(sum(t.storage_nbytes for t in state)), after=(builder.last(Stream.COMPUTE),))
 
 
 # -- loading ------------------------------------------------------------------------------------------
 
-def _adopted(b, t: StateTensor) -> Block:
+def _adopted(builder, t: StateTensor) -> Block:
     """The loaded tensor that becomes the optimizer's state: the block the first step would have created."""
-    return b.block(t.name, t.storage_nbytes, t.category, t.dtype, t.shape, state=t.state, shard=t.shard, pool=t.pool)
+    return builder.block(
+        t.name, t.storage_nbytes, t.category, t.dtype, t.shape, state=t.state, shard=t.shard, pool=t.pool
+    )
 
 
-def load_checkpoint(b) -> bool:
+def load_checkpoint(builder) -> bool:
     """Add the ops of loading the rank's checkpoint (`setup.checkpoint_io.load_mode`, Phase.LOAD, after the engine has
     built the model). True when the optimizer states now exist (the first step creates none)."""
-    mode = b.setup.checkpoint_io.load_mode
+    mode = builder.setup.checkpoint_io.load_mode
     if mode == "none":
         return False
-    state = rank_state(b)
+    state = rank_state(builder)
     if mode == "full-then-device":
-        _load_to_host(b, state)
+        _load_to_host(builder, state)
     elif mode in ("map-to-device", "meta-assign"):
-        _load_to_device(b, state, keep_params=mode == "meta-assign")
+        _load_to_device(builder, state, keep_params=mode == "meta-assign")
     else:
         raise ValueError(f"unknown load_mode {mode!r}")
     return any(t.category is Category.OPTIMIZER_STATE for t in state)
 
 
-def _load_to_host(b, state: tuple[StateTensor, ...]) -> None:
+def _load_to_host(builder, state: tuple[StateTensor, ...]) -> None:
     """torch.load(map_location="cpu") of everything, copy into the model, states to the device, drop."""
-    ph, pool = Phase.LOAD, host_pool(b)
+    ph, pool = Phase.LOAD, host_pool(builder)
     read: list[Block] = []
     for t in state:
         adopt = t.category is Category.OPTIMIZER_STATE and t.pool is pool
-        blk = _adopted(b, t) if adopt else _staging(b, f"checkpoint.{t.name}.loaded", t.storage_nbytes, t, pool)
-        b.op(f"checkpoint.load.read.{t.name}", ph, 0, -1, [blk], [], duration=_storage_seconds(t.storage_nbytes))
+        blk = (
+            _adopted(builder, t)
+            if adopt
+            else _staging(builder, f"checkpoint.{t.name}.loaded", t.storage_nbytes, t, pool)
+        )
+        builder.op(f"checkpoint.load.read.{t.name}", ph, 0, -1, [blk], [], duration=_storage_seconds(t.storage_nbytes))
         if not adopt:
             read.append(blk)
     model = [t for t in state if t.category is not Category.OPTIMIZER_STATE]
-    b.op("checkpoint.load.model_load_state_dict", ph, 0, -1, [], [],
-         duration=_copy_seconds(b, sum(t.storage_nbytes for t in model)))
-    moved = [_adopted(b, t) for t in state if t.category is Category.OPTIMIZER_STATE and t.pool is not pool]
-    b.op("checkpoint.load.optimizer_load_state_dict", ph, 0, -1, moved, [],
-         duration=_copy_seconds(b, sum(x.nbytes for x in moved)))
-    b.op("checkpoint.load.release", ph, 0, -1, [], [x.id for x in read])
+    builder.op("checkpoint.load.model_load_state_dict", ph, 0, -1, [], [],
+         duration=_copy_seconds(builder, sum(t.storage_nbytes for t in model)))
+    moved = [_adopted(builder, t) for t in state if t.category is Category.OPTIMIZER_STATE and t.pool is not pool]
+    builder.op("checkpoint.load.optimizer_load_state_dict", ph, 0, -1, moved, [],
+         duration=_copy_seconds(builder, sum(x.nbytes for x in moved)))
+    builder.op("checkpoint.load.release", ph, 0, -1, [], [x.id for x in read])
 
 
-def _load_to_device(b, state: tuple[StateTensor, ...], keep_params: bool) -> None:
+def _load_to_device(builder, state: tuple[StateTensor, ...], keep_params: bool) -> None:
     """torch.load(map_location=device): each device storage through a host buffer (dropped once moved;
     none on the "cpu" profile, nor for tensors that live on the host). The loaded parameters are the
     model's own (meta-assign: `keep_params`) or copies dropped after `load_state_dict` (map-to-device)."""
     ph = Phase.LOAD
     copies: list[Block] = []
     for t in state:
-        host = [_staging(b, f"checkpoint.{t.name}.read", t.storage_nbytes, t, Pool.HOST)
-                for _ in range(_on_device(b, t))]
+        host = [_staging(builder, f"checkpoint.{t.name}.read", t.storage_nbytes, t, Pool.HOST)
+                for _ in range(_on_device(builder, t))]
         if t.category is Category.OPTIMIZER_STATE:
-            lands = [_adopted(b, t)]
+            lands = [_adopted(builder, t)]
         elif keep_params:
             lands = []
         else:
-            lands = [_staging(b, f"checkpoint.{t.name}.loaded", t.storage_nbytes, t, t.pool)]
+            lands = [_staging(builder, f"checkpoint.{t.name}.loaded", t.storage_nbytes, t, t.pool)]
             copies += lands
-        b.op(f"checkpoint.load.read.{t.name}", ph, 0, -1, host + lands, [x.id for x in host],
-             duration=_storage_seconds(t.storage_nbytes) + _copy_seconds(b, t.storage_nbytes))
-    b.op("checkpoint.load.load_state_dict", ph, 0, -1, [], [],
-         duration=_copy_seconds(b, sum(x.nbytes for x in copies)))
-    b.op("checkpoint.load.release", ph, 0, -1, [], [x.id for x in copies])
+        builder.op(f"checkpoint.load.read.{t.name}", ph, 0, -1, host + lands, [x.id for x in host],
+             duration=_storage_seconds(t.storage_nbytes) + _copy_seconds(builder, t.storage_nbytes))
+    builder.op("checkpoint.load.load_state_dict", ph, 0, -1, [], [],
+         duration=_copy_seconds(builder, sum(x.nbytes for x in copies)))
+    builder.op("checkpoint.load.release", ph, 0, -1, [], [x.id for x in copies])
 
 
 __all__ = ["StateTensor", "rank_state", "state_dict_items", "written_by", "sharded_writers", "dcp_writers",

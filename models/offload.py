@@ -27,9 +27,9 @@ from .optimizers import offload_chunks, offloaded, state_specs
 class OffloadedStates:
     """One rank's offloaded optimizer states: the chunks, their host buffers and live device copies."""
 
-    def __init__(self, b, tensors) -> None:
-        s = b.setup
-        self.b = b
+    def __init__(self, builder, tensors) -> None:
+        s = builder.setup
+        self.builder = builder
         indices = offload_chunks([t.numel for t in tensors], s.offload.mode, s.offload.chunk_params)
         self.chunks = [[tensors[i] for i in chunk] for chunk in indices]
         self.prefetch = s.offload.prefetch if s.offload.mode == "chunked" else 0
@@ -41,36 +41,41 @@ class OffloadedStates:
         self.device.update({blk.name: blk for blk in blocks if blk.state is not None and offloaded(blk.state)})
 
     def _specs(self, t):
-        s = self.b.setup
+        s = self.builder.setup
         for state, numel, dtype in state_specs(s.optimizer.name, t.numel, s.precision.state):
             if offloaded(state):
                 yield f"{t.name}.{state.value}", state, numel, dtype
 
     def load(self, k: int, step: int) -> int:
         """Copy chunk `k`'s states to the device; the id of the transfer its update must wait for."""
-        b, shard = self.b, self.b.engine.state_shard()
-        copies = [b.block(name, numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, (numel,), state=state,
-                          shard=shard) for t in self.chunks[k] for name, state, numel, dtype in self._specs(t)]
+        builder, shard = self.builder, self.builder.engine.state_shard()
+        copies = [
+            builder.block(
+                name, numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, (numel,), state=state, shard=shard
+            )
+            for t in self.chunks[k]
+            for name, state, numel, dtype in self._specs(t)
+        ]
         self.device.update({blk.name: blk for blk in copies})
-        issue = b.op(f"optimizer.offload.chunk{k}.to_device", Phase.OPTIMIZER, step, -1, copies, [], duration=0.0)
+        issue = builder.op(f"optimizer.offload.chunk{k}.to_device", Phase.OPTIMIZER, step, -1, copies, [], duration=0.0)
         nbytes = sum(x.nbytes for x in copies)
-        return b.op(f"optimizer.offload.chunk{k}.to_device.copy", Phase.OPTIMIZER, step, -1, [], [],
-                    stream=Stream.HOST, duration=nbytes / b.device.host_link, after=(issue.id,)).id
+        return builder.op(f"optimizer.offload.chunk{k}.to_device.copy", Phase.OPTIMIZER, step, -1, [], [],
+                    stream=Stream.HOST, duration=nbytes / builder.device.host_link, after=(issue.id,)).id
 
     def offload(self, k: int, step: int) -> None:
         """Copy chunk `k`'s states back to their host buffers (allocated now the first time), freeing each
         device copy once it is copied."""
-        b = self.b
+        builder = self.builder
         for t in self.chunks[k]:
             for name, _state, _numel, _dtype in self._specs(t):
                 blk = self.device.pop(name)
                 new = [] if name in self.host else [self._host_buffer(blk)]
-                b.op(f"optimizer.offload.{name}.to_host", Phase.OPTIMIZER, step, -1, new, [blk.id],
-                     duration=blk.nbytes / b.device.host_link)
+                builder.op(f"optimizer.offload.{name}.to_host", Phase.OPTIMIZER, step, -1, new, [blk.id],
+                     duration=blk.nbytes / builder.device.host_link)
 
     def _host_buffer(self, device_copy: Block) -> Block:
         d = device_copy
-        blk = self.b.block(f"{d.name}.host", d.nbytes, Category.OPTIMIZER_STATE, d.dtype, d.shape, state=d.state,
+        blk = self.builder.block(f"{d.name}.host", d.nbytes, Category.OPTIMIZER_STATE, d.dtype, d.shape, state=d.state,
                            shard=d.shard_factor, pool=Pool.HOST)
         self.host[d.name] = blk
         return blk

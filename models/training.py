@@ -234,9 +234,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
             raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.mesh.world_size - 1}")
         classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
     for rank in simulated_ranks(classes, setup) if model_parallel else classes:
-        b = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
+        builder = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
              else GraphBuilder(tape, setup, profile, rank, graph, ids))
-        _describe_rank(b, plan.simulated)
+        _describe_rank(builder, plan.simulated)
     if plan.truncated:
         check_repeats(graph, plan)
     graph.metadata = {
@@ -245,7 +245,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         "describer_note": None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
         "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.batch.grad_accum
         if tape.backward else None,
-        "n_params": tape.n_params, "n_trainable": sum(b.param_numel[p] for p in b.trainable),
+        "n_params": tape.n_params, "n_trainable": sum(builder.param_numel[p] for p in builder.trainable),
         "forward_flops_per_microbatch": tape.forward_flops(),
         "effective_batch": setup.effective_batch,
         "tokens_per_step": setup.effective_batch * setup.batch.seq_len,
@@ -303,12 +303,12 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
     return {ranges[0][0]: RankRanges(ranges) for ranges in classes.values()}
 
 
-def engine_classes(b: GraphBuilder) -> dict[tuple, list[tuple[int, int]]]:
-    """The data-parallel ranks of `b`'s group by the engine's signature: {signature: [(start, stop), ...]}."""
-    segments = b.engine.rank_segments()
+def engine_classes(builder: GraphBuilder) -> dict[tuple, list[tuple[int, int]]]:
+    """The data-parallel ranks of `builder`'s group by the engine's signature: {signature: [(start, stop), ...]}."""
+    segments = builder.engine.rank_segments()
     out: dict[tuple, list[tuple[int, int]]] = {}
     for k, (start, sig) in enumerate(segments):
-        out.setdefault(sig, []).append((start, segments[k + 1][0] if k + 1 < len(segments) else b.engine.n))
+        out.setdefault(sig, []).append((start, segments[k + 1][0] if k + 1 < len(segments) else builder.engine.n))
     return out
 
 
@@ -337,90 +337,92 @@ def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
                                "misses a step-dependent behaviour")
 
 
-def _describe_rank(b: GraphBuilder, steps: int) -> None:
-    """Load, then optimizer steps 1..`steps` of rank `b.rank`."""
-    setup = b.setup
+def _describe_rank(builder: GraphBuilder, steps: int) -> None:
+    """Load, then optimizer steps 1..`steps` of rank `builder.rank`."""
+    setup = builder.setup
     grads = GradState(persistent=setup.precision.fp32_grads)
-    b.engine.load(grads)
-    states_loaded = load_checkpoint(b)
-    offload = OffloadedStates(b, b.engine.optim_tensors()) if setup.offload.mode != "none" else None
+    builder.engine.load(grads)
+    states_loaded = load_checkpoint(builder)
+    offload = OffloadedStates(builder, builder.engine.optim_tensors()) if setup.offload.mode != "none" else None
     if not OPTIMIZERS[setup.optimizer.name].lazy and not states_loaded:  # made by the optimizer's constructor (Adagrad)
-        for k, group in enumerate(b.engine.optim_groups()):
-            _create_states(b, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
+        for k, group in enumerate(builder.engine.optim_groups()):
+            _create_states(builder, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
         states_loaded = True
     for step in range(1, steps + 1):
         if setup.mesh.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
-            b.engine.run_step(step, grads)
+            builder.engine.run_step(step, grads)
         for mb in range(setup.batch.grad_accum if setup.mesh.pp == 1 else 0):
-            MicroBatchReplay(b, b.tape, step, mb, grads).run()
+            MicroBatchReplay(builder, builder.tape, step, mb, grads).run()
             if setup.batch.passes == "forward":
                 break
-            b.engine.end_backward(step, mb)
+            builder.engine.end_backward(step, mb)
         if setup.batch.passes == "forward":
             continue  # no loss, backward or optimizer step (models/config.py PASSES)
         if setup.loop.clips_gradients:
-            _clip_grad_norm(b, step)
-        _optimizer_step(b, step, grads, states_loaded, offload)
-        b.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], b.engine.zero_grad_frees(grads))
+            _clip_grad_norm(builder, step)
+        _optimizer_step(builder, step, grads, states_loaded, offload)
+        builder.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], builder.engine.zero_grad_frees(grads))
         if saves_after(setup, step):
-            save_checkpoint(b, step)
+            save_checkpoint(builder, step)
 
 
-def _clip_grad_norm(b: GraphBuilder, step: int) -> None:
+def _clip_grad_norm(builder: GraphBuilder, step: int) -> None:
     """`torch.nn.utils.clip_grad_norm_(params, 1.0)` over the rank's gradients, as HF Trainer calls it before each
     optimizer step (torch/nn/utils/clip_grad.py, torch 2.13: `_get_total_norm`, then `_clip_grads_with_norm_`):
     `_foreach_norm` makes one 0-dim norm per gradient, `torch.stack` gathers them and `vector_norm` gives the
     total (the stack goes at once, the norms when `_get_total_norm` returns); then `total + 1e-6`, `max_norm / it`
     (a reciprocal, then a multiply) and `clamp(max=1.0)`, each a scalar, and `_foreach_mul_` scales the gradients in
     place; the scalars go when it returns."""
-    dt = b.setup.precision.grad
+    dt = builder.setup.precision.grad
     size = dtype_bytes(dt)
     ph = Phase.OPTIMIZER
-    tensors = b.engine.optim_tensors()
-    norms = [b.block(f"{t.name}.grad_norm", size, Category.TEMPORARY, dt, ()) for t in tensors]
-    b.op("clip_grad_norm_.foreach_norm", ph, step, -1, norms, [], bytes_moved=sum(t.numel for t in tensors) * size)
-    stacked = b.block("clip_grad_norm_.stack", size * len(norms), Category.TEMPORARY, dt, (len(norms),))
-    b.op("clip_grad_norm_.stack", ph, step, -1, [stacked], [])
-    total = b.block("clip_grad_norm_.total_norm", size, Category.TEMPORARY, dt, ())
-    b.op("clip_grad_norm_.vector_norm", ph, step, -1, [total], [stacked.id] + [n.id for n in norms])
-    scalars = [b.block(f"clip_grad_norm_.{k}", size, Category.TEMPORARY, dt, ()) for k in ("add", "reciprocal")]
-    b.op("clip_grad_norm_.clip_coef", ph, step, -1, scalars, [])
-    coef = b.block("clip_grad_norm_.mul", size, Category.TEMPORARY, dt, ())
-    b.op("clip_grad_norm_.clip_coef.mul", ph, step, -1, [coef], [scalars[1].id])
-    clamped = b.block("clip_grad_norm_.clamp", size, Category.TEMPORARY, dt, ())
-    b.op("clip_grad_norm_.foreach_mul_", ph, step, -1, [clamped], [total.id, scalars[0].id, coef.id, clamped.id],
+    tensors = builder.engine.optim_tensors()
+    norms = [builder.block(f"{t.name}.grad_norm", size, Category.TEMPORARY, dt, ()) for t in tensors]
+    builder.op(
+        "clip_grad_norm_.foreach_norm", ph, step, -1, norms, [], bytes_moved=sum(t.numel for t in tensors) * size
+    )
+    stacked = builder.block("clip_grad_norm_.stack", size * len(norms), Category.TEMPORARY, dt, (len(norms),))
+    builder.op("clip_grad_norm_.stack", ph, step, -1, [stacked], [])
+    total = builder.block("clip_grad_norm_.total_norm", size, Category.TEMPORARY, dt, ())
+    builder.op("clip_grad_norm_.vector_norm", ph, step, -1, [total], [stacked.id] + [n.id for n in norms])
+    scalars = [builder.block(f"clip_grad_norm_.{k}", size, Category.TEMPORARY, dt, ()) for k in ("add", "reciprocal")]
+    builder.op("clip_grad_norm_.clip_coef", ph, step, -1, scalars, [])
+    coef = builder.block("clip_grad_norm_.mul", size, Category.TEMPORARY, dt, ())
+    builder.op("clip_grad_norm_.clip_coef.mul", ph, step, -1, [coef], [scalars[1].id])
+    clamped = builder.block("clip_grad_norm_.clamp", size, Category.TEMPORARY, dt, ())
+    builder.op("clip_grad_norm_.foreach_mul_", ph, step, -1, [clamped], [total.id, scalars[0].id, coef.id, clamped.id],
          bytes_moved=2 * sum(t.numel for t in tensors) * size)
 
 
-def _optimizer_step(b: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,
+def _optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,
                     offload: OffloadedStates | None = None) -> None:
     """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1, unless
     they were loaded from a checkpoint), inside the optimizer-state offload when there is one."""
-    tensors = b.engine.optim_tensors()
+    tensors = builder.engine.optim_tensors()
     create = step == 1 and not states_loaded
-    chunked_first = create and offload is not None and b.setup.offload.first_step == "chunked"
-    groups = b.engine.optim_groups() if offload is None else [tensors]
+    chunked_first = create and offload is not None and builder.setup.offload.first_step == "chunked"
+    groups = builder.engine.optim_groups() if offload is None else [tensors]
     if create and not chunked_first:
-        created = _create_states(b, step, groups[0], "optimizer.init_state")
+        created = _create_states(builder, step, groups[0], "optimizer.init_state")
         if offload is not None:
             offload.adopt(created)
-    fp32_grads = b.engine.before_step(step, grads)
+    fp32_grads = builder.engine.before_step(step, grads)
     if offload is None:
-        _update(b, step, groups[0], "optimizer")
+        _update(builder, step, groups[0], "optimizer")
         for k, group in enumerate(groups[1:], 1):  # torch.optim: each group's lazy states, then its update
             if create:
-                _create_states(b, step, group, f"optimizer.group{k}.init_state")
-            _update(b, step, group, f"optimizer.group{k}")
+                _create_states(builder, step, group, f"optimizer.group{k}.init_state")
+            _update(builder, step, group, f"optimizer.group{k}")
     elif create and not chunked_first:  # one whole torch step made every state on the device: now offload them
-        _update(b, step, tensors, "optimizer")
+        _update(builder, step, tensors, "optimizer")
         for k in range(len(offload.chunks)):
             offload.offload(k, step)
     else:
-        _offloaded_update(b, step, offload, create)
-    if fp32_grads or b.engine.master_dtype():
-        b.op("optimizer.copy_master_to_params", Phase.OPTIMIZER, step, -1, [], [g.id for g in fp32_grads],
+        _offloaded_update(builder, step, offload, create)
+    if fp32_grads or builder.engine.master_dtype():
+        builder.op("optimizer.copy_master_to_params", Phase.OPTIMIZER, step, -1, [], [g.id for g in fp32_grads],
              bytes_moved=sum(t.numel for t in tensors) * 6)
-    b.engine.after_step(step)
+    builder.engine.after_step(step)
 
 
 def _offloaded_update(b: GraphBuilder, step: int, offload: OffloadedStates, create: bool) -> None:
@@ -439,34 +441,36 @@ def _offloaded_update(b: GraphBuilder, step: int, offload: OffloadedStates, crea
         offload.offload(k, step)
 
 
-def _create_states(b: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER) -> list[Block]:
+def _create_states(
+    builder: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER
+) -> list[Block]:
     """torch's lazy state init (`_init_group`) for `tensors`: every state of each, on the device (Adam's
     `step` scalar on the host unless fused); `phase` LOAD for an optimizer whose constructor makes them."""
-    s = b.setup
-    shard = b.engine.state_shard()
-    step_state_pool = step_pool(b.device.is_cpu, s.optimizer.impl)
+    s = builder.setup
+    shard = builder.engine.state_shard()
+    step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
     states = []
     for t in tensors:
         for state, numel, dtype in state_specs(
-            s.optimizer.name, t.numel, own_dtype(b.tape, t.name) or s.precision.state
+            s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state
         ):
             sharded = state is not OptimizerState.STEP
-            states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
+            states.append(builder.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
                                   dtype, (numel,) if sharded else (), state=state,
                                   shard=shard if sharded else 1,
                                   pool=step_state_pool if not sharded else Pool.DEVICE))
     if s.optimizer.name == "adam-8bit":
-        states.append(b.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
+        states.append(builder.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                               state=OptimizerState.QUANT_STATE))
-    b.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
+    builder.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
     return states
 
 
-def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
+def _update(builder: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     """The update kernels of one torch `step()` over `tensors` (ops named `<name>.<kind>`), with the
     temporaries of `setup.optimizer.impl`; the first op waits for `after`."""
-    s = b.setup
-    shard = b.engine.state_shard()
+    s = builder.setup
+    shard = builder.engine.state_shard()
     state_dtype = s.precision.state
     ph = Phase.OPTIMIZER
     total_numel = sum(t.numel for t in tensors)
@@ -474,24 +478,35 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
     spec = OPTIMIZERS[s.optimizer.name]
     if spec.foreach_temps and s.optimizer.impl == "foreach":  # every parameter's temporaries at once
-        temps = [b.block(f"{t.name}.{kind}", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
-                         Category.TEMPORARY, own_dtype(b.tape, t.name) or state_dtype, t.shape, shard=shard)
-                 for kind in spec.foreach_temps for t in tensors]
-        b.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
+        temps = [
+            builder.block(
+                f"{t.name}.{kind}",
+                t.numel * dtype_bytes(own_dtype(builder.tape, t.name) or state_dtype),
+                Category.TEMPORARY,
+                own_dtype(builder.tape, t.name) or state_dtype,
+                t.shape,
+                shard=shard,
+            )
+            for kind in spec.foreach_temps
+            for t in tensors
+        ]
+        builder.op(f"{name}.foreach_update", ph, step, -1, temps, [x.id for x in temps], flops=flops,
              bytes_moved=bytes_moved, after=after)
     elif spec.loop_temps and s.optimizer.impl == "for-loop":  # one parameter after the other
         previous = None  # the last temporary of the parameter before, referenced until this one's replaces it
         for i, t in enumerate(tensors):
-            dt = own_dtype(b.tape, t.name) or state_dtype
+            dt = own_dtype(builder.tape, t.name) or state_dtype
             nbytes = t.numel * dtype_bytes(dt)
-            temps = [b.block(f"{t.name}.{kind}", nbytes, Category.TEMPORARY, dt, t.shape) for kind in spec.loop_temps]
+            temps = [
+                builder.block(f"{t.name}.{kind}", nbytes, Category.TEMPORARY, dt, t.shape) for kind in spec.loop_temps
+            ]
             frees = [x.id for x in temps[:-1]] + ([previous.id] if previous else [])
-            b.op(f"{name}.update.{t.name}", ph, step, -1, temps, frees,
+            builder.op(f"{name}.update.{t.name}", ph, step, -1, temps, frees,
                  flops=update_flops(s.optimizer.name, t.numel), bytes_moved=t.numel * dtype_bytes(state_dtype) * 5,
                  after=after if i == 0 else ())
             previous = temps[-1]
         if previous:
-            b.op(f"{name}.update.end", ph, step, -1, [], [previous.id])
+            builder.op(f"{name}.update.end", ph, step, -1, [], [previous.id])
     else:
-        b.op(f"{name}.{s.optimizer.impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
+        builder.op(f"{name}.{s.optimizer.impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
              after=after)

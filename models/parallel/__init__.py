@@ -98,9 +98,9 @@ ENGINES: dict[str, Callable] = {"deepspeed": deepspeed_engine, "fsdp2": FSDP2, "
                                 "zero-redundancy-optimizer": ZeroRedundancy}
 
 
-def make_engine(b) -> Engine:
-    """The engine `b.setup.data_parallel.engine` names (`ENGINES`)."""
-    return ENGINES[DP_ENGINES[b.setup.data_parallel.engine].name](b)
+def make_engine(builder) -> Engine:
+    """The engine `builder.setup.data_parallel.engine` names (`ENGINES`)."""
+    return ENGINES[DP_ENGINES[builder.setup.data_parallel.engine].name](builder)
 
 
 __all__ = ["DDP", "ZeroRedundancy", "DeepSpeedReplica", "DeepSpeedZero3", "DeepSpeedZero12", "IpgBucket", "Engine",

@@ -21,7 +21,7 @@ class DDP(Engine):
         cap = self.setup.data_parallel.ddp.bucket_cap_mb * 1024 * 1024
         size = dtype_bytes(self.grad_dtype)
         buckets, current, limit = [], 0, DDP_FIRST_BUCKET_BYTES
-        ignored = set(getattr(self.b.tape, "local_params", ()))  # expert parallelism's experts: each rank's own
+        ignored = set(getattr(self.builder.tape, "local_params", ()))  # expert parallelism's experts: each rank's own
         for p in reversed(self.trainable):
             if p.name in ignored:  # `_set_params_and_buffers_to_ignore_for_model` (torch/nn/parallel/distributed.py)
                 continue
@@ -36,17 +36,19 @@ class DDP(Engine):
     def after_load(self) -> None:
         if self.n == 1:
             return
-        self.buckets = [self.b.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype),
+        self.buckets = [self.builder.block(f"ddp.bucket.{k}", n * dtype_bytes(self.grad_dtype),
                                      Category.REDUCE_SCATTER_BUCKET, self.grad_dtype, (n,))
                         for k, n in enumerate(self.bucket_numels())]
-        self.b.op("ddp.init_buckets", Phase.LOAD, 0, -1, self.buckets, [])
+        self.builder.op("ddp.init_buckets", Phase.LOAD, 0, -1, self.buckets, [])
 
     def end_backward(self, step: int, mb: int) -> None:
         if self.n == 1:
             return
         for k, blk in enumerate(self.buckets):
             self.collective(f"ddp.all_reduce.bucket{k}", "all_reduce", blk.nbytes, Phase.BACKWARD, step, mb)
-        self.b.op("ddp.copy_back", Phase.BACKWARD, step, mb, [], [], after=(self.b.last(Stream.COMMUNICATION),))
+        self.builder.op(
+            "ddp.copy_back", Phase.BACKWARD, step, mb, [], [], after=(self.builder.last(Stream.COMMUNICATION),)
+        )
 
 
 class ZeroRedundancy(DDP):
@@ -72,7 +74,7 @@ class ZeroRedundancy(DDP):
     def rank_segments(self) -> list[tuple[int, tuple]]:
         """One range per rank that owns parameters (ranks 0..k-1, k <= parameters), and one for the ranks that
         own none (k..N-1, when N > k): O(P log P) from the greedy, not O(world)."""
-        stored = tuple(self.param_numel(p.name) for p in self.b.tape.params)
+        stored = tuple(self.param_numel(p.name) for p in self.builder.tape.params)
         order = {p.name: i for i, p in enumerate(self.trainable)}
         out = []
         for r, names in enumerate(self.owners):

@@ -10,14 +10,14 @@ from .gathering import Gathering
 from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
 
 
-def deepspeed_engine(b) -> Engine:
+def deepspeed_engine(builder) -> Engine:
     """DeepSpeed's engine for the builder's setup: ZeRO-3, ZeRO-1/2, plain replicas, or one device."""
-    s = b.setup
+    s = builder.setup
     if s.data_parallel.deepspeed.zero_stage == 3:
-        return DeepSpeedZero3(b)
+        return DeepSpeedZero3(builder)
     if s.data_parallel.deepspeed.zero_stage in (1, 2):
-        return DeepSpeedZero12(b)
-    return DeepSpeedReplica(b) if s.mesh.dp > 1 else Engine(b)
+        return DeepSpeedZero12(builder)
+    return DeepSpeedReplica(builder) if s.mesh.dp > 1 else Engine(builder)
 
 
 class DeepSpeedReplica(Engine):
@@ -33,7 +33,7 @@ class DeepSpeedReplica(Engine):
         k = 0
         while total > 0:
             n = min(total, self.setup.data_parallel.deepspeed.reduce_bucket_size)
-            bucket = self.b.block(f"deepspeed.allreduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
+            bucket = self.builder.block(f"deepspeed.allreduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
                                   self.grad_dtype, (n,))
             self.collective(f"deepspeed.all_reduce.bucket{k}", "all_reduce", n * size, Phase.BACKWARD, step, mb,
                             allocs=[bucket], frees=[bucket.id])
@@ -58,20 +58,21 @@ class IpgBucket:
 
     def partition_block(self) -> Block:
         e = self.engine
-        return e.b.block("deepspeed.grad_partition", self.partition_numel * dtype_bytes(e.grad_dtype),
+        return e.builder.block("deepspeed.grad_partition", self.partition_numel * dtype_bytes(e.grad_dtype),
                          Category.GRADIENT, e.grad_dtype, (self.partition_numel,), shard=e.n)
 
     def add(self, p: str, step: int, mb: int, allocs: list, frees: list) -> None:
         e = self.engine
         spec = e.params[p]
         size = dtype_bytes(e.grad_dtype)
-        tmp = e.b.block(f"{p}.grad", spec.numel * size, Category.TEMPORARY, e.grad_dtype, spec.shape)
+        tmp = e.builder.block(f"{p}.grad", spec.numel * size, Category.TEMPORARY, e.grad_dtype, spec.shape)
         allocs.append(tmp)
         frees.append(tmp.id)
         if self.bucket is None:
             n = e.setup.data_parallel.deepspeed.reduce_bucket_size
-            self.bucket = e.b.block("deepspeed.ipg_bucket", n * size, Category.REDUCE_SCATTER_BUCKET, e.grad_dtype,
-                                    (n,))
+            self.bucket = e.builder.block(
+                "deepspeed.ipg_bucket", n * size, Category.REDUCE_SCATTER_BUCKET, e.grad_dtype, (n,)
+            )
             allocs.append(self.bucket)
         if self.filled and self.filled + spec.numel > e.setup.data_parallel.deepspeed.reduce_bucket_size:
             self.flush(step, mb)
@@ -87,7 +88,7 @@ class IpgBucket:
             allocs.append(self.partition)
         e.collective(f"deepspeed.reduce_scatter.bucket{self.reduced}", "reduce_scatter",
                      self.filled * dtype_bytes(e.grad_dtype), Phase.BACKWARD, step, mb, allocs=allocs,
-                     after=(e.b.last(Stream.COMPUTE),))
+                     after=(e.builder.last(Stream.COMPUTE),))
         self.reduced += 1
         self.filled = 0
 
@@ -117,7 +118,7 @@ class DeepSpeedZero12(Engine):
         if not pad:
             return []
         dt = self.setup.precision.param
-        return [self.b.block("flat_group0.padding", pad * dtype_bytes(dt), Category.PARAMETER, dt, (pad,))]
+        return [self.builder.block("flat_group0.padding", pad * dtype_bytes(dt), Category.PARAMETER, dt, (pad,))]
 
     def pure_replay_hooks(self, replay) -> bool:
         return (
@@ -134,7 +135,7 @@ class DeepSpeedZero12(Engine):
             self.ipg.flush(step, mb)
 
     def before_step(self, step: int, grads) -> list[Block]:
-        b = self.b
+        builder = self.builder
         if (
             self.setup.data_parallel.deepspeed.zero_stage == 1
         ):  # full gradients reduced now, through one bucket at a time
@@ -142,17 +143,17 @@ class DeepSpeedZero12(Engine):
             left, k = self.total, 0
             while left > 0:
                 n = min(left, self.setup.data_parallel.deepspeed.reduce_bucket_size)
-                bucket = b.block(f"deepspeed.reduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
+                bucket = builder.block(f"deepspeed.reduce_bucket.{k}", n * size, Category.REDUCE_SCATTER_BUCKET,
                                  self.grad_dtype, (n,))
                 self.collective(f"deepspeed.reduce.bucket{k}", "reduce_scatter", n * size, Phase.OPTIMIZER, step, -1,
                                 allocs=[bucket], frees=[bucket.id])
                 left -= n
                 k += 1
-        fp32 = b.block("flat_group0.partition.grad_fp32", self.partition * 4, Category.TEMPORARY, "fp32",
+        fp32 = builder.block("flat_group0.partition.grad_fp32", self.partition * 4, Category.TEMPORARY, "fp32",
                        (self.partition,), shard=self.n)
         frees = self.zero_grad_frees(grads) if self.setup.data_parallel.deepspeed.zero_stage == 1 else []
-        b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, [fp32], frees, bytes_moved=3 * fp32.nbytes,
-             after=(b.last(Stream.COMMUNICATION),) if b.last(Stream.COMMUNICATION) is not None else ())
+        builder.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, [fp32], frees, bytes_moved=3 * fp32.nbytes,
+             after=(builder.last(Stream.COMMUNICATION),) if builder.last(Stream.COMMUNICATION) is not None else ())
         return [fp32]
 
     def after_step(self, step: int) -> None:
@@ -161,7 +162,7 @@ class DeepSpeedZero12(Engine):
         while left > 0:
             n = min(left, self.setup.data_parallel.deepspeed.allgather_bucket_size)
             self.collective(f"deepspeed.all_gather.params{k}", "all_gather", n * size, Phase.OPTIMIZER, step, -1,
-                            after=(self.b.last(Stream.COMPUTE),))
+                            after=(self.builder.last(Stream.COMPUTE),))
             left -= n
             k += 1
 
@@ -176,11 +177,13 @@ class DeepSpeedZero3(Gathering):
 
     prefix = "zero3"
 
-    def __init__(self, b) -> None:
-        super().__init__(b)
+    def __init__(self, builder) -> None:
+        super().__init__(builder)
         threshold = self.setup.data_parallel.deepspeed.stage3_param_persistence_threshold
-        self.persistent = {p.name for p in b.tape.params if p.numel <= threshold}
-        self.op_groups = [tuple(dict.fromkeys(p for p in op.params if p not in self.persistent)) for op in b.tape.ops]
+        self.persistent = {p.name for p in builder.tape.params if p.numel <= threshold}
+        self.op_groups = [
+            tuple(dict.fromkeys(p for p in op.params if p not in self.persistent)) for op in builder.tape.ops
+        ]
         partitions = [ceil_div(p.numel, self.n) for p in self.trainable]
         self.sub_groups = sub_groups(partitions)
         self.ipg = IpgBucket(self, sum(partitions), lazy_partition=False)
@@ -204,14 +207,14 @@ class DeepSpeedZero3(Gathering):
 
     def after_load(self) -> None:
         self.ipg.partition = self.ipg.partition_block()
-        self.b.op("zero3.init_grad_partition", Phase.LOAD, 0, -1, [self.ipg.partition], [])
+        self.builder.op("zero3.init_grad_partition", Phase.LOAD, 0, -1, [self.ipg.partition], [])
 
     def group_params(self, group: str) -> list:
         return [self.params[p] for p in self.op_groups[int(group)]]
 
     def copy_out(self, group: str, gather_op: int, phase: Phase, step: int, mb: int) -> None:
         # the gathered flat buffer is the parameters' storage: nothing is copied, it waits for the gather
-        self.b.op(f"zero3.wait.{group}", phase, step, mb, [], [], after=(gather_op,))
+        self.builder.op(f"zero3.wait.{group}", phase, step, mb, [], [], after=(gather_op,))
         self.live[group] = [self.buffers.pop(group)]
 
     def _prefetch(self, order: list[int], step: int, phase: Phase, mb: int) -> None:
@@ -259,9 +262,9 @@ class DeepSpeedZero3(Gathering):
         return []
 
     def before_step(self, step: int, grads) -> list[Block]:
-        b = self.b
-        fp32 = [b.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape, shard=self.n)
+        builder = self.builder
+        fp32 = [builder.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape, shard=self.n)
                 for t in self.optim_tensors()]
-        b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [],
-             bytes_moved=3 * sum(x.nbytes for x in fp32), after=(b.last(Stream.COMMUNICATION),))
+        builder.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [],
+             bytes_moved=3 * sum(x.nbytes for x in fp32), after=(builder.last(Stream.COMMUNICATION),))
         return fp32

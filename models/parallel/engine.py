@@ -159,15 +159,15 @@ class Engine:
     shards_optimizer = False
     symmetric = True  # every rank's layout is the same by construction (padded equal partitions)
 
-    def __init__(self, b) -> None:
-        self.b = b
-        self.setup = b.setup
-        self.n = b.setup.mesh.dp  # the rank's data-parallel group (world_size without tp, pp, cp)
-        self.rank = b.dp_rank
-        self.params = {p.name: p for p in b.tape.params}
-        self.trainable = [p for p in b.tape.params if p.name in b.trainable]
-        self.grad_dtype = b.setup.precision.grad
-        self.contribution_dtype = "fp32" if b.setup.precision.param == "fp32" else b.setup.precision.param
+    def __init__(self, builder) -> None:
+        self.builder = builder
+        self.setup = builder.setup
+        self.n = builder.setup.mesh.dp  # the rank's data-parallel group (world_size without tp, pp, cp)
+        self.rank = builder.dp_rank
+        self.params = {p.name: p for p in builder.tape.params}
+        self.trainable = [p for p in builder.tape.params if p.name in builder.trainable]
+        self.grad_dtype = builder.setup.precision.grad
+        self.contribution_dtype = "fp32" if builder.setup.precision.param == "fp32" else builder.setup.precision.param
 
     # layout ------------------------------------------------------------------------------------------
     def param_numel(self, name: str) -> tuple[int, int]:
@@ -189,7 +189,7 @@ class Engine:
 
     def signature(self) -> tuple:
         """What makes this rank's bytes differ from another's: ranks with equal signatures are identical."""
-        return (tuple(self.param_numel(p.name) for p in self.b.tape.params),
+        return (tuple(self.param_numel(p.name) for p in self.builder.tape.params),
                 tuple((t.name, t.numel) for t in self.optim_tensors()))
 
     def rank_segments(self) -> list[tuple[int, tuple]]:
@@ -200,47 +200,56 @@ class Engine:
         not overrides this from its layout functions, or is asked rank by rank here (O(world) engines)."""
         if self.symmetric:
             return [(0, self.signature())]
-        b = self.b
-        return [(r, self.signature() if r == self.rank else type(b)(b.tape, self.setup, b.device, r).engine.signature())
-                for r in range(self.n)]
+        builder = self.builder
+        return [
+            (
+                r,
+                self.signature()
+                if r == self.rank
+                else type(builder)(builder.tape, self.setup, builder.device, r).engine.signature(),
+            )
+            for r in range(self.n)
+        ]
 
     # load --------------------------------------------------------------------------------------------
     def load(self, grads) -> None:
-        b = self.b
+        builder = self.builder
         if self.setup.checkpoint_io.build == "device-fp32":
             self.build_on_device()
         else:
             self.load_direct()
         master_dtype = self.master_dtype()
         if master_dtype:
-            master = [b.block(f"{t.name}.master", t.numel * 4, Category.MASTER_PARAMETER, "fp32", t.shape,
+            master = [builder.block(f"{t.name}.master", t.numel * 4, Category.MASTER_PARAMETER, "fp32", t.shape,
                               shard=self.state_shard()) for t in self.optim_tensors()]
-            b.op("load.master_weights", Phase.LOAD, 0, -1, master, [], bytes_moved=sum(x.nbytes for x in master))
+            builder.op("load.master_weights", Phase.LOAD, 0, -1, master, [], bytes_moved=sum(x.nbytes for x in master))
         if grads.persistent:
-            main = [b.block(f"{p.name}.main_grad", p.numel * 4, Category.GRADIENT, "fp32", p.shape)
+            main = [builder.block(f"{p.name}.main_grad", p.numel * 4, Category.GRADIENT, "fp32", p.shape)
                     for p in self.trainable]
             grads.blocks.update({p.name: blk for p, blk in zip(self.trainable, main)})
-            b.op("load.main_grads", Phase.LOAD, 0, -1, main, [], bytes_moved=sum(x.nbytes for x in main))
+            builder.op("load.main_grads", Phase.LOAD, 0, -1, main, [], bytes_moved=sum(x.nbytes for x in main))
         self.after_load()
 
     def load_direct(self) -> None:
         """setup.checkpoint_io.build "direct": every parameter allocated once, in its training dtype and layout, then
         the buffers."""
-        b = self.b
+        builder = self.builder
         params = []
-        for p in b.tape.params:
+        for p in builder.tape.params:
             numel, shard = self.param_numel(p.name)
-            dt = own_dtype(b.tape, p.name) or self.param_storage_dtype()
-            params.append(b.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
+            dt = own_dtype(builder.tape, p.name) or self.param_storage_dtype()
+            params.append(builder.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
         params += self.extra_param_blocks()
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
         buffers = []
-        for t in b.tape.buffers:  # a traced tape's buffers keep the dtype they were traced in
+        for t in builder.tape.buffers:  # a traced tape's buffers keep the dtype they were traced in
             # `module.to(dtype)` casts floating-point buffers only (an int64 position buffer stays int64)
             floating = t.dtype in ("fp32", "bf16", "fp16")
-            dtype = self.param_storage_dtype() if b.tape.buffers_follow_params and floating else t.dtype
-            buffers.append(b.block(t.name, prod(t.shape) * dtype_bytes(dtype), Category.BUFFER, dtype, t.shape))
-        b.op("load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params))
+            dtype = self.param_storage_dtype() if builder.tape.buffers_follow_params and floating else t.dtype
+            buffers.append(builder.block(t.name, prod(t.shape) * dtype_bytes(dtype), Category.BUFFER, dtype, t.shape))
+        builder.op(
+            "load.parameters", Phase.LOAD, 0, -1, params + buffers, [], bytes_moved=sum(x.nbytes for x in params)
+        )
 
     def build_on_device(self) -> None:
         """setup.checkpoint_io.build "device-fp32": the model built on the device in fp32, cast by `model.to(dtype)`
@@ -249,8 +258,8 @@ class Engine:
         whose construction and tying order it does not record (nanoGPT ties `wte.weight = lm_head.weight`: the tensor
         named first is made last), and a tied parameter is followed in transformers' direction only (the holder's
         own tensor dropped), so a traced `--module` that ties one is refused too."""
-        b = self.b
-        tape = b.tape
+        builder = self.builder
+        tape = builder.tape
         if not tape.describer.startswith(("traced", "compiled")):
             raise ConfigError("build", "'device-fp32' follows a traced model's construction (--hf-config, --module); "
                                        f"this model is described by hand ({tape.describer}); allowed here: direct")
@@ -271,35 +280,37 @@ class Engine:
         made = []
         for e in plan.construction:
             numel = prod(e.shape)
-            blk = b.block(e.name, numel * dtype_bytes(e.dtype), Category.BUFFER if e.kind == "buffer"
+            blk = builder.block(e.name, numel * dtype_bytes(e.dtype), Category.BUFFER if e.kind == "buffer"
                           else Category.PARAMETER, e.dtype, e.shape)
             made.append(blk)
             (buffers if e.kind == "buffer" else params)[e.name] = blk
-        b.op("build.construct", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
+        builder.op("build.construct", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
         if plan.ties:
-            b.op("build.tie_weights", Phase.LOAD, 0, -1, [], [params.pop(e.name).id for e in plan.ties])
+            builder.op("build.tie_weights", Phase.LOAD, 0, -1, [], [params.pop(e.name).id for e in plan.ties])
         if after != "fp32":
             for e in plan.apply_order:
                 table = buffers if e.kind == "buffer" else params
                 old = table[e.name]
-                new = b.block(e.name, prod(e.shape) * dtype_bytes(after), old.category, after, e.shape)
-                b.op(f"build.to.{e.name}", Phase.LOAD, 0, -1, [new], [old.id], bytes_moved=old.nbytes + new.nbytes)
+                new = builder.block(e.name, prod(e.shape) * dtype_bytes(after), old.category, after, e.shape)
+                builder.op(
+                    f"build.to.{e.name}", Phase.LOAD, 0, -1, [new], [old.id], bytes_moved=old.nbytes + new.nbytes
+                )
                 table[e.name] = new
         if plan.adapters:
-            made = [b.block(p.name, p.numel * dtype_bytes(after), Category.PARAMETER, after, p.shape)
+            made = [builder.block(p.name, p.numel * dtype_bytes(after), Category.PARAMETER, after, p.shape)
                     for p in plan.adapters]
-            b.op("build.lora.adapters", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
+            builder.op("build.lora.adapters", Phase.LOAD, 0, -1, made, [], bytes_moved=sum(x.nbytes for x in made))
             for p, old in zip(plan.adapters, made):
                 params[p.name] = old
                 own = own_dtype(tape, p.name)
                 if own and own != after:
-                    new = b.block(p.name, p.numel * dtype_bytes(own), Category.PARAMETER, own, p.shape)
-                    b.op(f"build.lora.to.{p.name}", Phase.LOAD, 0, -1, [new], [old.id],
+                    new = builder.block(p.name, p.numel * dtype_bytes(own), Category.PARAMETER, own, p.shape)
+                    builder.op(f"build.lora.to.{p.name}", Phase.LOAD, 0, -1, [new], [old.id],
                          bytes_moved=old.nbytes + new.nbytes)
                     params[p.name] = new
         extra = self.extra_param_blocks()
         if extra:
-            b.op("build.extra", Phase.LOAD, 0, -1, extra, [], bytes_moved=sum(x.nbytes for x in extra))
+            builder.op("build.extra", Phase.LOAD, 0, -1, extra, [], bytes_moved=sum(x.nbytes for x in extra))
         self.shard_built(plan, params)
 
     def shard_built(self, plan: DeviceBuild, params: dict[str, Block]) -> None:
@@ -339,16 +350,16 @@ class Engine:
         it is done (a new sum, then the old sum and the contribution are freed: measured with the
         tracker, torch 2.13 CPU, fp32 and bf16-autocast), and after the last one AccumulateGrad steals
         the sum as `.grad`, or adds it in place to the `.grad` already there and frees it."""
-        b = self.b
+        builder = self.builder
         numel, shape = self.params[p].numel, self.params[p].shape
-        own = own_dtype(b.tape, p)  # a LoRA adapter kept fp32 under pure bf16: its gradient is fp32 too
+        own = own_dtype(builder.tape, p)  # a LoRA adapter kept fp32 under pure bf16: its gradient is fp32 too
         grad_dtype, contribution_dtype = (own, own) if own else (self.grad_dtype, self.contribution_dtype)
         has_grad = replay.grads.persistent or p in replay.grads.blocks or p in replay.contributed
         uses = replay.plan.grad_uses.get(p, 1)
         if uses > 1:
             seen = replay.grad_seen[p] = replay.grad_seen.get(p, 0) + 1
             cdt = contribution_dtype
-            new = b.block(f"{p}.grad_contribution", numel * dtype_bytes(cdt), Category.TEMPORARY, cdt, shape)
+            new = builder.block(f"{p}.grad_contribution", numel * dtype_bytes(cdt), Category.TEMPORARY, cdt, shape)
             allocs.append(new)
             if seen == 1:
                 replay.grad_buffer[p] = new  # waits in AccumulateGrad's input buffer
@@ -358,7 +369,7 @@ class Engine:
                 return
             last = seen == uses
             stolen = last and not replay.grad_had[p]
-            total = b.block(f"{p}.grad" if stolen else f"{p}.grad_sum", numel * dtype_bytes(cdt),
+            total = builder.block(f"{p}.grad" if stolen else f"{p}.grad_sum", numel * dtype_bytes(cdt),
                             Category.GRADIENT if stolen else Category.TEMPORARY, cdt, shape)
             # the engine adds a node's outputs to the next input buffers once the node is done (its
             # grad_output and saved tensors gone): the sum is an op of its own, right after
@@ -373,12 +384,12 @@ class Engine:
             replay.contributed.add(p)
             return
         if has_grad:
-            tmp = b.block(f"{p}.grad_contribution", numel * dtype_bytes(contribution_dtype),
+            tmp = builder.block(f"{p}.grad_contribution", numel * dtype_bytes(contribution_dtype),
                           Category.TEMPORARY, contribution_dtype, shape)
             allocs.append(tmp)
             frees.append(tmp.id)
         else:
-            blk = b.block(f"{p}.grad", numel * dtype_bytes(grad_dtype), Category.GRADIENT,
+            blk = builder.block(f"{p}.grad", numel * dtype_bytes(grad_dtype), Category.GRADIENT,
                           grad_dtype, shape)
             replay.grads.blocks[p] = blk
             allocs.append(blk)
@@ -390,12 +401,12 @@ class Engine:
     # optimizer ---------------------------------------------------------------------------------------
     def before_step(self, step: int, grads) -> list[Block]:
         """Before the update: fp32 copies of 16-bit gradients where mixed precision needs them (freed after)."""
-        s, b = self.setup, self.b
+        s, builder = self.setup, self.builder
         if not (s.precision.master and not s.precision.fp32_grads):
             return []
-        fp32 = [b.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape,
+        fp32 = [builder.block(f"{t.name}.grad_fp32", t.numel * 4, Category.TEMPORARY, "fp32", t.shape,
                         shard=self.state_shard()) for t in self.optim_tensors()]
-        b.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [],
+        builder.op("optimizer.grads_to_fp32", Phase.OPTIMIZER, step, -1, fp32, [],
              bytes_moved=3 * sum(x.nbytes for x in fp32))
         return fp32
 
@@ -406,7 +417,7 @@ class Engine:
         """`zero_grad(set_to_none=True)` drops the gradients in parameter order (torch/optim/optimizer.py
         `zero_grad`: its param_groups in `model.parameters()` order)."""
         if self.setup.optimizer.set_to_none and not grads.persistent:
-            order = {p.name: i for i, p in enumerate(self.b.tape.params)}
+            order = {p.name: i for i, p in enumerate(self.builder.tape.params)}
             frees = [blk.id for _, blk in sorted(grads.blocks.items(), key=lambda kv: order.get(kv[0], len(order)))]
             grads.blocks.clear()
             return frees
@@ -419,7 +430,7 @@ class Engine:
         program order on the compute stream, as the caching allocator sees them (from `pool`'s pool when the
         program allocates them under that stream); the transfer itself runs on the rank's communication stream
         for the ring model's duration, overlapping later compute."""
-        issue = self.b.op(f"{name}.issue", phase, step, mb, allocs, frees, duration=0.0, after=after, pool=pool)
-        duration = self.b.device.collective_duration(kind, nbytes, self.n)
-        return self.b.op(name, phase, step, mb, [], [], stream=Stream.COMMUNICATION, duration=duration,
+        issue = self.builder.op(f"{name}.issue", phase, step, mb, allocs, frees, duration=0.0, after=after, pool=pool)
+        duration = self.builder.device.collective_duration(kind, nbytes, self.n)
+        return self.builder.op(name, phase, step, mb, [], [], stream=Stream.COMMUNICATION, duration=duration,
                          after=(issue.id,))

@@ -140,11 +140,19 @@ class ExpertParallelEngine:
         op = replay.tape.ops[i]
         if op.kind != "all_to_all":
             return
-        b = replay.builder
+        builder = replay.builder
         nbytes = max(sum(o.nbytes for o in op.outputs), sum(replay.specs[n].nbytes for n in op.inputs))
-        b.op(f"{op.name}.transfer" if phase is Phase.FORWARD else f"{op.name}.backward.transfer", phase, replay.step,
-             replay.mb, [], [], stream=Stream.COMMUNICATION,
-             duration=b.device.collective_duration("all_to_all", nbytes, self.tape.ep), after=(b.last(Stream.COMPUTE),))
+        builder.op(
+            f"{op.name}.transfer" if phase is Phase.FORWARD else f"{op.name}.backward.transfer",
+            phase,
+            replay.step,
+            replay.mb,
+            [],
+            [],
+            stream=Stream.COMMUNICATION,
+            duration=builder.device.collective_duration("all_to_all", nbytes, self.tape.ep),
+            after=(builder.last(Stream.COMPUTE),),
+        )
         if phase is Phase.BACKWARD and not recompute and op.name in self.tape.slices:
             self._slice_backward(replay, *self.tape.slices[op.name])
 
@@ -152,10 +160,19 @@ class ExpertParallelEngine:
         """With dp > ep, the experts' replicas all-reduce their gradients in place first (no new memory)."""
         ep, dp = self.tape.ep, self.inner.setup.mesh.dp
         if dp > ep:
-            b = self.inner.b
+            builder = self.inner.builder
             nbytes = sum(grads.blocks[p].nbytes for p in self.tape.local_params if p in grads.blocks)
-            b.op("experts.grad_all_reduce", Phase.OPTIMIZER, step, -1, [], [], stream=Stream.COMMUNICATION,
-                 duration=b.device.collective_duration("all_reduce", nbytes, dp // ep), after=(b.last(Stream.COMPUTE),))
+            builder.op(
+                "experts.grad_all_reduce",
+                Phase.OPTIMIZER,
+                step,
+                -1,
+                [],
+                [],
+                stream=Stream.COMMUNICATION,
+                duration=builder.device.collective_duration("all_reduce", nbytes, dp // ep),
+                after=(builder.last(Stream.COMPUTE),),
+            )
         return self.inner.before_step(step, grads)
 
     def _slice_backward(self, replay, view: str, full: TensorSpec) -> None:
@@ -163,10 +180,10 @@ class ExpertParallelEngine:
 
         if view not in replay.grad_of:
             return
-        b = replay.builder
-        grown = b.block(f"{view}.grad_slice_backward", full.nbytes, Category.TEMPORARY, full.dtype, full.shape)
+        builder = replay.builder
+        grown = builder.block(f"{view}.grad_slice_backward", full.nbytes, Category.TEMPORARY, full.dtype, full.shape)
         frees = replace_grad(replay, view, grown)
-        b.op(f"{view}.slice.backward", Phase.BACKWARD, replay.step, replay.mb, [grown], frees,
+        builder.op(f"{view}.slice.backward", Phase.BACKWARD, replay.step, replay.mb, [grown], frees,
              bytes_moved=2 * full.nbytes)
 
 

@@ -43,13 +43,15 @@ class FSDP2(Gathering):
     prefix = "fsdp"
     symmetric = False  # the last ranks' local shards can be shorter (or empty)
 
-    def __init__(self, b) -> None:
-        super().__init__(b)
-        self.units = set(b.tape.layers) or {m.group(1) for p in b.tape.params if (m := UNIT_PATTERN.match(p.name))}
+    def __init__(self, builder) -> None:
+        super().__init__(builder)
+        self.units = set(builder.tape.layers) or {
+            m.group(1) for p in builder.tape.params if (m := UNIT_PATTERN.match(p.name))
+        }
         self.unit_params: dict[str, list] = {}
-        for p in b.tape.params:
+        for p in builder.tape.params:
             self.unit_params.setdefault(unit_of(p.name, self.units), []).append(p)
-        self.op_unit = [unit_of(op.name, self.units) for op in b.tape.ops]
+        self.op_unit = [unit_of(op.name, self.units) for op in builder.tape.ops]
         self.forward_order = list(dict.fromkeys(u for u in self.op_unit if u != ROOT))
         self.kept_gather: Block | None = None  # all_gather_state: the last forward all-gather output
         self.kept_reduce_input: Block | None = None  # reduce_scatter_state: the last reduce-scatter input
@@ -91,8 +93,8 @@ class FSDP2(Gathering):
         partial one, so the ranks split at those ranks of every parameter (frozen ones too: a checkpoint saves
         their local shards), at most 2 per distinct dim 0 whatever the world size; each range's signature is
         `signature()` of its first rank."""
-        ranges = {p.name: dim0_ranges(p.shape, self.n) for p in self.b.tape.params}
-        stored = tuple(self.param_numel(p.name) for p in self.b.tape.params)
+        ranges = {p.name: dim0_ranges(p.shape, self.n) for p in self.builder.tape.params}
+        stored = tuple(self.param_numel(p.name) for p in self.builder.tape.params)
         out = []
         for start in sorted({r for rs in ranges.values() for r, _ in rs}):
             local = [(p.name, next(numel for first, numel in reversed(ranges[p.name]) if first <= start))
@@ -118,16 +120,18 @@ class FSDP2(Gathering):
         allocation. 2.13 gathers the managed states in _fsdp_init.py `_get_modules_and_states` (shared with
         `replicate`) and makes one FSDPParamGroup per process group when a `shard_placement_fn` sends parameters to
         other meshes; without one, a single group, as here."""
-        b = self.b
+        builder = self.builder
         units = [u for u in self.unit_params if u != ROOT] + ([ROOT] if ROOT in self.unit_params else [])
         for unit in units:
             members = self.unit_params[unit]
             shards = []
             for p in sorted(members, key=lambda p: plan.param_post_order[p.name]):
                 numel, shard = self.param_numel(p.name)
-                dt = own_dtype(b.tape, p.name) or self.param_storage_dtype()
-                shards.append(b.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
-            b.op(f"fsdp.fully_shard.{unit}", Phase.LOAD, 0, -1, shards, [params.pop(p.name).id for p in members],
+                dt = own_dtype(builder.tape, p.name) or self.param_storage_dtype()
+                shards.append(
+                    builder.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard)
+                )
+            builder.op(f"fsdp.fully_shard.{unit}", Phase.LOAD, 0, -1, shards, [params.pop(p.name).id for p in members],
                  bytes_moved=2 * sum(x.nbytes for x in shards))
 
     # unshard / reshard -----------------------------------------------------------------------------------
@@ -145,35 +149,45 @@ class FSDP2(Gathering):
         One rank (_fsdp_param_group.py `wait_for_unshard`, `world_size == 1`): each parameter's shard, cast to
         the param_dtype (`all_gather_inputs`: a new tensor where the dtypes differ), is copied into its
         unsharded storage; a cast lives until the next parameter's cast replaces it in the loop."""
-        b = self.b
+        builder = self.builder
         if self.n == 1:
             blocks, cast = [], None
             size = dtype_bytes(self.gather_dtype)
             for p in self.group_params(unit):
                 numel = self.padded_full(p.name)
-                if (own_dtype(b.tape, p.name) or self.param_storage_dtype()) != self.gather_dtype:
-                    previous, cast = cast, b.block(f"{p.name}.all_gather_input", numel * size, Category.TEMPORARY,
+                if (own_dtype(builder.tape, p.name) or self.param_storage_dtype()) != self.gather_dtype:
+                    previous, cast = cast, builder.block(f"{p.name}.all_gather_input", numel * size, Category.TEMPORARY,
                                                    self.gather_dtype, p.shape)
-                    b.op(f"fsdp.unshard_cast.{p.name}", phase, step, mb, [cast],
+                    builder.op(f"fsdp.unshard_cast.{p.name}", phase, step, mb, [cast],
                          [previous.id] if previous is not None else [], bytes_moved=3 * numel * size)
-                blocks.append(b.block(f"{p.name}.unsharded", numel * size, Category.PARAMETER, self.gather_dtype,
+                blocks.append(builder.block(f"{p.name}.unsharded", numel * size, Category.PARAMETER, self.gather_dtype,
                                       p.shape))
-                b.op(f"fsdp.unshard_copy.{p.name}", phase, step, mb, blocks[-1:], [], bytes_moved=2 * numel * size)
+                builder.op(
+                    f"fsdp.unshard_copy.{p.name}", phase, step, mb, blocks[-1:], [], bytes_moved=2 * numel * size
+                )
             if cast is not None:
-                b.op(f"fsdp.unshard_done.{unit}", phase, step, mb, [], [cast.id])
+                builder.op(f"fsdp.unshard_done.{unit}", phase, step, mb, [], [cast.id])
             self.live[unit] = blocks
             return
         output = self.buffers.pop(unit)
         size = dtype_bytes(self.gather_dtype)
-        blocks = [b.block(f"{p.name}.unsharded", self.padded_full(p.name) * size, Category.PARAMETER,
+        blocks = [builder.block(f"{p.name}.unsharded", self.padded_full(p.name) * size, Category.PARAMETER,
                           self.gather_dtype, p.shape) for p in self.group_params(unit)]
         if phase is Phase.FORWARD:
             frees = [self.kept_gather.id] if self.kept_gather is not None else []
             self.kept_gather = output
         else:
             frees = [output.id]
-        b.op(f"fsdp.copy_out.{unit}", phase, step, mb, blocks, frees, bytes_moved=2 * sum(x.nbytes for x in blocks),
-             after=(gather_op,))
+        builder.op(
+            f"fsdp.copy_out.{unit}",
+            phase,
+            step,
+            mb,
+            blocks,
+            frees,
+            bytes_moved=2 * sum(x.nbytes for x in blocks),
+            after=(gather_op,),
+        )
         self.live[unit] = blocks
 
     def prefetch_backward(self, unit: str | None, step: int, mb: int) -> None:
@@ -225,20 +239,25 @@ class FSDP2(Gathering):
             ):
                 self.release(unit, phase, replay.step, replay.mb)
             if last and self.kept_gather is not None:  # the root's post-forward drops all_gather_state
-                self.b.op("fsdp.root_post_forward", phase, replay.step, replay.mb, [], [self.kept_gather.id])
+                self.builder.op("fsdp.root_post_forward", phase, replay.step, replay.mb, [], [self.kept_gather.id])
                 self.kept_gather = None
         elif unit != ROOT and self.last_backward.get(unit) == i:
             self.post_backward(unit, replay.step, replay.mb)
 
     def param_grad(self, replay, p: str, allocs: list, frees: list) -> None:
-        b, spec = self.b, self.params[p]
+        builder, spec = self.builder, self.params[p]
         if p in self.unsharded_grads:  # a tied weight's second use: summed into the first
-            tmp = b.block(f"{p}.grad_contribution", spec.numel * dtype_bytes(self.gather_dtype), Category.TEMPORARY,
-                          self.gather_dtype, spec.shape)
+            tmp = builder.block(
+                f"{p}.grad_contribution",
+                spec.numel * dtype_bytes(self.gather_dtype),
+                Category.TEMPORARY,
+                self.gather_dtype,
+                spec.shape,
+            )
             allocs.append(tmp)
             frees.append(tmp.id)
             return
-        blk = b.block(f"{p}.unsharded.grad", spec.numel * dtype_bytes(self.gather_dtype), Category.GRADIENT,
+        blk = builder.block(f"{p}.unsharded.grad", spec.numel * dtype_bytes(self.gather_dtype), Category.GRADIENT,
                       self.gather_dtype, spec.shape)
         self.unsharded_grads[p] = blk
         allocs.append(blk)
@@ -249,7 +268,7 @@ class FSDP2(Gathering):
         accumulate (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py `post_backward`)."""
         if not self.sync_grads:
             return
-        b = self.b
+        builder = self.builder
         self.release(unit, Phase.BACKWARD, step, mb)
         params = [p for p in self.group_params(unit) if p.name in self.unsharded_grads]
         if not params:
@@ -263,25 +282,25 @@ class FSDP2(Gathering):
             else self.setup.data_parallel.fsdp2.reduce_dtype
         )
         full = sum(self.padded_full(p.name) for p in self.group_params(unit))
-        rs_input = b.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
+        rs_input = builder.block(f"{unit}.reduce_scatter_input", full * dtype_bytes(dt), Category.REDUCE_SCATTER_BUCKET,
                            dt, (full,))
         # _fsdp_param_group.py post_backward: the oldest of `reduce_scatter_states` (at most 1 by default) is
         # dropped before this reduce allocates its input
         if self.kept_reduce_input is not None:
-            b.op(f"fsdp.post_backward_rs_wait.{unit}", Phase.BACKWARD, step, mb, [], [self.kept_reduce_input.id])
+            builder.op(f"fsdp.post_backward_rs_wait.{unit}", Phase.BACKWARD, step, mb, [], [self.kept_reduce_input.id])
         self.kept_reduce_input = rs_input
-        b.op(f"fsdp.reduce_scatter_copy_in.{unit}", Phase.BACKWARD, step, mb, [rs_input],
+        builder.op(f"fsdp.reduce_scatter_copy_in.{unit}", Phase.BACKWARD, step, mb, [rs_input],
              [self.unsharded_grads.pop(p.name).id for p in params], bytes_moved=2 * rs_input.nbytes)
         shard = full // self.n
         grad_dt = self.param_storage_dtype()
         first = unit not in self.sharded_grads
         allocs, out_frees = [], []
         if dt != grad_dt:  # `_to_dtype_if_needed(reduce_output, orig_dtype)`: the reduce-dtype output is dropped
-            reduced = b.block(f"{unit}.reduce_scatter_output", shard * dtype_bytes(dt), Category.TEMPORARY, dt,
+            reduced = builder.block(f"{unit}.reduce_scatter_output", shard * dtype_bytes(dt), Category.TEMPORARY, dt,
                               (shard,), shard=self.n)
             allocs, out_frees = [reduced], [reduced.id]
         name = f"{unit}.reduce_scatter_output" + (f".{grad_dt}" if dt != grad_dt else "")
-        out = b.block(f"{unit}.sharded_grads" if first else name,
+        out = builder.block(f"{unit}.sharded_grads" if first else name,
                       shard * dtype_bytes(grad_dt), Category.GRADIENT if first else Category.TEMPORARY, grad_dt,
                       (shard,), shard=self.n)
         allocs.append(out)
@@ -289,8 +308,18 @@ class FSDP2(Gathering):
             self.sharded_grads[unit] = out
         else:
             out_frees.append(out.id)
-        self.collective(f"fsdp.reduce_scatter.{unit}", "reduce_scatter", rs_input.nbytes, Phase.BACKWARD, step, mb,
-                        allocs=allocs, frees=out_frees, after=(b.last(Stream.COMPUTE),), pool=Stream.COMMUNICATION)
+        self.collective(
+            f"fsdp.reduce_scatter.{unit}",
+            "reduce_scatter",
+            rs_input.nbytes,
+            Phase.BACKWARD,
+            step,
+            mb,
+            allocs=allocs,
+            frees=out_frees,
+            after=(builder.last(Stream.COMPUTE),),
+            pool=Stream.COMMUNICATION,
+        )
 
     def end_backward(self, step: int, mb: int) -> None:
         for unit in [u for u in self.forward_order if u in self.live]:
@@ -299,8 +328,8 @@ class FSDP2(Gathering):
         # the final callback: wait for the last reduce-scatter and drop reduce_scatter_state
         frees = [self.kept_reduce_input.id] if self.kept_reduce_input is not None else []
         self.kept_reduce_input = None
-        self.b.op("fsdp.post_backward_final_callback", Phase.BACKWARD, step, mb, [], frees,
-                  after=(self.b.last(Stream.COMMUNICATION),))
+        self.builder.op("fsdp.post_backward_final_callback", Phase.BACKWARD, step, mb, [], frees,
+                  after=(self.builder.last(Stream.COMMUNICATION),))
 
     def zero_grad_frees(self, grads) -> list[int]:
         if not self.setup.optimizer.set_to_none:

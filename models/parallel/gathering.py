@@ -34,12 +34,12 @@ class Gathering(Engine):
         """Issue the all-gather of `group` on the communication stream (once the current compute is done)."""
         if group in self.live or group in self.in_flight or not self.group_params(group):
             return
-        b = self.b
+        builder = self.builder
         size = dtype_bytes(self.gather_dtype)
         numel = sum(self.padded_full(p.name) for p in self.group_params(group))
-        buf = b.block(f"{group}.all_gather_output", numel * size, Category.ALL_GATHER_BUFFER, self.gather_dtype,
+        buf = builder.block(f"{group}.all_gather_output", numel * size, Category.ALL_GATHER_BUFFER, self.gather_dtype,
                       (numel,))
-        last = b.last(Stream.COMPUTE)
+        last = builder.last(Stream.COMPUTE)
         op = self.collective(f"{self.prefix}.all_gather.{group}", "all_gather", numel * size, phase, step, mb,
                              allocs=[buf], after=() if last is None else (last,))
         self.in_flight[group] = op.id
@@ -59,4 +59,4 @@ class Gathering(Engine):
     def release(self, group: str, phase: Phase, step: int, mb: int) -> None:
         blocks = self.live.pop(group, None)
         if blocks is not None:
-            self.b.op(f"{self.prefix}.reshard.{group}", phase, step, mb, [], [x.id for x in blocks])
+            self.builder.op(f"{self.prefix}.reshard.{group}", phase, step, mb, [], [x.id for x in blocks])

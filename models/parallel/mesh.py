@@ -133,14 +133,14 @@ def rank_builder(tape, setup: TrainingSetup, profile, rank: int, graph=None, blo
     at = mesh_coords(setup, rank)
     if setup.mesh.ep > 1:  # expert parallelism with dp only (checks.py): the experts of ep rank dp % ep
         local = tapes.ep_tape(at.dp % setup.mesh.ep)
-        b = GraphBuilder(local, setup, profile, rank, graph, block_ids)
-        b.engine = ExpertParallelEngine(b.engine, local)
-        return b
-    b = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
+        builder = GraphBuilder(local, setup, profile, rank, graph, block_ids)
+        builder.engine = ExpertParallelEngine(builder.engine, local)
+        return builder
+    builder = GraphBuilder(tapes.rank_tape(at.tp, at.pp, at.cp), tapes.local, profile, rank, graph, block_ids,
                      dp_rank=shard_rank(setup, at), pipeline_group=mesh_rank(setup, 0, at.dp, at.cp, at.tp))
     if setup.mesh.tp > 1:
-        b.engine = TensorParallelEngine(b.engine, tapes.tp_tape(at.tp, at.cp))
-    return b
+        builder.engine = TensorParallelEngine(builder.engine, tapes.tp_tape(at.tp, at.cp))
+    return builder
 
 
 def mesh_classes(tapes: MeshTapes, profile, dp_classes) -> dict:

@@ -66,14 +66,14 @@ class PipelineEngine:
     step (`run_step`), which replays the micro-batches of its stages. Every other attribute is the inner
     engine's."""
 
-    def __init__(self, b, inner: Engine) -> None:
+    def __init__(self, builder, inner: Engine) -> None:
         self.inner = inner
-        self.pipeline = PipelineRank(b)
+        self.pipeline = PipelineRank(builder)
         self.pipeline.reduce_grads = self.reduce_grads
         if hasattr(inner, "sync_grads"):  # FSDP2: no reduce-scatter, no reshard after the micro-batches' backward
             inner.sync_grads = False
             # the loss is the schedule's loss_fn on the stage module's output, outside the module's hooks
-            inner.run_outside({i for i, op in enumerate(b.tape.ops) if op.name.startswith("loss.")})
+            inner.run_outside({i for i, op in enumerate(builder.tape.ops) if op.name.startswith("loss.")})
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -131,19 +131,19 @@ class PipelineRank:
     the 4-byte int32 tensors of the first step's P2P warm-up vote, the 4-byte `ones_like` of each loss's
     backward."""
 
-    def __init__(self, b) -> None:
-        self.b = b
-        self.setup = b.setup
-        self.stages: tuple[StageTape, ...] = b.tape.stages
+    def __init__(self, builder) -> None:
+        self.builder = builder
+        self.setup = builder.setup
+        self.stages: tuple[StageTape, ...] = builder.tape.stages
         self.by_index = {st.spec.index: st for st in self.stages}
         self.recv_act: dict[tuple[int, int], Block] = {}
         self.recv_grad: dict[tuple[int, int], Block] = {}
         self.module_end: dict[int, tuple[int, object]] = {}
-        self.links = b.graph.__dict__.setdefault("pipeline_p2p", {})
+        self.links = builder.graph.__dict__.setdefault("pipeline_p2p", {})
 
     # -- the step --------------------------------------------------------------------------------------
     def run_step(self, step: int, grads) -> None:
-        b, s = self.b, self.setup
+        builder, s = self.builder, self.setup
         self.step, self.grads = step, grads
         self.replays: dict[tuple[int, int], MicroBatchReplay] = {}
         self.outputs: dict[tuple[int, int], _Held] = {}
@@ -154,9 +154,9 @@ class PipelineRank:
             for t in st.batch:
                 if t.name not in self.batch:
                     shape = (t.shape[0] * m,) + tuple(t.shape[1:])
-                    self.batch[t.name] = b.block(t.name, t.nbytes * m, Category.INPUT, t.dtype, shape)
+                    self.batch[t.name] = builder.block(t.name, t.nbytes * m, Category.INPUT, t.dtype, shape)
         if self.batch:
-            b.op("batch.load", Phase.FORWARD, step, -1, list(self.batch.values()), [])
+            builder.op("batch.load", Phase.FORWARD, step, -1, list(self.batch.values()), [])
         if not self.recv_act and not self.recv_grad:
             self._init_buffers()
         self.vars: list[_Var] = []
@@ -173,7 +173,9 @@ class PipelineRank:
             var.set([], frees)
         frees += [blk.id for blk in self.batch.values()]
         grad_bytes = sum(blk.nbytes for blk in grads.blocks.values())
-        b.op("pp.step_end", Phase.FORWARD, step, -1, [], frees, bytes_moved=2 * grad_bytes)  # scale_grads: in place
+        builder.op(
+            "pp.step_end", Phase.FORWARD, step, -1, [], frees, bytes_moved=2 * grad_bytes
+        )  # scale_grads: in place
 
     def _var(self) -> _Var:
         var = _Var()
@@ -182,16 +184,16 @@ class PipelineRank:
 
     def _release(self, frees: list[int]) -> None:
         if frees:
-            self.b.op("pp.release", Phase.FORWARD, self.step, -1, [], frees)
+            self.builder.op("pp.release", Phase.FORWARD, self.step, -1, [], frees)
 
     def _init_buffers(self) -> None:
-        b, m = self.b, self.setup.batch.grad_accum
+        builder, m = self.builder, self.setup.batch.grad_accum
         acts, grads = [], []
         for st in self.stages:
             if st.input is not None:
                 for i in range(m):
                     t = st.input
-                    self.recv_act[(st.spec.index, i)] = blk = b.block(
+                    self.recv_act[(st.spec.index, i)] = blk = builder.block(
                         f"pp.stage{st.spec.index}.recv_activation.mb{i}", t.nbytes, Category.ACTIVATION, t.dtype,
                         t.shape)
                     acts.append(blk)
@@ -199,13 +201,13 @@ class PipelineRank:
             if st.output is not None:
                 for i in range(m):
                     t = st.output
-                    self.recv_grad[(st.spec.index, i)] = blk = b.block(
+                    self.recv_grad[(st.spec.index, i)] = blk = builder.block(
                         f"pp.stage{st.spec.index}.recv_grad.mb{i}", t.nbytes, Category.TEMPORARY, t.dtype, t.shape)
                     grads.append(blk)
         if acts:
-            b.op("pp.init.recv_activations", Phase.FORWARD, self.step, -1, acts, [])
+            builder.op("pp.init.recv_activations", Phase.FORWARD, self.step, -1, acts, [])
         if grads:
-            b.op("pp.init.recv_grads", Phase.FORWARD, self.step, -1, grads, [])
+            builder.op("pp.init.recv_grads", Phase.FORWARD, self.step, -1, grads, [])
 
     # -- compute actions ---------------------------------------------------------------------------------
     def forward(self, st: StageTape, mb: int, after_module=None) -> None:
@@ -217,7 +219,7 @@ class PipelineRank:
         external = {t.name: (t, self.batch[t.name]) for t in st.batch}
         if st.input is not None:
             external[st.input.name] = (st.input, self.recv_act[key])
-        replay = MicroBatchReplay(self.b, st.tape, self.step, mb, self.grads, external=external)
+        replay = MicroBatchReplay(self.builder, st.tape, self.step, mb, self.grads, external=external)
         state = replay.state  # what the engine's hooks get
         self.replays[key] = replay
         out = st.output.name if st.output is not None else st.tape.held[0]
@@ -255,22 +257,22 @@ class PipelineRank:
 
     # -- point to point ----------------------------------------------------------------------------------
     def _send(self, kind: str, to_stage: int, mb: int, nbytes: int) -> None:
-        b = self.b
+        builder = self.builder
         name = f"pp.send_{'activation' if kind == 'F' else 'grad'}.stage{to_stage}.mb{mb}"
-        issue = b.op(f"{name}.issue", Phase.FORWARD, self.step, -1, [], [], duration=0.0)
-        send = b.op(name, Phase.FORWARD, self.step, -1, [], [], stream=Stream.COMMUNICATION,
-                    duration=b.device.collective_duration("broadcast", nbytes, 2), after=(issue.id,))
-        link = self.links.setdefault((self.b.pipeline_group, kind, to_stage, mb, self.step),
+        issue = builder.op(f"{name}.issue", Phase.FORWARD, self.step, -1, [], [], duration=0.0)
+        send = builder.op(name, Phase.FORWARD, self.step, -1, [], [], stream=Stream.COMMUNICATION,
+                    duration=builder.device.collective_duration("broadcast", nbytes, 2), after=(issue.id,))
+        link = self.links.setdefault((self.builder.pipeline_group, kind, to_stage, mb, self.step),
                                      {"send": None, "waits": []})
         link["send"] = send.id
         for w in link["waits"]:
-            b.graph.add_edge(send.id, w)
+            builder.graph.add_edge(send.id, w)
 
     def _wait(self, kind: str, stage: int, mb: int) -> None:
-        link = self.links.setdefault((self.b.pipeline_group, kind, stage, mb, self.step),
+        link = self.links.setdefault((self.builder.pipeline_group, kind, stage, mb, self.step),
                                      {"send": None, "waits": []})
         after = (link["send"],) if link["send"] is not None else ()
-        wait = self.b.op(f"pp.recv_{'activation' if kind == 'F' else 'grad'}.stage{stage}.mb{mb}", Phase.FORWARD,
+        wait = self.builder.op(f"pp.recv_{'activation' if kind == 'F' else 'grad'}.stage{stage}.mb{mb}", Phase.FORWARD,
                          self.step, -1, [], [], duration=0.0, after=after)
         if link["send"] is None:
             link["waits"].append(wait.id)

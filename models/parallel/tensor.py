@@ -475,12 +475,21 @@ class TensorParallelEngine:
     def after_op(self, replay, i: int, phase: Phase, recompute: bool = False) -> None:
         self.inner.after_op(replay, i, phase, recompute)
         op = replay.tape.ops[i]
-        b = replay.builder
+        builder = replay.builder
         if phase is Phase.FORWARD and op.kind in COLLECTIVES and op.kind != "shard":
             nbytes = sum(o.nbytes for o in op.outputs)
             kind = op.kind
-            b.op(f"{op.name}.transfer", phase, replay.step, replay.mb, [], [], stream=Stream.COMMUNICATION,
-                 duration=b.device.collective_duration(kind, nbytes, self.tape.tp), after=(b.last(Stream.COMPUTE),))
+            builder.op(
+                f"{op.name}.transfer",
+                phase,
+                replay.step,
+                replay.mb,
+                [],
+                [],
+                stream=Stream.COMMUNICATION,
+                duration=builder.device.collective_duration(kind, nbytes, self.tape.tp),
+                after=(builder.last(Stream.COMPUTE),),
+            )
         if phase is not Phase.BACKWARD or recompute:
             return
         for kind, tensor in self.tape.grad_hooks.get(op.name, ()):
@@ -499,11 +508,11 @@ class TensorParallelEngine:
         if had is None or storage is not had:
             return
         spec = replay.specs[tensor]
-        b = replay.builder
-        shadow = b.block(f"{tensor}.grad_contribution", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
-        total = b.block(f"{tensor}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        builder = replay.builder
+        shadow = builder.block(f"{tensor}.grad_contribution", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        total = builder.block(f"{tensor}.grad_sum", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         frees = [shadow.id] + replace_grad(replay, tensor, total)
-        b.op(f"{tensor}.grad_sum", Phase.BACKWARD, replay.step, replay.mb, [shadow, total], frees,
+        builder.op(f"{tensor}.grad_sum", Phase.BACKWARD, replay.step, replay.mb, [shadow, total], frees,
              bytes_moved=3 * spec.nbytes)
 
     def _all_reduce(self, replay, tensor: str) -> None:
@@ -512,14 +521,14 @@ class TensorParallelEngine:
         if tensor not in replay.grad_of:
             return
         spec = replay.specs[tensor]
-        b = replay.builder
-        reduced = b.block(f"{tensor}.grad_all_reduce", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
+        builder = replay.builder
+        reduced = builder.block(f"{tensor}.grad_all_reduce", spec.nbytes, Category.TEMPORARY, spec.dtype, spec.shape)
         frees = replace_grad(replay, tensor, reduced)
-        issue = b.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,
+        issue = builder.op(f"{tensor}.grad_all_reduce", Phase.BACKWARD, replay.step, replay.mb, [reduced], frees,
                      duration=0.0)
-        b.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
+        builder.op(f"{tensor}.grad_all_reduce.transfer", Phase.BACKWARD, replay.step, replay.mb, [], [],
              stream=Stream.COMMUNICATION,
-             duration=b.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
+             duration=builder.device.collective_duration("all_reduce", spec.nbytes, self.tape.tp),
              after=(issue.id,))
 
     def optim_groups(self) -> list:
