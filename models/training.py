@@ -447,10 +447,11 @@ def _create_states(b: GraphBuilder, step: int, tensors, op_name: str, phase: Pha
     step_state_pool = step_pool(b.device.is_cpu, s.optimizer_impl)
     states = []
     for t in tensors:
-        for state, numel, dtype in state_specs(s.optimizer, t.numel, own_dtype(b.tape, t.name) or s.state_dtype):
+        for state, shape, dtype in state_specs(s.optimizer, t.numel, own_dtype(b.tape, t.name) or s.state_dtype,
+                                               t.shape):
             sharded = state is not OptimizerState.STEP
-            states.append(b.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
-                                  dtype, (numel,) if sharded else (), state=state,
+            states.append(b.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
+                                  Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
                                   pool=step_state_pool if not sharded else Pool.DEVICE))
     if s.optimizer == "adam-8bit":
@@ -471,7 +472,9 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     flops = update_flops(s.optimizer, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
     spec = OPTIMIZERS[s.optimizer]
-    if spec.foreach_temps and s.optimizer_impl == "foreach":  # every parameter's temporaries at once
+    if spec.temps is not None:  # temporaries of any shape, op by op
+        _planned_update(b, step, tensors, name, after)
+    elif spec.foreach_temps and s.optimizer_impl == "foreach":  # every parameter's temporaries at once
         temps = [b.block(f"{t.name}.{kind}", t.numel * dtype_bytes(own_dtype(b.tape, t.name) or state_dtype),
                          Category.TEMPORARY, own_dtype(b.tape, t.name) or state_dtype, t.shape, shard=shard)
                  for kind in spec.foreach_temps for t in tensors]
@@ -493,3 +496,26 @@ def _update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
     else:
         b.op(f"{name}.{s.optimizer_impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
              after=after)
+
+
+def _planned_update(b: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
+    """The update as the optimizer's `temps` plan has it (models/optimizers.py `TempOp`): one op per plan op, named
+    `<name>.<label>[.<tensor>]`; each tensor's update FLOPs and bytes go with the first op that works on it."""
+    s = b.setup
+    dtypes = [own_dtype(b.tape, t.name) or s.state_dtype for t in tensors]
+    blocks: dict[int, Block] = {}  # id(Temp) -> its block
+    costed: set[int] = set()
+    for k, op in enumerate(OPTIMIZERS[s.optimizer].temps(s.optimizer_impl, tuple(zip((t.shape for t in tensors),
+                                                                                        dtypes)))):
+        for x in op.make:
+            dt = x.dtype or dtypes[x.index]
+            blocks[id(x)] = b.block(f"{tensors[x.index].name if x.index >= 0 else 'optimizer'}.{x.kind}",
+                                    prod(x.shape) * dtype_bytes(dt), Category.TEMPORARY, dt, x.shape,
+                                    pool=Pool.HOST if x.host and not b.device.is_cpu else Pool.DEVICE)
+        cost = op.index >= 0 and op.index not in costed
+        costed.add(op.index)
+        numel = tensors[op.index].numel if cost else 0
+        b.op(f"{name}.{op.label}" + (f".{tensors[op.index].name}" if op.index >= 0 else ""), Phase.OPTIMIZER, step,
+             -1, [blocks[id(x)] for x in op.make], [blocks[id(x)].id for x in op.free],
+             flops=update_flops(s.optimizer, numel), bytes_moved=numel * dtype_bytes(s.state_dtype) * 5,
+             after=after if k == 0 else ())

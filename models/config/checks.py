@@ -97,6 +97,9 @@ def _optimizer_offload_fields(setup) -> None:
         raise ConfigError("optimizer_offload", f"{setup.optimizer} makes its states in its constructor, not in the "
                                                "first step: its offload is not modelled; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad, rmsprop")
+    if OPTIMIZER_REGISTRY[setup.optimizer].by_shape:
+        raise ConfigError("optimizer_offload", f"{setup.optimizer}'s states follow each parameter's shape: their "
+                                               "offload is not modelled; allowed with it: none")
     if setup.dp_engine == "deepspeed" and (setup.world_size > 1 or setup.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
                                                "the step runs on the CPU), not modelled; allowed with one device, "
@@ -198,6 +201,22 @@ def _model_parallel_fields(setup) -> None:
         raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel "
                                                "ranks: it needs tp > 1")
     _pipeline_schedule(setup)
+
+
+def _optimizer_state_shapes(setup) -> None:
+    """An optimizer whose states follow each parameter's shape (models/optimizers.py `OptimizerSpec.by_shape`:
+    Adafactor's row and column factors) is modelled on whole parameters, not on the parts of them a rank updates
+    under ZeRO (flat partitions), FSDP2 (dim-0 shards) or tensor and expert parallelism (DTensor shards)."""
+    if not OPTIMIZER_REGISTRY[setup.optimizer].by_shape:
+        return
+    for name, partitions, allowed in (("zero_stage", setup.zero_stage > 0, "0"),
+                                      ("dp_engine", setup.dp_engine == "fsdp2",
+                                       "deepspeed (zero_stage 0), ddp, zero-redundancy-optimizer"),
+                                      ("tp", setup.tp > 1, "1"), ("ep", setup.ep > 1, "1")):
+        if partitions:
+            raise ConfigError(name, f"{setup.optimizer}'s states follow each whole parameter's shape: with {name} "
+                                    f"{getattr(setup, name)} a rank updates parts of parameters, not modelled; "
+                                    f"allowed with it: {allowed}")
 
 
 def _pipeline_schedule(setup) -> None:
@@ -374,7 +393,7 @@ def _compile(setup) -> None:
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _build_field, _passes, _compile)
+                  _optimizer_state_shapes, _build_field, _passes, _compile)
 
 
 def check_setup(setup) -> None:
