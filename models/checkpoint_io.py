@@ -114,6 +114,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
+from math import prod
 
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool, Stream
 from .config import dtype_bytes
@@ -189,14 +190,15 @@ def rank_state(builder) -> tuple[StateTensor, ...]:
                                    t.numel * 4, full_numel(t) * 4, padded_numel(t) * shard * 4, shard, replicated,
                                    Pool.DEVICE))
     state_pool = Pool.HOST if s.offload.mode != "none" else Pool.DEVICE  # offloaded: host buffers (offload.py)
-    for t in tensors:
-        local = state_specs(s.optimizer.name, t.numel, s.precision.state)
-        full = state_specs(s.optimizer.name, full_numel(t), s.precision.state)
-        padded = state_specs(s.optimizer.name, padded_numel(t), s.precision.state)
-        for (state, numel, dt), (_, full_n, _), (_, padded_n, _) in zip(local, full, padded):
+    for t in tensors:  # states that follow the parameter's shape (OptimizerSpec.by_shape) are never sharded
+        local = state_specs(s.optimizer.name, t.numel, s.precision.state, t.shape)
+        full = state_specs(s.optimizer.name, full_numel(t), s.precision.state, t.shape)
+        padded = state_specs(s.optimizer.name, padded_numel(t), s.precision.state, t.shape)
+        for (state, shape, dt), (_, full_shape, _), (_, padded_shape, _) in zip(local, full, padded):
             split = state is not OptimizerState.STEP
             k = dtype_bytes(dt)
-            out.append(StateTensor(f"{t.name}.{state.value}", Category.OPTIMIZER_STATE, dt, (numel,) if split else (),
+            numel, full_n, padded_n = prod(shape), prod(full_shape), prod(padded_shape)
+            out.append(StateTensor(f"{t.name}.{state.value}", Category.OPTIMIZER_STATE, dt, shape,
                                    numel * k, numel * k, full_n * k if split else numel * k,
                                    padded_n * shard * k if split else numel * k, shard if split else 1,
                                    replicated, state_pool if split else step_pool(builder), state))

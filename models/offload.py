@@ -19,6 +19,8 @@ once copied: at most one tensor more than the chunk at any moment.
 
 from __future__ import annotations
 
+from math import prod
+
 from ..simulator.events import Block, Category, Phase, Pool, Stream
 from .config import dtype_bytes
 from .optimizers import offload_chunks, offloaded, state_specs
@@ -42,19 +44,19 @@ class OffloadedStates:
 
     def _specs(self, t):
         s = self.builder.setup
-        for state, numel, dtype in state_specs(s.optimizer.name, t.numel, s.precision.state):
+        for state, shape, dtype in state_specs(s.optimizer.name, t.numel, s.precision.state, t.shape):
             if offloaded(state):
-                yield f"{t.name}.{state.value}", state, numel, dtype
+                yield f"{t.name}.{state.value}", state, shape, dtype
 
     def load(self, k: int, step: int) -> int:
         """Copy chunk `k`'s states to the device; the id of the transfer its update must wait for."""
         builder, shard = self.builder, self.builder.engine.state_shard()
         copies = [
             builder.block(
-                name, numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, (numel,), state=state, shard=shard
+                name, prod(shape) * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, shape, state=state, shard=shard
             )
             for t in self.chunks[k]
-            for name, state, numel, dtype in self._specs(t)
+            for name, state, shape, dtype in self._specs(t)
         ]
         self.device.update({blk.name: blk for blk in copies})
         issue = builder.op(f"optimizer.offload.chunk{k}.to_device", Phase.OPTIMIZER, step, -1, copies, [], duration=0.0)
@@ -67,7 +69,7 @@ class OffloadedStates:
         device copy once it is copied."""
         builder = self.builder
         for t in self.chunks[k]:
-            for name, _state, _numel, _dtype in self._specs(t):
+            for name, _state, _shape, _dtype in self._specs(t):
                 blk = self.device.pop(name)
                 new = [] if name in self.host else [self._host_buffer(blk)]
                 builder.op(f"optimizer.offload.{name}.to_host", Phase.OPTIMIZER, step, -1, new, [blk.id],

@@ -6,6 +6,9 @@ States are created lazily, inside the first `step()` (torch's `_init_group`): no
 - Adam / AdamW: `step` (a 4-byte fp32 scalar tensor, on the host unless fused/capturable), `exp_avg`,
   `exp_avg_sq`; AMSGrad adds `max_exp_avg_sq`.
 - RMSprop: `step`, `square_avg`. Adagrad: `step`, `sum`, made in the constructor, not lazily.
+- Adafactor: `step`, then for a parameter of >= 2 dims its factored second moment, `row_var` (the shape with the
+  last dim 1) and `col_var` (the second-to-last dim 1), else `variance` (the parameter's shape): states whose shape
+  follows the parameter's shape, not its element count (`OptimizerSpec.by_shape`).
 - 8-bit Adam (bitsandbytes defaults, assumed): tensors of >= 4096 elements get two int8 states plus
   one fp32 absmax per 256-element block for each; smaller tensors keep fp32 states; the two 256-entry
   fp32 quantization maps are shared by all parameters.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from math import prod
 
 from ..simulator.events import OptimizerState, Pool
 
@@ -47,18 +51,52 @@ BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 BNB_QMAP_BYTES = 2 * 256 * 4
 
-StateSpecs = list[tuple[OptimizerState, int, str]]
+Shape = tuple[int, ...]
+StateSpecs = list[tuple[OptimizerState, Shape, str]]
+
+
+@dataclass(frozen=True, eq=False)
+class Temp:
+    """A temporary of an optimizer step, made for the step's tensor `index` (-1: for the step itself), named `kind`
+    (the block `<tensor>.<kind>`, or `optimizer.<kind>`), of `shape`, in that tensor's dtype or `dtype`, on the host
+    where `host` (a CPU scalar beside host `step` tensors). Compared by identity: two alike are two tensors."""
+
+    index: int
+    kind: str
+    shape: Shape
+    dtype: str | None = None
+    host: bool = False
+
+
+@dataclass(frozen=True)
+class TempOp:
+    """One op of a step's temporaries, in order: `make` allocated, then `free` (made here or before) freed; `index`
+    the tensor it works on (-1: several), `label` its name."""
+
+    label: str
+    make: tuple[Temp, ...] = ()
+    free: tuple[Temp, ...] = ()
+    index: int = -1
+
+
+TempPlan = Callable[[str, tuple[tuple[Shape, str], ...]], list[TempOp]]
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
     """One optimizer, all peakledger knows of it, in one entry of `OPTIMIZERS`:
-    - `states(numel, state_dtype)`: (state, numel, dtype) of each per-parameter state tensor, in the order torch's
-      `_init_group` makes them;
+    - `states(shape, state_dtype)`: (state, shape, dtype) of each per-parameter state tensor, in the order torch's
+      `_init_group` makes them, a pure function of the tensor's shape;
+    - `by_shape`: the states' shapes follow the parameter's shape, not its element count (Adafactor's row and column
+      factors): `states` gets the parameter's whole shape, and a partition of it (a flat ZeRO partition, a dim-0
+      shard) is not modelled (models/config refuses it); False: each state is the parameter's elements, however they
+      are partitioned, and `states` gets `(numel,)`;
     - `foreach_temps`: the state-sized tensors its foreach step makes for every parameter at once (torch's
       `_multi_tensor_*`), all alive until the update ends;
     - `loop_temps`: those its for-loop step makes per parameter (`_single_tensor_*`), in order: all but the last go
       within the parameter's update, the last is still referenced until the next parameter's replaces it;
+    - `temps(impl, ((shape, dtype), ...))`: instead of the two above, any temporaries, of any shape: the step's
+      ops over those tensors in order (`TempOp`), a pure function of their shapes and dtypes;
     - `flops_per_element` of one update (rough: the arithmetic per element);
     - `torch_class` and `torch_kwargs`: the torch.optim class the real programs build (None: not torch's);
     - `lazy`: states made inside the first `step()` (torch's `_init_group`); False: in the constructor (Adagrad's
@@ -67,9 +105,11 @@ class OptimizerSpec:
     - `capture`: traces/cuda_capture.py runs it on a GPU."""
 
     name: str
-    states: Callable[[int, str], StateSpecs]
+    states: Callable[[Shape, str], StateSpecs]
     foreach_temps: tuple[str, ...] = ()
     loop_temps: tuple[str, ...] = ()
+    temps: TempPlan | None = None
+    by_shape: bool = False
     flops_per_element: int = 12
     torch_class: str | None = None
     torch_kwargs: tuple[tuple[str, object], ...] = ()
@@ -78,37 +118,129 @@ class OptimizerSpec:
     capture: bool = True
 
 
-def _none(numel: int, dtype: str) -> StateSpecs:
+def _none(shape: Shape, dtype: str) -> StateSpecs:
     return []
 
 
-def _momentum(numel: int, dtype: str) -> StateSpecs:
-    return [(OptimizerState.MOMENTUM_BUFFER, numel, dtype)]
+def _momentum(shape: Shape, dtype: str) -> StateSpecs:
+    return [(OptimizerState.MOMENTUM_BUFFER, shape, dtype)]
 
 
-def _adam(numel: int, dtype: str) -> StateSpecs:
-    return [(OptimizerState.STEP, 1, "fp32"), (OptimizerState.EXP_AVG, numel, dtype),
-            (OptimizerState.EXP_AVG_SQ, numel, dtype)]
+def _adam(shape: Shape, dtype: str) -> StateSpecs:
+    return [(OptimizerState.STEP, (), "fp32"), (OptimizerState.EXP_AVG, shape, dtype),
+            (OptimizerState.EXP_AVG_SQ, shape, dtype)]
 
 
-def _amsgrad(numel: int, dtype: str) -> StateSpecs:
-    return _adam(numel, dtype) + [(OptimizerState.MAX_EXP_AVG_SQ, numel, dtype)]
+def _amsgrad(shape: Shape, dtype: str) -> StateSpecs:
+    return _adam(shape, dtype) + [(OptimizerState.MAX_EXP_AVG_SQ, shape, dtype)]
 
 
-def _adam_8bit(numel: int, dtype: str) -> StateSpecs:
+def _adam_8bit(shape: Shape, dtype: str) -> StateSpecs:
+    numel = prod(shape)
     if numel < BNB_MIN_8BIT_SIZE:
-        return [(OptimizerState.EXP_AVG, numel, "fp32"), (OptimizerState.EXP_AVG_SQ, numel, "fp32")]
-    blocks = -(-numel // BNB_BLOCK)
-    return [(OptimizerState.EXP_AVG, numel, "int8"), (OptimizerState.EXP_AVG_SQ, numel, "int8"),
+        return [(OptimizerState.EXP_AVG, shape, "fp32"), (OptimizerState.EXP_AVG_SQ, shape, "fp32")]
+    blocks = (-(-numel // BNB_BLOCK),)
+    return [(OptimizerState.EXP_AVG, shape, "int8"), (OptimizerState.EXP_AVG_SQ, shape, "int8"),
             (OptimizerState.QUANT_STATE, blocks, "fp32"), (OptimizerState.QUANT_STATE, blocks, "fp32")]
 
 
-def _rmsprop(numel: int, dtype: str) -> StateSpecs:
-    return [(OptimizerState.STEP, 1, "fp32"), (OptimizerState.SQUARE_AVG, numel, dtype)]
+def _rmsprop(shape: Shape, dtype: str) -> StateSpecs:
+    return [(OptimizerState.STEP, (), "fp32"), (OptimizerState.SQUARE_AVG, shape, dtype)]
 
 
-def _adagrad(numel: int, dtype: str) -> StateSpecs:
-    return [(OptimizerState.STEP, 1, "fp32"), (OptimizerState.SUM, numel, dtype)]
+def _adagrad(shape: Shape, dtype: str) -> StateSpecs:
+    return [(OptimizerState.STEP, (), "fp32"), (OptimizerState.SUM, shape, dtype)]
+
+
+def _adafactor(shape: Shape, dtype: str) -> StateSpecs:
+    if len(shape) < 2:
+        return [(OptimizerState.STEP, (), "fp32"), (OptimizerState.VARIANCE, shape, dtype)]
+    return [(OptimizerState.STEP, (), "fp32"), (OptimizerState.ROW_VAR, (*shape[:-1], 1), dtype),
+            (OptimizerState.COL_VAR, (*shape[:-2], 1, shape[-1]), dtype)]
+
+
+def _adafactor_temps(impl: str, tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
+    """torch/optim/_adafactor.py (torch 2.13), defaults (no weight decay, not maximize). Per parameter: `alpha`'s
+    `param.norm(2)` and the update's `update.norm(2)` (0-dim, gone once `.item()` read them); >= 2 dims: `row_mean`
+    (the shape, last dim 1), `col_mean` (second-to-last 1), `var_estimate = row_var @ col_var` (the parameter's
+    shape) and `row_var.mean(dim=-2)` (both last dims 1); else `grad_squared` and `var_estimate = variance.clone()`;
+    `update` is `var_estimate`, updated in place. for-loop (`_single_tensor_adafactor`): each local holds its tensor
+    until the next parameter's rebinds it (the old `var_estimate` until `update` is rebound), the last ones until the
+    step returns. foreach (`_multi_tensor_adafactor`): per group of one dtype and >= 2 dims or not
+    (`_group_tensors_by_device_dtype_and_is_multidim`: the dtypes in the reverse order of their first tensors, as the
+    C++ grouping's std::unordered_map gives them back, measured with 2 and 3 dtypes; within a dtype >= 2 dims or not
+    in the order of their first tensors), a `torch.tensor(1.0)` on the host for the
+    `step`s' `_foreach_add_`, the norms one at a time, each list of means made and deleted at once, and the
+    `var_estimates` kept as `updates` until the next group's replace them; a list goes last item first (CPython's
+    `list_dealloc`)."""
+    return _adafactor_loop(tensors) if impl == "for-loop" else _adafactor_foreach(tensors)
+
+
+def _row(shape: Shape) -> Shape:
+    return (*shape[:-1], 1)
+
+
+def _col(shape: Shape) -> Shape:
+    return (*shape[:-2], 1, shape[-1])
+
+
+def _norm(i: int, kind: str) -> TempOp:
+    t = Temp(i, kind, ())
+    return TempOp(kind, (t,), (t,), i)
+
+
+def _adafactor_loop(tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
+    ops: list[TempOp] = []
+    held: dict[str, Temp] = {}  # the locals holding a temporary
+
+    def rebind(local: str, temp: Temp) -> tuple[Temp, ...]:
+        old = held.get(local)
+        held[local] = temp
+        return (old,) if old is not None else ()
+
+    for i, (shape, _) in enumerate(tensors):
+        ops.append(_norm(i, "param_norm"))
+        estimate = Temp(i, "var_estimate", shape)
+        if len(shape) >= 2:
+            for local, dims in (("row_mean", _row(shape)), ("col_mean", _col(shape))):
+                t = Temp(i, local, dims)
+                ops.append(TempOp(local, (t,), rebind(local, t), i))
+            mean = Temp(i, "row_var_mean", (*shape[:-2], 1, 1))
+            ops += [TempOp("var_estimate", (estimate,), (), i),
+                    TempOp("row_var_mean", (mean,), (mean, *rebind("update", estimate)), i)]
+        else:
+            squared = Temp(i, "grad_squared", shape)
+            ops += [TempOp("grad_squared", (squared,), rebind("grad_squared", squared), i),
+                    TempOp("var_estimate", (estimate,), rebind("update", estimate), i)]
+        ops.append(_norm(i, "update_norm"))
+    ends = tuple(held[k] for k in ("row_mean", "col_mean", "grad_squared", "update") if k in held)
+    return ops + [TempOp("end", (), ends)] if ends else ops
+
+
+def _adafactor_foreach(tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
+    ops: list[TempOp] = []
+    by_dtype: dict[str, dict[bool, list[int]]] = {}
+    for i, (shape, dtype) in enumerate(tensors):
+        by_dtype.setdefault(dtype, {}).setdefault(len(shape) >= 2, []).append(i)
+    updates: tuple[Temp, ...] = ()
+    for factored, members in (group for kinds in reversed(by_dtype.values()) for group in kinds.items()):
+        one = Temp(-1, "step_increment", (), "fp32", host=True)
+        ops.append(TempOp("step_increment", (one,), (one,)))
+        ops += [_norm(i, "param_norm") for i in members]
+        shapes = [tensors[i][0] for i in members]
+        estimates = tuple(Temp(i, "var_estimate", shape) for i, shape in zip(members, shapes))
+        if factored:
+            for kind, dims in (("row_mean", _row), ("col_mean", _col)):
+                means = tuple(Temp(i, kind, dims(shape)) for i, shape in zip(members, shapes))
+                ops.append(TempOp(f"{kind}s", means, means[::-1]))
+            means = tuple(Temp(i, "row_var_mean", (*shape[:-2], 1, 1)) for i, shape in zip(members, shapes))
+            ops += [TempOp("var_estimates", estimates), TempOp("row_var_means", means, means[::-1] + updates[::-1])]
+        else:
+            squared = tuple(Temp(i, "grad_squared", shape) for i, shape in zip(members, shapes))
+            ops += [TempOp("grads_squared", squared, squared[::-1]), TempOp("var_estimates", estimates, updates[::-1])]
+        updates = estimates
+        ops += [_norm(i, "update_norm") for i in members]
+    return ops + [TempOp("end", (), updates[::-1])] if updates else ops
 
 
 ADAM_FOREACH = ("exp_avg_sq_sqrt",)  # torch/optim/adam.py `_multi_tensor_adam`: `_foreach_sqrt(exp_avg_sqs)`
@@ -132,13 +264,21 @@ OPTIMIZER_SPECS = (
     # then `_foreach_addcdiv_`; `_single_tensor_adagrad` `std = state_sum.sqrt().add_(eps)` per parameter
     OptimizerSpec("adagrad", _adagrad, ("std", "numerator"), ("std",), flops_per_element=6, torch_class="Adagrad",
                   lazy=False, capture=False),
+    OptimizerSpec("adafactor", _adafactor, temps=_adafactor_temps, by_shape=True, flops_per_element=10,
+                  torch_class="Adafactor", impls=("foreach", "for-loop"), capture=False),
 )
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in OPTIMIZER_SPECS}
 
 
-def state_specs(optimizer: str, numel: int, state_dtype: str) -> StateSpecs:
-    """(state, numel, dtype) of each per-parameter state tensor, for `numel` elements of one rank."""
-    return OPTIMIZERS[optimizer].states(numel, state_dtype)
+def state_specs(optimizer: str, numel: int, state_dtype: str, shape: Shape = ()) -> StateSpecs:
+    """(state, shape, dtype) of each state tensor of one tensor the rank's optimizer updates: `numel` elements (a
+    parameter, its shard or a flat partition) of `shape` (read only where the states follow the shape,
+    `OptimizerSpec.by_shape`; the others are shaped `(numel,)`)."""
+    spec = OPTIMIZERS[optimizer]
+    if spec.by_shape and prod(shape) != numel:
+        raise ValueError(f"{optimizer}'s states follow the whole parameter's shape, not a partition of it: {numel} "
+                         f"elements of shape {shape}")
+    return spec.states(tuple(shape) if spec.by_shape else (numel,), state_dtype)
 
 
 def step_pool(device_is_cpu: bool, optimizer_impl: str) -> Pool:

@@ -451,12 +451,12 @@ def _create_states(
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
     states = []
     for t in tensors:
-        for state, numel, dtype in state_specs(
-            s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state
+        for state, shape, dtype in state_specs(
+            s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state, t.shape
         ):
             sharded = state is not OptimizerState.STEP
-            states.append(builder.block(f"{t.name}.{state.value}", numel * dtype_bytes(dtype), Category.OPTIMIZER_STATE,
-                                  dtype, (numel,) if sharded else (), state=state,
+            states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
+                                  Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
                                   pool=step_state_pool if not sharded else Pool.DEVICE))
     if s.optimizer.name == "adam-8bit":
@@ -477,7 +477,9 @@ def _update(builder: GraphBuilder, step: int, tensors, name: str, after=()) -> N
     flops = update_flops(s.optimizer.name, total_numel)
     bytes_moved = total_numel * dtype_bytes(state_dtype) * 5
     spec = OPTIMIZERS[s.optimizer.name]
-    if spec.foreach_temps and s.optimizer.impl == "foreach":  # every parameter's temporaries at once
+    if spec.temps is not None:  # temporaries of any shape, op by op
+        _planned_update(builder, step, tensors, name, after)
+    elif spec.foreach_temps and s.optimizer.impl == "foreach":  # every parameter's temporaries at once
         temps = [
             builder.block(
                 f"{t.name}.{kind}",
@@ -510,3 +512,33 @@ def _update(builder: GraphBuilder, step: int, tensors, name: str, after=()) -> N
     else:
         builder.op(f"{name}.{s.optimizer.impl}_update", ph, step, -1, [], [], flops=flops, bytes_moved=bytes_moved,
              after=after)
+
+
+def _planned_update(builder: GraphBuilder, step: int, tensors, name: str, after=()) -> None:
+    """The update as the optimizer's `temps` plan has it (models/optimizers.py `TempOp`): one op per plan op, named
+    `<name>.<label>[.<tensor>]`; each tensor's update FLOPs and bytes go with the first op that works on it."""
+    s = builder.setup
+    dtypes = [own_dtype(builder.tape, t.name) or s.precision.state for t in tensors]
+    blocks: dict[int, Block] = {}  # id(Temp) -> its block
+    costed: set[int] = set()
+    for k, op in enumerate(OPTIMIZERS[s.optimizer.name].temps(s.optimizer.impl, tuple(zip((t.shape for t in tensors),
+                                                                                        dtypes)))):
+        for x in op.make:
+            dt = x.dtype or dtypes[x.index]
+            blocks[id(x)] = builder.block(f"{tensors[x.index].name if x.index >= 0 else 'optimizer'}.{x.kind}",
+                                    prod(x.shape) * dtype_bytes(dt), Category.TEMPORARY, dt, x.shape,
+                                    pool=Pool.HOST if x.host and not builder.device.is_cpu else Pool.DEVICE)
+        cost = op.index >= 0 and op.index not in costed
+        costed.add(op.index)
+        numel = tensors[op.index].numel if cost else 0
+        builder.op(
+            f"{name}.{op.label}" + (f".{tensors[op.index].name}" if op.index >= 0 else ""),
+            Phase.OPTIMIZER,
+            step,
+            -1,
+            [blocks[id(x)] for x in op.make],
+            [blocks[id(x)].id for x in op.free],
+            flops=update_flops(s.optimizer.name, numel),
+            bytes_moved=numel * dtype_bytes(s.precision.state) * 5,
+            after=after if k == 0 else (),
+        )

@@ -49,6 +49,9 @@ class OptimizerState(str, enum.Enum):
     QUANT_STATE = "quantization_state"  # 8-bit optimizers: per-block absmax scales
     SQUARE_AVG = "square_avg"  # RMSprop
     SUM = "sum"  # Adagrad
+    ROW_VAR = "row_var"  # Adafactor: a factored (>= 2-D) parameter's second moment, reduced over its last dim
+    COL_VAR = "col_var"  # Adafactor: the same reduced over its second-to-last dim
+    VARIANCE = "variance"  # Adafactor: a 1-D parameter's unfactored second moment
 
 
 class Phase(str, enum.Enum):

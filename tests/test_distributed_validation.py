@@ -39,3 +39,20 @@ def test_two_ranks_match_the_real_engine(engine, backend):
         gathered = transient_peak(log, Category.ALL_GATHER_BUFFER, rank)
         assert gathered == transient_peak(simulated, Category.ALL_GATHER_BUFFER, rank)
         assert (gathered > 0) == (engine == "fsdp2")
+
+
+@pytest.mark.parametrize("engine, optimizer, impl", [("zero-redundancy-optimizer", "adamw", "for-loop"),
+                                                     ("zero-redundancy-optimizer", "adafactor", "foreach"),
+                                                     ("ddp", "adafactor", "for-loop")])
+def test_each_rank_steps_its_parameters_in_torchs_order(engine, optimizer, impl):
+    """ZeroRedundancyOptimizer's local optimizer gets the rank's parameters in the partition's order (largest first),
+    not the model's: a for-loop step, and Adafactor's foreach groups (>= 2 dims or not, in first-occurrence order),
+    depend on it. Every optimizer phase of both real ranks (fake process group) equals the simulation's."""
+    setup = TrainingSetup(micro_batch=2, seq_len=1, precision="fp32", steps=2, world_size=2, dp_engine=engine,
+                          optimizer=optimizer, optimizer_impl=impl)
+    measured = measure_distributed(preset("tiny-mlp"), setup, 2, engine, backend="fake")
+    simulated = simulate(describe(preset("tiny-mlp"), setup, "cpu", ranks=[0, 1]))
+    for rank, log in enumerate(measured):
+        gaps = {p.label: p.predicted - p.measured for p in compare_logs(log, simulated, rank=rank).phases
+                if p.label.startswith("optimizer")}
+        assert gaps == dict.fromkeys(gaps, 0) and gaps

@@ -268,3 +268,21 @@ def test_an_unknown_experts_implementation_is_refused(capsys):
     assert e.value.field == "experts_implementation" and "grouped_mm, eager" in str(e.value)
     assert main(["simulate", "--preset", "tiny", "--experts-implementation", "eager"]) == 2
     assert "experts_implementation" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_adafactor_factors_the_3d_expert_weights_as_torch(impl):
+    """Adafactor on Mixtral's 3-D expert weights (E, 2F, D) and (E, D, F): factored over their last two dims (row_var
+    (E, 2F, 1), col_var (E, 1, D)), a batched `row_var @ col_var`; the load and every optimizer phase of a real run
+    allocate and free what the simulation does, in its order (the routing moves activations, not the step)."""
+    setup = TrainingSetup(micro_batch=2, seq_len=32, optimizer="adafactor", optimizer_impl=impl, steps=2)
+    measured = measure(_scenario(setup))
+    simulated = simulate(describe(TINY, setup, "cpu"))
+    experts = [e.block.shape for e in simulated.events if e.block.name.endswith("experts.gate_up_proj.row_var")]
+    assert experts and all(len(shape) == 3 and shape[-1] == 1 for shape in experts)
+
+    def events(log, phase, step):
+        return [(e.action, e.delta) for e in log.events if e.phase is phase and e.step == step]
+
+    for phase, step in ((Phase.LOAD, 0), (Phase.OPTIMIZER, 1), (Phase.ZERO_GRAD, 1), (Phase.OPTIMIZER, 2)):
+        assert events(simulated, phase, step) == events(measured, phase, step)

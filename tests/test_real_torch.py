@@ -5,12 +5,13 @@ the same objects exactly (and agrees with torch's profiler to within the unseen 
 from __future__ import annotations
 
 import dataclasses
+from math import prod
 
 import pytest
 import torch
 
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
-from peakledger.models.optimizers import state_specs
+from peakledger.models.optimizers import OPTIMIZERS, state_specs
 from peakledger.models.presets import preset
 from peakledger.models.replay import param_bytes
 from peakledger.models.training import describe
@@ -19,7 +20,7 @@ from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
 from peakledger.traces.profiler import profiler_peak
 from peakledger.traces.reference import build_model, make_batch, make_optimizer
-from peakledger.traces.tracker import SOURCE, live_bytes, peak, run_training_steps
+from peakledger.traces.tracker import SOURCE, AllocationTracker, live_bytes, peak, run_training_steps
 
 CASES = {  # preset -> (micro_batch, seq_len)
     "tiny": (2, 32),
@@ -171,8 +172,8 @@ def test_linear_3_2_adamw_state_bytes():
             real[OptimizerState(k)] = real.get(OptimizerState(k), 0) + nbytes(v)
     spec: dict[OptimizerState, int] = {}
     for p in lin.parameters():
-        for state, numel, dtype in state_specs("adamw", p.numel(), "fp32"):
-            spec[state] = spec.get(state, 0) + param_bytes(numel, dtype)
+        for state, shape, dtype in state_specs("adamw", p.numel(), "fp32"):
+            spec[state] = spec.get(state, 0) + param_bytes(prod(shape), dtype)
     assert real == spec
     assert real[OptimizerState.EXP_AVG] + real[OptimizerState.EXP_AVG_SQ] == 64
     assert all(nbytes(st["step"]) == 4 for st in opt.state.values())
@@ -289,10 +290,11 @@ def test_simulated_peaks_match_measured_training_run(name, attention):
 
 
 @pytest.mark.parametrize("optimizer, impl", [("rmsprop", "foreach"), ("rmsprop", "for-loop"), ("adagrad", "foreach"),
-                                             ("adagrad", "for-loop"), ("adagrad", "fused")])
+                                             ("adagrad", "for-loop"), ("adagrad", "fused"), ("adafactor", "foreach"),
+                                             ("adafactor", "for-loop")])
 def test_registry_optimizers_step_exactly_as_torch(optimizer, impl):
-    """RMSprop and Adagrad, each one entry of models/optimizers.py OPTIMIZERS: the optimizer phases of a real run
-    (Adagrad's states made in its constructor: the load phase) equal the simulation's, byte for byte."""
+    """RMSprop, Adagrad and Adafactor, each one entry of models/optimizers.py OPTIMIZERS: the optimizer phases of a
+    real run (Adagrad's states made in its constructor: the load phase) equal the simulation's, byte for byte."""
     cfg = preset("tiny-mlp")
     setup = TrainingSetup(micro_batch=64, seq_len=1, steps=2, optimizer=optimizer, optimizer_impl=impl)
     model = build_model(cfg, setup)
@@ -307,3 +309,75 @@ def test_registry_optimizers_step_exactly_as_torch(optimizer, impl):
 def test_an_implementation_torch_lacks_is_refused():
     with pytest.raises(ConfigError, match="RMSprop has no fused implementation; allowed: foreach, for-loop"):
         TrainingSetup(optimizer="rmsprop", optimizer_impl="fused")
+
+
+def _events(log, phase: Phase, step: int) -> list[tuple[Action, int]]:
+    return [(e.action, e.delta) for e in log.events if e.phase is phase and e.step == step]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama", "tiny-mlp"])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_adafactor_states_and_step_event_for_event(name, impl):
+    """Adafactor's states follow each parameter's shape (row and column factors of a 2-D one, a full `variance` of a
+    1-D one): on models with both, every state's shape is torch's, and every optimizer and zero_grad phase of a real
+    run allocates and frees what the simulation does, in its order, byte for byte."""
+    cfg = preset(name)
+    B, T = CASES[name]
+    setup = TrainingSetup(micro_batch=B, seq_len=T, steps=2, optimizer="adafactor", optimizer_impl=impl)
+    model = build_model(cfg, setup)
+    opt = make_optimizer(model, setup)
+    measured = run_training_steps(model, opt, make_batch(cfg, setup), steps=2)
+    simulated = simulate(describe(cfg, setup, "cpu"))
+    real = {f"{n}.{k}": tuple(v.shape) for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+    assert {k.rsplit(".", 1)[1] for k in real} == {"step", "row_var", "col_var", "variance"}
+    assert {e.block.name: e.block.shape for e in simulated.events
+            if e.block.category is Category.OPTIMIZER_STATE and e.action is Action.ALLOC} == real
+    for step in (1, 2):
+        for phase in (Phase.OPTIMIZER, Phase.ZERO_GRAD):
+            assert _events(simulated, phase, step) == _events(measured, phase, step)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_adafactor_temporaries_of_mixed_dtypes_and_ranks_as_torch(impl):
+    """The registry's pure plan of Adafactor's step temporaries (models/optimizers.py) against a real step of 1-D,
+    2-D and 3-D parameters in three dtypes, interleaved (foreach groups them by dtype, then by >= 2 dims or not):
+    the second step (states made already) allocates and frees what the plan says, in its order."""
+    dtypes = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    specs = [((8, 6), torch.bfloat16), ((6,), torch.float32), ((5, 4), torch.float32), ((7,), torch.bfloat16),
+             ((3, 2, 4), torch.float16), ((4, 4), torch.bfloat16)]
+    torch.manual_seed(0)
+    params = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(s).to(d)) for s, d in specs])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.Adafactor(list(params), lr=1e-3, foreach=impl == "foreach")
+    tracker = AllocationTracker(params, opt)
+    with tracker:
+        for step in (1, 2):
+            with tracker.phase(Phase.OPTIMIZER, step):
+                opt.step()
+                tracker.scan()
+    measured = _events(tracker.log({}), Phase.OPTIMIZER, 2)
+    plan = OPTIMIZERS["adafactor"].temps(impl, tuple((s, dtypes[d]) for s, d in specs))
+    nbytes = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+    def size(x) -> int:
+        return prod(x.shape) * nbytes[x.dtype or dtypes[specs[x.index][1]]]
+
+    assert measured == [e for op in plan for e in [(Action.ALLOC, size(x)) for x in op.make]
+                        + [(Action.FREE, -size(x)) for x in op.free]]
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(world_size=2, zero_stage=1), "zero_stage"),
+    (dict(world_size=2, dp_engine="fsdp2"), "dp_engine"),
+    (dict(world_size=2, tp=2, dp_engine="ddp"), "tp"),
+    (dict(world_size=2, ep=2, dp_engine="ddp"), "ep"),
+    (dict(optimizer_offload="states"), "optimizer_offload"),
+    (dict(optimizer_impl="fused"), "optimizer_impl"),
+])
+def test_adafactor_on_parts_of_parameters_is_refused(changes, field):
+    """States shaped by the whole parameter: a rank updating parts of parameters, or an offload, is not modelled."""
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(optimizer="adafactor", **changes)
+    assert e.value.field == field
+    assert "allowed" in str(e.value)

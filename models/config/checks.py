@@ -97,6 +97,9 @@ def _optimizer_offload_fields(knobs) -> None:
         raise ConfigError("optimizer_offload", f"{knobs.optimizer} makes its states in its constructor, not in the "
                                                "first step: its offload is not modelled; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad, rmsprop")
+    if OPTIMIZER_REGISTRY[knobs.optimizer].by_shape:
+        raise ConfigError("optimizer_offload", f"{knobs.optimizer}'s states follow each parameter's shape: their "
+                                               "offload is not modelled; allowed with it: none")
     if knobs.dp_engine == "deepspeed" and (knobs.world_size > 1 or knobs.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
                                                "the step runs on the CPU), not modelled; allowed with one device, "
@@ -198,6 +201,22 @@ def _model_parallel_fields(knobs) -> None:
         raise ConfigError("sequence_parallel", "sequence parallelism splits the sequence over the tensor-parallel "
                                                "ranks: it needs tp > 1")
     _pipeline_schedule(knobs)
+
+
+def _optimizer_state_shapes(knobs) -> None:
+    """An optimizer whose states follow each parameter's shape (models/optimizers.py `OptimizerSpec.by_shape`:
+    Adafactor's row and column factors) is modelled on whole parameters, not on the parts of them a rank updates
+    under ZeRO (flat partitions), FSDP2 (dim-0 shards) or tensor and expert parallelism (DTensor shards)."""
+    if not OPTIMIZER_REGISTRY[knobs.optimizer].by_shape:
+        return
+    for name, partitions, allowed in (("zero_stage", knobs.zero_stage > 0, "0"),
+                                      ("dp_engine", knobs.dp_engine == "fsdp2",
+                                       "deepspeed (zero_stage 0), ddp, zero-redundancy-optimizer"),
+                                      ("tp", knobs.tp > 1, "1"), ("ep", knobs.ep > 1, "1")):
+        if partitions:
+            raise ConfigError(name, f"{knobs.optimizer}'s states follow each whole parameter's shape: with {name} "
+                                    f"{getattr(knobs, name)} a rank updates parts of parameters, not modelled; "
+                                    f"allowed with it: {allowed}")
 
 
 def _pipeline_schedule(knobs) -> None:
@@ -375,7 +394,7 @@ def _compile(knobs) -> None:
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _build_field, _passes, _compile)
+                  _optimizer_state_shapes, _build_field, _passes, _compile)
 
 
 def check_setup(knobs) -> None:

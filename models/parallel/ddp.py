@@ -68,8 +68,9 @@ class ZeroRedundancy(DDP):
         return self.owners[self.rank] if self.rank < len(self.owners) else []
 
     def optim_tensors(self) -> list[OptimTensor]:
-        mine = set(self.owned())
-        return [OptimTensor(p.name, p.numel, p.shape) for p in self.trainable if p.name in mine]
+        """The rank's parameters in its local optimizer's order, the partition's (largest first: `greedy_owners`)."""
+        params = {p.name: p for p in self.trainable}
+        return [OptimTensor(name, params[name].numel, params[name].shape) for name in self.owned()]
 
     def rank_segments(self) -> list[tuple[int, tuple]]:
         """One range per rank that owns parameters (ranks 0..k-1, k <= parameters), and one for the ranks that
