@@ -93,7 +93,7 @@ def test_matrix():
     assert (sc.device, sc.torch_version, sc.setup.batch.steps) == ("A100-80GB", "2.11", 2)
     assert sc.setup.optimizer.impl == "for-loop" and sc.setup.checkpointing.policy == "full"
     mlp = vg.GpuConfig("tiny-mlp", "fp32", passes="forward", micro_batch=32, seq_len=None)
-    assert mlp.scenario().setup.passes == "forward" and mlp.steps == 1
+    assert mlp.scenario().setup.batch.passes == "forward" and mlp.steps == 1
     assert [c.label for c in vg.select(configs, ["cs336-small, fp32, forward"])] == [
         "cs336-small, fp32, forward only, ckpt=none, B=4 T=128"]
 
