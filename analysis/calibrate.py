@@ -298,7 +298,7 @@ def apply_calibration(calibration, report_or_peak, scenario) -> CalibratedPredic
         calibration = load_calibration(calibration)
     check_setup(calibration, scenario, source)
     peaks = getattr(report_or_peak, "peaks", None)
-    raw = _peak_bytes(peaks.peak) if peaks is not None else _peak_bytes(report_or_peak)
+    raw = _peak_bytes(peaks.overall) if peaks is not None else _peak_bytes(report_or_peak)
     if raw is None:
         raise CalibrationError("report_or_peak", f"expected a Report or a peak in bytes, got {report_or_peak!r}")
     raw_reserved = predicted_reserved(report_or_peak) if peaks is not None else None

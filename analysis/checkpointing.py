@@ -38,9 +38,9 @@ import re
 from dataclasses import dataclass
 
 from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
-from ..models.costs import device_profile
+from ..models.devices import device_profile
 from ..models.presets import hf_equivalent
-from ..models.trace import TracedModel, traced_layers
+from ..models.traced import TracedModel, traced_layers
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
 from ..simulator.events import Category, EventLog, Phase, Pool
@@ -160,7 +160,7 @@ def host_activations(log: EventLog, rank: int) -> int:
 
 def n_layers(model, setup=None) -> int:
     """The layers checkpointing policies count: transformer blocks, an MLP's Linear(+activation) pairs, or a
-    traced model's repeated blocks (models/trace `traced_layers`, which needs the setup)."""
+    traced model's repeated blocks (models/traced `traced_layers`, which needs the setup)."""
     if isinstance(model, TracedModel):
         return len(traced_layers(model, setup))
     return model.n_layer if isinstance(model, TransformerConfig) else len(model.hidden) + 1

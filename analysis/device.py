@@ -13,8 +13,8 @@ with its free-the-cache-and-retry rule, not the allocated bytes against the budg
 
 from __future__ import annotations
 
-from ..models.costs import DEVICES, DeviceProfile
 from ..models.cuda_context import ASSUMED_ROW, CudaContext
+from ..models.devices import DEVICES, DeviceProfile
 from ..models.gpu import nccl_buffer_bytes
 from ..simulator.device_memory import DeviceMemory, device_memory
 from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Phase, Pool

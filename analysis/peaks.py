@@ -30,7 +30,7 @@ from ..simulator.timeline import PeakPoint, Timeline, timeline
 class Peaks:
     rank: int
     pool: Pool
-    peak: PeakPoint
+    overall: PeakPoint  # the whole run's (every step)
     first_step: PeakPoint
     steady: PeakPoint | None  # None when the run has a single step
     headroom: float
@@ -38,12 +38,12 @@ class Peaks:
     @property
     def capacity_needed(self) -> int:
         """peak x (1 + headroom), rounded up to a whole byte (exact integer arithmetic)."""
-        return with_headroom(self.peak.bytes, self.headroom)
+        return with_headroom(self.overall.bytes, self.headroom)
 
     @property
     def transient(self) -> int:
         """How far the true peak is above the steady-state peak (0 when the steady state is the peak)."""
-        return self.peak.bytes - self.steady.bytes if self.steady else 0
+        return self.overall.bytes - self.steady.bytes if self.steady else 0
 
 
 def with_headroom(nbytes: int, headroom: float) -> int:
@@ -56,5 +56,5 @@ def peaks(log: EventLog | Timeline, rank: int = 0, pool: Pool = Pool.DEVICE, hea
     tl = log if isinstance(log, Timeline) else timeline(log, rank, pool)
     steps = np.array([e.step for e in tl.events], dtype=np.int64)
     steady = tl.peak_in(steps >= 2) if (steps >= 2).any() else None
-    return Peaks(rank=tl.rank, pool=tl.pool, peak=tl.peak_in(), first_step=tl.peak_in(steps <= 1),
+    return Peaks(rank=tl.rank, pool=tl.pool, overall=tl.peak_in(), first_step=tl.peak_in(steps <= 1),
                  steady=steady, headroom=headroom)

@@ -159,7 +159,7 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     events = rank_events(log, rank)  # the rank's events, found once for its timelines and its allocator replay
     tl = timeline(log, rank, pool, events)
     pk = peaks(tl, headroom=headroom)
-    rows = ledger_at(tl, pk.peak.index) if pk.peak.event is not None else []
+    rows = ledger_at(tl, pk.overall.index) if pk.overall.event is not None else []
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events))
@@ -208,7 +208,7 @@ def report_json(r: Report) -> dict:
         "n_trainable": md.get("n_trainable"),
         "rank": r.peaks.rank,
         "pool": r.peaks.pool.value,
-        "peak": _peak_json(r.peaks.peak),
+        "peak": _peak_json(r.peaks.overall),
         "first_step_peak": _peak_json(r.peaks.first_step),
         "steady_peak": _peak_json(r.peaks.steady),
         "transient_bytes": r.peaks.transient,
@@ -218,7 +218,7 @@ def report_json(r: Report) -> dict:
         "ledger": [row.as_json() for row in r.ledger],
         "phases": [p.as_json() for p in r.phases],
         "ranks": [rp.as_json() for rp in r.ranks],
-        "host_peak": _peak_json(r.host.peak) if r.host else None,
+        "host_peak": _peak_json(r.host.overall) if r.host else None,
         "steps": plan.steps,
         "steps_simulated": plan.simulated,
         "repeats": _repeats_json(plan),
@@ -382,9 +382,9 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
             lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
     lines.append("")
-    e = pk.peak.event
+    e = pk.overall.event
     if e is not None:
-        lines.append(f"true peak        {f(pk.peak.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
+        lines.append(f"true peak        {f(pk.overall.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
                      + (f", micro-batch {e.micro_batch_index}" if e.micro_batch_index >= 0 else "") + ")")
         lines.append(f"first-step peak  {f(pk.first_step.bytes):>14}  at {pk.first_step.event.op}")
         if pk.steady is not None and pk.steady.event is not None:
@@ -393,9 +393,11 @@ def render_text(r: Report, unit: str = "GiB") -> str:
                 lines.append(f"  the first step is {f(pk.first_step.bytes - pk.steady.bytes)} above the steady state: "
                              + cause(pk.first_step.event, pk.first_step.live_by_category, setup))
         if r.host is not None:
-            he = r.host.peak.event
-            lines.append(f"host peak        {f(r.host.peak.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
-                         f"  (rank {r.host.rank} host memory)")
+            he = r.host.overall.event
+            lines.append(
+                f"host peak        {f(r.host.overall.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
+                f"  (rank {r.host.rank} host memory)"
+            )
         if pk.headroom:
             what = "device total" if r.gpu is not None else "peak"
             lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..models.costs import DEVICES
+from ..models.devices import DEVICES
 from ..simulator.events import Block, Category, EventLog, Phase, Pool
 from ..simulator.timeline import timeline
 from .phases import phase_peaks

@@ -146,7 +146,7 @@ def child_proof(config_path: str, layers: int) -> dict:
     from peakledger.models.compile.capture import compile_capture
     from peakledger.models.compile.convert import to_tape
     from peakledger.models.config import TrainingSetup
-    from peakledger.models.trace import from_hf_dict
+    from peakledger.models.traced import from_hf_dict
 
     data = json.load(open(config_path))
     setup = TrainingSetup(micro_batch=1, seq_len=4096, steps=1, precision="bf16-autocast", compile=True)
@@ -188,7 +188,7 @@ def child_proof(config_path: str, layers: int) -> dict:
         compiled._CACHE.clear()
         compiled._CACHE[compiled._key(model, setup)] = cap
         report = api.run(Scenario(name="proof", model=model, setup=setup, device="cpu"))
-        sims.append((report.peaks.peak.bytes, [(e.action, e.block.nbytes, e.block.category, e.phase, e.op, e.time)
+        sims.append((report.peaks.overall.bytes, [(e.action, e.block.nbytes, e.block.category, e.phase, e.op, e.time)
                                                for e in report.log.events]))
     moved = [i for i, (x, y) in enumerate(zip(sims[0][1], sims[1][1])) if x != y]
     same_instant = all(sims[0][1][i][5] == sims[1][1][i][5] for i in moved)
@@ -208,7 +208,7 @@ def child_fp32(config_path: str) -> dict:
     from peakledger.models.compile import workspace
     from peakledger.models.compile.capture import compile_capture
     from peakledger.models.config import TrainingSetup
-    from peakledger.models.trace import from_hf_dict
+    from peakledger.models.traced import from_hf_dict
 
     data = json.load(open(config_path))
     setup = TrainingSetup(micro_batch=1, seq_len=4096, steps=1, precision="bf16-autocast", compile=True)

@@ -54,7 +54,7 @@ def label(family, precision, lora, ckpt, par, attn) -> str:
 def peak(config: Path, describer: str, training: dict, device: str) -> int | str:
     try:
         scenario = build_scenario({"hf_config": str(config), "describer": describer}, training, {"device": device})
-        return api.run(scenario).peaks.peak.bytes
+        return api.run(scenario).peaks.overall.bytes
     except ConfigError as e:
         return f"refused ({e.field})"
 

@@ -57,7 +57,7 @@ RUNS = [  # (label, model, training fields, target seconds or None)
 
 def child(spec: dict) -> dict:
     from peakledger import api
-    from peakledger.models.costs import device_profile
+    from peakledger.models.devices import device_profile
     from peakledger.models.parallel.mesh import MeshTapes, mesh_classes, simulated_ranks
     from peakledger.models.training import build_tape, engine_classes
     from peakledger.scenario import build_scenario
@@ -71,7 +71,7 @@ def child(spec: dict) -> dict:
         bubbles = [t["bubble"] for t in pipeline.get("timing", {}).values()]
         return {"seconds": seconds, "classes": len(report.ranks),
                 "simulated": len({e.block.rank for e in report.log.events}),
-                "worst_rank": report.peaks.rank, "peak": report.peaks.peak.bytes,
+                "worst_rank": report.peaks.rank, "peak": report.peaks.overall.bytes,
                 "device_total": report.gpu.total_peak.total if report.gpu else None,
                 "rank_peaks": sorted({rp.peak.bytes for rp in report.ranks}),
                 "bubble": (min(bubbles), max(bubbles)) if bubbles else None,

@@ -53,7 +53,7 @@ BEFORE = ("Before (a GraphBuilder and an engine per rank for engines that are no
 def child(spec: dict) -> dict:
     """One measurement, in this process: the rank classes alone, or the whole run."""
     from peakledger import api
-    from peakledger.models.costs import device_profile
+    from peakledger.models.devices import device_profile
     from peakledger.models.training import build_tape, rank_classes
     from peakledger.scenario import build_scenario
 

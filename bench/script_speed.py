@@ -55,7 +55,7 @@ else:
     from peakledger.models.script.phases import StopScript
     from peakledger.models.script.values import Values, numpy_reads
     from peakledger.models.script.record import Recorder
-    from peakledger.models.trace.realpath import cpu_fake_kernels, real_code_paths
+    from peakledger.models.traced.realpath import cpu_fake_kernels, real_code_paths
     from peakledger.models.script.phases import Position, ScriptPhases
     from peakledger.simulator.events import Phase
     values = Values()

@@ -1,4 +1,4 @@
-"""How fast the traced describer (models/trace/) is on full-size models: one training step (micro-batch 1,
+"""How fast the traced describer (models/traced/) is on full-size models: one training step (micro-batch 1,
 seq 4096, bf16-mixed, AdamW) of a llama-3-8b-sized and a llama-3-70b-sized HF config, traced on fake
 tensors and simulated; next to it, torch's MemTracker under FakeTensorMode on the same 8B-sized model.
 Writes the "Traced describer: speed" section of bench/RESULTS.md (the other sections are kept).
@@ -7,9 +7,9 @@ Writes the "Traced describer: speed" section of bench/RESULTS.md (the other sect
     python bench/traced_speed.py --write    # and write the section
     python bench/traced_speed.py --skip-70b --skip-memtracker   # quicker
 
-Stages of a first `describe` (trace cache empty): model build + trace (`models.trace.recording`: the HF
+Stages of a first `describe` (trace cache empty): model build + trace (`models.traced.recording`: the HF
 model built under FakeTensorMode, one micro-batch recorded as the CUDA program of the profile; a model of many
-identical layers traced with 3 and 4 layers and derived, models/trace/depth.py), conversion to the tape
+identical layers traced with 3 and 4 layers and derived, models/traced/depth.py), conversion to the tape
 (`convert.to_tape`), the op graph (the rest of `describe`); then `simulate`. The stage times are read by wrapping
 those two functions for the run (nothing is changed in them; a call made inside another counts once). Then the
 derivation is proven on the model itself: the derived recording against the trace of all its layers
@@ -27,13 +27,13 @@ import warnings
 
 from sections import replace_section  # bench/sections.py, beside this script
 
-import peakledger.models.trace as trace
-import peakledger.models.trace.convert as convert
+import peakledger.models.traced as trace
+import peakledger.models.traced.convert as convert
 from peakledger import api
 from peakledger.analysis.units import format_bytes, parse_bytes
 from peakledger.models.config import TrainingSetup
-from peakledger.models.costs import device_profile
-from peakledger.models.trace import depth, from_hf_dict
+from peakledger.models.devices import device_profile
+from peakledger.models.traced import depth, from_hf_dict
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
@@ -52,7 +52,7 @@ SEARCH_BUDGET = "240GiB"  # a budget above the 8B's fixed state (bf16-mixed Adam
 
 
 class Stopwatch:
-    """Wall time spent inside `models.trace.recording` and `convert.to_tape` while active."""
+    """Wall time spent inside `models.traced.recording` and `convert.to_tape` while active."""
 
     def __init__(self):
         self.seconds = {"trace": 0.0, "convert": 0.0}
@@ -183,7 +183,7 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
                      f"{r['describe']:.2f} s | {r['simulate']:.2f} s | **{r['total']:.2f} s** | {r['again']:.2f} s "
                      f"(trace {r['again_trace']:.3f} s) | {r['aten_ops']:,} / {r['nodes']:,} | {r['ops']:,} | "
                      f"{r['events']:,} | {format_bytes(r['peak'])} |")
-    lines += ["", "The layers derived, not traced (models/trace/depth.py), and proven on each model: its recording "
+    lines += ["", "The layers derived, not traced (models/traced/depth.py), and proven on each model: its recording "
               "derived from 3 and 4 layers against the trace of all its layers, " + "; ".join(
                   f"{r['name']} {'equal' if r['derived_equal'] else 'NOT EQUAL'} (whole trace {r['whole']:.1f} s)"
                   for r in results) + "."]
@@ -193,9 +193,9 @@ def render(results: list[dict], search: dict | None, mt: dict | None, command: s
                      f"8B-sized model in the same process: answer {search['best']} in {search['seconds']:.1f} s; "
                      f"{search['calls']} trace-cache lookups ({search['trace']:.1f} s in them): micro-batch "
                      f"{', '.join(map(str, search['traced']))} recorded (each from traces of 3 and 4 layers, "
-                     "models/trace/depth.py), "
+                     "models/traced/depth.py), "
                      f"{', '.join(map(str, search['derived'])) or 'none'} derived from three traced sizes of one "
-                     "program (models/trace/scale.py); a micro-batch of 1 is a program of its own (a size-1 "
+                     "program (models/traced/scale.py); a micro-batch of 1 is a program of its own (a size-1 "
                      "dimension spares a reshape's copy), so it is not one of the three.")
         lines.append("")
     if mt is not None:

@@ -275,7 +275,7 @@ def compare_run(trace, report) -> dict:
            "preexisting_bytes": trace.preexisting_bytes, "preexisting_reserved": trace.preexisting_reserved}
     if dm is None:
         return {**out, "note": "the report is of a CPU profile: no allocator to compare"}
-    predicted = {"allocated": report.peaks.peak.bytes, "reserved": dm.reserved_peak.reserved}
+    predicted = {"allocated": report.peaks.overall.bytes, "reserved": dm.reserved_peak.reserved}
     error = peak_errors(measured, predicted)
     return {**out, "predicted": predicted, "error": error,
             "within_target": {k: error[k] is not None and abs(error[k]) <= tol for k, tol in TARGETS.items()},
@@ -348,7 +348,7 @@ def build_on(scenario, device: str = "cuda") -> tuple:
     the host and moved, the batches left on the host (`run_loop` copies each micro-batch in, as the CPU tracker's
     loop clones it). Traced models: built under `torch.device(device)`, as the loss closes over the factory's batch,
     which must be there too (traces/reference/traced.py real_model)."""
-    from peakledger.models.trace.model import TracedModel
+    from peakledger.models.traced.model import TracedModel
     from peakledger.traces.cuda_capture import place_model
     from peakledger.traces.reference import make_optimizer
 
@@ -498,7 +498,7 @@ def dry_run(configs: list[GpuConfig], device: dict | None, log=print) -> list[di
             frees = sum(e.action is Action.FREE for e in device_events)
             entries = len(device_events) + frees + report.gpu.segment_allocs  # a free: free_requested + completed
             rows.append({"label": c.label, "snapshot": f"{c.slug}.pickle.gz", "profile": profile,
-                         "predicted": {"allocated": report.peaks.peak.bytes,
+                         "predicted": {"allocated": report.peaks.overall.bytes,
                                        "reserved": report.gpu.reserved_peak.reserved},
                          "trace_entries": entries, "max_entries": max_entries_for(report)})
         except Exception as e:

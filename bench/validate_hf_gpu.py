@@ -60,7 +60,7 @@ def not_predicted(options: dict) -> str | None:
     if not options.get("compile"):
         return None
     from peakledger.models.config import ConfigError
-    from peakledger.models.costs import device_profile
+    from peakledger.models.devices import device_profile
 
     try:
         from peakledger.models.compile.gpu import gpu_check

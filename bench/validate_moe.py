@@ -90,7 +90,7 @@ def mixtral(impl: str, routing: str, zero3: bool) -> dict:
     t0 = time.perf_counter()
     report = run(scenario)
     seconds = time.perf_counter() - t0
-    return {"peak": report.peaks.peak.bytes, "fb": phase_peak(report.log, (Phase.FORWARD, Phase.BACKWARD)),
+    return {"peak": report.peaks.overall.bytes, "fb": phase_peak(report.log, (Phase.FORWARD, Phase.BACKWARD)),
             "seconds": seconds}
 
 

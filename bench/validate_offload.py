@@ -159,7 +159,7 @@ def gpu_table() -> list[str]:
             pk, gib = report.peaks, 2**30
             name = mode if mode != "chunked" else f"chunked, first step {first}"
             lines.append(f"| {label} | {name} | {pk.first_step.bytes / gib:.2f} GiB | {pk.steady.bytes / gib:.2f} GiB "
-                         f"| {report.host.peak.bytes / gib if report.host else 0:.2f} GiB | "
+                         f"| {report.host.overall.bytes / gib if report.host else 0:.2f} GiB | "
                          f"{report.time_per_step_s:.2f} s |")
     return lines
 

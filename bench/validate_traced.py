@@ -1,4 +1,4 @@
-"""The traced describer (models/trace/) against real CPU runs: 17 HF model types from tiny config dicts and
+"""The traced describer (models/traced/) against real CPU runs: 17 HF model types from tiny config dicts and
 nn.Modules of our own (examples/modules/), each 2 training steps in fp32 and bf16 autocast, with AdamW
 and with SGD with momentum, under the project's exact allocation tracker (`peakledger.validation.validate`).
 
@@ -27,7 +27,7 @@ from peakledger import validation
 from peakledger.analysis.validate import static_rows
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.presets import from_hf_config
-from peakledger.models.trace import from_hf_dict, from_module_spec
+from peakledger.models.traced import from_hf_dict, from_module_spec
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
@@ -247,7 +247,7 @@ def render(rows: list[Row], seconds: float, command: str, whatifs=()) -> str:
     refused = sorted({r.label for r in hf if r.before.startswith("refused")})
     return "\n".join([
         SECTION, "",
-        "The traced describer (models/trace/: the model run once on fake tensors, its aten ops, storages, saves "
+        "The traced describer (models/traced/: the model run once on fake tensors, its aten ops, storages, saves "
         "and autograd nodes recorded into the tape) against the same program run for real on the CPU (random "
         "weights, 2 training steps, exact allocation tracker, `peakledger.validation.validate`). HF rows: "
         f"`from_hf_dict` on tiny configs of {len(HF)} model types (2 layers, hidden 64, 4 heads, vocab 256; "
@@ -285,7 +285,7 @@ def render(rows: list[Row], seconds: float, command: str, whatifs=()) -> str:
         "only frees).",
         "- peft under FakeTensorMode: `get_peft_model` moves each adapter with `Module.to(device, dtype)`, which "
         "cannot swap fake parameters; the describer runs factories and peft with such moves done by hand "
-        "(models/trace/model.py `fake_module_moves`).", "",
+        "(models/traced/model.py `fake_module_moves`).", "",
         *whatif_lines(whatifs)])
 
 

@@ -1,5 +1,5 @@
 """`GraphBuilder`: one rank's maker of blocks and ops. It gives each block a fresh id and each op its place on
-its stream and its duration from the cost model (models/costs.py), adds the cuBLAS / cuBLASLt workspaces a GPU
+its stream and its duration from the cost model (models/devices.py), adds the cuBLAS / cuBLASLt workspaces a GPU
 thread's first GEMM allocates (models/gpu.py), and holds the rank's data-parallel engine (models/parallel) that
 the replay (models/replay/) calls around every op. models/training.py `describe` makes one per simulated
 rank; models/parallel/mesh.py `rank_builder` makes a model-parallel rank's.
@@ -13,7 +13,7 @@ import itertools
 from ..simulator.events import Block, Category, Phase, Pool, Stream, new_block
 from ..simulator.ops import Op, OpGraph, new_op
 from .config import ConfigError, TrainingSetup
-from .costs import DeviceProfile
+from .devices import DeviceProfile
 from .gpu import cublas_workspace_bytes, cublaslt_workspace_bytes
 from .lora import LoraTape, adapter_parameters
 from .parallel import make_engine
@@ -65,7 +65,7 @@ class GraphBuilder:
         self.param_shape = {p.name: p.shape for p in tape.params}
         self.replay_plans: dict = {}  # models/replay/plan.py: each tape's replay plan, made once for this rank
         self.replay_templates: dict = {}  # models/replay/template.py: each plan's recorded passes
-        # the cost model's rates (models/costs.py DeviceProfile.duration), taken once: every op reads them
+        # the cost model's rates (models/devices.py DeviceProfile.duration), taken once: every op reads them
         self._flop_rate = device.flops.get(setup.precision.compute, device.flops["fp32"]) * device.flops_efficiency
         self._byte_rate = device.bandwidth * device.bandwidth_efficiency
         self._cuda = device.is_cuda

@@ -30,7 +30,7 @@ reserved`, read where the measurement says (relative to the repository root):
 `cuda_context(profile, torch_version, setup)` picks, for a device profile and the scenario's torch version:
 measured, when a measurement of that profile's GPU with that torch major.minor exists; else assumed from a
 measurement of the same compute capability and torch version (another GPU of the same architecture: its
-figures, labelled as borrowed); else assumed: the profile's `context_bytes` (models/costs.py), one figure for
+figures, labelled as borrowed); else assumed: the profile's `context_bytes` (models/devices.py), one figure for
 the context and the kernels. The result says which, and from where, in every line it prints.
 """
 
@@ -44,7 +44,7 @@ MiB = 1 << 20
 
 
 class Device(Protocol):
-    """What this module reads of a device profile (models/costs.py `DeviceProfile`, which imports this module)."""
+    """What this module reads of a device profile (models/devices.py `DeviceProfile`, which imports this module)."""
 
     name: str
     compute_capability: tuple[int, int]
@@ -57,7 +57,7 @@ class ContextMeasurement:
     """One GPU, torch and CUDA version: what `total - free - reserved` read, in bytes (module docstring)."""
 
     gpu: str  # torch.cuda.get_device_name()
-    profile: str  # the device profile (models/costs.py DEVICES) of that GPU
+    profile: str  # the device profile (models/devices.py DEVICES) of that GPU
     compute_capability: tuple[int, int]
     torch: str  # torch.__version__
     cuda: str

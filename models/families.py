@@ -1,7 +1,7 @@
 """The model families, in one registry: which family a model is (`family_of`), and how each is described.
 
 A family is a kind of model the project knows how to describe: the traced describer takes any nn.Module (a HF
-config or a user's factory, models/trace); the hand-written describers take HF's Mixtral (hf_mixtral.py), HF's
+config or a user's factory, models/traced); the hand-written describers take HF's Mixtral (hf_mixtral.py), HF's
 GPT-2 (transformer/hf_gpt2.py), nanoGPT's GPT-2 and Llama (transformer/nanogpt.py) and the MLP (transformer/mlp.py).
 The first family that takes a model describes it. The measuring side builds each family's real program under the
 same name (traces/reference/build.py `PROGRAMS`). Adding a family is its describer's module, one `Family(...)`
@@ -17,8 +17,8 @@ from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from .hf_mixtral import hf_mixtral_tape
 from .moe import check_routing
 from .tape import Tape
-from .trace import traced_tape
-from .trace.model import TracedModel
+from .traced import traced_tape
+from .traced.model import TracedModel
 from .transformer import mlp_tape, transformer_tape
 
 Cuda = tuple[tuple[int, int], str] | None  # (compute capability, torch version) of a GPU program, None on a CPU

@@ -114,7 +114,7 @@ class GradStep:
 
 @dataclass(frozen=True)
 class GradNode:
-    """An autograd node as the real engine ran it on fake tensors (models/trace), in execution order.
+    """An autograd node as the real engine ran it on fake tensors (models/traced), in execution order.
     `op` is the index of the forward op that made it (None: AccumulateGrad and other nodes no op returned)."""
 
     name: str
@@ -128,7 +128,7 @@ class Tape:
     """The forward pass of one micro-batch, plus the parameters it uses.
 
     A hand-written describer leaves `backward` empty: the replay derives each op's backward node from the
-    op (models/replay/). A traced tape (models/trace) carries the backward the real autograd engine
+    op (models/replay/). A traced tape (models/traced) carries the backward the real autograd engine
     ran, node by node (`GradNode`), and the replay follows it instead; everything else (saves, regions,
     the engines' hooks, parameter gradients) goes through the same replay.
     """

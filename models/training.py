@@ -40,7 +40,7 @@ from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
 from .config import INT64_MAX, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
-from .costs import DeviceProfile, device_profile
+from .devices import DeviceProfile, device_profile
 from .families import family_of
 from .moe import active_params, has_experts
 from .offload import OffloadedStates
@@ -53,11 +53,11 @@ from .parallel.pipeline import pipeline_metadata, pipeline_timing
 from .rank_ranges import RankRanges
 from .replay import GradState, MicroBatchReplay
 from .tape import Tape
-from .trace.model import TracedModel
+from .traced.model import TracedModel
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel
 _new = object.__new__
-TRACED_ON_CPU = ("traced on fake CPU tensors as torch dispatches for CUDA tensors (models/trace/cuda_program.py): "
+TRACED_ON_CPU = ("traced on fake CPU tensors as torch dispatches for CUDA tensors (models/traced/cuda_program.py): "
                  "CUDA's autocast op lists, the SDPA kernel torch picks on this GPU, the fused dropout")
 
 
@@ -209,7 +209,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
                            ({"0": [[0, 1016], [1018, 1023]], "1017": [[1017, 1017]]}): any world size;
       `rank_classes`       every class's ranks listed ({"0": [0, 1, ...]}), or null for a class of more than
                            RANK_LIST_LIMIT (65,536) ranks, whose list would outweigh the rest of the run.
-    On a GPU profile a traced model is the CUDA program of `torch_version`'s kernel rules (models/trace)."""
+    On a GPU profile a traced model is the CUDA program of `torch_version`'s kernel rules (models/traced)."""
     profile = device if isinstance(device, DeviceProfile) else device_profile(device)
     plan = StepPlan(setup.batch.steps, setup.batch.steps) if all_steps else step_plan(setup)
     cuda = (profile.compute_capability, torch_version) if profile.is_cuda else None

@@ -2,7 +2,7 @@
 
     from peakledger import build_scenario, run
     report = run(build_scenario({"preset": "gpt2"}, {"micro_batch": 8}))
-    print(report.peaks.peak.bytes)
+    print(report.peaks.overall.bytes)
 
     # any HF model type, or your own module, traced on fake tensors
     report = run(trace(hf_config="config.json", micro_batch=4, seq_len=2048, precision="bf16-mixed"))

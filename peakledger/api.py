@@ -19,9 +19,9 @@ from .analysis.peers import (
 from .analysis.peers_parallel import parallel_peers as formulas
 from .analysis.report import Report, summarize
 from .models.config import ConfigError
-from .models.costs import device_profile
-from .models.trace import from_hf_dict
-from .models.trace.model import TracedModel
+from .models.devices import device_profile
+from .models.traced import from_hf_dict
+from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
@@ -34,7 +34,7 @@ STATE_CATEGORIES = (Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRAD
 
 def trace(hf_config=None, *, module: str | None = None, name: str | None = None, device: str = "H100-80GB",
           describer: str = "traced", **training) -> Scenario:
-    """A scenario for a model peakledger traces (models/trace): `hf_config` a config.json path or a dict of
+    """A scenario for a model peakledger traces (models/traced): `hf_config` a config.json path or a dict of
     one, or `module` "path/to/file.py:factory" (factory() -> (model, batch, loss_fn)); `training` holds
     TrainingSetup fields (micro_batch, seq_len, precision, optimizer, checkpointing, ...). The result goes
     to `run`, `explain`, `max_micro_batch` and analysis.checkpointing like any scenario; the trace itself
@@ -137,7 +137,7 @@ def peers(scenario: Scenario) -> list[dict]:
         states = max(model_state_peak(report.log, rp.rank) for rp in report.ranks)
         deepspeed = {2: deepspeed_zero2_estimate(psi, n), 3: deepspeed_zero3_estimate(psi, largest, n)}.get(stage)
         rows.append({"stage": stage, "world_size": n, "n_params": psi, "model_states": states,
-                     "peak": report.peaks.peak.bytes, "zero_paper": round(zero_paper_model_states(psi, n, stage)),
+                     "peak": report.peaks.overall.bytes, "zero_paper": round(zero_paper_model_states(psi, n, stage)),
                      "deepspeed_estimate": deepspeed, "largest_layer_params": largest})
     return rows
 
@@ -162,13 +162,18 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
         report = run(scenario)
     except ConfigError as e:
         return [{"source": "peakledger", "why": [f"not simulated: {e}"]}] + rows
-    ours = {"source": "peakledger", "peak": report.peaks.peak.bytes,
-            "model_states": max(model_state_peak(report.log, rp.rank) for rp in report.ranks),
-            "activations": sum(r.bytes for r in report.ledger if r.category is Category.ACTIVATION),
-            "why": [f"simulated: rank {report.peaks.rank}'s peak (the worst of {len(report.ranks)} rank classes) at "
-                    f"{report.peaks.peak.event.op if report.peaks.peak.event else '-'}, the schedule run op by op; "
-                    "activations: the worst rank's saved activations at its peak; temporaries and buffers are in the "
-                    "peak too"]}
+    ours = {
+        "source": "peakledger",
+        "peak": report.peaks.overall.bytes,
+        "model_states": max(model_state_peak(report.log, rp.rank) for rp in report.ranks),
+        "activations": sum(r.bytes for r in report.ledger if r.category is Category.ACTIVATION),
+        "why": [
+            f"simulated: rank {report.peaks.rank}'s peak (the worst of {len(report.ranks)} rank classes) at "
+            f"{report.peaks.overall.event.op if report.peaks.overall.event else '-'}, the schedule run op by op; "
+            "activations: the worst rank's saved activations at its peak; temporaries and buffers are in the "
+            "peak too"
+        ],
+    }
     return [ours] + rows
 
 
@@ -205,8 +210,8 @@ def compile_savings(scenario: Scenario, compiled: Report) -> dict:
         peak = _training_peak(report)
         at[name] = (peak, ledger_at(report.timeline, peak.index) if peak is not None and peak.index >= 0 else [])
     (e_peak, e_rows), (c_peak, c_rows) = at["eager"], at["compiled"]
-    return {"eager_peak": eager.peaks.peak.bytes, "compiled_peak": compiled.peaks.peak.bytes,
-            "saved": eager.peaks.peak.bytes - compiled.peaks.peak.bytes,
+    return {"eager_peak": eager.peaks.overall.bytes, "compiled_peak": compiled.peaks.overall.bytes,
+            "saved": eager.peaks.overall.bytes - compiled.peaks.overall.bytes,
             "by_row_at_peak": _rows_beside(eager.ledger, compiled.ledger),
             "by_phase": by_phase,
             "forward_backward_peak": {"eager": e_peak.allocated if e_peak else 0,

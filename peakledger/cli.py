@@ -25,7 +25,7 @@ import traceback
 from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_run, cmd_simulate, cmd_validate, cmd_where
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
-from .models.trace.boundary import end_user_processes, time_limit
+from .models.traced.boundary import end_user_processes, time_limit
 from .simulator.safe_io import InputError, all_or_none, digits_message, too_many_digits
 
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the one place an unexpected error becomes a message
         return _internal_error(args, e)
     finally:
-        end_user_processes()  # what a --module's code started ends with the command (models/trace/processes.py)
+        end_user_processes()  # what a --module's code started ends with the command (models/traced/processes.py)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 

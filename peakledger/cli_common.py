@@ -14,7 +14,7 @@ from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
 from .models.config import FLAG_GROUPS, SETUP_KNOBS, ConfigError
-from .models.costs import DEVICES, device_profile
+from .models.devices import DEVICES, device_profile
 from .models.presets import PRESETS
 from .scenario import parse_value
 from .simulator.numbers import float_text, int_text, non_ascii_digit

@@ -288,7 +288,7 @@ def cmd_fit(args) -> int:
             except InputError as e:
                 raise InputError(e.field, f"{e.message} ({row.where})") from None
         report = cache[repr(sc)]
-        allocated_rows.append(Measurement(row.where, sc.setup.batch.seq_len, report.peaks.peak.bytes, alloc))
+        allocated_rows.append(Measurement(row.where, sc.setup.batch.seq_len, report.peaks.overall.bytes, alloc))
         rp = predicted_reserved(report)
         if rp is None:
             reserved_predicted = False
@@ -349,7 +349,7 @@ def cmd_apply(args) -> int:
     known = recheck_seq_len(calibration, scenario.setup.batch.seq_len)  # is the prediction still the one calibrated?
     if known is not None:
         then = report if known == scenario.setup.batch.seq_len else api.run(scenario.with_changes(seq_len=known))
-        warnings += [w for w in [stale_check(calibration, known, then.peaks.peak.bytes)] if w]
+        warnings += [w for w in [stale_check(calibration, known, then.peaks.overall.bytes)] if w]
     for w in warnings:
         print(f"peakledger: warning: {w}", file=sys.stderr)
     peaks = [p for p in (result.allocated, result.reserved) if p is not None]

@@ -14,7 +14,7 @@ from .analysis.validate import render_validation, validation_json
 from .cli_common import add_check_flag, budget_flag, budget_of, decide, fit_verdict, flag_float, flag_int, write_json
 from .inputs import check_command_outputs
 from .models.config import ConfigError
-from .models.costs import DEVICES
+from .models.devices import DEVICES
 from .progress import progress
 from .script import ScriptRun, predict_script, validate_script, with_args
 from .simulator.allocator import TORCH_VERSIONS
@@ -128,7 +128,7 @@ def cmd_run(args) -> int:
     code = decide(args, code)
     if args.json:
         write_json({**report_json(report), "script": report.metadata["script"],
-                     **({"tries": [{"args": t, "peak": r.peaks.peak.bytes, "capacity_needed": r.capacity_needed,
+                     **({"tries": [{"args": t, "peak": r.peaks.overall.bytes, "capacity_needed": r.capacity_needed,
                                     "fits": None if budget is None else fit_verdict(r, budget, 0.0).fits}
                                    for t, r in tries]} if tries else {}),
                      **({"validation": validation_json(validations[0]),

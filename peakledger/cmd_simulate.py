@@ -43,7 +43,7 @@ from .inputs import (
     scenario_from_args,
 )
 from .models.config import ConfigError
-from .models.costs import DEVICES
+from .models.devices import DEVICES
 from .models.training import StepPlan
 from .progress import progress
 from .simulator.timeline import timeline
@@ -161,7 +161,7 @@ def cmd_max_batch(args) -> int:
               "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
     if best > 0:
         at = api.run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=best)))
-        result["peak_at_max"] = at.peaks.peak.bytes
+        result["peak_at_max"] = at.peaks.overall.bytes
         result["effective_batch_at_max"] = best * scenario.setup.batch.grad_accum * scenario.setup.mesh.dp
     else:
         one = api.run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=1)))
@@ -252,7 +252,7 @@ def cmd_compare(args) -> int:
     for label in rows:
         vals = []
         for _, r in results:
-            p = {"peak": r.peaks.peak, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
+            p = {"peak": r.peaks.overall, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
             vals.append(format_bytes(p.bytes, u) if p else "-")
         print(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
     print("at the peak:")
@@ -264,7 +264,7 @@ def cmd_compare(args) -> int:
         print(f"  {row_name:<28}" + "".join(f"{v:>{width}}" for v in vals))
     print("peak reached at:")
     for name, r in results:
-        e = r.peaks.peak.event
+        e = r.peaks.overall.event
         print(f"  {name}: {e.op} ({e.phase.value}, step {e.step})")
     if budget is not None:
         verdicts = [f"{name} {'fits' if api.fits(r, budget) else 'does not fit'}" for name, r in results]

@@ -24,7 +24,7 @@ from .inputs import (
     scenario_for_trace,
 )
 from .models.config import ConfigError
-from .models.costs import DEVICES, device_profile
+from .models.devices import DEVICES, device_profile
 from .models.training import describe
 from .progress import progress
 from .simulator.allocator import AllocatorConfig

@@ -58,7 +58,7 @@ from fractions import Fraction
 from .analysis.report import run_plan, run_seconds, step_ends
 from .analysis.units import format_bytes
 from .models.config import ConfigError
-from .models.costs import device_profile
+from .models.devices import device_profile
 from .scenario import Scenario
 from .simulator.events import EventLog
 

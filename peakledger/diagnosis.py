@@ -189,7 +189,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits
                else (1, f.capacity_needed, f.changes_training))  # on the same GPUs before more GPUs
     return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
-                       host_moment=host, peak=base.peaks.peak.bytes, capacity_needed=base.capacity_needed,
+                       host_moment=host, peak=base.peaks.overall.bytes, capacity_needed=base.capacity_needed,
                        step_time=base.time_per_step_s, fixes=fixes, gpu=found[0] if found else base.gpu,
                        gpu_oom=gpu_oom, fragmentation=fragmentation, fits=fits_now,
                        where=where(moment.event, setup) + f", rank {moment.rank}",
@@ -203,7 +203,7 @@ ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})
 def _helps(fix: Fix, base: Report, fits_now: bool) -> bool:
     """A fix is listed when it makes the run fit, or lowers its tensors' peak, or (the allocator's own settings,
     which never change the tensors) lowers the device memory the run needs."""
-    if fix.fits and not fits_now or fix.peak < base.peaks.peak.bytes:
+    if fix.fits and not fits_now or fix.peak < base.peaks.overall.bytes:
         return True
     return set(fix.changes) <= ALLOCATOR_KNOBS and fix.capacity_needed < base.capacity_needed
 
@@ -213,7 +213,7 @@ def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_trai
     return Fix(
         name=name,
         changes=changes,
-        peak=report.peaks.peak.bytes,
+        peak=report.peaks.overall.bytes,
         capacity_needed=report.capacity_needed,
         fits=api.fits(report, budget),
         step_time=report.time_per_step_s,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from .analysis.checkpointing import compile_applies
 from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, TransformerConfig
-from .models.costs import device_profile
-from .models.trace import traced_layers
-from .models.trace.model import TracedModel
+from .models.devices import device_profile
+from .models.traced import traced_layers
+from .models.traced.model import TracedModel
 from .scenario import Scenario
 
 Candidate = tuple[str, dict, bool, str]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
 from .models.config import KNOBS, SETUP_KNOBS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
-from .models.trace.model import TracedModel, from_module_spec
+from .models.traced.model import TracedModel, from_module_spec
 from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.engine import simulate

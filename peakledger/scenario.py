@@ -36,10 +36,10 @@ from .models.config import (
     check_given_knobs,
     read_config_file,
 )
-from .models.costs import DEVICES
+from .models.devices import DEVICES
 from .models.fields import check_types
 from .models.presets import HAND_WRITTEN_HF, PRESETS, hf_equivalent, load_hf_config, preset, read_hf_json
-from .models.trace.model import TracedModel, from_hf_dict, from_module_spec
+from .models.traced.model import TracedModel, from_hf_dict, from_module_spec
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .simulator.engine import SIMULATORS
 from .simulator.numbers import float_text, int_text

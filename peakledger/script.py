@@ -18,7 +18,7 @@ from .analysis.device import with_gpu_oom
 from .analysis.report import Report, summarize
 from .analysis.validate import Validation, compare_logs
 from .models.config import ConfigError
-from .models.costs import device_profile
+from .models.devices import device_profile
 from .models.script import ScriptRecording, check_script, record_script, script_graph
 from .models.script.child import in_children
 from .models.training import RANK_LIST_LIMIT

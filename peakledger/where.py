@@ -1,4 +1,4 @@
-"""Where does a scenario fit: the same training step simulated on every GPU device profile (models/costs.py
+"""Where does a scenario fit: the same training step simulated on every GPU device profile (models/devices.py
 DEVICES), each profile's whole device memory against what the step needs there, and the largest micro-batch
 that fits each (api.max_micro_batch, the search `peakledger max-batch` runs).
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from . import api
 from .models import gpu
 from .models.config import ConfigError, TransformerConfig
-from .models.costs import DEVICES, DeviceProfile
+from .models.devices import DEVICES, DeviceProfile
 from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
 

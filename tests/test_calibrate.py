@@ -131,7 +131,7 @@ def test_apply_uses_a_report_and_its_reserved_peak_when_it_has_one(hand_calibrat
                            fit("reserved", rows((16, 2000, 2000), (64, 2000, 3000))))
     report = api.run(tiny(40))
     r = apply_calibration(reserved, SimpleNamespace(peaks=report.peaks), tiny(40))  # a report without reserved
-    assert r.allocated.raw == report.peaks.peak.bytes and r.reserved is None
+    assert r.allocated.raw == report.peaks.overall.bytes and r.reserved is None
     assert any("reserved" in n and "has none" in n for n in r.notes)
     fake = SimpleNamespace(peaks=report.peaks, reserved_peak=SimpleNamespace(bytes=4000))
     r = apply_calibration(reserved, fake, tiny(40))
@@ -174,7 +174,7 @@ def measured():
     """seq_len -> (predicted, measured) with measured = predicted x (1 + the known residual)."""
     out = {}
     for s, r in RESIDUALS.items():
-        p = api.run(tiny(s)).peaks.peak.bytes
+        p = api.run(tiny(s)).peaks.overall.bytes
         out[s] = (p, round(p * (1 + r)))
     return out
 
@@ -206,12 +206,12 @@ def test_fit_and_apply_end_to_end(main, measured, tmp_path):
     code, out, err = main("calibrate", "apply", "--calibration", out_path, *FLAGS, "--seq-len", "48", "--json")
     assert code == 0 and err == ""
     got = json.loads(out)["allocated"]
-    p48 = api.run(tiny(48)).peaks.peak.bytes
+    p48 = api.run(tiny(48)).peaks.overall.bytes
     assert got["raw"] == p48 and got["within_calibrated_range"]
     assert got["calibrated"] == round(p48 * (1 + r[32] + (r[64] - r[32]) * 0.5))  # halfway from 32 to 64
 
     code, out, err = main("calibrate", "apply", "--calibration", out_path, *FLAGS, "--seq-len", "8")
-    p8 = api.run(tiny(8)).peaks.peak.bytes
+    p8 = api.run(tiny(8)).peaks.overall.bytes
     assert code == 0 and "calibrated" in out and "outside the calibrated range" in out
     assert "warning: seq_len 8 is outside the calibrated range 16..64" in err
     code, out, err = main("calibrate", "apply", "--calibration", out_path, *FLAGS, "--seq-len", "8", "--json")
@@ -277,7 +277,7 @@ def test_snapshots_with_cases_and_a_predicted_reserved_peak(main, measured, tmp_
         paths += ["--snapshot", path, "--case", f"seq_len={s}"]
     real_run = api.run
     monkeypatch.setattr(cmd_calibrate.api, "run", lambda sc: SimpleNamespace(  # the reserved peak to come
-        peaks=real_run(sc).peaks, reserved_peak=SimpleNamespace(bytes=2 * real_run(sc).peaks.peak.bytes)))
+        peaks=real_run(sc).peaks, reserved_peak=SimpleNamespace(bytes=2 * real_run(sc).peaks.overall.bytes)))
     code, out, err = main("calibrate", "fit", *FLAGS, *paths, "--output", tmp_path / "c.json", "--json")
     assert code == 0, err
     data = json.loads(out)

@@ -57,10 +57,10 @@ def test_full_rank0_without_offload_is_the_runs_peak_and_the_report_names_the_ch
     graph, log = run(dp_engine="fsdp2", world_size=2, checkpoint_every=1, save_mode="full-rank0")
     _, plain = run(dp_engine="fsdp2", world_size=2)
     report = summarize(log)
-    peak = report.peaks.peak
+    peak = report.peaks.overall
     assert report.peaks.rank == 0 and peak.event.phase is Phase.CHECKPOINT
     assert peak.live_by_category[Category.CHECKPOINT_STAGING] > 0
-    assert peak.bytes > summarize(plain).peaks.peak.bytes
+    assert peak.bytes > summarize(plain).peaks.overall.bytes
     assert "(checkpoint, step" in render_text(report)
     # rank 0 keeps every gathered tensor: 2 x ceil(dim0 / 2) rows of each parameter and its two Adam states,
     # and the tied embedding's second key once more
@@ -78,9 +78,9 @@ def test_offloaded_full_state_lands_on_rank0s_host_and_spares_its_device():
     _, log = run(dp_engine="fsdp2", world_size=2, checkpoint_every=1, save_mode="full-rank0-offload")
     full = sum(param_numels()) * 4 * ADAM_TENSORS + tied_numel() * 4
     assert spike(log, pool=Pool.HOST) == full
-    assert summarize(log).peaks.peak.event.phase is not Phase.CHECKPOINT
+    assert summarize(log).peaks.overall.event.phase is not Phase.CHECKPOINT
     host = summarize(log, pool=Pool.HOST)
-    assert host.peaks.peak.event.phase is Phase.CHECKPOINT and host.peaks.rank == 0
+    assert host.peaks.overall.event.phase is Phase.CHECKPOINT and host.peaks.rank == 0
 
 
 def test_torch_save_stages_one_host_copy_at_a_time():

@@ -16,9 +16,9 @@ from peakledger.analysis.validate import compare_logs
 from peakledger.api import run
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
-from peakledger.models.costs import DEVICES
+from peakledger.models.devices import DEVICES
 from peakledger.models.presets import PRESETS
-from peakledger.models.trace import from_hf_dict, from_module_spec
+from peakledger.models.traced import from_hf_dict, from_module_spec
 from peakledger.models.training import describe
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
@@ -153,9 +153,9 @@ def test_a_preset_gets_compile_as_a_fix_run_as_its_hf_equivalent():
     fixed = eager.with_changes(**compile_fixes(eager)[0][1])
     built = build_scenario({"preset": "tiny-llama"}, {**training, "compile": True}, {"device": "cpu"})
     assert fixed.model == built.model and fixed.model.kind == "hf"
-    assert run(fixed).peaks.peak.bytes == run(built).peaks.peak.bytes
+    assert run(fixed).peaks.overall.bytes == run(built).peaks.overall.bytes
     rows = {r.label: r for r in policy_table(eager, policies=("none",))}
-    assert rows["compile"].compiled and rows["compile"].peak == run(fixed).peaks.peak.bytes
+    assert rows["compile"].compiled and rows["compile"].peak == run(fixed).peaks.overall.bytes
     mlp = build_scenario({"preset": "tiny-mlp"}, {"micro_batch": 4, "precision": "fp32"}, {"device": "cpu"})
     assert not compile_applies(mlp) and compile_fixes(mlp) == []
 
@@ -236,7 +236,7 @@ def test_a_preset_compiles_as_its_hf_equivalent():
     import dataclasses
 
     from peakledger.models.presets import from_hf_config, hf_equivalent
-    from peakledger.models.trace.model import TracedModel
+    from peakledger.models.traced.model import TracedModel
     from peakledger.scenario import build_scenario
 
     for name, cfg in PRESETS.items():
@@ -250,7 +250,7 @@ def test_a_preset_compiles_as_its_hf_equivalent():
     scenario = build_scenario({"preset": "tiny-llama"}, {"compile": True, "precision": "fp32", "micro_batch": 2,
                                                          "seq_len": 32}, {"device": "cpu"})
     assert isinstance(scenario.model, TracedModel) and scenario.model.hf_dict() == hf_equivalent(PRESETS["tiny-llama"])
-    assert run(scenario).peaks.peak.bytes > 0
+    assert run(scenario).peaks.overall.bytes > 0
     with pytest.raises(ConfigError) as e:
         hf_equivalent(dataclasses.replace(PRESETS["tiny"], bias=False))
     assert "has no HF equivalent" in str(e.value) and "has_bias" in str(e.value)
@@ -334,8 +334,8 @@ def test_explain_offers_compile_where_it_is_modelled():
     """A traced model on the cpu profile: explain re-simulates torch.compile as one more fix (it fits a budget
     between the compiled and the eager peak), with its compile time as its cost."""
     scenario = Scenario(name="gpt2", model=_model(GPT2), setup=_setup(compile=False), device="cpu")
-    compiled = run(Scenario(name="c", model=_model(GPT2), setup=_setup(), device="cpu")).peaks.peak.bytes
-    eager = run(scenario).peaks.peak.bytes
+    compiled = run(Scenario(name="c", model=_model(GPT2), setup=_setup(), device="cpu")).peaks.overall.bytes
+    eager = run(scenario).peaks.overall.bytes
     x = diagnosis.explain(scenario, (compiled + eager) // 2)
     fix = next(f for f in x.fixes if f.changes == {"compile": True})
     assert fix.fits and fix.peak == compiled and "compiles" in fix.note and not fix.changes_training
@@ -371,7 +371,7 @@ def test_cuda_program_is_lowered_for_the_device_torch_sees():
     if tuple(cap) == (9, 0):
         assert [w.shape for w in workspaces] == [(4 * b * h * t * (d + 1) + 256,)] * data["num_hidden_layers"]
     report = run(Scenario(name="llama", model=model, setup=setup, device=profile, torch_version="2.11"))
-    assert report.gpu is not None and report.peaks.peak.bytes > 0
+    assert report.gpu is not None and report.peaks.overall.bytes > 0
     with pytest.raises(ConfigError) as e:  # CUDA graphs' private pool: not modelled
         build_tape(model, _setup(compile_mode="reduce-overhead"), cpu=False,
                    cuda=(DEVICES[profile].compute_capability, "2.11"))

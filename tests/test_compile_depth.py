@@ -17,7 +17,7 @@ from peakledger.models.compile import depth, workspace
 from peakledger.models.compile.capture import compile_capture
 from peakledger.models.compile.convert import to_tape
 from peakledger.models.config import TrainingSetup
-from peakledger.models.trace import from_hf_dict
+from peakledger.models.traced import from_hf_dict
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = {  # name -> (config, layer key, precision, the window of compiles that fits, depths derived and compiled)

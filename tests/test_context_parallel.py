@@ -68,7 +68,7 @@ def test_explain_offers_context_parallelism_saying_it_takes_more_gpus():
 
     sc = build_scenario({"preset": "tiny-llama"}, {"precision": "fp32", "micro_batch": 8, "seq_len": 64},
                         {"device": "cpu"})
-    peak = api.run(sc).peaks.peak.bytes
+    peak = api.run(sc).peaks.overall.bytes
     fixes = {f.name: f for f in diagnosis.explain(sc, peak - 1).fixes}
     cp = fixes["cp 1 -> 2 (1 -> 2 GPUs)"]
     assert cp.peak < peak and cp.more_gpus and "twice the GPUs" in cp.note

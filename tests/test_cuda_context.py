@@ -14,7 +14,6 @@ from peakledger import api
 from peakledger.analysis.device import context_of
 from peakledger.analysis.report import assumptions, report_json, summarize
 from peakledger.cli import main
-from peakledger.models.costs import DEVICES
 from peakledger.models.cuda_context import (
     ASSUMED_ROW,
     CONTEXT_ROW,
@@ -24,6 +23,7 @@ from peakledger.models.cuda_context import (
     cuda_context,
     torch_minor,
 )
+from peakledger.models.devices import DEVICES
 from peakledger.scenario import build_scenario
 from peakledger.simulator.device_memory import device_memory
 

@@ -16,7 +16,7 @@ from peakledger.analysis.units import format_bytes
 from peakledger.cli import main
 from peakledger.deadline import DeadlineBudget, parse_count, parse_duration, rank_points, steps_needed
 from peakledger.models.config import ConfigError
-from peakledger.models.costs import device_profile
+from peakledger.models.devices import device_profile
 from peakledger.sweep import DEADLINE_COLUMNS, DESCRIBE, run_sweep, to_csv, to_json
 
 GiB = 2**30

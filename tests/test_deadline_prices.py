@@ -18,7 +18,7 @@ from peakledger import sweep as sweep_pkg
 from peakledger.cli import main
 from peakledger.deadline import DeadlineBudget, check_sweep, parse_duration, plan_point
 from peakledger.models.config import ConfigError
-from peakledger.models.costs import device_profile
+from peakledger.models.devices import device_profile
 from peakledger.sweep import DEADLINE_COLUMNS, run_sweep, to_csv, to_json
 from peakledger.sweep.point import evaluate
 

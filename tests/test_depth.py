@@ -1,4 +1,4 @@
-"""A deep HF model's recording derived from traces of 3 and 4 layers (models/trace/depth.py) equals the trace of the
+"""A deep HF model's recording derived from traces of 3 and 4 layers (models/traced/depth.py) equals the trace of the
 whole model, item for item, on the programs the derivation serves (decoders of one repeated layer, CPU and CUDA
 programs, mixed precision, checkpointing, LoRA, MoE), and is refused where layers differ."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from peakledger.models import trace
+from peakledger.models import traced as trace
 from peakledger.models.config import TrainingSetup
-from peakledger.models.trace import depth, from_hf_dict, recording
+from peakledger.models.traced import depth, from_hf_dict, recording
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = ((9, 0), "2.11")

@@ -11,7 +11,7 @@ import pytest
 from peakledger import api, diagnosis
 from peakledger.cli import main
 from peakledger.models.config import TrainingSetup
-from peakledger.models.costs import DEVICES
+from peakledger.models.devices import DEVICES
 from peakledger.models.gpu import cublas_workspace_bytes, nccl_buffer_bytes
 from peakledger.models.presets import preset
 from peakledger.models.training import describe
@@ -111,7 +111,7 @@ def fragmented() -> tuple:
 def test_a_fragmentation_oom_is_named_and_expandable_segments_fixes_it():
     sc, budget = fragmented()
     report = api.run(sc)
-    assert report.gpu.context + report.peaks.peak.bytes < budget < report.capacity_needed
+    assert report.gpu.context + report.peaks.overall.bytes < budget < report.capacity_needed
     assert not api.fits(report, budget)
     x = diagnosis.explain(sc, budget)
     assert x.fragmentation and x.gpu_oom is not None and "CUDA out of memory" in x.gpu_oom.message

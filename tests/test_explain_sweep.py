@@ -35,10 +35,10 @@ def test_oom_at_the_first_optimizer_step_names_the_lazily_created_state():
     assert x.moment.live_bytes + x.moment.event.block.nbytes > budget >= x.moment.live_bytes
     assert any(f.fits for f in x.fixes) and x.fixes[0].fits
     for f in x.fixes:  # every fix was re-simulated: its peak is that of the changed scenario
-        assert f.peak == api.run(scenario.with_changes(**f.changes)).peaks.peak.bytes
+        assert f.peak == api.run(scenario.with_changes(**f.changes)).peaks.overall.bytes
     base = api.run(scenario)
     # only fixes that change the run are listed: activation checkpointing does not touch the optimizer step
-    assert all(f.fits or f.peak < base.peaks.peak.bytes for f in x.fixes)
+    assert all(f.fits or f.peak < base.peaks.overall.bytes for f in x.fixes)
     assert not any(f.name.startswith("checkpointing=") for f in x.fixes) and x.tried > len(x.fixes)
     assert x.where == "step 1's optimizer step (adamw, foreach), rank 0"
     assert any(line.startswith("lazy optimizer states") for line in x.first_step)
@@ -80,7 +80,7 @@ def test_sweep_writes_csv_and_json_in_grid_order_with_errors_as_rows(tmp_path, c
     for r in good:
         expected = api.run(scenario.with_changes(micro_batch=int(r["micro_batch"]), zero_stage=int(r["zero_stage"]),
                                                  dp_engine=r["dp_engine"]))
-        assert int(r["peak_bytes"]) == expected.peaks.peak.bytes
+        assert int(r["peak_bytes"]) == expected.peaks.overall.bytes
     first = json_path.read_bytes()
     at = args.index("--jobs")
     assert main([*args[:at], "--jobs", "1", *args[at + 2:]]) == 0  # (a flag is given once)

@@ -161,7 +161,7 @@ def test_peakledgers_own_replay_reads_the_export_back_exactly(case, tmp_path):
     path = tmp_path / "s.pickle"
     write_snapshot(report.log, str(path))
     t = load_snapshot(path, report.peaks.rank)
-    assert not t.truncated and t.peak_bytes() == report.peaks.peak.bytes
+    assert not t.truncated and t.peak_bytes() == report.peaks.overall.bytes
 
 
 def test_memory_viz_js_can_read_the_pickle(cli_files):

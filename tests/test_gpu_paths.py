@@ -1,4 +1,4 @@
-"""CUDA kernel paths (models/gpu.py, models/trace/gpu_paths.py, the hand-written SDPA in models/transformer/):
+"""CUDA kernel paths (models/gpu.py, models/traced/gpu_paths.py, the hand-written SDPA in models/transformer/):
 which SDPA kernel torch picks on CUDA, what it allocates and saves, and the reduction staging-buffer rule; the
 saved bytes of one attention layer on the H100 profile against the CPU's, every expected number worked out
 by hand from the shapes and the cited rules."""
@@ -14,7 +14,7 @@ import pytest
 from peakledger.models.config import TrainingSetup
 from peakledger.models.gpu import reduce_staging_bytes, sdpa_backend, sdpa_kernel
 from peakledger.models.presets import preset
-from peakledger.models.trace import from_hf_dict, traced_tape
+from peakledger.models.traced import from_hf_dict, traced_tape
 from peakledger.models.training import describe
 from peakledger.models.transformer import transformer_tape
 from peakledger.simulator.engine import simulate
@@ -231,7 +231,7 @@ def test_a_mask_whose_last_dim_is_strided_sends_sdpa_to_math_on_cuda():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from peakledger.models.trace.cuda_program import cuda_program
+    from peakledger.models.traced.cuda_program import cuda_program
     with FakeTensorMode(), cuda_program(H100, "2.11") as program:
         q = torch.empty(2, 4, 16, 64, requires_grad=True)
         bias = torch.empty(1, 16, 16, 4).permute(0, 3, 1, 2)  # (1, H, T, T), last stride 4
@@ -248,7 +248,7 @@ def test_a_linear_bias_gradient_on_cuda_holds_the_reduction_staging_buffer():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from peakledger.models.gpu import reduce_staging_bytes
-    from peakledger.models.trace.cuda_program import reduction_temporaries
+    from peakledger.models.traced.cuda_program import reduction_temporaries
     expected = reduce_staging_bytes(768, 12_608, 4, reduce_on_fastest=False, num_sms=132)
     with FakeTensorMode():
         g = torch.empty(12_608, 768, dtype=torch.bfloat16)

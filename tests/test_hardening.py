@@ -104,7 +104,7 @@ def test_real_memory_taken_by_user_code_is_measured_and_named():
     import numpy
 
     from peakledger.models.config import ConfigError
-    from peakledger.models.trace.boundary import user_code
+    from peakledger.models.traced.boundary import user_code
     with pytest.raises(ConfigError, match=r"factory\(\) took .* GiB of real memory"):
         with user_code("factory()", real_bytes=64 << 20):
             big = numpy.ones((512 << 20) // 8)  # written: resident

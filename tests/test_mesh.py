@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from peakledger.models.config import ConfigError, TrainingSetup
-from peakledger.models.costs import device_profile
+from peakledger.models.devices import device_profile
 from peakledger.models.parallel import dim0_shard, flat_partition
 from peakledger.models.parallel.mesh import (
     MeshTapes,

@@ -109,7 +109,7 @@ def test_explain_finds_the_first_step_oom_and_the_chunked_first_step_fixes_it():
     pk = report.peaks
     assert pk.first_step.bytes > pk.steady.bytes
     # between the two peaks, plus what the GPU holds besides the tensors at the peak (context, cached blocks)
-    budget = (pk.first_step.bytes + pk.steady.bytes) // 2 + report.capacity_needed - pk.peak.bytes
+    budget = (pk.first_step.bytes + pk.steady.bytes) // 2 + report.capacity_needed - pk.overall.bytes
     x = diagnosis.explain(scenario, budget)
     assert x.moment.failed and x.moment.event.step == 1 and x.moment.event.phase is Phase.OPTIMIZER
     fix = next(f for f in x.fixes if f.changes == {"offload_first_step": "chunked"})

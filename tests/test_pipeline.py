@@ -267,7 +267,7 @@ def test_explain_offers_schedules_and_degrees_saying_when_they_take_more_gpus():
 
     sc = build_scenario({"preset": "tiny"}, {"pp": 2, "world_size": 2, "grad_accum": 4, "pp_schedule": "gpipe",
                                              "precision": "fp32", "micro_batch": 8}, {"device": "cpu"})
-    gpipe = api.run(sc).peaks.peak.bytes
+    gpipe = api.run(sc).peaks.overall.bytes
     fixes = {f.name: f for f in diagnosis.explain(sc, gpipe - 1).fixes}
     one_f_one_b = fixes["pipeline schedule gpipe -> 1f1b"]
     # 1F1B holds at most pp micro-batches' activations on the first stage, GPipe all 4: same GPUs, lower peak

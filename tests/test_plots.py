@@ -150,7 +150,7 @@ def test_compare_figure_stacks_categories_with_budget_and_reserved():
     assert [x.get_gid() for x in ax.lines].count("reserved") == 3
     stacked = {p.get_gid() for p in ax.patches}
     assert "category:parameter" in stacked and "category:optimizer_state" in stacked
-    fp32 = cases[0][1].peaks.peak
+    fp32 = cases[0][1].peaks.overall
     height = sum(p.get_height() for p in ax.patches if abs(p.get_x() + p.get_width() / 2) < 1e-9)
     assert height == pytest.approx(fp32.bytes / UNITS["MiB"])
 

@@ -76,7 +76,7 @@ def test_run_invariants(case):
     assert {b.category for b in live.values()} <= allowed_at_end
     report = summarize(log)
     if report.peaks.steady is not None:
-        assert report.peaks.peak.bytes >= report.peaks.steady.bytes
-    assert report.peaks.peak.bytes >= report.peaks.first_step.bytes
+        assert report.peaks.overall.bytes >= report.peaks.steady.bytes
+    assert report.peaks.overall.bytes >= report.peaks.first_step.bytes
     again = summarize(simulate(describe(model, setup)))
     assert json.dumps(report_json(report)) == json.dumps(report_json(again))

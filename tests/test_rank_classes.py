@@ -14,7 +14,7 @@ import pytest
 from peakledger.analysis.report import RankPeak, render_text, report_json, summarize
 from peakledger.models.checkpoint_io import StateTensor, dcp_writers, rank_signature
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
-from peakledger.models.costs import device_profile
+from peakledger.models.devices import device_profile
 from peakledger.models.parallel import dim0_ranges, dim0_shard, greedy_owners, greedy_partition
 from peakledger.models.presets import preset
 from peakledger.models.training import RANK_LIST_LIMIT, GraphBuilder, RankRanges, build_tape, describe, rank_classes

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from peakledger.models.config import TrainingSetup
-from peakledger.models.costs import device_profile
+from peakledger.models.devices import device_profile
 from peakledger.models.presets import preset
 from peakledger.models.replay import template as replay_template
 from peakledger.models.training import GraphBuilder, build_tape, describe

@@ -44,7 +44,7 @@ def test_plain_loop_is_exact_and_the_loop_changes_the_peak(loop):
 def test_the_two_loops_differ_by_the_outputs_held_and_the_report_names_the_loop(capsys):
     held, _ = predict_script(ScriptRun(PLAIN, ("--loop", "held")))
     dropped, _ = predict_script(ScriptRun(PLAIN, ("--loop", "dropped")))
-    assert held.peaks.peak.bytes > dropped.peaks.peak.bytes
+    assert held.peaks.overall.bytes > dropped.peaks.overall.bytes
     assert held.metadata["script"]["calls"]["outputs_held"] == 2
     assert dropped.metadata["script"]["calls"]["outputs_held"] == 0
     assert main(["run", PLAIN, "--", "--loop", "dropped"]) == 0
@@ -161,7 +161,7 @@ def test_fsdp2_script_at_64_ranks_shards_the_state():
     small, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=2))
     large, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=64))
     assert large.log.metadata["rank_class_ranges"] == {"0": [[0, 63]]}
-    state = lambda r: sum(b for c, b in r.peaks.peak.live_by_category.items()  # noqa: E731
+    state = lambda r: sum(b for c, b in r.peaks.overall.live_by_category.items()  # noqa: E731
                           if c.value in ("parameter", "optimizer_state"))
     assert state(large) < state(small)
 

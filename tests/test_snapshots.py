@@ -172,7 +172,7 @@ def test_exported_snapshot_round_trips_to_the_same_peak(report, tmp_path):
     path = tmp_path / "sim.pickle"
     write_snapshot(report.log, str(path))
     t = load_snapshot(path)
-    assert not t.truncated and t.peak_bytes() == report.peaks.peak.bytes
+    assert not t.truncated and t.peak_bytes() == report.peaks.overall.bytes
 
 
 def test_torch_memory_viz_renders_the_exported_snapshot(report, tmp_path):
@@ -192,7 +192,7 @@ def test_torch_memory_viz_renders_the_exported_snapshot(report, tmp_path):
 def test_chrome_trace_counters_end_at_the_live_state(report, tmp_path):
     trace = chrome_trace(report.log)
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"].startswith("device")]
-    assert max(sum(e["args"].values()) for e in counters) == report.peaks.peak.bytes
+    assert max(sum(e["args"].values()) for e in counters) == report.peaks.overall.bytes
     path = tmp_path / "t.json"
     write_chrome_trace(report.log, str(path))
     assert json.loads(path.read_text())["traceEvents"]

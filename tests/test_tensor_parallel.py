@@ -158,7 +158,7 @@ def test_optimizer_groups_are_the_real_plans(name, sp):
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from peakledger.models.costs import device_profile
+    from peakledger.models.devices import device_profile
     from peakledger.models.parallel.mesh import rank_builder
     from peakledger.traces.reference import build_model
     from peakledger.traces.tensor_run import parallelize

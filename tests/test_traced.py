@@ -1,4 +1,4 @@
-"""The traced describer (models/trace): any HF model type and a user's own module, recorded on fake tensors and
+"""The traced describer (models/traced): any HF model type and a user's own module, recorded on fake tensors and
 replayed through the one tape contract, held against real CPU runs of the same program; the what-ifs on a
 traced model; the CLI and API routes; the trace cache; and bad input (exit 2, the failure named)."""
 
@@ -15,7 +15,7 @@ from realrun import assert_matches_real_run
 import peakledger as pl
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup
-from peakledger.models.trace import from_hf_dict, from_module_spec, recording, traced_tape
+from peakledger.models.traced import from_hf_dict, from_module_spec, recording, traced_tape
 from peakledger.scenario import Scenario
 from peakledger.validation import validate_ranks
 
@@ -153,7 +153,7 @@ def test_api_trace_gives_a_scenario_run_and_explain_take():
     sc = pl.trace(HF["gpt_neox"], micro_batch=4, seq_len=64, precision="bf16-mixed")
     report = pl.run(sc)
     assert report.metadata["describer"].startswith("traced")
-    explanation = pl.explain(sc, int(report.peaks.peak.bytes * 0.8))
+    explanation = pl.explain(sc, int(report.peaks.overall.bytes * 0.8))
     names = [f.name for f in explanation.fixes]
     assert "checkpointing=full" in names and not any("selective" in n for n in names)
     assert pl.max_micro_batch(sc, report.capacity_needed) >= 4
@@ -235,8 +235,8 @@ def test_lora_targets_peft_refuses_are_named():
 def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
     """A max-batch search traces 1, 2, 4 and 8 (1 is a program of its own: a size-1 dimension spares a copy);
     then 5 is derived from 2, 4 and 8 (scale.py) and equals what tracing 5 gives."""
-    from peakledger.models.trace import _DERIVED, _key
-    from peakledger.models.trace.scale import _numbers, derive, signature
+    from peakledger.models.traced import _DERIVED, _key
+    from peakledger.models.traced.scale import _numbers, derive, signature
 
     model = from_hf_dict(dict(HF["gpt_neox"], num_hidden_layers=3), "neox3")
     setups = {b: TrainingSetup(micro_batch=b, seq_len=16, precision="fp32") for b in (1, 2, 4, 5, 8)}
@@ -251,7 +251,7 @@ def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
 
 
 def test_a_quadratic_size_is_traced_not_derived():
-    from peakledger.models.trace import _DERIVED, _key
+    from peakledger.models.traced import _DERIVED, _key
 
     model = from_module_spec(f"{FACTORIES}:contrastive")
     for b in (1, 2, 4, 8):
@@ -261,7 +261,7 @@ def test_a_quadratic_size_is_traced_not_derived():
 
 
 def _trace_anew(model, setup):
-    from peakledger.models import trace
+    from peakledger.models import traced as trace
     key = trace._key(model, setup)
     trace._CACHE.pop(key, None)
     trace._DERIVED.discard(key)

@@ -1,4 +1,4 @@
-"""The traced describer where a model's code meets values fake tensors do not have (models/trace/realpath.py):
+"""The traced describer where a model's code meets values fake tensors do not have (models/traced/realpath.py):
 drop-path rates read while the model is built, random draws, masks and lengths that decide output shapes,
 tensors a forward memoises, views written in place, and kernels whose outputs' layout the fake rule gets wrong.
 Each model type that failed (or traced another program) before is held against a real CPU run of the same
@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 
 from peakledger.cli import main
 from peakledger.models.config import TrainingSetup
-from peakledger.models.trace import from_hf_dict, from_module_spec, recording
-from peakledger.models.trace.realpath import RandomBranch, build_values
+from peakledger.models.traced import from_hf_dict, from_module_spec, recording
+from peakledger.models.traced.realpath import RandomBranch, build_values
 from peakledger.scenario import Scenario
 
 ROOT = Path(__file__).resolve().parent.parent

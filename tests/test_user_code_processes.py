@@ -2,8 +2,8 @@
 
 1. The processes it starts (from the module's import, the factory, the model's forward; a Popen, a daemon forked
    twice, a multiprocessing.Process) end with the command, and not before (a helper the factory starts still serves
-   the forward); peakledger's own processes are left alone (models/trace/processes.py).
-2. Its atexit handlers cannot change peakledger's exit status, nor write to stdout (models/trace/boundary.py).
+   the forward); peakledger's own processes are left alone (models/traced/processes.py).
+2. Its atexit handlers cannot change peakledger's exit status, nor write to stdout (models/traced/boundary.py).
 Each command runs as a real process, as the console script runs it (`sys.exit(main())`)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 import pytest
 from hardening_user_code import HELPER, START, module_text, recorded, running
 
-from peakledger.models.trace import processes
-from peakledger.models.trace.boundary import own_processes, user_code
+from peakledger.models.traced import processes
+from peakledger.models.traced.boundary import own_processes, user_code
 
 RUNNER = "import sys; from peakledger.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -174,7 +174,7 @@ def test_a_pid_another_process_took_is_never_signalled():
 def test_atexit_unregister_finds_a_guarded_handler():
     code = textwrap.dedent('''
         import atexit
-        from peakledger.models.trace.boundary import user_code
+        from peakledger.models.traced.boundary import user_code
 
         def dropped():
             print("dropped")

@@ -251,7 +251,7 @@ def test_from_snapshots_rereads_recorded_runs(no_gpu, capsys, tmp_path):
     row = out["runs"][0]
     assert row["label"] == config.label and row["measured"] == {"allocated": 600 + 3 * MiB, "reserved": 22 * MiB}
     report = api.run(config.scenario("H100-80GB", "2.11"))
-    assert row["predicted"] == {"allocated": report.peaks.peak.bytes, "reserved": report.gpu.reserved_peak.reserved}
+    assert row["predicted"] == {"allocated": report.peaks.overall.bytes, "reserved": report.gpu.reserved_peak.reserved}
     assert row["events"]["measured_allocs"] == 3 and row["segments"]["measured"] == 2
     section = md.read_text()
     assert f"{vg.RESULTS_MARK}NVIDIA H100 80GB HBM3 (compute capability 9.0, device profile H100-80GB)" in section

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from peakledger.cli import main
-from peakledger.models.costs import DEVICES
+from peakledger.models.devices import DEVICES
 from peakledger.where import GPU_PROFILES, gpu_profiles
 
 ROOT = Path(__file__).resolve().parents[1]

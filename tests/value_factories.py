@@ -1,5 +1,5 @@
 """Own modules (`--module tests/value_factories.py:NAME`) whose code reads tensor values or writes views in place,
-for tests/test_traced_values.py: each returns (model, batch, loss_fn) as models/trace/model.py documents."""
+for tests/test_traced_values.py: each returns (model, batch, loss_fn) as models/traced/model.py documents."""
 
 from __future__ import annotations
 

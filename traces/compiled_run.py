@@ -24,7 +24,7 @@ from torch.profiler._memory_profiler import Action as PAction
 
 from ..models.compile.step import CPU_THREADS
 from ..models.config import ConfigError, TrainingSetup
-from ..models.trace.model import TracedModel
+from ..models.traced.model import TracedModel
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
 from .profiler import category_of
 from .reference import TORCH_DTYPES, build_model, make_batch, make_optimizer

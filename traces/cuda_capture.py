@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..models.config import ConfigError
-from ..models.costs import DEVICES
+from ..models.devices import DEVICES
 from ..models.optimizers import OPTIMIZERS
-from ..models.trace.model import TracedModel
+from ..models.traced.model import TracedModel
 from ..simulator.events import EventLog, Phase
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 

@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..models.config import TrainingSetup, TransformerConfig
-from ..models.trace.realpath import fake_mode_active
+from ..models.traced.realpath import fake_mode_active
 from ..simulator.events import EventLog
 from . import tracker as _tracker
 from .distributed import transformer_blocks

@@ -30,11 +30,11 @@ def compare_figure(cases, unit: str = "GiB", *, budget: int | None = None, title
                    setup: str = "") -> Figure:
     """One bar per case (name, analysis/report.py Report): the allocated bytes at its peak stacked by category,
     and on a CUDA profile the reserved bytes and the device total at the device's peak as marks; the budget."""
-    unit = axis_unit(unit, max([max(r.peaks.peak.bytes, r.capacity_needed) for _, r in cases] + [budget or 0]))
+    unit = axis_unit(unit, max([max(r.peaks.overall.bytes, r.capacity_needed) for _, r in cases] + [budget or 0]))
     scale = UNITS[unit]
-    cats = [c for c in STACK_ORDER if any(r.peaks.peak.live_by_category.get(c, 0) for _, r in cases)]
+    cats = [c for c in STACK_ORDER if any(r.peaks.overall.live_by_category.get(c, 0) for _, r in cases)]
     gpu = any(r.gpu is not None for _, r in cases)
-    tops = [max(r.peaks.peak.bytes, r.capacity_needed) for _, r in cases] + ([budget] if budget is not None else [])
+    tops = [max(r.peaks.overall.bytes, r.capacity_needed) for _, r in cases] + ([budget] if budget is not None else [])
     ymax = max(tops + [1]) / scale * 1.18
     n = len(cases)
     with plt.rc_context(plot_style()):
@@ -43,13 +43,13 @@ def compare_figure(cases, unit: str = "GiB", *, budget: int | None = None, title
         xs = np.arange(n)
         bottom = np.zeros(n)
         for c in cats:
-            vals = np.asarray([r.peaks.peak.live_by_category.get(c, 0) for _, r in cases], dtype=float) / scale
+            vals = np.asarray([r.peaks.overall.live_by_category.get(c, 0) for _, r in cases], dtype=float) / scale
             ax.bar(xs, vals, 0.6, bottom=bottom, color=CATEGORY_COLOURS[c], hatch=CATEGORY_HATCHES.get(c),
                    edgecolor="white", lw=0.5, label=category_label(c), gid=f"category:{c.value}", zorder=3)
             bottom += vals
         for i, (_, r) in enumerate(cases):
-            lines = [f"{size_text(r.peaks.peak.bytes, unit)} allocated"]
-            top = r.peaks.peak.bytes
+            lines = [f"{size_text(r.peaks.overall.bytes, unit)} allocated"]
+            top = r.peaks.overall.bytes
             if r.gpu is not None:
                 reserved, total = r.gpu.reserved_peak.reserved, r.gpu.total_peak.total
                 ax.plot([i - 0.36, i + 0.36], [reserved / scale] * 2, color="black", lw=1.6, zorder=5, gid="reserved")
@@ -86,7 +86,7 @@ def compare_figure(cases, unit: str = "GiB", *, budget: int | None = None, title
 
 
 def _case_tick(name: str, report) -> str:
-    e = report.peaks.peak.event
+    e = report.peaks.overall.event
     return f"{name}\npeak in {e.phase.value}, step {e.step}" if e is not None else name
 
 

@@ -7,7 +7,7 @@ train. The batch is input_ids and labels (`model(**batch)`), the loss the model'
 
 Under FakeTensorMode (how peakledger traces a factory) peft's `get_peft_model` moves each new adapter with
 `Module.to(device, dtype)`, which fake parameters refuse; peakledger calls factories with such moves done by hand
-(models/trace/model.py `fake_module_moves`), so the factory is plain peft.
+(models/traced/model.py `fake_module_moves`), so the factory is plain peft.
 """
 
 import torch

@@ -11,7 +11,7 @@ How the pieces compose:
                contiguous copies), measured on this CPU once per GEMM signature.
 - `onednn.py`  which bf16 GEMMs oneDNN gives the same scratchpad (read from its brgemm configuration): a long K
                probed at a short one.
-- `capture.py` dynamo + AOTAutograd + inductor run on the fake-tensor model (models/trace's build), codegen only:
+- `capture.py` dynamo + AOTAutograd + inductor run on the fake-tensor model (models/traced's build), codegen only:
                the plans, and one fake step through the real runtime: which graph ran when, on which storages;
                the forward's output layouts handed to AOTAutograd as a real compile hands them (the backward
                is lowered for inductor's channels-last layouts).
@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
-from ..trace import check_setup
-from ..trace.model import TracedModel
+from ..traced import check_setup
+from ..traced.model import TracedModel
 
 if TYPE_CHECKING:
     from .capture import Capture

@@ -1,6 +1,6 @@
 """torch.compile run on fake tensors, codegen only: what the compiled program is and what it did at run time.
 
-The model is built on fake tensors as the traced describer builds it (models/trace: `FakeTensorMode`, the batch
+The model is built on fake tensors as the traced describer builds it (models/traced: `FakeTensorMode`, the batch
 with its values, frozen parameters), and `step.step_function` is compiled by dynamo with inductor as its backend
 (`torch._inductor.compile_fx.compile_fx`: AOTAutograd's joint graph, the min-cut partitioner, decompositions, then
 `inner_compile` once per forward and once per backward graph). Our `inner_compile` runs inductor's real
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 from ..config import ConfigError, TrainingSetup
-from ..trace import adopt, fake_batch, freeze
-from ..trace.boundary import user_code
-from ..trace.model import TracedModel
-from ..trace.record import DTYPES, FlopCount, find_layers
+from ..traced import adopt, fake_batch, freeze
+from ..traced.boundary import user_code
+from ..traced.model import TracedModel
+from ..traced.record import DTYPES, FlopCount, find_layers
 from .plan import Plan, capture_plans, workspaces
 from .step import CPU_THREADS, step_function, wrap_checkpointed
 

@@ -2,7 +2,7 @@
 
 Compiling costs time per layer (dynamo traces, AOTAutograd partitions and inductor lowers every layer again), and a
 decoder of n identical layers is, past its first and last few, one layer's program repeated. A HF config whose
-layer count is one config key (models/trace/depth.py `layer_key`), whose layers are alike (`uniform`), is compiled
+layer count is one config key (models/traced/depth.py `layer_key`), whose layers are alike (`uniform`), is compiled
 with 3, 4 and 5 layers (then, where those do not fit, 6: the window 4, 5, 6; then 7: 5, 6, 7; each only while the
 layers compiled in all stay fewer than the model's); the deepest of a window is
 derived from the two others (`fit`) and must come out equal to its compile, list by list: every plan event, input
@@ -57,8 +57,8 @@ import re
 from difflib import SequenceMatcher
 
 from ..config import TrainingSetup
-from ..trace.depth import layer_key, uniform
-from ..trace.model import TracedModel, from_hf_dict
+from ..traced.depth import layer_key, uniform
+from ..traced.model import TracedModel, from_hf_dict
 from . import workspace
 from .capture import Capture, Run, compile_capture
 from .fork import forked_compile
@@ -411,7 +411,7 @@ def rebuild(lists: dict[str, list[tuple]], n: int, layers_prefix: str) -> Captur
 
 def shallow(model: TracedModel, setup: TrainingSetup) -> tuple[str, int] | None:
     """(the layer-count key, n) where `capture_by_depth` may derive `model`, else None: a HF config of one layer
-    count, more layers than the first window compiles in all, its layers alike (models/trace/depth.py `uniform`),
+    count, more layers than the first window compiles in all, its layers alike (models/traced/depth.py `uniform`),
     and nothing in the setup that tells a layer by its index (frozen-parameter patterns, checkpointing other than
     none, full or op-policy, LoRA targets naming a number)."""
     if (

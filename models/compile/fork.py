@@ -9,7 +9,7 @@ that stalls (alive, no CPU used for `STALL_S`: a deadlock), which is killed."""
 from __future__ import annotations
 
 from ..config import TrainingSetup
-from ..trace.model import TracedModel
+from ..traced.model import TracedModel
 from . import workspace
 from .capture import Capture
 from .plan import marker_of, scratch_alloc

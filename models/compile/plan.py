@@ -21,7 +21,7 @@ import contextlib
 import re
 from dataclasses import dataclass, field
 
-from ..trace.record import DTYPES
+from ..traced.record import DTYPES
 from .workspace import signature
 
 

@@ -255,7 +255,7 @@ class _Prober:
         import subprocess
         import sys
 
-        from ..trace.processes import own_processes
+        from ..traced.processes import own_processes
 
         code = "from peakledger.models.compile.workspace import serve; serve()"
         with own_processes():  # (started inside the traced step's user_code block: peakledger's, not the user's)

@@ -79,7 +79,7 @@ class DeviceBuild:
             where = op.name[:-len(suffix)] if op.name.endswith(suffix) else op.name
             for p in op.params:
                 first_use.setdefault(p, i)
-                # a traced tape names the root module "model" (models/trace/record.py), as HF names its decoder:
+                # a traced tape names the root module "model" (models/traced/record.py), as HF names its decoder:
                 # an op there may run any parameter of the model without holding it
                 if where != "model" and not _within(_module(p), where) and not is_adapter(p):
                     ties.setdefault((where, p), i)

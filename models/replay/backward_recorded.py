@@ -1,7 +1,7 @@
 """The backward of a traced tape: the nodes the real autograd engine ran (`Tape.backward`), replayed in order.
 
 A hand-written tape's backward is derived op by op (backward_derived.py `run_node`). A traced tape
-(models/trace) carries what the engine really did, node by node: each `GradNode`'s steps allocate the
+(models/traced) carries what the engine really did, node by node: each `GradNode`'s steps allocate the
 tensors it made and free those it dropped, in that order (`recorded_backward`). Everything that is not the
 model's own goes through the same replay as before: a checkpoint region is recomputed right before its first
 node runs (and lets its inputs go after its last: checkpoint.py), an offloaded op's saves come back

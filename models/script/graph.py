@@ -4,7 +4,7 @@ Each aten call of the script that allocates is one op: it allocates its outputs 
 the script let go after it, until the next allocating call, when it ends (simulator/ops.py's same-instant rule:
 the order of the recording, event for event). A position change (a phase, a step, a micro-batch) starts a new op,
 so frees at the start of a zero_grad are the zero_grad's. The ops run in program order on the compute stream; an
-op's duration is the cost model's (models/costs.py) from the FLOPs torch's formulas count for its call and the
+op's duration is the cost model's (models/devices.py) from the FLOPs torch's formulas count for its call and the
 bytes it allocates.
 
 On a GPU profile the recording is still the CPU program (the script ran on the CPU), with the GPU rules
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase, Stream, new_block
 from ...simulator.ops import OpGraph, new_op
-from ..costs import DeviceProfile
+from ..devices import DeviceProfile
 from ..gpu import cublas_workspace_bytes
 from .record import ScriptRecording
 

@@ -25,9 +25,9 @@ from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ...simulator.events import Category, OptimizerState
-from ..trace.kernel_outputs import real_outputs
-from ..trace.realpath import SCALAR_READS, tensors_in
-from ..trace.record import DTYPES, op_flops
+from ..traced.kernel_outputs import real_outputs
+from ..traced.realpath import SCALAR_READS, tensors_in
+from ..traced.record import DTYPES, op_flops
 from .phases import Calls, Position
 from .values import REAL_DRAWS, Values
 

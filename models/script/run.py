@@ -8,7 +8,7 @@ and the measurement (traces/script_run.py, real tensors) alike:
   removed after the run;
 - no network: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and HF_DATASETS_OFFLINE are set while it runs; a script that
   asks the Hugging Face hub for a model or dataset is refused, naming what it asked for (`hub_error`);
-- the boundary of user code (models/trace/boundary.py): a time limit, its prints on stderr, `os._exit` refused; a
+- the boundary of user code (models/traced/boundary.py): a time limit, its prints on stderr, `os._exit` refused; a
   `sys.exit(0)` (or `None`) is a script ending, any other status an error naming the script.
 
 `record_script` is the prediction: the script under `FakeTensorMode` with the recorder (record.py) and the
@@ -35,8 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ...simulator.events import Phase
 from ..config import ConfigError
-from ..trace.boundary import user_code
-from ..trace.realpath import cpu_fake_kernels, real_code_paths
+from ..traced.boundary import user_code
+from ..traced.realpath import cpu_fake_kernels, real_code_paths
 from .phases import Position, ScriptPhases, StopScript
 from .record import Recorder, ScriptRecording, resize_watch
 from .values import Values, numpy_reads

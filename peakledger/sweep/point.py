@@ -51,10 +51,10 @@ def evaluate(task: tuple[Scenario, dict, int | None, bool, dl.DeadlineBudget | N
     except ConfigError as e:
         return _invalid(out, e, deadline)
     pk = report.peaks
-    out.update(peak_bytes=pk.peak.bytes, first_step_peak_bytes=pk.first_step.bytes,
+    out.update(peak_bytes=pk.overall.bytes, first_step_peak_bytes=pk.first_step.bytes,
                steady_peak_bytes=pk.steady.bytes if pk.steady else "", capacity_needed_bytes=report.capacity_needed,
-               peak_op=pk.peak.event.op if pk.peak.event else "", peak_phase=pk.peak.event.phase.value
-               if pk.peak.event else "", peak_step=pk.peak.event.step if pk.peak.event else "",
+               peak_op=pk.overall.event.op if pk.overall.event else "", peak_phase=pk.overall.event.phase.value
+               if pk.overall.event else "", peak_step=pk.overall.event.step if pk.overall.event else "",
                step_time_s=report.time_per_step_s)
     if budget is not None:
         out["budget_bytes"] = budget

@@ -7,7 +7,7 @@ How the pieces compose:
                 (`run_segment`, `OP_POLICY`) and autocast as the describers assume them;
 - `mixtral.py`  HF's MixtralForCausalLM of the same config, and the router hook recording routing counts;
 - `lora.py`, `qlora.py`  peft's LoRA on any of them, over bitsandbytes 4-bit base linears for QLoRA;
-- `traced.py`   a traced model's own program (a HF config or a user's factory, models/trace) built for real;
+- `traced.py`   a traced model's own program (a HF config or a user's factory, models/traced) built for real;
 - `build.py`    what a run takes from them: `build_model` (picks one of the above for a config and setup),
                 `make_optimizer` / `torch_optimizer` (with `StateOffload`), `make_batch`.
 The tracker (traces/tracker.py) and the multi-process harnesses (traces/*_run.py) run them.

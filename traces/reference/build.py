@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
 from ...models.families import family_of
 from ...models.optimizers import OPTIMIZERS, offload_chunks
-from ...models.trace.model import TracedModel
+from ...models.traced.model import TracedModel
 from .lora import apply_lora
 from .mixtral import hf_mixtral
 from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, TORCH_DTYPES, hf_gpt2

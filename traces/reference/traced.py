@@ -1,4 +1,4 @@
-"""A traced model's program for real: what models/trace describes (a HF config or a user's factory), built on
+"""A traced model's program for real: what models/traced describes (a HF config or a user's factory), built on
 the CPU with random weights and run by the project's training loop (traces/tracker.py `run_training_steps`),
 so the traced describer is held against the program it describes.
 
@@ -13,10 +13,10 @@ import torch
 
 from ...models.config import ConfigError, TrainingSetup
 from ...models.tape import checkpoint_segments, checkpointed
-from ...models.trace import freeze
-from ...models.trace.model import TracedModel
-from ...models.trace.realpath import lru_caches
-from ...models.trace.record import find_layers
+from ...models.traced import freeze
+from ...models.traced.model import TracedModel
+from ...models.traced.realpath import lru_caches
+from ...models.traced.record import find_layers
 
 # the batch of the latest real build of each model and shape, for `real_batches` right after (a factory's
 # loss_fn may hold the batch's targets: the run must use those same tensors)
@@ -47,7 +47,7 @@ def _real_key(model: TracedModel, setup: TrainingSetup, seed: int) -> tuple:
 
 
 def _wrap_layers(net, layers: tuple[str, ...], setup: TrainingSetup) -> None:
-    """Run each checkpointed layer as the simulation's region (models/trace/convert.py `_regions`): the layer's
+    """Run each checkpointed layer as the simulation's region (models/traced/convert.py `_regions`): the layer's
     forward under `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` (op-policy: with torch's
     selective checkpoint contexts), or under `save_on_cpu` (offload)."""
     if setup.checkpointing.policy == "none":

@@ -6,7 +6,7 @@ config key is traced with 3 and with 4 layers; the 4-layer recording is derived 
 and compared with the traced one, item by item (`same`): the ops, their module paths, reads and outputs, the
 storages with their bytes, shapes, births and deaths, the autograd nodes with their events and saves, the
 parameters, their gradients, what the caller holds. Only if they are equal is the n-layer recording derived
-(models/trace/__init__.py `recording`); otherwise (layers that alternate, a first layer of its own kind, a
+(models/traced/__init__.py `recording`); otherwise (layers that alternate, a first layer of its own kind, a
 shared buffer one layer makes) the model is traced whole.
 
 How a recording of 3 layers becomes one of n. Every item (parameter, storage, op, node, module path) belongs to a
