@@ -10,6 +10,7 @@ import dataclasses
 
 from .analysis.validate import compare_logs
 from .models.config import ConfigError
+from .models.fields import as_keys
 from .models.optimizers import OPTIMIZERS
 from .models.training import describe
 from .scenario import Scenario
@@ -47,7 +48,7 @@ def measure(scenario: Scenario, model_hook=None):
     if model_hook is not None:
         model_hook(model)
     optimizer = make_optimizer(model, setup)
-    metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(scenario.model),
+    metadata = {"torch_version": torch.__version__, "model": as_keys(scenario.model),
                 "model_kind": type(scenario.model).__name__, "setup": dataclasses.asdict(setup),
                 "device": "cpu", "scenario": scenario.name}
     return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.steps,

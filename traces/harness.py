@@ -60,6 +60,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..models.config import TrainingSetup
+from ..models.fields import as_keys
 from ..simulator.events import EventLog
 from .store import load_log, save_log
 from .tracker import training_loop
@@ -257,7 +258,7 @@ def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, ba
     """What every run's log records of itself: world size, rank, backend, torch version, the model and setup run,
     steps, grad_accum and set_to_none."""
     return {"world_size": world_size, "rank": rank, "backend": backend, "torch_version": torch.__version__,
-            "model": dataclasses.asdict(model_cfg), "setup": dataclasses.asdict(setup), "steps": setup.steps,
+            "model": as_keys(model_cfg), "setup": dataclasses.asdict(setup), "steps": setup.steps,
             "grad_accum": setup.grad_accum, "set_to_none": setup.set_to_none}
 
 
