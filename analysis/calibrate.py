@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ..models.config import SETUP_KNOBS
+from ..models.fields import keys_of
 from ..simulator import strict_json
 from ..simulator.safe_io import InputError, read_text
 
@@ -140,13 +141,13 @@ def setup_fields(scenario) -> dict:
             out[k.name] = k.read(scenario.setup)
     model = scenario.model
     out["model.class"] = type(model).__name__
-    names = [f.name for f in fields(model)]
+    names = dict(keys_of(type(model)))  # key -> attribute (models/fields.py: TransformerConfig's `family`)
     if out["model.class"] == "TracedModel":  # pinned by its digest (config JSON or module file bytes)
-        names.remove("source")
+        del names["source"]
         if model.kind == "module":
             out["model.factory"] = model.source.rpartition(":")[2]
-    for n in names:
-        out[f"model.{n}"] = getattr(model, n)
+    for key, name in names.items():
+        out[f"model.{key}"] = getattr(model, name)
     return {k: json.loads(_canon(_plain(v))) for k, v in out.items()}
 
 

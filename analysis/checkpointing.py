@@ -37,10 +37,9 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from ..models.config import CHECKPOINTING, ConfigError, MLPConfig, TransformerConfig
+from ..models.config import CHECKPOINTING, ConfigError
 from ..models.devices import device_profile
-from ..models.presets import hf_equivalent
-from ..models.traced import TracedModel, traced_layers
+from ..models.families import family_of
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
 from ..simulator.events import Category, EventLog, Phase, Pool
@@ -159,11 +158,9 @@ def host_activations(log: EventLog, rank: int) -> int:
 
 
 def n_layers(model, setup=None) -> int:
-    """The layers checkpointing policies count: transformer blocks, an MLP's Linear(+activation) pairs, or a
-    traced model's repeated blocks (models/traced `traced_layers`, which needs the setup)."""
-    if isinstance(model, TracedModel):
-        return len(traced_layers(model, setup))
-    return model.n_layer if isinstance(model, TransformerConfig) else len(model.hidden) + 1
+    """The layers checkpointing policies count, as the model's family counts them (`Family.layers`): transformer
+    blocks, an MLP's Linear(+activation) pairs, or a traced model's repeated blocks (which need the setup)."""
+    return family_of(model).layers(model, setup)
 
 
 # -- the policy table --------------------------------------------------------------------------------
@@ -210,15 +207,17 @@ COMPILE_POLICIES = ("none", "full", "op-policy")  # the rows torch.compile adds 
 
 
 def compile_applies(scenario) -> bool:
-    """Whether torch.compile is one more fix to try: a traced model, or a hand-written transformer that has an HF
-    equivalent (models/presets.py `hf_equivalent`, which a compiled preset runs as), not compiled already, on the cpu
-    profile or on a CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py `lowerable`: a
-    CUDA build of torch seeing a device of the profile's compute capability); elsewhere compile is refused."""
-    if scenario.setup.compile.on or not isinstance(scenario.model, (TracedModel, TransformerConfig)):
+    """Whether torch.compile is one more fix to try: a traced model, or a hand-written model whose family gives an HF
+    equivalent (`Family.hf_equivalent`, which a compiled preset runs as) and it has one, not compiled already, on the
+    cpu profile or on a CUDA profile this torch lowers inductor's CUDA program for (models/compile/gpu.py
+    `lowerable`: a CUDA build of torch seeing a device of the profile's compute capability); elsewhere compile is
+    refused."""
+    family = family_of(scenario.model)
+    if scenario.setup.compile.on or (family.hand_written and family.hf_equivalent is None):
         return False
-    if isinstance(scenario.model, TransformerConfig):
+    if family.hf_equivalent is not None:
         try:
-            hf_equivalent(scenario.model)
+            family.hf_equivalent(scenario.model)
         except ConfigError:
             return False
     profile = device_profile(scenario.device)
@@ -317,19 +316,9 @@ _REGION_RELEASE = re.compile(r"^checkpoint\.region(\d+)\.release$")  # a region 
 
 
 def _layer_pattern(model, setup=None) -> tuple[re.Pattern, int]:
-    """A regex whose group 1 is a layer number inside an op name, and what to divide that number by."""
-    if isinstance(model, TracedModel):  # one list of numbered blocks: "<prefix>.<i>"
-        layers = traced_layers(model, setup)
-        prefixes = {name.rpartition(".")[0] for name in layers}
-        if len(prefixes) != 1 or [name.rpartition(".")[2] for name in layers] != [str(i) for i in range(len(layers))]:
-            raise ConfigError("checkpointing", f"the layer search needs one list of numbered layers; this model's "
-                                               f"are {', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}")
-        return re.compile(rf"(?:^|\.){re.escape(prefixes.pop())}\.(\d+)\."), 1
-    if isinstance(model, MLPConfig):
-        return re.compile(r"^layers\.(\d+)(?:\.|$)"), 2
-    if model.family == "gpt2":
-        return re.compile(r"(?:^|\.)transformer\.h\.(\d+)\."), 1
-    return re.compile(r"(?:^|\.)model\.layers\.(\d+)\."), 1
+    """A regex whose group 1 is a layer number inside an op name, and what to divide that number by: the model's
+    family's (`Family.layer_pattern`)."""
+    return family_of(model).layer_pattern(model, setup)
 
 
 @dataclass(frozen=True)
@@ -626,7 +615,7 @@ def _raw_limit(budget: int, headroom: float) -> int:
 def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> OptimalCheckpointing:
     """The least-recompute set of checkpointed layers (per-layer full checkpointing) whose simulated peak,
     with the scenario's headroom, fits `budget` bytes; see the module docstring for the method."""
-    if isinstance(scenario.model, TransformerConfig) and scenario.model.implementation == "hf":
+    if not family_of(scenario.model).layer_search:
         raise ConfigError("checkpointing", "the layer search runs on implementation 'nanogpt' models; HF's "
                                            "GPT2LMHeadModel is modelled with none or full only")
     n = n_layers(scenario.model, scenario.setup)

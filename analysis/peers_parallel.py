@@ -310,8 +310,9 @@ def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequenc
                   sequence_parallel=sequence_parallel, recompute=recompute, swiglu=cfg.gated_mlp, untied=not cfg.tied,
                   virtual_stages=virtual_stages if virtual_stages and virtual_stages > 1 else None,
                   num_microbatches=_get(setup, "grad_accum", 1))
-    mega = megatron_theoretical(**common, distributed_optimizer=distributed_optimizer, rmsnorm=cfg.family == "llama",
-                                num_experts=experts, moe_ffn=cfg.ffn if experts else None, bias=cfg.has_bias,
+    mega = megatron_theoretical(**common, distributed_optimizer=distributed_optimizer,
+                                rmsnorm=cfg.architecture == "llama", num_experts=experts,
+                                moe_ffn=cfg.ffn if experts else None, bias=cfg.has_bias,
                                 precision=precision, pp_schedule=pp_schedule, ep=ep)
     prec = PRECISION_TABLE[precision]
     weight_bytes = 2 if prec.param != "fp32" else 4  # autocast keeps fp32 weights

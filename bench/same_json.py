@@ -2,6 +2,7 @@
 
     python bench/same_json.py --write DIR            # every case's --json into DIR/<case>.json
     python bench/same_json.py --write DIR2 --against DIR   # then: which cases differ, byte for byte
+    ... --renamed models/trace/=models/traced/             # a module the outputs cite was renamed
 
 The cases cover every section of the training setup (batch, precision and optimizer, checkpointing, each
 data-parallel engine, the mesh, checkpoint I/O, offload, LoRA / QLoRA, MoE), the describers (hand-written,
@@ -108,6 +109,8 @@ def main() -> int:
     ap.add_argument("--against", help="a folder an earlier --write made: print the cases whose bytes differ")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", nargs="*", help="these cases only")
+    ap.add_argument("--renamed", action="append", default=[], metavar="OLD=NEW",
+                    help="a file the outputs name was renamed: OLD read as NEW in the earlier bytes (repeatable)")
     args = ap.parse_args()
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,8 +121,16 @@ def main() -> int:
     if not args.against:
         return 0
     before = Path(args.against)
+    renames = [tuple(r.encode().split(b"=", 1)) for r in args.renamed]
+
+    def earlier(name: str) -> bytes:
+        data = (before / f"{name}.json").read_bytes()
+        for old, new in renames:
+            data = data.replace(old, new)
+        return data
+
     differ = [n for n in cases
-              if (before / f"{n}.json").read_bytes() != (out / f"{n}.json").read_bytes()
+              if earlier(n) != (out / f"{n}.json").read_bytes()
               or (before / f"{n}.rc").read_text().split("\n")[0] != (out / f"{n}.rc").read_text().split("\n")[0]]
     print(f"{len(cases) - len(differ)} of {len(cases)} cases the same bytes" +
           (f"; differ: {', '.join(differ)}" if differ else ""))

@@ -30,7 +30,7 @@ from peakledger.simulator.engine import simulate
 from peakledger.traces.expert_run import measure_expert_parallel
 
 SECTION = "## Expert parallelism (real CPU runs)"
-MIXTRAL_4 = TransformerConfig(name="tiny-mixtral-4e", family="llama", implementation="hf", n_layer=2, d_model=64,
+MIXTRAL_4 = TransformerConfig(name="tiny-mixtral-4e", architecture="llama", implementation="hf", n_layer=2, d_model=64,
                               n_head=4, n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
                               num_experts_per_tok=2)
 MIXTRAL_8 = dataclasses.replace(MIXTRAL_4, name="tiny-mixtral-8e", num_local_experts=8, n_layer=3)

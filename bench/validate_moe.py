@@ -38,8 +38,8 @@ from peakledger.traces.reference.mixtral import RoutingRecorder
 from peakledger.validation import measure, validate
 
 SECTION = "## MoE routing"
-TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+TINY = TransformerConfig(name="tiny-mixtral", architecture="llama", implementation="hf", n_layer=2, d_model=64,
+                         n_head=4, n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
                          num_experts_per_tok=2)
 MiB, GiB = 2**20, 2**30
 IMPLS = ("grouped_mm", "eager")  # transformers' default, and its loop over experts (models/moe.py)

@@ -26,9 +26,9 @@ from sections import replace_section  # bench/sections.py, beside this script
 from peakledger import validation
 from peakledger.analysis.validate import static_rows
 from peakledger.models.config import ConfigError, TrainingSetup
-from peakledger.models.presets import from_hf_config
 from peakledger.models.traced import from_hf_dict, from_module_spec
 from peakledger.models.training import describe
+from peakledger.models.transformer.hf_config import from_hf_config
 from peakledger.scenario import Scenario
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.timeline import timeline

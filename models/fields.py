@@ -5,6 +5,10 @@ A config field's annotation is its type, and nothing else is accepted: a string 
 finite (no NaN, no infinity). pydantic checks each value against the annotation in strict mode; the
 dataclass's own `__post_init__` then checks what the types cannot say (ranges, choices, combinations).
 Fields whose annotation is another config (a Scenario's model and setup) are checked by their own class.
+
+A field is named in files, flags and messages by its key: its Python name, or the `key` in its metadata where
+the two differ (TransformerConfig.architecture is written `family`, the key users wrote before the attribute
+was renamed). `keys_of`, `as_keys` and `by_name` are the one translation between the two.
 """
 
 from __future__ import annotations
@@ -57,14 +61,43 @@ def check_value(name: str, tp, value, error: type[Exception]) -> None:
 
 
 def check_types(obj, error: type[Exception]) -> None:
-    """Raise `error(field, message)` for the first field of dataclass `obj` whose value is not strictly
+    """Raise `error(key, message)` for the first field of dataclass `obj` whose value is not strictly
     of its annotated type."""
+    keys = {name: key for key, name in keys_of(type(obj)).items()}
     for name, tp, adapter in _adapters(type(obj)):
         value = getattr(obj, name)
         try:
             adapter.validate_python(value)
         except ValidationError:
-            raise error(name, f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
+            raise error(keys[name], f"must be {_words(tp)}, got {value!r} ({type(value).__name__})") from None
 
 
-__all__ = ["check_types", "check_value"]
+@functools.cache
+def keys_of(cls) -> dict[str, str]:
+    """The fields of dataclass `cls` as files, flags and messages name them: key -> Python name, in field order."""
+    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
+
+
+def as_keys(obj) -> dict:
+    """`dataclasses.asdict(obj)` with each field under its key."""
+    values = dataclasses.asdict(obj)
+    return {key: values[name] for key, name in keys_of(type(obj)).items()}
+
+
+def by_name(cls, table: dict) -> dict:
+    """A table of `cls`'s fields by key (a scenario file's [model], a trace's metadata) by Python name, to
+    construct or replace with; a key that is no field stays as it is (the constructor refuses it)."""
+    names = keys_of(cls)
+    return {names.get(k, k): v for k, v in table.items()}
+
+
+def in_keys(cls, message: str) -> str:
+    """A TypeError's message about `cls`'s fields ("missing 1 required positional argument: 'architecture'")
+    naming them by key."""
+    for key, name in keys_of(cls).items():
+        if key != name:
+            message = message.replace(f"'{name}'", f"'{key}'")
+    return message
+
+
+__all__ = ["check_types", "keys_of", "as_keys", "by_name", "in_keys"]

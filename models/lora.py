@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from . import qlora
-from .config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from .config import ConfigError, TrainingSetup, TransformerConfig
 from .tape import ParamSpec, Tape, TensorSpec
 
-# the linears of each family's blocks, by module path under the block
+# the linears of each architecture's blocks, by module path under the block
 BLOCK_LINEARS = {"llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
                  "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
@@ -55,24 +55,26 @@ def _matches(path: str, target: str) -> bool:
     return path == target or path.endswith("." + target)
 
 
-def targets(model, setup: TrainingSetup) -> tuple[str, ...]:
-    """The setup's target_modules for this model (peft's default when none are given); ConfigError for a model
-    LoRA is not modelled on, or a name that matches no linear of the model (naming the allowed ones)."""
-    if isinstance(model, MLPConfig):
-        raise ConfigError("lora_r", "an MLP has no q_proj / c_attn linears to target; LoRA is modelled on "
-                                    "transformers: allowed: family gpt2 or llama (presets tiny, tiny-llama, gpt2, "
-                                    "llama-3-8b, ...)")
-    if model.implementation == "hf":
-        raise ConfigError("lora_r", "LoRA on HF's GPT2LMHeadModel (Conv1D, fan_in_fan_out) is not modelled; allowed: "
-                                    "implementation nanogpt (the gpt2 / llama presets)")
-    chosen = setup.lora.targets or DEFAULT_TARGETS[model.family]
-    linears = BLOCK_LINEARS[model.family]
+# why a family without LoRA refuses it (its `Family.lora_targets`, models/families/): an MLP; HF's code (HF GPT-2,
+# and Mixtral, whose refusal has always named GPT-2's)
+NOT_ON_MLP = ("an MLP has no q_proj / c_attn linears to target; LoRA is modelled on transformers: allowed: family "
+              "gpt2 or llama (presets tiny, tiny-llama, gpt2, llama-3-8b, ...)")
+NOT_ON_HF = ("LoRA on HF's GPT2LMHeadModel (Conv1D, fan_in_fan_out) is not modelled; allowed: implementation nanogpt "
+             "(the gpt2 / llama presets)")
+
+
+def targets(model: TransformerConfig, setup: TrainingSetup) -> tuple[str, ...]:
+    """The setup's target_modules for a nanogpt-family transformer (peft's default for its architecture when none
+    are given); ConfigError for a name that matches no linear of its blocks (naming the allowed ones). The nanogpt
+    family's `lora_targets`; the families LoRA is not modelled on refuse it with their own words."""
+    chosen = setup.lora.targets or DEFAULT_TARGETS[model.architecture]
+    linears = BLOCK_LINEARS[model.architecture]
     allowed = sorted({p.rpartition(".")[2] for p in linears}) + [p for p in linears
                                                                  if sum(q.endswith(p.rpartition(".")[2])
                                                                         for q in linears) > 1]
     for t in chosen:
         if not any(_matches(f"x.{p}", t) for p in linears):
-            raise ConfigError("lora_targets", f"{t!r} matches no linear of a {model.family} block; allowed: "
+            raise ConfigError("lora_targets", f"{t!r} matches no linear of a {model.architecture} block; allowed: "
                                               f"{', '.join(allowed)}")
     return tuple(chosen)
 
@@ -142,7 +144,7 @@ def lora_tape(cfg: TransformerConfig, setup: TrainingSetup, params: list[ParamSp
 
 
 def _is_block_linear(cfg: TransformerConfig, module: str) -> bool:
-    return any(module.endswith("." + p) for p in BLOCK_LINEARS[cfg.family])
+    return any(module.endswith("." + p) for p in BLOCK_LINEARS[cfg.architecture])
 
 
 def adapter_parameters(tape: Tape) -> set[str]:
@@ -238,5 +240,5 @@ def module_return(w, module: str, x: TensorSpec) -> None:
         w.op(f"{module}.return", "release", [x], [])
 
 
-__all__ = ["lora_tape", "write_linear", "frozen_linear", "targets", "is_adapter", "adapter_dtype",
-           "adapter_parameters", "LoraTape", "BLOCK_LINEARS", "DEFAULT_TARGETS"]
+__all__ = ["lora_tape", "write_linear", "frozen_linear", "targets", "NOT_ON_MLP", "NOT_ON_HF", "is_adapter",
+           "adapter_dtype", "adapter_parameters", "LoraTape", "BLOCK_LINEARS", "DEFAULT_TARGETS"]

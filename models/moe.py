@@ -39,10 +39,6 @@ COUNTS_FORMAT = "peakledger-moe-counts"
 COUNTS_VERSION = 1
 
 
-def has_experts(cfg) -> bool:
-    return isinstance(cfg, TransformerConfig) and cfg.num_local_experts is not None
-
-
 def moe_params(cfg: TransformerConfig, h: str) -> list[ParamSpec]:
     """`{h}.mlp.gate.weight` (the router, E x D), then the experts' 3-D weights (MixtralExperts.__init__)."""
     E, D, F = cfg.num_local_experts, cfg.d_model, cfg.ffn
@@ -52,22 +48,23 @@ def moe_params(cfg: TransformerConfig, h: str) -> list[ParamSpec]:
 
 def active_params(cfg: TransformerConfig, n_params: int) -> int:
     """Parameters one token runs through: all but the (E - top-k) experts it is not routed to, per layer."""
-    if not has_experts(cfg):
-        return n_params
     per_expert = 3 * cfg.d_model * cfg.ffn
     return n_params - cfg.n_layer * (cfg.num_local_experts - cfg.num_experts_per_tok) * per_expert
 
 
 # -- routing --------------------------------------------------------------------------------------
 
-def check_routing(cfg, setup: TrainingSetup) -> None:
-    """`moe_routing` is for models with experts; a counts file must fit the model and the micro-batch."""
-    if setup.moe.routing is None:
-        return
-    if not has_experts(cfg):
+def check_routing(cfg: TransformerConfig, setup: TrainingSetup) -> None:
+    """A counts file must fit the model and the micro-batch (the mixtral family's check)."""
+    if setup.moe.routing is not None:
+        routing_counts(cfg, setup, 0)
+
+
+def no_routing(cfg, setup: TrainingSetup) -> None:
+    """`moe_routing` is for models with experts (every other family's check)."""
+    if setup.moe.routing is not None:
         raise ConfigError("moe_routing", f"the model {getattr(cfg, 'name', cfg)!r} has no experts; moe_routing "
                                          "applies to mixture-of-experts models only (num_local_experts)")
-    routing_counts(cfg, setup, 0)
 
 
 def routing_counts(cfg: TransformerConfig, setup: TrainingSetup, layer: int) -> tuple[int, ...]:

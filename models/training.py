@@ -42,7 +42,7 @@ from .compile import compiled_tape
 from .config import INT64_MAX, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
 from .devices import DeviceProfile, device_profile
 from .families import family_of
-from .moe import active_params, has_experts
+from .moe import active_params
 from .offload import OffloadedStates
 from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
@@ -65,10 +65,11 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
                cuda: tuple[tuple[int, int], str] | None = None) -> Tape:
     """The forward tape of `model` under `setup`; with expert parallelism, expert-parallel rank `ep_rank`'s. A
     traced model on a GPU is recorded as the CUDA program of `cuda` = (compute capability, torch version)."""
-    check_model_parallel(model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
+    family = family_of(model)  # models/families/
+    check_model_parallel(family, model, setup)  # tp / pp / cp / ep against the model (models/parallel/checks.py)
     if setup.compile.on:  # the compiled program of a traced model (models/compile)
         return compiled_tape(model, setup, cpu, cuda)
-    family = family_of(model)  # models/families.py
+    family.check(model, setup)
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
     if family.hand_written and setup.batch.passes == "forward":
         # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run (a trace records none)
@@ -239,9 +240,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         _describe_rank(builder, plan.simulated)
     if plan.truncated:
         check_repeats(graph, plan)
+    family = family_of(model)
     graph.metadata = {
         "model": model.name, "setup": setup.knob_values(), "device": profile.name, **plan.metadata(),
-        "describer": tape.describer, "batch": model.batch_note(setup) if isinstance(model, TracedModel) else None,
+        "describer": tape.describer, "batch": family.batch_note(model, setup),
         "describer_note": None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
         "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.batch.grad_accum
         if tape.backward else None,
@@ -263,7 +265,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
     if setup.mesh.ep > 1:
         graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup, model.num_experts_per_tok)
-    if has_experts(model):  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
+    if family.experts:  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
         graph.metadata["n_active_params"] = active_params(model, tape.n_params)
         graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"
     return graph

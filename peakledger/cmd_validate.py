@@ -25,6 +25,7 @@ from .inputs import (
 )
 from .models.config import ConfigError
 from .models.devices import DEVICES, device_profile
+from .models.families import family_of
 from .models.training import describe
 from .progress import progress
 from .simulator.allocator import AllocatorConfig
@@ -119,7 +120,7 @@ def _moe_recorder(args, scenario):
     """capture --moe-counts FILE: a router hook on the real model (traces/reference/mixtral.py), or None."""
     if not args.moe_counts:
         return None
-    if args.device_kind == "cuda" or not getattr(scenario.model, "num_local_experts", None):
+    if args.device_kind == "cuda" or not family_of(scenario.model).experts:
         raise ConfigError("moe_counts", "records the routers of a mixture-of-experts model (num_local_experts) "
                                         "in a CPU capture")
     from .traces.reference.mixtral import RoutingRecorder

@@ -9,8 +9,9 @@ or its numerics change (8-bit states, a frozen half, a shorter context), not onl
 from __future__ import annotations
 
 from .analysis.checkpointing import compile_applies
-from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, TransformerConfig
+from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES
 from .models.devices import device_profile
+from .models.families import family_of
 from .models.traced import traced_layers
 from .models.traced.model import TracedModel
 from .scenario import Scenario
@@ -102,7 +103,8 @@ def data_parallel_fixes(scenario: Scenario) -> list[Candidate]:
 def activation_fixes(scenario: Scenario) -> list[Candidate]:
     """What the forward keeps for backward: checkpointing policies, smaller micro-batches, a shorter context."""
     s, model = scenario.setup, scenario.model
-    traced = isinstance(model, TracedModel)
+    family = family_of(model)
+    traced = isinstance(model, TracedModel)  # (a factory's own signature: `varies`)
     out: list[Candidate] = []
     for policy in CHECKPOINTING:
         if policy not in (s.checkpointing.policy, "none", "layers") and not (traced and policy == "selective"):
@@ -115,8 +117,7 @@ def activation_fixes(scenario: Scenario) -> list[Candidate]:
         out.append((f"micro-batch {mb} -> {d}, accumulation {s.batch.grad_accum} -> {s.batch.grad_accum * mb // d}",
                     {"micro_batch": d, "grad_accum": s.batch.grad_accum * mb // d}, False,
                     "same B_eff, more and smaller steps (lower arithmetic intensity)"))
-    if (isinstance(model, TransformerConfig) or traced and "seq_len" in model.varies and model.batch_note(s)
-            .startswith("input_ids")) and s.batch.seq_len > 1:
+    if family.tokens(model, s) and s.batch.seq_len > 1:
         out.append((f"seq_len {s.batch.seq_len} -> {s.batch.seq_len // 2}", {"seq_len": s.batch.seq_len // 2}, True,
                     "shorter context: changes what the model learns"))
     return out
@@ -167,14 +168,13 @@ def model_parallel_fixes(scenario: Scenario) -> list[Candidate]:
     if s.mesh.pp > 1 and s.mesh.pp_schedule == "gpipe" and s.batch.grad_accum >= s.mesh.pp:
         out.append(("pipeline schedule gpipe -> 1f1b", {"pp_schedule": "1f1b"}, False,
                     "same GPUs: at most pp micro-batches in flight on the first stage instead of all of them"))
-    if s.mesh.tp > 1 or (s.mesh.pp == 1 and s.mesh.world_size == 1 and isinstance(scenario.model, TransformerConfig)):
+    transformer = family_of(scenario.model).transformer  # (a candidate its family refuses is skipped)
+    if s.mesh.tp > 1 or (s.mesh.pp == 1 and s.mesh.world_size == 1 and transformer):
         tp = s.mesh.tp * 2
         out.append((f"tp {s.mesh.tp} -> {tp} ({s.mesh.world_size} -> {s.mesh.world_size * 2} GPUs)",
                     {"tp": tp, "world_size": s.mesh.world_size * 2}, False,
                     f"twice the GPUs: each holds 1/{tp} of the weights and of the activations between linears"))
-    if s.mesh.cp > 1 or (
-        s.mesh.world_size == 1 and isinstance(scenario.model, TransformerConfig) and s.batch.seq_len % 4 == 0
-    ):
+    if s.mesh.cp > 1 or (s.mesh.world_size == 1 and transformer and s.batch.seq_len % 4 == 0):
         cp = s.mesh.cp * 2  # skipped (a ConfigError) where context parallelism is not simulated for the scenario
         out.append((f"cp {s.mesh.cp} -> {cp} ({s.mesh.world_size} -> {s.mesh.world_size * 2} GPUs)",
                     {"cp": cp, "world_size": s.mesh.world_size * 2}, False,
@@ -206,8 +206,8 @@ def freeze_fixes(scenario: Scenario) -> list[Candidate]:
             half = layers[:len(layers) // 2]
             return [(f"freeze {half[0]} .. {half[-1]}", {"frozen": tuple(f"{name}.*" for name in half)}, True,
                      "fine-tunes the upper half only")]
-    if isinstance(model, TransformerConfig) and model.n_layer > 1:
-        prefix = "transformer.h" if model.family == "gpt2" else "model.layers"
+    if family_of(model).transformer and model.n_layer > 1:
+        prefix = model.blocks
         half = model.n_layer // 2
         return [(f"freeze layers 0-{half - 1}", {"frozen": tuple(f"{prefix}.{i}.*" for i in range(half))}, True,
                  "fine-tunes the upper half only")]

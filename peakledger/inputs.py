@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
-from .models.config import KNOBS, SETUP_KNOBS, ConfigError, MLPConfig, TrainingSetup, TransformerConfig, dtype_bytes
+from .models.config import KNOBS, SETUP_KNOBS, ConfigError, TrainingSetup, dtype_bytes
+from .models.families import FAMILIES
+from .models.fields import by_name, keys_of
 from .models.traced.model import TracedModel, from_module_spec
 from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
@@ -87,13 +89,12 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
     """The scenario a measured trace records (`peakledger capture` writes model, model_kind, setup and
     scenario into its metadata), or None when it records none (a CUDA snapshot, a trace from elsewhere)."""
     model, setup, kind = metadata.get("model"), metadata.get("setup"), metadata.get("model_kind")
-    if not (isinstance(model, dict) and isinstance(setup, dict) and
-            kind in ("TransformerConfig", "MLPConfig", "TracedModel")):
+    classes = {f.config.__name__: f.config for f in FAMILIES}  # each family's config class (models/families/)
+    if not (isinstance(model, dict) and isinstance(setup, dict) and kind in classes):
         return None
-    cls = {"TransformerConfig": TransformerConfig, "MLPConfig": MLPConfig, "TracedModel": TracedModel}[kind]
-    known = lambda c, d: {k: v for k, v in lists_as_tuples(d).items() if k in {f.name for f in fields(c)}}  # noqa: E731
+    cls = classes[kind]
     try:
-        config = cls(**known(cls, model))
+        config = cls(**by_name(cls, {k: v for k, v in lists_as_tuples(model).items() if k in keys_of(cls)}))
         if isinstance(config, TracedModel):  # (a module's file is the user's --module: `_recorded_module`)
             config = dataclasses.replace(config, varies=tuple(config.varies),
                                          defaults=tuple(tuple(d) for d in config.defaults))
@@ -135,8 +136,10 @@ def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario
         )
     scenario = recorded.with_changes(**changes) if changes else recorded
     notes = [f"scenario recorded in {trace.path}: {recorded.name}"] + module_notes
+    names = keys_of(type(recorded.model))  # a model field by its key (models/fields.py)
     for key, value in changes.items():
-        old = recorded.setup.knob(key) if key in KNOBS else getattr(recorded.model, key, getattr(recorded, key, None))
+        in_model = getattr(recorded.model, names.get(key, key), getattr(recorded, key, None))
+        old = recorded.setup.knob(key) if key in KNOBS else in_model
         if old != value:
             notes.append(f"overrode {key}: {old!r} in the trace, {value!r} from {flag(key)}")
     return scenario, notes

@@ -4,7 +4,7 @@ TOML layout (every key optional; flags given on the command line override the fi
 
     [model]
     preset = "gpt2"          # or hf_config = "path/to/config.json"
-    n_layer = 6              # any TransformerConfig / MLPConfig field overrides the preset
+    n_layer = 6              # any field of the preset's config overrides it
 
     [training]               # any TrainingSetup field
     micro_batch = 8
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from .models.config import (
@@ -37,14 +37,16 @@ from .models.config import (
     read_config_file,
 )
 from .models.devices import DEVICES
-from .models.fields import check_types
-from .models.presets import HAND_WRITTEN_HF, PRESETS, hf_equivalent, load_hf_config, preset, read_hf_json
+from .models.families import family_of
+from .models.fields import by_name, check_types, in_keys, keys_of
+from .models.presets import PRESETS, preset
 from .models.traced.model import TracedModel, from_hf_dict, from_module_spec
+from .models.transformer.hf_config import HAND_WRITTEN_HF, load_hf_config, read_hf_json
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .simulator.engine import SIMULATORS
 from .simulator.numbers import float_text, int_text
 
-ModelConfig = TransformerConfig | MLPConfig | TracedModel
+ModelConfig = TransformerConfig | MLPConfig | TracedModel  # (the families' configs: models/families/)
 DEFAULT_PRESET = "gpt2"
 RUN_FIELDS = ("device", "headroom", "alloc_conf", "empty_cache_before_save", "torch_version", "simulator")
 DEFAULT_SETUP = dict(micro_batch=8, seq_len=1024, precision="bf16-mixed", optimizer="adamw")
@@ -76,14 +78,14 @@ class Scenario:
             raise ConfigError("headroom", f"must be a number >= 0 (0.1 = 10%), got {self.headroom!r}")
 
     def settings(self) -> set[str]:
-        """Every name `with_changes` accepts: TrainingSetup fields, this model's fields, device, headroom, name."""
-        return set(KNOBS) | {f.name for f in fields(type(self.model))} | \
-            set(RUN_FIELDS) | {"name"}
+        """Every name `with_changes` accepts: TrainingSetup fields, this model's fields (by key: models/fields.py),
+        device, headroom, name."""
+        return set(KNOBS) | set(keys_of(type(self.model))) | set(RUN_FIELDS) | {"name"}
 
     def with_changes(self, **changes) -> "Scenario":
         """Change setup fields, model fields or run fields by name (for comparisons and sweeps)."""
         setup_keys = set(KNOBS)
-        model_keys = {f.name for f in fields(type(self.model))}
+        model_keys = set(keys_of(type(self.model)))
         setup = {k: v for k, v in changes.items() if k in setup_keys}
         model = {k: v for k, v in changes.items() if k in model_keys and k not in setup_keys and k != "name"}
         run = {k: v for k, v in changes.items() if k in RUN_FIELDS + ("name",)}
@@ -91,7 +93,8 @@ class Scenario:
         if unknown:
             allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
             raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
-        new = dataclasses.replace(self, model=_replace(self.model, model), setup=_replace(self.setup, setup), **run)
+        new = dataclasses.replace(self, model=_replace(self.model, by_name(type(self.model), model)),
+                                  setup=_replace(self.setup, setup), **run)
         if (
             new.setup.compile.on and not self.setup.compile.on
         ):  # compile as a fix (explain, checkpointing): a preset too
@@ -101,8 +104,10 @@ class Scenario:
 
 def compiled_model(model: ModelConfig) -> ModelConfig:
     """The model torch.compile's program is made of: a traced model's, so a hand-written transformer runs as its HF
-    equivalent (models/presets.py `hf_equivalent`; a ConfigError where it has none); a traced model itself."""
-    if isinstance(model, TransformerConfig):
+    equivalent (its family's `hf_equivalent`; a ConfigError where it has none); a traced model itself (and a model
+    of no HF equivalent too, which compile then refuses)."""
+    hf_equivalent = family_of(model).hf_equivalent
+    if hf_equivalent is not None:
         return from_hf_dict(hf_equivalent(model), f"{model.name} (as its HF equivalent)")
     return model
 
@@ -201,28 +206,26 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
         base = preset(preset_name or DEFAULT_PRESET)
     else:
         base = None
-    model_keys = {f.name for f in fields(type(base) if base else TransformerConfig)}
+    model_keys = set(keys_of(type(base) if base else TransformerConfig))
     for key in model_table:
         if key not in model_keys:
             raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}")
-    model_table = lists_as_tuples(model_table)
     if base is None:
         try:
-            model = TransformerConfig(**{"name": "custom", **model_table})
+            model = TransformerConfig(**{"name": "custom", **by_name(TransformerConfig, lists_as_tuples(model_table))})
         except TypeError as e:
-            raise ConfigError("model", f"a model without preset needs every TransformerConfig field: {e}") from None
+            raise ConfigError("model", f"a model without preset needs every TransformerConfig field: "
+                                       f"{in_keys(TransformerConfig, str(e))}") from None
     else:
-        model = _replace(base, model_table)
-    if training.get("compile") is True and isinstance(model, TransformerConfig):
+        model = _replace(base, by_name(type(base), lists_as_tuples(model_table)))
+    family = family_of(model)
+    if training.get("compile") is True and family.hf_equivalent is not None:
         return traced_scenario(compiled_model(model), {}, training, run, name or model.name, defaults)
     _check_training_keys(training)
-    if isinstance(model, MLPConfig) and "seq_len" in training:
-        raise ConfigError("seq_len", "an MLP reads one vector per sample, not a sequence: leave seq_len out "
-                                     "(micro_batch sets the batch)")
-    base_setup = dict(DEFAULT_SETUP,
-                      seq_len=min(model.max_seq_len, 1024) if isinstance(model, TransformerConfig) else 1)
-    base_setup.update({k: v for k, v in (defaults or {}).items()
-                       if k != "seq_len" or isinstance(model, TransformerConfig)})
+    if family.seq_len is None and "seq_len" in training:
+        raise ConfigError("seq_len", family.no_seq_len)
+    base_setup = dict(DEFAULT_SETUP, seq_len=family.seq_len(model) if family.seq_len is not None else 1)
+    base_setup.update({k: v for k, v in (defaults or {}).items() if k != "seq_len" or family.seq_len is not None})
     return _scenario(model, base_setup, training, run, name)
 
 

@@ -6,10 +6,9 @@ this is the measuring half the `validate` and `capture` commands call.
 
 from __future__ import annotations
 
-import dataclasses
-
 from .analysis.validate import compare_logs
 from .models.config import ConfigError
+from .models.fields import as_keys
 from .models.optimizers import OPTIMIZERS
 from .models.training import describe
 from .scenario import Scenario
@@ -51,7 +50,7 @@ def measure(scenario: Scenario, model_hook=None):
     if model_hook is not None:
         model_hook(model)
     optimizer = make_optimizer(model, setup)
-    metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(scenario.model),
+    metadata = {"torch_version": torch.__version__, "model": as_keys(scenario.model),
                 "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
                 "device": "cpu", "scenario": scenario.name}
     return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.batch.steps,

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 from . import api
 from .models import gpu
-from .models.config import ConfigError, TransformerConfig
+from .models.config import ConfigError
 from .models.devices import DEVICES, DeviceProfile
+from .models.families import family_of
 from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
 
@@ -116,7 +117,7 @@ def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
     torch picks on this GPU under the same rules: a note saying so (that row's attention tensors are the other
     kernel's); None where they agree, or the model is traced (its trace follows the GPU) or runs eager attention."""
     model = scenario.model
-    if not isinstance(model, TransformerConfig) or model.attention != "sdpa":
+    if not family_of(model).transformer or model.attention != "sdpa":
         return None
     cc, rules = GPU_TARGET
     if tuple(profile.compute_capability) == tuple(cc):

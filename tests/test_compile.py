@@ -231,19 +231,21 @@ def test_compile_refuses_presets_gpus_it_cannot_lower_and_autotuning():
 
 def test_a_preset_compiles_as_its_hf_equivalent():
     """torch.compile's program is a traced model's: a preset (or any hand-written transformer config) runs as the HF
-    model of its architecture (models/presets.py `hf_equivalent`), whose config reads back to the same sizes; a
-    config HF's classes cannot build is refused naming the field."""
+    model of its architecture (models/transformer/hf_config.py `hf_equivalent`, the transformer families' hook),
+    whose config reads back to the same sizes; a config HF's classes cannot build is refused naming the field. The
+    mlp family has none."""
     import dataclasses
 
-    from peakledger.models.presets import from_hf_config, hf_equivalent
+    from peakledger.models.families import family_of
     from peakledger.models.traced.model import TracedModel
+    from peakledger.models.transformer.hf_config import from_hf_config, hf_equivalent
     from peakledger.scenario import build_scenario
 
     for name, cfg in PRESETS.items():
         if name == "tiny-mlp":
-            with pytest.raises(ConfigError):
-                hf_equivalent(cfg)
+            assert family_of(cfg).hf_equivalent is None
             continue
+        assert family_of(cfg).hf_equivalent is hf_equivalent
         back = from_hf_config(hf_equivalent(cfg), name)
         assert (back.n_layer, back.d_model, back.kv_heads, back.ffn, back.tied) == \
             (cfg.n_layer, cfg.d_model, cfg.kv_heads, cfg.ffn, cfg.tied)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 
 from peakledger.models.config import TrainingSetup
+from peakledger.models.families import family_of
 from peakledger.models.presets import PRESETS, preset
 from peakledger.models.transformer import transformer_params
 from peakledger.simulator.events import Action, Category, OptimizerState, Phase
@@ -106,7 +107,7 @@ def test_zero_stages_shard_the_right_rows(sim):
 def test_presets_all_describe():
     for name in PRESETS:
         cfg = PRESETS[name]
-        assert sum(p.numel for p in transformer_params(cfg)) > 0 if hasattr(cfg, "family") else True
+        assert sum(p.numel for p in transformer_params(cfg)) > 0 if family_of(cfg).transformer else True
 
 
 def test_effective_batch():
@@ -115,7 +116,7 @@ def test_effective_batch():
 
 def test_hf_config_files_read_into_the_same_describer(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from peakledger.models.presets import load_hf_config
+    from peakledger.models.transformer.hf_config import load_hf_config
     path = tmp_path / "config.json"
     path.write_text(transformers.GPT2Config().to_json_string())
     cfg = load_hf_config(path)

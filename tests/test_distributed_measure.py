@@ -20,7 +20,7 @@ from peakledger.traces.reference import build_model
 WORLD = 2
 # odd vocabulary and context length: wte (37, 12) and wpe (9, 12) do not split evenly over 2 ranks,
 # so the padding rule is exercised; the tied lm_head lives in the root unit with them
-ODD_GPT = TransformerConfig(name="odd", family="gpt2", n_layer=1, d_model=12, n_head=2, vocab_size=37,
+ODD_GPT = TransformerConfig(name="odd", architecture="gpt2", n_layer=1, d_model=12, n_head=2, vocab_size=37,
                             max_seq_len=9, attention="sdpa")
 SETUP = TrainingSetup(micro_batch=2, seq_len=8, steps=2, optimizer="adamw", optimizer_impl="foreach")
 FP32 = torch.finfo(torch.float32).bits // 8

@@ -26,8 +26,8 @@ pytest.importorskip("transformers")
 
 from peakledger.traces.expert_run import measure_expert_parallel, permute_indices  # noqa: E402
 
-TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+TINY = TransformerConfig(name="tiny-mixtral", architecture="llama", implementation="hf", n_layer=2, d_model=64,
+                         n_head=4, n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
                          num_experts_per_tok=2)
 TOLERANCE = 1e-4
 DDP_UNMODELLED = 8  # bytes: DDP's construction leaves an 8-byte int64 tensor that goes in the first backward

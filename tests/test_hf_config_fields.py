@@ -18,8 +18,8 @@ from realrun import assert_matches_real_run
 
 from peakledger import build_scenario
 from peakledger.models.config import ConfigError, TransformerConfig
-from peakledger.models.presets import from_hf_config, load_hf_config
 from peakledger.models.transformer import transformer_params
+from peakledger.models.transformer.hf_config import from_hf_config, load_hf_config
 from peakledger.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,9 +134,9 @@ def test_mistral_and_qwen2_build_what_their_modeling_files_build_for_indivisible
 # -- TransformerConfig's own fields ---------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(family="gpt2", head_dim=8), "head_dim"),  # gpt2 splits d_model into its heads
-    (dict(family="gpt2", out_bias=False), "out_bias"),
-    (dict(family="gpt2", mlp_bias=False), "mlp_bias"),
+    (dict(architecture="gpt2", head_dim=8), "head_dim"),  # gpt2 splits d_model into its heads
+    (dict(architecture="gpt2", out_bias=False), "out_bias"),
+    (dict(architecture="gpt2", mlp_bias=False), "mlp_bias"),
     (dict(head_dim="16"), "head_dim"),
     (dict(head_dim=0), "head_dim"),
     (dict(head_dim=7), "head_dim"),
@@ -145,21 +145,21 @@ def test_mistral_and_qwen2_build_what_their_modeling_files_build_for_indivisible
     (dict(d_model=66), "n_head"),  # without head_dim, n_head must divide d_model
 ])
 def test_transformer_config_head_and_bias_fields_are_validated(kwargs, field):
-    base = dict(name="x", family="llama", n_layer=2, d_model=64, n_head=4, vocab_size=256, max_seq_len=64)
+    base = dict(name="x", architecture="llama", n_layer=2, d_model=64, n_head=4, vocab_size=256, max_seq_len=64)
     with pytest.raises(ConfigError) as e:
         TransformerConfig(**{**base, **kwargs})
     assert e.value.field == field
 
 
 def test_head_dim_sets_the_attention_width():
-    base = dict(name="x", family="llama", n_layer=2, d_model=66, n_head=4, vocab_size=256, max_seq_len=64)
+    base = dict(name="x", architecture="llama", n_layer=2, d_model=66, n_head=4, vocab_size=256, max_seq_len=64)
     cfg = TransformerConfig(**base, head_dim=24, n_kv_head=2)
     assert (cfg.head_size, cfg.attn_dim) == (24, 96)
     shapes = {p.name: p.shape for p in transformer_params(cfg)}
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (96, 66)
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (48, 66)
     assert shapes["model.layers.0.self_attn.o_proj.weight"] == (66, 96)
-    gpt2 = TransformerConfig(**{**base, "family": "gpt2", "d_model": 64}, head_dim=16)  # = d_model // n_head
+    gpt2 = TransformerConfig(**{**base, "architecture": "gpt2", "d_model": 64}, head_dim=16)  # = d_model // n_head
     assert gpt2.head_size == 16
 
 

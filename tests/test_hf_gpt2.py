@@ -21,8 +21,8 @@ from peakledger import build_scenario  # noqa: E402
 from peakledger.analysis.validate import static_rows  # noqa: E402
 from peakledger.cli import main  # noqa: E402
 from peakledger.models.config import ConfigError, TransformerConfig  # noqa: E402
-from peakledger.models.presets import from_hf_config  # noqa: E402
 from peakledger.models.transformer import transformer_params  # noqa: E402
+from peakledger.models.transformer.hf_config import from_hf_config  # noqa: E402
 from peakledger.traces.reference import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,14 +85,14 @@ def test_hf_gpt2_options_outside_the_model_are_refused_by_field(data, field):
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(implementation="keras"), "implementation"),
-    (dict(implementation="hf", family="llama"), "implementation"),
+    (dict(implementation="hf", architecture="llama"), "implementation"),
     (dict(implementation="hf", n_kv_head=2), "n_kv_head"),
     (dict(implementation="hf", bias=False), "bias"),
     (dict(activation="gelu_new"), "activation"),  # nanoGPT runs nn.GELU()
     (dict(activation="swish", implementation="hf"), "activation"),
 ])
 def test_transformer_config_implementation_fields_are_validated(kwargs, field):
-    base = dict(name="x", family="gpt2", n_layer=2, d_model=64, n_head=4, vocab_size=256, max_seq_len=64)
+    base = dict(name="x", architecture="gpt2", n_layer=2, d_model=64, n_head=4, vocab_size=256, max_seq_len=64)
     with pytest.raises(ConfigError) as e:
         TransformerConfig(**{**base, **kwargs})
     assert e.value.field == field

@@ -32,7 +32,7 @@ def _block_shapes(cfg, tp: int) -> list[tuple[tuple[int, ...], int]]:
     column-parallel weights / biases split their output rows, row-parallel weights their input columns, norms
     and row-parallel biases whole (tensor_run's plan)."""
     d, hd = cfg.d_model, cfg.d_model // cfg.n_head
-    if cfg.family == "gpt2":
+    if cfg.architecture == "gpt2":
         ffn = cfg.d_ff or 4 * d
         return [((d,), d), ((d,), d),  # ln_1
                 ((3 * d // tp, d), 3 * d // tp), ((3 * d // tp,), 3 * d // tp),  # c_attn (q, k, v: n_kv = n_head)
@@ -56,10 +56,10 @@ def _outer_shapes(cfg, tp: int, first: bool, last: bool, tied_kept: bool):
     out = []
     if first:
         out.append(((v // tp, d), v // tp))
-        if cfg.family == "gpt2":
+        if cfg.architecture == "gpt2":
             out.append(((cfg.max_seq_len, d), cfg.max_seq_len))
     if last:
-        out += [((d,), d), ((d,), d)] if cfg.family == "gpt2" else [((d,), d)]
+        out += [((d,), d), ((d,), d)] if cfg.architecture == "gpt2" else [((d,), d)]
         if not (cfg.tied and tied_kept):
             out.append(((v // tp, d), v // tp))
     return out
@@ -180,7 +180,7 @@ def test_stage_plan_is_the_whole_models_plan_on_its_modules(name, sequence_paral
             names = {n for n, _ in stage.named_modules()}
             own = [(k, repr(v)) for k, v in tp_plan(stage, sequence_parallel).items() if k in names]
             assert own == [(k, repr(v)) for k, v in whole.items() if k in names]
-            blocks = "transformer.h" if cfg.family == "gpt2" else "model.layers"
+            blocks = cfg.blocks
             assert fsdp_units(stage) == [stage.get_submodule(f"{blocks}.{i}") for i in spec.layers]
 
 

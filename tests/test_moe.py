@@ -17,9 +17,10 @@ from peakledger.api import simulate
 from peakledger.cli import main
 from peakledger.models.config import ConfigError, TrainingSetup, TransformerConfig
 from peakledger.models.moe import active_params, read_counts, routing_counts
-from peakledger.models.presets import from_hf_config, preset
+from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.models.transformer import transformer_params
+from peakledger.models.transformer.hf_config import from_hf_config
 from peakledger.scenario import Scenario
 from peakledger.simulator.events import Phase
 from peakledger.simulator.timeline import timeline
@@ -30,8 +31,8 @@ torch = pytest.importorskip("torch")
 
 from peakledger.traces.reference.mixtral import RoutingRecorder, hf_mixtral, hf_mixtral_config  # noqa: E402
 
-TINY = TransformerConfig(name="tiny-mixtral", family="llama", implementation="hf", n_layer=2, d_model=64, n_head=4,
-                         n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
+TINY = TransformerConfig(name="tiny-mixtral", architecture="llama", implementation="hf", n_layer=2, d_model=64,
+                         n_head=4, n_kv_head=2, d_ff=96, vocab_size=256, max_seq_len=64, num_local_experts=4,
                          num_experts_per_tok=2)
 TOLERANCE = 0.005
 

@@ -20,7 +20,7 @@ PERSISTENT = {Category.PARAMETER, Category.BUFFER, Category.MASTER_PARAMETER, Ca
 def scenarios(draw):
     if draw(st.booleans()):
         heads = draw(st.sampled_from([1, 2, 4]))
-        model = TransformerConfig(name="h", family=draw(st.sampled_from(["gpt2", "llama"])),
+        model = TransformerConfig(name="h", architecture=draw(st.sampled_from(["gpt2", "llama"])),
                                   n_layer=draw(st.integers(1, 3)), d_model=heads * draw(st.sampled_from([4, 8])),
                                   n_head=heads, n_kv_head=draw(st.sampled_from([None, 1])),
                                   vocab_size=draw(st.integers(5, 50)), max_seq_len=16,

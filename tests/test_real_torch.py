@@ -10,7 +10,8 @@ from math import prod
 import pytest
 import torch
 
-from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
+from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.families import family_of
 from peakledger.models.optimizers import OPTIMIZERS, state_specs
 from peakledger.models.presets import preset
 from peakledger.models.replay import param_bytes
@@ -80,7 +81,7 @@ def one_real_step(model, opt, batch) -> None:
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_parameter_names_and_shapes_match_describer(name, attention):
     cfg = preset(name)
-    if isinstance(cfg, MLPConfig):
+    if not family_of(cfg).transformer:  # the mlp family
         expected = [(p.name, p.shape) for p in mlp_params(cfg)]
     else:
         cfg = dataclasses.replace(cfg, attention=attention)

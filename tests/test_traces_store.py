@@ -9,6 +9,7 @@ import peakledger.traces
 from peakledger.analysis.validate import compare_logs
 from peakledger.cli import main
 from peakledger.models.config import MLPConfig, TrainingSetup, TransformerConfig
+from peakledger.models.fields import by_name
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.traces.store import TraceFormatError, from_json, load_log, save_log, to_json
@@ -26,7 +27,7 @@ def test_simulator_matches_each_committed_reference_trace(path):
     measured = load_log(path)
     md = measured.metadata
     cls = TransformerConfig if md["model_kind"] == "TransformerConfig" else MLPConfig
-    model = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in md["model"].items()})
+    model = cls(**by_name(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in md["model"].items()}))
     setup = TrainingSetup(**{k: tuple(v) if isinstance(v, list) else v for k, v in md["setup"].items()})
     v = compare_logs(measured, simulate(describe(model, setup, "cpu")))
     assert abs(v.overall.error) <= 0.01

@@ -102,6 +102,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import Shard
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.families import family_of
 from ..simulator.events import Category, EventLog, Phase
 from .distributed import apply_fsdp2, fsdp_details
 from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking
@@ -138,8 +139,7 @@ def measure_context_parallel(model_cfg: TransformerConfig, setup: TrainingSetup,
 
 
 def _check(model_cfg, setup: TrainingSetup, rotate_method: str) -> None:
-    if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
-            or model_cfg.num_local_experts:
+    if "cp" not in family_of(model_cfg).parallel:
         raise NotImplementedError("real context-parallel runs use the hand-written GPT-2 / Llama reference models")
     cp = setup.mesh.cp
     if cp < 2:
@@ -303,9 +303,9 @@ def build_cp_model(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int
     runs, and, outside `context_parallel`, the same computation as the reference model."""
     model = build_model(run_config(model_cfg), setup, seed=seed)
     positions = torch.arange(setup.batch.seq_len, dtype=torch.long)
-    holder = model if model_cfg.family == "gpt2" else model.model
+    holder = model if model_cfg.architecture == "gpt2" else model.model
     holder.register_buffer("cp_positions", positions, persistent=False)
-    holder.forward = types.MethodType(_gpt2_forward if model_cfg.family == "gpt2" else _llama_forward, holder)
+    holder.forward = types.MethodType(_gpt2_forward if model_cfg.architecture == "gpt2" else _llama_forward, holder)
     return model
 
 

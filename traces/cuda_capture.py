@@ -51,8 +51,8 @@ from pathlib import Path
 
 from ..models.config import ConfigError
 from ..models.devices import DEVICES
+from ..models.fields import as_keys
 from ..models.optimizers import OPTIMIZERS
-from ..models.traced.model import TracedModel
 from ..simulator.events import EventLog, Phase
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
@@ -186,9 +186,9 @@ def place_model(model_config, setup, device: str):
     host; a traced model built under `torch.device(device)` with its batch (its loss may close over it)."""
     import torch
 
-    from .reference import build_model, make_batch
+    from .reference import build_model, make_batch, reference
 
-    if isinstance(model_config, TracedModel):
+    if reference(model_config).whole:  # (a traced model's own program: traces/reference/build.py)
         with torch.device(device):
             return build_model(model_config, setup), make_batch(model_config, setup)
     return build_model(model_config, setup).to(device), make_batch(model_config, setup)
@@ -360,7 +360,7 @@ def capture_cuda(scenario, snapshot_path: str | Path, max_entries: int = MAX_ENT
             "gpu": device["name"], "compute_capability": list(device["compute_capability"]),
             "gpu_total_memory": device["total_memory"], "gpu_profile": device["profile"],
             "device_profile": device["profile"], "allocator_rules": device["allocator_rules"],
-            "alloc_conf": device["alloc_conf"], "model": dataclasses.asdict(scenario.model),
+            "alloc_conf": device["alloc_conf"], "model": as_keys(scenario.model),
             "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
             "scenario": scenario.name, "source_pickle": Path(snapshot_path).name, "reserved_peak": reserved_peak,
             "step_labels": labels, "loop_marks": marks.as_json()}

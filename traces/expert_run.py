@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.families import family_of
 from ..models.parallel.expert import TOKEN_GROUP_ALIGN_SIZE_M
 from ..simulator.events import EventLog
 from .distributed import wrap_ddp
@@ -99,7 +100,7 @@ def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
 
 def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
     """Refuse, before any process starts, what `measure_expert_parallel` does not run."""
-    if not isinstance(model_cfg, TransformerConfig) or not model_cfg.num_local_experts:
+    if not family_of(model_cfg).experts:
         raise ValueError("expert-parallel runs need a mixture-of-experts model (num_local_experts)")
     if model_cfg.experts_implementation not in (None, "grouped_mm"):
         raise NotImplementedError("expert-parallel runs replace the grouped_mm experts path, not "

@@ -43,7 +43,6 @@ program drops its reference (traces/distributed.py `BackendReleased` explains it
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import socket
@@ -60,6 +59,7 @@ import torch.multiprocessing as mp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from ..models.config import TrainingSetup
+from ..models.fields import as_keys
 from ..simulator.events import EventLog
 from .store import load_log, save_log
 from .tracker import training_loop
@@ -267,7 +267,7 @@ def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, ba
     """What every run's log records of itself: world size, rank, backend, torch version, the model and setup run,
     steps, grad_accum and set_to_none."""
     return {"world_size": world_size, "rank": rank, "backend": backend, "torch_version": torch.__version__,
-            "model": dataclasses.asdict(model_cfg), "setup": setup.knob_values(), "steps": setup.batch.steps,
+            "model": as_keys(model_cfg), "setup": setup.knob_values(), "steps": setup.batch.steps,
             "grad_accum": setup.batch.grad_accum, "set_to_none": setup.optimizer.set_to_none}
 
 

@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.families import family_of
 from ..models.parallel.stages import rank_stages, stage_layout
 from ..simulator.events import EventLog
 from .distributed import apply_fsdp2, fsdp_details
@@ -128,8 +129,7 @@ def _describe(setup: TrainingSetup) -> str:
 def check_mesh(model_cfg, setup: TrainingSetup) -> None:
     """Refuse, before any process starts, what `measure_mesh` does not run (ValueError for a layout that
     cannot be, NotImplementedError for one not measured yet)."""
-    if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
-            or model_cfg.num_local_experts:
+    if not {"tp", "pp"} <= family_of(model_cfg).parallel:
         raise NotImplementedError("mesh runs use the hand-written dense GPT-2 / Llama reference models "
                                   "(implementation nanogpt, no experts)")
     if setup.mesh.cp != 1 or setup.mesh.ep != 1:

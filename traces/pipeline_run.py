@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.families import family_of
 from ..models.parallel.checks import check_model_parallel
 from ..models.parallel.stages import StageSpec, rank_stages
 from ..simulator.events import Category, EventLog, Phase
@@ -69,7 +70,7 @@ def _check(model_cfg, setup: TrainingSetup) -> None:
         raise NotImplementedError(f"real pipeline runs use {', '.join(SCHEDULES)}, not {setup.mesh.pp_schedule!r}")
     if not setup.precision.uniform:
         raise NotImplementedError(f"pipeline measurement runs fp32 or pure bf16, not {setup.precision.name!r}")
-    check_model_parallel(model_cfg, setup)
+    check_model_parallel(family_of(model_cfg), model_cfg, setup)
     optimizer_class(setup)
 
 
@@ -88,7 +89,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.cfg, self.first, self.last, self.n_blocks = cfg, spec.first, spec.last, len(spec.layers)
         self.seq_len = seq_len
-        self.gpt2 = cfg.family == "gpt2"
+        self.gpt2 = cfg.architecture == "gpt2"
         if self.gpt2:
             parts = {}
             if spec.first:

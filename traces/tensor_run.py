@@ -69,6 +69,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ..models.config import TrainingSetup, TransformerConfig
+from ..models.families import family_of
 from ..models.traced.realpath import fake_mode_active
 from ..simulator.events import EventLog
 from . import tracker as _tracker
@@ -111,8 +112,7 @@ def measure_tensor_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
 
 
 def _check(model_cfg, setup: TrainingSetup, tp: int, sequence_parallel: bool) -> None:
-    if not isinstance(model_cfg, TransformerConfig) or model_cfg.implementation != "nanogpt" \
-            or model_cfg.num_local_experts:
+    if "tp" not in family_of(model_cfg).parallel:
         raise NotImplementedError("real tensor-parallel runs use the hand-written GPT-2 / Llama reference models")
     if tp < 2:
         raise ValueError(f"a tensor-parallel run needs tp >= 2, got {tp}")

@@ -43,11 +43,12 @@ from .checks import (
     SAVE_MODES,
     check_given_knobs,
 )
-from .model import ATTENTION, GPT2_ACTIVATIONS, IMPLEMENTATIONS, MLPConfig, TransformerConfig
+from .model import ARCHITECTURES, ATTENTION, GPT2_ACTIVATIONS, IMPLEMENTATIONS, MLPConfig, TransformerConfig
 from .setup import KNOBS, SETUP_KNOBS, TrainingSetup
 
 __all__ = ["ConfigError", "TransformerConfig", "MLPConfig", "TrainingSetup", "dtype_bytes", "dtype_name",
-           "read_config_file", "COUNT_LIMITS", "INT64_MAX", "IMPLEMENTATIONS", "GPT2_ACTIVATIONS", "ATTENTION",
+           "read_config_file", "COUNT_LIMITS", "INT64_MAX", "ARCHITECTURES", "IMPLEMENTATIONS", "GPT2_ACTIVATIONS",
+           "ATTENTION",
            "PRECISIONS", "OPTIMIZERS", "OPTIMIZER_IMPLS", "CHECKPOINTING", "DP_ENGINES", "OPTIMIZER_OFFLOADS",
            "OFFLOAD_FIRST_STEPS", "QUANTIZE", "PP_SCHEDULES", "BUILDS", "PASSES", "SAVE_MODES", "LOAD_MODES",
            "REDUCE_DTYPES", "KNOB_APPLIES", "check_given_knobs", "FLAG_GROUPS", "SetupKnob", "SETUP_KNOBS",

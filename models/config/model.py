@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..fields import check_types
+from ..fields import check_types, keys_of
 from .base import COUNT_LIMITS, INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
-FAMILIES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama")
 ATTENTION = ("eager", "sdpa")
 IMPLEMENTATIONS = ("nanogpt", "hf")
 GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")  # HF `activation_function` names
@@ -15,7 +15,8 @@ GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")  # HF `activation_f
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A decoder-only transformer. `family` fixes the block layout:
+    """A decoder-only transformer. `architecture` fixes the block layout (written `family` in scenario files,
+    on the command line (--family), in traces and in messages: the key users have always written):
 
     gpt2: learned positions, LayerNorm with bias, GELU MLP, biases on linears, tied embeddings.
     llama: rotary positions (no parameters), RMSNorm, gated SiLU MLP, no biases, GQA.
@@ -35,7 +36,7 @@ class TransformerConfig:
 
     `head_dim` is the width of one attention head (HF's `head_dim`; Mistral-NeMo: 128 with d_model 5120
     and 32 heads); None means d_model // n_head. q_proj's output and o_proj's input are n_head * head_dim
-    wide (`attn_dim`), k_proj's and v_proj's n_kv_head * head_dim. Family gpt2 splits d_model into its
+    wide (`attn_dim`), k_proj's and v_proj's n_kv_head * head_dim. Architecture gpt2 splits d_model into its
     heads: another head_dim is refused there.
     Biases: gpt2 has one switch, `bias` (every linear and norm; `out_bias` and `mlp_bias` can only agree
     with it). In llama `bias` is the q/k/v projections' biases (Qwen2 has them), `out_bias` o_proj's
@@ -44,7 +45,7 @@ class TransformerConfig:
     """
 
     name: str
-    family: str
+    architecture: str = field(metadata={"key": "family"})  # models/fields.py: a field's key
     n_layer: int
     d_model: int
     n_head: int
@@ -52,15 +53,15 @@ class TransformerConfig:
     max_seq_len: int
     n_kv_head: int | None = None  # None: = n_head (multi-head attention)
     d_ff: int | None = None  # None: 4 * d_model
-    tied_embeddings: bool | None = None  # None: family default
-    bias: bool | None = None  # None: family default
+    tied_embeddings: bool | None = None  # None: the architecture's default
+    bias: bool | None = None  # None: the architecture's default
     dropout: float = 0.0
     attention: str = "sdpa"
     implementation: str = "nanogpt"
     activation: str | None = None
     head_dim: int | None = None  # None: d_model // n_head
-    out_bias: bool | None = None  # attention output projection's bias; None: family default
-    mlp_bias: bool | None = None  # MLP projections' biases; None: family default
+    out_bias: bool | None = None  # attention output projection's bias; None: the architecture's default
+    mlp_bias: bool | None = None  # MLP projections' biases; None: the architecture's default
     # mixture of experts (models/moe.py): each MLP is `num_local_experts` SwiGLU experts d_ff wide and a router
     # sending each token to `num_experts_per_tok` of them (HF Mixtral); None: a dense MLP
     num_local_experts: int | None = None
@@ -70,7 +71,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         at_most(self, "n_layer")
-        choice_of(self, "family", FAMILIES)
+        if self.architecture not in ARCHITECTURES:  # (choice_of's words, under the field's key)
+            raise ConfigError("family", f"unknown value {self.architecture!r}; allowed: {', '.join(ARCHITECTURES)}")
         choice_of(self, "attention", ATTENTION)
         positive_int(self, "n_layer", "d_model", "n_head", "vocab_size", "max_seq_len")
         if self.n_kv_head is not None:
@@ -89,8 +91,9 @@ class TransformerConfig:
         choice_of(self, "implementation", IMPLEMENTATIONS)
         if self.activation is not None:
             choice_of(self, "activation", GPT2_ACTIVATIONS)
-            if self.family != "gpt2":
-                raise ConfigError("activation", f"only family gpt2 takes an activation; {self.family} runs gated SiLU")
+            if self.architecture != "gpt2":
+                raise ConfigError("activation", f"only family gpt2 takes an activation; {self.architecture} runs "
+                                                "gated SiLU")
             if self.implementation == "nanogpt" and self.activation != "gelu":
                 raise ConfigError("activation", f"implementation nanogpt runs nn.GELU() (gelu); {self.activation!r} "
                                                 "needs implementation = 'hf'")
@@ -103,7 +106,7 @@ class TransformerConfig:
     def _check_heads_and_biases(self) -> None:
         """gpt2 splits d_model into its heads and has one bias switch; llama's rotary embedding rotates
         half of each head, so a head's width must be even."""
-        if self.family == "gpt2":
+        if self.architecture == "gpt2":
             if self.head_dim is not None and self.head_dim * self.n_head != self.d_model:
                 raise ConfigError("head_dim", f"family gpt2 splits d_model={self.d_model} into n_head={self.n_head} "
                                               f"heads: head_dim {self.head_dim} is modelled for family llama only")
@@ -118,8 +121,8 @@ class TransformerConfig:
 
     def _check_hf_gpt2(self) -> None:
         """HF's GPT2LMHeadModel has fixed parts: the fields that would describe another model are refused."""
-        if self.family != "gpt2":
-            raise ConfigError("implementation", f"'hf' is modelled for family gpt2 only, got {self.family!r}; "
+        if self.architecture != "gpt2":
+            raise ConfigError("implementation", f"'hf' is modelled for family gpt2 only, got {self.architecture!r}; "
                                                 "allowed: nanogpt for llama")
         if self.kv_heads != self.n_head:
             raise ConfigError("n_kv_head", "HF GPT-2 has multi-head attention only: n_kv_head must equal n_head")
@@ -128,8 +131,8 @@ class TransformerConfig:
 
     @property
     def mlp_activation(self) -> str:
-        """The activation that runs: `activation`, or the family's own (gelu for gpt2, silu for llama)."""
-        return self.activation or ("gelu" if self.family == "gpt2" else "silu")
+        """The activation that runs: `activation`, or the architecture's own (gelu for gpt2, silu for llama)."""
+        return self.activation or ("gelu" if self.architecture == "gpt2" else "silu")
 
     @property
     def kv_heads(self) -> int:
@@ -151,32 +154,38 @@ class TransformerConfig:
 
     @property
     def tied(self) -> bool:
-        return (self.family == "gpt2") if self.tied_embeddings is None else self.tied_embeddings
+        return (self.architecture == "gpt2") if self.tied_embeddings is None else self.tied_embeddings
 
     @property
     def has_bias(self) -> bool:
-        return (self.family == "gpt2") if self.bias is None else self.bias
+        return (self.architecture == "gpt2") if self.bias is None else self.bias
 
     @property
     def has_out_bias(self) -> bool:
         """Whether the attention output projection (c_proj / o_proj) has a bias."""
-        return self.has_bias if self.family == "gpt2" else bool(self.out_bias)
+        return self.has_bias if self.architecture == "gpt2" else bool(self.out_bias)
 
     @property
     def has_mlp_bias(self) -> bool:
         """Whether the MLP projections (c_fc, c_proj / gate, up, down_proj) have biases."""
-        return self.has_bias if self.family == "gpt2" else bool(self.mlp_bias)
+        return self.has_bias if self.architecture == "gpt2" else bool(self.mlp_bias)
 
     @property
     def gated_mlp(self) -> bool:
-        return self.family == "llama"
+        return self.architecture == "llama"
+
+    @property
+    def blocks(self) -> str:
+        """The module path of the block list: a block's parameters and ops are named `<blocks>.<i>.` (nanoGPT's
+        names for gpt2, HF's for llama)."""
+        return "transformer.h" if self.architecture == "gpt2" else "model.layers"
 
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")  # transformers/integrations/moe.py, models/moe.py
 
 
 def _check_experts(cfg: TransformerConfig) -> None:
-    """MoE is modelled as HF's MixtralForCausalLM runs it (models/moe.py): family llama, implementation hf,
+    """MoE is modelled as HF's MixtralForCausalLM runs it (models/moe.py): architecture llama, implementation hf,
     SDPA without dropout, both expert counts given, top-k <= experts."""
     if cfg.experts_implementation is not None and cfg.num_local_experts is None:
         raise ConfigError("experts_implementation", f"applies to mixture-of-experts models (num_local_experts); "
@@ -190,11 +199,12 @@ def _check_experts(cfg: TransformerConfig) -> None:
                                                  f"{cfg.num_local_experts}")
     if cfg.num_local_experts > COUNT_LIMITS["n_layer"][0]:
         raise ConfigError("num_local_experts", f"{cfg.num_local_experts:,} is over the limit of 1,000 experts")
-    wanted = dict(family="llama", implementation="hf", attention="sdpa", dropout=0.0)
-    for name, value in wanted.items():
-        if getattr(cfg, name) != value:
-            raise ConfigError(name, f"experts are modelled as HF's MixtralForCausalLM runs them: {name} must be "
-                                    f"{value!r}, got {getattr(cfg, name)!r}")
+    wanted = dict(family="llama", implementation="hf", attention="sdpa", dropout=0.0)  # by key (models/fields.py)
+    for key, value in wanted.items():
+        got = getattr(cfg, keys_of(TransformerConfig)[key])
+        if got != value:
+            raise ConfigError(key, f"experts are modelled as HF's MixtralForCausalLM runs them: {key} must be "
+                                   f"{value!r}, got {got!r}")
     if cfg.bias or cfg.out_bias or cfg.mlp_bias:
         raise ConfigError("bias", "HF Mixtral has no biases: bias, out_bias and mlp_bias must be left out or false")
     if cfg.experts_implementation is not None:

@@ -1,24 +1,26 @@
 """What the model-parallel degrees are checked against, and what is not simulated yet: each refusal a ConfigError
 naming the field (checked when the model is described, so a scenario with these degrees can still be compared with
 the formulas of `compare --peers`). `check_model_parallel` is the entry: the degrees against the model, then each
-dimension's own check (tensor.py, context.py, pipeline.py simulate what passes)."""
+dimension's own check (tensor.py, context.py, pipeline.py simulate what passes). What a model supports is its
+family's (models/families/: `Family.parallel`, `transformer`, `experts`, `kind`), passed in by the caller."""
 
 from __future__ import annotations
 
-from ..config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from ..config import ConfigError, TrainingSetup
 
 SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def check_model_parallel(model, setup: TrainingSetup) -> None:
+def check_model_parallel(family, model, setup: TrainingSetup) -> None:
     """The model-parallel degrees against the model (ConfigError naming the field): tp divides the query and
     key/value heads, sequence parallelism and context parallelism divide the sequence (torchtitan's
     ParallelDims.seq_len_divisor: tp, 2 x cp with load balancing), ep needs a mixture-of-experts model whose
-    experts it divides; then each dimension's check (what it is not simulated with yet). pp needs a hand-written
-    GPT-2 / Llama (nanogpt implementation, dense) with at most n_layer + 2 stages."""
+    experts it divides; then each dimension's check (what it is not simulated with yet). pp needs a family that
+    runs it (the nanogpt family's GPT-2 / Llama) with at most n_layer + 2 stages. `family` is `model`'s
+    (models/families/)."""
     s = setup
     if s.mesh.tp > 1:
-        if not isinstance(model, TransformerConfig):
+        if not family.transformer:
             raise ConfigError("tp", f"tensor parallelism splits attention heads and MLP columns: modelled for "
                                     f"transformers, not {type(model).__name__}")
         for what, heads in (("n_head", model.n_head), ("n_kv_head", model.kv_heads)):
@@ -41,27 +43,24 @@ def check_model_parallel(model, setup: TrainingSetup) -> None:
             "context parallelism splits it into 2 x cp chunks)",
         )
     if s.mesh.ep > 1:
-        experts = getattr(model, "num_local_experts", None)
+        experts = model.num_local_experts if family.experts else None
         if not experts:
             raise ConfigError("ep", f"expert parallelism splits the experts of a mixture-of-experts model; "
                                     f"{getattr(model, 'name', 'this model')!r} has none: drop ep")
         if experts % s.mesh.ep:
             raise ConfigError("ep", f"ep={s.mesh.ep} does not divide num_local_experts={experts}")
     if s.mesh.tp > 1:
-        check_tensor_parallel_supported(model, s)
+        check_tensor_parallel_supported(family, model, s)
     if s.mesh.cp > 1:
-        check_context_parallel_supported(model, s)
+        check_context_parallel_supported(family, model, s)
     if s.mesh.ep > 1:
         check_expert_parallel_supported(model, s)
     if s.mesh.pp == 1:
         return
     check_pipeline_supported(s)
-    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
-        kind = ("an MLP" if isinstance(model, MLPConfig) else
-                "a traced model" if not isinstance(model, TransformerConfig) else
-                "a mixture of experts" if model.num_local_experts else f"implementation {model.implementation!r}")
+    if "pp" not in family.parallel:
         raise ConfigError("pp", f"pipeline parallelism is simulated for the hand-written GPT-2 and Llama "
-                                f"(implementation nanogpt, dense), not {kind} yet")
+                                f"(implementation nanogpt, dense), not {family.kind} yet")
     if s.mesh.pp_schedule not in SIMULATED_SCHEDULES:
         raise ConfigError("pp_schedule", f"{s.mesh.pp_schedule}: its order is derived (models/parallel/stages.py "
                                          "rank_actions) but its split backward (input gradients, then weight "
@@ -135,14 +134,14 @@ def check_pipeline_supported(setup: TrainingSetup) -> None:
     _refuse(not_yet)
 
 
-def check_context_parallel_supported(model, setup: TrainingSetup) -> None:
+def check_context_parallel_supported(family, model, setup: TrainingSetup) -> None:
     """What context parallelism is simulated with (models/parallel/context.py, checked against real runs of torch's
     ring attention, traces/context_run.py): the hand-written dense GPT-2 / Llama with SDPA attention, alone on its
     ranks (world_size = cp) or with FSDP2 over dp x cp (torchtitan's dp_shard_cp), fp32 or bf16, no activation
     checkpointing, LoRA or dropout."""
     s = setup
     kind = None
-    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+    if "cp" not in family.parallel:
         kind = "the model: context parallelism is simulated for the hand-written dense GPT-2 and Llama"
     not_yet = [
         ("cp", kind is None, kind or ""),
@@ -220,13 +219,13 @@ def check_expert_parallel_supported(model, setup: TrainingSetup) -> None:
     _refuse(not_yet)
 
 
-def check_tensor_parallel_supported(model, setup: TrainingSetup) -> None:
+def check_tensor_parallel_supported(family, model, setup: TrainingSetup) -> None:
     """What tensor parallelism is simulated with (models/parallel/tensor.py, checked against real DTensor runs):
     the hand-written dense GPT-2 / Llama, alone on its ranks (world_size = tp), fp32, bf16 or bf16 autocast,
     without activation checkpointing, LoRA or dropout."""
     s = setup
     kind = None
-    if not isinstance(model, TransformerConfig) or model.implementation != "nanogpt" or model.num_local_experts:
+    if "tp" not in family.parallel:
         kind = "the model: tensor parallelism is simulated for the hand-written dense GPT-2 and Llama"
     not_yet = [
         ("tp", kind is None, kind or ""),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from .. import lora
 from ..config import ConfigError, MLPConfig, TrainingSetup
 from ..tape import Tape, TensorSpec, checkpoint_segments
 from .params import mlp_params
@@ -12,9 +11,7 @@ from .writer import TapeWriter
 
 def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
     """nn.Sequential(Linear, act, Linear, act, ..., Linear) on (micro_batch, d_in); F.mse_loss, a
-    fused kernel that keeps its input and target for backward."""
-    if setup.lora.r:
-        lora.targets(cfg, setup)  # refused: LoRA is modelled on transformers
+    fused kernel that keeps its input and target for backward. (LoRA is refused by the mlp family's check.)"""
     B = setup.batch.micro_batch
     tape = Tape(params=mlp_params(cfg))
     w = TapeWriter(tape, setup, cpu)

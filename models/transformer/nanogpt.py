@@ -1,5 +1,5 @@
 """The nanoGPT (GPT-2) and Llama tapes: embeddings, blocks, final norm, head and cross-entropy, written layer by
-layer under the setup's checkpointing (`transformer_tape`; HF's GPT-2 is hf_gpt2.py).
+layer under the setup's checkpointing (`transformer_tape`, the nanogpt family's describer; HF's GPT-2 is hf_gpt2.py).
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from .. import gpu, lora
 from ..config import TrainingSetup, TransformerConfig
 from ..tape import Segment, Tape, TensorSpec, checkpoint_segments
 from .attention import attention_eager, attention_sdpa
-from .hf_gpt2 import hf_gpt2_tape
 from .params import transformer_params
 from .writer import TapeWriter, module_return
 
@@ -18,8 +17,6 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     """`cpu`: the device's autocast op lists are CPU's (see `TapeWriter.softmax_dtype`); `torch_version`: on a GPU,
     whose CUDA kernels nn.RMSNorm runs (`TapeWriter.rmsnorm`)."""
     chosen = lora.targets(cfg, setup) if setup.lora.r else ()
-    if cfg.implementation == "hf":
-        return hf_gpt2_tape(cfg, setup, cpu)
     B, T = setup.batch.micro_batch, setup.batch.seq_len
     tape = lora.lora_tape(cfg, setup, transformer_params(cfg)) if chosen else Tape(params=transformer_params(cfg))
     w = TapeWriter(tape, setup, cpu)
@@ -28,7 +25,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
-    gpt2 = cfg.family == "gpt2"
+    gpt2 = cfg.architecture == "gpt2"
     tape.buffers = _buffers(cfg)
     wte = "transformer.wte" if gpt2 else "model.embed_tokens"
     emb_dt = w.fp32_op_dtype() if setup.precision.autocast else setup.precision.param
@@ -129,7 +126,7 @@ def _buffers(cfg: TransformerConfig) -> list[TensorSpec]:
     """Registered module buffers: nanoGPT's causal mask per layer (eager attention only), Llama's
     rotary inv_freq. Both are floating point, created fp32; the engine stores them in the parameters'
     dtype, as `model.to(dtype)` casts them (Engine.load)."""
-    if cfg.family == "gpt2":
+    if cfg.architecture == "gpt2":
         if cfg.attention != "eager":
             return []
         L = cfg.max_seq_len

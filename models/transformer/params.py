@@ -14,7 +14,7 @@ def transformer_params(cfg: TransformerConfig) -> list[ParamSpec]:
     D, F, V = cfg.d_model, cfg.ffn, cfg.vocab_size
     kv, A = cfg.kv_heads * cfg.head_size, cfg.attn_dim
     ps: list[ParamSpec] = []
-    if cfg.family == "gpt2":
+    if cfg.architecture == "gpt2":
         ps += [ParamSpec("transformer.wte.weight", (V, D)), ParamSpec("transformer.wpe.weight", (cfg.max_seq_len, D))]
         for i in range(cfg.n_layer):
             h = f"transformer.h.{i}"

@@ -8,12 +8,24 @@ How the pieces compose:
 - `mixtral.py`  HF's MixtralForCausalLM of the same config, and the router hook recording routing counts;
 - `lora.py`, `qlora.py`  peft's LoRA on any of them, over bitsandbytes 4-bit base linears for QLoRA;
 - `traced.py`   a traced model's own program (a HF config or a user's factory, models/traced) built for real;
-- `build.py`    what a run takes from them: `build_model` (picks one of the above for a config and setup),
-                `make_optimizer` / `torch_optimizer` (with `StateOffload`), `make_batch`.
+- `build.py`    what a run takes from them: `PROGRAMS`, each family's program and batches keyed by the family
+                object (models/families/), `build_model` (the config's family's, for a setup), `make_optimizer` /
+                `torch_optimizer` (with `StateOffload`), `make_batch`.
 The tracker (traces/tracker.py) and the multi-process harnesses (traces/*_run.py) run them.
 """
 
-from .build import StateOffload, build_model, freeze, make_batch, make_optimizer, optimizer_class, torch_optimizer
+from .build import (
+    PROGRAMS,
+    Reference,
+    StateOffload,
+    build_model,
+    freeze,
+    make_batch,
+    make_optimizer,
+    optimizer_class,
+    reference,
+    torch_optimizer,
+)
 from .nanogpt import (
     HF_CHECKPOINTING,
     OP_POLICY,
@@ -25,6 +37,7 @@ from .nanogpt import (
     run_segment,
 )
 
-__all__ = ["build_model", "freeze", "make_batch", "make_optimizer", "optimizer_class", "torch_optimizer",
-           "StateOffload", "HF_CHECKPOINTING", "OP_POLICY", "OP_POLICY_SAVES", "REFERENCE_PRECISIONS",
+__all__ = ["PROGRAMS", "Reference", "reference", "build_model", "freeze", "make_batch", "make_optimizer",
+           "optimizer_class", "torch_optimizer", "StateOffload", "HF_CHECKPOINTING", "OP_POLICY", "OP_POLICY_SAVES",
+           "REFERENCE_PRECISIONS",
            "TORCH_DTYPES", "attention_core", "autocast_context", "run_segment"]

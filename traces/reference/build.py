@@ -1,26 +1,30 @@
 """The pieces of a real training run on a reference model: the model built as a setup says (`build_model`),
 its frozen parameters, the torch optimizer (with an optimizer-state offload, `StateOffload`), and the batches.
 
-`build_model` picks the program: a traced model's own (traced.py), HF's Mixtral (mixtral.py), HF's GPT-2 or
-nanoGPT / Llama / MLP (nanogpt.py); then the setup's dtype and peft's LoRA / QLoRA (lora.py) on top.
+Each model family's real program is registered here against its family object (`PROGRAMS`: models/families/ holds
+the rest of the family, and cannot import this layer): a traced model's own (traced.py), HF's Mixtral (mixtral.py),
+HF's GPT-2 or nanoGPT / Llama / MLP (nanogpt.py). `build_model` builds the model's family's program, then the
+setup's dtype and peft's LoRA / QLoRA (lora.py) on top; `make_batch` makes its batches.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
-from ...models.families import family_of
+from ...models import families
+from ...models.config import ConfigError, TrainingSetup
+from ...models.families import Family, family_of
 from ...models.optimizers import OPTIMIZERS, offload_chunks
-from ...models.traced.model import TracedModel
 from .lora import apply_lora
 from .mixtral import hf_mixtral
-from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, TORCH_DTYPES, hf_gpt2
+from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, hf_gpt2, token_batch, vector_batch
 from .traced import real_batches, real_model
 
 
@@ -28,31 +32,57 @@ def _checkpointing(setup: TrainingSetup | None) -> str:
     return setup.checkpointing.policy if setup is not None else "none"
 
 
-# each hand-written family's real program (models/families.py names them): (config, setup) -> nn.Module
-PROGRAMS = {"mixtral": lambda cfg, setup: hf_mixtral(cfg, _checkpointing(setup)),
-            "hf-gpt2": lambda cfg, setup: hf_gpt2(cfg, _checkpointing(setup)),
-            "nanogpt": lambda cfg, setup: GPT(cfg, setup),
-            "mlp": lambda cfg, setup: MLP(cfg, setup)}
+@dataclass(frozen=True)
+class Reference:
+    """A family's real program. `build(config, setup)`: the torch module (setup None: the defaults), before the
+    setup's dtype and LoRA; `batch(config, setup, generator)`: one micro-batch, (inputs, targets), drawn from
+    `generator`. `whole`: a program that builds itself as the setup says, with its own batches (a traced model's:
+    traced.py): `build(config, setup, seed)` is the model ready to train, `batch(config, setup, seed)` every
+    micro-batch."""
+
+    build: Callable
+    batch: Callable
+    whole: bool = False
 
 
-def build_model(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
+# each family's real program, keyed by the family object (models/families/): a new family adds its line here (and
+# the import of its program above)
+PROGRAMS: dict[Family, Reference] = {
+    families.traced.FAMILY: Reference(real_model, real_batches, whole=True),
+    families.mixtral.FAMILY: Reference(lambda cfg, setup: hf_mixtral(cfg, _checkpointing(setup)), token_batch),
+    families.hf_gpt2.FAMILY: Reference(lambda cfg, setup: hf_gpt2(cfg, _checkpointing(setup)), token_batch),
+    families.nanogpt.FAMILY: Reference(lambda cfg, setup: GPT(cfg, setup), token_batch),
+    families.mlp.FAMILY: Reference(lambda cfg, setup: MLP(cfg, setup), vector_batch),
+}
+
+
+def reference(cfg) -> Reference:
+    """The real program of `cfg`'s family."""
+    family = family_of(cfg)
+    if family not in PROGRAMS:
+        raise NotImplementedError(f"the {family.name} family has no real program to run (traces/reference/build.py "
+                                  "PROGRAMS)")
+    return PROGRAMS[family]
+
+
+def build_model(cfg, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Module:
     """The reference model for `cfg`, seeded, in training mode, in `setup`'s parameter dtype.
 
     Supported precisions: "fp32", pure "bf16" and "bf16-autocast" (fp32 parameters; run the forward
     and loss under `autocast_context(setup)`, as `traces.tracker.run_training_steps(autocast=...)` does).
     `setup.checkpointing.policy` runs the transformer blocks / MLP Linear(+activation) layers in the segments of
     `models.tape.checkpoint_segments`, the describer's regions ("full": each one under
-    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`).
-    `cfg.implementation == "hf"` builds HF's GPT2LMHeadModel (`hf_gpt2`).
+    `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`). The program is `cfg`'s family's (`PROGRAMS`):
+    the hf-gpt2 family's is HF's GPT2LMHeadModel (`hf_gpt2`).
     """
-    family = family_of(cfg).name  # models/families.py
-    if family == "traced":  # the traced program, for real (traced.py)
-        return real_model(cfg, setup if setup is not None else TrainingSetup(), seed)
+    program = reference(cfg)
+    if program.whole:  # the traced program, for real (traced.py)
+        return program.build(cfg, setup if setup is not None else TrainingSetup(), seed)
     if setup is not None and setup.precision.name not in REFERENCE_PRECISIONS:
         raise NotImplementedError(f"reference models run {', '.join(REFERENCE_PRECISIONS)} only, "
                                   f"not {setup.precision.name!r}")
     torch.manual_seed(seed)
-    model = PROGRAMS[family](cfg, setup)
+    model = program.build(cfg, setup)
     if setup is not None and setup.precision.uniform and setup.precision.param == "bf16":
         model = model.to(torch.bfloat16)
     if setup is not None and setup.lora.r:  # peft LoRA / QLoRA (lora.py)
@@ -211,25 +241,14 @@ def _with_local(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def make_batch(cfg: TransformerConfig | MLPConfig, setup: TrainingSetup, seed: int = 0,
-               n: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` (default `setup.batch.grad_accum`) deterministic micro-batches of (inputs, targets).
-
-    Transformers: int64 token ids and next-token targets, (micro_batch, seq_len). MLPs: (micro_batch,
-    d_in) inputs and (micro_batch, d_out) targets in the parameter dtype.
+def make_batch(cfg, setup: TrainingSetup, seed: int = 0, n: int | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """`n` (default `setup.batch.grad_accum`) deterministic micro-batches of (inputs, targets), as `cfg`'s family's
+    program takes them (`Reference.batch`): transformers' int64 token ids and next-token targets, (micro_batch,
+    seq_len); an MLP's (micro_batch, d_in) inputs and (micro_batch, d_out) targets in the parameter dtype; a traced
+    model's own.
     """
-    if isinstance(cfg, TracedModel):
-        return real_batches(cfg, setup, seed)
+    program = reference(cfg)
+    if program.whole:
+        return program.batch(cfg, setup, seed)
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(setup.batch.grad_accum if n is None else n):
-        if isinstance(cfg, TransformerConfig):
-            if setup.batch.seq_len > cfg.max_seq_len:
-                raise ConfigError("seq_len", f"{setup.batch.seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-            tokens = torch.randint(0, cfg.vocab_size, (setup.batch.micro_batch, setup.batch.seq_len + 1), generator=g)
-            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
-        else:
-            dt = TORCH_DTYPES[setup.precision.param]
-            out.append((torch.randn(setup.batch.micro_batch, cfg.d_in, generator=g).to(dt),
-                        torch.randn(setup.batch.micro_batch, cfg.d_out, generator=g).to(dt)))
-    return out
+    return [program.batch(cfg, setup, g) for _ in range(setup.batch.grad_accum if n is None else n)]

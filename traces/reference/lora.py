@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from ...models.config import TrainingSetup, TransformerConfig
-from ...models.lora import targets
+from ...models.families import family_of
 from .qlora import quantize_linears
 
 
@@ -20,7 +20,7 @@ def apply_lora(model: nn.Module, cfg: TransformerConfig, setup: TrainingSetup) -
     first (qlora.py). Returns the model with adapters, only they trainable."""
     from peft import LoraConfig, get_peft_model
 
-    chosen = targets(cfg, setup)
+    chosen = family_of(cfg).lora_targets(cfg, setup)  # its family's (ConfigError where LoRA is not modelled)
     if setup.lora.quantize != "none":
         quantize_linears(model, cfg, setup)
     config = LoraConfig(r=setup.lora.r, lora_alpha=setup.lora.alpha, lora_dropout=setup.lora.dropout,

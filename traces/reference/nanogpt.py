@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ...models.config import ConfigError, MLPConfig, TrainingSetup, TransformerConfig
+from ...models.families.transformer import check_seq_len
 from ...models.tape import Segment, checkpoint_segments, checkpointed, op_policy
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -338,7 +339,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.segments = _segments(checkpointing, cfg.n_layer)  # how the blocks run (models/tape.py)
-        if cfg.family == "gpt2":
+        if cfg.architecture == "gpt2":
             self.transformer = nn.ModuleDict(dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
                 wpe=nn.Embedding(cfg.max_seq_len, cfg.d_model),
@@ -358,8 +359,9 @@ class GPT(nn.Module):
         self.apply(self._init_weights)
         for seg in self.segments:
             for i in seg.layers:
-                block = self.transformer.h[i] if cfg.family == "gpt2" else self.model.layers[i]
-                (block.attn if cfg.family == "gpt2" else block.self_attn).checkpoint_core = seg.wrap == "selective"
+                gpt2 = cfg.architecture == "gpt2"
+                block = self.transformer.h[i] if gpt2 else self.model.layers[i]
+                (block.attn if gpt2 else block.self_attn).checkpoint_core = seg.wrap == "selective"
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -372,7 +374,7 @@ class GPT(nn.Module):
         b, t = idx.size()
         if t > self.cfg.max_seq_len:
             raise ConfigError("seq_len", f"{t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
-        if self.cfg.family == "gpt2":
+        if self.cfg.architecture == "gpt2":
             pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
             x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
             for seg in self.segments:
@@ -412,3 +414,21 @@ class MLP(nn.Module):
         for seg in self.segments:
             out = run_segment(nn.Sequential(*mods[2 * seg.layers.start:2 * seg.layers.stop]), seg.wrap, out)
         return out, (F.mse_loss(out, target) if target is not None else None)
+
+
+# -- the batches ---------------------------------------------------------------------------------------------------
+
+def token_batch(cfg: TransformerConfig, setup: TrainingSetup, generator: torch.Generator):
+    """One micro-batch of a transformer family (build.py `PROGRAMS`): int64 token ids and their next-token targets,
+    (micro_batch, seq_len)."""
+    check_seq_len(cfg, setup)
+    tokens = torch.randint(0, cfg.vocab_size, (setup.batch.micro_batch, setup.batch.seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def vector_batch(cfg: MLPConfig, setup: TrainingSetup, generator: torch.Generator):
+    """One micro-batch of the mlp family: (micro_batch, d_in) inputs and (micro_batch, d_out) targets in the parameter
+    dtype."""
+    dt = TORCH_DTYPES[setup.precision.param]
+    return (torch.randn(setup.batch.micro_batch, cfg.d_in, generator=generator).to(dt),
+            torch.randn(setup.batch.micro_batch, cfg.d_out, generator=generator).to(dt))

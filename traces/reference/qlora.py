@@ -31,7 +31,8 @@ def quantize_linears(model: nn.Module, cfg: TransformerConfig, setup: TrainingSe
     for path, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             full = f"{path}.{child_name}" if path else child_name
-            if not (isinstance(child, nn.Linear) and any(full.endswith("." + p) for p in BLOCK_LINEARS[cfg.family])):
+            linears = BLOCK_LINEARS[cfg.architecture]
+            if not (isinstance(child, nn.Linear) and any(full.endswith("." + p) for p in linears)):
                 continue
             q = _visible_linear4bit_class()(child.in_features, child.out_features, bias=child.bias is not None,
                                   compute_dtype=compute, compress_statistics=True, quant_type="nf4",
