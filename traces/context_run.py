@@ -376,13 +376,11 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
                 optimizer.zero_grad(set_to_none=setup.set_to_none)
                 tracker.scan()
     fsdp_run = {**fsdp_details(model, setup.reshard_after_forward, release), "fsdp_mesh": "dp_shard_cp"} if fsdp else {}
-    return tracker.log({"engine": "context-parallel", "cp": setup.cp, "cp_rank": rank // setup.tp % setup.cp,
-                        "tp": setup.tp, "dp": setup.dp, "dp_rank": dp_rank,
-                        "cp_options": options, "load_balancer": type(balancer).__name__ if balancer else None,
-                        "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE, "attention": "sdpa",
-                        **fsdp_run,
-                        "attention_requested": job.model_cfg.attention, "local_seq_len": setup.seq_len // setup.cp,
-                        "losses": losses, **run_metadata(rank, setup.world_size, run_config(job.model_cfg), setup)})
+    return tracker.log(run_metadata(rank, setup.world_size, run_config(job.model_cfg), setup).updated(
+        engine="context-parallel", cp=setup.cp, cp_rank=rank // setup.tp % setup.cp, tp=setup.tp, dp=setup.dp,
+        dp_rank=dp_rank, cp_options=options, load_balancer=type(balancer).__name__ if balancer else None,
+        grad_reduce="fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE, attention="sdpa", **fsdp_run,
+        attention_requested=job.model_cfg.attention, local_seq_len=setup.seq_len // setup.cp, losses=losses))
 
 
 def reference_losses(model_cfg: TransformerConfig, setup: TrainingSetup, seed: int = 0, lr: float = 1e-3) -> list:

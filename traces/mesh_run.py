@@ -66,6 +66,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..models.config import TrainingSetup, TransformerConfig
 from ..models.parallel.stages import rank_stages, stage_layout
 from ..simulator.events import EventLog
+from ..simulator.run_metadata import RunMetadata
 from .distributed import apply_fsdp2, fsdp_details
 from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking, train_steps
 from .pipeline_run import SCHEDULES, build_pipeline, stage_modules, stage_records, train_pipeline
@@ -186,13 +187,14 @@ def _measure_rank(rank: int, job: MeshJob) -> EventLog:
     return log(_metadata(rank, job, coords, details))
 
 
-def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
+def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> RunMetadata:
+    """The rank's metadata; `details`: its engines' own fields (RunMetadata's, by name)."""
     s = job.setup
-    return {"engine": "mesh", "mesh": coords, "mesh_shape": mesh_sizes(s),
-            "mesh_dim_names": [n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
-            "tp": s.tp, "sequence_parallel": s.sequence_parallel, "dp": s.dp, "pp": s.pp,
-            **run_metadata(rank, s.world_size, job.model_cfg, s), "model_kind": type(job.model_cfg).__name__,
-            **details}
+    return run_metadata(rank, s.world_size, job.model_cfg, s).updated(
+        engine="mesh", mesh=coords, mesh_shape=mesh_sizes(s),
+        mesh_dim_names=[n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
+        tp=s.tp, sequence_parallel=s.sequence_parallel, dp=s.dp, pp=s.pp, model_kind=type(job.model_cfg).__name__,
+        **details)
 
 
 # -- FSDP2 x TP -----------------------------------------------------------------------------------------------
