@@ -70,7 +70,7 @@ def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
     """Describe and simulate `scenario`; `ranks`: the representative ranks when already known (their
     classes do not depend on checkpointing, and finding them is most of a large data-parallel describe)."""
     graph = describe(scenario.model, scenario.setup, scenario.device, ranks=ranks, torch_version=scenario.torch_version)
-    graph.metadata.update(device_settings(scenario))
+    graph.metadata = graph.metadata.updated(**device_settings(scenario))
     log = simulate(graph, simulator=scenario.simulator)
     rank, peak = device_peak(log)
     gpu = gpu_memory(log, rank)  # on a CUDA profile a budget holds the device total (analysis/device.py)
@@ -127,7 +127,10 @@ def step_time(graph: OpGraph) -> float:
 def simulated_steps(graph: OpGraph, steps: int | None = None) -> int:
     """How many optimizer steps the graph describes: its metadata's `steps_simulated` (`steps` for a graph
     without one)."""
-    return graph.metadata.get("steps_simulated", steps if steps is not None else graph.metadata["setup"]["steps"])
+    md = graph.metadata
+    if md.steps_simulated is not None:
+        return md.steps_simulated
+    return steps if steps is not None else md.setup.batch.steps
 
 
 def step_flops(graph: OpGraph, rank: int, steps: int | None = None) -> tuple[int, int]:

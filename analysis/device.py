@@ -27,8 +27,14 @@ def device_settings(scenario) -> dict:
             "empty_cache_before_save": scenario.empty_cache_before_save}
 
 
+def torch_rules(log: EventLog) -> str:
+    """The torch version whose rules the run's device follows: the log's `torch_version`, else 2.6's."""
+    version = log.metadata.torch_version
+    return "2.6" if version is None else version
+
+
 def cuda_profile(log: EventLog) -> DeviceProfile | None:
-    profile = DEVICES.get(log.metadata.get("device", ""))
+    profile = DEVICES.get(log.metadata.device)
     return profile if profile is not None and profile.is_cuda else None
 
 
@@ -38,12 +44,13 @@ def context_of(log: EventLog) -> CudaContext | None:
     profile = cuda_profile(log)
     if profile is None:
         return None
-    return profile.context(log.metadata.get("torch_version", "2.6"), log.metadata.get("setup"))
+    return profile.context(torch_rules(log), log.metadata.setup)
 
 
 def outside_allocator(log: EventLog) -> dict[str, int]:
     """Buffers outside the allocator besides the context, by name (assumptions of models/gpu.py)."""
-    world = (log.metadata.get("setup") or {}).get("world_size", 1)
+    setup = log.metadata.setup
+    world = setup.mesh.world_size if setup is not None else 1
     return {"nccl": nccl_buffer_bytes(world)} if world > 1 else {}
 
 
@@ -56,12 +63,12 @@ def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bo
     if profile is None:
         return None
     stop = capacity is not None  # an explicit capacity asks where the OOM is; the run's budget, what it needs
+    md = log.metadata
     if capacity is None:
-        capacity = log.metadata.get("device_capacity")
-    before = frozenset({Phase.CHECKPOINT}) if log.metadata.get("empty_cache_before_save") else frozenset()
-    return device_memory(log, rank, log.metadata.get("alloc_conf", ""), capacity, context_of(log).bytes,
-                         outside_allocator(log), series, before, log.metadata.get("torch_version", "2.6"), stop,
-                         events)
+        capacity = md.device_capacity
+    before = frozenset({Phase.CHECKPOINT}) if md.empty_cache_before_save else frozenset()
+    return device_memory(log, rank, "" if md.alloc_conf is None else md.alloc_conf, capacity, context_of(log).bytes,
+                         outside_allocator(log), series, before, torch_rules(log), stop, events)
 
 
 def _context_rows(dm: DeviceMemory, ctx: CudaContext | None) -> list[tuple[str, int, bool, str | None]]:
@@ -161,11 +168,11 @@ def with_gpu_oom(log: EventLog, budget: int, stop: bool, found=False) -> EventLo
     record = OOMRecord(event=event, capacity=budget, live_bytes=oom.point.total, live_by_category=by_cat,
                        largest_live=tuple(sorted(live.values(), key=lambda b: (-b.nbytes, b.id))[:10]),
                        message=oom.message)
-    metadata = dict(log.metadata)
+    metadata = log.metadata
     events = log.events
     if stop:
         events = events[:index]
-        metadata["stopped_at_oom"] = True
+        metadata = metadata.updated(stopped_at_oom=True)
     return EventLog(events=events, source=log.source, metadata=metadata, ooms=[record], op_names=log.op_names)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.config import TrainingSetup
 from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
 from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
@@ -67,17 +68,16 @@ class Moment:
         return self.live_bytes + self.event.block.nbytes - self.capacity
 
 
-def cause(event: Event, by_category: dict[Category, int], setup: dict | None = None) -> str:
+def cause(event: Event, by_category: dict[Category, int], setup: TrainingSetup | None = None) -> str:
     """One sentence on why memory is high at `event`: the transient that happens there, if a known one.
-    `setup` (a TrainingSetup as a dict, from the log's metadata) names what only the setup can tell."""
+    `setup` (the log's, from its metadata) names what only the setup can tell."""
     cat, phase = event.block.category, event.phase.value
     states = by_category.get(Category.OPTIMIZER_STATE, 0)
-    setup = setup or {}
-    offload = setup.get("optimizer_offload", "none")
-    if (phase == "optimizer" and event.step == 1 and offload != "none" and setup.get("offload_first_step") != "chunked"
+    offload = setup.offload.mode if setup is not None else "none"
+    if (phase == "optimizer" and event.step == 1 and offload != "none" and setup.offload.first_step != "chunked"
             and not event.op.startswith(("optimizer.chunk", "optimizer.offload"))):
         later = ("every state comes back for the whole step" if offload == "states" else
-                 f"at most {setup.get('offload_prefetch', 0) + 1} chunk(s) of {setup.get('offload_chunk_params', 0):,} "
+                 f"at most {setup.offload.prefetch + 1} chunk(s) of {setup.offload.chunk_params:,} "
                  "parameters come back at a time; offload_first_step=\"chunked\" creates them chunk by chunk too")
         return (f"the first step is one whole torch step() on the device: it creates every optimizer state lazily "
                 f"inside it, beside its parameter ({states:,} B of states now), and runs the update over all of them "
@@ -168,7 +168,7 @@ def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Mome
     return max(peaks, key=lambda m: (m.live_bytes, -m.rank))
 
 
-def moment_json(m: Moment, setup: dict | None = None) -> dict:
+def moment_json(m: Moment, setup: TrainingSetup | None = None) -> dict:
     """A Moment as JSON (the `moment` object of explain --json)."""
     e = m.event
     return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op,
@@ -185,7 +185,7 @@ def moment_json(m: Moment, setup: dict | None = None) -> dict:
                         for b in m.largest]}
 
 
-def render_moment(m: Moment, u: str, setup: dict | None = None) -> list[str]:
+def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None) -> list[str]:
     """A Moment as text lines, sizes in unit `u`."""
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event

@@ -95,7 +95,7 @@ def schedule(graph: OpGraph) -> dict[int, tuple[float, float]]:
 
 def spans_from_graph(graph: OpGraph, log: EventLog) -> list[Span]:
     times = schedule(graph)
-    stop = max((e.time for e in log.events), default=0) if log.metadata.get("stopped_at_oom") else None
+    stop = max((e.time for e in log.events), default=0) if log.metadata.stopped_at_oom else None
     out = []
     for op in graph.ops_in_order():
         start, end = times[op.id]

@@ -37,7 +37,7 @@ from ..models.training import StepPlan
 from ..simulator.allocator import AllocatorConfig, CachingAllocator, OutOfMemory, allocation_size, pool_of, round_size
 from ..simulator.device_memory import STREAM_IDS
 from ..simulator.events import Action, Event, EventLog, Phase, Pool
-from .device import context_of, cuda_profile, outside_allocator
+from .device import context_of, cuda_profile, outside_allocator, torch_rules
 
 CPU_BASE = 1 << 44  # where the cpu profile's synthetic addresses start (the allocator model's own first address)
 SEGMENT_CATEGORY = "unknown"
@@ -93,12 +93,12 @@ def _cuda_device(log: EventLog, rank: int, events: list[Event], frames_of: _Fram
     """One rank through the allocator model, as analysis/device.py `gpu_memory(log, rank)` replays it: its final
     segments and its trace."""
     meta = log.metadata
-    capacity = meta.get("device_capacity")
+    capacity = meta.device_capacity
     fixed = context_of(log).bytes + sum(outside_allocator(log).values())
     limit = None if capacity is None else max(0, capacity - fixed)
-    config = AllocatorConfig.parse(meta.get("alloc_conf", ""), meta.get("torch_version", "2.6"))
+    config = AllocatorConfig.parse("" if meta.alloc_conf is None else meta.alloc_conf, torch_rules(log))
     alloc = CachingAllocator(config, capacity=limit)
-    before = frozenset({Phase.CHECKPOINT}) if meta.get("empty_cache_before_save") else frozenset()
+    before = frozenset({Phase.CHECKPOINT}) if meta.empty_cache_before_save else frozenset()
     trace: list[dict] = []
     addr_of: dict[int, int] = {}  # block id -> the address the allocator gave it
     born: dict[int, list] = {}  # block address -> the frames of its alloc
@@ -187,7 +187,7 @@ def _cuda_device(log: EventLog, rank: int, events: list[Event], frames_of: _Fram
 
 def _stopped_at(log: EventLog, rank: int) -> Event | None:
     """The device allocation of `rank` a run stopped at (its OOM record's event; the log ends before it)."""
-    if not log.metadata.get("stopped_at_oom"):
+    if not log.metadata.stopped_at_oom:
         return None
     return next((o.event for o in log.ooms if o.event.block.rank == rank and o.event.block.pool is Pool.DEVICE
                  and o.event.action is Action.ALLOC), None)
@@ -235,8 +235,8 @@ def allocator_settings(log: EventLog) -> dict:
     `allocator_settings`); empty on the cpu profile."""
     if cuda_profile(log) is None:
         return {}
-    conf = log.metadata.get("alloc_conf", "") or ""
-    c = AllocatorConfig.parse(conf, log.metadata.get("torch_version", "2.6"))
+    conf = log.metadata.alloc_conf or ""
+    c = AllocatorConfig.parse(conf, torch_rules(log))
     return {"PYTORCH_CUDA_ALLOC_CONF": conf, "max_split_size": -1 if c.max_split_size is None else c.max_split_size,
             "garbage_collection_threshold": float(c.garbage_collection_threshold),
             "expandable_segments": bool(c.expandable_segments),
@@ -257,9 +257,9 @@ def to_snapshot(log: EventLog) -> dict:
         segments += segs
         traces[rank] = trace
     plan = StepPlan.of(log.metadata)
-    about = {"source": log.source, "device": log.metadata.get("device", ""),
+    about = {"source": log.source, "device": "" if log.metadata.device is None else log.metadata.device,
              "allocator": ("the CUDA caching allocator model (simulator/allocator), torch "
-                           f"{log.metadata.get('torch_version', '2.6')}" if cuda
+                           f"{torch_rules(log)}" if cuda
                            else "none (cpu profile): one segment per tensor"),
              "addresses": "the model's, not a real device's"}
     if plan.truncated:

@@ -16,12 +16,14 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..models.config import TrainingSetup
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
+from ..simulator.run_metadata import RunMetadata
 from ..simulator.timeline import PeakPoint, Timeline, rank_events, rank_peak_points, timeline
-from .device import context_of, device_json, device_lines, gpu_memory
+from .device import context_of, device_json, device_lines, gpu_memory, torch_rules
 from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
@@ -54,7 +56,7 @@ class Report:
     log: EventLog
     peaks: Peaks
     ledger: list[LedgerRow]
-    metadata: dict = field(default_factory=dict)
+    metadata: RunMetadata = field(default_factory=RunMetadata)  # the log's
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
     gpu: DeviceMemory | None = None  # the same rank through the caching allocator, on a CUDA device profile
@@ -81,7 +83,8 @@ class Report:
 
     @property
     def steps(self) -> int:
-        return self.metadata.get("setup", {}).get("steps", 1)
+        setup = self.metadata.setup
+        return setup.batch.steps if setup is not None else 1
 
     @property
     def time_per_step_s(self) -> float:
@@ -125,24 +128,25 @@ def run_events(log: EventLog) -> int:
             + sum(per_step.get(first + i, 0) for i in range(rest)))
 
 
-def _stages(metadata: dict, rank: int) -> str:
+def _stages(metadata: RunMetadata, rank: int) -> str:
     """", stage 3" / ", stages 3, 19": the pipeline stages of global `rank` (its pp coordinate on the mesh)."""
-    pipeline = metadata.get("pipeline")
+    pipeline = metadata.pipeline
     if not pipeline:
         return ""
-    s = metadata["setup"]
-    pp = rank // (s["world_size"] // s["pp"])  # pp is the mesh's outermost dimension (models/parallel/mesh.py)
+    s = metadata.setup
+    pp = rank // (s.mesh.world_size // s.mesh.pp)  # pp is the mesh's outermost dimension (models/parallel/mesh.py)
     stages = [str(st["index"]) for st in pipeline["stages"] if st["rank"] == pp]
     return f", stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
 
 
 def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
-    """The peak of every rank in the log, with the ranks each stands for (`metadata["rank_class_ranges"]`; a
-    log written before it was there lists them in `metadata["rank_classes"]`)."""
-    if "rank_class_ranges" in log.metadata:
-        classes = {int(r): RankRanges.from_json(m) for r, m in log.metadata["rank_class_ranges"].items()}
+    """The peak of every rank in the log, with the ranks each stands for (its metadata's `rank_class_ranges`; a
+    log written before it was there lists them in `rank_classes`)."""
+    md = log.metadata
+    if md.rank_class_ranges is not None:
+        classes = {int(r): RankRanges.from_json(m) for r, m in md.rank_class_ranges.items()}
     else:
-        classes = {int(r): RankRanges.of(m) for r, m in log.metadata.get("rank_classes", {}).items()}
+        classes = {int(r): RankRanges.of(m) for r, m in (md.rank_classes or {}).items()}
     points = rank_peak_points(log, pool)
     # a pipeline group is simulated whole: its stages that stand for no class of their own are not reported
     return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=points[r]) for r in sorted(points)
@@ -164,7 +168,7 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events))
     gpu = gpu_memory(log, rank, events=events) if pool is Pool.DEVICE else None
-    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=dict(log.metadata), ranks=per_rank, host=host,
+    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=log.metadata, ranks=per_rank, host=host,
                   gpu=gpu)
 
 
@@ -193,19 +197,19 @@ def _repeats_json(plan: StepPlan) -> dict | None:
 
 def report_json(r: Report) -> dict:
     md = r.metadata
-    setup = md.get("setup", {})
+    setup = md.setup
     plan = run_plan(r.log)
     out = {
         "version": REPORT_VERSION,
         "scenario": r.name,
-        "model": md.get("model"),
-        "describer": md.get("describer", "hand-written"),
-        "batch": md.get("batch"),
-        "describer_note": md.get("describer_note"),
-        "device": md.get("device"),
-        "setup": setup,
-        "n_params": md.get("n_params"),
-        "n_trainable": md.get("n_trainable"),
+        "model": md.model,
+        "describer": "hand-written" if md.describer is None else md.describer,
+        "batch": md.batch,
+        "describer_note": md.describer_note,
+        "device": md.device,
+        "setup": setup.knob_values() if setup is not None else {},
+        "n_params": md.n_params,
+        "n_trainable": md.n_trainable,
         "rank": r.peaks.rank,
         "pool": r.peaks.pool.value,
         "peak": _peak_json(r.peaks.overall),
@@ -230,28 +234,28 @@ def report_json(r: Report) -> dict:
                  for o in r.log.ooms],
         "assumptions": assumptions(r),
     }
-    if setup:
-        tokens = md["tokens_per_step"]
-        out["effective_batch"] = md["effective_batch"]
+    if setup is not None:
+        tokens = md.tokens_per_step
+        out["effective_batch"] = md.effective_batch
         out["tokens_per_step"] = tokens
         out["training_flops_per_step"] = {
-            "value": training_flops(md.get("n_trainable") or md.get("n_params") or 0, tokens),
+            "value": training_flops(md.n_trainable or md.n_params or 0, tokens),
             "method": "6ND dense-model approximation (N = trainable parameters, D = tokens per optimizer step)"}
-        if md.get("expert_parallel"):
-            out["expert_parallel"] = md["expert_parallel"]
-        if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
+        if md.expert_parallel:
+            out["expert_parallel"] = md.expert_parallel
+        if md.counted_flops_per_step:  # a traced model: torch's FLOP formulas over the recorded ops
             out["training_flops_per_step"] = {
-                "value": md["counted_flops_per_step"],
+                "value": md.counted_flops_per_step,
                 "method": "counted per rank over the traced forward and backward aten ops "
                           "(torch/utils/flop_counter.py)"}
-        elif md.get("n_active_params") is not None:  # mixture of experts: N = parameters one token runs through
-            out["n_active_params"] = md["n_active_params"]
+        elif md.n_active_params is not None:  # mixture of experts: N = parameters one token runs through
+            out["n_active_params"] = md.n_active_params
             out["training_flops_per_step"] = {
-                "value": training_flops(md["n_active_params"], tokens),
-                "method": f"6ND over active parameters (N = parameters one token runs through, {md['experts']}; "
+                "value": training_flops(md.n_active_params, tokens),
+                "method": f"6ND over active parameters (N = parameters one token runs through, {md.experts}; "
                           "D = tokens per optimizer step)"}
         if r.log.events:
-            out["simulated_time_per_step_s"] = run_seconds(r.log) / setup["steps"]
+            out["simulated_time_per_step_s"] = run_seconds(r.log) / setup.batch.steps
     return out
 
 
@@ -259,21 +263,16 @@ def assumptions(r: Report) -> list[str]:
     """The run's assumptions, with the line of what lies outside the allocator for its profile and torch version
     (measured or assumed, analysis/device.py `context_of`), in place of the one a log written before it carries."""
     ctx = context_of(r.log)
-    kept = [a for a in r.metadata.get("assumptions", []) if not a.startswith("CUDA context and kernels")]
+    kept = [a for a in (r.metadata.assumptions or []) if not a.startswith("CUDA context and kernels")]
     return kept + ([ctx.assumption()] if ctx is not None else [])
 
 
-def _dp(setup: dict) -> int:
-    """Data-parallel ranks: world_size / (tp x pp x cp) (models/config.py TrainingSetup.dp)."""
-    return setup["world_size"] // (setup.get("tp", 1) * setup.get("pp", 1) * setup.get("cp", 1))
-
-
-def _engine_short(setup: dict) -> str:
-    engine = setup.get("dp_engine", "deepspeed")
-    name = f"ZeRO-{setup['zero_stage']}" if engine == "deepspeed" else engine
-    pp = f", pp {setup['pp']} ({setup['pp_schedule']})" if setup.get("pp", 1) > 1 else ""
-    tp = f", tp {setup['tp']}" + (" + SP" if setup.get("sequence_parallel") else "") if setup.get("tp", 1) > 1 else ""
-    return f"{name} x {_dp(setup)}{pp}{tp}"
+def _engine_short(setup: TrainingSetup) -> str:
+    engine = setup.data_parallel.engine
+    name = f"ZeRO-{setup.data_parallel.deepspeed.zero_stage}" if engine == "deepspeed" else engine
+    pp = f", pp {setup.mesh.pp} ({setup.mesh.pp_schedule})" if setup.mesh.pp > 1 else ""
+    tp = f", tp {setup.mesh.tp}" + (" + SP" if setup.mesh.sequence_parallel else "") if setup.mesh.tp > 1 else ""
+    return f"{name} x {setup.mesh.dp}{pp}{tp}"
 
 
 def _expert_text(ep: dict) -> str:
@@ -285,21 +284,23 @@ def _expert_text(ep: dict) -> str:
             f"{ep['routing']}: each rank sends {ep['sent_rows']:,} rows a layer and receives {received}")
 
 
-def _engine_text(setup: dict) -> str:
-    engine, dp = setup.get("dp_engine", "deepspeed"), _dp(setup)
+def _engine_text(setup: TrainingSetup) -> str:
+    engine, dp = setup.data_parallel.engine, setup.mesh.dp
     if engine == "deepspeed":
-        return f"DeepSpeed ZeRO-{setup['zero_stage']} on {dp} ranks"
+        return f"DeepSpeed ZeRO-{setup.data_parallel.deepspeed.zero_stage} on {dp} ranks"
     if engine == "fsdp2":
-        return (f"FSDP2 fully_shard on {dp} ranks, reshard_after_forward="
-                f"{setup['reshard_after_forward']}, prefetch forward {setup['forward_prefetch']} / backward "
-                f"{setup['backward_prefetch']}")
+        return (
+            f"FSDP2 fully_shard on {dp} ranks, reshard_after_forward="
+            f"{setup.data_parallel.fsdp2.reshard_after_forward}, prefetch forward "
+            f"{setup.data_parallel.fsdp2.forward_prefetch} / backward {setup.data_parallel.fsdp2.backward_prefetch}"
+        )
     return f"{engine} on {dp} ranks"
 
 
-def _pipeline_text(setup: dict) -> str:
-    v = setup.get("virtual_stages", 1)
-    return (f"{setup['pp']} stages ({setup['pp']} x {v} virtual)" if v > 1 else f"{setup['pp']} stages") + \
-        f", schedule {setup['pp_schedule']}, {setup['grad_accum']} micro-batches per step"
+def _pipeline_text(setup: TrainingSetup) -> str:
+    v = setup.mesh.virtual_stages
+    return (f"{setup.mesh.pp} stages ({setup.mesh.pp} x {v} virtual)" if v > 1 else f"{setup.mesh.pp} stages") + \
+        f", schedule {setup.mesh.pp_schedule}, {setup.batch.grad_accum} micro-batches per step"
 
 
 def _rank_range(ranks: Sequence[int]) -> str:
@@ -308,14 +309,14 @@ def _rank_range(ranks: Sequence[int]) -> str:
     return "rank " + ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{len(ranks)} ranks from {ranks[0]}"
 
 
-def _offload_text(setup: dict) -> str:
-    mode = setup.get("optimizer_offload", "none")
+def _offload_text(setup: TrainingSetup) -> str:
+    mode = setup.offload.mode
     if mode == "none":
         return ""
     if mode == "states":
         return "; optimizer states offloaded to the host between steps"
-    return (f"; optimizer states offloaded, updated in chunks of {setup['offload_chunk_params']:,} parameters "
-            f"({setup['offload_prefetch']} ahead; first step {setup['offload_first_step']})")
+    return (f"; optimizer states offloaded, updated in chunks of {setup.offload.chunk_params:,} parameters "
+            f"({setup.offload.prefetch} ahead; first step {setup.offload.first_step})")
 
 
 def steps_text(plan: StepPlan) -> str:
@@ -333,53 +334,57 @@ def render_text(r: Report, unit: str = "GiB") -> str:
     """A plain-text report (monospace table), sizes labelled with their unit."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     md, pk = r.metadata, r.peaks
-    lines = [f"peakledger: {r.name}  ({md.get('model')} on {md.get('device')}, rank {pk.rank} {pk.pool.value} memory)"]
-    setup = md.get("setup", {})
-    if setup:
-        b_eff = md["effective_batch"]
-        lines.append(f"  {md.get('n_params'):,} parameters ({md.get('n_trainable'):,} trainable); precision "
-                     f"{setup['precision']}, optimizer {setup['optimizer']} ({setup['optimizer_impl']}), "
-                     f"{_engine_short(setup)}, checkpointing {setup['checkpointing']}"
+    lines = [f"peakledger: {r.name}  ({md.model} on {md.device}, rank {pk.rank} {pk.pool.value} memory)"]
+    setup = md.setup
+    if setup is not None:
+        b_eff = md.effective_batch
+        lines.append(f"  {md.n_params:,} parameters ({md.n_trainable:,} trainable); precision "
+                     f"{setup.precision.name}, optimizer {setup.optimizer.name} ({setup.optimizer.impl}), "
+                     f"{_engine_short(setup)}, checkpointing {setup.checkpointing.policy}"
                      + _offload_text(setup))
-        if md.get("batch"):  # a traced model: its own batch
-            lines.append(f"  described by: {md.get('describer')}; batch per micro-batch: {md['batch']}")
+        if md.batch:  # a traced model: its own batch
+            lines.append(f"  described by: {md.describer}; batch per micro-batch: {md.batch}")
         else:
-            lines.append(f"  described by: {md.get('describer')}")
-        if setup.get("passes", "train") == "train" and "loop" in setup:
-            lines.append("  loop: " + LOOP_WORDS.get(setup["loop"], setup["loop"]))
+            lines.append(f"  described by: {md.describer}")
+        if setup.batch.passes == "train":
+            lines.append("  loop: " + LOOP_WORDS.get(setup.loop.name, setup.loop.name))
         if r.gpu is not None:
-            lines.append(f"  GPU rules: torch {md.get('torch_version', '2.6')}'s CUDA kernels and caching allocator "
-                         f"on {md.get('device')}")
-        if md.get("batch"):
-            if md.get("describer_note"):
-                lines.append(f"  note: {md['describer_note']}")
-            lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                         f"{_dp(setup)} = {b_eff}; {steps_text(run_plan(r.log))}")
+            lines.append(f"  GPU rules: torch {torch_rules(r.log)}'s CUDA kernels and caching allocator "
+                         f"on {md.device}")
+        if md.batch:
+            if md.describer_note:
+                lines.append(f"  note: {md.describer_note}")
+            lines.append(
+                f"  B_eff = micro-batch {setup.batch.micro_batch} x accumulation {setup.batch.grad_accum} x dp "
+                f"{setup.mesh.dp} = {b_eff}; {steps_text(run_plan(r.log))}"
+            )
         else:
-            lines.append(f"  B_eff = micro-batch {setup['micro_batch']} x accumulation {setup['grad_accum']} x dp "
-                         f"{_dp(setup)} = {b_eff}; seq_len {setup['seq_len']}; {steps_text(run_plan(r.log))}")
-        if _dp(setup) > 1:
+            lines.append(
+                f"  B_eff = micro-batch {setup.batch.micro_batch} x accumulation {setup.batch.grad_accum} x dp "
+                f"{setup.mesh.dp} = {b_eff}; seq_len {setup.batch.seq_len}; {steps_text(run_plan(r.log))}"
+            )
+        if setup.mesh.dp > 1:
             lines.append(f"  data parallel: {_engine_text(setup)}")
-        if setup.get("pp", 1) > 1:
+        if setup.mesh.pp > 1:
             lines.append(f"  pipeline parallel: {_pipeline_text(setup)}")
-        if setup.get("tp", 1) > 1:
-            lines.append(f"  tensor parallel: tp {setup['tp']} (DTensor, torchtitan's plan, loss_parallel), sequence "
-                         f"parallel {'on' if setup.get('sequence_parallel') else 'off'}")
-        if setup.get("cp", 1) > 1:
-            lines.append(f"  context parallel: cp {setup['cp']} (torch's context_parallel: ring attention, head-tail "
-                         f"load balancing, T / cp = {setup['seq_len'] // setup['cp']} tokens a rank)")
-        if md.get("expert_parallel"):
-            lines.append(f"  expert parallel: {_expert_text(md['expert_parallel'])}")
-        if md.get("counted_flops_per_step"):  # a traced model: torch's FLOP formulas over the recorded ops
-            lines.append(f"  training FLOPs per step ~ {md['counted_flops_per_step']:.3e} per rank (counted over the "
+        if setup.mesh.tp > 1:
+            lines.append(f"  tensor parallel: tp {setup.mesh.tp} (DTensor, torchtitan's plan, loss_parallel), sequence "
+                         f"parallel {'on' if setup.mesh.sequence_parallel else 'off'}")
+        if setup.mesh.cp > 1:
+            lines.append(f"  context parallel: cp {setup.mesh.cp} (torch's context_parallel: ring attention, head-tail "
+                         f"load balancing, T / cp = {setup.batch.seq_len // setup.mesh.cp} tokens a rank)")
+        if md.expert_parallel:
+            lines.append(f"  expert parallel: {_expert_text(md.expert_parallel)}")
+        if md.counted_flops_per_step:  # a traced model: torch's FLOP formulas over the recorded ops
+            lines.append(f"  training FLOPs per step ~ {md.counted_flops_per_step:.3e} per rank (counted over the "
                          "traced forward and backward ops: matmuls, attention, convolutions)")
-        elif md.get("n_active_params") is not None:
-            flops = training_flops(md["n_active_params"], md["tokens_per_step"])
+        elif md.n_active_params is not None:
+            flops = training_flops(md.n_active_params, md.tokens_per_step)
             lines.append(f"  training FLOPs per step ~ {flops:.3e} "
-                         f"(6ND over {md['n_active_params']:,} active parameters: "
-                         f"{md['experts']} per token)")
+                         f"(6ND over {md.n_active_params:,} active parameters: "
+                         f"{md.experts} per token)")
         else:
-            flops = training_flops(md.get("n_trainable") or 0, md["tokens_per_step"])
+            flops = training_flops(md.n_trainable or 0, md.tokens_per_step)
             lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
     lines.append("")
     e = pk.overall.event
@@ -411,7 +416,7 @@ def render_text(r: Report, unit: str = "GiB") -> str:
     if r.gpu is not None:
         lines += [""] + device_lines(r.gpu, unit, context_of(r.log))
     if r.phases:
-        lines += [""] + phase_lines(r.phases, unit, md.get("device_capacity"))
+        lines += [""] + phase_lines(r.phases, unit, md.device_capacity)
         if run_plan(r.log).truncated:
             lines.append(f"  ({run_plan(r.log).summary()})")
     lines.append("")

@@ -63,6 +63,7 @@ from ..simulator.events import (
     new_event,
 )
 from ..simulator.numbers import float_text, int_text
+from ..simulator.run_metadata import RunMetadata
 from ..simulator.safe_io import InputError, read_text
 from ..simulator.timeline import PeakPoint, Timeline, timeline
 from .ledger import LedgerRow, ledger_at
@@ -409,7 +410,7 @@ def _build(records, path: str, kind: str) -> UserLog:
     if not rows:
         raise UserEventsError(f"{path} holds no events: give one {'row' if kind == 'csv' else 'object'} per alloc "
                               "or free")
-    log = EventLog(events=events, source="user-events", metadata={"events_file": path, "order": ORDER_RULE})
+    log = EventLog(events=events, source="user-events", metadata=RunMetadata(events_file=path, order=ORDER_RULE))
     return UserLog(path=path, kind=kind, log=log, rows=rows, event_rows=event_rows, storages=storages)
 
 

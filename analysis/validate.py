@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..models.devices import DEVICES
 from ..simulator.events import Block, Category, EventLog, Phase, Pool
 from ..simulator.timeline import timeline
+from .device import torch_rules
 from .phases import phase_peaks
 from .units import format_bytes
 
@@ -58,29 +59,28 @@ def measured_description(log: EventLog) -> str:
     """What a measured log is, from its source and metadata: "real torch run on CPU", "CUDA capture on NVIDIA
     H200 (cuda:0, torch 2.11.0)", "CUDA memory snapshot (device 0)", ..."""
     meta = log.metadata
-    gpu = meta.get("gpu") or (meta.get("device") if isinstance(meta.get("device"), str) else None)
-    if meta.get("device_kind") == "cuda" or (log.source.startswith("cuda-snapshot") and gpu):
-        cc = meta.get("compute_capability")
-        details = ([f"cuda:{meta['cuda_device']}"] if isinstance(meta.get("cuda_device"), int) else []) + \
+    gpu = meta.gpu or (meta.device if isinstance(meta.device, str) else None)
+    if meta.device_kind == "cuda" or (log.source.startswith("cuda-snapshot") and gpu):
+        cc = meta.compute_capability
+        details = ([f"cuda:{meta.cuda_device}"] if isinstance(meta.cuda_device, int) else []) + \
             ([f"compute capability {'.'.join(str(x) for x in cc)}"] if isinstance(cc, list) and cc else []) + \
-            ([f"torch {meta['torch_version']}"] if meta.get("torch_version") else [])
+            ([f"torch {meta.torch_version}"] if meta.torch_version else [])
         return f"CUDA capture on {gpu or 'a CUDA GPU'}" + (f" ({', '.join(details)})" if details else "")
     if log.source.startswith("cuda-snapshot"):
-        devices = meta.get("devices")
-        which = f"devices {devices}" if devices else f"device {meta.get('device', 0)}"
+        which = f"devices {meta.devices}" if meta.devices else f"device {0 if meta.device is None else meta.device}"
         return f"CUDA memory snapshot ({which})"
-    if str(meta.get("device", "cpu")) == "cpu":
+    if str("cpu" if meta.device is None else meta.device) == "cpu":
         return "real torch run on CPU"
-    return f"{log.source} on {meta.get('device')}"
+    return f"{log.source} on {meta.device}"
 
 
 def predicted_description(log: EventLog) -> str:
     """What a simulated log is: "simulator" on the cpu profile; on a GPU profile, the profile and the torch
     version whose allocator rules apply."""
-    profile = DEVICES.get(str(log.metadata.get("device", "")))
+    profile = DEVICES.get(str(log.metadata.device))
     if profile is None or not profile.is_cuda:
         return "simulator"
-    return f"simulator, {profile.name} profile, torch {log.metadata.get('torch_version', '2.6')} allocator rules"
+    return f"simulator, {profile.name} profile, torch {torch_rules(log)} allocator rules"
 
 
 def _phase_peaks(tl) -> dict[tuple[Phase, int], tuple[int, int]]:

@@ -66,7 +66,7 @@ def main() -> None:
             return g, simulate(g)
         t, (g, log) = best_of(3, one_step)
         peak = summarize(log).peaks.overall.bytes
-        lines.append(f"| {label} | {t:.3f} | {len(g.metadata['rank_classes'])} of 64 | {len(log.events):,} | "
+        lines.append(f"| {label} | {t:.3f} | {len(g.metadata.rank_classes)} of 64 | {len(log.events):,} | "
                      f"{format_bytes(peak)} | {'met' if t < 1 else 'NOT met'} (< 1 s) |")
     lines.append("")
     lines += ["## Max micro-batch search (2 steps each probe, exact bisection)", "",

@@ -2,7 +2,7 @@
 
     python bench/same_json.py --write DIR            # every case's --json into DIR/<case>.json
     python bench/same_json.py --write DIR2 --against DIR   # then: which cases differ, byte for byte
-    ... --renamed models/trace/=models/traced/             # a module the outputs cite was renamed
+    ... --renamed models/traced/=models/traced/             # a module the outputs cite was renamed
 
 The cases cover every section of the training setup (batch, precision and optimizer, checkpointing, each
 data-parallel engine, the mesh, checkpoint I/O, offload, LoRA / QLoRA, MoE), the describers (hand-written,

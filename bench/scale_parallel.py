@@ -67,7 +67,7 @@ def child(spec: dict) -> dict:
         t0 = time.perf_counter()
         report = api.run(scenario)
         seconds = time.perf_counter() - t0
-        pipeline = report.metadata.get("pipeline") or {}
+        pipeline = report.metadata.pipeline or {}
         bubbles = [t["bubble"] for t in pipeline.get("timing", {}).values()]
         return {"seconds": seconds, "classes": len(report.ranks),
                 "simulated": len({e.block.rank for e in report.log.events}),

@@ -47,6 +47,7 @@ from peakledger.models.presets import preset
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Action, EventLog, Phase, Pool
+from peakledger.simulator.run_metadata import RunMetadata
 from peakledger.traces.reference import build_model, make_batch, make_optimizer
 from peakledger.traces.tracker import AllocationTracker, training_loop
 
@@ -163,7 +164,7 @@ def measure_save(config: Config, mode: str) -> tuple[EventLog, list[Window]]:
                 training_loop(tracker, model, optimizer, batches, steps=1, first_step=step)
                 with tracker.phase(Phase.CHECKPOINT, step), window(tracker, windows):
                     save(model, optimizer, step)
-    return tracker.log({"mode": mode}), windows
+    return tracker.log(RunMetadata(mode=mode)), windows
 
 
 def trained(config: Config):
@@ -240,7 +241,7 @@ def measure_load(config: Config, mode: str) -> tuple[EventLog, Window]:
             tracker.optimizer = optimizer
             for step in range(1, STEPS + 1):
                 training_loop(tracker, model, optimizer, batches, steps=1, first_step=step)
-    return tracker.log({"mode": mode}), windows[0]
+    return tracker.log(RunMetadata(mode=mode)), windows[0]
 
 
 def simulated(config: Config, **checkpoint) -> EventLog:
@@ -431,7 +432,7 @@ def full_state_rank(rank: int, world_size: int, port: int, out_dir: str, mode: s
                     torch.save(full, os.path.join(out_dir, "full.pt"))
                 del full
                 dist.barrier()
-        save_log(tracker.log({"mode": mode, "backend": backend}), os.path.join(out_dir, f"rank{rank}.json"))
+        save_log(tracker.log(RunMetadata(mode=mode, backend=backend)), os.path.join(out_dir, f"rank{rank}.json"))
 
 
 def measure_full_state(config: Config, mode: str, world_size: int, backend: str = "fake",

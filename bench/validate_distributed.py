@@ -57,7 +57,7 @@ def compare_case(engine: str, world_size: int, name: str, reshard: bool) -> list
     for rank, log in enumerate(measured):
         v = compare_logs(log, simulated, rank=rank)
         vf = compare_logs(fake[rank], simulated, rank=rank)
-        release = log.metadata.get("backend_release")
+        release = log.metadata.backend_release
         rows.append({"rank": rank, "measured": v.overall.measured, "predicted": v.overall.predicted,
                      "error": v.overall.error, "fake": vf.overall.measured, "fake_error": vf.overall.error,
                      "same_events": event_sequence(log) == event_sequence(fake[rank]),

@@ -53,7 +53,7 @@ def compare_case(cfg: TransformerConfig, ep: int, dp: int, precision: str, routi
     routed = setup.replace(moe_routing=f"counts:{path}")
     graph = describe(cfg, routed, "cpu", ranks=list(range(dp)), all_steps=True)
     simulated = simulate(graph)
-    received = graph.metadata["expert_parallel"]["received_rows"]
+    received = graph.metadata.expert_parallel["received_rows"]
     rows = []
     for rank, log in enumerate(measured):
         v = compare_logs(log, simulated, rank=rank)
@@ -62,7 +62,7 @@ def compare_case(cfg: TransformerConfig, ep: int, dp: int, precision: str, routi
                      "error": v.overall.error, "forward": phase["forward step 1"], "backward": phase["backward step 1"],
                      "static": static_rows(log, rank) == static_rows(simulated, rank),
                      "received": received[str(rank % ep)]})
-    return {"rows": rows, "seconds": seconds, "sent": graph.metadata["expert_parallel"]["sent_rows"]}
+    return {"rows": rows, "seconds": seconds, "sent": graph.metadata.expert_parallel["sent_rows"]}
 
 
 def expert_section() -> str:

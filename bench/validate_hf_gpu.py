@@ -160,7 +160,7 @@ def row(name: str, case: tuple, folder: Path, measured_json: dict, workdir: Path
     t = time.perf_counter()
     report = predict(name, case, workdir)
     out["seconds"] = round(time.perf_counter() - t, 2)
-    out["describer"] = report.log.metadata.get("describer")
+    out["describer"] = report.log.metadata.describer
     out.update(compare_run(trace, report))
     from peakledger.simulator.timeline import timeline
     out["at_peak"] = unmatched(peak_blocks(trace.allocated.events),

@@ -53,12 +53,12 @@ def compare_case(schedule: str, pp: int, v: int, m: int, name: str, n_layer: int
     seconds = time.perf_counter() - t0
     graph = describe(cfg, setup, "cpu", all_steps=True)
     simulated = simulate(graph)
-    timing = graph.metadata["pipeline"]["timing"]
+    timing = graph.metadata.pipeline["timing"]
     rows = []
     for rank, log in enumerate(measured):
         val = compare_logs(log, simulated, rank=rank)
-        rows.append({"rank": rank, "stages": [s["index"] for s in log.metadata["stages"]],
-                     "layers": [tuple(s["layers"]) for s in log.metadata["stages"]],
+        rows.append({"rank": rank, "stages": [s["index"] for s in log.metadata.stages],
+                     "layers": [tuple(s["layers"]) for s in log.metadata.stages],
                      "measured": val.overall.measured, "predicted": val.overall.predicted,
                      "error": val.overall.error, "static_exact": static_rows(log, rank) == static_rows(simulated, rank),
                      "static": static_rows(log, rank), "bubble": timing[rank]["bubble"]})

@@ -57,7 +57,8 @@ class GraphBuilder:
         self._last_on_stream: dict[Stream, int] = {}
         self._workspaces: set[str] = set()  # threads whose cuBLAS handle holds its workspace ("<thread>.lt": Lt's)
         if torch_version is None:
-            torch_version = self.graph.metadata.get("torch_version", "2.6")
+            torch_version = self.graph.metadata.torch_version
+            torch_version = "2.6" if torch_version is None else torch_version
         self.torch_version = torch_version
         self._lt_workspace = cublaslt_workspace_bytes(torch_version) if device.is_cuda else 0
         self.trainable = trainable_params(tape, setup.optimizer.frozen) - set(tape.gradless)

@@ -40,6 +40,8 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from .config import TrainingSetup
+
 MiB = 1 << 20
 
 
@@ -168,10 +170,9 @@ def find_measurement(profile: str, compute_capability: tuple[int, int] | None,
     return next((m for m in same if m.compute_capability == compute_capability), None), False
 
 
-def cuda_context(profile: Device, torch_version: str | None, setup: dict | None = None) -> CudaContext | None:
+def cuda_context(profile: Device, torch_version: str | None, setup: TrainingSetup | None = None) -> CudaContext | None:
     """What `profile` holds outside the caching allocator with torch `torch_version` ("2.6", "2.11", or a full
-    version); `setup` (the log's TrainingSetup fields) adds FSDP2's communicator on one rank. None: not a CUDA
-    device."""
+    version); `setup` (the log's) adds FSDP2's communicator on one rank. None: not a CUDA device."""
     if not profile.is_cuda:
         return None
     m, own = find_measurement(profile.name, profile.compute_capability, torch_version)
@@ -183,8 +184,12 @@ def cuda_context(profile: Device, torch_version: str | None, setup: dict | None 
                            label=f"assumed: not measured for {asked}", measurement=None,
                            note=f"{cc}; measured only: {known}")
     parts = [(CONTEXT_ROW, m.after_first_gemm), (KERNELS_ROW, m.step_kernels)]
-    setup = setup or {}
-    if m.fsdp2_extra is not None and setup.get("dp_engine") == "fsdp2" and setup.get("world_size", 1) == 1:
+    if (
+        m.fsdp2_extra is not None
+        and setup is not None
+        and setup.data_parallel.engine == "fsdp2"
+        and setup.mesh.world_size == 1
+    ):
         parts.append((FSDP2_ROW, m.fsdp2_extra))
     where = f"{m.short()}, {m.source}"
     detail = (f"{m.gpu} ({cc}, driver {m.driver}), torch {m.torch}, CUDA {m.cuda}: after torch.cuda.init() "

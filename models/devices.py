@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ConfigError
+from .config import ConfigError, TrainingSetup
 from .cuda_context import CudaContext, cuda_context
 
 
@@ -38,12 +38,12 @@ class DeviceProfile:
     # measurement for the torch version (`context`)
     context_bytes: int = 0
 
-    def context(self, torch_version: str | None, setup: dict | None = None) -> CudaContext | None:
+    def context(self, torch_version: str | None, setup: TrainingSetup | None = None) -> CudaContext | None:
         """What the device holds outside the caching allocator with torch `torch_version`: measured or assumed
         (models/cuda_context.py); None on a device that is not a CUDA GPU."""
         return cuda_context(self, torch_version, setup)
 
-    def assumptions(self, torch_version: str | None = None, setup: dict | None = None) -> list[str]:
+    def assumptions(self, torch_version: str | None = None, setup: TrainingSetup | None = None) -> list[str]:
         """The timing assumptions; with `torch_version`, on a CUDA GPU, the line of what lies outside the
         allocator too (measured or assumed: it depends on the torch version, which the profile alone does not
         know; the report adds it from the run's `torch_version`)."""

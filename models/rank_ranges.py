@@ -1,7 +1,7 @@
 """Sets of ranks as ascending ranges: a rank class at any world size (1,048,576 ranks) in O(ranges) memory.
 
 `describe` (models/training.py) groups ranks into classes of identical layout and records each class's ranks
-(`metadata["rank_class_ranges"]`); the mesh, tensor- and expert-parallel classes and the report read them.
+(the metadata's `rank_class_ranges`); the mesh, tensor- and expert-parallel classes and the report read them.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from math import prod
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
+from ..simulator.run_metadata import RunMetadata
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -132,6 +133,7 @@ class StepPlan:
         return max([end] + [ends[self.source(s)] + (s - self.source(s)) // p * per_period for s in last])
 
     def metadata(self) -> dict:
+        """The plan's fields of a `RunMetadata`."""
         return {"steps": self.steps, "steps_simulated": self.simulated, "repeat_period": self.period}
 
     def summary(self) -> str:
@@ -147,13 +149,14 @@ class StepPlan:
                 f"{first} + (s - {first}) mod {self.period}")
 
     @classmethod
-    def of(cls, metadata: dict) -> "StepPlan":
+    def of(cls, metadata: RunMetadata) -> "StepPlan":
         """The plan a graph's or log's metadata records. A log without one (measured) is a full run, and so is
         a log whose run stopped at an OOM: it ends where a simulation of every step would have stopped."""
-        steps = metadata.get("steps") or metadata.get("setup", {}).get("steps") or 1
-        if metadata.get("stopped_at_oom"):
+        steps = metadata.steps or (metadata.setup.batch.steps if metadata.setup is not None else None) or 1
+        if metadata.stopped_at_oom:
             return cls(steps, steps)
-        return cls(steps, metadata.get("steps_simulated", steps), metadata.get("repeat_period", 1))
+        simulated, period = metadata.steps_simulated, metadata.repeat_period
+        return cls(steps, steps if simulated is None else simulated, 1 if period is None else period)
 
 
 def step_plan(setup: TrainingSetup) -> StepPlan:
@@ -221,7 +224,7 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
     _check_tensor_sizes(tape)
     graph, ids = OpGraph(), itertools.count(1)
-    graph.metadata["torch_version"] = torch_version  # read by the builders (GraphBuilder); replaced below
+    graph.metadata = RunMetadata(torch_version=torch_version)  # read by the builders (GraphBuilder); replaced below
     model_parallel = is_model_parallel(setup)
     tapes = MeshTapes(tape, setup, lambda ep_rank: build_tape(model, setup, profile.is_cpu, ep_rank, cuda)) \
         if model_parallel else None
@@ -241,37 +244,40 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     if plan.truncated:
         check_repeats(graph, plan)
     family = family_of(model)
-    graph.metadata = {
-        "model": model.name, "setup": setup.knob_values(), "device": profile.name, **plan.metadata(),
-        "describer": tape.describer, "batch": family.batch_note(model, setup),
-        "describer_note": None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
-        "counted_flops_per_step": (tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.batch.grad_accum
+    graph.metadata = RunMetadata(
+        model=model.name, setup=setup, device=profile.name, **plan.metadata(),
+        describer=tape.describer, batch=family.batch_note(model, setup),
+        describer_note=None if not tape.backward or profile.is_cpu else TRACED_ON_CPU,
+        counted_flops_per_step=(tape.forward_flops() + sum(n.flops for n in tape.backward)) * setup.batch.grad_accum
         if tape.backward else None,
-        "n_params": tape.n_params, "n_trainable": sum(builder.param_numel[p] for p in builder.trainable),
-        "forward_flops_per_microbatch": tape.forward_flops(),
-        "effective_batch": setup.effective_batch,
-        "tokens_per_step": setup.effective_batch * setup.batch.seq_len,
-        "rank_classes": {str(r): list(members) if len(members) <= RANK_LIST_LIMIT else None
-                         for r, members in classes.items()},
-        "rank_class_ranges": {str(r): members.as_json() for r, members in classes.items()},
-        "assumptions": profile.assumptions(),
-    }
+        n_params=tape.n_params, n_trainable=sum(builder.param_numel[p] for p in builder.trainable),
+        forward_flops_per_microbatch=tape.forward_flops(),
+        effective_batch=setup.effective_batch,
+        tokens_per_step=setup.effective_batch * setup.batch.seq_len,
+        rank_classes={str(r): list(members) if len(members) <= RANK_LIST_LIMIT else None
+                      for r, members in classes.items()},
+        rank_class_ranges={str(r): members.as_json() for r, members in classes.items()},
+        assumptions=profile.assumptions(),
+    )
     if setup.mesh.pp > 1 or setup.mesh.tp > 1 or setup.mesh.ep > 1:  # a rank holds a part: count the whole model's
         trainable = trainable_params(tape, setup.optimizer.frozen) - set(tape.gradless)
         experts = getattr(tape, "local_params", ())  # an expert-parallel rank's experts: 1 / ep of them
-        graph.metadata["n_trainable"] = sum(p.numel * (setup.mesh.ep if p.name in experts else 1)
-                                            for p in tape.params if p.name in trainable)
+        graph.metadata = graph.metadata.updated(n_trainable=sum(p.numel * (setup.mesh.ep if p.name in experts else 1)
+                                                                for p in tape.params if p.name in trainable))
     if setup.mesh.pp > 1:
-        graph.metadata["pipeline"] = {**pipeline_metadata(tape, setup), "timing": pipeline_timing(graph)}
+        graph.metadata = graph.metadata.updated(pipeline={**pipeline_metadata(tape, setup),
+                                                          "timing": pipeline_timing(graph)})
     if setup.mesh.ep > 1:
-        graph.metadata["expert_parallel"] = expert_metadata(tapes.ep_tape, classes, setup, model.num_experts_per_tok)
+        graph.metadata = graph.metadata.updated(
+            expert_parallel=expert_metadata(tapes.ep_tape, classes, setup, model.num_experts_per_tok))
     if family.experts:  # 6ND counts what one token runs through: top-k of the experts (models/moe.py)
-        graph.metadata["n_active_params"] = active_params(model, tape.n_params)
-        graph.metadata["experts"] = f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts"
+        graph.metadata = graph.metadata.updated(
+            n_active_params=active_params(model, tape.n_params),
+            experts=f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts")
     return graph
 
 
-RANK_LIST_LIMIT = 65_536  # metadata["rank_classes"] lists a class's ranks up to this many (rank_class_ranges always)
+RANK_LIST_LIMIT = 65_536  # the metadata's rank_classes lists a class's ranks up to this many (rank_class_ranges always)
 
 
 def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> dict[int, RankRanges]:

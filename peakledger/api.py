@@ -51,7 +51,7 @@ def trace(hf_config=None, *, module: str | None = None, name: str | None = None,
 def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
     """The scenario described: the op graph the simulator runs (simulator/graph_nx.py gives its networkx form)."""
     graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version)
-    graph.metadata.update(device_settings(scenario), device_capacity=budget)
+    graph.metadata = graph.metadata.updated(**device_settings(scenario), device_capacity=budget)
     return graph
 
 
@@ -61,7 +61,7 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     highest peak, and lists every simulated rank's peak). `graph`: the scenario already described with this
     budget (`op_graph`), for a caller that also exports it."""
     graph = graph if graph is not None else op_graph(scenario, budget)
-    ranks = [int(r) for r in graph.metadata["rank_classes"]]
+    ranks = [int(r) for r in graph.metadata.rank_classes]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None
     log = simulate(graph, capacities, stop_on_oom=stop_on_oom, simulator=scenario.simulator)
@@ -84,7 +84,7 @@ def fixed_state_peak(scenario: Scenario) -> int:
                      torch_version=scenario.torch_version)
     log = simulate(graph)
     best = 0
-    for rank in graph.metadata["rank_classes"]:
+    for rank in graph.metadata.rank_classes:
         running = 0
         for e in timeline(log, int(rank)).events:
             if e.block.category in STATE_CATEGORIES:

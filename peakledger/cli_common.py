@@ -202,7 +202,7 @@ class FitVerdict:
 def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
     """The --check verdict of `report` against `budget` (see FitVerdict); never read from a partial run."""
     log = report.log
-    if log.metadata.get("stopped_at_oom") and log.ooms:
+    if log.metadata.stopped_at_oom and log.ooms:
         oom = log.ooms[0]
         need = with_headroom(oom.live_bytes + oom.event.block.nbytes, headroom)
         return FitVerdict(False, max(need, budget + 1), budget, stopped_at=oom.event.op)

@@ -35,7 +35,7 @@ def cmd_explain(args) -> int:
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "explain")
     x = diagnosis.explain(scenario, budget, host_budget)
-    setup = scenario.setup.knob_values()
+    setup = scenario.setup
     status = decide(args, 1 if args.check and not x.fits else 0)
     if args.json:
         write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
@@ -146,7 +146,7 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     if args.json:
         write_json({"trace": args.trace, "kind": trace.kind, "budget": budget, "truncated": trace.truncated,
                      "lower_bound": trace.truncated, "warning": warning,
-                     "moment": {**moment_json(moment, log.metadata.get("setup")),
+                     "moment": {**moment_json(moment, log.metadata.setup),
                                 **({"reserved_bytes": at_moment} if at_moment is not None else {})},
                      "reserved_moment": reserved_moment_json(reserved, at_reserved) if reserved else None})
         return 0
@@ -155,7 +155,7 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
         print(f"WARNING: {warning}")
     if reserved is not None:
         print("allocated (bytes handed to tensors):")
-    print("\n".join(render_moment(moment, args.unit, log.metadata.get("setup"))))
+    print("\n".join(render_moment(moment, args.unit, log.metadata.setup)))
     if at_moment is not None:
         print(f"  reserved then {format_bytes(at_moment, args.unit)}")
     if reserved is not None:

@@ -42,7 +42,7 @@ def run_of(args) -> ScriptRun:
 
 def header(report, unit: str) -> list[str]:
     """What the script did and what it ran on: the loop discovered, the values given, the libraries."""
-    s = report.metadata["script"]
+    s = report.metadata.script
     c = s["calls"]
     mbs = sorted(set(c["micro_batches"]))
     per_step = (f"{mbs[0]} micro-batch{'es' if mbs[0] != 1 else ''} (backward calls) each" if len(mbs) == 1 else
@@ -64,7 +64,7 @@ def header(report, unit: str) -> list[str]:
              f"{c['clips']} gradient clips, {c['evals']} eval forwards, {c['saves']} saves, {c['generates']} "
              f"generates",
              f"  program: {s['program']}" + (f"; {world} ranks (torch's fake process group), recorded: "
-                                              f"{', '.join(report.metadata['rank_class_ranges'])}" if world > 1 else "")
+                                              f"{', '.join(report.metadata.rank_class_ranges)}" if world > 1 else "")
              + "; versions: "
              + ", ".join(f"{k} {v}" for k, v in s["versions"].items())]
     if s["stand_ins"]:
@@ -127,7 +127,7 @@ def cmd_run(args) -> int:
         code = 1
     code = decide(args, code)
     if args.json:
-        write_json({**report_json(report), "script": report.metadata["script"],
+        write_json({**report_json(report), "script": report.metadata.script,
                      **({"tries": [{"args": t, "peak": r.peaks.overall.bytes, "capacity_needed": r.capacity_needed,
                                     "fits": None if budget is None else fit_verdict(r, budget, 0.0).fits}
                                    for t, r in tries]} if tries else {}),

@@ -86,7 +86,7 @@ def cmd_simulate(args) -> int:
         gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
         oom = report.log.ooms[0] if report.log.ooms else None
         steps = StepPlan.of(report.log.metadata).summary() or f"{report.steps} steps"
-        if report.log.metadata.get("stopped_at_oom"):
+        if report.log.metadata.stopped_at_oom:
             steps += ", stopped at the first OOM"
         plot_timeline(timeline(report.log, report.peaks.rank), args.plot, unit=args.unit,
                       title=f"device memory of rank {report.peaks.rank} over the run ({steps}): allocated by "

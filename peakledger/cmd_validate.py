@@ -67,13 +67,13 @@ def _capture_cuda(args, scenario) -> int:
     trace = cuda_capture.capture_cuda(scenario, snapshot, device=gpu)
     save_log(trace.allocated, args.output)
     meta = trace.allocated.metadata
-    print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} on {meta['gpu']} (peak "
-          f"{trace.peak_bytes(allow_truncated=True):,} B allocated, {meta['reserved_peak']:,} B reserved; steps "
+    print(f"captured {len(trace.allocated.events):,} CUDA allocator events of {scenario.name} on {meta.gpu} (peak "
+          f"{trace.peak_bytes(allow_truncated=True):,} B allocated, {meta.reserved_peak:,} B reserved; steps "
           f"1-{scenario.setup.batch.steps}) into {args.output}; the raw snapshot is {snapshot}")
     if trace.truncated:
         print(f"peakledger: the snapshot is truncated ({'; '.join(trace.problems[:2])}): its peaks are lower bounds",
               file=sys.stderr)
-    outside = meta["step_labels"]["outside"]
+    outside = meta.step_labels["outside"]
     if outside:
         print(f"peakledger: {outside:,} events lie outside the loop's marks (the snapshot's clock disagrees with the "
               "host's): their steps and phases are a guess", file=sys.stderr)
@@ -205,16 +205,16 @@ def _cuda_trace_scenario(args, trace, scenario, notes: list[str]):
     --alloc-conf, else the PYTORCH_CUDA_ALLOC_CONF the capture ran with. Returns it and the notes, said anew."""
     meta = trace.log.metadata
     notes = [n for n in notes if not n.startswith(("overrode torch_version:", "overrode alloc_conf:"))]
-    gpu = meta.get("gpu") or (meta.get("device") if isinstance(meta.get("device"), str) else None)
+    gpu = meta.gpu or (meta.device if isinstance(meta.device, str) else None)
     cuda_profiles = ", ".join(n for n, p in DEVICES.items() if p.is_cuda)
     if args.device is not None:
         device = args.device
         notes.append(f"simulating on {device} (--device)" + (f"; the trace ran on {gpu}" if gpu else ""))
-    elif meta.get("device_profile"):
-        device = meta["device_profile"]
+    elif meta.device_profile:
+        device = meta.device_profile
         notes.append(f"simulating on {device}, the profile of {gpu or 'the GPU the trace ran on'}")
-    elif meta.get("compute_capability") is not None:
-        cc = ".".join(str(x) for x in meta["compute_capability"])
+    elif meta.compute_capability is not None:
+        cc = ".".join(str(x) for x in meta.compute_capability)
         raise ConfigError("device", f"{trace.path} was captured on {gpu} (compute capability {cc}), which no "
                                     f"peakledger device profile matches: give --device, one of {cuda_profiles}")
     else:
@@ -227,13 +227,14 @@ def _cuda_trace_scenario(args, trace, scenario, notes: list[str]):
     if args.torch_version is not None:
         rules = args.torch_version
         notes.append(f"allocator rules of torch {rules} (--torch-version)")
-    elif meta.get("allocator_rules") or meta.get("torch_version"):
-        rules = meta.get("allocator_rules") or allocator_rules(meta["torch_version"])
-        notes.append(f"allocator rules of torch {rules}" + (f" (the trace ran torch {meta['torch_version']})"
-                                                             if meta.get("torch_version") else ""))
+    elif meta.allocator_rules or meta.torch_version:
+        rules = meta.allocator_rules or allocator_rules(meta.torch_version)
+        notes.append(f"allocator rules of torch {rules}" + (f" (the trace ran torch {meta.torch_version})"
+                                                             if meta.torch_version else ""))
     else:
         rules = scenario.torch_version
-    conf = args.alloc_conf if args.alloc_conf is not None else meta.get("alloc_conf", scenario.alloc_conf)
+    recorded = scenario.alloc_conf if meta.alloc_conf is None else meta.alloc_conf
+    conf = args.alloc_conf if args.alloc_conf is not None else recorded
     if conf:
         notes.append(f"allocator settings {conf!r}" + (" (--alloc-conf)" if args.alloc_conf is not None else
                                                         " (the capture's PYTORCH_CUDA_ALLOC_CONF)"))
@@ -262,11 +263,11 @@ def _validate_cuda_trace(scenario, trace):
             e.block, rank=0)) for e in measured.events])
     graph = describe(scenario.model, scenario.setup, scenario.device, torch_version=scenario.torch_version,
                      all_steps=True)
-    graph.metadata.update(device_settings(scenario))
+    graph.metadata = graph.metadata.updated(**device_settings(scenario))
     simulated = simulate(graph, simulator=scenario.simulator)
     result = compare_logs(measured, simulated, name=scenario.name)
     result.host = None  # a CUDA snapshot sees the device's allocator only: the host is not measured
-    reserved = measured.metadata.get("reserved_peak")
+    reserved = measured.metadata.reserved_peak
     if reserved is None and trace.reserved is not None:
         running = reserved = 0
         for e in trace.reserved.events:

@@ -20,7 +20,7 @@ from .analysis.phases import PHASE_WORDS, PhasePeak
 from .analysis.report import Report
 from .analysis.units import format_bytes
 from .fixes import candidate_fixes
-from .models.config import ConfigError
+from .models.config import ConfigError, TrainingSetup
 from .progress import progress
 from .scenario import Scenario
 from .simulator.allocator import round_size
@@ -65,24 +65,24 @@ class Explanation:
     tried: int = 0  # fixes re-simulated (those listed changed the peak)
 
 
-def where(event, setup: dict) -> str:
+def where(event, setup: TrainingSetup) -> str:
     """The phase of `event` in words, with what the setup says about it."""
     phase = event.phase
     if phase is Phase.LOAD:
-        how = setup.get("load_mode", "none")
+        how = setup.checkpoint_io.load_mode
         return "the load, before the first step" + (f" (load_mode {how}" if how != "none" else " (build " +
-                                                     setup.get("build", "direct")) + ")"
+                                                     setup.checkpoint_io.build) + ")"
     text = f"step {event.step}'s {PHASE_WORDS[phase]}"
     if phase is Phase.CHECKPOINT:
-        text += f" (save_mode {setup.get('save_mode')}, every {setup.get('checkpoint_every')} step(s))"
+        text += f" (save_mode {setup.checkpoint_io.save_mode}, every {setup.checkpoint_io.every} step(s))"
     elif phase is Phase.OPTIMIZER:
-        text += f" ({setup.get('optimizer')}, {setup.get('optimizer_impl')})"
+        text += f" ({setup.optimizer.name}, {setup.optimizer.impl})"
     elif event.micro_batch_index >= 0:
         text += f" (micro-batch {event.micro_batch_index})"
     return text
 
 
-def first_step_causes(moment: Moment, setup: dict, unit: str = "GiB") -> list[str]:
+def first_step_causes(moment: Moment, setup: TrainingSetup, unit: str = "GiB") -> list[str]:
     """What at this moment exists because it is the first step or the first save, and whether it recurs."""
     e, live = moment.event, moment.by_category
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -94,7 +94,7 @@ def first_step_causes(moment: Moment, setup: dict, unit: str = "GiB") -> list[st
                    "recurs: it is the first moment the full training state exists")
     asked = e.block.nbytes if moment.failed and e.block.category is Category.TEMPORARY else 0
     if e.phase is Phase.OPTIMIZER and live.get(Category.TEMPORARY, 0) + asked:
-        impl = setup.get("optimizer_impl")
+        impl = setup.optimizer.impl
         temporaries = live.get(Category.TEMPORARY, 0) + asked
         out.append(f"optimizer temporaries: {f(temporaries)} with the one asked for ({impl}: "
                    + ("a whole parameter group's intermediate results at once" if impl == "foreach" else
@@ -102,15 +102,22 @@ def first_step_causes(moment: Moment, setup: dict, unit: str = "GiB") -> list[st
     if e.phase is Phase.CHECKPOINT and live.get(Category.CHECKPOINT_STAGING):
         staged = live[Category.CHECKPOINT_STAGING]
         out.append(f"the save's gathered copies: {f(staged)} of checkpoint staging (save_mode "
-                   f"{setup.get('save_mode')}) on top of the training state; every save")
+                   f"{setup.checkpoint_io.save_mode}) on top of the training state; every save")
     if live.get(Category.ALL_GATHER_BUFFER) and e.step <= 1 and e.phase in (Phase.FORWARD, Phase.BACKWARD):
-        ahead = setup.get("forward_prefetch", 0) if e.phase is Phase.FORWARD else setup.get("backward_prefetch", 1)
+        ahead = (
+            setup.data_parallel.fsdp2.forward_prefetch
+            if e.phase is Phase.FORWARD
+            else setup.data_parallel.fsdp2.backward_prefetch
+        )
         out.append(f"all-gather buffers: {f(live[Category.ALL_GATHER_BUFFER])} of unsharded parameters (the unit "
                    f"running and {ahead} prefetched); every step")
-    if e.phase is Phase.LOAD and setup.get("build") == "device-fp32":
+    if e.phase is Phase.LOAD and setup.checkpoint_io.build == "device-fp32":
         out.append("the model built in fp32 on the device before the cast to the training dtype; load only")
-    if e.phase is Phase.LOAD and setup.get("load_mode", "none") != "none":
-        out.append(f"a checkpoint loaded with load_mode {setup['load_mode']}: its copies beside the model's; load only")
+    if e.phase is Phase.LOAD and setup.checkpoint_io.load_mode != "none":
+        out.append(
+            f"a checkpoint loaded with load_mode {setup.checkpoint_io.load_mode}: its copies beside the model's; "
+            "load only"
+        )
     return out
 
 
@@ -142,7 +149,7 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     else:
         out.append("simulated on the cpu profile: no CUDA context or caching allocator; give --device for a GPU's "
                    "reserved memory and device total")
-    if md.get("describer") == "traced":
+    if md.describer == "traced":
         out.append("traced models: described from the CPU program's kernels; GPU kernels (SDPA backends, fused "
                    "losses) can save different tensors")
     if not s.compile.on:
@@ -157,7 +164,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
     unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak."""
     with progress(f"simulating {scenario.name} as it is"):
         base = api.run(scenario)
-    setup = base.metadata.get("setup", {})
+    setup = base.metadata.setup
     moment = worst_moment(base.log, budget)
     found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
     if found is not None:  # on a GPU the allocator's OOM is the moment (torch raises there)

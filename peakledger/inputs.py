@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .analysis.device import gpu_memory
 from .analysis.units import format_bytes
-from .models.config import KNOBS, SETUP_KNOBS, ConfigError, TrainingSetup, dtype_bytes
+from .models.config import KNOBS, SETUP_KNOBS, ConfigError, dtype_bytes
 from .models.families import FAMILIES
 from .models.fields import by_name, keys_of
 from .models.traced.model import TracedModel, from_module_spec
@@ -24,6 +24,7 @@ from .models.training import describe
 from .scenario import Scenario, build_scenario, lists_as_tuples, load_toml
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
+from .simulator.run_metadata import RunMetadata
 from .simulator.safe_io import check_outputs
 from .simulator.timeline import timeline
 from .traces.store import TraceFile
@@ -85,12 +86,14 @@ def scenario_from_args(args, defaults: dict | None = None) -> Scenario:
     return build_scenario(model, training, run, name=data.get("name"), defaults=defaults)
 
 
-def recorded_scenario(metadata: dict) -> Scenario | None:
+def recorded_scenario(metadata: RunMetadata) -> Scenario | None:
     """The scenario a measured trace records (`peakledger capture` writes model, model_kind, setup and
-    scenario into its metadata), or None when it records none (a CUDA snapshot, a trace from elsewhere)."""
-    model, setup, kind = metadata.get("model"), metadata.get("setup"), metadata.get("model_kind")
+    scenario into its metadata), or None when it records none (a CUDA snapshot, a trace from elsewhere). The
+    setup is already read (traces/store.py `read_setup`); the model config is read here."""
+    model, training, kind = metadata.model, metadata.setup, metadata.model_kind
     classes = {f.config.__name__: f.config for f in FAMILIES}  # each family's config class (models/families/)
-    if not (isinstance(model, dict) and isinstance(setup, dict) and kind in classes):
+    if not (isinstance(model, dict) and training is not None and
+            kind in classes):
         return None
     cls = classes[kind]
     try:
@@ -98,11 +101,11 @@ def recorded_scenario(metadata: dict) -> Scenario | None:
         if isinstance(config, TracedModel):  # (a module's file is the user's --module: `_recorded_module`)
             config = dataclasses.replace(config, varies=tuple(config.varies),
                                          defaults=tuple(tuple(d) for d in config.defaults))
-        training = TrainingSetup.from_knob_values({k: v for k, v in setup.items() if k in KNOBS})
     except (TypeError, ConfigError) as e:
         raise ConfigError("trace", f"the scenario recorded in the trace is not one this peakledger reads: {e}") \
             from None
-    return Scenario(name=str(metadata.get("scenario", config.name)), model=config, setup=training, device="cpu")
+    name = config.name if metadata.scenario is None else metadata.scenario
+    return Scenario(name=str(name), model=config, setup=training, device="cpu")
 
 
 def scenario_for_trace(args, trace: TraceFile, defaults: dict) -> tuple[Scenario, list[str]]:
@@ -192,7 +195,7 @@ def real_run_estimate(scenario: Scenario) -> int:
     graph = describe(scenario.model, scenario.setup.replace(steps=min(scenario.setup.batch.steps, 2)), "cpu")
     log = simulate(graph)
     total = 0
-    for rank, members in graph.metadata["rank_classes"].items():
+    for rank, members in graph.metadata.rank_classes.items():
         peak = sum(timeline(log, int(rank), pool).peak().bytes for pool in {e.block.pool for e in log.events})
         total += (peak + HOST_BASELINE) * len(members)
     return total
@@ -218,7 +221,7 @@ def host_need(scenario, profile: str, torch_version: str = "2.6", alloc_conf: st
     (HOST_BASELINE) and the CUDA libraries (CUDA_HOST_BYTES, assumed); on the device, the simulated total."""
     setup = scenario.setup.replace(steps=min(scenario.setup.batch.steps, 2))
     graph = describe(scenario.model, setup, profile, torch_version=torch_version)
-    graph.metadata.update(alloc_conf=alloc_conf, torch_version=torch_version)
+    graph.metadata = graph.metadata.updated(alloc_conf=alloc_conf, torch_version=torch_version)
     log = simulate(graph)
     build = 0
     for e in log.events:

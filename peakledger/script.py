@@ -24,6 +24,7 @@ from .models.script.child import in_children
 from .models.training import RANK_LIST_LIMIT
 from .simulator.engine import simulate
 from .simulator.events import Pool
+from .simulator.run_metadata import RunMetadata
 
 MEASURED_RANKS = 8  # --validate runs at most this many real processes (one per rank, gloo)
 
@@ -71,19 +72,19 @@ def rank_classes(run: ScriptRun, recordings: dict[int, ScriptRecording]) -> dict
     return {0: [(0, last - 1)], last: [(last, last)]}
 
 
-def script_metadata(run: ScriptRun, rec: ScriptRecording, classes: dict[int, list[tuple[int, int]]]) -> dict:
+def script_metadata(run: ScriptRun, rec: ScriptRecording, classes: dict[int, list[tuple[int, int]]]) -> RunMetadata:
     calls = vars(rec.calls)
     listed = {str(r): [k for a, b in spans for k in range(a, b + 1)]
               if sum(b - a + 1 for a, b in spans) <= RANK_LIST_LIMIT else None for r, spans in classes.items()}
-    return {"model": f"script {Path(run.path).name}", "device": run.device, "rank_classes": listed,
-            "rank_class_ranges": {str(r): [list(x) for x in spans] for r, spans in classes.items()},
-            "steps": max(1, rec.calls.optimizer_steps),
-            "describer": "script (peakledger run: the script run as it is on fake tensors)",
-            "torch_version": run.torch_version, "alloc_conf": run.alloc_conf, "empty_cache_before_save": False,
-            "script": {"path": run.path, "argv": list(run.argv), "steps_asked": run.steps, "calls": calls,
-                       "stand_ins": rec.standins, "versions": rec.versions, "world_size": run.world_size,
-                       "program": "CPU" if device_profile(run.device).is_cpu else
-                       "CPU program with the GPU profile's rules (cuBLAS workspace, caching allocator)"}}
+    return RunMetadata(model=f"script {Path(run.path).name}", device=run.device, rank_classes=listed,
+                       rank_class_ranges={str(r): [list(x) for x in spans] for r, spans in classes.items()},
+                       steps=max(1, rec.calls.optimizer_steps),
+                       describer="script (peakledger run: the script run as it is on fake tensors)",
+                       torch_version=run.torch_version, alloc_conf=run.alloc_conf, empty_cache_before_save=False,
+                       script={"path": run.path, "argv": list(run.argv), "steps_asked": run.steps, "calls": calls,
+                               "stand_ins": rec.standins, "versions": rec.versions, "world_size": run.world_size,
+                               "program": "CPU" if device_profile(run.device).is_cpu else
+                               "CPU program with the GPU profile's rules (cuBLAS workspace, caching allocator)"})
 
 
 def predict_script(run: ScriptRun, budget: int | None = None, stop_on_oom: bool = False) -> tuple[Report, object]:
@@ -95,11 +96,10 @@ def predict_script(run: ScriptRun, budget: int | None = None, stop_on_oom: bool 
     recordings = dict(zip(ranks, in_children([(record_script, (path, list(run.argv), run.steps, run.seconds, r,
                                                                 run.world_size)) for r in ranks])))
     classes = rank_classes(run, recordings)
-    graph = None
+    graph, ids = None, 0
     for r in classes:
-        graph = script_graph(recordings[r], profile, r, graph)
-    graph.metadata.pop("script_block_ids", None)
-    graph.metadata.update(script_metadata(run, recordings[0], classes), device_capacity=budget)
+        graph, ids = script_graph(recordings[r], profile, r, graph, ids)
+    graph.metadata = script_metadata(run, recordings[0], classes).updated(device_capacity=budget)
     capacities = {(r, Pool.DEVICE): budget for r in classes} if budget is not None and not profile.is_cuda else None
     log = simulate(graph, capacities, stop_on_oom=stop_on_oom)
     if budget is not None and profile.is_cuda:
@@ -120,7 +120,7 @@ def validate_script(run: ScriptRun, predicted: Report) -> list[Validation]:
     path = check_script(run.path)
     logs = in_children([(measure_script, (path, list(run.argv), run.steps, run.seconds, 1, r, run.world_size, port))
                         for r in range(run.world_size)])
-    spans = predicted.log.metadata["rank_class_ranges"]
+    spans = predicted.log.metadata.rank_class_ranges
     out = []
     for r, measured in enumerate(logs):
         standing = next(int(k) for k, ranges in spans.items() if any(a <= r <= b for a, b in ranges))

@@ -13,6 +13,7 @@ from .models.optimizers import OPTIMIZERS
 from .models.training import describe
 from .scenario import Scenario
 from .simulator.engine import simulate
+from .simulator.run_metadata import RunMetadata
 
 VALIDATABLE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")
 
@@ -50,9 +51,8 @@ def measure(scenario: Scenario, model_hook=None):
     if model_hook is not None:
         model_hook(model)
     optimizer = make_optimizer(model, setup)
-    metadata = {"torch_version": torch.__version__, "model": as_keys(scenario.model),
-                "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
-                "device": "cpu", "scenario": scenario.name}
+    metadata = RunMetadata(torch_version=torch.__version__, model=as_keys(scenario.model),
+                           model_kind=type(scenario.model).__name__, setup=setup, device="cpu", scenario=scenario.name)
     return run_training_steps(model, optimizer, make_batch(scenario.model, setup), steps=setup.batch.steps,
                               grad_accum=setup.batch.grad_accum, set_to_none=setup.optimizer.set_to_none,
                               autocast=TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None,
@@ -125,7 +125,7 @@ def validate_pipeline(scenario: Scenario, backend: str = "gloo"):
     simulated = simulate(describe(scenario.model, setup, "cpu", all_steps=True), simulator=scenario.simulator)
     return [(compare_logs(log, simulated, name=f"{scenario.name} rank {r} (pipeline stage"
                                                 f"{'s' if setup.mesh.virtual_stages > 1 else ''} "
-                                                f"{', '.join(str(st['index']) for st in log.metadata['stages'])})",
+                                                f"{', '.join(str(st['index']) for st in log.metadata.stages)})",
                           rank=r), log)
             for r, log in enumerate(logs)], simulated
 
@@ -177,7 +177,7 @@ def validate_context_parallel(scenario: Scenario, backend: str = "gloo"):
 
 
 def _coords_text(log) -> str:
-    mesh = log.metadata.get("mesh", {})
+    mesh = log.metadata.mesh or {}
     return " ".join(f"{k} {v}" for k, v in mesh.items())
 
 

@@ -120,7 +120,7 @@ class Simulation:
         start, end = self._start, self._end
         checked, events, new = bool(self.pools), self.events, _new
         append = events.append
-        metadata = dict(self.graph.metadata)
+        metadata = self.graph.metadata
         while queue:
             now, _, _, what, target = heappop(queue)
             if what == _ENDED:
@@ -131,7 +131,8 @@ class Simulation:
                         eid += 1
                 continue
             if what == _STOP:
-                metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+                # the log ends at the failed allocation, not at the last step
+                metadata = metadata.updated(stopped_at_oom=True)
                 break
             ops, i, stage = target
             try:

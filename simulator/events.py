@@ -10,12 +10,17 @@ layer never needs to know which one it is looking at.
 
 Categories live in one enum and are decided in one place per producer (the describer for simulated
 runs, the tracker for measured ones), in the spirit of `torch/profiler/_memory_profiler.py`.
+
+What a run records of itself (model, setup, device, steps, ranks, ...) is the log's `RunMetadata`
+(simulator/run_metadata.py), one typed field per key.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from .run_metadata import RunMetadata
 
 SCHEMA_VERSION = 1
 
@@ -189,7 +194,7 @@ class EventLog:
 
     events: list[Event]
     source: str  # "simulator", "torch-dispatch-tracker", "torch-profiler", "cuda-snapshot"
-    metadata: dict = field(default_factory=dict)
+    metadata: RunMetadata = field(default_factory=RunMetadata)
     ooms: list[OOMRecord] = field(default_factory=list)
     op_names: list[str] = field(default_factory=list)
 

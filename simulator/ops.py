@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .events import Block, Phase, Stream
+from .run_metadata import RunMetadata
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,14 @@ class OpGraph:
 
     Describers add ops with `add(op, after=...)` (and, for an edge to an op added earlier, `add_edge`); the
     simulator reads `ops_in_order()` and `predecessors`. Each op's predecessors are kept in the order their
-    edges were added, each once. `metadata` travels to the event log.
+    edges were added, each once. `metadata` (a RunMetadata) travels to the event log.
     """
 
     def __init__(self) -> None:
         self._order: list[Op] = []
         self._preds: dict[int, list[int]] = {}  # every node (an op, or an id an edge names) -> its predecessors
         self._topological: list[int] | None = None  # cached: `topological_order()` until the graph changes
-        self.metadata: dict = {}
+        self.metadata = RunMetadata()
 
     def add(self, op: Op, after: tuple[int, ...] | list[int] = ()) -> Op:
         preds = self._preds

@@ -102,11 +102,12 @@ class SimpySimulation:
             self.env.process(stream_process(by_stream[key]))
         for make in self.processes:
             self.env.process(make(self))
-        metadata = dict(self.graph.metadata)
+        metadata = self.graph.metadata
         try:
             self.env.run()
         except OutOfMemory:
-            metadata["stopped_at_oom"] = True  # the log ends at the failed allocation, not at the last step
+            # the log ends at the failed allocation, not at the last step
+            metadata = metadata.updated(stopped_at_oom=True)
         return EventLog(events=self.events, source="simulator", metadata=metadata, ooms=self.ooms)
 
 

@@ -290,11 +290,11 @@ def test_a_bf16_mixed_cuda_capture_runs_and_records_its_scenario_and_gpu(capsys,
     assert "on NVIDIA H200 (stand-in)" in text and "steps 1-2" in text
     log = load_trace(out).log
     meta = log.metadata
-    assert meta["model_kind"] == "TransformerConfig" and meta["scenario"] == "tiny"
-    assert meta["setup"]["precision"] == "bf16-mixed"
-    assert meta["device_kind"] == "cuda" and meta["device_profile"] == "H200-141GB"
-    assert meta["allocator_rules"] == "2.11" and meta["compute_capability"] == [9, 0]
-    assert meta["step_labels"] == {"by": "loop marks", "marks": 9, "outside": 0}
+    assert meta.model_kind == "TransformerConfig" and meta.scenario == "tiny"
+    assert meta.setup.precision.name == "bf16-mixed"
+    assert meta.device_kind == "cuda" and meta.device_profile == "H200-141GB"
+    assert meta.allocator_rules == "2.11" and meta.compute_capability == [9, 0]
+    assert meta.step_labels == {"by": "loop marks", "marks": 9, "outside": 0}
     # 5: the first step is step 1, as the prediction's; the state at record start is the load, step 0
     loop = [e for e in log.events if e.op != "pre-existing"]
     assert loop[0].step == 1 and loop[0].phase is Phase.FORWARD
@@ -318,7 +318,7 @@ def test_validate_trace_of_a_cuda_capture_simulates_it_on_the_gpu_profile(capsys
     assert not any(label.endswith("step 0") and label != "load step 0" for label in data["phases"])
     assert all(p["error"] == 0 for p in data["phases"].values())
     assert data["unexplained"] == [] and data["host_peak"] is None  # sizes pair whatever the snapshot's categories
-    reserved = load_trace(out).log.metadata["reserved_peak"]
+    reserved = load_trace(out).log.metadata.reserved_peak
     assert data["reserved_peak"]["measured"] == reserved and data["reserved_peak"]["predicted"] > 0
     # 4: the text names what the trace is, not a CPU run
     code, text, _ = run_cli(capsys, "validate", "--trace", out)

@@ -71,7 +71,7 @@ def test_full_rank0_without_offload_is_the_runs_peak_and_the_report_names_the_ch
     # the other rank drops each one at once: the largest gathered tensor
     largest = max(2 * math.ceil(s[0] / 2) * math.prod(s[1:]) * 4 for s in shapes)
     assert spike(log, rank=1) == largest
-    assert graph.metadata["rank_classes"] == {"0": [0], "1": [1]}
+    assert graph.metadata.rank_classes == {"0": [0], "1": [1]}
 
 
 def test_offloaded_full_state_lands_on_rank0s_host_and_spares_its_device():
@@ -131,10 +131,10 @@ def test_loads_by_mode_and_no_state_creation_in_the_first_step():
 
 def test_per_rank_saves_split_rank_classes_only_when_saving():
     graph, log = run(dp_engine="ddp", world_size=3, checkpoint_every=1, save_mode="torch-save")
-    assert graph.metadata["rank_classes"] == {"0": [0], "1": [1, 2]}
+    assert graph.metadata.rank_classes == {"0": [0], "1": [1, 2]}
     assert spike(log, pool=Pool.HOST, rank=0) > 0 and spike(log, pool=Pool.HOST, rank=1) == 0
     quiet, _ = run(dp_engine="ddp", world_size=3, save_mode="torch-save")
-    assert quiet.metadata["rank_classes"] == {"0": [0, 1, 2]}
+    assert quiet.metadata.rank_classes == {"0": [0, 1, 2]}
 
 
 # -- defaults and errors -------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_default_runs_are_byte_identical(setup):
     for mode in ("async", "full-rank0", "sharded"):
         other_graph, other = run(**setup, save_mode=mode)  # a save mode without checkpoint_every saves nothing
         assert _events(other) == _events(log)
-        assert other_graph.metadata["rank_classes"] == graph.metadata["rank_classes"]
+        assert other_graph.metadata.rank_classes == graph.metadata.rank_classes
     assert not any(e.phase is Phase.CHECKPOINT or e.block.category is Category.CHECKPOINT_STAGING
                    for e in log.events)
 

@@ -83,7 +83,7 @@ def test_compiled_step_matches_the_real_compiled_run(real):
     assert abs(result.overall.measured - result.overall.predicted) <= 64, (name, result.overall)
     for phase in result.phases:  # every phase of both steps, forward and backward included
         assert abs(phase.error) <= CASES[name][2], (name, phase)
-    assert "compiled (torch.compile default" in simulated.metadata.get("describer", ""), simulated.metadata
+    assert "compiled (torch.compile default" in (simulated.metadata.describer or ""), simulated.metadata
 
 
 def test_compile_saves_activations_against_eager():

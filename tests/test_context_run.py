@@ -116,10 +116,10 @@ def _check_run(name: str, cp: int, rotate_method: str = "allgather"):
     kv_bytes = 2 * B * n_kv * (T // cp) * hd * 4  # this rank's k and v, concatenated (fp32)
     for r, log in enumerate(logs):
         md = log.metadata
-        assert (md["rank"], md["cp_rank"], md["cp"], md["world_size"]) == (r, r, cp, cp)
-        assert md["cp_options"] == {"rotate_method": rotate_method, "enable_load_balance": True,
+        assert (md.rank, md.cp_rank, md.cp, md.world_size) == (r, r, cp, cp)
+        assert md.cp_options == {"rotate_method": rotate_method, "enable_load_balance": True,
                                     "convert_to_f32": True}
-        assert md["load_balancer"] == "_HeadTailLoadBalancer" and md["attention"] == "sdpa"
+        assert md.load_balancer == "_HeadTailLoadBalancer" and md.attention == "sdpa"
         assert {e.block.rank for e in log.events} == {r}
         # replicated: the whole model's parameters, gradients and optimizer states on every rank
         live = _live_after(log, Phase.OPTIMIZER, 1)
@@ -144,7 +144,7 @@ def _check_run(name: str, cp: int, rotate_method: str = "allgather"):
     # ring attention is exact and the averaged gradients make every step a whole-sequence step
     ref = reference_losses(cfg, setup)
     for i, (step, mb, loss) in enumerate(ref):
-        ranks = [log.metadata["losses"][i] for log in logs]
+        ranks = [log.metadata.losses[i] for log in logs]
         assert all(x[:2] == [step, mb] and math.isfinite(x[2]) for x in ranks)
         assert sum(x[2] for x in ranks) / cp == pytest.approx(loss, abs=1e-5)
     return logs
@@ -196,7 +196,7 @@ def test_fsdp2_over_dp_x_cp_matches_the_simulation(name, world):
     simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(world)), all_steps=True))
     whole = _param_bytes(cfg, setup)
     for rank, log in enumerate(measured):
-        assert log.metadata["fsdp_mesh"] == "dp_shard_cp" and log.metadata["dp_rank"] == rank // 2
+        assert log.metadata.fsdp_mesh == "dp_shard_cp" and log.metadata.dp_rank == rank // 2
         v = compare_logs(log, simulated, rank=rank)
         assert 0 <= v.overall.measured - v.overall.predicted <= 8, v.overall
         assert static_rows(log, rank) == static_rows(simulated, rank)
@@ -218,7 +218,7 @@ def test_cp_x_tp_matches_the_simulation(name):
     measured = measure_context_parallel(cfg, setup)
     simulated = simulate(describe(cfg, setup, "cpu", ranks=list(range(4)), all_steps=True))
     for rank, log in enumerate(measured):
-        assert (log.metadata["cp_rank"], log.metadata["tp"]) == (rank // 2, 2)
+        assert (log.metadata.cp_rank, log.metadata.tp) == (rank // 2, 2)
         v = compare_logs(log, simulated, rank=rank)
         assert v.passes(0.01), (rank, v.overall, v.unexplained[:3])
         assert all(p.measured == p.predicted for p in v.phases if p.label.startswith("optimizer")), v.phases

@@ -14,6 +14,7 @@ from peakledger import api
 from peakledger.analysis.device import context_of
 from peakledger.analysis.report import assumptions, report_json, summarize
 from peakledger.cli import main
+from peakledger.models.config import TrainingSetup
 from peakledger.models.cuda_context import (
     ASSUMED_ROW,
     CONTEXT_ROW,
@@ -78,7 +79,7 @@ def test_device_used_is_context_plus_reserved_run_by_run(measured):
         for name in runs:
             run = measured["cases"][name]
             fsdp2_seen |= bool(run["options"].get("fsdp2"))
-            setup = {"dp_engine": "fsdp2", "world_size": 1} if fsdp2_seen else {}
+            setup = TrainingSetup(dp_engine="fsdp2", world_size=1) if fsdp2_seen else None
             outside = cuda_context(H200, measured["torch"], setup).bytes
             got = [s["device_used"] - outside - s["reserved_after"] for s in run["steps"]]
             assert len(got) == 2 and got[0] == got[1]  # step 2 loads nothing new
@@ -98,9 +99,10 @@ def test_the_pick_per_profile_and_torch_version():
         "measured: H200, torch 2.11+cu130, ../shared/gpu-truth/h200"
     assert ctx.parts == ((CONTEXT_ROW, MEASUREMENT.after_first_gemm), (KERNELS_ROW, MEASUREMENT.step_kernels))
     assert ctx.bytes == MEASUREMENT.after_first_step and cuda_context(H200, "2.11.0+cu130") == ctx
-    fsdp2 = cuda_context(H200, "2.11", {"dp_engine": "fsdp2", "world_size": 1})
+    fsdp2 = cuda_context(H200, "2.11", TrainingSetup(dp_engine="fsdp2", world_size=1))
     assert fsdp2.parts[-1] == (FSDP2_ROW, MEASUREMENT.fsdp2_extra) and fsdp2.bytes == MEASUREMENT.fsdp2_after_first_step
-    assert cuda_context(H200, "2.11", {"dp_engine": "fsdp2", "world_size": 8}) == ctx  # not measured: NCCL assumed
+    eight = TrainingSetup(dp_engine="fsdp2", world_size=8)
+    assert cuda_context(H200, "2.11", eight) == ctx  # not measured: NCCL assumed
     # the same architecture and torch version, another GPU: the H200's figures, labelled assumed
     h100 = cuda_context(DEVICES["H100-80GB"], "2.11")
     assert not h100.measured and h100.measurement is MEASUREMENT and h100.bytes == ctx.bytes
@@ -177,9 +179,9 @@ def test_fsdp2_on_one_rank_adds_the_measured_communicator(capsys):
 def test_an_older_log_gets_the_context_line_of_its_torch_version():
     sc = build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 16}, {"device": "H200-141GB"})
     log = api.run(sc).log
-    log.metadata["assumptions"] = log.metadata["assumptions"] + [
-        "CUDA context and kernels 512 MiB outside the caching allocator (assumed; sm90)"]
-    log.metadata["torch_version"] = "2.11.0+cu130"  # a measured log's own torch.__version__
+    log.metadata = log.metadata.updated(assumptions=log.metadata.assumptions + [
+        "CUDA context and kernels 512 MiB outside the caching allocator (assumed; sm90)"],
+        torch_version="2.11.0+cu130")  # a measured log's own torch.__version__
     report = summarize(log)
     lines = assumptions(report)
     assert not any(a.startswith("CUDA context and kernels") for a in lines) and lines[-1] == \

@@ -86,14 +86,14 @@ def zero_logs():
 
 def test_fsdp2_shards_are_padded_on_every_rank_and_sum_to_the_padded_model(fsdp_logs):
     shapes = full_shapes(ODD_GPT)
-    assert [log.metadata["rank"] for log in fsdp_logs] == list(range(WORLD))
+    assert [log.metadata.rank for log in fsdp_logs] == list(range(WORLD))
     total = 0
     for log in fsdp_logs:
         shards = blocks_at_load(log, Category.PARAMETER)
         assert set(shards) == set(shapes)
         for name, shape in shapes.items():
             assert shards[name].nbytes == padded_rows(shape, WORLD) * row_numel(shape) * FP32, name
-            assert shards[name].shard_factor == WORLD and shards[name].rank == log.metadata["rank"]
+            assert shards[name].shard_factor == WORLD and shards[name].rank == log.metadata.rank
         total += sum(b.nbytes for b in shards.values())
     assert total == sum(padded_rows(s, WORLD) * WORLD * row_numel(s) * FP32 for s in shapes.values())
     assert total > sum(numel(s) for s in shapes.values()) * FP32  # this config does pad
@@ -102,7 +102,7 @@ def test_fsdp2_shards_are_padded_on_every_rank_and_sum_to_the_padded_model(fsdp_
 def test_fsdp2_gathers_every_unit_on_every_rank_during_forward(fsdp_logs):
     shapes = full_shapes(ODD_GPT)
     for log in fsdp_logs:
-        units = log.metadata["fsdp_units"]
+        units = log.metadata.fsdp_units
         gathers = first_blocks(log, Category.ALL_GATHER_BUFFER, step=1)
         forward_gathers = {e.block.name for e in log.events
                            if e.phase is Phase.FORWARD and e.block.category is Category.ALL_GATHER_BUFFER}
@@ -118,7 +118,7 @@ def test_fsdp2_gathers_every_unit_on_every_rank_during_forward(fsdp_logs):
 def test_fsdp2_grads_are_the_reduce_scatter_outputs_and_state_is_the_unpadded_local_shard(fsdp_logs):
     shapes = full_shapes(ODD_GPT)
     for log in fsdp_logs:
-        rank, units = log.metadata["rank"], log.metadata["fsdp_units"]
+        rank, units = log.metadata.rank, log.metadata.fsdp_units
         grads = first_blocks(log, Category.GRADIENT, step=2)
         buckets = first_blocks(log, Category.REDUCE_SCATTER_BUCKET, step=2)
         for unit, params in units.items():
@@ -152,8 +152,8 @@ def test_zero_state_follows_the_greedy_partition_and_params_and_grads_are_replic
     owner = zero_partition(shapes, WORLD)
     full = sum(numel(s) for s in shapes.values()) * FP32
     for log in zero_logs:
-        rank = log.metadata["rank"]
-        assert log.metadata["zero_owner"] == owner
+        rank = log.metadata.rank
+        assert log.metadata.zero_owner == owner
         assert sum(b.nbytes for b in blocks_at_load(log, Category.PARAMETER).values()) == full
         mine = [n for n, r in owner.items() if r == rank]
         state = live_at_end(log, Category.OPTIMIZER_STATE)
@@ -216,10 +216,10 @@ def test_a_collective_never_released_is_counted_not_waited_for_forever(monkeypat
 
 def test_fsdp2_collectives_on_gloo_were_all_released(fsdp_logs):
     for log in fsdp_logs:
-        assert log.metadata["backend"] == "gloo"
+        assert log.metadata.backend == "gloo"
         calls = sum(1 for e in log.events if e.action is Action.ALLOC
                     and e.block.name.endswith((".all_gather_output", ".reduce_scatter_input")))
-        release = log.metadata["backend_release"]
+        release = log.metadata.backend_release
         assert release["collectives"] == calls > 0 and release["timeouts"] == 0
 
 

@@ -28,11 +28,11 @@ def test_two_ranks_match_the_real_engine(engine, backend):
     measured = [without_backend_copies(log) for log in raw]
     simulated = simulate(describe(preset("tiny"), setup, "cpu", ranks=[0, 1]))
     for rank, log in enumerate(measured):
-        assert log.metadata["backend"] == backend
+        assert log.metadata.backend == backend
         if backend == "fake":  # the fake group copies nothing: there is nothing to drop
             assert not [e for e in raw[rank].events if e.block.name.endswith(BACKEND_COPY)]
         if engine == "fsdp2":
-            assert log.metadata["backend_release"]["timeouts"] == 0
+            assert log.metadata.backend_release["timeouts"] == 0
         assert static_rows(log, rank) == static_rows(simulated, rank)
         v = compare_logs(log, simulated, rank=rank)
         assert v.passes(0.02), (v.overall, v.unexplained)

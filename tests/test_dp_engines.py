@@ -30,7 +30,7 @@ def test_every_entry_builds_its_engine_and_the_setup_takes_its_names():
 def test_make_engine_gives_the_engine_the_setup_names(engine):
     setup = TrainingSetup(micro_batch=2, seq_len=16, world_size=2, dp_engine=engine)
     graph = describe(preset("tiny"), setup, "H100-80GB")
-    assert graph.metadata["setup"]["dp_engine"] == engine
+    assert graph.metadata.setup.data_parallel.engine == engine
 
 
 def test_an_engine_registered_in_one_line_is_simulated_and_its_knobs_checked(monkeypatch):

@@ -54,7 +54,7 @@ def test_engine_matches_simpy_at_an_oom(stop):
                for i in range(0, len(free.events), 97))
     capacities = {(0, Pool.DEVICE): peak // 2}
     a, b = simulate(graph, capacities, stop_on_oom=stop), simpy_simulate(graph, capacities, stop_on_oom=stop)
-    assert a.ooms and (a.metadata.get("stopped_at_oom") is True) is stop
+    assert a.ooms and (a.metadata.stopped_at_oom is True) is stop
     _same(a, b)
 
 

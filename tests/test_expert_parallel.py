@@ -61,7 +61,7 @@ def test_real_expert_parallel_ranks_match_the_simulation(routing, tmp_path):
     setup = _setup(2)
     measured, counts = measure_expert_parallel(TINY, setup, routing=routing)
     graph, simulated = _compare(measured, counts, setup, tmp_path)
-    rows = graph.metadata["expert_parallel"]["received_rows"]
+    rows = graph.metadata.expert_parallel["received_rows"]
     for rank in range(2):  # what each rank received is what the recorded routing sends its experts
         assert rows[str(rank)] == [2 * sum(layer[2 * rank:2 * rank + 2]) for layer in counts["layers"]]
     if routing == "worst":  # every token to the same two experts: one rank gets all rows, and the larger peak
@@ -82,9 +82,9 @@ def test_real_expert_parallel_with_expert_replicas(tmp_path):
     setup = _setup(2).replace(world_size=4)
     measured, counts = measure_expert_parallel(TINY, setup)
     graph, _ = _compare(measured, counts, setup, tmp_path)
-    assert [log.metadata["ep_rank"] for log in measured] == [0, 1, 0, 1]
-    assert (graph.metadata["expert_parallel"]["received_rows"]["2"]
-            == graph.metadata["expert_parallel"]["received_rows"]["0"])
+    assert [log.metadata.ep_rank for log in measured] == [0, 1, 0, 1]
+    assert (graph.metadata.expert_parallel["received_rows"]["2"]
+            == graph.metadata.expert_parallel["received_rows"]["0"])
 
 
 def test_the_routing_sizes_each_ranks_rows():
@@ -92,10 +92,10 @@ def test_the_routing_sizes_each_ranks_rows():
     receives every rank's rows, the others none (their buffers are torchtitan's padding alone)."""
     sent = 2 * 32 * TINY.num_experts_per_tok
     balanced = describe(TINY, _setup(2, moe_routing="balanced"), "cpu")
-    assert list(balanced.metadata["rank_classes"]) == ["0"]
-    assert balanced.metadata["expert_parallel"]["received_rows"]["0"] == [sent, sent]
+    assert list(balanced.metadata.rank_classes) == ["0"]
+    assert balanced.metadata.expert_parallel["received_rows"]["0"] == [sent, sent]
     worst = describe(TINY, _setup(2, moe_routing="worst"), "cpu")
-    assert worst.metadata["expert_parallel"]["received_rows"] == {"0": [2 * sent] * 2, "1": [0, 0]}
+    assert worst.metadata.expert_parallel["received_rows"] == {"0": [2 * sent] * 2, "1": [0, 0]}
     log = simulate(worst)
     assert timeline(log, 0).peak().bytes > timeline(log, 1).peak().bytes
 
@@ -118,8 +118,8 @@ def test_expert_parallel_params_and_counts():
     """A rank holds E / ep experts; the metadata counts the whole model, DDP buckets only the dense parameters."""
     whole = describe(TINY, TrainingSetup(micro_batch=2, seq_len=32, precision="fp32"), "cpu").metadata
     split = describe(TINY, _setup(2), "cpu").metadata
-    assert split["n_params"] == whole["n_params"] and split["n_trainable"] == whole["n_trainable"]
-    assert split["expert_parallel"]["experts_per_rank"] == TINY.num_local_experts // 2
+    assert split.n_params == whole.n_params and split.n_trainable == whole.n_trainable
+    assert split.expert_parallel["experts_per_rank"] == TINY.num_local_experts // 2
 
 
 @pytest.mark.parametrize("extra, field", [

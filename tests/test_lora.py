@@ -68,9 +68,9 @@ def test_qlora_parameter_count_is_the_models_not_the_packed_bytes():
     qlora = describe(model, TrainingSetup(precision="bf16", lora_r=16, lora_targets=ATTENTION, quantize="nf4",
                                           steps=1, seq_len=128))
     plain = describe(model, TrainingSetup(precision="bf16", steps=1, seq_len=128))
-    assert lora.metadata["n_params"] == qlora.metadata["n_params"] == plain.metadata["n_params"] + \
-        lora.metadata["n_trainable"]
-    assert lora.metadata["n_trainable"] == qlora.metadata["n_trainable"] < plain.metadata["n_trainable"]
+    assert lora.metadata.n_params == qlora.metadata.n_params == plain.metadata.n_params + \
+        lora.metadata.n_trainable
+    assert lora.metadata.n_trainable == qlora.metadata.n_trainable < plain.metadata.n_trainable
 
 
 def simulate_json(capsys, *argv) -> dict:

@@ -99,13 +99,13 @@ def _check_logs(cfg, setup: TrainingSetup, logs) -> None:
     assert len(logs) == setup.mesh.world_size
     for rank, log in enumerate(logs):
         coords = mesh_coords(setup, rank)
-        assert log.metadata["rank"] == rank and log.metadata["mesh"] == coords
-        assert log.metadata["mesh_shape"] == {"pp": setup.mesh.pp, "dp": setup.mesh.dp, "tp": setup.mesh.tp}
+        assert log.metadata.rank == rank and log.metadata.mesh == coords
+        assert log.metadata.mesh_shape == {"pp": setup.mesh.pp, "dp": setup.mesh.dp, "tp": setup.mesh.tp}
         assert {e.block.rank for e in log.events} == {rank}
         assert any(e.phase.value == "optimizer" for e in log.events)
         if setup.mesh.pp > 1:
             specs = rank_stages(setup, cfg.n_layer, coords["pp"])
-            assert [s["index"] for s in log.metadata["stages"]] == [s.index for s in specs]
+            assert [s["index"] for s in log.metadata.stages] == [s.index for s in specs]
             n_blocks = sum(len(s.layers) for s in specs)
             first, last = any(s.first for s in specs), any(s.last for s in specs)
         else:
@@ -203,11 +203,11 @@ def test_tiny_gpt_fsdp2_x_tp_2x2():
     logs = measure_mesh(cfg, setup)
     _check_logs(cfg, setup, logs)
     meta = logs[0].metadata
-    assert meta["engines"] == ["dtensor-tp", "fsdp2"] and meta["backend_release"]["timeouts"] == 0
-    assert set(meta["fsdp_units"]) == {"model", "transformer.h.0", "transformer.h.1"}
+    assert meta.engines == ["dtensor-tp", "fsdp2"] and meta.backend_release["timeouts"] == 0
+    assert set(meta.fsdp_units) == {"model", "transformer.h.0", "transformer.h.1"}
     # FSDP2 shards the tensor-parallel-local rows again (a _StridedShard over dp, Shard over tp)
-    assert "_StridedShard(dim=0, sf=2), Shard(dim=0)" in meta["placements"]["transformer.h.0.mlp.c_fc.weight"]
-    assert "(Shard(dim=0), Shard(dim=1))" in meta["placements"]["transformer.h.0.mlp.c_proj.weight"]
+    assert "_StridedShard(dim=0, sf=2), Shard(dim=0)" in meta.placements["transformer.h.0.mlp.c_fc.weight"]
+    assert "(Shard(dim=0), Shard(dim=1))" in meta.placements["transformer.h.0.mlp.c_proj.weight"]
     # the same event sequence run after run
     again = measure_mesh(cfg, setup)
     for a, b in zip(logs, again):
@@ -237,8 +237,8 @@ def test_tiny_gpt_tp2_x_pp2_1f1b():
     setup = TrainingSetup(**BASE, world_size=4, tp=2, pp=2, grad_accum=4, pp_schedule="1f1b")
     logs = measure_mesh(cfg, setup)
     _check_logs(cfg, setup, logs)
-    assert [log.metadata["stages"][0]["last"] for log in logs] == [False, False, True, True]
-    assert logs[-1].metadata["loss_parallel"]
+    assert [log.metadata.stages[0]["last"] for log in logs] == [False, False, True, True]
+    assert logs[-1].metadata.loss_parallel
     # each of the 4 micro-batches is forwarded and backwarded on every rank, labelled with its index
     for log in logs:
         assert {e.micro_batch_index for e in log.events if e.phase.value == "backward"} == {0, 1, 2, 3}
@@ -269,8 +269,8 @@ def test_tiny_gpt_fsdp2_x_pp2():
     setup = TrainingSetup(**BASE, world_size=4, pp=2, grad_accum=4, pp_schedule="1f1b", dp_engine="fsdp2")
     logs = measure_mesh(cfg, setup)
     _check_logs(cfg, setup, logs)
-    assert logs[0].metadata["engines"] == ["pipeline", "fsdp2"]
-    assert set(logs[0].metadata["fsdp_units"]) == {"model", "transformer.h.0"}
+    assert logs[0].metadata.engines == ["pipeline", "fsdp2"]
+    assert set(logs[0].metadata.fsdp_units) == {"model", "transformer.h.0"}
 
 
 @slow
@@ -283,5 +283,5 @@ def test_tiny_llama_fsdp2_x_tp2_x_pp2_sequence_parallel():
                           sequence_parallel=True)
     logs = measure_mesh(cfg, setup, timeout_s=240)
     _check_logs(cfg, setup, logs)
-    assert logs[5].metadata["mesh"] == {"pp": 1, "dp": 0, "tp": 1}
-    assert logs[0].metadata["engines"] == ["pipeline", "dtensor-tp", "fsdp2"]
+    assert logs[5].metadata.mesh == {"pp": 1, "dp": 0, "tp": 1}
+    assert logs[0].metadata.engines == ["pipeline", "dtensor-tp", "fsdp2"]

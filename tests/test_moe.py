@@ -198,7 +198,7 @@ def test_6nd_counts_active_parameters():
     inactive = experts * (cfg.num_local_experts - cfg.num_experts_per_tok) // cfg.num_local_experts
     assert active_params(cfg, total) == total - inactive
     md = describe(cfg, TrainingSetup(micro_batch=1, seq_len=128, precision="bf16-mixed", steps=1)).metadata
-    assert md["n_active_params"] == total - inactive and md["n_params"] == total
+    assert md.n_active_params == total - inactive and md.n_params == total
 
 
 @pytest.mark.parametrize("change,field", [

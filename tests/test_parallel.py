@@ -43,7 +43,7 @@ def test_deepspeed_estimators_leave_out_what_the_simulation_counts():
                  stage3_param_persistence_threshold=0, reduce_bucket_size=10_000)
     log2 = simulate(describe(cfg, TrainingSetup(zero_stage=2, **setup), "cpu"))
     report = summarize(log2)
-    psi = report.metadata["n_params"]
+    psi = report.metadata.n_params
     assert deepspeed_zero2_estimate(psi, 4) == 4 * psi + 16 * psi // 4
     # the formula's full fp16 gradients are not all live in stage 2: only the partition is kept
     assert model_state_peak(log2) < deepspeed_zero2_estimate(psi, 4)
@@ -68,9 +68,9 @@ def test_layouts():
 def test_symmetric_engines_simulate_one_rank_and_uneven_fsdp2_all_classes():
     cfg = preset("tiny")  # vocab 256, max_seq_len 64, d_model 64: 3 does not divide 64 rows
     ds = describe(cfg, TrainingSetup(micro_batch=1, seq_len=8, world_size=8, zero_stage=3), "cpu")
-    assert ds.metadata["rank_classes"] == {"0": list(range(8))}
+    assert ds.metadata.rank_classes == {"0": list(range(8))}
     fsdp = describe(cfg, TrainingSetup(micro_batch=1, seq_len=8, world_size=3, dp_engine="fsdp2"), "cpu")
-    classes = fsdp.metadata["rank_classes"]
+    classes = fsdp.metadata.rank_classes
     assert sorted(r for members in classes.values() for r in members) == [0, 1, 2] and len(classes) > 1
     report = summarize(simulate(fsdp))
     assert {rp.rank for rp in report.ranks} == {int(r) for r in classes}

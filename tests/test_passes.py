@@ -35,7 +35,7 @@ def real_forward_peak(micro_batch: int, seq_len: int) -> int:
             out = model(x)
             del out, x
             tracker.scan()
-    return peak(tracker.log({}))[0]
+    return peak(tracker.log())[0]
 
 
 @pytest.mark.parametrize("seq_len", [16, 48])

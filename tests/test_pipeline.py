@@ -129,8 +129,8 @@ def test_each_parameter_on_one_rank_and_the_tied_head_on_the_last():
     tape = build_tape(preset("tiny"), setup, True)
     full = sum(p.numel for p in tape.params) * 4
     assert sum(sum(p.values()) for p in params.values()) == full + params[3]["lm_head.weight"]
-    assert graph.metadata["pipeline"]["actions"][3][:2] == ["3F0", "3B0"]
-    timing = graph.metadata["pipeline"]["timing"]
+    assert graph.metadata.pipeline["actions"][3][:2] == ["3F0", "3B0"]
+    timing = graph.metadata.pipeline["timing"]
     assert set(timing) == {0, 1, 2, 3} and all(0 <= t["bubble"] < 1 for t in timing.values())
 
 
@@ -152,7 +152,7 @@ def test_recv_buffers_and_held_sends_shape_the_stage_peaks():
 def test_steady_steps_repeat_with_a_pipeline():
     setup = TrainingSetup(micro_batch=2, seq_len=32, world_size=2, pp=2, grad_accum=4, steps=50)
     graph = describe(preset("tiny-llama"), setup, "cpu")
-    assert graph.metadata["steps_simulated"] < 50
+    assert graph.metadata.steps_simulated < 50
 
 
 # -- against real torch.distributed.pipelining runs --------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_two_stages_1f1b_match_a_real_run():
     setup = TrainingSetup(micro_batch=2, seq_len=32, grad_accum=4, steps=2, world_size=2, pp=2)
     scenario = Scenario(name="tiny", model=preset("tiny"), setup=setup, device="cpu")
     results, simulated = validation.validate_ranks(scenario)
-    assert [log.metadata["stages"][0]["index"] for _, log in results] == [0, 1]
+    assert [log.metadata.stages[0]["index"] for _, log in results] == [0, 1]
     for rank, (val, log) in enumerate(results):
         assert static_rows(log, rank) == static_rows(simulated, rank)
         assert val.passes(0.01) and abs(val.overall.predicted - val.overall.measured) <= 64, val.overall

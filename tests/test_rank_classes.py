@@ -185,8 +185,8 @@ def test_metadata_and_report_list_small_classes_and_range_every_class():
     graph = describe(ODD, TrainingSetup(micro_batch=1, world_size=6, dp_engine="fsdp2", steps=1), "cpu")
     md = graph.metadata
     # rows per rank of the 5-, 13- and 3-row layers: 1, 3, 1 on ranks 0-2; 1, 3, 0; 1, 1, 0; none on rank 5
-    assert md["rank_classes"] == {"0": [0, 1, 2], "3": [3], "4": [4], "5": [5]}
-    assert md["rank_class_ranges"] == {"0": [[0, 2]], "3": [[3, 3]], "4": [[4, 4]], "5": [[5, 5]]}
+    assert md.rank_classes == {"0": [0, 1, 2], "3": [3], "4": [4], "5": [5]}
+    assert md.rank_class_ranges == {"0": [[0, 2]], "3": [[3, 3]], "4": [[4, 4]], "5": [[5, 5]]}
     out = json.loads(json.dumps(report_json(summarize(simulate(graph)))))
     assert [(r["rank"], r["ranks"], r["rank_ranges"]) for r in out["ranks"]] == \
         [(0, [0, 1, 2], [[0, 2]]), (3, [3], [[3, 3]]), (4, [4], [[4, 4]]), (5, [5], [[5, 5]])]
@@ -195,17 +195,17 @@ def test_metadata_and_report_list_small_classes_and_range_every_class():
     # write nothing
     sharded = describe(ODD, TrainingSetup(micro_batch=1, world_size=30, dp_engine="ddp", steps=1, checkpoint_every=1,
                                           save_mode="sharded"), "cpu").metadata
-    apart = [r for r, ranges in sharded["rank_class_ranges"].items() if len(ranges) > 1]
-    assert sharded["rank_class_ranges"]["0"] == [[0, 0], [7, 8]] and sharded["rank_class_ranges"]["24"] == [[24, 29]]
-    assert apart and all(RankRanges.from_json(sharded["rank_class_ranges"][r]) == sharded["rank_classes"][r]
-                         for r in sharded["rank_classes"])
+    apart = [r for r, ranges in sharded.rank_class_ranges.items() if len(ranges) > 1]
+    assert sharded.rank_class_ranges["0"] == [[0, 0], [7, 8]] and sharded.rank_class_ranges["24"] == [[24, 29]]
+    assert apart and all(RankRanges.from_json(sharded.rank_class_ranges[r]) == sharded.rank_classes[r]
+                         for r in sharded.rank_classes)
 
 
 def test_a_million_ranks_keep_the_metadata_and_the_report_small():
     world = 1_000_000
     graph = describe(ODD, TrainingSetup(micro_batch=1, world_size=world, zero_stage=3, steps=1), "cpu")
-    assert graph.metadata["rank_classes"] == {"0": None}  # more than RANK_LIST_LIMIT ranks: not listed
-    assert graph.metadata["rank_class_ranges"] == {"0": [[0, world - 1]]}
+    assert graph.metadata.rank_classes == {"0": None}  # more than RANK_LIST_LIMIT ranks: not listed
+    assert graph.metadata.rank_class_ranges == {"0": [[0, world - 1]]}
     report = summarize(simulate(graph))
     assert report.ranks[0].same_as == RankRanges([(0, world)])
     out = report_json(report)

@@ -196,7 +196,7 @@ def _alloc_free_balanced(log) -> None:
     frees = [e.block.id for e in log.events if e.action is Action.FREE]
     assert len(allocs) == len(set(allocs)) and len(frees) == len(set(frees))
     assert set(frees) <= set(allocs)
-    assert set(allocs) - set(frees) == set(log.metadata["live_at_end"])
+    assert set(allocs) - set(frees) == set(log.metadata.live_at_end)
 
 
 @pytest.mark.parametrize("name", list(CASES))

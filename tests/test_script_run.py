@@ -45,15 +45,15 @@ def test_the_two_loops_differ_by_the_outputs_held_and_the_report_names_the_loop(
     held, _ = predict_script(ScriptRun(PLAIN, ("--loop", "held")))
     dropped, _ = predict_script(ScriptRun(PLAIN, ("--loop", "dropped")))
     assert held.peaks.overall.bytes > dropped.peaks.overall.bytes
-    assert held.metadata["script"]["calls"]["outputs_held"] == 2
-    assert dropped.metadata["script"]["calls"]["outputs_held"] == 0
+    assert held.metadata.script["calls"]["outputs_held"] == 2
+    assert dropped.metadata.script["calls"]["outputs_held"] == 0
     assert main(["run", PLAIN, "--", "--loop", "dropped"]) == 0
     assert "outputs dropped before backward, as HF Trainer's compute_loss drops them" in capsys.readouterr().out
 
 
 def test_the_step_structure_is_discovered():
     report, _ = predict_script(ScriptRun(PLAIN, ("--loop", "dropped", "--grad-accum", "4"), steps=3))
-    calls = report.metadata["script"]["calls"]
+    calls = report.metadata.script["calls"]
     assert calls["optimizer_steps"] == 3 and calls["micro_batches"] == [4, 4, 4]
     assert {e.micro_batch_index for e in report.log.events if e.phase is Phase.BACKWARD} == {0, 1, 2, 3}
     # the run stops at the next training forward: never a fourth step
@@ -76,7 +76,7 @@ def test_accelerate_loop_is_exact():
 def test_trl_grpo_generates_and_is_exact():
     run = ScriptRun(str(SCRIPTS / "trl_grpo.py"))
     report, _ = predict_script(run)
-    assert report.metadata["script"]["calls"]["generates"] >= 1
+    assert report.metadata.script["calls"]["generates"] >= 1
     assert any(e.phase is Phase.GENERATE for e in report.log.events)
     _exact(run)
 
@@ -140,7 +140,7 @@ def test_a_clean_exit_ends_the_script(tmp_path):
                       "for _ in range(2):\n    m(torch.ones(3, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
                       "sys.exit(0)\n")
     report, _ = predict_script(ScriptRun(str(script), steps=None))
-    assert report.metadata["script"]["calls"]["optimizer_steps"] == 2
+    assert report.metadata.script["calls"]["optimizer_steps"] == 2
     assert os.getcwd() != str(tmp_path)
 
 
@@ -160,7 +160,7 @@ def test_fsdp2_script_two_ranks_is_exact_rank_by_rank():
 def test_fsdp2_script_at_64_ranks_shards_the_state():
     small, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=2))
     large, _ = predict_script(ScriptRun(str(SCRIPTS / "fsdp2_loop.py"), world_size=64))
-    assert large.log.metadata["rank_class_ranges"] == {"0": [[0, 63]]}
+    assert large.log.metadata.rank_class_ranges == {"0": [[0, 63]]}
     state = lambda r: sum(b for c, b in r.peaks.overall.live_by_category.items()  # noqa: E731
                           if c.value in ("parameter", "optimizer_state"))
     assert state(large) < state(small)

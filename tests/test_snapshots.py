@@ -125,7 +125,7 @@ def test_a_two_device_snapshot_is_read_per_device(tmp_path, capsys):
     assert d0.peak_bytes() == 4096 + 1024 and d1.peak_bytes() == 12 << 20 and d1.reserved_peak_bytes() == 20 << 20
     assert {e.block.rank for e in d1.allocated.events} == {1}
     assert ([e.op for e in d1.allocated.events] == ["alloc", "alloc (stream 1)"]
-            and d1.allocated.metadata["streams"] == [0, 77])
+            and d1.allocated.metadata.streams == [0, 77])
     assert load_snapshot(path, device=1).peak_bytes() == 12 << 20
     ids = [e.block.id for t in (d0, d1) for log in (t.allocated, t.reserved) for e in log.events
            if e.action.value == "alloc"]

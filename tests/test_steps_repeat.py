@@ -59,7 +59,7 @@ def _split(data: dict) -> tuple[dict, dict]:
 def test_a_truncated_run_reports_what_the_full_run_does(name):
     truncated, full = _runs(9, **SETUPS[name])
     plan = step_plan(TrainingSetup(**{**SMALL, **SETUPS[name], "steps": 9}))
-    assert plan.truncated and truncated.metadata["steps_simulated"] == plan.simulated
+    assert plan.truncated and truncated.metadata.steps_simulated == plan.simulated
     assert {e.step for e in truncated.events} == set(range(plan.simulated + 1))
     got, got_plan = _split(report_json(summarize(truncated, name=name)))
     want, want_plan = _split(report_json(summarize(full, name=name)))
@@ -83,7 +83,7 @@ def test_a_truncated_run_reports_what_the_full_run_does(name):
 def test_peaks_at_saves_and_longer_runs_agree(setup, simulated):
     # the first save at step 5, the repeating tail after it; a run about twice as long as what is simulated
     truncated, full = _runs(23, **setup)
-    assert truncated.metadata["steps_simulated"] == simulated
+    assert truncated.metadata.steps_simulated == simulated
     got, want = report_json(summarize(truncated)), report_json(summarize(full))
     assert _split(got)[0] == _split(want)[0]
     if setup["save_mode"] == "full-rank0":
@@ -164,7 +164,7 @@ def test_a_step_kind_that_misses_a_behaviour_is_caught(monkeypatch):
 def test_20000_steps_describe_what_4_do():
     long, short = (describe(CFG, TrainingSetup(**{**SMALL, "steps": n})) for n in (20_000, 4))
     assert len(long) == len(short)
-    assert long.metadata["steps"] == 20_000 and long.metadata["steps_simulated"] == 4
+    assert long.metadata.steps == 20_000 and long.metadata.steps_simulated == 4
 
 
 def test_json_text_and_chrome_trace_say_what_was_simulated(capsys):

@@ -140,7 +140,7 @@ def test_simulate_and_validate_run_tensor_parallelism_through_the_one_describer(
     sc = build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 32, "precision": "fp32", "tp": 2,
                                              "world_size": 2}, {"device": "cpu"})
     report = api.run(sc)
-    assert [list(rp.same_as) for rp in report.ranks] == [[0, 1]] and report.metadata["n_params"] == 120_576
+    assert [list(rp.same_as) for rp in report.ranks] == [[0, 1]] and report.metadata.n_params == 120_576
     results, _ = validation.validate_ranks(sc)
     assert all(abs(v.overall.error) <= 0.01 for v, _ in results)
     assert main(["simulate", "--preset", "tiny-llama", "--tp", "2", "--cp", "2", "--world-size", "8", "--dp-engine",

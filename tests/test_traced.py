@@ -152,7 +152,7 @@ def test_a_trace_is_cached_per_shape_and_invalidated_by_an_edit(tmp_path):
 def test_api_trace_gives_a_scenario_run_and_explain_take():
     sc = pl.trace(HF["gpt_neox"], micro_batch=4, seq_len=64, precision="bf16-mixed")
     report = pl.run(sc)
-    assert report.metadata["describer"].startswith("traced")
+    assert report.metadata.describer.startswith("traced")
     explanation = pl.explain(sc, int(report.peaks.overall.bytes * 0.8))
     names = [f.name for f in explanation.fixes]
     assert "checkpointing=full" in names and not any("selective" in n for n in names)

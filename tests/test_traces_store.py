@@ -8,7 +8,7 @@ import pytest
 import peakledger.traces
 from peakledger.analysis.validate import compare_logs
 from peakledger.cli import main
-from peakledger.models.config import MLPConfig, TrainingSetup, TransformerConfig
+from peakledger.models.config import MLPConfig, TransformerConfig
 from peakledger.models.fields import by_name
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
@@ -26,12 +26,12 @@ def test_reference_traces_are_committed():
 def test_simulator_matches_each_committed_reference_trace(path):
     measured = load_log(path)
     md = measured.metadata
-    cls = TransformerConfig if md["model_kind"] == "TransformerConfig" else MLPConfig
-    model = cls(**by_name(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in md["model"].items()}))
-    setup = TrainingSetup(**{k: tuple(v) if isinstance(v, list) else v for k, v in md["setup"].items()})
+    cls = TransformerConfig if md.model_kind == "TransformerConfig" else MLPConfig
+    model = cls(**by_name(cls, {k: tuple(v) if isinstance(v, list) else v for k, v in md.model.items()}))
+    setup = md.setup
     v = compare_logs(measured, simulate(describe(model, setup, "cpu")))
     assert abs(v.overall.error) <= 0.01
-    assert md["torch_version"].startswith("2.")
+    assert md.torch_version.startswith("2.")
 
 
 def test_round_trip_is_lossless_and_byte_stable(tmp_path):

@@ -76,7 +76,7 @@ def test_first_step_oom_told_phase_by_phase():
     scenario = build_scenario(FIRST_STEP, FIRST_STEP_TRAINING, {"device": "H100-80GB"})
     budget = 24 * GiB
     x = diagnosis.explain(scenario, budget)
-    n = api.run(scenario).metadata["n_params"]
+    n = api.run(scenario).metadata.n_params
     assert not x.fits and x.where == "step 1's optimizer step (adamw, foreach), rank 0"
     lazy = next(line for line in x.first_step if line.startswith("lazy optimizer states"))
     assert "recurs" in lazy

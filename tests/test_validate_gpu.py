@@ -16,6 +16,7 @@ import pytest
 from peakledger import api
 from peakledger.scenario import build_scenario
 from peakledger.simulator.events import Action, Block, Category, Event, EventLog, Phase, Stream
+from peakledger.simulator.run_metadata import RunMetadata
 from peakledger.traces.cuda_snapshot import load_snapshot, parse_snapshot
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -222,7 +223,7 @@ def simulated_log(device: str = "H100-80GB") -> EventLog:
     steps = [(Action.ALLOC, 0), (Action.ALLOC, 1), (Action.FREE, 0), (Action.ALLOC, 2)]
     events = [Event(k, float(k), action, blocks[b], Phase.FORWARD, 1, 0, Stream.COMPUTE, "op")
               for k, (action, b) in enumerate(steps)]
-    return EventLog(events, "simulator", {"device": device})
+    return EventLog(events, "simulator", RunMetadata(device=device))
 
 
 def test_predicted_points():
@@ -244,7 +245,7 @@ def test_from_snapshots_rereads_recorded_runs(no_gpu, capsys, tmp_path):
     manifest = {"format": "peakledger-gpu-validation", "version": 1, "device": device,
                 "runs": [{"config": vg.dataclasses.asdict(config), "snapshot": "run.pickle.gz", "start_reserved": 0}]}
     (tmp_path / vg.MANIFEST).write_text(json.dumps(manifest))
-    assert read_snapshot(tmp_path / "run.pickle.gz").allocated.metadata["entries"] == 7
+    assert read_snapshot(tmp_path / "run.pickle.gz").allocated.metadata.entries == 7
     md = tmp_path / "VALIDATION.md"
     assert vg.main(["--from-snapshots", str(tmp_path), "--json", "--write", "--validation-md", str(md)]) == 0
     out = json.loads(capsys.readouterr().out)

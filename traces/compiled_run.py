@@ -26,6 +26,7 @@ from ..models.compile.step import CPU_THREADS
 from ..models.config import ConfigError, TrainingSetup
 from ..models.traced.model import TracedModel
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
+from ..simulator.run_metadata import RunMetadata
 from .profiler import category_of
 from .reference import TORCH_DTYPES, build_model, make_batch, make_optimizer
 from .tracker import batch_for
@@ -165,10 +166,10 @@ def _measure(model: TracedModel, setup: TrainingSetup, seed: int) -> EventLog:
     ranges = _ranges(prof)
     torch._dynamo.reset()
     events = _events(memory, prof, ranges, {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
-    metadata = {"torch_version": torch.__version__, "model": dataclasses.asdict(model), "model_kind": "TracedModel",
-                "setup": setup.knob_values(), "device": "cpu", "steps": setup.batch.steps,
-                "compile": {"mode": setup.compile.mode, "optimizer_step": "eager",
-                            "measured_by": "torch.profiler memory timeline"}}
+    metadata = RunMetadata(torch_version=torch.__version__, model=dataclasses.asdict(model), model_kind="TracedModel",
+                           setup=setup, device="cpu", steps=setup.batch.steps,
+                           compile={"mode": setup.compile.mode, "optimizer_step": "eager",
+                                    "measured_by": "torch.profiler memory timeline"})
     return EventLog(events=events, source=SOURCE, metadata=metadata)
 
 

@@ -387,23 +387,22 @@ def _measure_rank(rank: int, job: CPJob) -> EventLog:
         else {}
     )
     return tracker.log(
-        {
-            "engine": "context-parallel",
-            "cp": setup.mesh.cp,
-            "cp_rank": rank // setup.mesh.tp % setup.mesh.cp,
-            "tp": setup.mesh.tp,
-            "dp": setup.mesh.dp,
-            "dp_rank": dp_rank,
-            "cp_options": options,
-            "load_balancer": type(balancer).__name__ if balancer else None,
-            "grad_reduce": "fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE,
-            "attention": "sdpa",
+        run_metadata(rank, setup.mesh.world_size, run_config(job.model_cfg), setup).updated(
+            engine="context-parallel",
+            cp=setup.mesh.cp,
+            cp_rank=rank // setup.mesh.tp % setup.mesh.cp,
+            tp=setup.mesh.tp,
+            dp=setup.mesh.dp,
+            dp_rank=dp_rank,
+            cp_options=options,
+            load_balancer=type(balancer).__name__ if balancer else None,
+            grad_reduce="fsdp2-reduce-scatter" if fsdp else GRAD_REDUCE,
+            attention="sdpa",
             **fsdp_run,
-            "attention_requested": job.model_cfg.attention,
-            "local_seq_len": setup.batch.seq_len // setup.mesh.cp,
-            "losses": losses,
-            **run_metadata(rank, setup.mesh.world_size, run_config(job.model_cfg), setup),
-        }
+            attention_requested=job.model_cfg.attention,
+            local_seq_len=setup.batch.seq_len // setup.mesh.cp,
+            losses=losses,
+        )
     )
 
 

@@ -54,6 +54,7 @@ from ..models.devices import DEVICES
 from ..models.fields import as_keys
 from ..models.optimizers import OPTIMIZERS
 from ..simulator.events import EventLog, Phase
+from ..simulator.run_metadata import RunMetadata
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
 MAX_ENTRIES = 1_000_000
@@ -356,22 +357,22 @@ def capture_cuda(scenario, snapshot_path: str | Path, max_entries: int = MAX_ENT
     trace = load_snapshot(snapshot_path)
     labels = label_steps(trace, marks.marks)
     reserved_peak = trace.reserved_peak_bytes(allow_truncated=True)
-    meta = {"torch_version": device["torch"], "device": device["name"], "device_kind": "cuda", "cuda_device": 0,
-            "gpu": device["name"], "compute_capability": list(device["compute_capability"]),
-            "gpu_total_memory": device["total_memory"], "gpu_profile": device["profile"],
-            "device_profile": device["profile"], "allocator_rules": device["allocator_rules"],
-            "alloc_conf": device["alloc_conf"], "model": as_keys(scenario.model),
-            "model_kind": type(scenario.model).__name__, "setup": setup.knob_values(),
-            "scenario": scenario.name, "source_pickle": Path(snapshot_path).name, "reserved_peak": reserved_peak,
-            "step_labels": labels, "loop_marks": marks.as_json()}
-    trace.allocated.metadata.update(meta)
-    trace.reserved.metadata.update(meta)
+    meta = RunMetadata(torch_version=device["torch"], device=device["name"], device_kind="cuda", cuda_device=0,
+                       gpu=device["name"], compute_capability=list(device["compute_capability"]),
+                       gpu_total_memory=device["total_memory"], gpu_profile=device["profile"],
+                       device_profile=device["profile"], allocator_rules=device["allocator_rules"],
+                       alloc_conf=device["alloc_conf"], model=as_keys(scenario.model),
+                       model_kind=type(scenario.model).__name__, setup=setup,
+                       scenario=scenario.name, source_pickle=Path(snapshot_path).name, reserved_peak=reserved_peak,
+                       step_labels=labels, loop_marks=marks.as_json())
+    trace.allocated.metadata = trace.allocated.metadata.updated(meta)
+    trace.reserved.metadata = trace.reserved.metadata.updated(meta)
     return trace
 
 
 def is_cuda_trace(log: EventLog) -> bool:
     """A measured log of a CUDA run: a `capture --device-kind cuda` trace or a CUDA snapshot."""
-    return log.source.startswith("cuda-snapshot") or log.metadata.get("device_kind") == "cuda"
+    return log.source.startswith("cuda-snapshot") or log.metadata.device_kind == "cuda"
 
 
 __all__ = ["capture_cuda", "build_program", "check_capturable", "MasterWeights", "LoopMarks", "run_loop",

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..simulator.allocator import K_SMALL_SIZE, LARGE, SMALL, round_size
 from ..simulator.events import Action, Block, Category, Event, EventLog, OOMRecord, Phase, Pool, Stream
+from ..simulator.run_metadata import RunMetadata
 from ..simulator.safe_io import InputError, read_input
 
 TRACE_FILE_LIMIT = 512 << 20  # bytes of any trace file (a snapshot, a JSON trace, a gzip'd one unpacked)
@@ -481,10 +482,10 @@ def parse_snapshot(snapshot: dict, device: int = 0, field_name: str = "trace", *
             ooms.append(OOMRecord(event=ev, capacity=running + int(e.get("device_free", 0) or 0), live_bytes=running,
                                   live_by_category=by_cat,
                                   largest_live=tuple(sorted(live.values(), key=lambda b: -b.nbytes)[:10])))
-    meta = {"device": device, "entries": len(entries), "streams": list(streams),
-            "preexisting_blocks": len(start.blocks), "preexisting_segments": len(start.segments)}
+    meta = RunMetadata(device=device, entries=len(entries), streams=list(streams),
+                       preexisting_blocks=len(start.blocks), preexisting_segments=len(start.segments))
     return SnapshotTrace(device=device, allocated=EventLog(allocated, "cuda-snapshot", meta, ooms),
-                         reserved=EventLog(reserved, "cuda-snapshot-reserved", dict(meta)), truncated=bool(problems),
+                         reserved=EventLog(reserved, "cuda-snapshot-reserved", meta), truncated=bool(problems),
                          problems=problems, preexisting=len(start.blocks),
                          preexisting_bytes=sum(r for _, r in start.blocks.values()),
                          preexisting_segments=len(start.segments),
@@ -513,8 +514,8 @@ def merge_devices(traces: list[SnapshotTrace]) -> tuple[EventLog, EventLog]:
     logs: tuple[list, list, list] = ([], [], [])
     for seq, (*_, view, e) in enumerate(heapq.merge(*per_device, key=lambda x: x[:2])):
         logs[view].append(replace(e, seq=seq) if view < 2 else replace(e, event=replace(e.event, seq=seq)))
-    meta = {"devices": [t.device for t in traces], "entries": sum(t.allocated.metadata["entries"] for t in traces)}
-    return (EventLog(logs[0], "cuda-snapshot", meta, logs[2]), EventLog(logs[1], "cuda-snapshot-reserved", dict(meta)))
+    meta = RunMetadata(devices=[t.device for t in traces], entries=sum(t.allocated.metadata.entries for t in traces))
+    return (EventLog(logs[0], "cuda-snapshot", meta, logs[2]), EventLog(logs[1], "cuda-snapshot-reserved", meta))
 
 
 def _read(path: str | Path):

@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..models.config import MLPConfig, TrainingSetup, TransformerConfig
 from ..simulator.events import Category, EventLog, Phase
+from ..simulator.run_metadata import RunMetadata
 from .harness import (
     ReleaseCount,
     batch_tensors,
@@ -157,12 +158,12 @@ def _measure_rank(rank: int, job: RankJob) -> EventLog:
     return tracker.log(_metadata(rank, job, details))
 
 
-def _metadata(rank: int, job: RankJob, details: dict) -> dict:
+def _metadata(rank: int, job: RankJob, details: dict) -> RunMetadata:
     fsdp = job.engine == "fsdp2"
-    return {"engine": job.engine, "reshard_after_forward": job.reshard_after_forward if fsdp else None,
-            "root_reshard_after_forward": job.root_reshard_after_forward if fsdp else None,
-            **run_metadata(rank, job.world_size, job.model_cfg, job.setup, job.backend),
-            "model_kind": type(job.model_cfg).__name__, **details}
+    return run_metadata(rank, job.world_size, job.model_cfg, job.setup, job.backend).updated(
+        engine=job.engine, reshard_after_forward=job.reshard_after_forward if fsdp else None,
+        root_reshard_after_forward=job.root_reshard_after_forward if fsdp else None,
+        model_kind=type(job.model_cfg).__name__, **details)
 
 
 # -- engines ------------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Running:
-    """What the training loop calls, and the per-engine metadata."""
+    """What the training loop calls, and the per-engine metadata (`details`: RunMetadata fields by name)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -329,8 +330,8 @@ def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:
 
 def fsdp_details(model: torch.nn.Module, reshard_after_forward: bool, release: ReleaseCount) -> dict:
     """What a run's metadata records of FSDP2 applied to `model` by `apply_fsdp2` on a sub-mesh (traces/mesh_run.py,
-    traces/context_run.py): the engine, the blocks' `reshard_after_forward`, the units and how their collectives
-    were released."""
+    traces/context_run.py), as RunMetadata fields by name: the engine, the blocks' `reshard_after_forward`, the units
+    and how their collectives were released."""
     return {"dp_engine": "fsdp2", "reshard_after_forward": reshard_after_forward, "fsdp_units": unit_params(model),
             "backend_release": dataclasses.asdict(release)}
 
@@ -417,7 +418,7 @@ def without_backend_copies(log: EventLog) -> EventLog:
     clone is freed depends on gloo's worker threads, so it can land at a different moment run to run
     and rank to rank. NCCL has no such copy; FSDP2's own buffers are what remains."""
     events = [e for e in log.events if not e.block.name.endswith(BACKEND_COPY)]
-    return EventLog(events=events, source=log.source, metadata={**log.metadata, "backend_copies": "removed"},
+    return EventLog(events=events, source=log.source, metadata=log.metadata.updated(backend_copies="removed"),
                     ooms=log.ooms, op_names=log.op_names)
 
 
@@ -438,7 +439,8 @@ class RankPeak:
 def rank_peak(log: EventLog) -> RankPeak:
     nbytes, index = peak(log)
     event = log.events[index]
-    return RankPeak(rank=log.metadata.get("rank", event.block.rank), nbytes=nbytes, index=index,
+    rank = event.block.rank if log.metadata.rank is None else log.metadata.rank
+    return RankPeak(rank=rank, nbytes=nbytes, index=index,
                     phase=event.phase, step=event.step, op=event.op, block=event.block.name,
                     by_category=live_bytes(log, index))
 

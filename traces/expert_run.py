@@ -95,7 +95,7 @@ def measure_expert_parallel(model_cfg: TransformerConfig, setup: TrainingSetup, 
         f"expert parallel ep{setup.mesh.ep} dp{setup.mesh.dp}",
         prefix="peakledger-ep-",
     )
-    return logs, logs[0].metadata["routing_counts"]
+    return logs, logs[0].metadata.routing_counts
 
 
 def check_expert_run(model_cfg, setup: TrainingSetup, routing: str) -> None:
@@ -287,12 +287,11 @@ def _measure_rank(rank: int, job: ExpertJob) -> EventLog:
     with tracking(tracker, job.seed):
         wrapped = wrap_ddp(model, tracker, ignored=ignored)
         train_steps(tracker, wrapped, optimizer, batches, setup)
-    return tracker.log({"engine": "expert-parallel", "engines": ["ddp", "expert-parallel"], "ep": ep,
-                        "ep_rank": rank % ep, "dp": dp,
-                        "expert_grad_sync": "all_reduce-average over rank % ep" if dp > ep else None,
-                        "routing": job.routing, "routing_counts": counts,
-                        "ddp_ignored": ignored, "ddp_bucket_cap_bytes": int(wrapped.bucket_bytes_cap),
-                        **run_metadata(rank, setup.mesh.world_size, cfg, setup), "model_kind": type(cfg).__name__})
+    return tracker.log(run_metadata(rank, setup.mesh.world_size, cfg, setup).updated(
+        engine="expert-parallel", engines=["ddp", "expert-parallel"], ep=ep, ep_rank=rank % ep, dp=dp,
+        expert_grad_sync="all_reduce-average over rank % ep" if dp > ep else None,
+        routing=job.routing, routing_counts=counts, ddp_ignored=ignored,
+        ddp_bucket_cap_bytes=int(wrapped.bucket_bytes_cap), model_kind=type(cfg).__name__))
 
 
 __all__ = ["measure_expert_parallel", "check_expert_run", "ep_experts_forward", "place_experts", "permute_indices",

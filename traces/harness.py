@@ -13,7 +13,7 @@ steps):
         ...                                                     # the rank's model, optimizer, tracker and batches
         with tracking(tracker, job.seed):                       # the same RNG on every rank, then the tracker
             train_steps(tracker, model, optimizer, batches, job.setup)          # or the run's own step loop
-        return tracker.log({"engine": ..., **run_metadata(rank, world_size, job.model_cfg, job.setup)})
+        return tracker.log(run_metadata(rank, world_size, job.model_cfg, job.setup).updated(engine=...))
 
     def measure_mine(model_cfg, setup, *, seed=0, timeout_s=120.0) -> list[EventLog]:
         check(model_cfg, setup)                                 # refuse what is not run before any process starts
@@ -61,6 +61,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..models.config import TrainingSetup
 from ..models.fields import as_keys
 from ..simulator.events import EventLog
+from ..simulator.run_metadata import RunMetadata
 from .store import load_log, save_log
 from .tracker import training_loop
 
@@ -263,12 +264,12 @@ def train_steps(tracker, model, optimizer, batches, setup: TrainingSetup, autoca
     )
 
 
-def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, backend: str = "gloo") -> dict:
+def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, backend: str = "gloo") -> RunMetadata:
     """What every run's log records of itself: world size, rank, backend, torch version, the model and setup run,
-    steps, grad_accum and set_to_none."""
-    return {"world_size": world_size, "rank": rank, "backend": backend, "torch_version": torch.__version__,
-            "model": as_keys(model_cfg), "setup": setup.knob_values(), "steps": setup.batch.steps,
-            "grad_accum": setup.batch.grad_accum, "set_to_none": setup.optimizer.set_to_none}
+    steps, grad_accum and set_to_none (each run adds its own with `updated`)."""
+    return RunMetadata(world_size=world_size, rank=rank, backend=backend, torch_version=torch.__version__,
+                       model=as_keys(model_cfg), setup=setup, steps=setup.batch.steps,
+                       grad_accum=setup.batch.grad_accum, set_to_none=setup.optimizer.set_to_none)
 
 
 __all__ = ["Job", "measure_ranks", "spawn_ranks", "process_group", "gloo_group", "loopback_listener", "log_path",

@@ -67,6 +67,7 @@ from ..models.config import TrainingSetup, TransformerConfig
 from ..models.families import family_of
 from ..models.parallel.stages import rank_stages, stage_layout
 from ..simulator.events import EventLog
+from ..simulator.run_metadata import RunMetadata
 from .distributed import apply_fsdp2, fsdp_details
 from .harness import Job, batch_tensors, measure_ranks, run_metadata, tracking, train_steps
 from .pipeline_run import SCHEDULES, build_pipeline, stage_modules, stage_records, train_pipeline
@@ -190,13 +191,21 @@ def _measure_rank(rank: int, job: MeshJob) -> EventLog:
     return log(_metadata(rank, job, coords, details))
 
 
-def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> dict:
+def _metadata(rank: int, job: MeshJob, coords: dict, details: dict) -> RunMetadata:
+    """The rank's metadata; `details`: its engines' own fields (RunMetadata's, by name)."""
     s = job.setup
-    return {"engine": "mesh", "mesh": coords, "mesh_shape": mesh_sizes(s),
-            "mesh_dim_names": [n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
-            "tp": s.mesh.tp, "sequence_parallel": s.mesh.sequence_parallel, "dp": s.mesh.dp, "pp": s.mesh.pp,
-            **run_metadata(rank, s.mesh.world_size, job.model_cfg, s), "model_kind": type(job.model_cfg).__name__,
-            **details}
+    return run_metadata(rank, s.mesh.world_size, job.model_cfg, s).updated(
+        engine="mesh",
+        mesh=coords,
+        mesh_shape=mesh_sizes(s),
+        mesh_dim_names=[n for n in MESH_DIMS if mesh_sizes(s)[n] > 1],
+        tp=s.mesh.tp,
+        sequence_parallel=s.mesh.sequence_parallel,
+        dp=s.mesh.dp,
+        pp=s.mesh.pp,
+        model_kind=type(job.model_cfg).__name__,
+        **details,
+    )
 
 
 # -- FSDP2 x TP -----------------------------------------------------------------------------------------------

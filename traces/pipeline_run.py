@@ -211,9 +211,16 @@ def _measure_rank(rank: int, job: PipelineJob) -> EventLog:
     batches = make_batch(cfg, setup, seed=job.seed + 1)  # the m micro-batches of a step, the same every step
     tracker = train_pipeline(AllocationTracker, stages, schedule, tracked, optimizer, specs, batches, setup,
                              rank=rank, seed=job.seed)
-    return tracker.log({"engine": "pipeline", "pp": setup.mesh.pp, "pp_schedule": setup.mesh.pp_schedule,
-                        "virtual_stages": setup.mesh.virtual_stages, "stages": stage_records(specs),
-                        **run_metadata(rank, setup.mesh.pp, cfg, setup), "model_kind": type(cfg).__name__})
+    return tracker.log(
+        run_metadata(rank, setup.mesh.pp, cfg, setup).updated(
+            engine="pipeline",
+            pp=setup.mesh.pp,
+            pp_schedule=setup.mesh.pp_schedule,
+            virtual_stages=setup.mesh.virtual_stages,
+            stages=stage_records(specs),
+            model_kind=type(cfg).__name__,
+        )
+    )
 
 
 def train_pipeline(tracker_class, stages, schedule, tracked: nn.Module, optimizer, specs: list[StageSpec], batches,

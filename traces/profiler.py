@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.profiler._memory_profiler import Action as PAction
 
 from ..simulator.events import Action, Block, Category, Event, EventLog, Phase, Pool, Stream
+from ..simulator.run_metadata import RunMetadata
 from .tracker import batch_for
 
 SOURCE = "torch-profiler"
@@ -75,8 +76,8 @@ def profile_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimi
             continue
         events.append(Event(seq=len(events), time=t / 1e9, action=kind, block=block, phase=Phase.FORWARD, step=0,
                             micro_batch_index=-1, stream=Stream.COMPUTE, op=action.name.lower()))
-    return EventLog(events=events, source=SOURCE, metadata={"torch_version": torch.__version__,
-                                                            "phases": "none (profiler timeline)"})
+    return EventLog(events=events, source=SOURCE, metadata=RunMetadata(torch_version=torch.__version__,
+                                                                       phases="none (profiler timeline)"))
 
 
 def profiler_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,

@@ -19,12 +19,13 @@ from ..models.script.phases import Position, ScriptPhases
 from ..models.script.record import label_state
 from ..models.script.run import rank_env, run_path, script_context
 from ..simulator.events import Category, EventLog
+from ..simulator.run_metadata import RunMetadata
 from .tracker import AllocationTracker
 
 
 def measure_script(path: Path, argv: list[str], steps: int | None, seconds: float | None = None,
                    threads: int = 1, rank: int = 0, world_size: int = 1, port: int = 29500) -> EventLog:
-    """The script's real CPU run, tracked, as an `EventLog` (`metadata["script_calls"]`: what it did): one rank of
+    """The script's real CPU run, tracked, as an `EventLog` (its metadata's `script_calls`: what it did): one rank of
     `world_size`, with torchrun's environment (MASTER_PORT `port`: the script's process group is real, gloo)."""
     tracker = AllocationTracker(discover_inputs=True, rank=rank)
 
@@ -49,9 +50,9 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
         with script_context(path, argv, rank_env(rank, world_size, port)):
             with phases, tracker:
                 run_path(path, seconds)
-            log = tracker.log({"source": "torch-dispatch-tracker (peakledger run's measurement)",
-                               "script": path.name})
+            log = tracker.log(RunMetadata(source="torch-dispatch-tracker (peakledger run's measurement)",
+                                          script=path.name))
     finally:
         torch.set_num_threads(previous)
-    log.metadata["script_calls"] = vars(phases.calls)
+    log.metadata = log.metadata.updated(script_calls=vars(phases.calls))
     return log

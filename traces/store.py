@@ -3,12 +3,14 @@
 Layout (format "peakledger-trace", version 1):
 
     {"format": "peakledger-trace", "version": 1, "source": "torch-dispatch-tracker",
-     "metadata": {...torch version, model config, training setup...},
+     "metadata": {...torch version, model config, training setup...},   (simulator/run_metadata.py)
      "blocks": [[id, nbytes, category, name, dtype, shape, state, shard_factor, rank, pool], ...],
      "events": [[seq, time, action, block_id, phase, step, micro_batch_index, stream, op], ...]}
 
 Blocks are stored once and events refer to them, so a trace is a fraction of a naive dump. Loading
 checks the format and version and every reference, and raises `TraceFormatError` saying what is wrong.
+The metadata is the log's `RunMetadata` (`to_json_dict` / `from_json_dict`); its training setup is read back
+as a `TrainingSetup` (`read_setup`), a setup written before some knob existed with that knob's default.
 Files are written atomically (temporary file, then rename), keys sorted: same log, same bytes.
 """
 
@@ -20,8 +22,10 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models.config import ConfigError, TrainingSetup, setup_knobs
 from ..simulator import strict_json
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
+from ..simulator.run_metadata import RunMetadata
 from ..simulator.safe_io import InputError, read_input, write_atomic
 from .cuda_snapshot import TRACE_FILE_LIMIT, merge_devices, parse_snapshot_devices, safe_loads
 
@@ -41,7 +45,7 @@ def to_json(log: EventLog) -> dict:
     for e in log.events:
         blocks.setdefault(e.block.id, e.block)
     return {
-        "format": FORMAT, "version": VERSION, "source": log.source, "metadata": log.metadata,
+        "format": FORMAT, "version": VERSION, "source": log.source, "metadata": log.metadata.to_json_dict(),
         "blocks": [[b.id, b.nbytes, b.category.value, b.name, b.dtype, list(b.shape),
                     b.state.value if b.state else None, b.shard_factor, b.rank, b.pool.value] for b in blocks.values()],
         "events": [[e.seq, e.time, e.action.value, e.block.id, e.phase.value, e.step, e.micro_batch_index,
@@ -95,9 +99,23 @@ def from_json(data: dict) -> EventLog:
         if isinstance(e, TraceFormatError):
             raise
         raise TraceFormatError(f"malformed trace: {e}") from None
-    log = EventLog(events=events, source=data.get("source", "?"), metadata=data.get("metadata", {}))
+    metadata = RunMetadata.from_json_dict(data.get("metadata", {}), read_setup)
+    log = EventLog(events=events, source=data.get("source", "?"), metadata=metadata)
     check_consistency(log)
     return log
+
+
+def read_setup(values) -> TrainingSetup:
+    """The training setup a trace's metadata records (`TrainingSetup.knob_values()`), read back: keys this
+    peakledger has no knob for left out, as `validate --trace` always read them; a knob the trace predates takes
+    its default. One this peakledger refuses is a TraceFormatError."""
+    if not isinstance(values, dict):
+        raise TraceFormatError(f"malformed trace: the metadata's 'setup' must be an object, got {values!r:.80}")
+    knobs = {k.name for k in setup_knobs(TrainingSetup)}
+    try:
+        return TrainingSetup.from_knob_values({k: v for k, v in values.items() if k in knobs})
+    except (TypeError, ConfigError) as e:
+        raise TraceFormatError(f"the scenario recorded in the trace is not one this peakledger reads: {e}") from None
 
 
 def check_consistency(log: EventLog) -> None:
@@ -125,7 +143,7 @@ def with_event_index_times(log: EventLog) -> EventLog:
     """The same log with `time` = event index: measured wall-clock times differ run to run, and a
     stored reference trace should be byte-for-byte reproducible."""
     events = [dataclasses.replace(e, time=float(e.seq)) for e in log.events]
-    return EventLog(events=events, source=log.source, metadata={**log.metadata, "time": "event index"},
+    return EventLog(events=events, source=log.source, metadata=log.metadata.updated(time="event index"),
                     ooms=log.ooms)
 
 

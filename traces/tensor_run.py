@@ -327,8 +327,8 @@ def _measure_rank(rank: int, job: TPJob) -> EventLog:
     autocast = TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None
     with tracking(tracker, job.seed, loss_parallel()):
         train_steps(tracker, model, optimizer, batches, setup, autocast)
-    return tracker.log({"engine": "dtensor-tp", "tp": job.tp, "sequence_parallel": job.sequence_parallel,
-                        **run_metadata(rank, job.tp, job.model_cfg, setup)})
+    return tracker.log(run_metadata(rank, job.tp, job.model_cfg, setup).updated(
+        engine="dtensor-tp", tp=job.tp, sequence_parallel=job.sequence_parallel))
 
 
 __all__ = ["measure_tensor_parallel", "tp_plan", "parallelize", "localize_attention", "optimizer_groups",

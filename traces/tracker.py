@@ -73,6 +73,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..models.script.record import plain_tensors, state_name
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
+from ..simulator.run_metadata import RunMetadata
 from .fsdp_labels import FSDPLabels
 
 SOURCE = "torch-dispatch-tracker"
@@ -473,9 +474,9 @@ class AllocationTracker:
         return hook
 
     # -- result ---------------------------------------------------------------------------------------
-    def log(self, metadata: dict | None = None) -> EventLog:
-        """The events so far as an `EventLog`, labels fixed up; `metadata["live_at_end"]` lists the block
-        ids never freed (still alive when tracking stopped)."""
+    def log(self, metadata: RunMetadata | None = None) -> EventLog:
+        """The events so far as an `EventLog`, labels fixed up, with `metadata` over the tracker's own (its
+        `live_at_end` lists the block ids never freed: still alive when tracking stopped)."""
         blocks = {}
         for rec in self.records.values():
             blocks[rec.id] = Block(id=rec.id, nbytes=rec.nbytes, category=rec.category,
@@ -486,8 +487,7 @@ class AllocationTracker:
                         stream=Stream.COMPUTE, op=op)
                   for i, (t, a, rid, ph, s, mb, op) in enumerate(self.raw)]
         live = sorted(r.id for r in self.records.values() if not r.freed)
-        meta = {"live_at_end": live, "device": "cpu", "torch": torch.__version__}
-        meta.update(metadata or {})
+        meta = RunMetadata(live_at_end=live, device="cpu", torch=torch.__version__).updated(metadata)
         return EventLog(events=events, source=SOURCE, metadata=meta)
 
 
@@ -497,7 +497,7 @@ def batch_for(batches, step: int, mb: int, grad_accum: int):
 
 def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
                        grad_accum: int = 1, set_to_none: bool = True, seed: int = 0,
-                       saved_tensor_hooks: bool = True, metadata: dict | None = None,
+                       saved_tensor_hooks: bool = True, metadata: RunMetadata | None = None,
                        autocast: torch.dtype | None = None) -> EventLog:
     """Run a real CPU training loop under the tracker and return its `EventLog`.
 
@@ -515,10 +515,9 @@ def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     tracker = AllocationTracker(model, optimizer, saved_tensor_hooks=saved_tensor_hooks, known=known)
     with tracker:
         training_loop(tracker, model, optimizer, batches, steps, grad_accum, set_to_none, autocast)
-    meta = {"steps": steps, "grad_accum": grad_accum, "set_to_none": set_to_none,
-            "optimizer": type(optimizer).__name__, "autocast": None if autocast is None else str(autocast)}
-    meta.update(metadata or {})
-    return tracker.log(meta)
+    meta = RunMetadata(steps=steps, grad_accum=grad_accum, set_to_none=set_to_none,
+                       optimizer=type(optimizer).__name__, autocast=None if autocast is None else str(autocast))
+    return tracker.log(meta.updated(metadata))
 
 
 def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,

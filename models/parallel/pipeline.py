@@ -406,7 +406,7 @@ class PipelineRank:
 
 
 def pipeline_metadata(tape: Tape, setup: TrainingSetup) -> dict:
-    """The layout and schedule a pipeline graph records (`metadata["pipeline"]`)."""
+    """The layout and schedule a pipeline graph records (its RunMetadata's `pipeline`)."""
     stages = stage_tapes(tape, setup)
     return {
         "pp": setup.mesh.pp,

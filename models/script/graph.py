@@ -26,11 +26,13 @@ from .record import ScriptRecording
 _THREAD = {Phase.BACKWARD: "autograd"}
 
 
-def script_graph(rec: ScriptRecording, device: DeviceProfile, rank: int = 0, graph: OpGraph | None = None) -> OpGraph:
+def script_graph(rec: ScriptRecording, device: DeviceProfile, rank: int = 0, graph: OpGraph | None = None,
+                 base: int = 0) -> tuple[OpGraph, int]:
     """The op graph of a recorded script on `device`, as rank `rank` (its ops and blocks carry it), added to
-    `graph` (a distributed script: one recording per rank class, each its own chain of ops) or a new one."""
+    `graph` (a distributed script: one recording per rank class, each its own chain of ops) or a new one; and the
+    block ids taken so far. `base`: the block ids already taken by other ranks' recordings (what the call that
+    added them returned)."""
     graph = graph if graph is not None else OpGraph()
-    base = graph.metadata.setdefault("script_block_ids", 0)  # block ids already taken by other ranks' recordings
     blocks: dict[int, Block] = {}
     for s in rec.storages.values():
         blocks[s.id] = new_block(base + s.id, s.nbytes, s.category, s.label_name or s.name, s.dtype, s.shape,
@@ -75,5 +77,4 @@ def script_graph(rec: ScriptRecording, device: DeviceProfile, rank: int = 0, gra
                 pending = {"call": call, "position": position, "name": name, "allocs": [], "frees": [], "flops": 0}
             pending["frees"].append(sid)
     flush()
-    graph.metadata["script_block_ids"] = next_id[0]
-    return graph
+    return graph, next_id[0]
