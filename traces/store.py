@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models.config import ConfigError, TrainingSetup, setup_knobs
+from ..models.config import KNOBS, ConfigError, TrainingSetup
 from ..simulator import strict_json
 from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
 from ..simulator.run_metadata import RunMetadata
@@ -111,9 +111,8 @@ def read_setup(values) -> TrainingSetup:
     its default. One this peakledger refuses is a TraceFormatError."""
     if not isinstance(values, dict):
         raise TraceFormatError(f"malformed trace: the metadata's 'setup' must be an object, got {values!r:.80}")
-    knobs = {k.name for k in setup_knobs(TrainingSetup)}
     try:
-        return TrainingSetup.from_knob_values({k: v for k, v in values.items() if k in knobs})
+        return TrainingSetup.from_knob_values({k: v for k, v in values.items() if k in KNOBS})
     except (TypeError, ConfigError) as e:
         raise TraceFormatError(f"the scenario recorded in the trace is not one this peakledger reads: {e}") from None
 
