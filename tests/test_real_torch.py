@@ -357,7 +357,7 @@ def test_adafactor_temporaries_of_mixed_dtypes_and_ranks_as_torch(impl):
             with tracker.phase(Phase.OPTIMIZER, step):
                 opt.step()
                 tracker.scan()
-    measured = _events(tracker.log({}), Phase.OPTIMIZER, 2)
+    measured = _events(tracker.log(), Phase.OPTIMIZER, 2)
     plan = OPTIMIZERS["adafactor"].temps(impl, tuple((s, dtypes[d]) for s, d in specs))
     nbytes = {"fp32": 4, "bf16": 2, "fp16": 2}
 
