@@ -287,3 +287,10 @@ def test_adafactor_factors_the_3d_expert_weights_as_torch(impl):
 
     for phase, step in ((Phase.LOAD, 0), (Phase.OPTIMIZER, 1), (Phase.ZERO_GRAD, 1), (Phase.OPTIMIZER, 2)):
         assert events(simulated, phase, step) == events(measured, phase, step)
+
+
+def test_lora_on_the_hand_written_mixtral_is_refused_not_simulated_as_a_full_fine_tune():
+    """Its describer never reads lora_r: a LoRA setup is refused by name, pointing at the traced HF config."""
+    with pytest.raises(ConfigError, match="lora_r: LoRA on the hand-written Mixtral describer") as refused:
+        describe(TINY, TrainingSetup(micro_batch=2, seq_len=16, lora_r=8), "cpu")
+    assert "--describer traced" in str(refused.value)

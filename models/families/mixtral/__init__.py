@@ -8,7 +8,8 @@ dense MLP, described by hand.
 - parallelism  ep (models/parallel/expert.py), with data parallelism
 - batch        token ids (micro_batch, seq_len) and their next-token targets
 - layers       the per-layer checkpointing search does not run on it (no activation checkpointing)
-- LoRA         not modelled: refused where the real program is built; the describer does not read lora_r
+- LoRA         not modelled: refused by `check` (the describer does not read lora_r), and where the real
+               program is built
 - reference    traces/reference/mixtral.py `hf_mixtral`, registered against `FAMILY` in traces/reference/build.py
                `PROGRAMS`
 - presets      `PRESETS` below
@@ -16,17 +17,23 @@ dense MLP, described by hand.
 
 from __future__ import annotations
 
-from ...config import TransformerConfig
+from ...config import ConfigError, TransformerConfig
 from ...hf_mixtral import hf_mixtral_tape
 from ...lora import NOT_ON_HF
 from ...moe import check_routing
 from ..base import Family, refused
 from ..transformer import TRANSFORMER, check_seq_len
 
+NO_LORA = ("LoRA on the hand-written Mixtral describer is not modelled (it would be simulated as a full fine-tune); "
+           "allowed: lora_r 0, or the HF config traced (--hf-config config.json --describer traced --lora-r R "
+           "--lora-targets q_proj,k_proj,v_proj,o_proj)")
+
 
 def check(model: TransformerConfig, setup) -> None:
     check_seq_len(model, setup)
     check_routing(model, setup)
+    if setup.lora.r:  # the describer never reads lora_r: refused, not a full fine-tune under LoRA's name
+        raise ConfigError("lora_r", NO_LORA)
 
 
 PRESETS = (
