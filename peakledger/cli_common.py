@@ -68,7 +68,9 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     add_setup_flags(p)
     r = p.add_argument_group("run")
     r.add_argument("--device", help=", ".join(DEVICES))
-    r.add_argument("--headroom", type=flag_float, help="capacity needed = peak x (1 + headroom); 0.1 = 10%%")
+    r.add_argument("--headroom", type=flag_float, help="a margin judged with the run: capacity needed = peak x "
+                   "(1 + headroom); 0.1 = 10%%; default 0 (a fit by the allocator's flush-and-retry is then allowed, "
+                   "and said)")
     r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings on GPU device profiles, in "
                    "PYTORCH_CUDA_ALLOC_CONF syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     r.add_argument("--empty-cache-before-save", action="store_true", default=None,

@@ -45,7 +45,8 @@ def render(result: Where, unit: str) -> str:
     rows = []
     for p in result.placements:
         rows.append((p.device, f(p.usable), f(p.allocated_peak), f(p.reserved_peak), f(p.outside_allocator),
-                     f(p.device_total_peak), ("yes" if p.fits else "no") + ("" if p.exact else "*"),
+                     f(p.device_total_peak),
+                     ("yes" if p.fits else "no") + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
                      ("+" if p.margin >= 0 else "-") + f(abs(p.margin)), _batch(p)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -60,7 +61,8 @@ def render(result: Where, unit: str) -> str:
                            "attention kernel, not exact)") + ":"] + [f"  {d}: {n}" for d, n in notes]
     out += ["", "usable: the total the CUDA driver reports (cudaMemGetInfo; bench/SOURCES.md); outside: CUDA context "
             "and kernels (+ NCCL's buffers) outside the caching allocator; device total = outside + reserved; "
-            "margin = usable - device total x (1 + headroom); max mb: the largest micro-batch that fits (-: not "
+            "margin = usable - device total x (1 + headroom); fits (flush): only because the allocator frees its "
+            "cache and retries, the row the run on this card; max mb: the largest micro-batch that fits (-: not "
             "searched; 0: the parameters, gradients and optimizer states do, not one sample; none: not even they)"]
     return "\n".join(out)
 

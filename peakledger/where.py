@@ -6,8 +6,10 @@ A profile's usable memory is its `memory_bytes`: the total the CUDA driver repor
 (cudaMemGetInfo). The step needs its device total: the CUDA context and kernels outside the caching allocator,
 NCCL's buffers with data parallelism, and the allocator's reserved segments, x (1 + headroom) (what `simulate`
 reports on a GPU profile as `capacity_needed`). It fits when that is within the usable memory, or when the
-allocator, freeing its cache and retrying as torch does, serves every request within it (api.fits). The margin is
-usable - needed (negative: short by that much).
+allocator, freeing its cache and retrying as torch does, serves every request within it (api.fits). One verdict:
+the figures printed are the ones judged, so a fit by flush-and-retry shows the run on this card (its allocator
+bounded by the card's memory) and says so, with how many requests waited for a flush and what a larger card would
+hold. The margin is usable - needed (negative: short by that much); one under THIN_MARGIN of the card is a warning.
 
 Each profile is simulated with its own rules: its compute capability's kernels and workspaces, the CUDA context
 measured or assumed for it and the scenario's torch version. What a profile cannot show is said in its row's
@@ -23,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import api
+from .analysis.device import gpu_memory
+from .analysis.units import format_bytes
 from .models import gpu
 from .models.config import ConfigError
 from .models.devices import DEVICES, DeviceProfile
@@ -31,6 +35,7 @@ from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
 
 GPU_PROFILES = tuple(name for name, p in DEVICES.items() if p.is_cuda)
+THIN_MARGIN = 0.02  # a fit with less than this share of the card left is said to be thin (a warning, not a refusal)
 
 
 def gpu_profiles(names: Sequence[str] | None = None) -> list[DeviceProfile]:
@@ -70,6 +75,15 @@ class Placement:
     exact: bool  # False: the describer does not write this GPU's program (`attention_note`); its figures are another's
     search_limit_reached: bool  # max_micro_batch is a lower bound (api.MAX_BATCH_LIMIT)
     notes: tuple[str, ...]
+    # a fit that relies on the allocator freeing its whole cache and retrying: the figures above are the run on this
+    # card (capacity-bounded), `unbounded_total` what it would hold on a larger one, `alloc_retries` how many
+    # requests were served only by that flush (torch's num_alloc_retries)
+    alloc_retries: int = 0
+    unbounded_total: int | None = None
+
+    @property
+    def by_retry(self) -> bool:
+        return self.unbounded_total is not None
 
     def as_json(self) -> dict:
         return {"device": self.device, "usable_bytes": self.usable,
@@ -79,7 +93,8 @@ class Placement:
                 "capacity_needed": self.capacity_needed, "fits": self.fits, "margin_bytes": self.margin,
                 "max_micro_batch": self.max_micro_batch, "max_micro_batch_searched": self.searched,
                 "search_limit_reached": self.search_limit_reached, "exact": self.exact,
-                "notes": list(self.notes)}
+                "fits_by_allocator_retry": self.by_retry, "alloc_retries": self.alloc_retries,
+                "unbounded_device_total": self.unbounded_total, "notes": list(self.notes)}
 
 
 @dataclass(frozen=True)
@@ -162,13 +177,28 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Pl
     note = attention_note(on, profile)
     if note:
         notes.append(note)  # (a figure of another program: the row says it is not exact)
+    fits, need, retries, unbounded = api.fits(report, usable), report.capacity_needed, 0, None
+    if fits and need > usable:  # served by flush-and-retry: the figures are the run on this card, one verdict
+        bounded = max((dm for r in sorted({e.block.rank for e in report.log.events})
+                       if (dm := gpu_memory(report.log, r, capacity=usable)) is not None),
+                      key=lambda dm: dm.total_peak.total)
+        unbounded, total, need, retries = total.total, bounded.total_peak, bounded.total_peak.total, \
+            bounded.alloc_retries
+        notes.append(f"fits only because the caching allocator frees its whole cache and retries: "
+                     f"{retries:,} request(s) served after a flush (torch's num_alloc_retries), each a synchronize "
+                     f"and cudaFree/cudaMalloc; on a larger card it would hold {format_bytes(unbounded, 'GiB')}")
+    reserved = total.reserved if unbounded is not None else report.gpu.reserved_peak.reserved
+    margin = usable - need
+    if fits and margin < THIN_MARGIN * usable:
+        notes.append(f"thin margin: {format_bytes(margin, 'GiB')} left, under {THIN_MARGIN:.0%} of the card: "
+                     "a longer batch, fragmentation or another process's memory can make it OOM (--headroom adds a "
+                     "margin to what is judged)")
     return Placement(device=profile.name, usable=usable, compute_capability=tuple(profile.compute_capability),
                      bf16_native=profile.bf16_native, allocated_peak=report.gpu.at_allocated_peak.allocated,
-                     reserved_peak=report.gpu.reserved_peak.reserved, outside_allocator=total.total - total.reserved,
-                     device_total_peak=total.total, capacity_needed=report.capacity_needed,
-                     fits=api.fits(report, usable), margin=usable - report.capacity_needed, max_micro_batch=best,
-                     searched=best is not None, search_limit_reached=capped, exact=note is None,
-                     notes=tuple(notes))
+                     reserved_peak=reserved, outside_allocator=total.total - total.reserved,
+                     device_total_peak=total.total, capacity_needed=need, fits=fits, margin=margin,
+                     max_micro_batch=best, searched=best is not None, search_limit_reached=capped,
+                     exact=note is None, notes=tuple(notes), alloc_retries=retries, unbounded_total=unbounded)
 
 
 def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool = True,

@@ -84,6 +84,7 @@ class DeviceMemory:
     segment_allocs: int
     segment_frees: int
     series: list[tuple[float, int, int]] = field(default_factory=list)  # (time, allocated, reserved) per event
+    alloc_retries: int = 0  # requests served only after the allocator freed its whole cache (num_alloc_retries)
 
     @property
     def total_peak(self) -> DevicePoint:
@@ -178,4 +179,4 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
                         reserved_peak=best_reserved,
                         at_allocated_peak=best_live, oom=oom, segment_allocs=kinds.count("segment_alloc")
                         + kinds.count("segment_map"), segment_frees=kinds.count("segment_free")
-                        + kinds.count("segment_unmap"), series=out)
+                        + kinds.count("segment_unmap"), series=out, alloc_retries=alloc.alloc_retries)

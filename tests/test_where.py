@@ -244,3 +244,24 @@ def test_bad_input_is_one_line_and_exit_2(argv, says):
     rc, out, err = cli("where", "--preset", "tiny", *argv)
     assert rc == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and says in err
+
+
+def test_a_fit_by_flush_and_retry_is_one_verdict_with_its_warning():
+    """Issue 37's L40S case: Llama-3-8B, FSDP2 x 8, seq 4096 needs 45.35 GiB unbounded on a 44.31 GiB card, and
+    fits only because the allocator frees its cache and retries. The row prints the run on the card (the numbers
+    judged), its margin, the flush and a thin-margin warning; `simulate --budget` agrees there is no OOM, and
+    `simulate`'s unbounded device total is the one the row quotes for a larger card."""
+    args = ["--preset", "llama-3-8b", "--dp-engine", "fsdp2", "--world-size", "8", "--seq-len", "4096",
+            "--micro-batch", "1"]
+    row = cli_json("where", *args, "--devices", "L40S-48GB", "--no-max-batch")["devices"][0]
+    usable = DRIVER_TOTALS["L40S-48GB"][0]
+    assert row["fits"] and row["fits_by_allocator_retry"] and row["alloc_retries"] >= 1
+    assert row["device_total_peak"] == row["capacity_needed"] <= usable
+    assert row["margin_bytes"] == usable - row["device_total_peak"] >= 0
+    unbounded = cli_json("simulate", *args, "--device", "L40S-48GB")["device_total_peak"]["bytes"]
+    assert row["unbounded_device_total"] == unbounded > usable
+    assert not cli_json("simulate", *args, "--device", "L40S-48GB", "--budget", str(usable))["ooms"]
+    notes = " ".join(row["notes"])
+    assert "frees its whole cache and retries" in notes and "thin margin" in notes
+    _, text, _ = cli("where", *args, "--devices", "L40S-48GB", "--no-max-batch")
+    assert "yes (flush)" in text and "-1.04" not in text  # no negative margin beside "yes"

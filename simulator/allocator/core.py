@@ -54,6 +54,7 @@ class CachingAllocator(ExpandableSegments):
         self.requested = 0  # requested bytes of the blocks in use (allocated or waiting for their events)
         self.pending_free = 0  # bytes freed but kept until the streams that used them are done (record_stream)
         self.ooms = 0
+        self.alloc_retries = 0  # torch's num_alloc_retries: requests served only after release_cached_blocks
 
     def _next_address(self, size: int, stream: int) -> int:
         addr = self._counter
@@ -275,7 +276,7 @@ class CachingAllocator(ExpandableSegments):
             block = (self._alloc_block(pool, stream, rounded, alloc_size)
                      or (self._release_available_cached_blocks(pool, stream, rounded)
                          and self._alloc_block(pool, stream, rounded, alloc_size))
-                     or (self.release_cached_blocks() >= 0 and self._alloc_block(pool, stream, rounded, alloc_size)))
+                     or self._retry(pool, stream, rounded, alloc_size))
             if not block:
                 self.ooms += 1
                 raise OutOfMemory(size, self.reserved, self.allocated, self.capacity or 0)
@@ -287,6 +288,13 @@ class CachingAllocator(ExpandableSegments):
         self.allocated += block.size
         self.requested += size
         return block.addr
+
+    def _retry(self, pool: str, stream: int, rounded: int, alloc_size: int):
+        """The last resort: every cached block released, then alloc_block again (CUDACachingAllocator.cpp malloc,
+        torch 2.6-2.13: alloc_block(isRetry=true) counts num_alloc_retries before it tries)."""
+        self.release_cached_blocks()
+        self.alloc_retries += 1
+        return self._alloc_block(pool, stream, rounded, alloc_size)
 
     def _should_split(self, pool: str, rounded: int, remaining: int) -> bool:
         # should_split: small pool, or any pool with expandable segments on: a remainder >= 512 B; large pool: only
