@@ -22,6 +22,7 @@ from ..models.config import TrainingSetup
 from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
 from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
+from .phases import PhasePeak, floor
 from .units import format_bytes
 
 MODEL_STATES = frozenset({Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE})
@@ -168,8 +169,9 @@ def worst_moment(log: EventLog, capacity: int, pool: Pool = Pool.DEVICE) -> Mome
     return max(peaks, key=lambda m: (m.live_bytes, -m.rank))
 
 
-def moment_json(m: Moment, setup: TrainingSetup | None = None) -> dict:
-    """A Moment as JSON (the `moment` object of explain --json)."""
+def moment_json(m: Moment, setup: TrainingSetup | None = None, binds: PhasePeak | None = None) -> dict:
+    """A Moment as JSON (the `moment` object of explain --json); `binds`: the binding state phase, if any
+    (analysis/phases.py `binding`)."""
     e = m.event
     return {"rank": m.rank, "pool": m.pool.value, "failed": m.failed, "at_record_start": m.at_start, "op": e.op,
             "phase": e.phase.value,
@@ -177,6 +179,8 @@ def moment_json(m: Moment, setup: TrainingSetup | None = None) -> dict:
             "tensor_bytes": e.block.nbytes,
             "tensor_category": e.block.category.value, "live_bytes": m.live_bytes, "capacity": m.capacity,
             "shortfall": m.shortfall, "heavy": m.heavy,
+            "binding": None if binds is None else {"step": binds.step, "phase": binds.phase.value,
+                                                   "bytes": floor(binds), "op": binds.op},
             "why": START_WHY if m.at_start else cause(e, m.by_category, setup),
             "model_state_bytes": m.state_bytes,
             "activation_bytes": m.activation_bytes, "other_bytes": m.other_bytes,
@@ -185,8 +189,9 @@ def moment_json(m: Moment, setup: TrainingSetup | None = None) -> dict:
                         for b in m.largest]}
 
 
-def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None) -> list[str]:
-    """A Moment as text lines, sizes in unit `u`."""
+def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None, binds: PhasePeak | None = None) -> list[str]:
+    """A Moment as text lines, sizes in unit `u`; `binds`: the state phase that binds (analysis/phases.py
+    `binding`), named in place of the moment's own mix."""
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event
     where = f"{e.op} ({e.phase.value}, step {e.step}" \
@@ -205,8 +210,15 @@ def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None) -> list
         at = f"record start (rank {m.rank} {m.pool.value} memory)" if m.at_start else where
         lines = [f"fits: peak {f(m.live_bytes)} at {at}" + (f"; {room}" if room else "")]
     lines.append(f"  why: {START_WHY if m.at_start else cause(e, m.by_category, setup)}")
-    lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
-                 f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
+    if binds is not None and m.capacity is not None:
+        lines.append(f"  state-bound: {binds.label} needs {f(floor(binds))} with no activations live (at {binds.op}), "
+                     f"over {f(m.capacity)} by {f(floor(binds) - m.capacity)}: no fix of the forward or backward "
+                     "lowers it (checkpointing, a smaller micro-batch); shard, shrink or offload the states")
+        lines.append(f"  at this moment: model states {f(m.state_bytes)}, activations/temporaries/batch "
+                     f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
+    else:
+        lines.append(f"  {m.heavy}: model states {f(m.state_bytes)}, activations/temporaries/batch "
+                     f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
     lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
                                                      sorted(m.by_category.items(), key=lambda cb: -cb[1]) if b))
     lines.append("  largest live blocks:")

@@ -85,4 +85,21 @@ def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> 
     return lines
 
 
-__all__ = ["PhasePeak", "phase_peaks", "phase_lines", "PHASE_WORDS"]
+STATE_PHASES = (Phase.LOAD, Phase.OPTIMIZER, Phase.ZERO_GRAD)  # no activations live: what states alone need
+
+
+def floor(p: PhasePeak) -> int:
+    """What a phase needs that its cache does not explain: its tensors' peak, plus what lies outside the caching
+    allocator on a GPU (context, NCCL) at that moment."""
+    return p.allocated + (p.device_total - p.reserved if p.device_total is not None and p.reserved is not None else 0)
+
+
+def binding(phases: list[PhasePeak], budget: int) -> PhasePeak | None:
+    """The binding constraint when it is the states: the first phase without activations (load, an optimizer step,
+    zero_grad) whose `floor` is over `budget`. No fix of the forward or backward (checkpointing, a smaller
+    micro-batch, a shorter sequence) lowers it: only sharding, shrinking or offloading the states, or more memory.
+    None when every such phase fits (the forward or backward binds)."""
+    return next((p for p in phases if p.phase in STATE_PHASES and floor(p) > budget), None)
+
+
+__all__ = ["PhasePeak", "phase_peaks", "phase_lines", "PHASE_WORDS", "STATE_PHASES", "floor", "binding"]

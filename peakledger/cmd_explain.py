@@ -42,7 +42,7 @@ def cmd_explain(args) -> int:
                      "capacity_needed": x.capacity_needed, "fits": x.fits, "step_time_s": x.step_time,
                      "where": x.where, "first_step": x.first_step,
                      "phases": [p.as_json() for p in x.phases], "risks": x.risks,
-                     "moment": moment_json(x.moment, setup),
+                     "moment": moment_json(x.moment, setup, x.binding),
                      "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
                      "fixes_tried": x.tried,
                      "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
@@ -59,7 +59,7 @@ def cmd_explain(args) -> int:
     if x.first_step:
         print("what the first step (or save) does there:")
         print("\n".join(f"  - {line}" for line in x.first_step))
-    print("\n".join(render_moment(x.moment, u, setup)))
+    print("\n".join(render_moment(x.moment, u, setup, x.binding)))
     print("\n".join(_explain_gpu_lines(x, u)))
     if x.host_moment is not None:
         print("\n".join(render_moment(x.host_moment, u, setup)))

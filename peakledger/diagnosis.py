@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from . import api
 from .analysis.device import first_gpu_oom, with_gpu_oom
 from .analysis.explain import Moment, from_record, reserved_moment, worst_moment
-from .analysis.phases import PHASE_WORDS, PhasePeak
+from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
 from .analysis.units import format_bytes
 from .fixes import candidate_fixes
@@ -61,6 +61,7 @@ class Explanation:
     where: str = ""  # the phase of the moment, in words ("step 1's checkpoint save (save_mode full-rank0)")
     first_step: list[str] = field(default_factory=list)  # what only the first step / save does at that moment
     phases: list[PhasePeak] = field(default_factory=list)  # the peak of each phase of each simulated step
+    binding: PhasePeak | None = None  # the state phase no forward / backward fix can bring under the budget
     risks: list[str] = field(default_factory=list)  # when it fits: what commonly makes a real first step worse
     tried: int = 0  # fixes re-simulated (those listed changed the peak)
 
@@ -201,7 +202,8 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
                        gpu_oom=gpu_oom, fragmentation=fragmentation, fits=fits_now,
                        where=where(moment.event, setup) + f", rank {moment.rank}",
                        first_step=first_step_causes(moment, setup) if moment.event.step <= 1 else [],
-                       phases=base.phases, risks=first_step_risks(scenario, base) if fits_now else [], tried=tried)
+                       phases=base.phases, risks=first_step_risks(scenario, base) if fits_now else [], tried=tried,
+                       binding=None if fits_now else binding(base.phases, budget))
 
 
 ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})

@@ -101,3 +101,21 @@ def test_explain_checks_the_host_pool_with_a_host_budget():
     assert x.host_moment is not None and x.host_moment.failed and x.host_moment.pool is Pool.HOST
     assert x.host_moment.live_bytes + x.host_moment.event.block.nbytes > host - 1
     assert not x.moment.failed  # the device budget is ample
+
+
+def test_the_binding_constraint_is_named_where_no_activation_fix_reaches(capsys):
+    """Issue 37: gpt2-medium at 5 GiB runs out in the forward, but what binds is step 1's optimizer step (the
+    states and the update's temporaries, no activations live): the label names it, and the activation fixes,
+    simulated on their own, still do not fit, running out in the optimizer step."""
+    args = ["--preset", "gpt2-medium", "--budget", "5GiB"]
+    assert main(["explain", *args, "--json"]) == 0
+    moment = json.loads(capsys.readouterr().out)["moment"]
+    assert moment["phase"] == "forward" and moment["binding"]["phase"] == "optimizer"
+    assert moment["binding"]["step"] == 1 and moment["binding"]["bytes"] > 5 << 30
+    main(["explain", *args])
+    assert "state-bound: step 1 optimizer step needs" in capsys.readouterr().out
+    assert main(["simulate", *args, "--checkpointing", "full", "--micro-batch", "1", "--json"]) == 0
+    ooms = json.loads(capsys.readouterr().out)["ooms"]
+    assert ooms and ooms[0]["phase"] == "optimizer"
+    assert main(["explain", "--preset", "gpt2", "--budget", "4GiB", "--json"]) == 0  # the forward binds: no label
+    assert json.loads(capsys.readouterr().out)["moment"]["binding"] is None
