@@ -154,7 +154,8 @@ def test_fsdp2_script_two_ranks_is_exact_rank_by_rank():
     assert len(validations) == 2
     for v in validations:
         assert v.overall.predicted == v.overall.measured
-        assert all(abs(p.error) <= 0.01 for p in v.phases), [(p.label, p.measured, p.predicted) for p in v.phases]
+        off = [(v.name, p.label, p.measured, p.predicted) for p in v.phases if abs(p.error) > 0.01]
+        assert off == [], off  # (the phases over 1% only, with their run: a rare whole-suite flake is named)
 
 
 def test_fsdp2_script_at_64_ranks_shards_the_state():
