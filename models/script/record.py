@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from ...simulator.events import Category, OptimizerState
 from ..traced.kernel_outputs import real_outputs
 from ..traced.realpath import SCALAR_READS, tensors_in
-from ..traced.record import DTYPES, op_flops
+from ..traced.record import DTYPES, op_flops, storage_lookup
 from .phases import Calls, Position
 from .values import REAL_DRAWS, Values
 
@@ -95,17 +95,9 @@ class Recorder(TorchDispatchMode):
         self._gone: set[int] = set()  # storages whose free is recorded
 
     # -- storages -----------------------------------------------------------------------------------------
-    def _lookup(self, t: torch.Tensor):
-        try:
-            st = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):
-            return None, None
-        hit = self.live.get(id(st))
-        return st, (hit[0] if hit is not None and hit[1]() is st else None)
-
     def see(self, t: torch.Tensor, name: str) -> int | None:
         """The storage id of `t`, recording its storage as allocated now if it is new."""
-        st, known = self._lookup(t)
+        st, known = storage_lookup(self.live, t)
         if st is None or known is not None:
             return known
         nbytes = st.nbytes()
@@ -209,7 +201,7 @@ class Recorder(TorchDispatchMode):
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks' pack: what autograd saves is an activation (same storage, detached: no cycle)."""
         for plain in plain_tensors(t):
-            sid = self._lookup(plain)[1]
+            sid = storage_lookup(self.live, plain)[1]
             if sid is not None:
                 self.storages[sid].label(Category.ACTIVATION)
         return t.detach()

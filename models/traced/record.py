@@ -140,6 +140,17 @@ class _Token:
         self.op = op
 
 
+def storage_lookup(live: dict, t: torch.Tensor):
+    """(`t`'s untyped storage or None, the id it was recorded under or None): `live` maps id(storage) to
+    (recorded id, a weak reference to the storage), as the recorders here and in models/script keep it."""
+    try:
+        st = t.untyped_storage()
+    except (NotImplementedError, RuntimeError):
+        return None, None
+    hit = live.get(id(st))
+    return st, (hit[0] if hit is not None and hit[1]() is st else None)
+
+
 class Recorder(TorchDispatchMode):
     """Use through `record(...)`."""
 
@@ -171,21 +182,12 @@ class Recorder(TorchDispatchMode):
         self.autocast_cached: list = []  # storages of the casts the program's autocast cache holds
 
     # -- storages -----------------------------------------------------------------------------------
-    def _lookup(self, t: torch.Tensor):
-        """(`t`'s untyped storage or None, the id it was recorded under or None)."""
-        try:
-            st = t.untyped_storage()
-        except (NotImplementedError, RuntimeError):
-            return None, None
-        hit = self.live.get(id(st))
-        return st, (hit[0] if hit is not None and hit[1]() is st else None)
-
     def storage_of(self, t: torch.Tensor) -> int | None:
-        return self._lookup(t)[1]
+        return storage_lookup(self.live, t)[1]
 
     def see(self, t: torch.Tensor, born: str, name: str, op: int = -1) -> int | None:
         """The storage id of `t`, recording its storage as allocated now if it is new."""
-        st, known = self._lookup(t)
+        st, known = storage_lookup(self.live, t)
         if st is None or known is not None:
             return known
         if st.nbytes() == 0:
