@@ -82,6 +82,19 @@ def _refuse(not_yet: list[tuple[str, bool, str]]) -> None:
             raise ConfigError(name, why)
 
 
+def _training_only(dim: str, s: TrainingSetup, model) -> list[tuple[str, bool, str]]:
+    """What a model-parallel dimension is not simulated with yet, alike for cp, tp and ep: LoRA, dropout (`model`
+    None: not asked), optimizer offload, checkpoint saves or loads, and passes other than training steps."""
+    rows = [("lora_r", s.lora.r == 0, f"{dim} with LoRA is not simulated yet")]
+    if model is not None:
+        rows.append(("dropout", getattr(model, "dropout", 0) == 0, f"{dim} with dropout is not simulated yet"))
+    return rows + [
+        ("optimizer_offload", s.offload.mode == "none", f"{dim} with optimizer offload is not simulated yet"),
+        ("checkpoint_every", s.checkpoint_io.every == 0 and s.checkpoint_io.load_mode == "none",
+         f"{dim} with checkpoint saves or loads is not simulated yet"),
+        ("passes", s.batch.passes == "train", f"{dim} runs training steps: passes train")]
+
+
 def check_pipeline_supported(setup: TrainingSetup) -> None:
     """What pipeline parallelism is not simulated with yet (checked when the model is described, so a scenario
     with these degrees can still be compared with the formulas of `compare --peers`)."""
@@ -170,15 +183,7 @@ def check_context_parallel_supported(family, model, setup: TrainingSetup) -> Non
             f"cp with precision {s.precision.name} is not simulated yet; allowed: fp32, bf16",
         ),
         ("checkpointing", s.checkpointing.policy == "none", "cp with activation checkpointing is not simulated yet"),
-        ("lora_r", s.lora.r == 0, "cp with LoRA is not simulated yet"),
-        ("dropout", getattr(model, "dropout", 0) == 0, "cp with dropout is not simulated yet"),
-        ("optimizer_offload", s.offload.mode == "none", "cp with optimizer offload is not simulated yet"),
-        (
-            "checkpoint_every",
-            s.checkpoint_io.every == 0 and s.checkpoint_io.load_mode == "none",
-            "cp with checkpoint saves or loads is not simulated yet",
-        ),
-        ("passes", s.batch.passes == "train", "cp runs training steps: passes train"),
+        *_training_only("cp", s, model),
     ]
     _refuse(not_yet)
 
@@ -207,14 +212,7 @@ def check_expert_parallel_supported(model, setup: TrainingSetup) -> None:
             f"the experts ignored by it); {s.data_parallel.engine} with ep is not "
             "simulated yet",
         ),
-        ("lora_r", s.lora.r == 0, "ep with LoRA is not simulated yet"),
-        ("optimizer_offload", s.offload.mode == "none", "ep with optimizer offload is not simulated yet"),
-        (
-            "checkpoint_every",
-            s.checkpoint_io.every == 0 and s.checkpoint_io.load_mode == "none",
-            "ep with checkpoint saves or loads is not simulated yet",
-        ),
-        ("passes", s.batch.passes == "train", "ep runs training steps: passes train"),
+        *_training_only("ep", s, None),
     ]
     _refuse(not_yet)
 
@@ -241,15 +239,7 @@ def check_tensor_parallel_supported(family, model, setup: TrainingSetup) -> None
             f"tp with checkpointing {s.checkpointing.policy} is not simulated yet (a region inside a layer); allowed: "
             "none, full, every-k, sqrt, layers",
         ),
-        ("lora_r", s.lora.r == 0, "tp with LoRA is not simulated yet"),
-        ("dropout", getattr(model, "dropout", 0) == 0, "tp with dropout is not simulated yet"),
-        ("optimizer_offload", s.offload.mode == "none", "tp with optimizer offload is not simulated yet"),
-        (
-            "checkpoint_every",
-            s.checkpoint_io.every == 0 and s.checkpoint_io.load_mode == "none",
-            "tp with checkpoint saves or loads is not simulated yet",
-        ),
-        ("passes", s.batch.passes == "train", "tp runs training steps: passes train"),
+        *_training_only("tp", s, model),
     ]
     _refuse(not_yet)
 
