@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
-from ..traced import check_setup
+from ..traced import check_setup, model_key
 from ..traced.model import TracedModel
 
 if TYPE_CHECKING:
@@ -58,23 +58,8 @@ CACHE_SIZE = 16
 
 
 def _key(model: TracedModel, setup: TrainingSetup) -> tuple:
-    mb = setup.batch.micro_batch if "micro_batch" in model.varies else None
-    seq = setup.batch.seq_len if "seq_len" in model.varies else None
-    return (
-        model.kind,
-        model.source,
-        model.digest,
-        mb,
-        seq,
-        setup.precision.param,
-        setup.precision.autocast,
-        tuple(setup.optimizer.frozen),
-        setup.checkpointing.policy,
-        setup.checkpointing.every_k,
-        tuple(setup.checkpointing.layers),
-        (setup.lora.r, setup.lora.alpha, setup.lora.dropout, tuple(setup.lora.targets), setup.lora.quantize),
-        setup.compile.mode,
-    )
+    return (*model_key(model, setup), setup.precision.param, setup.precision.autocast, setup.optimizer.frozen,
+            setup.checkpointing, setup.lora, setup.compile.mode)
 
 
 def cached_capture(model: TracedModel, setup: TrainingSetup, cuda: bool = False) -> Capture:

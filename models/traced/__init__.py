@@ -47,27 +47,17 @@ CACHE_SIZE = 16
 _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not traced
 
 
-def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
+def model_key(model: TracedModel, setup: TrainingSetup) -> tuple:
+    """The program a trace or a compile runs, as a cache key: the model's source and the batch knobs its
+    factory takes (the recording and the compiled capture each add what else they depend on)."""
     mb = setup.batch.micro_batch if "micro_batch" in model.varies else None
     seq = setup.batch.seq_len if "seq_len" in model.varies else None
-    return (
-        model.kind,
-        model.source,
-        model.digest,
-        mb,
-        seq,
-        setup.precision.param,
-        _autocast_name(setup),
-        tuple(setup.optimizer.frozen),
-        setup.checkpointing.policy != "none",
-        (setup.lora.r, setup.lora.alpha, setup.lora.dropout, setup.lora.targets, setup.lora.quantize),
-        setup.batch.passes,
-        target,
-    )
+    return model.kind, model.source, model.digest, mb, seq
 
 
-def _autocast_name(setup: TrainingSetup) -> str | None:
-    return setup.precision.autocast
+def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
+    return (*model_key(model, setup), setup.precision.param, setup.precision.autocast, setup.optimizer.frozen,
+            setup.checkpointing.policy != "none", setup.lora, setup.batch.passes, target)
 
 
 def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
@@ -105,7 +95,7 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
 
     from .record import record
 
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(_autocast_name(setup) or "")
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision.autocast or "")
     what = "module" if model.kind == "module" else "hf_config"
     program = None
     if target is not None:
