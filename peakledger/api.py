@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .analysis.device import device_settings, gpu_fits, with_gpu_oom
+from .analysis.card_fit import CardFit
+from .analysis.card_fit import card_fit as card_fit_of
+from .analysis.device import device_settings, with_gpu_oom
 from .analysis.ledger import ledger_at
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
@@ -70,12 +72,16 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     return summarize(log, name=scenario.name, headroom=scenario.headroom)
 
 
+def card_fit(report: Report, budget: int) -> CardFit:
+    """The one verdict of the run against `budget` per rank (analysis/card_fit.py): the worst rank's capacity
+    needed, or, on a GPU without headroom, the caching allocator serving it within the budget once it frees its
+    cache and retries (torch's rule), with the figures of that bounded run."""
+    return card_fit_of(report.log, budget, report.peaks.headroom, report.peaks.capacity_needed, report.gpu)
+
+
 def fits(report: Report, budget: int) -> bool:
-    """The run fits `budget` per rank: its capacity needed does; or, on a GPU without headroom, the caching
-    allocator serves it within the budget once it frees its cache and retries (torch's rule)."""
-    if report.capacity_needed <= budget:
-        return True
-    return report.gpu is not None and not report.peaks.headroom and gpu_fits(report.log, budget)
+    """`card_fit(report, budget).fits`."""
+    return card_fit(report, budget).fits
 
 
 def fixed_state_peak(scenario: Scenario) -> int:

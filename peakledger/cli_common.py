@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass
 
 from . import api
+from .analysis.card_fit import THIN_MARGIN, CardFit
 from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
@@ -174,31 +175,41 @@ def check_line(fits: bool, need: int, budget: int, unit: str) -> str:
 
 @dataclass(frozen=True)
 class FitVerdict:
-    """A --check's answer, from the run's true demand: `need` is the capacity the whole run needs, or, for a run
-    that stopped at its first OOM (`stopped_at`, the op), a lower bound (what was live there plus the allocation
-    that failed, x (1 + headroom)): such a run never fits. `by_retry`: on a GPU profile the need is over the budget
-    but the caching allocator serves every request within it by freeing its cache and retrying (torch's rule)."""
+    """A --check's answer: the run's one verdict against the budget (analysis/card_fit.py `CardFit`: the need
+    judged, a fit only by the caching allocator's flush-and-retry, a thin margin), or, for a run that stopped at
+    its first OOM (`stopped_at`, the op), a lower bound of the need (what was live there plus the allocation that
+    failed, x (1 + headroom)): such a run never fits."""
 
     fits: bool
     need: int
     budget: int
     stopped_at: str | None = None
-    by_retry: bool = False
+    card: CardFit | None = None
+
+    @property
+    def by_retry(self) -> bool:
+        return self.card is not None and self.card.by_retry
 
     def line(self, unit: str) -> str:
         f = lambda n: format_bytes(n, unit)  # noqa: E731
         if self.stopped_at is not None:
             return (f"fit check: DOES NOT FIT (the run stopped at its first OOM, at {self.stopped_at}: at least "
                     f"{f(self.need)} needed of {f(self.budget)}, over by at least {f(self.need - self.budget)})")
+        text = check_line(self.fits, self.need, self.budget, unit)
         if self.by_retry:
-            return (f"fit check: FITS (within {f(self.budget)} because the caching allocator frees its cache and "
-                    f"retries when a request does not fit, torch's rule; without that it would hold {f(self.need)})")
-        return check_line(self.fits, self.need, self.budget, unit)
+            text += (f"; only because the caching allocator frees its cache and retries ({self.card.alloc_retries:,} "
+                     f"request(s) after a flush, torch's rule): unbounded it would hold {f(self.card.unbounded)}")
+        if self.card is not None and self.card.thin:
+            text += f"; thin margin, under {THIN_MARGIN:.0%} of the budget (--headroom adds a margin to what is judged)"
+        return text
 
     def as_json(self) -> dict:
+        card = self.card
         return {"budget": self.budget, "fits": self.fits, "capacity_needed": self.need,
                 "capacity_needed_is_lower_bound": self.stopped_at is not None, "stopped_at_oom": self.stopped_at,
-                "fits_by_allocator_retry": self.by_retry}
+                "fits_by_allocator_retry": self.by_retry, "alloc_retries": card.alloc_retries if card else 0,
+                "unbounded_capacity_needed": card.unbounded if card else None,
+                "thin_margin": bool(card and card.thin)}
 
 
 def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
@@ -208,9 +219,8 @@ def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
         oom = log.ooms[0]
         need = with_headroom(oom.live_bytes + oom.event.block.nbytes, headroom)
         return FitVerdict(False, max(need, budget + 1), budget, stopped_at=oom.event.op)
-    fits = api.fits(report, budget) and not log.ooms
-    need = report.capacity_needed
-    return FitVerdict(fits, need, budget, by_retry=fits and need > budget)
+    card = api.card_fit(report, budget)
+    return FitVerdict(card.fits and not log.ooms, card.need, budget, card=card)
 
 
 def parse_case(text: str) -> tuple[str, dict]:

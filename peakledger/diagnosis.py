@@ -11,6 +11,7 @@ fit where it did not) are listed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from . import api
@@ -20,6 +21,7 @@ from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
 from .analysis.units import format_bytes
 from .fixes import candidate_fixes
+from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, min_gpus
 from .models.config import ConfigError, TrainingSetup
 from .progress import progress
 from .scenario import Scenario
@@ -176,7 +178,8 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
                                              <= budget - (gpu_oom.point.total - gpu_oom.point.reserved))
     host = worst_moment(base.log, host_budget, Pool.HOST) if host_budget is not None and any(
         e.block.pool is Pool.HOST for e in base.log.events) else None
-    fits_now = api.fits(base, budget)
+    verdict = api.card_fit(base, budget)  # the one verdict: the figures printed are those judged
+    fits_now = verdict.fits
     candidates, fixes = [], []
     listed = candidate_fixes(scenario, fragmentation)
     with progress("re-simulating each fix", total=len(listed)) as bar:
@@ -188,16 +191,19 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
                 continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
             candidates.append(candidate)
             fixes.append(fix)
+        if not fits_now:
+            bar.advance(0, description="searching the fewest GPUs that fit")
+            fixes += more_gpus_fixes(scenario, budget)
         if fixes and not any(f.fits for f in fixes):
             combined = _combine(scenario, budget, candidates, fixes)
             if combined is not None:
                 fixes.append(combined)
     tried = len(fixes)
-    fixes = [f for f in fixes if _helps(f, base, fits_now)]
+    fixes = [f for f in fixes if _helps(f, base, verdict.need, fits_now)]
     fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits
                else (1, f.capacity_needed, f.changes_training))  # on the same GPUs before more GPUs
     return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
-                       host_moment=host, peak=base.peaks.overall.bytes, capacity_needed=base.capacity_needed,
+                       host_moment=host, peak=base.peaks.overall.bytes, capacity_needed=verdict.need,
                        step_time=base.time_per_step_s, fixes=fixes, gpu=found[0] if found else base.gpu,
                        gpu_oom=gpu_oom, fragmentation=fragmentation, fits=fits_now,
                        where=where(moment.event, setup) + f", rank {moment.rank}",
@@ -209,27 +215,44 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
 ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})
 
 
-def _helps(fix: Fix, base: Report, fits_now: bool) -> bool:
+def _helps(fix: Fix, base: Report, need: int, fits_now: bool) -> bool:
     """A fix is listed when it makes the run fit, or lowers its tensors' peak, or (the allocator's own settings,
     which never change the tensors) lowers the device memory the run needs."""
     if fix.fits and not fits_now or fix.peak < base.peaks.overall.bytes:
         return True
-    return set(fix.changes) <= ALLOCATOR_KNOBS and fix.capacity_needed < base.capacity_needed
+    return set(fix.changes) <= ALLOCATOR_KNOBS and fix.capacity_needed < need
 
 
 def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
     report = api.run(scenario.with_changes(**changes))
+    verdict = api.card_fit(report, budget)
     return Fix(
         name=name,
         changes=changes,
         peak=report.peaks.overall.bytes,
-        capacity_needed=report.capacity_needed,
-        fits=api.fits(report, budget),
+        capacity_needed=verdict.need,
+        fits=verdict.fits,
         step_time=report.time_per_step_s,
         changes_training=changes_training,
         note=note,
         more_gpus=changes.get("world_size", scenario.setup.mesh.world_size) > scenario.setup.mesh.world_size,
     )
+
+
+def more_gpus_fixes(scenario: Scenario, budget: int, limit: int = GPU_LIMIT) -> list[Fix]:
+    """Sharding over more GPUs (peakledger/gpus.py): for FSDP2, ZeRO-3 and tensor parallelism, the fewest GPUs at
+    which the run fits `budget`, each count re-simulated and the one below it too (named in the fix's note)."""
+    out = []
+    world = scenario.setup.mesh.world_size
+    for layout in (FSDP2, ZERO3, TP):
+        count = min_gpus(scenario, layout, lambda sc: _fix(sc, budget, "", {}, False, ""), limit)
+        if count.n is None or count.n == world:
+            continue
+        below = (f"; {count.below_n:,} GPUs do not fit (need {format_bytes(count.below.capacity_needed, 'GiB')})"
+                 if count.below is not None and count.below_n != world else "")
+        out.append(dataclasses.replace(count.at, name=f"{layout.name} over {count.n:,} GPUs ({world} -> {count.n:,})",
+                                       changes=count.changes(scenario), note=layout.note + below, more_gpus=True))
+    return out
 
 
 def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:

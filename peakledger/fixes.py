@@ -214,6 +214,28 @@ def freeze_fixes(scenario: Scenario) -> list[Candidate]:
     return []
 
 
+QLORA_NOTE = ("base linears in 4 bits (bitsandbytes Linear4bit NF4, double quant), dequantised per linear in forward "
+              "and backward: a slower step and a small quality change")
+
+
+def lora_fixes(scenario: Scenario) -> list[Candidate]:
+    """Train adapters instead of the whole model: LoRA r 16 on a full fine-tune, and QLoRA (the frozen base in 4
+    bits) on either; QLoRA is modelled in a uniform precision (models/config/checks.py), so a mixed one becomes
+    its 16-bit half."""
+    s = scenario.setup
+    if s.lora.quantize != "none" or s.mesh.world_size > 1:
+        return []
+    uniform = {} if s.precision.uniform else {"precision": "bf16"}
+    out: list[Candidate] = []
+    if not s.lora.r and not s.optimizer.frozen:
+        out.append(("LoRA r 16 (adapters instead of a full fine-tune)", {"lora_r": 16}, True,
+                    "only the adapters train: no gradients nor optimizer states for the base weights"))
+    r = {} if s.lora.r else {"lora_r": 16}
+    name = "QLoRA" + ("" if s.lora.r else " r 16") + (" in bf16" if uniform else "")
+    out.append((f"{name} (4-bit NF4 base)", {**r, "quantize": "nf4", **uniform}, True, QLORA_NOTE))
+    return out
+
+
 def compile_fixes(scenario: Scenario) -> list[Candidate]:
     """torch.compile where it is modelled (analysis/checkpointing.py `compile_applies`; elsewhere the setup refuses
     it and the fix is skipped): fewer saved activations, temporaries fused away."""
@@ -227,10 +249,11 @@ def compile_fixes(scenario: Scenario) -> list[Candidate]:
 
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:
     """Every fix worth re-simulating, each phase's knobs: save and load, data parallelism, activations, the
-    optimizer step, model parallelism, freezing, torch.compile, the allocator's settings (first when
-    `fragmentation`: the allocator's cached free blocks cause the OOM)."""
+    optimizer step, model parallelism, freezing, adapters (LoRA, QLoRA), torch.compile, the allocator's settings
+    (first when `fragmentation`: the allocator's cached free blocks cause the OOM)."""
     rest = save_load_fixes(scenario) + data_parallel_fixes(scenario) + activation_fixes(scenario) + \
-        optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario) + compile_fixes(scenario)
+        optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario) + lora_fixes(scenario) + \
+        compile_fixes(scenario)
     allocator = allocator_fixes(scenario)
     return allocator + rest if fragmentation else rest + allocator
 

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import api
-from .analysis.device import gpu_memory
+from .analysis.card_fit import THIN_MARGIN
 from .analysis.units import format_bytes
+from .gpus import GPU_LIMIT, Count, layouts_by_key, min_gpus
 from .models import gpu
 from .models.config import ConfigError
 from .models.devices import DEVICES, DeviceProfile
@@ -35,7 +36,6 @@ from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
 
 GPU_PROFILES = tuple(name for name, p in DEVICES.items() if p.is_cuda)
-THIN_MARGIN = 0.02  # a fit with less than this share of the card left is said to be thin (a warning, not a refusal)
 
 
 def gpu_profiles(names: Sequence[str] | None = None) -> list[DeviceProfile]:
@@ -161,7 +161,6 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Pl
     if report.gpu is None:  # (every profile here is a CUDA one)
         raise ConfigError("devices", f"{profile.name} has no caching allocator to replay")
     usable = profile.memory_bytes
-    total = report.gpu.total_peak
     best, capped, notes = None, False, []
     if search:
         try:
@@ -177,28 +176,25 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Pl
     note = attention_note(on, profile)
     if note:
         notes.append(note)  # (a figure of another program: the row says it is not exact)
-    fits, need, retries, unbounded = api.fits(report, usable), report.capacity_needed, 0, None
-    if fits and need > usable:  # served by flush-and-retry: the figures are the run on this card, one verdict
-        bounded = max((dm for r in sorted({e.block.rank for e in report.log.events})
-                       if (dm := gpu_memory(report.log, r, capacity=usable)) is not None),
-                      key=lambda dm: dm.total_peak.total)
-        unbounded, total, need, retries = total.total, bounded.total_peak, bounded.total_peak.total, \
-            bounded.alloc_retries
+    verdict = api.card_fit(report, usable)
+    if verdict.by_retry:  # the figures are the run on this card: one verdict
         notes.append(f"fits only because the caching allocator frees its whole cache and retries: "
-                     f"{retries:,} request(s) served after a flush (torch's num_alloc_retries), each a synchronize "
-                     f"and cudaFree/cudaMalloc; on a larger card it would hold {format_bytes(unbounded, 'GiB')}")
-    reserved = total.reserved if unbounded is not None else report.gpu.reserved_peak.reserved
-    margin = usable - need
-    if fits and margin < THIN_MARGIN * usable:
-        notes.append(f"thin margin: {format_bytes(margin, 'GiB')} left, under {THIN_MARGIN:.0%} of the card: "
+                     f"{verdict.alloc_retries:,} request(s) served after a flush (torch's num_alloc_retries), each a "
+                     "synchronize and cudaFree/cudaMalloc; on a larger card it would hold "
+                     f"{format_bytes(verdict.unbounded, 'GiB')}")
+    if verdict.thin:
+        notes.append(f"thin margin: {format_bytes(verdict.margin, 'GiB')} left, under {THIN_MARGIN:.0%} of the card: "
                      "a longer batch, fragmentation or another process's memory can make it OOM (--headroom adds a "
                      "margin to what is judged)")
+    point = verdict.point
     return Placement(device=profile.name, usable=usable, compute_capability=tuple(profile.compute_capability),
                      bf16_native=profile.bf16_native, allocated_peak=report.gpu.at_allocated_peak.allocated,
-                     reserved_peak=reserved, outside_allocator=total.total - total.reserved,
-                     device_total_peak=total.total, capacity_needed=need, fits=fits, margin=margin,
+                     reserved_peak=point.reserved, outside_allocator=point.total - point.reserved,
+                     device_total_peak=point.total, capacity_needed=verdict.need, fits=verdict.fits,
+                     margin=verdict.margin,
                      max_micro_batch=best, searched=best is not None, search_limit_reached=capped,
-                     exact=note is None, notes=tuple(notes), alloc_retries=retries, unbounded_total=unbounded)
+                     exact=note is None, notes=tuple(notes), alloc_retries=verdict.alloc_retries,
+                     unbounded_total=verdict.unbounded if verdict.by_retry else None)
 
 
 def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool = True,
@@ -215,3 +211,36 @@ def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool
     return Where(scenario=scenario.name, micro_batch=s.batch.micro_batch, precision=s.precision.name,
                  headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.mesh.world_size,
                  placements=placements)
+
+
+@dataclass(frozen=True)
+class CardCounts:
+    """For one GPU profile, the smallest number of those GPUs that fits the scenario in each layout."""
+
+    device: str
+    counts: list[Count[Placement]]
+
+    def as_json(self) -> dict:
+        def side(n, p: Placement | None):
+            return None if p is None else {"gpus": n, "fits": p.fits, "margin_bytes": p.margin,
+                                           "capacity_needed": p.capacity_needed,
+                                           "fits_by_allocator_retry": p.by_retry}
+        return {"device": self.device, "layouts": [
+            {"layout": c.layout.key, "min_gpus": c.n, "limit": c.limit, "refused": c.error,
+             "at": side(c.n, c.at), "below": side(c.below_n, c.below)} for c in self.counts]}
+
+
+def min_gpus_per_card(scenario: Scenario, devices: Sequence[str] | None = None, layouts: Sequence[str] | None = None,
+                      limit: int = GPU_LIMIT, progress: Callable[[int, int, str], None] | None = None
+                      ) -> list[CardCounts]:
+    """On each GPU profile of `devices` (all by default), the smallest GPU count at which each layout of `layouts`
+    (peakledger/gpus.py; all by default) fits, judged as `where` judges one card (`place`), checked at that count
+    and at the one below. `progress(i, n, name)` before the i-th of n profiles."""
+    profiles, chosen = gpu_profiles(devices), layouts_by_key(layouts)
+    out = []
+    for i, profile in enumerate(profiles):
+        if progress is not None:
+            progress(i, len(profiles), profile.name)
+        judge = lambda sc, profile=profile: place(sc, profile, search=False)  # noqa: E731
+        out.append(CardCounts(profile.name, [min_gpus(scenario, lay, judge, limit) for lay in chosen]))
+    return out
