@@ -70,7 +70,8 @@ def _formulas(why: str) -> DeepSpeedEstimators:
 
 
 def deepspeed_estimators() -> DeepSpeedEstimators:
-    """DeepSpeed's own estimators when deepspeed imports, else 0.19.8's formulas. Imported here, on demand:
+    """DeepSpeed's own estimators when deepspeed imports, else 0.19.8's formulas saying why (not installed, or the
+    import's error: a broken install is a labelled column, not a failed command). Imported here, on demand:
     importing deepspeed takes a second or more and its accelerator probe logs a warning on stdout ("Setting
     accelerator to CPU", deepspeed/accelerator/real_accelerator.py 0.19.8), silenced for the import. All GPUs
     on one node: without offload, the GPU figure depends only on their product."""
@@ -80,11 +81,13 @@ def deepspeed_estimators() -> DeepSpeedEstimators:
         import deepspeed  # first: a blocked or missing top package fails here, whatever submodules are cached
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs as zero3
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs as zero2
-    except ImportError as e:
-        return _formulas("deepspeed not installed" if e.name == "deepspeed" else f"deepspeed did not import: {e}")
+        version = str(deepspeed.__version__)
+    except Exception as e:  # noqa: BLE001 - any failure of a third party's import is a column from the formulas
+        if isinstance(e, ImportError) and e.name == "deepspeed":
+            return _formulas("deepspeed not installed")
+        return _formulas(f"deepspeed did not import: {(str(e) or type(e).__name__).splitlines()[0]}")
     finally:
         logging.disable(previous)
-    version = str(deepspeed.__version__)
     return DeepSpeedEstimators(
         f"DeepSpeed {version}, its own {ZERO2} and {ZERO3} (no offload)", version, True,
         lambda psi, n: zero2(psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False)[1],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -61,6 +62,15 @@ def test_without_deepspeed_the_formulas_say_their_version(capsys, monkeypatch):
     assert "DeepSpeed est.: DeepSpeed 0.19.8's formulas (deepspeed not installed)" in text
     assert "31.78 GiB" in text.splitlines()[4] and "44.87" not in text  # 44.87: the old 4P + 16P/N
 
+
+
+def test_a_deepspeed_that_does_not_import_is_said(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))  # imports, but is not the package
+    monkeypatch.setitem(sys.modules, "deepspeed.runtime.zero.stage3", None)
+    est = deepspeed_estimators()
+    assert not est.own and est.source == ("DeepSpeed 0.19.8's formulas (deepspeed did not import: import of "
+                                          "deepspeed.runtime.zero.stage3 halted; None in sys.modules)")
+    assert est.zero2(PSI, 8) == 2 * PSI + 18 * PSI // 8
 
 def test_zero2_above_zero1_is_explained_by_what_it_holds(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
