@@ -12,10 +12,11 @@ from .analysis.ledger import ledger_at
 from .analysis.maxbatch import max_fitting
 from .analysis.peaks import with_headroom
 from .analysis.peers import (
-    deepspeed_zero2_estimate,
-    deepspeed_zero3_estimate,
+    deepspeed_estimators,
     largest_layer_params,
     model_state_peak,
+    peak_difference,
+    peak_moment,
     zero_paper_model_states,
 )
 from .analysis.peers_parallel import parallel_peers as formulas
@@ -131,20 +132,32 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
 def peers(scenario: Scenario) -> list[dict]:
     """The scenario under DeepSpeed ZeRO stages 0-3 on its world size: peakledger's model states and peak
-    per rank (the worst rank) next to the ZeRO paper's formula and DeepSpeed's own estimators."""
+    per rank (the worst rank) next to the ZeRO paper's formula and DeepSpeed's estimators (its own functions when
+    deepspeed imports, `deepspeed_source` says which). A stage whose peak is above the previous stage's carries
+    `above_previous`: both peak moments and what each holds differently there, by category and block."""
     tape = build_tape(scenario.model, scenario.setup)
     psi = tape.n_params
     largest = largest_layer_params({p.name: p.shape for p in tape.params})
     n = scenario.setup.mesh.world_size
-    rows = []
+    ds = deepspeed_estimators()
+    rows, reports = [], []
     for stage in range(4):
         case = scenario.with_changes(dp_engine="deepspeed", zero_stage=stage)
         report = run(case)
         states = max(model_state_peak(report.log, rp.rank) for rp in report.ranks)
-        deepspeed = {2: deepspeed_zero2_estimate(psi, n), 3: deepspeed_zero3_estimate(psi, largest, n)}.get(stage)
+        deepspeed = {2: lambda: ds.zero2(psi, n), 3: lambda: ds.zero3(psi, largest, n)}.get(stage, lambda: None)()
         rows.append({"stage": stage, "world_size": n, "n_params": psi, "model_states": states,
                      "peak": report.peaks.overall.bytes, "zero_paper": round(zero_paper_model_states(psi, n, stage)),
-                     "deepspeed_estimate": deepspeed, "largest_layer_params": largest})
+                     "deepspeed_estimate": deepspeed, "deepspeed_source": ds.source,
+                     "deepspeed_version": ds.version, "deepspeed_own": ds.own, "largest_layer_params": largest})
+        reports.append(report)
+    for prev, (row, report) in zip(reports, list(zip(rows, reports))[1:]):
+        if report.peaks.overall.bytes > prev.peaks.overall.bytes and report.peaks.overall.event is not None:
+            at = [r.timeline.live_allocs_at(r.peaks.overall.index) for r in (report, prev)]
+            row["above_previous"] = {
+                "moment": peak_moment(report.peaks.overall.event, report.peaks.rank),
+                "other_moment": peak_moment(prev.peaks.overall.event, prev.peaks.rank),
+                "categories": peak_difference(*at)}
     return rows
 
 

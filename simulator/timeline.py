@@ -89,14 +89,18 @@ class Timeline:
             live[e.block.category] = live.get(e.block.category, 0) + e.delta
         return {c: b for c, b in live.items() if b}
 
-    def live_blocks_at(self, index: int) -> list:
+    def live_allocs_at(self, index: int) -> list[Event]:
+        """The allocation events of the blocks live right after event `index`, in the order they were made."""
         live = {}
         for e in self.events[: index + 1]:
             if e.action is Action.ALLOC:
-                live[e.block.id] = e.block
+                live[e.block.id] = e
             else:
                 live.pop(e.block.id, None)
         return list(live.values())
+
+    def live_blocks_at(self, index: int) -> list:
+        return [e.block for e in self.live_allocs_at(index)]
 
 
 def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE) -> dict[int, PeakPoint]:
