@@ -10,6 +10,7 @@ from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
 from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
+from .assumed import assumed, assumed_lines
 from .cli_common import (
     add_check_flag,
     add_scenario_flags,
@@ -49,7 +50,8 @@ def cmd_explain(args) -> int:
                                                              for k, v in fx.changes.items()},
                                 "peak": fx.peak, "capacity_needed": fx.capacity_needed, "fits": fx.fits,
                                 "step_time_s": fx.step_time, "changes_training": fx.changes_training,
-                                "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x)})
+                                "cost": fx.note} for fx in x.fixes], "gpu": _explain_gpu_json(x),
+                    "assumed": assumed(scenario)})
         return status
     f = lambda n: format_bytes(n, u)  # noqa: E731
     verdict = "fits" if x.fits else "DOES NOT FIT"
@@ -83,6 +85,7 @@ def cmd_explain(args) -> int:
             ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
             cost = fx.note + ("; changes the training" if fx.changes_training else "")
             print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+    print("\n".join(["", *assumed_lines(scenario), "  (the scenario's; each fix changes what it names)"]))
     if args.check:
         print(check_line(x.fits, x.capacity_needed, budget, u))
     return status

@@ -26,6 +26,7 @@ from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import format_bytes
+from .assumed import assumed, assumed_lines
 from .cli_common import (
     add_check_flag,
     add_scenario_flags,
@@ -150,6 +151,9 @@ def _savings_lines(s: dict, unit: str) -> list[str]:
                    f"   (eager at {fb['eager_at']}, compiled at {fb['compiled_at']})")]
 
 
+SEARCHED = "the largest that fits (searched; each probe simulated)"
+
+
 def cmd_max_batch(args) -> int:
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "max-batch")
@@ -158,7 +162,8 @@ def cmd_max_batch(args) -> int:
         fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
-              "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped}
+              "headroom": scenario.headroom, "scenario": scenario.name, "search_limit_reached": capped,
+              "assumed": assumed(scenario, micro_batch=SEARCHED)}
     if best > 0:
         at = api.run(dataclasses.replace(scenario, setup=scenario.setup.replace(micro_batch=best)))
         result["peak_at_max"] = at.peaks.overall.bytes
@@ -184,6 +189,7 @@ def cmd_max_batch(args) -> int:
     if args.check:
         print("fit check: FITS (micro-batch 1 and up to the maximum)" if best >= 1 else
               "fit check: DOES NOT FIT (not even micro-batch 1)")
+    print("\n".join(["", *assumed_lines(scenario, micro_batch=SEARCHED)]))
     return code
 
 
@@ -241,7 +247,7 @@ def cmd_compare(args) -> int:
 
         plot_compare(results, args.plot, args.unit, budget=budget, setup="base: " + setup_text(base, budget, args.unit))
     if args.json:
-        write_json({"cases": [report_json(r) for _, r in results]})
+        write_json({"cases": [report_json(r) for _, r in results], "assumed": assumed(base)})
         return 0
     u = args.unit
     rows = ["peak", "first-step peak", "steady peak"]
@@ -269,6 +275,7 @@ def cmd_compare(args) -> int:
     if budget is not None:
         verdicts = [f"{name} {'fits' if api.fits(r, budget) else 'does not fit'}" for name, r in results]
         print(f"budget {format_bytes(budget, u)} per rank: {', '.join(verdicts)}")
+    print("\n".join(["", *assumed_lines(base), "  (the base scenario's; each case changes what it names)"]))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0
@@ -300,8 +307,9 @@ def cmd_sweep(args) -> int:
     failed = sum(1 for p in result if p.result["error"])
     written = " and ".join(x for x in (args.output, args.json_output, args.plot) if x)
     print(f"{len(result)} points simulated ({failed} invalid, each with its error) into {written}")
-    if deadline is not None:
-        print(render_ranking([(p.values, p.result) for p in result], deadline, args.unit))
+    print("\n".join([*assumed_lines(base), "  (the base scenario's; each point changes what the grid names)"]))
+    if deadline is not None:  # (its last line is the answer)
+        print("\n" + render_ranking([(p.values, p.result) for p in result], deadline, args.unit))
     return 0
 
 
@@ -330,12 +338,13 @@ def cmd_checkpointing(args) -> int:
                                setup=setup_text(scenario, budget, args.unit))
     if args.json:
         write_json({"scenario": scenario.name, "policies": [r.as_json() for r in rows],
-                     "optimal": best.as_json() if best else None})
+                     "optimal": best.as_json() if best else None, "assumed": assumed(scenario)})
         return 0
     print(render_table(rows, args.unit))
     if best is not None:
         print("")
         print(render_optimal(best, args.unit))
+    print("\n".join(["", *assumed_lines(scenario)]))
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

@@ -12,12 +12,15 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 from __future__ import annotations
 
 from .analysis.units import format_bytes
+from .assumed import assumed, assumed_lines
 from .cli_common import add_scenario_flags, decide, write_json
 from .gpus import GPU_LIMIT, LAYOUTS
 from .inputs import scenario_from_args
 from .models.config import ConfigError
 from .progress import progress
 from .where import GPU_PROFILES, CardCounts, Where, min_gpus_per_card, where
+
+EACH_CARD = "each card of the table in turn"
 
 
 def _names(text: str | None, flag: str, noun: str, allowed) -> list[str] | None:
@@ -86,9 +89,9 @@ def cmd_where(args) -> int:
                        progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"))
     code = decide(args, 1 if args.check and not result.fits_on else 0)
     if args.json:
-        write_json(result.as_json())
+        write_json({**result.as_json(), "assumed": assumed(scenario, devices=EACH_CARD)})
     else:
-        print(render(result, args.unit))
+        print("\n".join([render(result, args.unit), "", *assumed_lines(scenario, devices=EACH_CARD)]))
     return code
 
 
@@ -141,9 +144,11 @@ def _cmd_min_gpus(args, scenario, devices, layouts) -> int:
     code = decide(args, 1 if args.check and not fits_somewhere else 0)
     if args.json:
         write_json({"scenario": scenario.name, "unit": "B", "max_gpus": limit,
-                    "cards": [card.as_json() for card in cards]})
+                    "cards": [card.as_json() for card in cards], "assumed": assumed(scenario, devices=EACH_CARD)})
     else:
-        print(render_counts(scenario.name, cards, args.unit))
+        print("\n".join([render_counts(scenario.name, cards, args.unit), "",
+                         *assumed_lines(scenario, devices=EACH_CARD),
+                         "  (at one GPU; each count changes the layout's knobs only)"]))
     return code
 
 
