@@ -39,6 +39,7 @@ from .models.config import (
 from .models.devices import DEVICES
 from .models.families import family_of
 from .models.fields import by_name, check_types, in_keys, keys_of
+from .models.names import did_you_mean
 from .models.presets import PRESETS, preset
 from .models.traced.model import TracedModel, from_hf_dict, from_module_spec
 from .models.transformer.hf_config import HAND_WRITTEN_HF, load_hf_config, read_hf_json
@@ -67,13 +68,16 @@ class Scenario:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         if self.torch_version not in TORCH_VERSIONS:
+            close = did_you_mean(self.torch_version, TORCH_VERSIONS)
             raise ConfigError("torch_version", f"{self.torch_version!r} is not modelled; allowed: "
-                                               f"{', '.join(TORCH_VERSIONS)}")
+                                               f"{', '.join(TORCH_VERSIONS)}{close}")
         AllocatorConfig.parse(self.alloc_conf, self.torch_version)  # refuses what torch or the model does not take
         if self.simulator not in SIMULATORS:
-            raise ConfigError("simulator", f"unknown value {self.simulator!r}; allowed: {', '.join(SIMULATORS)}")
+            raise ConfigError("simulator", f"unknown value {self.simulator!r}; allowed: {', '.join(SIMULATORS)}"
+                                           f"{did_you_mean(self.simulator, SIMULATORS)}")
         if self.device not in DEVICES:
-            raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
+            raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}"
+                                        f"{did_you_mean(self.device, DEVICES)}")
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
             raise ConfigError("headroom", f"must be a number >= 0 (0.1 = 10%), got {self.headroom!r}")
 
@@ -193,7 +197,8 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     if len(sources) > 1:
         raise ConfigError(sources[0], f"give one model source, not {' and '.join(sources)}")
     if describer not in DESCRIBERS:
-        raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}")
+        raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}"
+                                       f"{did_you_mean(describer, DESCRIBERS)}")
     base = _traced_source(hf, module, describer, training)
     if base is not None:
         return traced_scenario(base, model_table, training, run, name, defaults)
