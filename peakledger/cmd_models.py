@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from .cli_common import write_json
-from .models.catalog import CATALOG, hub_cache_dir, parameters
+from .models.catalog import CATALOG, hub_cache_dir, parameters, traced_model
 from .models.presets import PRESETS
 from .models.transformer.hf_config import read_hf_json
 
@@ -20,7 +20,7 @@ from .models.transformer.hf_config import read_hf_json
 def catalog_rows() -> list[dict]:
     """One row per bundled model, in the catalog's order."""
     return [{"name": m.name, "hub_id": m.hub_id, "model_type": read_hf_json(m.path).get("model_type"),
-             "parameters": parameters(m), "source": m.source} for m in CATALOG]
+             "parameters": parameters(traced_model(m)), "source": m.source} for m in CATALOG]
 
 
 def render(rows: list[dict], hub_cache: str) -> str:

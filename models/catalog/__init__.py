@@ -95,7 +95,7 @@ def resolve(text: str, hub_cache: Path | None) -> Found | None:
     if hub_cache is not None and looks_like_hub_id(text.strip()):
         path = cached_config(text.strip(), hub_cache)
         if path is not None:
-            return Found(path, text.strip().partition("/")[2], "hub cache")
+            return Found(path, path.parents[2].name.split("--", 2)[2], "hub cache")  # (the hub's spelling)
     return None
 
 
@@ -138,17 +138,22 @@ def known_names(text: str) -> list[str]:
     return [m.hub_id for m in CATALOG] if looks_like_hub_id(text) else list(MODELS)
 
 
-def parameters(model: CatalogModel) -> int:
-    """The parameters transformers' model of `model`'s config.json holds (tied ones once), built on the meta device
-    (no memory) the way the traced describer builds it (models/traced/model.py `TracedModel.build`)."""
+def traced_model(model: CatalogModel):
+    """`model`'s config.json as the traced describer's model (models/traced/model.py `TracedModel`)."""
+    from ..traced.model import from_hf_dict
+    from ..transformer.hf_config import read_hf_json
+
+    return from_hf_dict(read_hf_json(model.path), model.name)
+
+
+def parameters(traced) -> int:
+    """The parameters a traced HF model (`TracedModel`) holds, tied ones once: transformers' model built on the
+    meta device (no memory), the way the traced describer builds it (`TracedModel.build`)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from ..config import TrainingSetup
-    from ..traced.model import from_hf_dict
-    from ..transformer.hf_config import read_hf_json
 
-    traced = from_hf_dict(read_hf_json(model.path), model.name)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # (its notes on a config's rope keys: not the listing's business)
     try:
@@ -160,4 +165,4 @@ def parameters(model: CatalogModel) -> int:
 
 
 __all__ = ["CATALOG", "MODELS", "CatalogModel", "Found", "resolve", "hub_cache_dir", "cached_config",
-           "looks_like_hub_id", "known_names", "parameters"]
+           "looks_like_hub_id", "known_names", "traced_model", "parameters"]
