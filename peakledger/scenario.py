@@ -98,7 +98,8 @@ class Scenario:
         unknown = set(changes) - set(setup) - set(model) - set(run)
         if unknown:
             allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
-            raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
+            key = sorted(unknown)[0]
+            raise ConfigError(key, f"unknown setting; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}")
         new = dataclasses.replace(self, model=_replace(self.model, by_name(type(self.model), model)),
                                   setup=_replace(self.setup, setup), **run)
         if (
@@ -217,7 +218,8 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     model_keys = set(keys_of(type(base) if base else TransformerConfig))
     for key in model_table:
         if key not in model_keys:
-            raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}")
+            raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}"
+                                   f"{did_you_mean(key, sorted(model_keys))}")
     if base is None:
         try:
             model = TransformerConfig(**{"name": "custom", **by_name(TransformerConfig, lists_as_tuples(model_table))})
@@ -241,7 +243,8 @@ def _check_training_keys(training: dict) -> None:
     setup_keys = set(KNOBS)
     for key in training:
         if key not in setup_keys:
-            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}"
+                                   f"{did_you_mean(key, sorted(setup_keys))}")
 
 
 def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scenario:
@@ -257,7 +260,8 @@ def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scena
     check_given_knobs(setup, set(training))
     for key in run:
         if key not in RUN_FIELDS:
-            raise ConfigError(key, f"unknown run field; allowed: {', '.join(RUN_FIELDS)}")
+            raise ConfigError(key, f"unknown run field; allowed: {', '.join(RUN_FIELDS)}"
+                                   f"{did_you_mean(key, RUN_FIELDS)}")
     return Scenario(name=name or model.name, model=model, setup=setup, **run)
 
 

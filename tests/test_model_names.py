@@ -151,6 +151,7 @@ def test_a_named_model_simulates_with_its_published_parameters(flags, name, offl
     (["simulate", "--preset", "tiny", "--dp-engine", "zero3"], "dp_engine", "'deepspeed'"),
     (["simulate", "--preset", "tiny", "--optimizer", "adamW"], "optimizer", "'adamw'"),
     (["simulate", "--preset", "tiny", "--optimizer", "adam8bit"], "optimizer", "'adam-8bit'"),
+    (["compare", "--preset", "tiny", "--case", "a: micro_bach=2"], "micro_bach", "'micro_batch'"),
 ])
 def test_a_misspelt_name_is_refused_in_one_line_naming_the_one_meant(argv, field, meant, offline, capsys):
     assert main(argv) == 2
