@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .config import ConfigError, TrainingSetup
 from .cuda_context import CudaContext, cuda_context
+from .names import did_you_mean
 
 
 @dataclass(frozen=True)
@@ -153,4 +154,5 @@ def device_profile(name: str) -> DeviceProfile:
     try:
         return DEVICES[name]
     except KeyError:
-        raise ConfigError("device", f"unknown device {name!r}; allowed: {', '.join(DEVICES)}") from None
+        raise ConfigError("device", f"unknown device {name!r}; allowed: {', '.join(DEVICES)}"
+                                    f"{did_you_mean(name, DEVICES)}") from None

@@ -79,6 +79,7 @@ class DpEngine:
     # knob name -> (does this setup read it?, what it needs); a knob not listed is read whenever this engine runs
     applies: dict[str, tuple[Callable, str]] = field(default_factory=dict)
     unchecked: tuple[str, ...] = ()  # knobs whose use the setup's own check judges (a ZeRO stage under fsdp2)
+    aliases: tuple[str, ...] = ()  # other names users give it, suggested when given (models/names.py), never taken
 
 
 def _stage3(s) -> bool:
@@ -91,12 +92,17 @@ DP_ENGINES: dict[str, DpEngine] = {e.name: e for e in (
               "allgather_bucket_size": (lambda s: s.zero_stage in (1, 2), "dp_engine deepspeed with zero_stage 1 or 2"),
               "stage3_prefetch_bucket_size": (_stage3, "zero_stage 3"),
               "stage3_max_live_parameters": (_stage3, "zero_stage 3"),
-              "stage3_param_persistence_threshold": (_stage3, "zero_stage 3")}, unchecked=("zero_stage",)),
-    DpEngine("fsdp2", "torch fully_shard per block, then the root", Fsdp2Knobs),
-    DpEngine("ddp", "torch DistributedDataParallel: replicas, gradient buckets all-reduced", DdpKnobs),
-    DpEngine("zero-redundancy-optimizer", "DDP with torch's ZeroRedundancyOptimizer", DdpKnobs),
+              "stage3_param_persistence_threshold": (_stage3, "zero_stage 3")}, unchecked=("zero_stage",),
+             aliases=("zero", "zero1", "zero2", "zero3", "ds")),
+    DpEngine("fsdp2", "torch fully_shard per block, then the root", Fsdp2Knobs,
+             aliases=("fsdp", "fsdp1", "fully_shard", "fully-sharded-data-parallel")),
+    DpEngine("ddp", "torch DistributedDataParallel: replicas, gradient buckets all-reduced", DdpKnobs,
+             aliases=("distributed-data-parallel",)),
+    DpEngine("zero-redundancy-optimizer", "DDP with torch's ZeroRedundancyOptimizer", DdpKnobs,
+             aliases=("zero-redundancy", "zero-optimizer")),
 )}
 ENGINE_NAMES = tuple(DP_ENGINES)
+ENGINE_ALIASES = {alias: e.name for e in DP_ENGINES.values() for alias in e.aliases}
 
 
 @dataclass(frozen=True, eq=False)

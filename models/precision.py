@@ -31,6 +31,11 @@ _ROWS = (
     ("bf16", "bf16", "bf16", None, "bf16", None),
 )
 PRECISIONS = tuple(row[0] for row in _ROWS)
+# other names for them, suggested when given (models/names.py), never taken: torch's dtype names, and Lightning's
+# Trainer(precision=...) values (lightning/fabric/connector.py `_PRECISION_INPUT`: "32-true", "16-mixed", "bf16-true")
+PRECISION_ALIASES = {"bfloat16": "bf16", "bf16-true": "bf16", "float32": "fp32", "float": "fp32", "32": "fp32",
+                     "32-true": "fp32", "float16": "fp16-mixed", "half": "fp16-mixed", "fp16": "fp16-mixed",
+                     "16": "fp16-mixed", "16-mixed": "fp16-mixed", "mixed": "bf16-mixed", "autocast": "bf16-autocast"}
 
 
 @dataclass(frozen=True, eq=False)

@@ -4,6 +4,7 @@
     peakledger max-batch --budget 80GiB [same model/training flags]
     peakledger compare [--case "name: key=value key=value" ...] [same flags for the base scenario]
     peakledger validate | capture | explain | replay | calibrate ...
+    peakledger models                    # the models --preset takes by name
 
 Each command module registers its sub-commands (`register(subparsers)`) and holds what they run: cmd_simulate.py
 (simulate, max-batch, compare, checkpointing, sweep), cmd_validate.py (validate, capture), cmd_explain.py (explain,
@@ -22,7 +23,7 @@ import sys
 import threading
 import traceback
 
-from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_run, cmd_simulate, cmd_validate, cmd_where
+from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_models, cmd_run, cmd_simulate, cmd_validate, cmd_where
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.traced.boundary import end_user_processes, time_limit
@@ -46,7 +47,7 @@ class Parser(argparse.ArgumentParser):
 
 
 # each: register(subparsers)
-COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate)
+COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate, cmd_models)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,8 +58,11 @@ def decide(args, code: int) -> int:
 def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--scenario", help="TOML scenario file ([model], [training], [run]); flags override it")
-    g.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default gpt2)")
-    g.add_argument("--hf-config", help="a HF transformers config.json (any model type transformers builds)")
+    g.add_argument("--preset", metavar="NAME", help=f"a model by name: a hand-written preset ({', '.join(PRESETS)}; "
+                   "default gpt2), or a current open model's bundled config.json by name or hub id (qwen2.5-7b, "
+                   "Qwen/Qwen2.5-7B: `peakledger models` lists them), or a hub id in the local hub cache")
+    g.add_argument("--hf-config", help="a HF transformers config.json (any model type transformers builds), or a "
+                   "bundled model's name or hub id as --preset takes it")
     g.add_argument("--module", metavar="FILE.py:FACTORY",
                    help="your own model: FACTORY() returns (model, batch, loss_fn); traced on fake tensors")
     g.add_argument("--describer", help="auto (default), traced, hand-written: how --hf-config is described")

@@ -15,6 +15,7 @@ from .cli_common import add_check_flag, budget_flag, budget_of, decide, fit_verd
 from .inputs import check_command_outputs
 from .models.config import ConfigError
 from .models.devices import DEVICES
+from .models.names import did_you_mean
 from .progress import progress
 from .script import ScriptRun, predict_script, validate_script, with_args
 from .simulator.allocator import TORCH_VERSIONS
@@ -25,10 +26,12 @@ DEFAULT_STEPS = 2
 def run_of(args) -> ScriptRun:
     device = args.device or "cpu"
     if device not in DEVICES:
-        raise ConfigError("device", f"{device!r} is not a device profile; allowed: {', '.join(DEVICES)}")
+        raise ConfigError("device", f"{device!r} is not a device profile; allowed: {', '.join(DEVICES)}"
+                                    f"{did_you_mean(device, DEVICES)}")
     version = args.torch_version or "2.6"
     if version not in TORCH_VERSIONS:
-        raise ConfigError("torch_version", f"{version!r} is not modelled; allowed: {', '.join(TORCH_VERSIONS)}")
+        raise ConfigError("torch_version", f"{version!r} is not modelled; allowed: {', '.join(TORCH_VERSIONS)}"
+                                           f"{did_you_mean(version, TORCH_VERSIONS)}")
     steps = DEFAULT_STEPS if args.steps is None else args.steps
     if steps < 0:
         raise ConfigError("steps", f"must be >= 1 (optimizer steps to run), or 0 for the whole script; got {steps}")

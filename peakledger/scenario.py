@@ -3,7 +3,7 @@
 TOML layout (every key optional; flags given on the command line override the file):
 
     [model]
-    preset = "gpt2"          # or hf_config = "path/to/config.json"
+    preset = "gpt2"          # or a bundled model, "qwen2.5-7b" / "Qwen/Qwen2.5-7B"; or hf_config = "config.json"
     n_layer = 6              # any field of the preset's config overrides it
 
     [training]               # any TrainingSetup field
@@ -22,10 +22,12 @@ TOML layout (every key optional; flags given on the command line override the fi
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .models.catalog import MODELS, hub_cache_dir, known_names, looks_like_hub_id, resolve
 from .models.config import (
     COUNT_LIMITS,
     KNOBS,
@@ -39,6 +41,7 @@ from .models.config import (
 from .models.devices import DEVICES
 from .models.families import family_of
 from .models.fields import by_name, check_types, in_keys, keys_of
+from .models.names import did_you_mean
 from .models.presets import PRESETS, preset
 from .models.traced.model import TracedModel, from_hf_dict, from_module_spec
 from .models.transformer.hf_config import HAND_WRITTEN_HF, load_hf_config, read_hf_json
@@ -67,13 +70,16 @@ class Scenario:
     def __post_init__(self) -> None:
         check_types(self, ConfigError)
         if self.torch_version not in TORCH_VERSIONS:
+            close = did_you_mean(self.torch_version, TORCH_VERSIONS)
             raise ConfigError("torch_version", f"{self.torch_version!r} is not modelled; allowed: "
-                                               f"{', '.join(TORCH_VERSIONS)}")
+                                               f"{', '.join(TORCH_VERSIONS)}{close}")
         AllocatorConfig.parse(self.alloc_conf, self.torch_version)  # refuses what torch or the model does not take
         if self.simulator not in SIMULATORS:
-            raise ConfigError("simulator", f"unknown value {self.simulator!r}; allowed: {', '.join(SIMULATORS)}")
+            raise ConfigError("simulator", f"unknown value {self.simulator!r}; allowed: {', '.join(SIMULATORS)}"
+                                           f"{did_you_mean(self.simulator, SIMULATORS)}")
         if self.device not in DEVICES:
-            raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}")
+            raise ConfigError("device", f"unknown device {self.device!r}; allowed: {', '.join(DEVICES)}"
+                                        f"{did_you_mean(self.device, DEVICES)}")
         if not isinstance(self.headroom, (int, float)) or isinstance(self.headroom, bool) or self.headroom < 0:
             raise ConfigError("headroom", f"must be a number >= 0 (0.1 = 10%), got {self.headroom!r}")
 
@@ -92,7 +98,8 @@ class Scenario:
         unknown = set(changes) - set(setup) - set(model) - set(run)
         if unknown:
             allowed = sorted(setup_keys | model_keys | set(RUN_FIELDS) | {"name"})
-            raise ConfigError(sorted(unknown)[0], f"unknown setting; allowed: {', '.join(allowed)}")
+            key = sorted(unknown)[0]
+            raise ConfigError(key, f"unknown setting; allowed: {', '.join(allowed)}{did_you_mean(key, allowed)}")
         new = dataclasses.replace(self, model=_replace(self.model, by_name(type(self.model), model)),
                                   setup=_replace(self.setup, setup), **run)
         if (
@@ -192,16 +199,18 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     sources = [k for k, v in (("preset", preset_name), ("hf_config", hf), ("module", module)) if v]
     if len(sources) > 1:
         raise ConfigError(sources[0], f"give one model source, not {' and '.join(sources)}")
+    preset_name, hf, hf_name = named_model(preset_name, hf, hub_cache_dir(os.environ))
     if describer not in DESCRIBERS:
-        raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}")
-    base = _traced_source(hf, module, describer, training)
+        raise ConfigError("describer", f"unknown value {describer!r}; allowed: {', '.join(DESCRIBERS)}"
+                                       f"{did_you_mean(describer, DESCRIBERS)}")
+    base = _traced_source(hf, module, describer, training, hf_name)
     if base is not None:
         return traced_scenario(base, model_table, training, run, name, defaults)
     if describer == "traced":
         raise ConfigError("describer", "traced applies to --hf-config and --module models; a preset or a model "
                                        "table is described by hand")
     if hf:
-        base = load_hf_config(hf)
+        base = load_hf_config(hf, hf_name)
     elif preset_name or not model_table:
         base = preset(preset_name or DEFAULT_PRESET)
     else:
@@ -209,7 +218,8 @@ def build_scenario(model_table: dict | None = None, training: dict | None = None
     model_keys = set(keys_of(type(base) if base else TransformerConfig))
     for key in model_table:
         if key not in model_keys:
-            raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}")
+            raise ConfigError(key, f"unknown model field; allowed: preset, hf_config, {', '.join(sorted(model_keys))}"
+                                   f"{did_you_mean(key, sorted(model_keys))}")
     if base is None:
         try:
             model = TransformerConfig(**{"name": "custom", **by_name(TransformerConfig, lists_as_tuples(model_table))})
@@ -233,7 +243,8 @@ def _check_training_keys(training: dict) -> None:
     setup_keys = set(KNOBS)
     for key in training:
         if key not in setup_keys:
-            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}")
+            raise ConfigError(key, f"unknown training field; allowed: {', '.join(sorted(setup_keys))}"
+                                   f"{did_you_mean(key, sorted(setup_keys))}")
 
 
 def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scenario:
@@ -249,7 +260,8 @@ def _scenario(model, base_setup: dict, training: dict, run: dict, name) -> Scena
     check_given_knobs(setup, set(training))
     for key in run:
         if key not in RUN_FIELDS:
-            raise ConfigError(key, f"unknown run field; allowed: {', '.join(RUN_FIELDS)}")
+            raise ConfigError(key, f"unknown run field; allowed: {', '.join(RUN_FIELDS)}"
+                                   f"{did_you_mean(key, RUN_FIELDS)}")
     return Scenario(name=name or model.name, model=model, setup=setup, **run)
 
 
@@ -267,7 +279,32 @@ def hand_written_only(training: dict) -> str | None:
     return None
 
 
-def _traced_source(hf, module, describer: str, training: dict) -> TracedModel | None:
+def named_model(preset_name: str | None, hf: str | None, hub_cache: Path | None) -> tuple[str | None, str | None,
+                                                                                         str | None]:
+    """A model given by name: a `preset` that is no hand-written preset, or an `hf_config` that is no file, is a
+    bundled config.json or the local hub cache's (models/catalog `resolve`); (preset, hf_config, the model's name,
+    None: the file's). A name that is neither is refused, saying the closest names (models/names.py)."""
+    if preset_name is not None and preset_name not in PRESETS:
+        found = resolve(preset_name, hub_cache)
+        if found is None:
+            close = did_you_mean(preset_name, known_names(preset_name) if looks_like_hub_id(preset_name) else
+                                 [*PRESETS, *MODELS])
+            raise ConfigError("preset", f"unknown model {preset_name!r}; allowed: a preset ({', '.join(PRESETS)}), a "
+                                        f"bundled model ({', '.join(MODELS)}; `peakledger models` lists them) or the "
+                                        f"hub id of one, or of one in the hub cache {hub_cache}{close}")
+        return None, str(found.path), found.name
+    if hf is not None and not Path(hf).exists():
+        found = resolve(hf, hub_cache)
+        if found is not None:
+            return preset_name, str(found.path), found.name
+        if looks_like_hub_id(hf) or "/" not in hf and not hf.endswith(".json"):
+            raise ConfigError("hf_config", f"{hf!r} is no file, no bundled model (`peakledger models` lists them) "
+                                           f"and no hub id in the hub cache {hub_cache}"
+                                           f"{did_you_mean(hf, known_names(hf))}")
+    return preset_name, hf, None
+
+
+def _traced_source(hf, module, describer: str, training: dict, name: str | None = None) -> TracedModel | None:
     """The traced model a source names, or None where the hand-written describers take it. A module is always
     traced. A HF config is traced (the program transformers runs, whatever its version: bench/VALIDATION.md "GPU
     prediction: HF training programs"), unless `describer` is "hand-written", or it is "auto" and the setup asks
@@ -283,7 +320,7 @@ def _traced_source(hf, module, describer: str, training: dict) -> TracedModel | 
                                        and hand_written_only(training)):
         return None
     path = Path(hf)
-    return from_hf_dict(data, name=path.stem if path.stem != "config" else path.parent.name or "hf")
+    return from_hf_dict(data, name=name or (path.stem if path.stem != "config" else path.parent.name or "hf"))
 
 
 def traced_scenario(model: TracedModel, model_table: dict, training: dict, run: dict, name, defaults) -> Scenario:

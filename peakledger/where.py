@@ -32,6 +32,7 @@ from .models import gpu
 from .models.config import ConfigError
 from .models.devices import DEVICES, DeviceProfile
 from .models.families import family_of
+from .models.names import did_you_mean
 from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
 
@@ -48,7 +49,8 @@ def gpu_profiles(names: Sequence[str] | None = None) -> list[DeviceProfile]:
         for name in names:
             if name not in GPU_PROFILES:
                 why = "is not a GPU profile" if name in DEVICES else "is not a device profile"
-                raise ConfigError("devices", f"{name!r} {why}; allowed: {', '.join(GPU_PROFILES)}")
+                raise ConfigError("devices", f"{name!r} {why}; allowed: {', '.join(GPU_PROFILES)}"
+                                             f"{did_you_mean(name, GPU_PROFILES)}")
             if name in chosen:
                 raise ConfigError("devices", f"{name!r} is given twice")
             chosen.append(name)

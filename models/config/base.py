@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...simulator.safe_io import InputError, digits_message, read_text, too_many_digits
 from ...simulator.strict_json import JSONRefused
+from ..names import did_you_mean
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -80,8 +81,11 @@ def at_most(obj, *names: str) -> None:
             raise ConfigError(name, f"{value:,} is over the limit of {limit:,} ({why})")
 
 
-def choice_of(obj, name: str, allowed) -> None:
+def choice_of(obj, name: str, allowed, aliases: dict[str, str] | None = None) -> None:
+    """`obj.<name>` is one of `allowed`, else a ConfigError listing them and saying the one meant, if any is close
+    (models/names.py; `aliases` the list's other names for its values, suggested, never taken)."""
     value = getattr(obj, name)
     if value not in allowed:
-        raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(map(str, allowed))}")
+        raise ConfigError(name, f"unknown value {value!r}; allowed: {', '.join(map(str, allowed))}"
+                                f"{did_you_mean(value, allowed, aliases)}")
 

@@ -6,10 +6,10 @@ refused, not ignored)."""
 from __future__ import annotations
 
 from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
-from ..dp_engines import REDUCE_DTYPES
+from ..dp_engines import ENGINE_ALIASES, REDUCE_DTYPES
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
-from ..precision import PRECISIONS
+from ..precision import PRECISION_ALIASES, PRECISIONS
 from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
@@ -293,7 +293,7 @@ def _batch(knobs) -> None:
 
 
 def _precision_optimizer(knobs) -> None:
-    choice_of(knobs, "precision", PRECISIONS)
+    choice_of(knobs, "precision", PRECISIONS, PRECISION_ALIASES)
     choice_of(knobs, "optimizer", OPTIMIZERS)
     choice_of(knobs, "optimizer_impl", OPTIMIZER_IMPLS)
     spec = OPTIMIZER_REGISTRY[knobs.optimizer]
@@ -312,7 +312,7 @@ def _data_parallel(knobs) -> None:
     """The engine (models/dp_engines.py) and its knobs; ZeRO stages are DeepSpeed's."""
     if knobs.zero_stage not in (0, 1, 2, 3):
         raise ConfigError("zero_stage", f"unknown value {knobs.zero_stage!r}; allowed: 0, 1, 2, 3")
-    choice_of(knobs, "dp_engine", tuple(DP_ENGINE_REGISTRY))
+    choice_of(knobs, "dp_engine", tuple(DP_ENGINE_REGISTRY), ENGINE_ALIASES)
     if knobs.zero_stage and knobs.dp_engine != "deepspeed":
         raise ConfigError("zero_stage", f"ZeRO stages are DeepSpeed's (dp_engine deepspeed); {knobs.dp_engine} "
                                         "shards by itself: fsdp2 = parameters, gradients and states "

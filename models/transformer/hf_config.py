@@ -293,9 +293,11 @@ def read_hf_json(path: str | Path) -> dict:
     return data
 
 
-def load_hf_config(path: str | Path) -> TransformerConfig:
+def load_hf_config(path: str | Path, name: str | None = None) -> TransformerConfig:
+    """The config.json at `path` as a TransformerConfig named `name` (None: the file's name, or its folder's)."""
     path = Path(path)
-    return from_hf_config(read_hf_json(path), name=path.stem if path.stem != "config" else path.parent.name or "hf")
+    return from_hf_config(read_hf_json(path), name=name or (path.stem if path.stem != "config" else
+                                                            path.parent.name or "hf"))
 
 
 # -- a hand-written config's HF equivalent ----------------------------------------------------------------------
