@@ -18,7 +18,6 @@ from .analysis.checkpointing import (
     render_optimal,
     render_table,
 )
-from .analysis.device import gpu_memory
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
@@ -83,7 +82,7 @@ def cmd_simulate(args) -> int:
     if args.plot:
         from .analysis.plot import setup_text  # matplotlib, loaded for the picture only
 
-        gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
+        gpu = report.gpu_series
         oom = report.log.ooms[0] if report.log.ooms else None
         steps = StepPlan.of(report.log.metadata).summary() or f"{report.steps} steps"
         if report.log.metadata.stopped_at_oom:
