@@ -53,7 +53,8 @@ td.over { color: var(--over); font-weight: 600; }
 #chart { width: 100%; height: 440px; display: block; user-select: none; cursor: crosshair; }
 #chart text { font: 11px system-ui, "DejaVu Sans", sans-serif; fill: #333; }
 #chart .band-label { fill: #555; font-size: 10.5px; }
-#chart .peak-label { font-weight: 700; font-size: 12px; fill: #000; }
+#chart .peak-label { font-weight: 700; font-size: 12px; fill: #000; stroke: #fff; stroke-width: 3px;
+  paint-order: stroke; }
 #tooltip { position: fixed; display: none; z-index: 10; background: rgba(255,255,255,.97); border: 1px solid #aab;
   border-radius: 6px; box-shadow: 0 4px 14px rgba(0,0,0,.15); padding: 8px 10px; font-size: 12px;
   max-width: 620px; pointer-events: none; }
