@@ -26,7 +26,7 @@ from ..simulator.safe_io import write_atomic
 from .export_chrome import chrome_trace
 from .export_snapshot import to_snapshot
 
-__all__ = ["chrome_trace", "to_snapshot", "write_chrome_trace", "write_snapshot"]
+__all__ = ["chrome_trace", "to_snapshot", "write_chrome_trace", "write_html", "write_snapshot"]
 
 PICKLE_PROTOCOL = 4  # torch's MemoryViz.js reads protocols 2 to 4
 
@@ -38,3 +38,8 @@ def write_chrome_trace(log: EventLog, path: str, graph: OpGraph | None = None) -
 
 def write_snapshot(log: EventLog, path: str) -> None:
     write_atomic(path, pickle.dumps(to_snapshot(log), protocol=PICKLE_PROTOCOL))
+
+
+def write_html(path: str, page: str) -> None:
+    """An HTML report (analysis/export_html.py `html_report`), written atomically."""
+    write_atomic(path, page.encode())

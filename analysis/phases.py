@@ -64,25 +64,38 @@ def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak
             for (step, phase), (a, i, r) in best.items()]
 
 
+def phase_table(rows: list[PhasePeak], unit: str, budget: int | None = None) -> tuple[str, list[str], list[list[str]]]:
+    """The phase peaks as a table: its title, its column heads and one row of cells per phase (sizes by
+    analysis/units.py), read by the text table (`phase_lines`) and the HTML report alike."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    gpu = bool(rows) and rows[0].reserved is not None
+    title = ("peak by phase (" + ("allocated / reserved / device total" if gpu else "allocated tensors")
+             + (f"; margin to the budget of {f(budget)}" if budget is not None else "") + "):")
+    head = ["phase", "allocated", *(("reserved", "device total") if gpu else ()),
+            *(("margin",) if budget is not None else ()), "at"]
+    body = []
+    for r in rows:
+        need = r.device_total if gpu else r.allocated
+        cells = [r.label, f(r.allocated), *((f(r.reserved), f(r.device_total)) if gpu else ())]
+        if budget is not None:
+            cells.append(f(budget - need) if need <= budget else "over " + f(need - budget))
+        body.append(cells + [r.op])
+    return title, head, body
+
+
 def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> list[str]:
     """The table `simulate` prints: one line per phase of each simulated step, with the margin to a budget."""
     if not rows:
         return []
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
-    gpu = rows[0].reserved is not None
-    head = f"  {'phase':<28}{'allocated':>14}" + (f"{'reserved':>14}{'device total':>14}" if gpu else "")
-    head += f"{'margin':>18}" if budget is not None else ""
-    lines = ["peak by phase (" + ("allocated / reserved / device total" if gpu else "allocated tensors")
-             + (f"; margin to the budget of {f(budget)}" if budget is not None else "") + "):", head + "  at"]
-    for r in rows:
-        need = r.device_total if gpu else r.allocated
-        line = f"  {r.label:<28}{f(r.allocated):>14}"
-        if gpu:
-            line += f"{f(r.reserved):>14}{f(r.device_total):>14}"
-        if budget is not None:
-            line += f"{f(budget - need):>18}" if need <= budget else f"{'over ' + f(need - budget):>18}"
-        lines.append(line + f"  {r.op}")
-    return lines
+    title, head, body = phase_table(rows, unit, budget)
+    widths = [14] * (len(head) - 2)
+    if budget is not None:
+        widths[-1] = 18
+
+    def line(cells: list[str]) -> str:
+        return f"  {cells[0]:<28}" + "".join(f"{c:>{w}}" for c, w in zip(cells[1:-1], widths)) + f"  {cells[-1]}"
+
+    return [title, line(head)] + [line(cells) for cells in body]
 
 
 STATE_PHASES = (Phase.LOAD, Phase.OPTIMIZER, Phase.ZERO_GRAD)  # no activations live: what states alone need
@@ -102,4 +115,4 @@ def binding(phases: list[PhasePeak], budget: int) -> PhasePeak | None:
     return next((p for p in phases if p.phase in STATE_PHASES and floor(p) > budget), None)
 
 
-__all__ = ["PhasePeak", "phase_peaks", "phase_lines", "PHASE_WORDS", "STATE_PHASES", "floor", "binding"]
+__all__ = ["PhasePeak", "phase_peaks", "phase_table", "phase_lines", "PHASE_WORDS", "STATE_PHASES", "floor", "binding"]

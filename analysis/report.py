@@ -75,11 +75,16 @@ class Report:
         return timeline(self.log, self.peaks.rank, self.peaks.pool)
 
     @functools.cached_property
+    def gpu_series(self) -> DeviceMemory | None:
+        """The peak rank through the caching allocator with its series (time, allocated, reserved) per device
+        event, on a CUDA profile: the allocator replayed once more, when a report is shown (the phase peaks, the
+        picture, the HTML report read it); a max-batch probe or a sweep point never reads it."""
+        return gpu_memory(self.log, self.peaks.rank, series=True) if self.gpu is not None else None
+
+    @functools.cached_property
     def phases(self) -> list[PhasePeak]:
-        """The peak of each phase of each simulated step (analysis/phases.py), made when a report is shown: a
-        max-batch probe or a sweep point never reads it, and it replays the allocator once more for its series."""
-        gpu = gpu_memory(self.log, self.peaks.rank, series=True) if self.gpu is not None else None
-        return phase_peaks(self.timeline, gpu)
+        """The peak of each phase of each simulated step (analysis/phases.py), made when a report is shown."""
+        return phase_peaks(self.timeline, self.gpu_series)
 
     @property
     def steps(self) -> int:
@@ -330,9 +335,8 @@ LOOP_WORDS = {"plain": "plain (the default; --loop hf-trainer for HF Trainer's s
                             "outputs dropped before backward; clip_grad_norm_(1.0) before each optimizer step"}
 
 
-def render_text(r: Report, unit: str = "GiB") -> str:
-    """A plain-text report (monospace table), sizes labelled with their unit."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def setup_lines(r: Report) -> list[str]:
+    """The report's first lines: the run (model, device, rank and pool), then its setup, one line a part."""
     md, pk = r.metadata, r.peaks
     lines = [f"peakledger: {r.name}  ({md.model} on {md.device}, rank {pk.rank} {pk.pool.value} memory)"]
     setup = md.setup
@@ -386,7 +390,15 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         else:
             flops = training_flops(md.n_trainable or 0, md.tokens_per_step)
             lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
-    lines.append("")
+    return lines
+
+
+def peak_lines(r: Report, unit: str = "GiB") -> list[str]:
+    """The true peak, the first-step and steady peaks (with why the first step is higher), the host peak and
+    the capacity needed, one line each."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    pk, setup = r.peaks, r.metadata.setup
+    lines: list[str] = []
     e = pk.overall.event
     if e is not None:
         lines.append(f"true peak        {f(pk.overall.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
@@ -406,6 +418,23 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if pk.headroom:
             what = "device total" if r.gpu is not None else "peak"
             lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")
+    return lines
+
+
+LEDGER_HEAD = ["row", "at peak", "dtype", "shard", "tensors", "share", "row max"]
+
+
+def ledger_cells(row: LedgerRow, unit: str = "GiB") -> list[str]:
+    """One ledger row as the report prints it, under LEDGER_HEAD (sizes by analysis/units.py)."""
+    return [row.row, format_bytes(row.bytes, unit), row.dtype, str(row.shard_factor), str(row.tensors),
+            f"{row.share:.1%}", format_bytes(row.max_bytes, unit)]
+
+
+def render_text(r: Report, unit: str = "GiB") -> str:
+    """A plain-text report (monospace table), sizes labelled with their unit."""
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    md = r.metadata
+    lines = setup_lines(r) + [""] + peak_lines(r, unit)
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
         lines.append("per rank, the worst first (ranks with identical layouts are simulated once):")
         for rp in sorted(r.ranks, key=lambda rp: (-rp.peak.bytes, rp.rank)):
@@ -421,11 +450,9 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             lines.append(f"  ({run_plan(r.log).summary()})")
     lines.append("")
     lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
-    lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"
-                 f"{'row max':>14}")
-    for row in r.ledger:
-        lines.append(f"  {row.row:<30}{f(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
-                     f"{row.tensors:>9}{row.share:>8.1%}{f(row.max_bytes):>14}")
+    for cells in [LEDGER_HEAD] + [ledger_cells(row, unit) for row in r.ledger]:
+        name, at, dtype, shard, tensors, share, top = cells
+        lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}")
     lines.append(f"  {'total':<30}{f(sum(x.bytes for x in r.ledger)):>14}")
     for o in r.log.ooms:
         lines.append("")

@@ -8,6 +8,8 @@ import json
 from . import diagnosis
 from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
+from .analysis.export import write_html
+from .analysis.export_html import html_report
 from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
 from .assumed import assumed, assumed_lines
@@ -20,7 +22,7 @@ from .cli_common import (
     decide,
     write_json,
 )
-from .inputs import scenario_flags_given, scenario_from_args
+from .inputs import check_command_outputs, scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
 from .traces.store import load_trace
 
@@ -28,6 +30,10 @@ from .traces.store import load_trace
 def cmd_explain(args) -> int:
     host_budget = budget_flag(args, "host_budget")
     u = args.unit
+    if args.trace and args.html:
+        raise ConfigError("html", "explain --trace reads a measured trace; --html draws a simulated run (explain a "
+                                  "scenario, or simulate --html): drop one")
+    check_command_outputs(args, ["html"])
     if args.trace:
         budget = budget_flag(args)
         if budget is None:
@@ -38,6 +44,11 @@ def cmd_explain(args) -> int:
     x = diagnosis.explain(scenario, budget, host_budget)
     setup = scenario.setup
     status = decide(args, 1 if args.check and not x.fits else 0)
+    if args.html:
+        write_html(args.html, html_report(
+            x.report, u, budget=budget, verdict=(x.fits, check_line(x.fits, x.capacity_needed, budget, u)),
+            fixes=diagnosis.fixes_table(x, u),
+            notes=[f"{'where it runs out' if not x.fits else 'its highest moment'}: {x.where}"] + x.first_step))
     if args.json:
         write_json({"scenario": x.scenario, "budget": budget, "host_budget": host_budget, "peak": x.peak,
                      "capacity_needed": x.capacity_needed, "fits": x.fits, "step_time_s": x.step_time,
@@ -75,16 +86,10 @@ def cmd_explain(args) -> int:
         print("it fits; what commonly makes a real first step worse than this simulation assumed:")
         print("\n".join(f"  - {line}" for line in x.risks))
         print("")
-    if not x.fixes:
-        print(f"fixes: none of the {x.tried} re-simulated lowers the peak")
-    else:
-        print(f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
-              f"{x.step_time * 1e3:.4g} ms now; fitting first, then same GPUs, training unchanged, faster):")
-        print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
-        for fx in x.fixes:
-            ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
-            cost = fx.note + ("; changes the training" if fx.changes_training else "")
-            print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+    title, head, rows = diagnosis.fixes_table(x, u)
+    print(title)
+    for name, peak, fits, ratio, cost in [head] + rows if rows else []:
+        print(f"  {name:<52}{peak:>14}  {fits:<5}{ratio:>11}  {cost}")
     print("\n".join(["", *assumed_lines(scenario), "  (the scenario's; each fix changes what it names)"]))
     if args.check:
         print(check_line(x.fits, x.capacity_needed, budget, u))
@@ -211,6 +216,8 @@ def register(sub) -> None:
     x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")
     x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
     x.add_argument("--json", action="store_true")
+    x.add_argument("--html", metavar="FILE", help="also write one self-contained HTML page (no network): the "
+                   "timeline (zoom; the tensors live under the pointer), the ledger, the peak of each phase, the fixes")
     add_check_flag(x)
     x.set_defaults(func=cmd_explain)
     r = sub.add_parser("replay", help="replay a CUDA snapshot's requests through the caching-allocator model and "

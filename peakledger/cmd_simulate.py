@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from . import (
     api,
+    diagnosis,
     sweep,
 )
 from .analysis.checkpointing import (
@@ -18,8 +19,8 @@ from .analysis.checkpointing import (
     render_optimal,
     render_table,
 )
-from .analysis.device import gpu_memory
-from .analysis.export import write_chrome_trace, write_snapshot
+from .analysis.export import write_chrome_trace, write_html, write_snapshot
+from .analysis.export_html import html_report
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
@@ -44,7 +45,7 @@ from .inputs import (
     scenario_from_args,
 )
 from .models.config import ConfigError
-from .models.devices import DEVICES
+from .models.devices import DEVICES, device_profile
 from .models.training import StepPlan
 from .progress import progress
 from .simulator.timeline import timeline
@@ -71,7 +72,7 @@ def critical_path_text(path: CriticalPath) -> str:
 
 
 def cmd_simulate(args) -> int:
-    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome", "export_graph"])
+    check_command_outputs(args, ["plot", "export_snapshot", "export_chrome", "export_graph", "html"])
     budget = budget_flag(args)
     if args.stop_at_oom and budget is None:
         raise ConfigError("stop_at_oom", "needs --budget: the OOM it stops at is an allocation over the budget")
@@ -84,7 +85,7 @@ def cmd_simulate(args) -> int:
     if args.plot:
         from .analysis.plot import setup_text  # matplotlib, loaded for the picture only
 
-        gpu = gpu_memory(report.log, report.peaks.rank, series=True) if report.gpu is not None else None
+        gpu = report.gpu_series
         oom = report.log.ooms[0] if report.log.ooms else None
         steps = StepPlan.of(report.log.metadata).summary() or f"{report.steps} steps"
         if report.log.metadata.stopped_at_oom:
@@ -101,13 +102,15 @@ def cmd_simulate(args) -> int:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
         write_chrome_trace(report.log, args.export_chrome, graph)
+    if args.html:
+        write_html(args.html, _html_page(args, scenario, report, budget))
     path = None
     if args.export_graph:
         from .simulator.graph_nx import critical_path, write_graphml  # networkx, loaded for this export only
 
         write_graphml(graph, args.export_graph)
         path = critical_path(graph)
-    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph) if x]
+    written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph, args.html) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
     verdict = fit_verdict(report, budget, scenario.headroom) if args.check else None
     code = decide(args, 1 if verdict is not None and not verdict.fits else 0)
@@ -131,6 +134,20 @@ def cmd_simulate(args) -> int:
         if verdict is not None:
             print(verdict.line(args.unit))
     return code
+
+
+def _html_page(args, scenario, report, budget: int | None) -> str:
+    """simulate --html: the run held against its card (--budget, or else a GPU profile's memory; the cpu profile
+    without --budget has none); when it does not fit, the fixes `explain` finds there, each re-simulated."""
+    profile = device_profile(scenario.device)
+    card = budget if budget is not None else None if profile.is_cpu else profile.memory_bytes
+    verdict = fit_verdict(report, card, scenario.headroom) if card is not None else None
+    fixes = None
+    if verdict is not None and not verdict.fits:
+        x = diagnosis.explain(scenario, card)
+        fixes = diagnosis.fixes_table(x, args.unit)
+    return html_report(report, args.unit, budget=card, fixes=fixes,
+                       verdict=(verdict.fits, verdict.line(args.unit)) if verdict is not None else None)
 
 
 def _savings_lines(s: dict, unit: str) -> list[str]:
@@ -369,6 +386,11 @@ def register(sub) -> None:
     s.add_argument("--export-chrome", metavar="FILE",
                    help="write a Chrome trace JSON (Perfetto, chrome://tracing): step, phase and op duration slices "
                         "per rank (pid) and stream (tid), beside counters of the bytes live per category")
+    s.add_argument("--html", metavar="FILE",
+                   help="write one self-contained HTML page (no network): the headline with the verdict against the "
+                        "card (--budget, or else a GPU --device's memory), the timeline (zoom; the tensors live under "
+                        "the pointer), the ledger, the peak of each phase and, when the run does not fit the card, "
+                        "the fixes `explain` finds, each re-simulated")
     s.add_argument("--export-graph", metavar="FILE",
                    help="write the op graph as GraphML (networkx) and print its critical path")
     s.set_defaults(func=cmd_simulate)

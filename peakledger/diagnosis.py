@@ -66,6 +66,7 @@ class Explanation:
     binding: PhasePeak | None = None  # the state phase no forward / backward fix can bring under the budget
     risks: list[str] = field(default_factory=list)  # when it fits: what commonly makes a real first step worse
     tried: int = 0  # fixes re-simulated (those listed changed the peak)
+    report: Report | None = None  # the run as it is (its timeline, ledger and phases: explain --html)
 
 
 def where(event, setup: TrainingSetup) -> str:
@@ -209,7 +210,23 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
                        where=where(moment.event, setup) + f", rank {moment.rank}",
                        first_step=first_step_causes(moment, setup) if moment.event.step <= 1 else [],
                        phases=base.phases, risks=first_step_risks(scenario, base) if fits_now else [], tried=tried,
-                       binding=None if fits_now else binding(base.phases, budget))
+                       binding=None if fits_now else binding(base.phases, budget), report=base)
+
+
+FIX_HEAD = ["fix", "peak", "fits", "step time", "cost"]
+
+
+def fixes_table(x: Explanation, unit: str = "GiB") -> tuple[str, list[str], list[list[str]]]:
+    """The fixes as `explain` prints them: a title (how many of how many tried, the step time now), the column
+    heads and one row of cells per fix (its peak, whether it fits, its step time against the run's, its cost)."""
+    if not x.fixes:
+        return f"fixes: none of the {x.tried} re-simulated lowers the peak", FIX_HEAD, []
+    title = (f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
+             f"{x.step_time * 1e3:.4g} ms now; fitting first, then same GPUs, training unchanged, faster):")
+    rows = [[fx.name, format_bytes(fx.peak, unit), "yes" if fx.fits else "no",
+             f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-",
+             fx.note + ("; changes the training" if fx.changes_training else "")] for fx in x.fixes]
+    return title, FIX_HEAD, rows
 
 
 ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})

@@ -11,43 +11,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from ...simulator.events import Category, Phase
+from ...simulator.events import Category
 from ...simulator.safe_io import write_atomic
+from ..palette import BUDGET_COLOUR, CATEGORY_COLOURS, PHASE_COLOURS, PHASE_SHORT, STACK_ORDER
 from ..units import SMALLER, UNITS, format_bytes
 
-# -- the shared tables -------------------------------------------------------------------------------
+# -- the shared tables (the colours, the stacking order and the phases: analysis/palette.py) ------------
 
-CATEGORY_COLOURS: dict[Category, str] = {
-    Category.PARAMETER: "#0072B2",  # Okabe-Ito blue
-    Category.MASTER_PARAMETER: "#56B4E9",  # sky blue: the parameters' fp32 copy, beside them
-    Category.GRADIENT: "#E69F00",  # orange
-    Category.OPTIMIZER_STATE: "#009E73",  # bluish green
-    Category.BUFFER: "#999999",  # grey
-    Category.INPUT: "#F0E442",  # yellow
-    Category.WORKSPACE: "#332288",  # Tol indigo
-    Category.ALL_GATHER_BUFFER: "#882255",  # Tol wine
-    Category.REDUCE_SCATTER_BUCKET: "#999933",  # Tol olive
-    Category.CHECKPOINT_STAGING: "#117733",  # Tol green
-    Category.ACTIVATION: "#CC79A7",  # reddish purple
-    Category.TEMPORARY: "#D55E00",  # vermillion
-    Category.UNKNOWN: "#000000",  # black: a measured block no rule could label
-}
 CATEGORY_HATCHES: dict[Category, str] = {Category.WORKSPACE: "x", Category.ALL_GATHER_BUFFER: "/",
                                          Category.REDUCE_SCATTER_BUCKET: "\\", Category.CHECKPOINT_STAGING: ".",
                                          Category.BUFFER: "-", Category.UNKNOWN: "+"}
-STACK_ORDER: tuple[Category, ...] = (
-    Category.PARAMETER, Category.MASTER_PARAMETER, Category.GRADIENT, Category.OPTIMIZER_STATE, Category.BUFFER,
-    Category.WORKSPACE, Category.INPUT, Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET,
-    Category.CHECKPOINT_STAGING, Category.ACTIVATION, Category.TEMPORARY, Category.UNKNOWN)
-
-PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e3eefa", Phase.BACKWARD: "#fbeadf",
-                 Phase.OPTIMIZER: "#e2f4dc", Phase.ZERO_GRAD: "#efe3f5", Phase.CHECKPOINT: "#fff3c2",
-                 Phase.EVAL: "#e0f2f1", Phase.GENERATE: "#fde4ec"}
-PHASE_SHORT = {Phase.LOAD: "load", Phase.FORWARD: "fwd", Phase.BACKWARD: "bwd", Phase.OPTIMIZER: "opt",
-               Phase.ZERO_GRAD: "zero", Phase.CHECKPOINT: "save",
-               Phase.EVAL: "eval", Phase.GENERATE: "gen"}
-
-BUDGET_COLOUR = "#C00000"
 OK_COLOUR, OVER_COLOUR, NEUTRAL_COLOUR, CHOSEN_COLOUR = "#009E73", "#D55E00", "#0072B2", "#7B3294"
 BASE_FONT = 10
 
