@@ -3,14 +3,20 @@ and llm-analysis say per rank for a setup, next to what the simulation says, and
 
 Both are re-derived here as pure functions of plain numbers, term by term from their sources:
 
-- Megatron-LM `megatron/training/theoretical_memory_usage.py` (main, the EP-aware version):
+- Megatron-LM `megatron/training/theoretical_memory_usage.py` at commit 1bcb3b9e0b029c6109d8d32872645bd540052963
+  (2026-06-16, its last change on main through d98e8a6 of 2026-08-22; the expert-parallel split since a7c9e8c,
+  latent MoE since 1bcb3b9, neither modelled here beyond EP). Not importable: the file is in megatron/training,
+  and megatron-core's wheel (0.16.1) ships megatron/core only, so this column is always the re-derivation:
   `compute_weight_and_optimizer_memory` (parameters of the most loaded shard x 18 bytes, or 6 + 12/d with the
   distributed optimizer), `compute_activation_memory` (sequence parallel + selective recompute: Korthikanti et al.
   2022, table 2) and `compute_activation_memory_without_sp` (every other setup), as `report_theoretical_memory`
   picks between them. Megatron prints MB (2^20 bytes); here everything is bytes.
-- llm-analysis (cli99/llm-analysis) `llm_analysis/analysis.py` at commit 08d7f8f6958619070d6b0484730a0f0054f042ed:
+- llm-analysis (cli99/llm-analysis) `llm_analysis/analysis.py` as released in 0.2.2 (PyPI; tag v0.2.2, 0571436):
   `LLMAnalysis.training` with its defaults (w16a16e16, Adam, fp32 master weights, fp32 layernorm inputs, flash
-  attention, attention dropout mask on, no softmax dropout) and the `get_*` functions it calls.
+  attention, attention dropout mask on, no softmax dropout) and the `get_*` functions it calls. Its main since
+  (08d7f8f, 2023-11-17) differs in memory only under full recompute: 0.2.2's get_activation_memory_per_layernorm
+  returns 0 for FULL, so its training() adds no final-norm input; 08d7f8f adds it always. Where llm-analysis is
+  installed, `parallel_peers` takes the row from its own `LLMAnalysis.training` instead (analysis/peers_own.py).
 
 Each estimate is a dict: `source`, `model_states` (weights + gradients + optimizer states), `activations`, `total`
 (bytes per rank, rounded), `detail` (the named terms, unrounded) and `why` (the modelling choices that make it
@@ -21,12 +27,17 @@ differ from a simulation). `parallel_peers` builds both from a peakledger Transf
 from __future__ import annotations
 
 from ..models.config import ConfigError
+from ..models.devices import device_profile
 from ..models.precision import PRECISION_TABLE
+from .peers_own import LLM_ANALYSIS_VERSION, PeerFunction, llm_analysis_peer
 from .units import format_bytes
 
 RECOMPUTE = ("none", "selective", "full")
 MEGATRON = "Megatron-LM theoretical"
 LLM_ANALYSIS = "llm-analysis"
+MEGATRON_COMMIT = "1bcb3b9e0b029c6109d8d32872645bd540052963"  # theoretical_memory_usage.py's version re-derived here
+MEGATRON_SOURCE = (f"Megatron-LM {MEGATRON_COMMIT[:7]}'s formulas (megatron/training/theoretical_memory_usage.py, "
+                   "re-derived: megatron-core does not ship megatron/training)")
 
 # Megatron docs, "Distributed Optimizer" (docs/user-guide/features/dist_optimizer.md): theoretical bytes per
 # parameter, (non-distributed, distributed as a function of d). theoretical_memory_usage.py uses only the bf16 row.
@@ -181,9 +192,10 @@ def llm_analysis_training(*, h: int, ffn: int, layers: int, heads: int, kv_heads
     layer = llm_analysis_activation_per_layer(h=h, ffn=ffn, heads=heads, seq=seq, micro_batch=micro_batch, tp=tp,
                                               sp=sp, recompute=recompute, flash_attn=flash_attn, act_bytes=act_bytes,
                                               layernorm_bytes=layernorm_bytes, num_experts=num_experts, top_k=top_k)
-    # analysis.py training: all L layers (p stages x L/p layers in flight), + logits, + one final norm input
+    # analysis.py training: all L layers (p stages x L/p layers in flight), + logits, + one final norm input (0.2.2:
+    # get_activation_memory_per_layernorm is 0 under FULL recompute)
     logits = vocab * micro_batch * seq * act_bytes / tp  # get_activation_memory_output_embedding
-    final_norm = seq * micro_batch * h / sp * layernorm_bytes
+    final_norm = 0 if recompute == "full" else seq * micro_batch * h / sp * layernorm_bytes
     activations = layer["bytes"] * layers + logits + final_norm
     states = weights + gradients + optimizer
     return {"weights": weights, "gradients": gradients, "optimizer_states": optimizer, "model_states": states,
@@ -191,9 +203,13 @@ def llm_analysis_training(*, h: int, ffn: int, layers: int, heads: int, kv_heads
             "layers_per_gpu": per_gpu_layers, "bytes": states + activations}
 
 
-def _row(source: str, states: float, activations: float, detail: dict, why: list[str]) -> dict:
+def _row(source: str, states: float, activations: float, detail: dict, why: list[str], estimate_source: str,
+         version: str, own: bool) -> dict:
+    """A peer's row; `estimate_source` says whose figure it is (the peer's own function, or which version's
+    formulas and why), printed under the table."""
     return {"source": source, "model_states": round(states), "activations": round(activations),
-            "total": round(states) + round(activations), "detail": detail, "why": why}
+            "total": round(states) + round(activations), "detail": detail, "why": why,
+            "estimate_source": estimate_source, "estimate_version": version, "estimate_own": own}
 
 
 def megatron_theoretical(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, seq, micro_batch, tp=1, pp=1, dp=1,
@@ -241,24 +257,28 @@ def megatron_theoretical(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, se
     why.append("leaves out the allocator (fragmentation, cached blocks), the CUDA context and workspaces, "
                "communication buffers (TP/PP send-receive, DP buckets), optimizer-step temporaries")
     detail = {"weights_and_optimizer": states, "activations": acts, "padded_vocab": padded}
-    return _row(MEGATRON, states["bytes"], acts["bytes"], detail, why)
+    return _row(MEGATRON, states["bytes"], acts["bytes"], detail, why, MEGATRON_SOURCE, MEGATRON_COMMIT[:7], False)
 
 
 def llm_analysis(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, seq, micro_batch, tp=1, pp=1, dp=1, cp=1,
                  sequence_parallel=False, recompute="none", zero_stage=0, flash_attn=True, weight_bytes=2,
                  act_bytes=2, swiglu=False, untied=False, num_experts=1, top_k=1, virtual_stages=None,
-                 num_microbatches=None) -> dict:
-    """llm-analysis's training memory for a setup, as a row with its breakdown and why it differs."""
+                 num_microbatches=None, peer: PeerFunction | None = None) -> dict:
+    """llm-analysis's training memory for a setup, as a row with its breakdown and why it differs: from `peer`
+    (analysis/peers_own.py: llm-analysis's own function where installed), else its 0.2.2 formulas."""
     sp = tp if sequence_parallel else 1  # train(): sp_size defaults to tp_size; 1 turns sequence parallelism off
-    d = llm_analysis_training(h=h, ffn=ffn, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, seq=seq,
-                              micro_batch=micro_batch, tp=tp, pp=pp, dp=dp, sp=sp, recompute=recompute,
-                              zero_stage=zero_stage, flash_attn=flash_attn, weight_bytes=weight_bytes,
-                              act_bytes=act_bytes, num_experts=num_experts, top_k=top_k)
+    peer = peer or PeerFunction(LLM_ANALYSIS, "LLMAnalysis.training", LLM_ANALYSIS_VERSION, llm_analysis_training,
+                                why="re-derived")
+    d, source, own = peer(h=h, ffn=ffn, layers=layers, heads=heads, kv_heads=kv_heads, vocab=vocab, seq=seq,
+                          micro_batch=micro_batch, tp=tp, pp=pp, dp=dp, sp=sp, recompute=recompute,
+                          zero_stage=zero_stage, flash_attn=flash_attn, weight_bytes=weight_bytes,
+                          act_bytes=act_bytes, num_experts=num_experts, top_k=top_k)
     why = [f"model states = floor(L/p) = {d['layers_per_gpu']} layers + the embedding (V h, once, unpadded) + the "
            "final norm on every stage, over tp; weights 2 B, gradients in the master dtype (4 B), Adam 12 B"
            + (f"; ZeRO-{zero_stage} shards over dp" if zero_stage else ""),
            "activations for all L layers on every rank (p micro-batches x L/p layers), whatever m, p and interleaving, "
-           "+ logits V s b/t + one final-norm input; no input-embedding or loss terms",
+           "+ logits V s b/t + one final-norm input (none under full recompute, as 0.2.2 counts it); no "
+           "input-embedding or loss terms",
            "per layer (Korthikanti et al. with flash attention): layernorm inputs in fp32, a 1-byte attention-dropout "
            "mask even with dropout off" + ("" if flash_attn else ", s^2 attention scores")]
     shapes = []
@@ -277,7 +297,8 @@ def llm_analysis(*, h, ffn, layers, heads, kv_heads, head_dim, vocab, seq, micro
     if virtual_stages and virtual_stages > 1:
         why.append("no interleaved-schedule penalty")
     why.append("leaves out the allocator, the CUDA context and workspaces, communication buffers, temporaries")
-    return _row(LLM_ANALYSIS, d["model_states"], d["activations"], d, why)
+    return _row(LLM_ANALYSIS, d["model_states"], d["activations"], d, why, source,
+                peer.version if own else peer.formula_version, own)
 
 
 def _get(setup, name, default=None):
@@ -286,11 +307,12 @@ def _get(setup, name, default=None):
 
 def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
                    virtual_stages: int = 1, pp_schedule: str = "1f1b", distributed_optimizer: bool | None = None,
-                   recompute: str | None = None, ep: int = 1) -> list[dict]:
+                   recompute: str | None = None, ep: int = 1, device: str = "H100-80GB") -> list[dict]:
     """Megatron's and llm-analysis's rows for a peakledger TransformerConfig and a TrainingSetup (or a dict with its
     fields). tp/pp/cp/... are arguments until the setup has them. `distributed_optimizer` None: zero_stage >= 1;
     `recompute` None: from setup.checkpointing.policy (none -> none, selective -> selective, any layer policy ->
-    full)."""
+    full). llm-analysis's row is its own `LLMAnalysis.training` where llm-analysis is installed (`device`: the GPU
+    it is told of), else its 0.2.2 formulas; each row's `estimate_source` says which."""
     world = _get(setup, "world_size", 1)
     if world % (tp * pp * cp):
         raise ConfigError("world_size", f"{world} ranks do not divide into tp {tp} x pp {pp} x cp {cp}")
@@ -316,10 +338,11 @@ def parallel_peers(cfg, setup, *, tp: int = 1, pp: int = 1, cp: int = 1, sequenc
                                 precision=precision, pp_schedule=pp_schedule, ep=ep)
     prec = PRECISION_TABLE[precision]
     weight_bytes = 2 if prec.param != "fp32" else 4  # autocast keeps fp32 weights
+    peer = llm_analysis_peer(llm_analysis_training, device_profile(device), common["num_microbatches"])
     llm = llm_analysis(**common, zero_stage=max(zero, 1 if distributed_optimizer else 0),
                        flash_attn=cfg.attention == "sdpa", weight_bytes=weight_bytes,
                        act_bytes=4 if prec.compute == "fp32" else 2, num_experts=experts or 1,
-                       top_k=getattr(cfg, "num_experts_per_tok", None) or 1)
+                       top_k=getattr(cfg, "num_experts_per_tok", None) or 1, peer=peer)
     if ep > 1:
         llm["why"].insert(1, f"expert parallelism (ep {ep}) is not passed to this formula: every expert is counted on "
                              "every rank")
@@ -365,6 +388,7 @@ def render_parallel_peers(rows: list[dict], unit: str, name: str | None = None) 
     for r in rows:
         lines.append(f"{r['source']:<26}{f(r.get('model_states')):>16}{f(r.get('activations')):>16}"
                      f"{f(r.get('total', r.get('peak'))):>16}")
+    lines += [f"{r['source']}: {r['estimate_source']}" for r in rows if r.get("estimate_source")]
     lines.append("why they differ:")
     lines += [f"  - {note}" for note in PARALLEL_PEER_NOTES]
     for r in rows:
@@ -377,4 +401,5 @@ def render_parallel_peers(rows: list[dict], unit: str, name: str | None = None) 
 __all__ = ["megatron_padded_vocab", "megatron_bytes_per_param", "megatron_weight_and_optimizer",
            "megatron_pipeline_factor", "megatron_activations", "megatron_theoretical", "llm_analysis_layer_params",
            "llm_analysis_activation_per_layer", "llm_analysis_training", "llm_analysis", "parallel_peers",
-           "render_parallel_peers", "PARALLEL_PEER_NOTES", "MEGATRON_DOCS_BYTES_PER_PARAM", "RECOMPUTE"]
+           "render_parallel_peers", "PARALLEL_PEER_NOTES", "MEGATRON_DOCS_BYTES_PER_PARAM", "RECOMPUTE",
+           "MEGATRON_COMMIT", "MEGATRON_SOURCE"]

@@ -176,6 +176,7 @@ def parallel_peers(scenario: Scenario) -> list[dict]:
         virtual_stages=s.mesh.virtual_stages,
         pp_schedule=s.mesh.pp_schedule,
         ep=s.mesh.ep,
+        device=scenario.device,
     )
     try:
         report = run(scenario)

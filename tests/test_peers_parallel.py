@@ -1,13 +1,19 @@
 """Model-parallel peers: Megatron-LM's theoretical memory and llm-analysis, term by term from their sources,
-on hand-computed cases, published figures, and the llama-3-70b tp 8 pp 4 world 64 case."""
+on hand-computed cases, published figures, and the llama-3-70b tp 8 pp 4 world 64 case; where llm-analysis is
+installed its column is its own LLMAnalysis.training, else its 0.2.2 formulas, labelled."""
 
 from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
 
 import pytest
 
 from peakledger.analysis.peers_parallel import (
     LLM_ANALYSIS,
     MEGATRON,
+    MEGATRON_COMMIT,
     MEGATRON_DOCS_BYTES_PER_PARAM,
     llm_analysis_activation_per_layer,
     llm_analysis_layer_params,
@@ -202,3 +208,97 @@ def test_bad_parallel_input_names_the_field():
     with pytest.raises(ConfigError) as err:
         parallel_peers(cfg, TrainingSetup(**LLAMA_70B), tp=8, pp=4, recompute="some")
     assert err.value.field == "recompute"
+
+
+# -- the peers' own functions where installed, else their formulas, labelled (analysis/peers_own.py) --------------
+
+LLAMA_70B_CASE = ["compare", "--preset", "llama-3-70b", "--tp", "8", "--pp", "4", "--world-size", "64",
+                  "--grad-accum", "8", "--peers"]
+
+
+def _case(capsys, *extra):
+    from peakledger.cli import main
+
+    assert main([*LLAMA_70B_CASE, *extra]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out) if "--json" in extra else out
+
+
+def test_llm_analysis_column_is_its_own_training(capsys):
+    pytest.importorskip("llm_analysis")
+    from llm_analysis.analysis import ActivationRecomputation, DSZeRO, LLMAnalysis
+    from llm_analysis.config import (
+        ModelConfig,
+        ParallelismConfig,
+        get_dtype_config_by_name,
+        get_gpu_config_by_name,
+    )
+
+    # Meta's Llama-3-70B, in llm-analysis's own objects: 80 layers, 64 heads (8 kv), h 8192, ffn 28672 (3.5 h: the
+    # ratio given, as its ModelConfig asserts ffn % h == 0 otherwise), vocabulary 128256; compare's defaults:
+    # micro-batch 8 x 1024 tokens, bf16 (w16a16e16), sequence parallelism off (sp 1), no recompute, no ZeRO
+    model = ModelConfig(name="llama-3-70b", num_layers=80, n_head=64, hidden_dim=8192, vocab_size=128256,
+                        max_seq_len=1024, num_key_value_heads=8, ffn_embed_dim=28672, expansion_ratio=3.5)
+    run = LLMAnalysis(model, get_gpu_config_by_name("h100-sxm-80gb"), get_dtype_config_by_name("w16a16e16"),
+                      ParallelismConfig(tp_size=8, pp_size=4, dp_size=2, sp_size=1))
+    summary = run.training(batch_size_per_gpu=8, gradient_accumulation_steps=8, global_batch_size=8 * 8 * 2,
+                           seq_len=1024, activation_recomputation=ActivationRecomputation.NONE, ds_zero=DSZeRO.NONE)
+    out = {r["source"]: r for r in _case(capsys, "--json")["peers"]}
+    llm = out[LLM_ANALYSIS]
+    assert llm["estimate_own"] is True and llm["estimate_version"] == importlib.metadata.version("llm-analysis")
+    assert llm["model_states"] == round(summary["(weight+op_state+grad)_memory_per_gpu"])
+    assert llm["activations"] == round(summary["activation_memory_per_gpu"])
+    for key in ("weight_memory_per_gpu", "gradient_memory_per_gpu", "optimizer_state_memory_per_gpu",
+                "activation_memory_per_gpu", "activation_memory_embedding_output_per_gpu"):
+        assert llm["detail"]["summary"][key] == summary[key], key  # bytes, as llm-analysis reports them
+    text = _case(capsys)
+    assert f"llm-analysis: llm-analysis {llm['estimate_version']}, its own LLMAnalysis.training" in text
+    assert "Megatron-LM theoretical: Megatron-LM 1bcb3b9's formulas (megatron/training/" in text
+
+
+@pytest.mark.parametrize("recompute,sp,zero", [("none", False, 0), ("selective", True, 1), ("full", False, 3),
+                                               ("full", True, 2)])
+def test_llm_analysis_formulas_are_its_released_0_2_2(recompute, sp, zero):
+    pytest.importorskip("llm_analysis")
+    from peakledger.analysis.peers_own import llm_analysis_peer
+
+    # the fallback re-derives llm-analysis 0.2.2: installed (0.2.2), its own function gives the same bytes; under
+    # full recompute 0.2.2 counts no final-norm input (08d7f8f, on its main since, does)
+    cfg = preset("llama-3-70b")
+    setup = TrainingSetup(**LLAMA_70B, zero_stage=zero)
+    own = parallel_peers(cfg, setup, tp=8, pp=4, sequence_parallel=sp, recompute=recompute)[1]
+    peer = llm_analysis_peer(llm_analysis_training)
+    assert own["estimate_own"] and peer.version == "0.2.2"
+    formulas = peer.formulas(h=8192, ffn=28672, layers=80, heads=64, kv_heads=8, vocab=128256, seq=1024,
+                             micro_batch=8, tp=8, pp=4, dp=2, sp=8 if sp else 1, recompute=recompute,
+                             zero_stage=zero)
+    for key in ("weights", "gradients", "optimizer_states", "activations", "logits", "activation_per_layer"):
+        assert own["detail"][key] == pytest.approx(formulas[key], rel=1e-12), key
+
+
+def test_without_llm_analysis_the_formulas_say_their_version(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llm_analysis", None)  # `import llm_analysis` now fails as if not installed
+    out = {r["source"]: r for r in _case(capsys, "--json")["peers"]}
+    llm, mega = out[LLM_ANALYSIS], out[MEGATRON]
+    assert llm["estimate_source"] == "llm-analysis 0.2.2's formulas (llm-analysis not installed)"
+    assert (llm["estimate_own"], llm["estimate_version"]) == (False, "0.2.2")
+    d = llm_analysis_training(h=8192, ffn=28672, layers=80, heads=64, kv_heads=8, vocab=128256, seq=1024,
+                              micro_batch=8, tp=8, pp=4, dp=2, sp=1, recompute="none")
+    assert (llm["model_states"], llm["activations"]) == (round(d["model_states"]), round(d["activations"]))
+    assert (mega["estimate_own"], mega["estimate_version"]) == (False, MEGATRON_COMMIT[:7])
+    text = _case(capsys)
+    assert "llm-analysis: llm-analysis 0.2.2's formulas (llm-analysis not installed)" in text
+    assert "Megatron-LM theoretical: Megatron-LM 1bcb3b9's formulas" in text
+
+
+def test_a_setup_llm_analysis_refuses_is_its_formulas_saying_why():
+    pytest.importorskip("llm_analysis")
+    # fp32 weights and activations: 0.2.2's get_TFLOPS_per_gpu asserts 4, 8 or 16 bits, in training()
+    rows = parallel_peers(preset("llama-3-70b"), TrainingSetup(**dict(LLAMA_70B, precision="fp32")), tp=8, pp=4)
+    llm = rows[1]
+    assert not llm["estimate_own"] and llm["estimate_version"] == "0.2.2"
+    assert llm["estimate_source"] == ("llm-analysis 0.2.2's formulas (its own LLMAnalysis.training refused the "
+                                      "setup: weight_bits and activation_bits must be 4, 8, or 16)")
+    assert llm["detail"]["weights"] == llm_analysis_training(
+        h=8192, ffn=28672, layers=80, heads=64, kv_heads=8, vocab=128256, seq=1024, micro_batch=8, tp=8, pp=4, dp=2,
+        sp=1, recompute="none", weight_bytes=4, act_bytes=4)["weights"]

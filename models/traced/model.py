@@ -216,21 +216,29 @@ def _first(entry):
     return _classes(entry)[0]
 
 
-def _hf_build(data: dict, setup: TrainingSetup):
-    import torch
-    from transformers.initialization import no_init_weights
+def hf_config(data: dict, **changes):
+    """transformers' config object of a config dict (its model type's config class), with `changes` over its keys,
+    or a ConfigError naming the field transformers refused."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls, task = hf_task(data)
+    hf_task(data)  # a model type transformers knows, else the ConfigError saying so
     kwargs = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
-    if setup.checkpointing.policy != "none":  # transformers drops the cache when layers are checkpointed
-        kwargs["use_cache"] = False    # (transformers/modeling_layers.py GradientCheckpointingLayer)
     try:
-        config = CONFIG_MAPPING[data["model_type"]](**kwargs)
+        return CONFIG_MAPPING[data["model_type"]](**{**kwargs, **changes})
     except Exception as e:  # TypeError, ValueError, huggingface_hub's strict-dataclass validation errors
         field = getattr(e, "field", None)  # huggingface_hub's StrictDataclassFieldValidationError names it
         raise ConfigError(f"hf_config.{field}" if isinstance(field, str) else "hf_config",
                           f"transformers refused the config: {' '.join(str(e).split())}") from None
+
+
+def _hf_build(data: dict, setup: TrainingSetup):
+    import torch
+    from transformers.initialization import no_init_weights
+
+    cls, task = hf_task(data)
+    # transformers drops the cache when layers are checkpointed (transformers/modeling_layers.py
+    # GradientCheckpointingLayer)
+    config = hf_config(data, **({"use_cache": False} if setup.checkpointing.policy != "none" else {}))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision.param, torch.float32)
     from .realpath import build_values
     try:
