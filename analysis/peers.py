@@ -11,7 +11,9 @@ Two kinds of peer figures:
   `estimate_zero3_model_states_mem_needs`, no offload), called when deepspeed imports (`deepspeed_estimators`,
   its version printed), else their formulas as DeepSpeed 0.19.8's source writes them: ZeRO-2 GPU bytes
   2 Psi + int(18 Psi / N) (16-bit parameters, then 16-bit gradients 2 + fp32 gradients 4 + fp32 master 4 + Adam 8
-  per parameter of the partition); ZeRO-3 4 x largest layer + int(18 Psi / N).
+  per parameter of the partition); ZeRO-3 4 x largest layer + int(18 Psi / N);
+- `accelerate estimate-memory`'s "Training using Adam" at ZeRO-0 (it shards nothing), from accelerate's own
+  functions where it imports, else accelerate 1.16.0's formula (analysis/peers_own.py `accelerate_estimate`).
 
 Model states (parameters, gradients, fp32 masters, optimizer states) are the persistent rows; all the
 formulas above leave out activations, temporaries, the batch, buffers, all-gather buffers and
@@ -175,6 +177,10 @@ PEER_NOTES = [
     "gradients' ipg reduce bucket in the backward (a bucket): neither is a model state.",
     "DeepSpeed's ZeRO-3 estimate adds 4 x the largest layer for the gathered parameters; peakledger counts the "
     "real all-gather buffers (with prefetch) and reduce buckets in the peak instead.",
+    "accelerate estimate-memory's \"Training using Adam\" (accelerate 1.16.0 estimate_training_usage) is the largest "
+    "of four terms of the model's fp32 size S (parameters and buffers), not their sum: 16-bit mixed precision model "
+    "S, gradients 1.5 S, Adam 2 S, step 2 S (so 8 B per parameter); fp32 S, S, 2 S, 4 S (16 B); no sharding, so "
+    "ZeRO-0 only. Its model is AutoModel of the config: the base model, without the LM head.",
     "no formula counts activations, temporaries, the batch or buffers: the simulated peak is above all of them.",
 ]
 
@@ -203,15 +209,19 @@ def stage_difference_lines(name: str, peak: int, other: str, other_peak: int, mo
 
 def render_peers(name: str, rows: list[dict], unit: str) -> str:
     """`compare --peers` as text: per ZeRO stage, peakledger's model states and peak next to the formulas, where
-    the DeepSpeed column comes from, and a stage peaking above the one before it explained from the run."""
+    the DeepSpeed and accelerate columns come from (each peer's own function, or which version's formulas), and a
+    stage peaking above the one before it explained from the run."""
     f = lambda n: "-" if n is None else format_bytes(n, unit)  # noqa: E731
     lines = [f"{name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
              f"(bytes per rank; {unit})",
-             f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}"]
+             f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}"
+             f"{'accelerate':>14}"]
     for r in rows:
         lines.append(f"ZeRO-{r['stage']:<3}{f(r['model_states']):>20}{f(r['peak']):>18}{f(r['zero_paper']):>14}"
-                     f"{f(r['deepspeed_estimate']):>16}")
+                     f"{f(r['deepspeed_estimate']):>16}{f(r.get('accelerate_estimate')):>14}")
     lines.append(f"DeepSpeed est.: {rows[0]['deepspeed_source']}")
+    if rows[0].get("accelerate_source"):
+        lines.append(f"accelerate: {rows[0]['accelerate_source']}")
     above = [(r, prev) for prev, r in zip(rows, rows[1:]) if r.get("above_previous")]
     if above:
         lines.append("why a stage peaks above the one before it (from the simulation's event log):")

@@ -19,10 +19,12 @@ from .analysis.peers import (
     peak_moment,
     zero_paper_model_states,
 )
+from .analysis.peers_own import accelerate_estimate
 from .analysis.peers_parallel import parallel_peers as formulas
 from .analysis.report import Report, summarize
 from .models.config import ConfigError
 from .models.devices import device_profile
+from .models.families import family_of
 from .models.traced import from_hf_dict
 from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
@@ -130,16 +132,36 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
     return max_fitting(need, budget, limit)
 
 
+def hf_config_of(model) -> tuple[dict | None, str]:
+    """(the transformers config.json a model is, where it comes from): a traced HF model's own; a hand-written
+    transformer's HF equivalent (models/families' `hf_equivalent`); else (None, why there is none)."""
+    if isinstance(model, TracedModel):
+        return (model.hf_dict(), "its config.json") if model.kind == "hf" else \
+            (None, "a --module model has no transformers config")
+    equivalent = family_of(model).hf_equivalent
+    if equivalent is None:
+        return None, f"{family_of(model).kind} has no transformers config"
+    try:
+        return equivalent(model), f"{model.name}'s HF equivalent (models/transformer/hf_config.py)"
+    except ConfigError as e:
+        return None, e.message
+
+
 def peers(scenario: Scenario) -> list[dict]:
     """The scenario under DeepSpeed ZeRO stages 0-3 on its world size: peakledger's model states and peak
     per rank (the worst rank) next to the ZeRO paper's formula and DeepSpeed's estimators (its own functions when
-    deepspeed imports, `deepspeed_source` says which). A stage whose peak is above the previous stage's carries
-    `above_previous`: both peak moments and what each holds differently there, by category and block."""
+    deepspeed imports, `deepspeed_source` says which), and at ZeRO-0 (no sharding: every rank trains the whole
+    model) `accelerate estimate-memory`'s "Training using Adam" (its own functions on the model's transformers
+    config when accelerate imports, `accelerate_source` says which). A stage whose peak is above the previous
+    stage's carries `above_previous`: both peak moments and what each holds differently there, by category and
+    block."""
     tape = build_tape(scenario.model, scenario.setup)
     psi = tape.n_params
     largest = largest_layer_params({p.name: p.shape for p in tape.params})
     n = scenario.setup.mesh.world_size
     ds = deepspeed_estimators()
+    hf, where = hf_config_of(scenario.model)
+    acc = accelerate_estimate(hf, psi, scenario.setup.precision, **({"config_from": where} if hf else {"no_hf": where}))
     rows, reports = [], []
     for stage in range(4):
         case = scenario.with_changes(dp_engine="deepspeed", zero_stage=stage)
@@ -149,7 +171,10 @@ def peers(scenario: Scenario) -> list[dict]:
         rows.append({"stage": stage, "world_size": n, "n_params": psi, "model_states": states,
                      "peak": report.peaks.overall.bytes, "zero_paper": round(zero_paper_model_states(psi, n, stage)),
                      "deepspeed_estimate": deepspeed, "deepspeed_source": ds.source,
-                     "deepspeed_version": ds.version, "deepspeed_own": ds.own, "largest_layer_params": largest})
+                     "deepspeed_version": ds.version, "deepspeed_own": ds.own, "largest_layer_params": largest,
+                     "accelerate_estimate": acc["estimate"] if stage == 0 else None,
+                     "accelerate_source": acc["source"], "accelerate_version": acc["version"],
+                     "accelerate_own": acc["own"]} | ({"accelerate_detail": acc["detail"]} if stage == 0 else {}))
         reports.append(report)
     for prev, (row, report) in zip(reports, list(zip(rows, reports))[1:]):
         if report.peaks.overall.bytes > prev.peaks.overall.bytes and report.peaks.overall.event is not None:

@@ -113,3 +113,45 @@ def test_peak_difference_by_category_and_block():
                                                                             "op": "op3"}}]
     assert rows[1]["more_blocks"] == 1  # a.y
     assert rows[2]["blocks"][0]["name"] == "t" and rows[2]["blocks"][0]["allocated"]["step"] == 2
+
+
+def test_the_accelerate_column_is_its_own_estimate_memory(capsys):
+    accelerate = pytest.importorskip("accelerate")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from accelerate import init_empty_weights
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+
+    # Meta's Llama-3-8B config, built as `accelerate estimate-memory` builds a transformers model (its
+    # create_empty_model: AutoModel.from_config in fp32 under init_empty_weights), sized by its own functions; the
+    # "Training using Adam" figure is the largest of estimate_training_usage's terms (its estimate_command)
+    config = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      max_position_embeddings=8192, tie_word_embeddings=False)
+    with init_empty_weights():
+        model = transformers.AutoModel.from_config(config, dtype=torch.float32)
+    total, _ = calculate_maximum_sizes(model)
+    # AutoModel is the base model: Llama-3-8B without its LM head, plus its (fp32 rotary) buffers
+    assert total == 4 * (PSI - EMBED) + 4 * sum(b.numel() for b in model.buffers())
+    expected = max(estimate_training_usage(total, "bfloat16").values())  # bf16-mixed: compare's default precision
+    stages = {r["stage"]: r for r in _peers(capsys, "--json")["peers"]}
+    assert stages[0]["accelerate_estimate"] == expected == 2 * total  # Adam's two fp32 states, the largest term
+    assert all(stages[s]["accelerate_estimate"] is None for s in (1, 2, 3))  # it shards nothing: ZeRO-0 only
+    assert stages[0]["accelerate_own"] is True and stages[0]["accelerate_version"] == accelerate.__version__
+    assert stages[0]["accelerate_detail"]["model_class"] == "LlamaModel"
+    text = _peers(capsys)
+    assert (f"accelerate: accelerate {accelerate.__version__}, its own calculate_maximum_sizes + "
+            "estimate_training_usage") in text
+    assert f"{expected / 2**30:.2f} GiB" in text.splitlines()[2]  # the ZeRO-0 row
+
+
+def test_without_accelerate_its_formula_says_its_version(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # `import accelerate` now fails as if not installed
+    stages = {r["stage"]: r for r in _peers(capsys, "--json")["peers"]}
+    # accelerate/commands/estimate.py 1.16.0 estimate_training_usage, 16-bit mixed precision over S = 4 B x P:
+    # model S, gradients 1.5 S, optimizer 2 S, step 2 S; the figure is the largest, 2 S
+    assert stages[0]["accelerate_estimate"] == 2 * 4 * PSI
+    assert (stages[0]["accelerate_own"], stages[0]["accelerate_version"]) == (False, "1.16.0")
+    assert stages[0]["accelerate_source"].startswith("accelerate 1.16.0's formulas (accelerate not installed)")
+    assert "accelerate: accelerate 1.16.0's formulas (accelerate not installed)" in _peers(capsys)
