@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..simulator.events import Category, EventLog, Pool
 from ..simulator.timeline import timeline
-from .units import format_bytes
+from .units import Scale
 
 MODEL_STATES = (Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE)
 
@@ -91,11 +91,13 @@ PEER_NOTES = [
 ]
 
 
-def render_peers(name: str, rows: list[dict], unit: str) -> str:
+def render_peers(name: str, rows: list[dict], unit: str | None) -> str:
     """`compare --peers` as text: per ZeRO stage, peakledger's model states and peak next to the formulas."""
-    f = lambda n: "-" if n is None else format_bytes(n, unit)  # noqa: E731
+    keys = ("model_states", "peak", "zero_paper", "deepspeed_estimate")
+    g = Scale.of([r[k] for r in rows for k in keys], unit)  # one unit for the table
+    f = lambda n: "-" if n is None else g.number(n)  # noqa: E731
     lines = [f"{name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
-             f"(bytes per rank; {unit})",
+             f"(bytes per rank; {g.unit})",
              f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}"]
     for r in rows:
         lines.append(f"ZeRO-{r['stage']:<3}{f(r['model_states']):>20}{f(r['peak']):>18}{f(r['zero_paper']):>14}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import Phase
 from ..simulator.timeline import Timeline
-from .units import format_bytes
+from .units import Scale
 
 PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save",
@@ -64,23 +64,26 @@ def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak
             for (step, phase), (a, i, r) in best.items()]
 
 
-def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> list[str]:
-    """The table `simulate` prints: one line per phase of each simulated step, with the margin to a budget."""
+def phase_lines(rows: list[PhasePeak], unit: str | None, budget: int | None = None) -> list[str]:
+    """The table `simulate` prints: one line per phase of each simulated step, with the margin to a budget (negative:
+    over it); its sizes in one unit (`unit`, else the largest value's: analysis/units.py Scale)."""
     if not rows:
         return []
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
     gpu = rows[0].reserved is not None
+    need = [r.device_total if gpu else r.allocated for r in rows]
+    g = Scale.of([r.allocated for r in rows] + (need if gpu else []) + [r.reserved for r in rows] +
+                 ([budget] + [budget - n for n in need] if budget is not None else []), unit)
     head = f"  {'phase':<28}{'allocated':>14}" + (f"{'reserved':>14}{'device total':>14}" if gpu else "")
-    head += f"{'margin':>18}" if budget is not None else ""
-    lines = ["peak by phase (" + ("allocated / reserved / device total" if gpu else "allocated tensors")
-             + (f"; margin to the budget of {f(budget)}" if budget is not None else "") + "):", head + "  at"]
-    for r in rows:
-        need = r.device_total if gpu else r.allocated
-        line = f"  {r.label:<28}{f(r.allocated):>14}"
+    head += f"{'margin':>14}" if budget is not None else ""
+    lines = [f"peak by phase ({g.unit}; " + ("allocated / reserved / device total" if gpu else "allocated tensors")
+             + (f"; margin to the budget of {g.text(budget)}, negative: over it" if budget is not None else "")
+             + "):", head + "  at"]
+    for r, n in zip(rows, need):
+        line = f"  {r.label:<28}{g.number(r.allocated):>14}"
         if gpu:
-            line += f"{f(r.reserved):>14}{f(r.device_total):>14}"
+            line += f"{g.number(r.reserved):>14}{g.number(r.device_total):>14}"
         if budget is not None:
-            line += f"{f(budget - need):>18}" if need <= budget else f"{'over ' + f(need - budget):>18}"
+            line += f"{g.number(budget - n):>14}"
         lines.append(line + f"  {r.op}")
     return lines
 

@@ -28,7 +28,7 @@ from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
 from .phases import PhasePeak, phase_lines, phase_peaks
-from .units import format_bytes
+from .units import Scale, format_bytes, format_flops
 
 REPORT_VERSION = 2
 
@@ -330,9 +330,9 @@ LOOP_WORDS = {"plain": "plain (the default; --loop hf-trainer for HF Trainer's s
                             "outputs dropped before backward; clip_grad_norm_(1.0) before each optimizer step"}
 
 
-def render_text(r: Report, unit: str = "GiB") -> str:
-    """A plain-text report (monospace table), sizes labelled with their unit."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def render_text(r: Report, unit: str | None = None) -> str:
+    """A plain-text report (monospace tables), each table's sizes in one unit (`unit`, else its largest value's:
+    analysis/units.py Scale), the unit said once."""
     md, pk = r.metadata, r.peaks
     lines = [f"peakledger: {r.name}  ({md.model} on {md.device}, rank {pk.rank} {pk.pool.value} memory)"]
     setup = md.setup
@@ -376,19 +376,22 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if md.expert_parallel:
             lines.append(f"  expert parallel: {_expert_text(md.expert_parallel)}")
         if md.counted_flops_per_step:  # a traced model: torch's FLOP formulas over the recorded ops
-            lines.append(f"  training FLOPs per step ~ {md.counted_flops_per_step:.3e} per rank (counted over the "
-                         "traced forward and backward ops: matmuls, attention, convolutions)")
+            lines.append(f"  training FLOPs per step ~ {format_flops(md.counted_flops_per_step)} per rank (counted "
+                         "over the traced forward and backward ops: matmuls, attention, convolutions)")
         elif md.n_active_params is not None:
             flops = training_flops(md.n_active_params, md.tokens_per_step)
-            lines.append(f"  training FLOPs per step ~ {flops:.3e} "
+            lines.append(f"  training FLOPs per step ~ {format_flops(flops)} "
                          f"(6ND over {md.n_active_params:,} active parameters: "
                          f"{md.experts} per token)")
         else:
             flops = training_flops(md.n_trainable or 0, md.tokens_per_step)
-            lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
+            lines.append(f"  training FLOPs per step ~ {format_flops(flops)} (6ND, dense-model approximation)")
     lines.append("")
     e = pk.overall.event
     if e is not None:
+        peak_values = [pk.overall.bytes, pk.first_step.bytes, pk.steady.bytes if pk.steady else None,
+                       r.host.overall.bytes if r.host is not None else None, r.capacity_needed if pk.headroom else None]
+        f = Scale.of(peak_values, unit).text  # one unit for the block
         lines.append(f"true peak        {f(pk.overall.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
                      + (f", micro-batch {e.micro_batch_index}" if e.micro_batch_index >= 0 else "") + ")")
         lines.append(f"first-step peak  {f(pk.first_step.bytes):>14}  at {pk.first_step.event.op}")
@@ -407,10 +410,11 @@ def render_text(r: Report, unit: str = "GiB") -> str:
             what = "device total" if r.gpu is not None else "peak"
             lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
-        lines.append("per rank, the worst first (ranks with identical layouts are simulated once):")
+        ranks = Scale.of([rp.peak.bytes for rp in r.ranks], unit)
+        lines.append(f"per rank ({ranks.unit}), the worst first (ranks with identical layouts are simulated once):")
         for rp in sorted(r.ranks, key=lambda rp: (-rp.peak.bytes, rp.rank)):
             e = rp.peak.event
-            lines.append(f"  {_rank_range(rp.same_as):<16}{f(rp.peak.bytes):>14}  at "
+            lines.append(f"  {_rank_range(rp.same_as):<16}{ranks.number(rp.peak.bytes):>14}  at "
                          f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})"
                          f"{_stages(r.metadata, rp.rank)}")
     if r.gpu is not None:
@@ -420,13 +424,16 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if run_plan(r.log).truncated:
             lines.append(f"  ({run_plan(r.log).summary()})")
     lines.append("")
-    lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
+    total = sum(x.bytes for x in r.ledger)
+    g = Scale.of([total] + [x.max_bytes for x in r.ledger], unit)
+    lines.append(f"ledger at the peak ({g.unit}; exact bytes in --json)")
     lines.append(f"  {'row':<30}{'at peak':>14}  {'dtype':<16}{'shard':>6}{'tensors':>9}{'share':>8}"
                  f"{'row max':>14}")
     for row in r.ledger:
-        lines.append(f"  {row.row:<30}{f(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
-                     f"{row.tensors:>9}{row.share:>8.1%}{f(row.max_bytes):>14}")
-    lines.append(f"  {'total':<30}{f(sum(x.bytes for x in r.ledger)):>14}")
+        lines.append(f"  {row.row:<30}{g.number(row.bytes):>14}  {row.dtype:<16}{str(row.shard_factor):>6}"
+                     f"{row.tensors:>9}{row.share:>8.1%}{g.number(row.max_bytes):>14}")
+    lines.append(f"  {'total':<30}{g.number(total):>14}")
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
     for o in r.log.ooms:
         lines.append("")
         lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): "

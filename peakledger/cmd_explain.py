@@ -9,7 +9,7 @@ from . import diagnosis
 from .analysis.allocator_replay import replay_snapshot
 from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
 from .analysis.phases import phase_lines
-from .analysis.units import format_bytes, parse_bytes
+from .analysis.units import Scale, format_bytes, format_duration, parse_bytes
 from .cli_common import (
     add_check_flag,
     add_scenario_flags,
@@ -76,13 +76,14 @@ def cmd_explain(args) -> int:
     if not x.fixes:
         print(f"fixes: none of the {x.tried} re-simulated lowers the peak")
     else:
+        g = Scale.of([fx.peak for fx in x.fixes], u)
         print(f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
-              f"{x.step_time * 1e3:.4g} ms now; fitting first, then same GPUs, training unchanged, faster):")
-        print(f"  {'fix':<52}{'peak':>14}  {'fits':<5}{'step time':>11}  cost")
+              f"{format_duration(x.step_time)} now; fitting first, then same GPUs, training unchanged, faster):")
+        print(f"  {'fix':<52}{'peak ' + g.unit:>14}  {'fits':<5}{'step time':>11}  cost")
         for fx in x.fixes:
             ratio = f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-"
             cost = fx.note + ("; changes the training" if fx.changes_training else "")
-            print(f"  {fx.name:<52}{f(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
+            print(f"  {fx.name:<52}{g.number(fx.peak):>14}  {'yes' if fx.fits else 'no':<5}{ratio:>11}  {cost}")
     if args.check:
         print(check_line(x.fits, x.capacity_needed, budget, u))
     return status
