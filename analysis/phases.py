@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import Phase
 from ..simulator.timeline import Timeline
-from .units import Scale
+from .units import Scale, format_bytes
 
 PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save",
@@ -76,7 +76,8 @@ def phase_lines(rows: list[PhasePeak], unit: str | None, budget: int | None = No
     head = f"  {'phase':<28}{'allocated':>14}" + (f"{'reserved':>14}{'device total':>14}" if gpu else "")
     head += f"{'margin':>14}" if budget is not None else ""
     lines = [f"peak by phase ({g.unit}; " + ("allocated / reserved / device total" if gpu else "allocated tensors")
-             + (f"; margin to the budget of {g.text(budget)}, negative: over it" if budget is not None else "")
+             + (f"; margin to the budget of {format_bytes(budget, g.unit)}, negative: over it"
+                if budget is not None else "")
              + "):", head + "  at"]
     for r, n in zip(rows, need):
         line = f"  {r.label:<28}{g.number(r.allocated):>14}"
