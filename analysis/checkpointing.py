@@ -46,7 +46,7 @@ from ..simulator.events import Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
 from .device import device_settings, gpu_memory
 from .peaks import with_headroom
-from .units import format_bytes
+from .units import Scale, format_bytes, format_duration, format_flops
 
 DEFAULT_POLICIES = tuple(p for p in CHECKPOINTING if p != "layers")
 PLAIN, CHECKPOINTED = 0, 1
@@ -267,42 +267,36 @@ def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True)
     return rows
 
 
-def render_table(rows: list[PolicyRow], unit: str = "GiB") -> str:
-    """The table as text: peak, host memory (offload), recompute FLOPs and share, step time, per policy."""
+def render_table(rows: list[PolicyRow], unit: str | None = None) -> str:
+    """The table as text: peak, host memory (offload), recompute FLOPs and share, step time, per policy; each
+    column in one unit (the sizes in `unit`, else their largest's: analysis/units.py Scale), named in the head."""
     base = next((r for r in rows if r.policy == "none" and r.error is None and not r.compiled), None)
-    head = f"{'policy':<22}{'peak':>13}{'vs none':>9}{'host':>13}{'recompute':>14}{'of fwd+bwd':>12}{'step time':>12}"
+    ok = [r for r in rows if not r.error]
+    size = Scale.of([r.peak for r in ok] + [r.host_activations for r in ok], unit)
+    flops = Scale.of([r.recompute_flops for r in ok], kind="flops")
+    time = Scale.of([r.step_time_s for r in ok], kind="seconds")
+    head = (f"{'policy':<22}{'peak ' + size.unit:>13}{'vs none':>9}{'host ' + size.unit:>13}"
+            f"{'recompute ' + flops.unit:>18}{'of fwd+bwd':>12}{'step ' + time.unit:>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.error:
             lines.append(f"{r.label:<22}  n/a: {r.error}")
             continue
         saved = f"{(r.peak - base.peak) / base.peak:+.1%}" if base and base.peak else ""
-        host = format_bytes(r.host_activations, unit) if r.host_activations else "-"
-        lines.append(f"{r.label:<22}{format_bytes(r.peak, unit):>13}{saved:>9}{host:>13}"
-                     f"{_flops(r.recompute_flops):>14}{r.recompute_fraction:>12.1%}{_seconds(r.step_time_s):>12}")
+        host = size.number(r.host_activations) if r.host_activations else "-"
+        lines.append(f"{r.label:<22}{size.number(r.peak):>13}{saved:>9}{host:>13}"
+                     f"{flops.number(r.recompute_flops):>18}{r.recompute_fraction:>12.1%}"
+                     f"{time.number(r.step_time_s):>12}")
     lines.append("")
     lines.append("peak: device memory of the worst rank; host: activations offloaded to host memory at most; "
                  "recompute: forward FLOPs repeated in backward per step (ops the cost model gives FLOPs: matmuls, "
-                 "attention, norms, softmax); step time: the simulated time per step (vendor peaks x assumed "
+                 "attention, norms, softmax); step: the simulated time per step (vendor peaks x assumed "
                  "efficiencies, host-link copies included)")
     if any(r.compiled for r in rows):
         lines.append("compile: torch.compile (inductor) of the same step, the policy inside its graphs; its first "
                      "step compiles (tens of seconds to minutes, not in the step time); its recompute is the FLOPs "
                      "its backward graphs run over compile without checkpointing")
     return "\n".join(lines)
-
-
-def _flops(n: int) -> str:
-    if n == 0:
-        return "0"
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n} FLOP"
-
-
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.4g} ms" if s < 1 else f"{s:.4g} s"
 
 
 def plot_peak_vs_recompute(rows: list[PolicyRow], path: str, title: str = "", unit: str = "GiB", **options) -> None:
@@ -684,7 +678,7 @@ def _result(scenario, layers, n, budget, fits, run: SimulatedRun, costs: LayerCo
                                 step_time_s=step_time(run.graph), note=note, simulations=simulations)
 
 
-def render_optimal(result: OptimalCheckpointing, unit: str = "GiB") -> str:
+def render_optimal(result: OptimalCheckpointing, unit: str | None = "GiB") -> str:
     """The chosen set and what it costs, as text."""
     f = lambda b: format_bytes(b, unit)  # noqa: E731
     share = result.recompute_flops / result.model_flops if result.model_flops else 0.0
@@ -694,8 +688,8 @@ def render_optimal(result: OptimalCheckpointing, unit: str = "GiB") -> str:
         f"checkpoint {len(result.layers)} of {result.n_layers} layers: {chosen}",
         f"  peak {f(result.peak)} (capacity needed {f(result.capacity_needed)}) {verdict} the budget "
         f"{f(result.budget)}; the per-layer model predicted {f(result.predicted_peak)}",
-        f"  recompute {_flops(result.recompute_flops)} per step ({share:.1%} of forward + backward), "
-        f"simulated step time {_seconds(result.step_time_s)}",
+        f"  recompute {format_flops(result.recompute_flops)} per step ({share:.1%} of forward + backward), "
+        f"simulated step time {format_duration(result.step_time_s)}",
         f"  {result.note}; {result.simulations} simulations"])
 
 

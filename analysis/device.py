@@ -18,7 +18,7 @@ from ..models.devices import DEVICES, DeviceProfile
 from ..models.gpu import nccl_buffer_bytes
 from ..simulator.device_memory import DeviceMemory, device_memory
 from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Phase, Pool
-from .units import format_bytes
+from .units import Scale
 
 
 def device_settings(scenario) -> dict:
@@ -114,10 +114,11 @@ def device_json(dm: DeviceMemory | None, ctx: CudaContext | None = None) -> dict
         "largest_free_block_at_reserved_peak": dm.reserved_peak.largest_free}}
 
 
-def device_lines(dm: DeviceMemory, unit: str, ctx: CudaContext | None = None) -> list[str]:
-    """The text report's GPU block; `ctx` (`context_of` the run) labels what lies outside the allocator."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def device_lines(dm: DeviceMemory, unit: str | None, ctx: CudaContext | None = None) -> list[str]:
+    """The text report's GPU block, its sizes in one unit (`unit`, else the device total's); `ctx` (`context_of`
+    the run) labels what lies outside the allocator."""
     rp, ap = dm.reserved_peak, dm.at_allocated_peak
+    f = Scale.of([ap.allocated, ap.allocated_blocks, rp.reserved, dm.total_peak.total], unit).text
     e = rp.event
     where = f"at {e.op} ({e.phase.value}, step {e.step})" if e else ""
     outside = ", ".join(f"{k} {f(v)}" for k, v in dm.outside.items())

@@ -23,7 +23,7 @@ from ..simulator.events import Block, Category, Event, EventLog, OOMRecord, Pool
 from ..simulator.timeline import timeline
 from ..traces.cuda_snapshot import PREEXISTING_OP as START_OP
 from .phases import PhasePeak, floor
-from .units import format_bytes
+from .units import Scale, format_bytes
 
 MODEL_STATES = frozenset({Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE})
 ACTIVATIONS = frozenset({Category.ACTIVATION, Category.TEMPORARY, Category.INPUT})
@@ -189,7 +189,8 @@ def moment_json(m: Moment, setup: TrainingSetup | None = None, binds: PhasePeak 
                         for b in m.largest]}
 
 
-def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None, binds: PhasePeak | None = None) -> list[str]:
+def render_moment(m: Moment, u: str | None, setup: TrainingSetup | None = None,
+                  binds: PhasePeak | None = None) -> list[str]:
     """A Moment as text lines, sizes in unit `u`; `binds`: the state phase that binds (analysis/phases.py
     `binding`), named in place of the moment's own mix."""
     f = lambda n: format_bytes(n, u)  # noqa: E731
@@ -221,8 +222,9 @@ def render_moment(m: Moment, u: str, setup: TrainingSetup | None = None, binds: 
                      f"{f(m.activation_bytes)}, buffers {f(m.other_bytes)}")
     lines.append("  live by category: " + ", ".join(f"{c.value} {f(b)}" for c, b in
                                                      sorted(m.by_category.items(), key=lambda cb: -cb[1]) if b))
-    lines.append("  largest live blocks:")
-    lines += [f"    {f(b.nbytes):>12}  {b.category.value:<22} {b.name}" for b in m.largest]
+    g = Scale.of([b.nbytes for b in m.largest], u)
+    lines.append(f"  largest live blocks ({g.unit}):")
+    lines += [f"    {g.number(b.nbytes):>12}  {b.category.value:<22} {b.name}" for b in m.largest]
     return lines
 
 
@@ -260,7 +262,7 @@ def reserved_moment_json(m: Moment, allocated: int | None = None) -> dict:
             "largest": [{"name": b.name, "bytes": b.nbytes} for b in m.largest]}
 
 
-def render_reserved_moment(m: Moment, u: str, allocated: int | None = None) -> list[str]:
+def render_reserved_moment(m: Moment, u: str | None, allocated: int | None = None) -> list[str]:
     """The reserved Moment as text lines, sizes in unit `u`."""
     f = lambda n: format_bytes(n, u)  # noqa: E731
     e = m.event
@@ -282,8 +284,9 @@ def render_reserved_moment(m: Moment, u: str, allocated: int | None = None) -> l
         lines = [f"reserved fits: peak {f(m.live_bytes)} at {where}{room}"]
     if allocated is not None:
         lines.append(f"  allocated then {f(allocated)}; cached in segments but free {f(after - allocated)}")
-    lines.append("  largest reserved segments:")
-    lines += [f"    {f(b.nbytes):>12}  {b.name}" for b in m.largest]
+    g = Scale.of([b.nbytes for b in m.largest], u)
+    lines.append(f"  largest reserved segments ({g.unit}):")
+    lines += [f"    {g.number(b.nbytes):>12}  {b.name}" for b in m.largest]
     return lines
 
 

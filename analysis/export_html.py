@@ -5,7 +5,7 @@ peak of every phase and, where the caller gives them, the fixes. Inline CSS, inl
 
 Every size is written by analysis/units.py `format_bytes` (the page's script has a copy that writes the same
 text), and the tables are the text report's own cells (analysis/report.py `setup_lines`, `peak_lines`,
-`ledger_cells`; analysis/phases.py `phase_table`; the fixes as the caller's `explain` prints them).
+`ledger_table`; analysis/phases.py `phase_table`; the fixes as the caller's `explain` prints them).
 
 The timeline is embedded compactly: one entry per tensor (the event indices it is live between, its bytes, its
 category and its name, names and op names listed once), each event's op and time, the reserved bytes where they
@@ -28,7 +28,7 @@ from .export_html_page import SCRIPT, STYLE
 from .ledger import LedgerRow
 from .palette import BUDGET_COLOUR, CATEGORY_COLOURS, PHASE_COLOURS, PHASE_SHORT, STACK_ORDER
 from .phases import PHASE_WORDS, phase_table
-from .report import LEDGER_HEAD, Report, assumptions, ledger_cells, peak_lines, run_plan, setup_lines
+from .report import Report, assumptions, ledger_table, peak_lines, run_plan, setup_lines
 from .units import SMALLER, UNITS, format_bytes
 
 TOP_TENSORS = 12  # the pointer's moment lists this many of its live tensors, the largest first
@@ -188,11 +188,10 @@ def _timeline_section(r: Report, unit: str, budget: int | None) -> str:
             '<svg id="chart" role="img" aria-label="device memory over the run"></svg></section>')
 
 
-def _ledger_section(rows: list[LedgerRow], unit: str) -> str:
-    body = [ledger_cells(row, unit) for row in rows]
-    body.append(["total", format_bytes(sum(x.bytes for x in rows), unit), "", "", "", "", ""])
-    return (f"<section id=\"ledger\"><h2>Ledger at the peak ({_e(unit)}; exact bytes in --json)</h2>"
-            + _table(LEDGER_HEAD, body, {1, 3, 4, 5, 6}, "ledger-table",
+def _ledger_section(rows: list[LedgerRow], unit: str | None) -> str:
+    title, head, body = ledger_table(rows, unit)
+    return (f"<section id=\"ledger\"><h2>{_e(title[0].upper() + title[1:])}</h2>"
+            + _table(head, body, {1, 3, 4, 5, 6}, "ledger-table",
                      row_class=lambda c: "total" if c[0] == "total" else "") + "</section>")
 
 
@@ -202,8 +201,8 @@ def _phases_section(r: Report, unit: str, budget: int | None) -> str:
     title, head, body = phase_table(r.phases, unit, budget)
     numeric = set(range(1, len(head) - 1))
     return (f'<section id="phases"><h2>{_e(title.rstrip(":"))}</h2>'
-            + _table(head, body, numeric, "phases-table",
-                     cell_class=lambda k, text: "over" if text.startswith("over ") else "") + "</section>")
+            + _table(head, body, numeric, "phases-table", cell_class=lambda k, text: "over" if head[k] == "margin"
+                     and text.startswith(("-", ">-")) else "") + "</section>")
 
 
 def _fixes_section(fixes: Table | None) -> str:
@@ -216,18 +215,20 @@ def _fixes_section(fixes: Table | None) -> str:
     return f'<section id="fixes"><h2>Fixes</h2><p>{_e(title)}</p>{table}</section>'
 
 
-def html_report(r: Report, unit: str = "GiB", budget: int | None = None, verdict: tuple[bool, str] | None = None,
-                fixes: Table | None = None, notes: Sequence[str] = ()) -> str:
+def html_report(r: Report, unit: str | None = None, budget: int | None = None,
+                verdict: tuple[bool, str] | None = None, fixes: Table | None = None, notes: Sequence[str] = ()) -> str:
     """The page of `r`: `budget` draws a line and the phases' margins; `verdict` (fits, its line) is the run held
     against a card; `fixes` (title, heads, rows of cells, as `explain` prints them) adds the fixes section (absent
-    when None); `notes`: lines under the headline (explain's where and why)."""
+    when None); `notes`: lines under the headline (explain's where and why). `unit`: the tables' (else each its
+    largest value's) and the sizes written in the page (else GiB)."""
+    tables, unit = unit, unit or "GiB"
     data = json.dumps(page_data(r, unit, budget), separators=(",", ":"), ensure_ascii=True).replace("<", "\\u003c")
     listed = assumptions(r)
     plan = run_plan(r.log)
     events = (f"{len(r.log.events):,} events" if not plan.truncated else
               f"{len(r.log.events):,} events simulated ({plan.summary()})")
-    body = (_headline(r, unit, verdict, notes) + _timeline_section(r, unit, budget) + _ledger_section(r.ledger, unit)
-            + _phases_section(r, unit, budget) + _fixes_section(fixes) + _details_section(r, unit)
+    body = (_headline(r, unit, verdict, notes) + _timeline_section(r, unit, budget) + _ledger_section(r.ledger, tables)
+            + _phases_section(r, tables, budget) + _fixes_section(fixes) + _details_section(r, unit)
             + ('<section id="assumptions"><h2>Assumptions</h2><ul class="notes">'
                + "".join(f"<li>{_e(a)}</li>" for a in listed) + "</ul></section>" if listed else "")
             + f"<footer>{_e(events)}; written by peakledger</footer>")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..simulator.events import Category, Event, EventLog, Pool
 from ..simulator.timeline import timeline
-from .units import format_bytes
+from .units import Scale, format_bytes
 
 MODEL_STATES = (Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE)
 DEEPSPEED_FORMULA_VERSION = "0.19.8"  # the DeepSpeed whose formulas deepspeed_zero2/3_estimate copy
@@ -207,13 +207,16 @@ def stage_difference_lines(name: str, peak: int, other: str, other_peak: int, mo
     return lines + ["  and the same of every other category."]
 
 
-def render_peers(name: str, rows: list[dict], unit: str) -> str:
+def render_peers(name: str, rows: list[dict], unit: str | None) -> str:
     """`compare --peers` as text: per ZeRO stage, peakledger's model states and peak next to the formulas, where
     the DeepSpeed and accelerate columns come from (each peer's own function, or which version's formulas), and a
     stage peaking above the one before it explained from the run."""
-    f = lambda n: "-" if n is None else format_bytes(n, unit)  # noqa: E731
+    keys = ("model_states", "peak", "zero_paper", "deepspeed_estimate", "accelerate_estimate")
+    g = Scale.of([r[k] for r in rows for k in keys if r.get(k) is not None], unit)  # one unit for the table
+    f = lambda n: "-" if n is None else g.number(n)  # noqa: E731
+    said_in = lambda n: format_bytes(n, g.unit)  # noqa: E731  (sizes in sentences carry their unit)
     lines = [f"{name}: {rows[0]['n_params']:,} parameters, {rows[0]['world_size']} ranks, DeepSpeed ZeRO stages "
-             f"(bytes per rank; {unit})",
+             f"(bytes per rank; {g.unit})",
              f"{'stage':<8}{'peakledger states':>20}{'peakledger peak':>18}{'ZeRO paper':>14}{'DeepSpeed est.':>16}"
              f"{'accelerate':>14}"]
     for r in rows:
@@ -228,7 +231,7 @@ def render_peers(name: str, rows: list[dict], unit: str) -> str:
         for r, prev in above:
             d = r["above_previous"]
             said = stage_difference_lines(f"ZeRO-{r['stage']}", r["peak"], f"ZeRO-{prev['stage']}", prev["peak"],
-                                          d["moment"], d["other_moment"], d["categories"], f)
+                                          d["moment"], d["other_moment"], d["categories"], said_in)
             lines += [f"  - {said[0]}"] + [f"  {line}" for line in said[1:]]
     lines.append("why they differ:")
     lines += [f"  - {note}" for note in PEER_NOTES]

@@ -30,7 +30,7 @@ from ..models.config import ConfigError
 from ..models.devices import device_profile
 from ..models.precision import PRECISION_TABLE
 from .peers_own import LLM_ANALYSIS_VERSION, PeerFunction, llm_analysis_peer
-from .units import format_bytes
+from .units import Scale
 
 RECOMPUTE = ("none", "selective", "full")
 MEGATRON = "Megatron-LM theoretical"
@@ -371,10 +371,12 @@ PARALLEL_PEER_NOTES = [
 ]
 
 
-def render_parallel_peers(rows: list[dict], unit: str, name: str | None = None) -> str:
+def render_parallel_peers(rows: list[dict], unit: str | None, name: str | None = None) -> str:
     """`compare --peers` with model parallelism as text: peakledger's row (source "peakledger", any missing field
     shown as "-") next to Megatron's and llm-analysis's, then why each differs."""
-    f = lambda n: "-" if n is None else format_bytes(round(n), unit)  # noqa: E731
+    keys = ("model_states", "activations", "total", "peak")
+    g = Scale.of([r.get(k) for r in rows for k in keys], unit)  # one unit for the table
+    f = lambda n: "-" if n is None else g.number(round(n))  # noqa: E731
     info = next((r["setup"] for r in rows if r.get("setup")), None)
     head = f"{name}: " if name else ""
     if info:
@@ -383,7 +385,7 @@ def render_parallel_peers(rows: list[dict], unit: str, name: str | None = None) 
                  f"{info['seq_len']}, m = {info['num_microbatches']} micro-batches per step; sequence parallel "
                  f"{'on' if info['sequence_parallel'] else 'off'}, recompute {info['recompute']}, distributed "
                  f"optimizer {'on' if info['distributed_optimizer'] else 'off'} ")
-    lines = [head + f"(bytes per rank; {unit})",
+    lines = [head + f"(bytes per rank; {g.unit})",
              f"{'source':<26}{'model states':>16}{'activations':>16}{'total / peak':>16}"]
     for r in rows:
         lines.append(f"{r['source']:<26}{f(r.get('model_states')):>16}{f(r.get('activations')):>16}"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import Phase
 from ..simulator.timeline import Timeline
-from .units import format_bytes
+from .units import Scale, format_bytes
 
 PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save",
@@ -64,33 +64,35 @@ def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak
             for (step, phase), (a, i, r) in best.items()]
 
 
-def phase_table(rows: list[PhasePeak], unit: str, budget: int | None = None) -> tuple[str, list[str], list[list[str]]]:
-    """The phase peaks as a table: its title, its column heads and one row of cells per phase (sizes by
-    analysis/units.py), read by the text table (`phase_lines`) and the HTML report alike."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def phase_table(rows: list[PhasePeak], unit: str | None, budget: int | None = None
+                ) -> tuple[str, list[str], list[list[str]]]:
+    """The phase peaks as a table: its title, its column heads and one row of cells per phase, its sizes in one unit
+    (`unit`, else the largest value's: analysis/units.py Scale), read by the text table (`phase_lines`) and the HTML
+    report alike. The margin to a budget is negative over it."""
     gpu = bool(rows) and rows[0].reserved is not None
-    title = ("peak by phase (" + ("allocated / reserved / device total" if gpu else "allocated tensors")
-             + (f"; margin to the budget of {f(budget)}" if budget is not None else "") + "):")
+    need = [r.device_total if gpu else r.allocated for r in rows]
+    g = Scale.of([r.allocated for r in rows] + (need if gpu else []) + [r.reserved for r in rows if gpu] +
+                 ([budget] + [budget - n for n in need] if budget is not None else []), unit)
+    title = (f"peak by phase ({g.unit}; " + ("allocated / reserved / device total" if gpu else "allocated tensors")
+             + (f"; margin to the budget of {format_bytes(budget, g.unit)}, negative: over it"
+                if budget is not None else "") + "):")
     head = ["phase", "allocated", *(("reserved", "device total") if gpu else ()),
             *(("margin",) if budget is not None else ()), "at"]
     body = []
-    for r in rows:
-        need = r.device_total if gpu else r.allocated
-        cells = [r.label, f(r.allocated), *((f(r.reserved), f(r.device_total)) if gpu else ())]
+    for r, n in zip(rows, need):
+        cells = [r.label, g.number(r.allocated), *((g.number(r.reserved), g.number(r.device_total)) if gpu else ())]
         if budget is not None:
-            cells.append(f(budget - need) if need <= budget else "over " + f(need - budget))
+            cells.append(g.number(budget - n))
         body.append(cells + [r.op])
     return title, head, body
 
 
-def phase_lines(rows: list[PhasePeak], unit: str, budget: int | None = None) -> list[str]:
+def phase_lines(rows: list[PhasePeak], unit: str | None, budget: int | None = None) -> list[str]:
     """The table `simulate` prints: one line per phase of each simulated step, with the margin to a budget."""
     if not rows:
         return []
     title, head, body = phase_table(rows, unit, budget)
     widths = [14] * (len(head) - 2)
-    if budget is not None:
-        widths[-1] = 18
 
     def line(cells: list[str]) -> str:
         return f"  {cells[0]:<28}" + "".join(f"{c:>{w}}" for c, w in zip(cells[1:-1], widths)) + f"  {cells[-1]}"

@@ -28,7 +28,7 @@ from .explain import cause
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
 from .phases import PhasePeak, phase_lines, phase_peaks
-from .units import format_bytes
+from .units import Scale, format_bytes, format_flops
 
 REPORT_VERSION = 2
 
@@ -380,27 +380,29 @@ def setup_lines(r: Report) -> list[str]:
         if md.expert_parallel:
             lines.append(f"  expert parallel: {_expert_text(md.expert_parallel)}")
         if md.counted_flops_per_step:  # a traced model: torch's FLOP formulas over the recorded ops
-            lines.append(f"  training FLOPs per step ~ {md.counted_flops_per_step:.3e} per rank (counted over the "
-                         "traced forward and backward ops: matmuls, attention, convolutions)")
+            lines.append(f"  training FLOPs per step ~ {format_flops(md.counted_flops_per_step)} per rank (counted "
+                         "over the traced forward and backward ops: matmuls, attention, convolutions)")
         elif md.n_active_params is not None:
             flops = training_flops(md.n_active_params, md.tokens_per_step)
-            lines.append(f"  training FLOPs per step ~ {flops:.3e} "
+            lines.append(f"  training FLOPs per step ~ {format_flops(flops)} "
                          f"(6ND over {md.n_active_params:,} active parameters: "
                          f"{md.experts} per token)")
         else:
             flops = training_flops(md.n_trainable or 0, md.tokens_per_step)
-            lines.append(f"  training FLOPs per step ~ {flops:.3e} (6ND, dense-model approximation)")
+            lines.append(f"  training FLOPs per step ~ {format_flops(flops)} (6ND, dense-model approximation)")
     return lines
 
 
-def peak_lines(r: Report, unit: str = "GiB") -> list[str]:
+def peak_lines(r: Report, unit: str | None = None) -> list[str]:
     """The true peak, the first-step and steady peaks (with why the first step is higher), the host peak and
-    the capacity needed, one line each."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+    the capacity needed, one line each, in one unit (`unit`, else the largest value's)."""
     pk, setup = r.peaks, r.metadata.setup
     lines: list[str] = []
     e = pk.overall.event
     if e is not None:
+        peak_values = [pk.overall.bytes, pk.first_step.bytes, pk.steady.bytes if pk.steady else None,
+                       r.host.overall.bytes if r.host is not None else None, r.capacity_needed if pk.headroom else None]
+        f = Scale.of(peak_values, unit).text  # one unit for the block
         lines.append(f"true peak        {f(pk.overall.bytes):>14}  at {e.op} ({e.phase.value}, step {e.step}"
                      + (f", micro-batch {e.micro_batch_index}" if e.micro_batch_index >= 0 else "") + ")")
         lines.append(f"first-step peak  {f(pk.first_step.bytes):>14}  at {pk.first_step.event.op}")
@@ -424,22 +426,29 @@ def peak_lines(r: Report, unit: str = "GiB") -> list[str]:
 LEDGER_HEAD = ["row", "at peak", "dtype", "shard", "tensors", "share", "row max"]
 
 
-def ledger_cells(row: LedgerRow, unit: str = "GiB") -> list[str]:
-    """One ledger row as the report prints it, under LEDGER_HEAD (sizes by analysis/units.py)."""
-    return [row.row, format_bytes(row.bytes, unit), row.dtype, str(row.shard_factor), str(row.tensors),
-            f"{row.share:.1%}", format_bytes(row.max_bytes, unit)]
+def ledger_table(rows: list[LedgerRow], unit: str | None = None) -> tuple[str, list[str], list[list[str]]]:
+    """The ledger at the peak as a table: its title, LEDGER_HEAD and one row of cells per ledger row, then the
+    total's, its sizes in one unit (`unit`, else the largest value's: analysis/units.py Scale); read by the text
+    report and the HTML report alike."""
+    total = sum(x.bytes for x in rows)
+    g = Scale.of([total] + [x.max_bytes for x in rows], unit)
+    body = [[row.row, g.number(row.bytes), row.dtype, str(row.shard_factor), str(row.tensors), f"{row.share:.1%}",
+             g.number(row.max_bytes)] for row in rows]
+    body.append(["total", g.number(total), "", "", "", "", ""])
+    return f"ledger at the peak ({g.unit}; exact bytes in --json)", LEDGER_HEAD, body
 
 
-def render_text(r: Report, unit: str = "GiB") -> str:
-    """A plain-text report (monospace table), sizes labelled with their unit."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def render_text(r: Report, unit: str | None = None) -> str:
+    """A plain-text report (monospace tables), each table's sizes in one unit (`unit`, else its largest value's:
+    analysis/units.py Scale), the unit said once."""
     md = r.metadata
     lines = setup_lines(r) + [""] + peak_lines(r, unit)
     if len(r.ranks) > 1 or any(len(rp.same_as) > 1 for rp in r.ranks):
-        lines.append("per rank, the worst first (ranks with identical layouts are simulated once):")
+        ranks = Scale.of([rp.peak.bytes for rp in r.ranks], unit)
+        lines.append(f"per rank ({ranks.unit}), the worst first (ranks with identical layouts are simulated once):")
         for rp in sorted(r.ranks, key=lambda rp: (-rp.peak.bytes, rp.rank)):
             e = rp.peak.event
-            lines.append(f"  {_rank_range(rp.same_as):<16}{f(rp.peak.bytes):>14}  at "
+            lines.append(f"  {_rank_range(rp.same_as):<16}{ranks.number(rp.peak.bytes):>14}  at "
                          f"{e.op if e else '-'} ({e.phase.value if e else '-'}, step {e.step if e else '-'})"
                          f"{_stages(r.metadata, rp.rank)}")
     if r.gpu is not None:
@@ -449,11 +458,11 @@ def render_text(r: Report, unit: str = "GiB") -> str:
         if run_plan(r.log).truncated:
             lines.append(f"  ({run_plan(r.log).summary()})")
     lines.append("")
-    lines.append(f"ledger at the peak ({unit}; exact bytes in --json)")
-    for cells in [LEDGER_HEAD] + [ledger_cells(row, unit) for row in r.ledger]:
-        name, at, dtype, shard, tensors, share, top = cells
-        lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}")
-    lines.append(f"  {'total':<30}{f(sum(x.bytes for x in r.ledger)):>14}")
+    title, head, body = ledger_table(r.ledger, unit)
+    lines.append(title)
+    for name, at, dtype, shard, tensors, share, top in [head] + body:
+        lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}".rstrip())
+    f = lambda n: format_bytes(n, unit)  # noqa: E731
     for o in r.log.ooms:
         lines.append("")
         lines.append(f"OUT OF MEMORY at {o.event.op} ({o.event.phase.value}, step {o.event.step}): "

@@ -1,12 +1,25 @@
-"""Byte counts for people: parse budgets ("80GiB", "24G", "80GB", "85899345920") and print sizes.
+"""Byte counts and durations for people: parse budgets ("80GiB", "24G", "80GB", "85899345920"), print sizes and
+times.
 
-Inside, bytes are exact Python ints. Outside, every size says its unit: GiB (2^30) or GB (10^9),
-with significant digits that do not fake precision (4 by default).
+Inside, bytes are exact Python ints and times float seconds. Outside, every size says its unit: GiB (2^30) or
+GB (10^9), with significant digits that do not fake precision (4 by default).
+
+- a size in a sentence: `format_bytes` ('2.844 GiB', '9 MiB');
+- a table of sizes: one `Scale` for the whole table, so its header names one unit and every cell is a number in
+  it with the same decimals ('2.844', '0.232', '<0.001'), never a cell in another unit; the unit is the one
+  asked for (--unit), else the binary unit of the table's largest value (`auto_unit`);
+- a duration: `format_duration`, three significant digits in the unit people read it in ('0.400 ms',
+  '850 ms', '51.0 s', '12.3 min', '1.42 h'), never scientific notation;
+- a count of FLOPs in a sentence: `format_flops` ('91.88 GFLOP');
+- a number for a file (CSV): `round_significant` (a float rounded to significant digits, not printed).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..models.config import ConfigError
 
@@ -76,8 +89,11 @@ def parse_bytes(text: str | int, field: str = "budget", plain_bytes: bool = Fals
 SMALLER = {"TiB": "GiB", "GiB": "MiB", "MiB": "KiB", "KiB": "B", "TB": "GB", "GB": "MB", "MB": "KB", "KB": "B"}
 
 
-def format_bytes(n: int, unit: str = "GiB", digits: int = 4) -> str:
-    """'1.234 GiB'. `unit` is GiB or GB (or any unit in UNITS); 'auto' picks a binary unit by size."""
+def format_bytes(n: int, unit: str | None = "GiB", digits: int = 4) -> str:
+    """'1.234 GiB'. `unit` is GiB or GB (or any unit in UNITS; None: GiB, the text's default); 'auto' picks a
+    binary unit by size. For a size in a sentence: a table's cells take a `Scale`."""
+    if unit is None:
+        unit = "GiB"
     if unit == "auto":
         unit = next((u for u in ("TiB", "GiB", "MiB", "KiB") if abs(n) >= UNITS[u]), "B")
     if unit == "B":
@@ -96,3 +112,113 @@ def _significant(value: float, digits: int) -> str:
     if "e" in text:
         return f"{value:.{max(digits - 1, 0)}e}"
     return text
+
+
+BINARY = ("TiB", "GiB", "MiB", "KiB")
+MAX_DECIMALS = 6  # a table's cells show at most this many decimals (a forced unit far above its values: '<0.000001')
+FLOP_UNITS = {"FLOP": 1, "kFLOP": 10**3, "MFLOP": 10**6, "GFLOP": 10**9, "TFLOP": 10**12, "PFLOP": 10**15}
+TIME_UNITS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}  # a table's times: seconds in these
+_SIZES = {**UNITS, **FLOP_UNITS, **TIME_UNITS}
+
+
+def auto_unit(largest: int | float, kind: str = "bytes") -> str:
+    """The unit a value of `largest` reads in: the largest unit it holds at least one of. Bytes: binary units, B
+    under 1 KiB; "flops": FLOP_UNITS; "seconds": h, min, s, else ms (as `format_duration`)."""
+    if kind == "seconds":
+        return next((u for u in ("h", "min", "s") if abs(largest) >= TIME_UNITS[u]), "ms")
+    if kind == "flops":
+        return next((u for u in reversed(FLOP_UNITS) if abs(largest) >= FLOP_UNITS[u]), "FLOP")
+    return next((u for u in BINARY if abs(largest) >= UNITS[u]), "B")
+
+
+@dataclass(frozen=True)
+class Scale:
+    """One unit and one number of decimals for a whole table column (or table) of byte counts, FLOPs or seconds:
+    the header says `unit`, each cell is `number(x)`. The decimals give the largest value `digits` significant
+    digits; a value too small for them prints '<0.001' (nonzero, under half the last place), never in another
+    unit."""
+
+    unit: str
+    decimals: int = 0
+
+    @classmethod
+    def of(cls, values: Iterable[int | float | None], unit: str | None = None, digits: int = 4,
+           kind: str = "bytes") -> Scale:
+        """The scale of a column holding `values` (None: no value, skipped) of `kind` (bytes, "flops", "seconds"):
+        `unit` when given (the CLI's --unit; None or 'auto': `auto_unit` of the largest |value|)."""
+        largest = max((abs(v) for v in values if v is not None), default=0)
+        if unit in (None, "auto"):
+            unit = auto_unit(largest, kind)
+        if unit in ("B", "FLOP"):
+            return cls(unit, 0)
+        top = largest / _SIZES[unit]
+        exp = math.floor(math.log10(top)) if top > 0 else 0
+        return cls(unit, min(MAX_DECIMALS, max(0, digits - 1 - exp)))
+
+    def number(self, x: int | float) -> str:
+        """`x` (bytes, FLOPs, seconds) as a number in the unit: '2.844', '0.000', '<0.001', '-1.250', '1,234.5'."""
+        if self.unit in ("B", "FLOP"):
+            return f"{round(x):,}"
+        text = f"{x / _SIZES[self.unit]:,.{self.decimals}f}"
+        if x and not text.strip("-0.,"):  # nonzero, but zero at these decimals
+            least = "1" if self.decimals == 0 else "0." + "0" * (self.decimals - 1) + "1"
+            return f"<{least}" if x > 0 else f">-{least}"
+        return text
+
+    def text(self, x: int | float) -> str:
+        """`x` with the unit: '2.844 GiB'."""
+        return f"{self.number(x)} {self.unit}"
+
+    def value(self, cell: str) -> float:
+        """A printed `number` read back (bytes, FLOPs, seconds; '<0.001' reads as 0): its inverse, up to the
+        decimals."""
+        text = cell.replace(",", "").strip()
+        if text.startswith(("<", ">")):
+            return 0.0
+        return float(text) * _SIZES[self.unit]
+
+
+def fixed_significant(value: float, digits: int = 3) -> str:
+    """`value` with `digits` significant digits in plain decimals, trailing zeros kept: 51.04 -> '51.0', 0.4 ->
+    '0.400', 5104 -> '5,104' (digits past the decimal point are never cut from a whole number)."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    exp = math.floor(math.log10(abs(value)))
+    decimals = max(0, digits - 1 - exp)
+    text = f"{value:,.{decimals}f}"
+    if decimals and abs(float(text.replace(",", ""))) >= 10 ** (exp + 1):  # 9.996 -> '10.00': one decimal less
+        text = f"{value:,.{decimals - 1}f}"
+    return text
+
+
+def format_duration(seconds: float, digits: int = 3) -> str:
+    """A duration as people read it, `digits` significant digits: under a second in ms ('0.400 ms', '850 ms'),
+    under a minute in s ('51.0 s'), under an hour in min ('12.3 min'), else h ('1.42 h', '1,234 h'); under a
+    microsecond '<0.001 ms'. Never scientific notation. A negative duration (a difference) keeps its sign; inf and
+    nan print as such."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
+    if seconds < 0:
+        return "-" + format_duration(-seconds, digits)
+    if seconds == 0:
+        return "0 s"
+    for unit in ("h", "min", "s", "ms"):
+        text = fixed_significant(seconds / TIME_UNITS[unit], digits)
+        if float(text.replace(",", "")) >= 1 or unit == "ms":
+            return f"{text} {unit}" if seconds >= 1e-6 else "<0.001 ms"
+    return f"{seconds} s"  # (not reached)
+
+
+def round_significant(value: float, digits: int = 4) -> float:
+    """`value` rounded to `digits` significant digits, for a file's column (5.0812345e-3 -> 0.005081)."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return float(f"{value:.{digits}g}")  # (the nearest float to the decimal rounded: what the file then shows)
+
+
+def format_flops(n: int | float) -> str:
+    """'91.88 GFLOP', '382.3 TFLOP': four significant digits in the largest unit of FLOP_UNITS it holds one of."""
+    if n == 0:
+        return "0 FLOP"
+    unit = auto_unit(n, "flops")
+    return f"{n:,} FLOP" if unit == "FLOP" else f"{fixed_significant(n / FLOP_UNITS[unit], 4)} {unit}"

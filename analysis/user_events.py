@@ -516,12 +516,12 @@ def _number(t: float) -> str:
 
 def timeline_csv(u: UserLog, pl: PoolLedger) -> bytes:
     """The pool's timeline as CSV: one line per event (columns time, event, where, action, object, storage,
-    category, delta_bytes, live_bytes, then the bytes live of each category the pool has)."""
+    category, delta_bytes, live_bytes, then the bytes live of each category the pool has, `<category>_bytes`)."""
     cats = [c.value for c in pl.timeline.by_category]
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["time", "event", "where", "action", "object", "storage", "category", "delta_bytes", "live_bytes",
-                *cats])
+                *(f"{c}_bytes" for c in cats)])
     for r in timeline_rows(u, pl):
         w.writerow([_number(r["time"]), r["event"], r["where"], r["action"], r["object"], r["storage"] or "",
                     r["category"], r["delta"], r["bytes"], *(r["by_category"][c] for c in cats)])

@@ -22,7 +22,7 @@ from ..simulator.events import Block, Category, EventLog, Phase, Pool
 from ..simulator.timeline import timeline
 from .device import torch_rules
 from .phases import phase_peaks
-from .units import format_bytes
+from .units import Scale
 
 
 @dataclass(frozen=True)
@@ -168,13 +168,17 @@ def validation_json(v: Validation) -> dict:
             "measured_by": v.measured_by, "predicted_by": v.predicted_by, "reserved_peak": pair(v.reserved)}
 
 
-def render_validation(v: Validation, unit: str = "MiB") -> str:
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
-    lines = [f"validate {v.name}: measured ({v.measured_by}) vs predicted ({v.predicted_by})", "",
-             f"  {'':<26}{'measured':>14}{'predicted':>14}{'error':>9}{'bytes':>14}"]
+def render_validation(v: Validation, unit: str | None = None) -> str:
+    """The text: measured and predicted side by side, every size in one unit (`unit`, else the largest's: analysis/
+    units.py Scale) named in the head; the differences in bytes."""
     head = [v.overall, v.first_step] + ([v.steady] if v.steady else []) + ([v.host] if v.host else []) + \
         ([v.reserved] if v.reserved else [])
     rows = head + v.phases
+    g = Scale.of([x for p in rows for x in (p.measured, p.predicted)] +
+                 [x for pair in v.categories_at_peak.values() for x in pair], unit)
+    f = g.number
+    lines = [f"validate {v.name}: measured ({v.measured_by}) vs predicted ({v.predicted_by})", "",
+             f"  {'(' + g.unit + ')':<26}{'measured':>14}{'predicted':>14}{'error':>9}{'diff bytes':>14}"]
     for i, p in enumerate(rows):
         if i == len(head):
             lines.append("  by phase (device memory):" if v.host else

@@ -43,11 +43,6 @@ ONCE_ACTIONS = {name: type(f"Once{base.__name__}", (_Once, base), {}) for name, 
     ("store_true", argparse._StoreTrueAction), ("store_false", argparse._StoreFalseAction))}
 
 
-def given_on_command_line(args, dest: str) -> bool:
-    """The flag of `dest` was on the command line (not a default)."""
-    return dest in getattr(args, GIVEN, {})
-
-
 def decide(args, code: int) -> int:
     """A command's exit status, settled before it writes its output: a reader that goes away (`| head -1`) ends
     the output, never the verdict (cli.main returns it on a closed pipe)."""
@@ -83,7 +78,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--simulator", help="the discrete-event engine: builtin (default) or simpy (SimPy's own objects: "
                    "the same events, slower; simulator/simpy_engine.py takes processes of your own)")
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],
-                   help="print sizes in this unit (default GiB; validate: MiB); --json always gives bytes")
+                   help="print every table's sizes in this unit (default: each table's own, from its largest "
+                   "value; a size in a sentence in GiB); --json always gives bytes")
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
     r.add_argument("--module-timeout", type=flag_float, metavar="SECONDS",
                    help="--module: the longest its import, factory or traced step may run (default 600; 0: no limit)")

@@ -20,7 +20,7 @@ import warnings
 
 from .analysis.ledger import row_name
 from .analysis.plot import plot_timeline
-from .analysis.units import UNITS, format_bytes
+from .analysis.units import Scale, auto_unit, format_bytes
 from .analysis.user_events import (
     ORDER_RULE,
     PoolLedger,
@@ -30,7 +30,7 @@ from .analysis.user_events import (
     timeline_csv,
     timeline_rows,
 )
-from .cli_common import flag_int, given_on_command_line, write_json
+from .cli_common import flag_int, write_json
 from .simulator.events import Pool
 from .simulator.safe_io import InputError, check_outputs, write_atomic
 
@@ -43,7 +43,6 @@ def cmd_ledger(args) -> int:
     if args.rank is not None and args.rank < 0:
         raise InputError("--rank", f"must be an integer >= 0, got {args.rank}")
     u = read_user_events(args.events)
-    unit_given = given_on_command_line(args, "unit")  # (else the unit follows the peak's size)
     pools = _chosen(args, pool_ledgers(u))
     if (args.plot or args.export_timeline) and len(pools) > 1:
         raise InputError("--plot" if args.plot else "--export-timeline",
@@ -53,15 +52,14 @@ def cmd_ledger(args) -> int:
         pl = pools[0]
         with warnings.catch_warnings():  # (matplotlib's on a list whose events share one instant: a zero-width axis)
             warnings.simplefilter("ignore", UserWarning)
-            plot_timeline(pl.timeline, args.plot, unit=args.unit if unit_given else _auto_unit(pl.peak.bytes),
+            plot_timeline(pl.timeline, args.plot, unit=args.unit or auto_unit(pl.peak.bytes),
                           title=f"{u.path}: rank {pl.timeline.rank} {pl.timeline.pool.value} memory by category")
     if args.export_timeline:
         write_atomic(args.export_timeline, timeline_csv(u, pools[0]))
     if args.json:
         write_json(ledger_json(u, pools))
         return 0
-    unit = args.unit if unit_given else _auto_unit(max(p.peak.bytes for p in pools))
-    print("\n".join(ledger_text(u, pools, unit)))
+    print("\n".join(ledger_text(u, pools, args.unit)))  # (no --unit: each pool's peak's)
     written = [x for x in (args.plot, args.export_timeline) if x]
     if written:
         print(f"written: {', '.join(written)}")
@@ -80,10 +78,6 @@ def _chosen(args, pools: list[PoolLedger]) -> list[PoolLedger]:
         raise InputError("--rank" if args.rank is not None else "--pool",
                          f"{args.events} has no events in {flags}; it has {_names(pools)}")
     return chosen
-
-
-def _auto_unit(peak: int) -> str:
-    return next((u for u in ("GiB", "MiB", "KiB") if peak >= UNITS[u]), "B")
 
 
 def _block_json(u: UserLog, pl: PoolLedger) -> list[dict]:
@@ -112,41 +106,47 @@ def _time(t: float) -> str:
     return str(int(t)) if t.is_integer() and abs(t) < 2**53 else repr(t)
 
 
-def ledger_text(u: UserLog, pools: list[PoolLedger], unit: str) -> list[str]:
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def ledger_text(u: UserLog, pools: list[PoolLedger], unit: str | None) -> list[str]:
+    """The text: per pool its peak, the ledger, what is live and the timeline around the peak, every size of a pool
+    in one unit (`unit`, else the pool's peak's: analysis/units.py Scale), named in each table's head."""
     lines = [f"{u.path}: {len(u.rows)} events, {u.objects} objects, {len(u.storages)} blocks of memory (the objects "
              "that share a storage are one block, counted once)", f"order: {ORDER_RULE}"]
     for pl in pools:
         row = u.rows[pl.row]
-        lines += ["", f"rank {pl.timeline.rank} {pl.timeline.pool.value} memory: peak {f(pl.peak.bytes)} at time "
+        g = Scale.of([pl.peak.bytes] + [r.max_bytes for r in pl.ledger], unit)
+        f = g.number
+        lines += ["", f"rank {pl.timeline.rank} {pl.timeline.pool.value} memory: peak "
+                      f"{format_bytes(pl.peak.bytes, g.unit)} at time "
                       f"{_time(row.time)} ({row.where}: {row.action.value} {row.object})",
-                  f"  {'ledger at the peak':<34}{'bytes':>14}{'share':>8}{'blocks':>8}  highest over the run"]
+                  f"  {'ledger at the peak':<34}{g.unit:>14}{'share':>8}{'blocks':>8}  highest over the run "
+                  f"({g.unit})"]
         for r in pl.ledger:
             lines.append(f"  {r.row:<34}{f(r.bytes):>14}{r.share:>8.1%}{r.tensors:>8}  {f(r.max_bytes)}")
         lines.append(f"  {'total':<34}{f(pl.peak.bytes):>14}")
-        lines.append("  live at the peak (largest first):")
+        lines.append(f"  live at the peak (largest first; {g.unit}):")
         for x in pl.live[:TEXT_LIVE_ROWS]:
             name = ", ".join(x.objects) if x.storage is None else f"storage {x.storage}: {', '.join(x.objects)}"
             lines.append(f"    {f(x.block.nbytes):>12}  {row_name(x.block):<26}{name}")
         if len(pl.live) > TEXT_LIVE_ROWS:
             lines.append(f"    ... and {len(pl.live) - TEXT_LIVE_ROWS} more (--json lists them all)")
-        lines += _timeline_text(u, pl, f)
+        lines += _timeline_text(u, pl, g)
     return lines
 
 
-def _timeline_text(u: UserLog, pl: PoolLedger, f) -> list[str]:
+def _timeline_text(u: UserLog, pl: PoolLedger, g: Scale) -> list[str]:
     n, peak = len(pl.timeline.events), pl.peak.index
     start = max(0, min(peak - TEXT_TIMELINE_ROWS // 2, n - TEXT_TIMELINE_ROWS))
     shown = timeline_rows(u, pl, start, start + TEXT_TIMELINE_ROWS)
-    lines = ["  timeline (bytes live after each alloc or free of a block; the alloc or free of a reference to a "
+    lines = [f"  timeline ({g.unit} live after each alloc or free of a block; the alloc or free of a reference to a "
              "storage another object holds changes nothing):",
              f"    {'time':>10}  {'event':>6}  {'action':<6} {'object':<30}{'change':>14}{'live':>14}"]
     if start:
         lines.append(f"    ... {start} earlier")
     for i, r in enumerate(shown, start):
-        sign = "+" if r["delta"] >= 0 else "-"
+        sign = "+" if r["delta"] >= 0 else ""
         lines.append(f"    {_time(r['time']):>10}  {r['event']:>6}  {r['action']:<6} {r['object']:<30}"
-                     f"{sign + f(abs(r['delta'])):>14}{f(r['bytes']):>14}" + ("  <- peak" if i == peak else ""))
+                     f"{sign + g.number(r['delta']):>14}{g.number(r['bytes']):>14}"
+                     + ("  <- peak" if i == peak else ""))
     if start + len(shown) < n:
         lines.append(f"    ... {n - start - len(shown)} later (--export-timeline FILE.csv or --json: all)")
     return lines

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.report import render_text, report_json
-from .analysis.units import format_bytes
+from .analysis.units import Scale, format_bytes
 from .analysis.validate import render_validation, validation_json
 from .cli_common import add_check_flag, budget_flag, budget_of, decide, fit_verdict, flag_float, flag_int, write_json
 from .inputs import check_command_outputs
@@ -77,17 +77,18 @@ def header(report, unit: str) -> list[str]:
     return lines
 
 
-def try_lines(report, tries: list, budget: int | None, unit: str) -> list[str]:
+def try_lines(report, tries: list, budget: int | None, unit: str | None) -> list[str]:
     """The script's own knobs tried (--try), each re-run on fake tensors: fitting the budget first, then lowest."""
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
     base = report.capacity_needed
     rows = sorted(tries, key=lambda t: (budget is not None and t[1].capacity_needed > budget, t[1].capacity_needed))
-    lines = ["the script's own arguments changed (--try), each run again on fake tensors"
-             + (f"; budget {f(budget)}" if budget is not None else "") + ":",
+    g = Scale.of([base] + [r.capacity_needed for _, r in rows], unit)  # one unit for the table
+    f = g.number
+    lines = [f"the script's own arguments changed (--try), each run again on fake tensors ({g.unit}"
+             + (f"; budget {format_bytes(budget, g.unit)}" if budget is not None else "") + "):",
              f"  {'change':<36}{'needs':>14}{'vs as given':>16}" + ("  fits" if budget is not None else "")]
     for text, r in rows:
         need = r.capacity_needed
-        lines.append(f"  {text:<36}{f(need):>14}{f(need - base):>16}"
+        lines.append(f"  {text:<36}{f(need):>14}{('+' if need >= base else '') + f(need - base):>16}"
                      + (f"  {'yes' if fit_verdict(r, budget, 0.0).fits else 'no'}" if budget is not None else ""))
     lines.append(f"  {'(as given)':<36}{f(base):>14}")
     return lines

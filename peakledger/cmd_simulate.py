@@ -26,7 +26,7 @@ from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
 from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
-from .analysis.units import format_bytes
+from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
 from .cli_common import (
     add_check_flag,
@@ -67,7 +67,8 @@ def critical_path_text(path: CriticalPath) -> str:
     """One line: how long the critical path is, and which streams it runs on."""
     parts = ", ".join(f"{stream} {s / path.seconds:.1%}" for stream, s in sorted(path.by_stream().items(),
                                                                                  key=lambda kv: -kv[1]))
-    return (f"critical path: {len(path.ops):,} ops, {path.seconds:.6g} s (the simulated run's length; {parts}), "
+    return (f"critical path: {len(path.ops):,} ops, {format_duration(path.seconds)} (the simulated run's length; "
+            f"{parts}), "
             f"from {path.ops[0].name} to {path.ops[-1].name}" if path.ops else "critical path: no ops")
 
 
@@ -155,8 +156,10 @@ def _savings_lines(s: dict, unit: str) -> list[str]:
     f = lambda n: format_bytes(n, unit) if n else "0"  # noqa: E731
 
     def table(head: str, rows: list[dict], key: str, note: str = "") -> list[str]:
-        return [f"  {head:<30}{'eager':>14}{'compiled':>14}{'saved':>14}{note}",
-                *(f"  {r[key]:<30}{f(r['eager']):>14}{f(r['compiled']):>14}{f(r['saved']):>14}" for r in rows)]
+        g = Scale.of([r[k] for r in rows for k in ("eager", "compiled", "saved")], unit)  # one unit a table
+        return [f"  {head + ' (' + g.unit + ')':<30}{'eager':>14}{'compiled':>14}{'saved':>14}{note}",
+                *(f"  {r[key]:<30}{g.number(r['eager']):>14}{g.number(r['compiled']):>14}"
+                  f"{g.number(r['saved']):>14}" for r in rows)]
 
     eager = s["eager_peak"]
     fb = s["forward_backward_peak"]
@@ -271,19 +274,20 @@ def cmd_compare(args) -> int:
     all_rows = sorted({row.row: row.category for _, r in results for row in r.ledger}.items(),
                       key=lambda item: (ROW_ORDER.index(item[1]), item[0]))
     width = max(14, *(len(n) + 2 for n, _ in results))
-    print(f"{'':<30}" + "".join(f"{n:>{width}}" for n, _ in results))
+    g = Scale.of([r.peaks.overall.bytes for _, r in results], u)  # one unit for the table, named in its head
+    print(f"{'(' + g.unit + ')':<30}" + "".join(f"{n:>{width}}" for n, _ in results))
     for label in rows:
         vals = []
         for _, r in results:
             p = {"peak": r.peaks.overall, "first-step peak": r.peaks.first_step, "steady peak": r.peaks.steady}[label]
-            vals.append(format_bytes(p.bytes, u) if p else "-")
+            vals.append(g.number(p.bytes) if p else "-")
         print(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
     print("at the peak:")
     for row_name, _ in all_rows:
         vals = []
         for _, r in results:
             match = [x for x in r.ledger if x.row == row_name]
-            vals.append(format_bytes(match[0].bytes, u) if match else "-")
+            vals.append(g.number(match[0].bytes) if match else "-")
         print(f"  {row_name:<28}" + "".join(f"{v:>{width}}" for v in vals))
     print("peak reached at:")
     for name, r in results:

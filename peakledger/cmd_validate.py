@@ -141,7 +141,7 @@ def cmd_validate_ranks(args, scenario) -> int:
         write_json({"ranks": [validation_json(v) for v, _ in results]})
     else:
         for v, _ in results:
-            print(render_validation(v, args.unit or "MiB"))
+            print(render_validation(v, args.unit))
             print("")
     if scenario.setup.mesh.pp > 1 and not args.json:  # what the stages hold apart: first stage vs last stage
         first, last = results[0][0].overall, results[-1][0].overall
@@ -183,14 +183,14 @@ def cmd_validate(args) -> int:
         with progress(f"running {scenario.name} for real under the tracker, then simulating"):
             result, measured, simulated = validation.validate(scenario)
     if args.plot:
-        plot_overlay(timeline(measured), timeline(simulated), args.plot,
+        plot_overlay(timeline(measured), timeline(simulated), args.plot, unit=args.unit,
                      title=f"{scenario.name}: measured vs predicted")
     ok = result.passes(args.tolerance) if args.tolerance is not None else True
     decide(args, 0 if ok else 1)
     if args.json:
         write_json(validation_json(result))
     else:
-        print(render_validation(result, args.unit or "MiB"))
+        print(render_validation(result, args.unit))
     if args.tolerance is not None:
         print(f"peak error {result.overall.error:+.3%} {'within' if ok else 'OUTSIDE'} tolerance {args.tolerance:.2%}",
               file=sys.stderr)

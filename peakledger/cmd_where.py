@@ -11,7 +11,7 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 
 from __future__ import annotations
 
-from .analysis.units import format_bytes
+from .analysis.units import Scale, format_bytes
 from .assumed import assumed, assumed_lines
 from .cli_common import add_scenario_flags, decide, write_json
 from .gpus import GPU_LIMIT, LAYOUTS
@@ -40,18 +40,22 @@ def _batch(p) -> str:
     return f">= {p.max_micro_batch:,}" if p.search_limit_reached else f"{p.max_micro_batch:,}"
 
 
-def render(result: Where, unit: str) -> str:
-    f = lambda n: format_bytes(n, unit)  # noqa: E731
+def render(result: Where, unit: str | None) -> str:
+    """The table: every size in one unit (`unit`, else the largest value's), named in the first line."""
+    g = Scale.of([x for p in result.placements for x in (p.usable, p.allocated_peak, p.reserved_peak,
+                                                          p.outside_allocator, p.device_total_peak, p.margin)], unit)
+    f = g.number
     head = (f"{result.scenario}: micro-batch {result.micro_batch}, {result.precision}, torch {result.torch_version} "
             "CUDA rules" + (f", headroom {result.headroom:g}" if result.headroom else "")
-            + (f"; {result.world_size} GPUs, each row one GPU (the worst rank)" if result.world_size > 1 else ""))
+            + (f"; {result.world_size} GPUs, each row one GPU (the worst rank)" if result.world_size > 1 else "")
+            + f"; sizes in {g.unit}")
     cols = ("device", "usable", "allocated", "reserved", "outside", "device total", "fits", "margin", "max mb")
     rows = []
     for p in result.placements:
         rows.append((p.device, f(p.usable), f(p.allocated_peak), f(p.reserved_peak), f(p.outside_allocator),
                      f(p.device_total_peak),
                      ("yes" if p.fits else "no") + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
-                     ("+" if p.margin >= 0 else "-") + f(abs(p.margin)), _batch(p)))
+                     ("+" if p.margin >= 0 else "") + f(p.margin), _batch(p)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .analysis.report import run_plan, run_seconds, step_ends
-from .analysis.units import format_bytes
+from .analysis.units import Scale, format_bytes, format_duration
 from .models.config import ConfigError
 from .models.devices import device_profile
 from .scenario import Scenario
@@ -191,14 +191,14 @@ class DeadlineBudget:
                 "deadline_s": self.deadline_s, "deadline_h": self.deadline_s / 3600,
                 "step_time_s": self.step_time_s, "memory_budget_bytes": self.memory_bytes}
 
-    def describe(self, unit: str = "GiB") -> str:
+    def describe(self, unit: str | None = "GiB") -> str:
         target = (f"{self.target_tokens:,} tokens" if self.target_tokens is not None
                   else f"{self.target_steps:,} optimizer steps")
-        step = f"measured step time {self.step_time_s:g} s" if self.step_time_s is not None else \
+        step = f"measured step time {format_duration(self.step_time_s)}" if self.step_time_s is not None else \
             "the cost model's steady step time"
         memory = f"{format_bytes(self.memory_bytes, unit)} per rank (--budget)" if self.memory_bytes is not None \
             else "each point's device capacity"
-        return f"target {target} within {format_hours(self.deadline_s / 3600)}; {step}; memory: {memory}"
+        return f"target {target} within {format_duration(self.deadline_s)}; {step}; memory: {memory}"
 
 
 def deadline_budget(target_tokens=None, target_steps=None, deadline=None, step_time=None,
@@ -382,7 +382,7 @@ def rank_points(rows: list[dict]) -> list[int]:
     return sorted(range(len(rows)), key=key)
 
 
-def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit: str = "GiB") -> str:
+def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit: str | None = None) -> str:
     """The ranked table the CLI prints: each point's grid values, capacity needed vs its memory budget, step
     time, steps, wall-clock, GPU-hours and verdict, best first; a closing line that names the answer."""
     order = sorted(range(len(points)), key=lambda i: points[i][1].get("deadline_rank") or len(points) + i)
@@ -390,8 +390,11 @@ def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit
     # the point's memory, then the price: with max-batch, of the micro-batch it was priced at ("priced mb"; the
     # grid's otherwise, no column)
     priced = any(r.get("max_micro_batch") not in ("", None) for _, r in points)
-    head = ["rank", *keys, "needs", "budget", *(["priced mb"] if priced else []), "step s", "steps", "wall h",
-            "GPU-h", "verdict"]
+    g = Scale.of([r[c] for _, r in points if not r.get("error") for c in ("capacity_needed_bytes", "budget_bytes")],
+                 unit)  # one unit for both size columns
+    t = Scale.of([r["step_time_used_s"] for _, r in points if not r.get("error")], kind="seconds")
+    head = ["rank", *keys, f"needs {g.unit}", f"budget {g.unit}", *(["priced mb"] if priced else []),
+            f"step {t.unit}", "steps", "wall h", "GPU-h", "verdict"]
     lines = [head]
     for i in order:
         values, r = points[i]
@@ -400,8 +403,8 @@ def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit
         if r.get("error"):
             lines.append([str(r.get("deadline_rank", "")), *grid, "-", "-", *mb, "-", "-", "-", "-", INVALID])
             continue
-        lines.append([str(r["deadline_rank"]), *grid, format_bytes(r["capacity_needed_bytes"], unit),
-                      format_bytes(r["budget_bytes"], unit), *mb, f"{r['step_time_used_s']:.4g}",
+        lines.append([str(r["deadline_rank"]), *grid, g.number(r["capacity_needed_bytes"]),
+                      g.number(r["budget_bytes"]), *mb, t.number(r["step_time_used_s"]),
                       f"{r['steps_needed']:,}", _number(r["wall_clock_h"]), _number(r["gpu_hours"]), r["verdict"]])
     widths = [max(len(row[c]) for row in lines) for c in range(len(head))]
     text = [budget.describe(unit)]

@@ -19,7 +19,7 @@ from .analysis.device import first_gpu_oom, with_gpu_oom
 from .analysis.explain import Moment, from_record, reserved_moment, worst_moment
 from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
-from .analysis.units import format_bytes
+from .analysis.units import Scale, format_bytes, format_duration
 from .fixes import candidate_fixes
 from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, min_gpus
 from .models.config import ConfigError, TrainingSetup
@@ -216,17 +216,19 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
 FIX_HEAD = ["fix", "peak", "fits", "step time", "cost"]
 
 
-def fixes_table(x: Explanation, unit: str = "GiB") -> tuple[str, list[str], list[list[str]]]:
+def fixes_table(x: Explanation, unit: str | None = None) -> tuple[str, list[str], list[list[str]]]:
     """The fixes as `explain` prints them: a title (how many of how many tried, the step time now), the column
-    heads and one row of cells per fix (its peak, whether it fits, its step time against the run's, its cost)."""
+    heads and one row of cells per fix (its peak in the table's one unit, whether it fits, its step time against
+    the run's, its cost)."""
     if not x.fixes:
         return f"fixes: none of the {x.tried} re-simulated lowers the peak", FIX_HEAD, []
+    g = Scale.of([fx.peak for fx in x.fixes], unit)
     title = (f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
-             f"{x.step_time * 1e3:.4g} ms now; fitting first, then same GPUs, training unchanged, faster):")
-    rows = [[fx.name, format_bytes(fx.peak, unit), "yes" if fx.fits else "no",
+             f"{format_duration(x.step_time)} now; fitting first, then same GPUs, training unchanged, faster):")
+    rows = [[fx.name, g.number(fx.peak), "yes" if fx.fits else "no",
              f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-",
              fx.note + ("; changes the training" if fx.changes_training else "")] for fx in x.fixes]
-    return title, FIX_HEAD, rows
+    return title, [FIX_HEAD[0], f"{FIX_HEAD[1]} {g.unit}", *FIX_HEAD[2:]], rows
 
 
 ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})

@@ -270,8 +270,6 @@ def check_common(args) -> None:
     """Flags whose meaning does not depend on the command: refused where they would be ignored."""
     if getattr(args, "json", False) and args.unit is not None:
         raise ConfigError("unit", "--json always gives bytes; --unit sets the text output's unit: drop one")
-    if args.command != "validate":  # validate prints MiB unless told otherwise
-        args.unit = args.unit or "GiB"
     tolerance = getattr(args, "tolerance", None)
     if tolerance is not None and not (0 <= tolerance < float("inf")):
         raise ConfigError("tolerance", f"must be a finite number >= 0 (0.01 = 1%), got {tolerance!r}")

@@ -39,6 +39,11 @@ def _rows(path) -> list[dict]:
     return list(csv.DictReader(open(path)))
 
 
+def sig4(x: float) -> float:
+    """`x` to 4 significant digits, as the CSV gives seconds and hours."""
+    return float(f"{x:.4g}")
+
+
 def _steady_step_by_hand(scenario) -> float:
     """Step 2's duration on the slowest rank: the end of its last step-2 event minus that of step 1."""
     ends: dict = {}
@@ -115,11 +120,12 @@ def test_max_batch_prices_the_largest_micro_batch_that_fits(tmp_path, capsys):
     for r, mb in zip(_rows(out), ("1", "2")):
         assert r["micro_batch"] == mb and int(r["max_micro_batch"]) == best
         assert int(r["priced_micro_batch"]) == best and int(r["tokens_per_step"]) == tokens
-        assert int(r["steps_needed"]) == steps and float(r["step_time_used_s"]) == step
-        assert float(r["wall_clock_h"]) == steps * step / 3600 and float(r["gpu_hours"]) == steps * 1 * step / 3600
+        assert int(r["steps_needed"]) == steps and float(r["priced_step_time_s"]) == sig4(step)
+        assert float(r["wall_clock_h"]) == sig4(steps * step / 3600)
+        assert float(r["gpu_hours"]) == sig4(steps * 1 * step / 3600)
         assert r["meets_deadline"] == str(steps * step <= 3600) and r["over_budget_bytes"] == "0"
     head = next(line for line in printed.splitlines() if line.startswith("rank "))
-    assert head.split()[:6] == ["rank", "micro_batch", "needs", "budget", "priced", "mb"]
+    assert head.split()[:8] == ["rank", "micro_batch", "needs", "MiB", "budget", "MiB", "priced", "mb"]
 
 
 def test_max_batch_where_nothing_fits_is_priced_as_not_fitting():
@@ -194,9 +200,9 @@ def test_the_largest_inputs_give_finite_prices(tmp_path, capsys):
     step = 36525 * 86400.0
     for r in rows:
         steps = -(-10**21 // (int(r["micro_batch"]) * 64))
-        assert int(r["steps_needed"]) == steps and float(r["wall_clock_h"]) == steps * step / 3600
-        assert float(r["gpu_hours"]) == steps * 1 * step / 3600
-        assert float(r["late_by_h"]) == (steps * step - step) / 3600
+        assert int(r["steps_needed"]) == steps and float(r["wall_clock_h"]) == sig4(steps * step / 3600)
+        assert float(r["gpu_hours"]) == sig4(steps * 1 * step / 3600)
+        assert float(r["late_by_h"]) == sig4((steps * step - step) / 3600)
     cells = [c for r in rows for c in r.values()] + printed.split()
     assert not [c for c in cells if c.strip().lower() in ("inf", "-inf", "nan") or "inf h" in c]
     text = js.read_text()

@@ -14,6 +14,7 @@ import re
 import html_report_browser as browser
 import numpy as np
 import pytest
+from tables import cell_equals
 
 from peakledger import api, build_scenario
 from peakledger.analysis.export_html import TOP_TENSORS, timeline_data
@@ -154,12 +155,14 @@ def test_the_page_loads_without_console_errors_and_shows_the_peak_and_every_ledg
         logs = browser.open_report(driver, paths[name])
         assert not [m for m in logs if m["level"] in ("SEVERE", "WARNING")], (name, logs)
     browser.open_report(driver, paths["fits"])
-    text = driver.execute_script("return document.body.textContent")
     assert driver.find_element("id", "peak-value").text == format_bytes(report.peaks.overall.bytes)
     ledger = driver.find_elements("css selector", "#ledger-table tr")[1:]
-    assert [r.find_elements("tag name", "td")[0].text for r in ledger] == [row.row for row in report.ledger] + ["total"]
-    for row in report.ledger:
-        assert format_bytes(row.bytes) in text and format_bytes(row.max_bytes) in text
+    cells = [[td.text for td in r.find_elements("tag name", "td")] for r in ledger]
+    assert [c[0] for c in cells] == [row.row for row in report.ledger] + ["total"]
+    unit = re.search(r"Ledger at the peak \((\w+);", driver.find_element("css selector", "#ledger h2").text).group(1)
+    for c, row in zip(cells, report.ledger):  # one unit for the table: each cell the API's bytes in it
+        assert cell_equals(c[1], row.bytes, unit) and cell_equals(c[6], row.max_bytes, unit), (c, row)
+    assert cell_equals(cells[-1][1], sum(row.bytes for row in report.ledger), unit)
     assert len(driver.find_elements("css selector", "#phases-table tr")) == len(report.phases) + 1
 
 

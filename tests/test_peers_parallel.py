@@ -9,6 +9,7 @@ import json
 import sys
 
 import pytest
+from tables import cell_equals
 
 from peakledger.analysis.peers_parallel import (
     LLM_ANALYSIS,
@@ -183,7 +184,13 @@ def test_llama_3_70b_tp8_pp4_world64(capsys):
         for r in (rows, rows_sp):
             print("\n" + render_parallel_peers([peakledger] + r, "GiB", "llama-3-70b"))
     text = render_parallel_peers([peakledger] + rows, "GiB", "llama-3-70b")
-    assert "tp 8, pp 4, dp 2 (64 ranks)" in text and "38.08 GiB" in text and "why they differ:" in text
+    assert "tp 8, pp 4, dp 2 (64 ranks)" in text and "(bytes per rank; GiB)" in text and "why they differ:" in text
+    table = text.splitlines()[2:2 + len(rows) + 1]  # peakledger's row (all "-") and each formula's, in GiB
+    for r, line in zip([peakledger] + rows, table):
+        cells = line[26:].split()
+        for cell, key in zip(cells, ("model_states", "activations", "total")):
+            value = r.get(key, r.get("peak")) if key == "total" else r.get(key)
+            assert cell == "-" if value is None else cell_equals(cell, value, "GiB"), (line, key)
     assert "compute_activation_memory_without_sp" in text and "shared_embedding=True" in text
 
 

@@ -20,7 +20,7 @@ from peakledger.analysis.plot import (
     sweep_figure,
     timeline_figure,
 )
-from peakledger.analysis.units import UNITS
+from peakledger.analysis.units import UNITS, format_bytes
 from peakledger.cli import main
 from peakledger.scenario import build_scenario
 from peakledger.simulator.events import Category
@@ -90,11 +90,33 @@ def test_timeline_figure_budget_setup_colours_zooms_and_legend_outside():
     drawn = {p.get_gid(): to_hex(p.get_facecolor()[0]) for p in main_ax.collections
              if (p.get_gid() or "").startswith("category:")}
     assert drawn and all(drawn[f"category:{c.value}"] == to_hex(CATEGORY_COLOURS[c]) for c in tl.by_category)
-    assert [ax.get_title() for ax in fig.axes[1:]] == ["A: zoom on the last optimizer step (step 2)",
-                                                         "B: zoom on the peak"]
+    assert "torch 2.6 rules, allocator default settings" in title  # whose allocator rules, with which settings
+    e = report.peaks.overall.event
+    assert (e.phase.value, e.step) == ("optimizer", 1)  # the peak: in step 1's optimizer step (states created)
+    # step 1's optimizer step (a sliver of the whole run) has its own panel, here with the peak; then the last one's
+    assert [ax.get_title() for ax in fig.axes[1:]] == [
+        "A: zoom on the first optimizer step (step 1), where the peak is",
+        "B: zoom on the last optimizer step (step 2)"]
     fig.draw_without_rendering()
     for ax in (main_ax, fig.axes[-1]):  # the categories' and the phases' legends: right of the data
         assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def test_timeline_title_names_the_allocator_settings_and_zooms_on_step_1s_optimizer_step():
+    scenario = build_scenario({"preset": "tiny"}, {"micro_batch": 8, "seq_len": 64},
+                              {"device": "H100-80GB", "alloc_conf": "expandable_segments:True"})
+    report = api.run(scenario)
+    gpu = gpu_memory(report.log, report.peaks.rank, series=True)
+    fig = timeline_figure(timeline(report.log, report.peaks.rank), "title", None, gpu.series,
+                          setup=setup_text(scenario), outside=gpu.context)
+    assert "torch 2.6 rules, allocator expandable_segments:True" in fig._suptitle.get_text()
+    e = report.peaks.overall.event
+    titles = [ax.get_title() for ax in fig.axes[1:]]
+    assert titles[0].startswith("A: zoom on the first optimizer step (step 1)")
+    assert titles[1].startswith("B: zoom on the last optimizer step (step 2)")
+    if (e.phase.value, e.step) not in (("optimizer", 1), ("optimizer", 2)):  # the peak elsewhere: its own panel
+        assert titles[2:] == ["C: zoom on the peak"]
+    assert fig.axes[0].get_ylabel() == "device memory (MiB)"  # no --unit: the unit of the data's size
 
 
 def test_simulate_plot_same_bytes_and_with_an_oom_on_a_cpu_profile(capsys, tmp_path):
@@ -128,6 +150,15 @@ def test_checkpointing_figure_budget_chosen_set_and_offload_step_time():
     times = {p.get_gid(): p.get_width() for p in tim.patches if p.get_gid()}
     # offload is not free: its step time shows, longer than no checkpointing's
     assert times["time:offload"] > times["time:none"] > 0
+    # beside each bar: how far over the budget, or what it leaves (in the axis' unit)
+    words = {t.get_text() for t in mem.texts}
+    for r in [*rows, chosen]:
+        if getattr(r, "error", None) is None:
+            need = r.capacity_needed
+            size = lambda n: format_bytes(n, "MiB")  # noqa: E731
+            said = f"{size(need)}: over by {size(need - budget)}" if need > budget else \
+                f"{size(need)}: fits, {size(budget - need)} to spare"
+            assert any(w.startswith(said) for w in words), said
     labels = [t.get_text() for t in mem.get_yticklabels()]
     assert labels[-1].startswith("chosen: layers") and "offload" in labels
     assert any(t.get_text().startswith("n/a") for t in mem.texts) or all(r.error is None for r in rows)
@@ -189,6 +220,17 @@ def test_sweep_figure_line_heatmap_and_lines_with_budget():
     assert lines_with(fig, "budget")  # on the colour bar
     assert any(p.get_gid() == "over" for p in fig.axes[0].patches)
     assert any(t.get_text() == "n/a" for t in fig.axes[0].texts)
+    # the colour scale spans the data (min..max of the valid points), not 0..the budget
+    needed = [float(p.result["capacity_needed_bytes"]) / UNITS["GiB"] for p in fake_points(two, budget)
+              if not p.result["error"]]
+    (image,) = [im for im in fig.axes[0].images if im.get_gid() == "heatmap"]
+    assert image.get_clim() == (pytest.approx(min(needed)), pytest.approx(max(needed)))
+    assert min(needed) < budget / UNITS["GiB"] < max(needed) and lines_with(fig, "budget")  # inside: marked
+    far = 40 << 30  # a budget off the data's scale: not drawn, said in the colour bar's label
+    fig = sweep_figure(two, fake_points(two, far), budget=far)
+    (image,) = [im for im in fig.axes[0].images if im.get_gid() == "heatmap"]
+    assert image.get_clim() == (pytest.approx(min(needed)), pytest.approx(max(needed)))
+    assert not lines_with(fig, "budget") and "off this scale (every point under it)" in fig.axes[1].get_ylabel()
     three = {"micro_batch": [1, 2], "checkpointing": ["none", "full"], "zero_stage": [0, 3]}
     fig = sweep_figure(three, fake_points(three, budget), budget=budget)
     assert len([x for x in fig.axes[0].lines if (x.get_gid() or "").startswith("line:")]) == 4

@@ -236,9 +236,9 @@ def test_the_estimate_is_reported_and_one_over_the_limit_refuses_the_rest(base, 
     (est,) = estimates
     assert (est.points, est.workers, est.timed, est.time_limit_s) == (200, jobs, 2 * jobs, 2.0)
     assert est.per_point_s >= 0.05 and est.total_s >= 200 * 0.05 / jobs and est.over_limit
-    assert est.line().startswith("sweep: 200 points at about ") and "(time limit 2 s)" in est.line()
+    assert est.line().startswith("sweep: 200 points at about ") and "(time limit 2.00 s)" in est.line()
     assert str(e.value).startswith("time_limit: the sweep would take about ")
-    assert f"over its time limit of 2 s; refused after {2 * jobs} points; nothing written; raise the limit with " \
+    assert f"over its time limit of 2.00 s; refused after {2 * jobs} points; nothing written; raise the limit with " \
            "--time-limit" in str(e.value)
     assert multiprocessing.active_children() == []
 
@@ -256,7 +256,7 @@ def test_the_time_limit_stops_the_run(base, monkeypatch, jobs):
     assert 1.5 <= took < 5
     assert estimates and not estimates[0].over_limit
     message = str(e.value)
-    assert message.startswith("time_limit: the sweep ran past its time limit of 1.5 s with ")
+    assert message.startswith("time_limit: the sweep ran past its time limit of 1.50 s with ")
     assert message.endswith(" of 30 points done; nothing written; raise the limit with --time-limit (run_sweep's "
                             "time_limit_s) or make the grid smaller")
     done = int(message.split(" with ")[1].split(" of ")[0])

@@ -273,7 +273,8 @@ def test_export_timeline_csv(tmp_path, capsys):
     code, stdout, _ = run_cli(capsys, "ledger", write(tmp_path, text), "--export-timeline", out)
     assert code == 0 and f"written: {out}" in stdout
     lines = out.read_text().splitlines()
-    assert lines[0] == "time,event,where,action,object,storage,category,delta_bytes,live_bytes,parameter,activation"
+    assert lines[0] == ("time,event,where,action,object,storage,category,delta_bytes,live_bytes,parameter_bytes,"
+                        "activation_bytes")  # every size column names its unit
     assert [line.split(",", 3)[3] for line in lines[1:]] == [
         "alloc,w,s,parameter,100,100,100,0", "alloc,h,,activation,40,140,100,40",
         "free,h,,activation,-40,100,100,0", "free,w_t,s,parameter,-100,0,0,0"]

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tables import cell_equals, decimals
 
 from peakledger.cli import main
 from peakledger.models.devices import DEVICES
@@ -167,11 +168,21 @@ def test_text_table_and_check(full):
     rc, out, err = cli("where", *FULL, "--devices", "RTX-4090-24GB,A100-40GB", "--unit", "GiB")
     assert rc == 0 and err == ""  # no progress line: stderr is not a terminal
     lines = out.splitlines()
-    assert lines[0] == "tiny-llama: micro-batch 1, bf16-mixed, torch 2.6 CUDA rules"
+    assert lines[0] == "tiny-llama: micro-batch 1, bf16-mixed, torch 2.6 CUDA rules; sizes in GiB"
     assert lines[2].split() == ["device", "usable", "allocated", "reserved", "outside", "device", "total", "fits",
                                 "margin", "max", "mb"]
-    assert lines[3].startswith("RTX-4090-24GB") and " no " in lines[3] and "23.64 GiB" in lines[3]
-    assert lines[4].startswith("A100-40GB") and " yes " in lines[4] and "39.39 GiB" in lines[4]
+    assert lines[3].startswith("RTX-4090-24GB") and " no " in lines[3]
+    assert lines[4].startswith("A100-40GB") and " yes " in lines[4]
+    rows = {r["device"]: r for r in full["devices"]}
+    keys = ("usable_bytes", "allocated_peak", "reserved_peak", "outside_allocator", "device_total_peak")
+    places = set()
+    for line in lines[3:5]:  # every size a number in GiB (one unit, one number of decimals), the --json bytes
+        cells = line.split()
+        r = rows[cells[0]]
+        assert all(cell_equals(c, r[k], "GiB") for c, k in zip(cells[1:6], keys)), line
+        assert cell_equals(cells[7], r["margin_bytes"], "GiB"), line
+        places |= {decimals(c) for c in cells[1:6] + [cells[7]]}
+    assert len(places) == 1
     assert "fits on 1 of 2: A100-40GB" in out
     assert cli("where", *FULL, "--devices", "RTX-4090-24GB,A100-40GB")[1] == out  # same input, same output
     rc, _, _ = cli("where", *FULL, "--devices", "RTX-4090-24GB,L4-24GB,T4-16GB", "--no-max-batch", "--check")

@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from ..units import UNITS
+from ..units import UNITS, format_duration
 from .style import (
     BASE_FONT,
     BUDGET_COLOUR,
@@ -76,8 +76,8 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
             if r.peak != r.capacity_needed:
                 mem.plot([r.peak / scale] * 2, [y - 0.31, y + 0.31], color="black", lw=1.6, zorder=4, gid="tensors")
             host = getattr(r, "host_activations", 0)
-            text = size_text(r.capacity_needed, unit) + ("" if fits else " over") + \
-                (f"  (+ {size_text(host, unit)} on the host)" if host else "")
+            text = size_text(r.capacity_needed, unit) + _verdict(r.capacity_needed, budget, unit) + \
+                (f"\n+ {size_text(host, unit)} on the host" if host else "")
             mem.text(r.capacity_needed / scale + mem_max * 0.01, y, text, va="center", ha="left",
                      fontsize=BASE_FONT - 1, color="black", zorder=7,
                      bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.8))
@@ -87,7 +87,7 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
             share = r.recompute_flops / r.model_flops if r.model_flops else 0.0
             slower = f" ({t / base.step_time_s - 1:+.0%})" if base is not None and base.step_time_s else ""
             why = f"; {share:.0%} recomputed" if share else "; host-link copies" if host else ""
-            tim.text(t * tmul + t_max * tmul * 0.01, y, f"{_seconds(t)}{slower}{why}", va="center", ha="left",
+            tim.text(t * tmul + t_max * tmul * 0.01, y, f"{format_duration(t)}{slower}{why}", va="center", ha="left",
                      fontsize=BASE_FONT - 1, zorder=5)
         handles = []
         if budget is not None:
@@ -96,7 +96,7 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
         if base is not None:
             handles.append(tim.axvline(base.step_time_s * tmul, color="black", lw=1.0, ls=":", zorder=6,
                                        gid="baseline", label="no checkpointing's step time"))
-        mem.set_xlim(0, mem_max * 1.45)
+        mem.set_xlim(0, mem_max * 2.0)
         tim.set_xlim(0, t_max * tmul * 1.5)
         mem.set_yticks(ys, [label for label, _, _ in entries])
         for tick, (_, _, is_chosen) in zip(mem.get_yticklabels(), entries):
@@ -126,8 +126,13 @@ def checkpointing_figure(rows, title: str = "", unit: str = "GiB", *, budget: in
     return fig
 
 
-def _seconds(s: float) -> str:
-    return f"{s * 1e3:.4g} ms" if s < 1 else f"{s:.4g} s"
+def _verdict(needed: int, budget: int | None, unit: str) -> str:
+    """Beside a bar: how far over the budget it is, or what it leaves ("" without a budget)."""
+    if budget is None:
+        return ""
+    if needed > budget:
+        return f": over by {size_text(needed - budget, unit)}"
+    return f": fits, {size_text(budget - needed, unit)} to spare"
 
 
 def plot_peak_vs_recompute(rows, path: str, title: str = "", unit: str = "GiB", **options) -> None:

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 from ...simulator.events import Category
 from ...simulator.safe_io import write_atomic
 from ..palette import BUDGET_COLOUR, CATEGORY_COLOURS, PHASE_COLOURS, PHASE_SHORT, STACK_ORDER
-from ..units import SMALLER, UNITS, format_bytes
+from ..units import SMALLER, UNITS, auto_unit, format_bytes
 
 # -- the shared tables (the colours, the stacking order and the phases: analysis/palette.py) ------------
 
@@ -74,7 +74,8 @@ def setup_text(scenario, budget: int | None = None, unit: str = "GiB", varied=()
         parts.append(f"LoRA r={g('lora_r')}" + (f", {g('quantize')}" if on("quantize", "none") else ""))
     device = "device *" if "device" in varied else str(getattr(scenario, "device", ""))
     if device and device != "cpu":
-        device += f", torch {getattr(scenario, 'torch_version', '2.6')} rules"
+        device += f", torch {getattr(scenario, 'torch_version', '2.6')} rules, allocator " + \
+            (getattr(scenario, "alloc_conf", "") or "default settings")
     parts.append(device)
     if budget is not None:
         parts.append(f"budget {size_text(budget, axis_unit(unit, budget))}")
@@ -86,9 +87,11 @@ def size_text(nbytes: float, unit: str) -> str:
     return format_bytes(int(round(nbytes)), unit)
 
 
-def axis_unit(unit: str, top: float) -> str:
+def axis_unit(unit: str | None, top: float) -> str:
     """`unit`, or a smaller one of its family when the largest value drawn is under one `unit` (a tiny model's
-    picture reads in MiB, not 0.0025 GiB)."""
+    picture reads in MiB, not 0.0025 GiB); None: the binary unit of `top` (analysis/units.py auto_unit)."""
+    if unit is None:
+        return auto_unit(top) if top >= UNITS["KiB"] else "KiB"
     while top < UNITS[unit] and SMALLER.get(unit, "B") != "B":  # (down to KiB / KB, never bytes)
         unit = SMALLER[unit]
     return unit

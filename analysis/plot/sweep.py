@@ -13,7 +13,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Rectangle
 
 from ...models.config import ConfigError
-from ..units import UNITS
+from ..units import UNITS, Scale
 from .style import (
     BASE_FONT,
     BUDGET_COLOUR,
@@ -169,10 +169,11 @@ def _sweep_heatmap(grid, keys, table, scale, unit, budget) -> Figure:
                  layout="constrained")
     ax = fig.add_subplot()
     finite = data[~np.isnan(data)]
-    vmax = max(float(finite.max()) if finite.size else 1.0, (budget or 0) / scale)
+    vmin, vmax = _colour_limits(finite)
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#dddddd")
-    image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=vmax, aspect="auto", origin="lower")
+    image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", origin="lower")
     image.set_gid("heatmap")
+    cells = Scale.of([v * scale for v in finite], unit, digits=3)  # one unit and decimals for every cell
     for i in range(len(rows)):
         for j in range(len(cols)):
             v = data[i, j]
@@ -180,9 +181,9 @@ def _sweep_heatmap(grid, keys, table, scale, unit, budget) -> Figure:
                 ax.text(j, i, "n/a", ha="center", va="center", fontsize=BASE_FONT - 1, color="#555555")
                 continue
             over = fits[i, j] is False
-            light = v < 0.6 * vmax
+            light = v < vmin + 0.6 * (vmax - vmin)
             verdict = "\nover" if over else "\nfits" if fits[i, j] else ""
-            ax.text(j, i, f"{v:.3g} {unit}{verdict}", ha="center", va="center", fontsize=BASE_FONT - 1,
+            ax.text(j, i, f"{cells.text(v * scale)}{verdict}", ha="center", va="center", fontsize=BASE_FONT - 1,
                     color="white" if light else "black",
                     fontweight="bold" if over else "normal")
             if over:
@@ -193,12 +194,27 @@ def _sweep_heatmap(grid, keys, table, scale, unit, budget) -> Figure:
     ax.set_xlabel(cols_k)
     ax.set_ylabel(rows_k)
     label = f"device memory needed per rank ({unit})"
-    if budget is not None:
+    on_scale = budget is not None and finite.size and vmin <= budget / scale <= vmax
+    if on_scale:
         label += f"\nred line: the budget, {size_text(budget, unit)}"
+    elif budget is not None:
+        side = "every point under it" if finite.size and vmax < budget / scale else "every point over it"
+        label += f"\nthe budget, {size_text(budget, unit)}: off this scale ({side})"
     bar = fig.colorbar(image, ax=ax, label=label)
-    if budget is not None:
+    if on_scale:
         bar.ax.axhline(budget / scale, color=BUDGET_COLOUR, lw=3, ls="-", gid="budget")
     return fig
+
+
+def _colour_limits(finite: np.ndarray) -> tuple[float, float]:
+    """The colour scale of a heatmap: the data's own min..max (a scale from 0, or to the card's capacity, would
+    paint 4-8 GiB values on a 0-40 GiB bar in nearly one colour); one value alone gets a scale around it."""
+    if not finite.size:
+        return 0.0, 1.0
+    lo, hi = float(finite.min()), float(finite.max())
+    if lo == hi:
+        return lo * 0.95, hi * 1.05 if hi else 1.0
+    return lo, hi
 
 
 def plot_sweep(grid: dict[str, list], points, path: str, unit: str = "GiB", **options) -> None:

@@ -11,7 +11,7 @@ from matplotlib.patches import Patch
 
 from ...simulator.events import Phase
 from ...simulator.timeline import Timeline
-from ..units import UNITS
+from ..units import UNITS, Scale
 from .style import (
     BASE_FONT,
     BUDGET_COLOUR,
@@ -141,8 +141,9 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
                 cats = [c for c in STACK_ORDER if c in tl.by_category]
                 peak_i = int(np.argmax(total)) if len(total) else -1
                 at_peak = {c: float(tl.by_category[c][peak_i]) for c in cats} if peak_i >= 0 else {}
+                legend = Scale.of(at_peak.values(), unit)  # the categories' sizes in the axis' unit, one decimals
                 handles += [Patch(facecolor=p.get_facecolor()[0], hatch=CATEGORY_HATCHES.get(c), edgecolor="white",
-                                  label=f"{category_label(c)}: {size_text(at_peak.get(c, 0), unit)}")
+                                  label=f"{category_label(c)}: {legend.text(at_peak.get(c, 0))}")
                             for p, c in zip(polys, cats) if float(np.max(np.asarray(tl.by_category[c], float))) > 0]
             if res is not None:
                 line = ax.step(res[0], res[1], where="post", color="black", lw=1.1, zorder=5, gid="reserved",
@@ -219,24 +220,26 @@ def timeline_figure(tl: Timeline, title: str = "", unit: str = "GiB",
 
 
 def _zoom_windows(tl: Timeline, x: np.ndarray, spans, end: float) -> list[tuple[float, float, str]]:
-    """(start, end, name) of the zoomed panels: the last optimizer step, and the moment of the peak (one panel
-    when the peak is inside that step)."""
-    out = []
+    """(start, end, name) of the zoomed panels: the first optimizer step (step 1's, where torch creates the
+    optimizer states: a sliver of a long step's picture), the last one when it is another, and the moment of the
+    peak; a panel whose window holds the peak says so, and then no third panel is drawn."""
     total = np.asarray(tl.total, dtype=float)
     peak_t = float(x[int(np.argmax(total))])
     opt = [s for s in spans if s[2] is Phase.OPTIMIZER]
-    if opt:
-        step = opt[-1][3]
+    steps = sorted({s[3] for s in opt})
+    out, has_peak = [], False
+    for step, which in ([(steps[0], "the first"), (steps[-1], "the last")] if len(steps) > 1 else
+                        [(steps[0], "the")] if steps else []):
         a = min(s[0] for s in opt if s[3] == step)
         b = max(s[1] for s in opt if s[3] == step)
         pad = max((b - a) * 0.35, end * 0.002)
         lo, hi = max(0.0, a - pad), min(end, b + pad)
-        if lo <= peak_t <= hi:
-            return [(lo, hi, f"the last optimizer step (step {step}), where the peak is")]  # one panel
-        out.append((lo, hi, f"the last optimizer step (step {step})"))
-    half = end * 0.03
-    lo, hi = max(0.0, peak_t - half), min(end, peak_t + half)
-    out.append((lo, hi, "the peak"))
+        here = lo <= peak_t <= hi and not has_peak
+        has_peak |= here
+        out.append((lo, hi, f"{which} optimizer step (step {step})" + (", where the peak is" if here else "")))
+    if not has_peak:
+        half = end * 0.03
+        out.append((max(0.0, peak_t - half), min(end, peak_t + half), "the peak"))
     return out
 
 
@@ -246,9 +249,11 @@ def plot_timeline(tl: Timeline, path: str, title: str = "", unit: str = "GiB",
     save_figure(timeline_figure(tl, title, unit, reserved, **options), path)
 
 
-def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str = "", unit: str = "MiB") -> None:
+def plot_overlay(measured: Timeline, predicted: Timeline, path: str, title: str = "", unit: str | None = None) -> None:
     """Measured and predicted total occupancy, each over its own event index scaled to 0..1 (a real run
-    and a simulation have different clocks; phases line up by order, not by seconds)."""
+    and a simulation have different clocks; phases line up by order, not by seconds); in `unit`, else the one
+    that fits the larger peak."""
+    unit = axis_unit(unit, float(max(max(measured.total, default=0), max(predicted.total, default=0))))
     scale = UNITS[unit]
     fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
     for tl, label, style in ((measured, "measured (torch)", "-"), (predicted, "predicted (simulator)", "--")):

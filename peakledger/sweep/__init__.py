@@ -8,12 +8,14 @@ wrong engine, a sequence longer than the model's) is a row with its error, not a
 Output files are written atomically; same grid, same bytes.
 
 The CSV describes itself: the grid's fields, then the model, precision, device and world size of the points (those
-the grid does not vary), then the results, each with its unit in its name (`peak_bytes`, `step_time_s`,
-`budget_bytes`: what `fits` was checked against). With a deadline (`deadline=DeadlineBudget(...)`, the CLI's
-`--target-tokens` / `--target-steps`, `--deadline`, `--step-time`) each point also gets the deadline columns of
-peakledger/deadline.py (tokens per step, steps needed, wall-clock, GPU-hours, verdict, `deadline_rank`): the
-columns are computed where the point runs, the ranking once all have come back, so every engine gives the same
-bytes. Without `budget`, a deadline sweep checks each point against its device profile's capacity.
+the grid does not vary), then the results, each with its unit in its name (`peak_bytes`, `mean_step_time_s`,
+`budget_bytes`: what `fits` was checked against), seconds and hours rounded (peakledger/sweep/output.py: the
+CSV's names and rounding; the JSON keeps the result keys, unrounded). With a deadline
+(`deadline=DeadlineBudget(...)`, the CLI's `--target-tokens` / `--target-steps`, `--deadline`, `--step-time`) each
+point also gets the deadline columns of peakledger/deadline.py (tokens per step, steps needed, wall-clock,
+GPU-hours, verdict, `deadline_rank`): the columns are computed where the point runs, the ranking once all have come
+back, so every engine gives the same bytes. Without `budget`, a deadline sweep checks each point against its
+device profile's capacity.
 
 Engines (where the points run; the rows, their order and the output bytes are the same on every one):
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..analysis.units import format_duration  # (re-exported: read as every duration)
 from ..models.config import ConfigError
 
 DEFAULT_MAX_POINTS = 10_000  # points in a grid at most, unless raised (a tiny model's point: ~10 ms and ~2 KB)
@@ -97,21 +98,6 @@ def estimate(points: int, done: int, seconds: Sequence[float], workers: int, ela
     total = elapsed_s + (points - done) * per / max(1, workers)
     return Estimate(points=points, workers=workers, timed=len(seconds), per_point_s=per, elapsed_s=elapsed_s,
                     total_s=total, time_limit_s=time_limit_s)
-
-
-def format_duration(seconds: float) -> str:
-    """7.1 ms, 3.4 s, 2 min 22 s, 1 h 5 min, 3 d 2 h."""
-    if seconds < 1:
-        return f"{seconds * 1000:.2g} ms" if seconds * 1000 < 10 else f"{seconds * 1000:.0f} ms"
-    if seconds < 60:
-        return f"{seconds:.2g} s" if seconds < 10 else f"{seconds:.0f} s"
-    s = round(seconds)
-    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60), ("min", 60, "s", 1)):
-        if s >= size:
-            whole, rest = divmod(s, size)
-            part = rest // sub_size
-            return f"{whole} {unit}" + (f" {part} {sub}" if part else "")
-    return f"{s} s"  # (not reached)
 
 
 class Tracker:

@@ -1,4 +1,15 @@
-"""A sweep's results as CSV and JSON (same grid, same bytes), written atomically."""
+"""A sweep's results as CSV and JSON (same grid, same bytes), written atomically.
+
+The JSON carries every value as computed (bytes, seconds and hours unrounded) under the point's result keys. The CSV
+is for people and spreadsheets: each column's unit in its name (`_bytes` whole bytes, `_s` seconds, `_h` hours),
+floats rounded to CSV_DIGITS significant digits (analysis/units.py round_significant), and the two step times named
+for what they are (CSV_NAMES):
+
+- `mean_step_time_s` (JSON `step_time_s`): the simulated run's length over its steps, step 1's one-offs (the
+  optimizer states' lazy creation, a load) included;
+- `priced_step_time_s` (JSON `step_time_used_s`, with a deadline): the step time the deadline columns price, the
+  cost model's steady step (after step 1) or the measured `--step-time`; `step_time_source` says which.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +18,7 @@ import io
 import json
 
 from .. import deadline as dl
+from ..analysis.units import round_significant
 from ..scenario import Scenario
 from ..simulator.safe_io import write_atomic
 from .point import COLUMNS, DEADLINE_COLUMNS, DESCRIBE, SweepPoint, describe
@@ -18,15 +30,32 @@ def result_columns(sweep: list[SweepPoint]) -> list[str]:
     return DESCRIBE + COLUMNS + (DEADLINE_COLUMNS if "verdict" in first else []) if first else COLUMNS
 
 
+CSV_NAMES = {"step_time_s": "mean_step_time_s", "step_time_used_s": "priced_step_time_s"}  # result key -> column
+CSV_ROUNDED = ("step_time_s", "step_time_used_s", "wall_clock_h", "deadline_h", "late_by_h", "gpu_hours")
+CSV_DIGITS = 4  # significant digits of the CSV's seconds and hours
+
+
+def csv_name(column: str) -> str:
+    """The CSV's name of a result column (CSV_NAMES; the others as they are)."""
+    return CSV_NAMES.get(column, column)
+
+
 def to_csv(sweep: list[SweepPoint]) -> str:
     keys = list(sweep[0].values) if sweep else []
     columns = [c for c in result_columns(sweep) if c not in keys]  # a field the grid varies is its column
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(keys + columns)
+    w.writerow(keys + [csv_name(c) for c in columns])
     for p in sweep:
-        w.writerow([_cell(p.values[k]) for k in keys] + [p.result[c] for c in columns])
+        w.writerow([_cell(p.values[k]) for k in keys] + [_rounded(c, p.result[c]) for c in columns])
     return buf.getvalue()
+
+
+def _rounded(column: str, value):
+    """A result cell for the CSV: the seconds and hours columns' floats to CSV_DIGITS significant digits."""
+    if column in CSV_ROUNDED and isinstance(value, float):
+        return round_significant(value, CSV_DIGITS)
+    return value
 
 
 def to_json(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list],
@@ -53,4 +82,4 @@ def write(sweep: list[SweepPoint], base: Scenario, grid: dict[str, list], csv_pa
 
 
 
-__all__ = ["result_columns", "to_csv", "to_json", "write"]
+__all__ = ["result_columns", "to_csv", "to_json", "write", "csv_name", "CSV_NAMES", "CSV_ROUNDED", "CSV_DIGITS"]
