@@ -21,7 +21,8 @@ How a command runs:
     (`explain --trace t.json` after `capture ... --output t.json`) finds it, and every output file
     (t.json, s.csv, ck.png, sim.pickle ...) lands there, never in the repository;
   * an argument (or the value of `--flag=value`) that names a file or folder git tracks in the
-    repository (examples/..., traces/data/...) is replaced by its absolute path in the repository.
+    repository (examples/..., traces/data/...) is replaced by its absolute path in the repository;
+    peakledger's command name is not a path (`peakledger models` is the command, not the models/ folder).
     Only tracked paths are resolved, so an output name that happens to lie around in the checkout
     (an untracked t.json) is still written in the temporary directory.
 
@@ -222,6 +223,9 @@ def resolve(argv: list[str], tracked: set[str] | None, exe: str) -> list[str]:
         if i == 0:
             out.append(exe if tok == "peakledger" else sys.executable if tok in ("python", "python3")
                        else (shutil.which(tok) or tok))
+            continue
+        if i == 1 and argv[0] == "peakledger" and not tok.startswith("-"):  # the command: models, not models/
+            out.append(tok)
             continue
         if tok.startswith("--") and "=" in tok:
             flag, value = tok.split("=", 1)
