@@ -1,16 +1,17 @@
-"""Run every example of README.md's "## Will my run fit?" and "## Tasks" blocks and of its "## Commands
-(reference)" block, N times in a row, and report what passes.
+"""Run every example of README.md's "## Will my run fit?" and "## Tasks" blocks and of docs/commands.md's
+"# Commands (reference)" block, N times in a row, and report what passes.
 
     python bench/readme_examples.py                 # 20 runs of every command
     python bench/readme_examples.py --runs 1        # one pass
     python bench/readme_examples.py --only explain  # a subset (plus the commands it depends on)
     python bench/readme_examples.py --write         # also write the table into bench/RESULTS.md
 
-The README is the single source of the examples: the script parses every fenced block of the "## Will my run
-fit?" and "## Tasks" sections and the first one after the "## Commands (reference)" heading, one command a
+The README and docs/commands.md are the single source of the examples: the script parses every fenced block
+of README.md's "## Will my run fit?" and "## Tasks" sections, then the first one after docs/commands.md's
+"# Commands (reference)" heading (a section ends at the next heading of its level or above), one command a
 line (a trailing backslash continues a line; blank lines and lines starting with `#` are skipped), and splits
 each line as bash would (quotes, and a `#` that starts a word begins the trailing comment). Nothing is copied
-from the README into this file.
+from either file into this file; "README order" below means README.md's sections, then docs/commands.md.
 
 How a command runs:
   * the program `peakledger` is the one next to sys.executable (the venv's), else `.venv/bin/peakledger`,
@@ -20,14 +21,16 @@ How a command runs:
     (`explain --trace t.json` after `capture ... --output t.json`) finds it, and every output file
     (t.json, s.csv, ck.png, sim.pickle ...) lands there, never in the repository;
   * an argument (or the value of `--flag=value`) that names a file or folder git tracks in the
-    repository (examples/..., traces/data/...) is replaced by its absolute path in the repository.
+    repository (examples/..., traces/data/...) is replaced by its absolute path in the repository;
+    peakledger's command name is not a path (`peakledger models` is the command, not the models/ folder).
     Only tracked paths are resolved, so an output name that happens to lie around in the checkout
     (an untracked t.json) is still written in the temporary directory.
 
 A run passes when the exit status is the expected one (0; a `--tolerance` command must exit 0 too)
 and stderr has no "Traceback".
 
-Commands this machine may lack the means for are marked in the README by their trailing comment:
+Commands this machine may lack the means for are marked in the README or docs/commands.md by their
+trailing comment:
 
     peakledger capture --device-kind cuda --output t.json   # needs a CUDA GPU: ...
 
@@ -36,9 +39,9 @@ torch.cuda.is_available() (asked of sys.executable's torch) the command must exi
 refuse cleanly: exit 2 (peakledger's usage/config error) with a message naming CUDA on stderr, and no
 Traceback. The table says which expectation applied.
 
-`--only SUBSTRING` keeps the commands whose README text contains SUBSTRING, plus the earlier commands
-they depend on: a selected command's argument that looks like a file name (`name.ext`), is not a
-tracked repository path, and appears in an earlier command (the latest such) pulls that command in.
+`--only SUBSTRING` keeps the commands whose text (README.md or docs/commands.md) contains SUBSTRING, plus
+the earlier commands they depend on: a selected command's argument that looks like a file name (`name.ext`),
+is not a tracked repository path, and appears in an earlier command (the latest such) pulls that command in.
 
 Output: a table of command, runs, passes, failures (count and, for the first failing run, the most
 telling stderr line: the exception line of a Traceback with its innermost frame, else the first
@@ -68,6 +71,7 @@ from dataclasses import dataclass, field
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 README = os.path.join(ROOT, "README.md")
+COMMANDS = os.path.join(ROOT, "docs", "commands.md")
 RESULTS = os.path.join(BENCH, "RESULTS.md")
 HEADING = "## README examples"
 CUDA_MARK = "needs a CUDA GPU"
@@ -88,19 +92,28 @@ class Example:
 
 # ---------------------------------------------------------------- parsing the README
 
-# the README's runnable sections: every fenced block of the first two, the first block of the reference
-SECTIONS = (("## Will my run fit?", True), ("## Tasks", True), ("## Commands (reference)", False))
+# the runnable sections, (file, heading, every block or the first): README.md's two, docs/commands.md's block
+SECTIONS = (("README.md", "## Will my run fit?", True), ("README.md", "## Tasks", True),
+            ("docs/commands.md", "# Commands (reference)", False))
 
 
-def _blocks(lines: list[str], heading: str, every: bool) -> list[str]:
-    """The lines of the fenced blocks after `heading` (before the next '## '): all of them, or the first."""
+def _level(line: str) -> int:
+    """The level of a markdown heading line ('## x': 2), 0 for any other line."""
+    hashes = len(line) - len(line.lstrip("#"))
+    return hashes if hashes and line[hashes:hashes + 1] == " " else 0
+
+
+def _blocks(lines: list[str], heading: str, every: bool, name: str = "README.md") -> list[str]:
+    """The lines of the fenced blocks after `heading` (before the next heading of its level or above): all of
+    them, or the first."""
     try:
         start = next(i for i, line in enumerate(lines) if line.strip() == heading)
     except StopIteration:
-        raise SystemExit(f"README.md has no '{heading}' heading") from None
+        raise SystemExit(f"{name} has no '{heading}' heading") from None
+    level = _level(heading)
     block, inside, found = [], False, 0
     for line in lines[start + 1:]:
-        if not inside and line.startswith("## "):
+        if not inside and 0 < _level(line) <= level:
             break
         if line.strip().startswith("```"):
             if inside:
@@ -112,14 +125,15 @@ def _blocks(lines: list[str], heading: str, every: bool) -> list[str]:
         if inside:
             block.append(line)
     if inside or not found:
-        raise SystemExit(f"README.md's '{heading}' section has no closed fenced block")
+        raise SystemExit(f"{name}'s '{heading}' section has no closed fenced block")
     return block
 
 
-def commands_block(text: str) -> list[str]:
-    """The command lines of the README's runnable sections (SECTIONS), in README order."""
-    lines = text.splitlines()
-    return [line for heading, every in SECTIONS for line in _blocks(lines, heading, every)]
+def commands_block(texts: dict[str, str]) -> list[str]:
+    """The command lines of the runnable sections (SECTIONS), in README order; `texts` maps each file named in
+    SECTIONS (README.md, docs/commands.md) to its text."""
+    return [line for name, heading, every in SECTIONS
+            for line in _blocks(texts[name].splitlines(), heading, every, name)]
 
 
 def split_comment(line: str) -> tuple[str, str]:
@@ -140,9 +154,9 @@ def split_comment(line: str) -> tuple[str, str]:
     return line.rstrip(), ""
 
 
-def parse_examples(text: str) -> list[Example]:
+def parse_examples(texts: dict[str, str]) -> list[Example]:
     examples, pending = [], ""
-    for raw in commands_block(text):
+    for raw in commands_block(texts):
         if pending:
             raw = pending + " " + raw.lstrip()
             pending = ""
@@ -209,6 +223,9 @@ def resolve(argv: list[str], tracked: set[str] | None, exe: str) -> list[str]:
         if i == 0:
             out.append(exe if tok == "peakledger" else sys.executable if tok in ("python", "python3")
                        else (shutil.which(tok) or tok))
+            continue
+        if i == 1 and argv[0] == "peakledger" and not tok.startswith("-"):  # the command: models, not models/
+            out.append(tok)
             continue
         if tok.startswith("--") and "=" in tok:
             flag, value = tok.split("=", 1)
@@ -317,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="passes run side by side (each pass keeps README order in its own folder; default 1)")
     p.add_argument("--write", action="store_true", help=f"write the table into bench/RESULTS.md as '{HEADING}'")
     p.add_argument("--readme", default=README, help=argparse.SUPPRESS)
+    p.add_argument("--commands", default=COMMANDS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
 
-    examples = parse_examples(open(args.readme).read())
+    examples = parse_examples({"README.md": open(args.readme).read(), "docs/commands.md": open(args.commands).read()})
     if not examples:
-        raise SystemExit("README.md's runnable sections have no commands")
+        raise SystemExit("the runnable sections of README.md and docs/commands.md have no commands")
     tracked = tracked_paths()
     indices = list(range(len(examples)))
     if args.only:
@@ -383,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         subset = f" (commands containing `{args.only}` and what they depend on)" if args.only else ""
         section = "\n".join([
             HEADING, "",
-            f"Every command of README.md's runnable sections (Will my run fit?, Tasks, Commands){subset}, "
+            f"Every command of README.md's runnable sections (Will my run fit?, Tasks) and of docs/commands.md"
+            f"{subset}, "
             f"{args.runs} run"
             f"{'s' if args.runs > 1 else ''} in a row, each run in a fresh temporary directory "
             f"(`python bench/readme_examples.py --runs {args.runs} --jobs {max(1, args.jobs)}"

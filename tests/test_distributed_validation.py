@@ -1,6 +1,6 @@
 """The simulator's data-parallel ranks against real torch engines on 2 ranks: static rows exact, per-rank
 peak within 2%, the all-gather transient in both. The ranks run torch's FSDP2 / ZeroRedundancyOptimizer
-on torch's fake process group (no transport) and FSDP2 on gloo too (the README's `validate --world-size 2
+on torch's fake process group (no transport) and FSDP2 on gloo too (docs/commands.md's `validate --world-size 2
 --dp-engine fsdp2`).
 
 No race is tolerated: every FSDP2 collective returns only once the process group has released its
