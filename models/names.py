@@ -5,8 +5,9 @@ A name is compared by its letters and digits only, lower-cased (`normal`: `llama
 `llama38b`; `RTX4090` is `rtx4090`). The suggestion (`close_names`), first rule that gives one:
 1. an alias the list declares (`bfloat16` -> `bf16`, `fsdp` -> `fsdp2`), by its normal form;
 2. the names whose normal form equals the value's (`adamW` -> `adamw`);
-3. the names whose normal form holds the value's (`4090` -> `RTX-4090-24GB`), when at most three do;
-4. the closest by difflib's ratio (`SequenceMatcher`, at least `get_close_matches`' default cutoff 0.6) on the
+3. the one name whose normal form starts with the value's, two characters or more (`hf` -> `hf-trainer`);
+4. the names whose normal form holds the value's (`4090` -> `RTX-4090-24GB`), when at most three do;
+5. the closest by difflib's ratio (`SequenceMatcher`, at least `get_close_matches`' default cutoff 0.6) on the
    normal forms, all those tied for the best.
 A suggestion is never taken in the value's place: the user's text is refused, and the message names what to type.
 """
@@ -39,6 +40,9 @@ def close_names(value: object, allowed: Iterable, aliases: Mapping[str, str] | N
         by_normal.setdefault(normal(name), []).append(name)
     if key in by_normal:
         return tuple(by_normal[key])
+    starting = [n for n in names if normal(n).startswith(key)]
+    if len(key) >= 2 and len(starting) == 1:
+        return tuple(starting)
     if len(key) >= SUBSTRING_MIN:
         holding = [n for n in names if key in normal(n)]
         if 0 < len(holding) <= SUBSTRING_MAX:

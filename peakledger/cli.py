@@ -26,6 +26,7 @@ import traceback
 from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_models, cmd_run, cmd_simulate, cmd_validate, cmd_where
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
+from .models.names import did_you_mean
 from .models.traced.boundary import end_user_processes, time_limit
 from .simulator.safe_io import InputError, all_or_none, digits_message, too_many_digits
 
@@ -38,11 +39,24 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.all_flags: frozenset[str] = frozenset()  # the top parser's: every command's long flags
         for name, action in ONCE_ACTIONS.items():
             self.register("action", name, action)
         self.register("action", None, ONCE_ACTIONS["store"])
 
+    def _check_value(self, action, value) -> None:
+        """argparse's refusal of a value not among a flag's choices, with the closest one suggested."""
+        if action.choices is not None and value not in action.choices:
+            flag = "/".join(action.option_strings) or action.dest
+            allowed = ", ".join(map(repr, action.choices))
+            self.error(f"argument {flag}: invalid choice: {value!r} (choose from {allowed})"
+                       + did_you_mean(value, [str(c) for c in action.choices]))
+
     def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):  # a flag misspelt: the closest flag of any command
+            unknown = [w.split("=")[0] for w in message.split(": ", 1)[1].split() if w.startswith("-")]
+            if unknown:
+                message += did_you_mean(unknown[0], sorted(self.all_flags))
         self.exit(2, f"peakledger: error: {message} (see {self.prog} --help)\n")
 
 
@@ -55,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         command.register(sub)
+    parser.all_flags = frozenset(flag for p in sub.choices.values() for flag in p._option_string_actions
+                                 if flag.startswith("--"))
     return parser
 
 

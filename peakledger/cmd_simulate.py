@@ -228,18 +228,14 @@ def _why_no_batch(best: int, fixed: int, at_one: int, budget: int, unit: str) ->
 
 def cmd_peers(args, base) -> int:
     s = base.setup
-    if s.mesh.tp * s.mesh.pp * s.mesh.cp * s.mesh.ep > 1:  # model parallelism: Megatron's and llm-analysis's formulas
-        rows = api.parallel_peers(base)
-        if args.json:
-            write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES})
-            return 0
-        print(render_parallel_peers(rows, args.unit, base.name))
-        return 0
-    rows = api.peers(base)
+    parallel = s.mesh.tp * s.mesh.pp * s.mesh.cp * s.mesh.ep > 1  # model parallelism: Megatron's and llm-analysis's
+    rows = api.parallel_peers(base) if parallel else api.peers(base)
     if args.json:
-        write_json({"scenario": base.name, "peers": rows, "notes": PEER_NOTES})
+        write_json({"scenario": base.name, "peers": rows, "notes": PARALLEL_PEER_NOTES if parallel else PEER_NOTES,
+                    "assumed": assumed(base)})
         return 0
-    print(render_peers(base.name, rows, args.unit))
+    print(render_parallel_peers(rows, args.unit, base.name) if parallel else render_peers(base.name, rows, args.unit))
+    print("\n".join(["", *assumed_lines(base), "  (peakledger's rows; each peer's formula assumes its own, above)"]))
     return 0
 
 

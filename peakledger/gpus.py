@@ -23,6 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 from .models.config import ConfigError
 from .models.families import family_of
+from .models.names import did_you_mean
 from .scenario import Scenario
 
 NODE_GPUS = 8  # tensor parallelism stays within one node's NVLink domain (8 GPUs per HGX / DGX node)
@@ -94,6 +95,7 @@ TP = Layout("TP", "tp", _tp, _tp_sizes,
             f"tensor parallelism within a node (at most {NODE_GPUS} GPUs, a divisor of the heads): weights and the "
             "activations between linears split")
 LAYOUTS: tuple[Layout, ...] = (FSDP2, ZERO3, TP)
+LAYOUT_ALIASES = {"fsdp": "fsdp2", "zero": "zero3", "deepspeed": "zero3", "zero-3": "zero3", "tensor": "tp"}
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ def layouts_by_key(keys: Sequence[str] | None) -> tuple[Layout, ...]:
     known = {lay.key: lay for lay in LAYOUTS}
     for key in keys:
         if key not in known:
-            raise ConfigError("layouts", f"{key!r} is not a layout; allowed: {', '.join(known)}")
+            raise ConfigError("layouts", f"{key!r} is not a layout; allowed: {', '.join(known)}"
+                                         + did_you_mean(key, known, LAYOUT_ALIASES))
     return tuple(known[k] for k in dict.fromkeys(keys))
 
 

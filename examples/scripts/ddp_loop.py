@@ -9,6 +9,7 @@ A 2-layer GPT-2 from examples/hf-gpt2-tiny (random weights), AdamW, random token
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoConfig, AutoModelForCausalLM
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--config", default="examples/hf-gpt2-tiny/config.json")
+parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "hf-gpt2-tiny" / "config.json"))
 parser.add_argument("--micro-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--steps", type=int, default=3)

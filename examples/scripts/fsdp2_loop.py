@@ -11,6 +11,7 @@ token ids. The model is built from a config (random weights, no download): `--co
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--config", default="examples/hf-gpt2-tiny/config.json")
+parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "hf-gpt2-tiny" / "config.json"))
 parser.add_argument("--micro-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)
 parser.add_argument("--steps", type=int, default=3)

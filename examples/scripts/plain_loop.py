@@ -11,12 +11,13 @@ GPT-2 of examples/hf-gpt2-tiny), or `gpt2` for GPT-2 124M. Data: random token id
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--config", default="examples/hf-gpt2-tiny/config.json")
+parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "hf-gpt2-tiny" / "config.json"))
 parser.add_argument("--loop", choices=["held", "dropped"], default="held")
 parser.add_argument("--micro-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=64)

@@ -58,7 +58,8 @@ wrapper of the rank's data-parallel engine that the replay's hooks reach (models
   in program order on the compute stream, as the CPU run shows them).
 
 Everything here was measured on real DTensor runs (traces/tensor_run.py: gloo, 127.0.0.1, torch 2.13 CPU, the
-tracker seeing the plain ops inside DTensor's dispatch), see /tmp/readme_tp.md for the figures.
+tracker seeing the plain ops inside DTensor's dispatch), see bench/VALIDATION.md
+"Model parallelism (real CPU runs)" for the figures.
 """
 
 from __future__ import annotations
