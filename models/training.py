@@ -37,6 +37,7 @@ from ..simulator.events import Category, Phase
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
 from ..simulator.run_metadata import RunMetadata
+from . import float8
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -221,6 +222,9 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
+    fp8_refused = float8.check_device(setup.float8.recipe, profile.is_cpu, profile.compute_capability, profile.name)
+    if fp8_refused:
+        raise ConfigError("fp8", fp8_refused)
     tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
     _check_tensor_sizes(tape)
     graph, ids = OpGraph(), itertools.count(1)
