@@ -101,6 +101,65 @@ def plain_mid_layer_gap() -> int:
     return before(measured) - before(simulated)
 
 
+def inside_matmuls(recipe: str, M: int = 64, K: int = 32, N: int = 48) -> list[str]:
+    """What a Float8Linear's three matmuls allocate below the tensor subclass, which the tracker does not see: a
+    real emulated forward + backward with torchao's float8 mm (float8_ops.py FLOAT8_OPS_TABLE[aten.mm]) run under
+    its own TorchDispatchMode, held against models/float8.py's GPU-profile layout copies."""
+    import dataclasses
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training, float8_ops
+
+    from peakledger.models import float8
+    from peakledger.traces.tracker import DTYPE_NAMES
+
+    class Inner(TorchDispatchMode):  # an output on none of the op's inputs' storages is a new allocation
+        def __init__(self) -> None:
+            super().__init__()
+            self.allocs = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            inputs = {a.untyped_storage().data_ptr() for a in tree_flatten((args, kwargs))[0]
+                      if isinstance(a, torch.Tensor)}
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.allocs.append((str(func.overloadpacket.__name__), DTYPE_NAMES.get(t.dtype, str(t.dtype)),
+                                        t.untyped_storage().nbytes()))
+            return out
+
+    calls = []
+    original = float8_ops.FLOAT8_OPS_TABLE[torch.ops.aten.mm.default]
+
+    def recorded(aten_op, args, kwargs=None):
+        with Inner() as inner:
+            out = original(aten_op, args, kwargs)
+        calls.append(inner.allocs)
+        return out
+    float8_ops.FLOAT8_OPS_TABLE[torch.ops.aten.mm.default] = recorded
+    try:
+        lin = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).to(torch.bfloat16)
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+        convert_to_float8_training(lin, config=config)
+        x = torch.randn(M, K, dtype=torch.bfloat16, requires_grad=True)
+        lin(x).float().sum().backward()
+    finally:
+        float8_ops.FLOAT8_OPS_TABLE[torch.ops.aten.mm.default] = original
+    stages = float8.backward_stages("l", M, K, N, recipe, "bf16", gpu=True)
+    cpu = {t.name for s in float8.backward_stages("l", M, K, N, recipe, "bf16", gpu=False) for t in s}
+    model = {2: [t for t in stages[2] if t.name not in cpu], 5: [t for t in stages[5] if t.name not in cpu]}
+    rows = []
+    for gemm, allocs, stage in zip(("output", "grad_input", "grad_weight"), calls, (None, 2, 5)):
+        copies = sorted(b for op, dt, b in allocs if dt.startswith("fp8"))
+        emulation = ", ".join(f"{op} {dt} {b:,}" for op, dt, b in allocs if not dt.startswith("fp8"))
+        predicted = sorted(t.nbytes for t in model.get(stage, []) if t.dtype.startswith("fp8"))
+        rows.append(f"| {recipe} | {gemm} | {', '.join(f'{b:,}' for b in copies) or 'none'} | "
+                    f"{', '.join(f'{b:,}' for b in predicted) or 'none'} | {emulation} |")
+    return rows
+
+
 def gpu_rows() -> list[str]:
     label, model, training, device = GPU
     lines = ["| scenario (simulated) | fp8 | steady peak | step time |", "|---|---|---:|---:|"]
@@ -111,7 +170,7 @@ def gpu_rows() -> list[str]:
     return lines
 
 
-def render(rows: list[dict], gpu: list[str], plain_gap: int, seconds: float) -> str:
+def render(rows: list[dict], gpu: list[str], inside: list[str], plain_gap: int, seconds: float) -> str:
     table = ["| case | phase | measured / predicted B | error |", "|---|---|---:|---:|"]
     for r in rows:
         for p in r["v"].phases:
@@ -179,6 +238,14 @@ def render(rows: list[dict], gpu: list[str], plain_gap: int, seconds: float) -> 
         "### Peaks by phase (step 1)", "", *table, "",
         "### Float8 tensors allocated (step 1)", "", *fp8, "",
         "### At the forward and backward peaks", "", *gaps, "",
+        "### Inside the float8 matmuls (below the tracker)", "",
+        "One Float8Linear (64 x 32 input, 48 x 32 weight, bf16), forward and backward, emulated, with torchao's "
+        "float8 mm run under its own dispatch mode (`inside_matmuls`): the float8 copies `preprocess_addmm` makes "
+        "(the same function runs before `_scaled_mm` on a GPU) against the GPU profile's layout copies, and what "
+        "emulation allocates instead of `_scaled_mm`'s bf16 output (fp32 dequantized operands, an fp32 product, "
+        "its bf16 cast).", "",
+        "| recipe | matmul | float8 copies measured, B | GPU profile's copies, B | emulation's other allocations |",
+        "|---|---|---|---|---|", *inside, "",
         "### GPU (simulated only)", "",
         "The step time is the cost model's: it times the float8 matmuls at the bf16 rate and adds the casts' memory "
         "traffic (no float8 tensor-core rate yet), so float8 shows slower here, which a GPU would not.", "", *gpu, "",
@@ -190,7 +257,8 @@ def main() -> None:
     t0 = time.time()
     rows = [run_case(p, r) for p, r in CASES]
     seconds = time.time() - t0
-    text = render(rows, gpu_rows(), plain_mid_layer_gap(), seconds)
+    inside = [row for recipe in ("tensorwise", "rowwise") for row in inside_matmuls(recipe)]
+    text = render(rows, gpu_rows(), inside, plain_mid_layer_gap(), seconds)
     replace_section(SECTION, text)
     print(text)
 
