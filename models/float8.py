@@ -92,14 +92,15 @@ def backward_stages(name: str, M: int, K: int, N: int, recipe: str, act: str, gp
             third + [x_d, x_ds] + list(t4), third + [x_d, x_ds] + gpu_gw + [gw]]
 
 
-def backward_workspaces(name: str, M: int, K: int, N: int, recipe: str, act: str, gpu: bool
-                        ) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+def backward_workspaces(name: str, M: int, K: int, N: int, recipe: str, act: str, gpu: bool,
+                        input_grad: bool = True) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
     """The node's temporaries at its highest moment up to grad_input's matmul and the casts after it, and at the
     grad_weight matmul, besides the gradients the replay makes itself (grad_input is the input's gradient,
-    grad_weight the weight's)."""
+    grad_weight the weight's). Where the input needs no gradient (an MLP's batch), torchao's backward makes
+    grad_input all the same (it does not read ctx.needs_input_grad) and autograd drops it: a temporary here."""
     stages = backward_stages(name, M, K, N, recipe, act, gpu)
     top = max(stages[:-1], key=lambda s: sum(t.nbytes for t in s))
-    grads = (f"{name}.grad_input", f"{name}.grad_weight")
+    grads = (f"{name}.grad_input", f"{name}.grad_weight") if input_grad else (f"{name}.grad_weight",)
     return tuple(t for t in top if t.name not in grads), tuple(t for t in stages[-1] if t.name not in grads)
 
 
@@ -117,15 +118,21 @@ def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, wei
     x8, xs, xt = cast(f"{name}.input", x.shape, dt["input"], recipe, -1)
     w.op(f"{name}.input_cast", "float8_cast", [x], [x8, xs], workspace=xt)
     w8, ws, wt = cast(f"{name}.weight", (K, N), dt["weight"], recipe, 0)  # weight.t(): (in, out), column-major
-    main_bwd, weight_bwd = backward_workspaces(name, M, K, N, recipe, x.dtype, gpu=not w.cpu)
+    main_bwd, weight_bwd = backward_workspaces(name, M, K, N, recipe, x.dtype, gpu=not w.cpu,
+                                               input_grad=x.requires_grad)
     # The weight's cast carries the weight: its backward node (run right after the matmul's, the tape's order
     # reversed) makes the weight's gradient at the node's last moment, grad_weight's matmul, with the four float8
     # tensors still alive; the matmul's node makes grad_input. One torch node, two replay nodes, in its order.
     w8 = TensorSpec(w8.name, w8.shape, w8.dtype, True)
+    # Where the input needs no gradient (an MLP's first layer), the node runs because the weight needs one: the
+    # matmul reads the weight's scale as the weight's stand-in, whose "gradient" is a placeholder of the scale's
+    # bytes (4 B tensorwise) between the two replay nodes.
+    ws = TensorSpec(ws.name, ws.shape, ws.dtype, not x.requires_grad)
     w.op(f"{name}.weight_cast", "float8_cast", [], [w8, ws], workspace=wt, params=(weight,),
          bwd_workspace=weight_bwd)
     out = w.t(f"{name}.out", (*lead, N))
-    (y,) = w.op(name, "float8_linear", [x, x8, xs], [out], saves=(x.name,), releases=(w8.name, ws.name),
+    inputs = [x, x8, xs] if x.requires_grad else [x, x8, xs, ws]
+    (y,) = w.op(name, "float8_linear", inputs, [out], saves=(x.name,), releases=(w8.name, ws.name),
                 saved_params=(weight,), bwd_workspace=main_bwd, flops=2 * M * K * N)
     if not bias:
         return y

@@ -226,6 +226,10 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     if fp8_refused:
         raise ConfigError("fp8", fp8_refused)
     tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
+    if setup.float8.recipe != "none" and tape.describer != "hand-written":
+        raise ConfigError("fp8", f"float8 training is modelled in the hand-written describers (--preset, --hf-config "
+                                 f"of llama / gpt2 configs), not the {tape.describer.split(' ')[0]} one; allowed "
+                                 "with it: --describer hand-written")
     _check_tensor_sizes(tape)
     graph, ids = OpGraph(), itertools.count(1)
     graph.metadata = RunMetadata(torch_version=torch_version)  # read by the builders (GraphBuilder); replaced below
