@@ -31,6 +31,7 @@ FLAG_GROUPS = {  # group -> the title of its flags in --help, in --help order
     "lora": "LoRA / QLoRA (peft; the whole base model frozen)",
     "moe": "mixture of experts",
     "compile": "torch.compile (inductor; the CPU program, traced models)",
+    "float8": "float8 training (torchao Float8Linear)",
 }
 CLI_FORMS = ("value", "on", "off", "append", "none")
 

@@ -37,6 +37,7 @@ from ..simulator.events import Category, Phase
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
 from ..simulator.run_metadata import RunMetadata
+from . import float8
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -221,7 +222,14 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         raise ConfigError("device", "context parallelism is simulated on the cpu profile for now (torch's ring "
                                     "attention around the CPU SDPA kernel, measured); GPU kernels' rings are not "
                                     "simulated yet; allowed: cpu")
+    fp8_refused = float8.check_device(setup.float8.recipe, profile.is_cpu, profile.compute_capability, profile.name)
+    if fp8_refused:
+        raise ConfigError("fp8", fp8_refused)
     tape = build_tape(model, setup, profile.is_cpu, cuda=cuda)
+    if setup.float8.recipe != "none" and tape.describer != "hand-written":
+        raise ConfigError("fp8", f"float8 training is modelled in the hand-written describers (--preset, --hf-config "
+                                 f"of llama / gpt2 configs), not the {tape.describer.split(' ')[0]} one; allowed "
+                                 "with it: --describer hand-written")
     _check_tensor_sizes(tape)
     graph, ids = OpGraph(), itertools.count(1)
     graph.metadata = RunMetadata(torch_version=torch_version)  # read by the builders (GraphBuilder); replaced below

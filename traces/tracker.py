@@ -80,7 +80,7 @@ SOURCE = "torch-dispatch-tracker"
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
                torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "int8",
-               torch.float64: "fp64"}
+               torch.float64: "fp64", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 _PRECEDENCE = [Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.GRADIENT, Category.OPTIMIZER_STATE,
                Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.CHECKPOINT_STAGING,

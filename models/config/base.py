@@ -12,6 +12,10 @@ DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float1
                  "uint8": "int8", "long": "int64"}
 
 
+# float8 tensors (models/float8.py: torch.float8_e4m3fn / float8_e5m2), 1 byte; not a dtype a knob takes
+FP8_DTYPE_BYTES = {"fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
 class ConfigError(InputError):
     """A bad input value: `field` names it, the message says what is allowed."""
 
@@ -46,6 +50,8 @@ def dtype_name(value: str, field_name: str = "dtype") -> str:
 
 def dtype_bytes(dtype: str) -> int:
     size = DTYPE_BYTES.get(dtype)  # the canonical names, on the hot path (every block of every op)
+    if size is None:
+        size = FP8_DTYPE_BYTES.get(dtype)
     return size if size is not None else DTYPE_BYTES[dtype_name(dtype)]
 
 

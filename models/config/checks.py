@@ -46,6 +46,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # 
 # selective (a part of each layer) and offload are not modelled under compile yet
 COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers", "op-policy")
 COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
+# torchao 0.18.0 torchao/float8/config.py Float8LinearRecipeName (models/float8.py); "none": plain nn.Linear
+FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def _checkpoint_layers(knobs) -> None:
@@ -392,9 +394,24 @@ def _compile(knobs) -> None:
 
 
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
+def _float8(knobs) -> None:
+    """float8 training (models/float8.py): modelled in pure bf16 (the weights' dtype Float8Linear casts from), on one
+    device, eager, without LoRA; the device's compute capability is checked by models/training.py `describe`."""
+    choice_of(knobs, "fp8", FP8_RECIPES)
+    if knobs.fp8 == "none":
+        return
+    if knobs.precision != "bf16":
+        raise ConfigError("fp8", f"float8 training is modelled with precision bf16 (bf16 weights, inputs and "
+                                 f"gradients around the float8 matmuls), not {knobs.precision!r}; allowed: bf16")
+    if knobs.lora_r or knobs.compile or knobs.world_size > 1 or knobs.checkpointing != "none":
+        raise ConfigError("fp8", "float8 training is modelled on one device, eager, without LoRA or activation "
+                                 "checkpointing; allowed with it: world_size 1, compile off, lora_r 0, "
+                                 "checkpointing none")
+
+
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _optimizer_state_shapes, _build_field, _passes, _compile)
+                  _optimizer_state_shapes, _build_field, _passes, _compile, _float8)
 
 
 def check_setup(knobs) -> None:

@@ -13,6 +13,7 @@ from .checks import (
     BUILDS,
     CHECKPOINTING,
     COMPILE_MODES,
+    FP8_RECIPES,
     LOAD_MODES,
     LOOPS,
     OFFLOAD_FIRST_STEPS,
@@ -176,5 +177,15 @@ class Compile(Section):
     mode: str = knob("default", "compile", "torch.compile's mode", choices=COMPILE_MODES, name="compile_mode")
 
 
+@dataclass(frozen=True, eq=False)
+class Float8(Section):
+    """float8 training (models/float8.py): torchao 0.18.0's convert_to_float8_training swaps the linears for
+    Float8Linear with the recipe's Float8LinearConfig."""
+
+    recipe: str = knob("none", "float8", "torchao Float8LinearConfig.from_recipe_name: tensorwise or rowwise "
+                       "(GPU profiles of compute capability >= 8.9, precision bf16; on the cpu profile torchao's "
+                       "emulate=True)", choices=FP8_RECIPES, name="fp8")
+
+
 __all__ = ["Batch", "Loop", "Optimizer", "Checkpointing", "Mesh", "CheckpointIO", "Offload", "Lora", "Moe",
-           "Compile"]
+           "Compile", "Float8"]

@@ -21,12 +21,12 @@ from ..knobs import Section, SetupKnob, section_knobs
 from ..precision import PRECISION_TABLE, Precision
 from .base import ConfigError
 from .checks import check_setup
-from .sections import Batch, Checkpointing, CheckpointIO, Compile, Loop, Lora, Mesh, Moe, Offload, Optimizer
+from .sections import Batch, Checkpointing, CheckpointIO, Compile, Float8, Loop, Lora, Mesh, Moe, Offload, Optimizer
 
 SECTIONS: dict[str, type[Section]] = {
     "batch": Batch, "loop": Loop, "precision": Precision, "optimizer": Optimizer, "checkpointing": Checkpointing,
     "data_parallel": DataParallel, "mesh": Mesh, "checkpoint_io": CheckpointIO, "offload": Offload, "lora": Lora,
-    "moe": Moe, "compile": Compile,
+    "moe": Moe, "compile": Compile, "float8": Float8,
 }
 
 # The knobs in the order of the serialised form of version 1 (when the setup was one flat dataclass), so stored
@@ -91,6 +91,7 @@ class TrainingSetup:
     lora: Lora
     moe: Moe
     compile: Compile
+    float8: Float8
 
     def __init__(self, _sections: tuple[Section, ...] = (), **given) -> None:
         """`_sections`: whole sections a knob given by the same name does not replace (`replace`'s)."""

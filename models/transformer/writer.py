@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .. import lora
+from .. import float8, lora
 from ..config import TrainingSetup
 from ..tape import SAC_SAVED_KINDS, Segment, Tape, TensorSpec
 
@@ -82,6 +82,9 @@ class TapeWriter:
                adapter: bool = False):
         if self.setup.lora.r and not adapter:  # LoRA / QLoRA: frozen or 4-bit base, adapters (models/lora.py)
             return lora.write_linear(self, name, x, out_features, bias, weight)
+        if (self.setup.float8.recipe != "none" and not adapter
+                and float8.converts(name, x.shape[-1], out_features)):  # torchao Float8Linear (models/float8.py)
+            return float8.write_linear(self, name, x, out_features, bias, weight)
         weight = weight or f"{name}.weight"
         params = (weight, f"{name}.bias") if bias else (weight,)
         in_features = x.shape[-1]

@@ -22,6 +22,7 @@ from ...models import families
 from ...models.config import ConfigError, TrainingSetup
 from ...models.families import Family, family_of
 from ...models.optimizers import OPTIMIZERS, offload_chunks
+from .float8 import apply_float8
 from .lora import apply_lora
 from .mixtral import hf_mixtral
 from .nanogpt import GPT, MLP, REFERENCE_PRECISIONS, hf_gpt2, token_batch, vector_batch
@@ -87,6 +88,8 @@ def build_model(cfg, setup: TrainingSetup | None = None, seed: int = 0) -> nn.Mo
         model = model.to(torch.bfloat16)
     if setup is not None and setup.lora.r:  # peft LoRA / QLoRA (lora.py)
         model = apply_lora(model, cfg, setup)
+    if setup is not None and setup.float8.recipe != "none":  # torchao Float8Linear, emulated (float8.py)
+        model = apply_float8(model, setup)
     return model.train()
 
 
