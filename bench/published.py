@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from published_cases import CASES, Case  # bench/published_cases.py, beside this script
 
 from peakledger import api
+from peakledger.models.config import ConfigError
 from peakledger.scenario import build_scenario
 from peakledger.simulator.events import Phase
 
@@ -87,6 +88,17 @@ def predict(case: Case) -> int:
             "reserved": gpu.reserved_peak.reserved, "nvidia-smi": gpu.total_peak.total}[case.measures]
 
 
+def pending_state(case: Case) -> str:
+    """Whether a pending case's knob values build a scenario yet: "knobs build" once the techniques' knobs have
+    landed (then clear `pending` in bench/published_cases.py to score it), else peakledger's own one-line refusal,
+    which names the knob it does not take yet."""
+    try:
+        build_scenario(dict(case.model), dict(case.training), {"device": case.device}, name=case.name)
+    except ConfigError as error:
+        return f"not yet: {str(error).splitlines()[0].split('; allowed')[0]}"
+    return "knobs build"
+
+
 def _size(nbytes: float, unit: str) -> str:
     return f"{nbytes / (2**30 if unit == 'GiB' else 1e9):.2f} {unit}"
 
@@ -103,7 +115,7 @@ def score(cases=CASES, log=print) -> list[tuple[Case, Row, float]]:
         row = Row(case.name, case.published_bytes, predicted, case.fully_stated)
         seconds = time.perf_counter() - start
         out.append((case, row, seconds))
-        got = _size(predicted, case.unit) if predicted is not None else "pending"
+        got = _size(predicted, case.unit) if predicted is not None else f"pending ({pending_state(case)})"
         log(f"{case.name:40s} {case.measures:9s} published {case.figure:7.2f} {case.unit:3s} predicted {got:>12s}"
             f" {_pct(row.error):>7s} ({seconds:.1f} s)")
     return out
@@ -158,6 +170,7 @@ def section(scored: list[tuple[Case, Row, float]], command: str) -> str:
             lines.append(f"  - scenario differs: {case.mapping}")
         if case.pending:
             lines.append(f"  - technique not yet modelled: {'; '.join(case.pending)}")
+            lines.append(f"  - its knob values today: {pending_state(case)}")
         if case.notes:
             lines.append(f"  - note: {case.notes}")
         lines.append(f"  - scenario: {_knobs(case)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from published import Row, section, summarize
+from published import Row, pending_state, section, summarize
 from published import main as published_main
 from published_cases import CASES, MEASURES, MOMENTS, UNITS, Case, Source
 
@@ -104,3 +104,14 @@ def test_unknown_case_name_is_one_line_exit_2(capsys):
     assert published_main(["--only", "no-such-case"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "no-such-case" in err and "allowed:" in err
+
+
+def test_pending_state_says_whether_the_knobs_build_yet():
+    src = Source("a/b", "README.md", "0" * 40)
+    ready = Case("r", src, "s" * 50, "allocated", "max_memory_allocated", 1.0, "GB", {"preset": "tiny"},
+                 {"seq_len": 8}, "cpu", pending=("t: seq_len=8",))
+    assert pending_state(ready) == "knobs build"
+    waiting = Case("w", src, "s" * 50, "allocated", "max_memory_allocated", 1.0, "GB", {"preset": "tiny"},
+                   {"seq_len": 8, "no_such_knob_yet": 1}, "cpu", pending=("t: no_such_knob_yet=1",))
+    state = pending_state(waiting)
+    assert state.startswith("not yet: no_such_knob_yet") and "allowed" not in state
