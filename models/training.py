@@ -45,7 +45,7 @@ from .devices import DeviceProfile, device_profile
 from .families import family_of
 from .moe import active_params
 from .offload import OffloadedStates
-from .optimizer_step import clip_grad_norm, create_states, optimizer_step
+from .optimizer_step import InBackward, clip_grad_norm, create_states, optimizer_step
 from .optimizers import OPTIMIZERS
 from .parallel.checks import check_model_parallel
 from .parallel.expert import expert_metadata
@@ -356,6 +356,9 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
         for k, group in enumerate(builder.engine.optim_groups()):
             create_states(builder, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
         states_loaded = True
+    if setup.optimizer.in_backward:  # each parameter stepped by its hook in backward (optimizer_step.InBackward)
+        grads.in_backward = InBackward(builder, states_loaded)
+        builder.replay_templates = None  # step 1's backward makes the states, step 2's the same start does not
     for step in range(1, steps + 1):
         if setup.mesh.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
             builder.engine.run_step(step, grads)
@@ -366,9 +369,12 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
             builder.engine.end_backward(step, mb)
         if setup.batch.passes == "forward":
             continue  # no loss, backward or optimizer step (models/config.py PASSES)
-        if setup.loop.clips_gradients:
-            clip_grad_norm(builder, step)
-        optimizer_step(builder, step, grads, states_loaded, offload)
+        if setup.optimizer.in_backward:  # torchtune's recipe calls no optimizer step(): the hooks ran them
+            builder.op("optimizer.in_backward", Phase.OPTIMIZER, step, -1, [], [])
+        else:
+            if setup.loop.clips_gradients:
+                clip_grad_norm(builder, step)
+            optimizer_step(builder, step, grads, states_loaded, offload)
         builder.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], builder.engine.zero_grad_frees(grads))
         if saves_after(setup, step):
             save_checkpoint(builder, step)

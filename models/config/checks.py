@@ -347,6 +347,35 @@ def _moe(knobs) -> None:
                                          "counts:PATH (a peakledger-moe-counts JSON file)")
 
 
+def _optimizer_in_backward(knobs) -> None:
+    """Optimizer-in-backward as torchtune 0.6.1 runs it (recipes/full_finetune_distributed.py refuses gradient
+    clipping and accumulation with optimizer_in_bwd; torchtune/training/memory.py `register_optim_in_bwd_hooks`):
+    one device, nothing between the gradient and its parameter's step (no master copy, no offload)."""
+    if not isinstance(knobs.optimizer_in_backward, bool):
+        raise ConfigError("optimizer_in_backward", f"must be true or false, got {knobs.optimizer_in_backward!r}")
+    if not knobs.optimizer_in_backward:
+        return
+    if knobs.grad_accum != 1:
+        raise ConfigError("grad_accum", "gradient accumulation is not supported with optimizer_in_backward (each "
+                                        "gradient is stepped and freed in backward; torchtune 0.6.1 refuses it too): "
+                                        "set grad_accum 1")
+    if knobs.loop != "plain":
+        raise ConfigError("loop", f"{knobs.loop!r} clips gradients before the step; gradient clipping is not supported "
+                                  "with optimizer_in_backward (torchtune 0.6.1 refuses it too): use loop plain")
+    for name, ok, allowed in (
+            ("passes", knobs.passes == "train", "train"),
+            ("world_size", knobs.world_size == 1, "1 (one device)"),
+            ("precision", knobs.prec.master is None, "fp32, bf16 or an autocast precision (no fp32 master copy)"),
+            ("set_to_none", knobs.set_to_none, "true (torchtune's hook calls zero_grad(), set_to_none=True)"),
+            ("optimizer_offload", knobs.optimizer_offload == "none", "none"),
+            ("load_mode", knobs.load_mode == "none", "none"),
+            ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+            ("compile", not knobs.compile, "false")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with optimizer_in_backward is not modelled; allowed "
+                                    f"with it: {allowed}")
+
+
 def _passes(knobs) -> None:
     choice_of(knobs, "passes", PASSES)
     choice_of(knobs, "loop", LOOPS)
@@ -394,7 +423,8 @@ def _compile(knobs) -> None:
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _optimizer_state_shapes, _build_field, _passes, _compile)
+                  _optimizer_state_shapes, _build_field, _passes, _compile,
+                  _optimizer_in_backward)
 
 
 def check_setup(knobs) -> None:

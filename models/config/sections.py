@@ -71,6 +71,12 @@ class Optimizer(Section):
                              "steps", cli="off")
     frozen: tuple[str, ...] = knob((), "precision", "freeze parameters matching a glob (fnmatch over parameter "
                                    "names; repeat the flag)", cli="append", flag="freeze", metavar="PATTERN")
+    # torchtune 0.6.1 torchtune/training/memory.py `register_optim_in_bwd_hooks`: one optimizer per parameter,
+    # stepped and zeroed by the parameter's post-accumulate-grad hook during backward (models/replay/grads.py)
+    in_backward: bool = knob(False, "precision", "torchtune's optimizer_in_bwd: one optimizer per parameter, its "
+                             "step() and zero_grad() run by the parameter's post-accumulate-grad hook as soon as its "
+                             "gradient is made, so each gradient is freed during backward", cli="on",
+                             name="optimizer_in_backward")
 
     @property
     def spec(self) -> OptimizerSpec:
