@@ -4,6 +4,7 @@ hook) measured by the allocation tracker; and the refusals torchtune's recipes m
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 
@@ -62,9 +63,9 @@ def test_in_backward_matches_the_real_hooked_run(impl):
 
 def test_bias_before_weight_matches_the_real_run():
     """tiny-mlp (biased linears): the bias's hook runs before the weight's, as the real run shows."""
-    plain, _, _ = validate(build_scenario({"preset": "tiny-mlp"}, dict(micro_batch=2, steps=2, precision="fp32"), {"device": "cpu"}))
-    v, _, _ = validate(build_scenario({"preset": "tiny-mlp"}, dict(micro_batch=2, steps=2, precision="fp32", optimizer_in_backward=True),
-                                      {"device": "cpu"}))
+    mlp = dict(micro_batch=2, steps=2, precision="fp32")
+    plain, _, _ = validate(build_scenario({"preset": "tiny-mlp"}, mlp, {"device": "cpu"}))
+    v, _, _ = validate(build_scenario({"preset": "tiny-mlp"}, dict(mlp, optimizer_in_backward=True), {"device": "cpu"}))
     assert _gaps(v, "backward") == _gaps(plain, "backward")
 
 
@@ -85,3 +86,43 @@ def test_cli_refuses_grad_accum_with_exit_2():
                         "--optimizer-in-backward"], capture_output=True, text=True)
     assert r.returncode == 2
     assert "grad_accum" in r.stderr and "optimizer_in_backward" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+# -- chunked cross-entropy (`--chunked-loss N`): torchtune 0.6.1's chunked_output + CEWithChunkedOutputLoss ---------
+
+needs_torchtune = pytest.mark.skipif(importlib.util.find_spec("torchtune") is None,
+                                     reason="the real chunked loss is torchtune's: pip install --no-deps "
+                                            "torchtune==0.6.1")
+
+
+@needs_torchtune
+@pytest.mark.parametrize("preset, precision, micro_batch, chunks", [
+    ("tiny", "fp32", 2, 4), ("tiny", "bf16", 2, 4), ("tiny-llama", "bf16", 1, 4), ("tiny-llama", "fp32", 2, 8)])
+def test_chunked_loss_matches_torchtunes_own_loss(preset, precision, micro_batch, chunks):
+    """The real run uses torchtune's own CEWithChunkedOutputLoss class; every forward phase is exact and each
+    backward phase is off by the loss scalar and its seed gradient alone (8 B)."""
+    training = dict(micro_batch=micro_batch, seq_len=32, steps=2, precision=precision, chunked_loss=chunks)
+    v, measured, _ = validate(build_scenario({"preset": preset}, training, {"device": "cpu"}))
+    assert _gaps(v, "forward") == {"forward step 1": 0, "forward step 2": 0}
+    assert set(_gaps(v, "backward").values()) == {-8}
+    # the real run saves one fp32 log_softmax output per chunk, all alive when the forward ends
+    vocab = 256
+    lsm = [e for e in measured.events if e.step == 2 and e.phase is Phase.FORWARD and e.delta > 0
+           and e.block.name.endswith("_log_softmax")]
+    assert [e.delta for e in lsm] == [micro_batch * 32 // chunks * vocab * 4] * chunks
+
+
+@needs_torchtune
+def test_chunked_loss_composes_with_optimizer_in_backward():
+    training = dict(micro_batch=2, seq_len=32, steps=2, precision="bf16", chunked_loss=4)
+    v, _, _ = validate(build_scenario({"preset": "tiny"}, dict(training, optimizer_in_backward=True),
+                                      {"device": "cpu"}))
+    assert _gaps(v, "forward") == {"forward step 1": 0, "forward step 2": 0}
+    assert set(_gaps(v, "backward").values()) == {-8}
+
+
+@pytest.mark.parametrize("value", [-1, 5, True])
+def test_chunked_loss_refuses_bad_values(value):
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(seq_len=32, chunked_loss=value)
+    assert e.value.field == "chunked_loss"

@@ -376,6 +376,18 @@ def _optimizer_in_backward(knobs) -> None:
                                     f"with it: {allowed}")
 
 
+def _chunked_loss(knobs) -> None:
+    """`chunked_loss` N: torchtune 0.6.1's chunked output + CEWithChunkedOutputLoss, N chunks along the sequence
+    (`last_hidden_state.chunk(N, dim=1)`: N equal chunks where N divides seq_len, modelled so)."""
+    n = knobs.chunked_loss
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError("chunked_loss", f"must be an integer >= 0 (0 = one whole cross-entropy), got {n!r}")
+    if n and knobs.seq_len % n:
+        raise ConfigError("chunked_loss", f"{n} chunks must divide seq_len {knobs.seq_len} (equal chunks)")
+    if n and knobs.passes != "train":
+        raise ConfigError("chunked_loss", "passes \"forward\" computes no loss: chunked_loss must be 0")
+
+
 def _passes(knobs) -> None:
     choice_of(knobs, "passes", PASSES)
     choice_of(knobs, "loop", LOOPS)
@@ -424,7 +436,7 @@ def _compile(knobs) -> None:
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile,
-                  _optimizer_in_backward)
+                  _optimizer_in_backward, _chunked_loss)
 
 
 def check_setup(knobs) -> None:

@@ -49,6 +49,11 @@ class Loop(Section):
                      "accumulation, clip_grad_norm_ before the optimizer step)", choices=LOOPS, argparse_choices=True,
                      name="loop")
     logits_held: bool = knob(True, "batch", "the caller keeps `logits` alive until backward ends", cli="none")
+    # torchtune 0.6.1: TransformerDecoder.chunked_output (the output projection chunk by chunk along the sequence)
+    # with torchtune/modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss(num_output_chunks=N)
+    chunked_loss: int = knob(0, "batch", "torchtune's chunked output and CEWithChunkedOutputLoss: the logits made "
+                             "and upcast for the loss in N chunks along the sequence (0: one whole cross-entropy)",
+                             name="chunked_loss", metavar="N")
 
     @property
     def holds_outputs(self) -> bool:
