@@ -37,6 +37,7 @@ from ..simulator.events import Category, Phase
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
 from ..simulator.run_metadata import RunMetadata
+from . import families
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -71,6 +72,9 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     if setup.compile.on:  # the compiled program of a traced model (models/compile)
         return compiled_tape(model, setup, cpu, cuda)
     family.check(model, setup)
+    if setup.loop.chunked_loss and family is not families.nanogpt.FAMILY:  # models/transformer/chunked_loss.py
+        raise ConfigError("chunked_loss", f"torchtune's chunked loss is modelled on the hand-written GPT / Llama "
+                                          f"describer only, not the {family.name} family: use chunked_loss 0")
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
     if family.hand_written and setup.batch.passes == "forward":
         # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run (a trace records none)

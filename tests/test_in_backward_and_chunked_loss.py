@@ -126,3 +126,9 @@ def test_chunked_loss_refuses_bad_values(value):
     with pytest.raises(ConfigError) as e:
         TrainingSetup(seq_len=32, chunked_loss=value)
     assert e.value.field == "chunked_loss"
+
+
+def test_chunked_loss_refuses_autocast_by_name():
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(seq_len=32, chunked_loss=4, precision="bf16-autocast")
+    assert e.value.field == "precision"

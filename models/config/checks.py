@@ -384,8 +384,17 @@ def _chunked_loss(knobs) -> None:
         raise ConfigError("chunked_loss", f"must be an integer >= 0 (0 = one whole cross-entropy), got {n!r}")
     if n and knobs.seq_len % n:
         raise ConfigError("chunked_loss", f"{n} chunks must divide seq_len {knobs.seq_len} (equal chunks)")
-    if n and knobs.passes != "train":
-        raise ConfigError("chunked_loss", "passes \"forward\" computes no loss: chunked_loss must be 0")
+    if not n:
+        return
+    for name, ok, allowed in (
+            ("passes", knobs.passes == "train", "train (passes \"forward\" computes no loss)"),
+            ("precision", knobs.prec.autocast is None, "fp32, bf16 or a mixed precision without autocast"),
+            ("lora_r", knobs.lora_r == 0, "0"),
+            ("tp", knobs.tp == 1, "1"), ("pp", knobs.pp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+            ("compile", not knobs.compile, "false")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with chunked_loss is not modelled; allowed with it: "
+                                    f"{allowed}")
 
 
 def _passes(knobs) -> None:
