@@ -194,8 +194,18 @@ def chunked_render(rows: list[dict], seconds: float) -> str:
         "the reference GPT runs it, it costs more (fp32 log_softmax instead of bf16).", "",
         *chunked_table(rows), "",
         *chunked_gpu_lines(), "",
-        "Liger 0.8.5's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py) needs triton on "
-        "a GPU: not modelled in this change and not run.", "",
+        "Not modelled yet, and not run (it needs triton on a GPU; this project's torch is CPU-only): Liger 0.8.5's "
+        "fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py "
+        "`fused_linear_cross_entropy_forward`). Its rule, from the source: the forward allocates `grad_input` "
+        "(BT x H, the input's dtype), `grad_weight` (V x H, the weight's dtype or `accum_dtype`), `loss_1d` (BT, "
+        "fp32) and `target != ignore_index` (BT, bool), and one logits buffer of `chunk_size` x V reused for every "
+        "chunk (`chunk_size = min(next_power_of_2(cdiv(BT, cdiv(V, chunk_mem_const * H))), BT)`, "
+        "`_CHUNK_MEM_CONST = 1`); the triton kernel overwrites each chunk's logits with their gradient in place, "
+        "`grad_input[chunk]` and `grad_weight` (addmm, in place) are filled in the forward, and "
+        "`ctx.save_for_backward(grad_input, grad_weight, ...)` keeps them until the backward, which only scales them "
+        "in place and hands them on as the hidden state's and the weight's gradients. So no whole logits, no "
+        "log_softmax saved, but a weight-sized gradient alive from the forward on. Modelling it needs the replay to "
+        "hand a saved block on as a gradient (no new allocation), which the tape cannot express yet.", "",
     ])
 
 
