@@ -132,3 +132,12 @@ def test_chunked_loss_refuses_autocast_by_name():
     with pytest.raises(ConfigError) as e:
         TrainingSetup(seq_len=32, chunked_loss=4, precision="bf16-autocast")
     assert e.value.field == "precision"
+
+
+def test_explain_offers_both_as_fixes_where_they_apply():
+    from peakledger.fixes import candidate_fixes
+
+    changes = [c[1] for c in candidate_fixes(build_scenario({"preset": "tiny"}, dict(seq_len=32)))]
+    assert {"optimizer_in_backward": True} in changes and {"chunked_loss": 8} in changes
+    accumulating = [c[1] for c in candidate_fixes(build_scenario({"preset": "tiny"}, dict(seq_len=32, grad_accum=2)))]
+    assert {"optimizer_in_backward": True} not in accumulating  # torchtune refuses accumulation with it
