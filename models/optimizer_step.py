@@ -192,3 +192,53 @@ def _planned_update(builder: GraphBuilder, step: int, tensors, name: str, after=
             bytes_moved=numel * dtype_bytes(s.precision.state) * 5,
             after=after if k == 0 else (),
         )
+
+
+class _InBackwardBuilder:
+    """The builder seen by an optimizer step run inside the backward: every op it emits goes in the BACKWARD phase
+    of the micro-batch whose backward runs it; the rest is the builder's."""
+
+    __slots__ = ("_builder", "_mb")
+
+    def __init__(self, builder: GraphBuilder, mb: int) -> None:
+        self._builder, self._mb = builder, mb
+
+    def op(self, name, phase, step, mb, *args, **kwargs):
+        return self._builder.op(name, Phase.BACKWARD, step, self._mb, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._builder, name)
+
+
+class InBackward:
+    """Optimizer-in-backward as torchtune 0.6.1 does it (torchtune/training/memory.py `register_optim_in_bwd_hooks`
+    and `create_optim_in_bwd_wrapper`): one torch optimizer per trainable parameter, whose post-accumulate-grad
+    hook runs `opt.step(); opt.zero_grad()` as soon as the parameter's gradient is accumulated. So, per parameter,
+    in the backward right after the node that finished its gradient: at step 1 its states, made lazily by its own
+    optimizer's first step(); its update with the temporaries of one parameter (`_update` over it alone: foreach
+    and for-loop alike work on one tensor); then zero_grad() (set_to_none) frees the gradient. The optimizer
+    phase has nothing left. `states_loaded`: made in the constructors (Adagrad), not by the first step."""
+
+    def __init__(self, builder: GraphBuilder, states_loaded: bool) -> None:
+        self.builder = builder
+        self.states_loaded = states_loaded
+        self.tensors = {t.name: t for t in builder.engine.optim_tensors()}
+        # torch 2.13 aten::linear is addmm(bias, x, weight.t()) (HF's Conv1D addmm(bias, x, weight)): the bias's
+        # AccumulateGrad is an edge of AddmmBackward0 before the weight's (behind TBackward0), and autograd's ready
+        # queue runs AccumulateGrad nodes first (sequence_nr UINT64_MAX), so a linear's bias is stepped first
+        self.late = {op.params[0] for op in builder.tape.ops if op.kind == "linear" and len(op.params) > 1}
+
+    def __call__(self, replay, params: list[str]) -> None:
+        """The hooks of `params`, whose gradients one backward node just finished, in the order torch runs them."""
+        for p in sorted(params, key=lambda p: p in self.late):
+            self.step(replay, p)
+
+    def step(self, replay, p: str) -> None:
+        """`p`'s hook, in the backward of the replay's micro-batch (GradState.in_backward)."""
+        builder, step = _InBackwardBuilder(self.builder, replay.mb), replay.step
+        t, name = self.tensors[p], f"optimizer_in_backward.{p}"
+        if step == 1 and not self.states_loaded:
+            create_states(builder, step, [t], f"{name}.init_state", Phase.BACKWARD)
+        _update(builder, step, [t], name)
+        grad = replay.grads.blocks.pop(p)
+        builder.op(f"{name}.zero_grad", Phase.BACKWARD, step, replay.mb, [], [grad.id])

@@ -37,7 +37,7 @@ from ..simulator.events import Category, Phase
 from ..simulator.gcpause import gc_paused
 from ..simulator.ops import OpGraph
 from ..simulator.run_metadata import RunMetadata
-from . import float8
+from . import families, float8
 from .builder import GraphBuilder, trainable_params
 from .checkpoint_io import load_checkpoint, rank_signatures, save_checkpoint, saves_after, signature_ranks
 from .compile import compiled_tape
@@ -46,7 +46,7 @@ from .devices import DeviceProfile, device_profile
 from .families import family_of
 from .moe import active_params
 from .offload import OffloadedStates
-from .optimizer_step import clip_grad_norm, create_states, optimizer_step
+from .optimizer_step import InBackward, clip_grad_norm, create_states, optimizer_step
 from .optimizers import OPTIMIZERS
 from .parallel.checks import check_model_parallel
 from .parallel.expert import expert_metadata
@@ -72,6 +72,9 @@ def build_tape(model: ModelConfig, setup: TrainingSetup, cpu: bool = False, ep_r
     if setup.compile.on:  # the compiled program of a traced model (models/compile)
         return compiled_tape(model, setup, cpu, cuda)
     family.check(model, setup)
+    if setup.loop.chunked_loss and family is not families.nanogpt.FAMILY:  # models/transformer/chunked_loss.py
+        raise ConfigError("chunked_loss", f"torchtune's chunked loss is modelled on the hand-written GPT / Llama "
+                                          f"describer only, not the {family.name} family: use chunked_loss 0")
     tape = family.tape(model, setup, cpu, ep_rank, cuda)
     if family.hand_written and setup.batch.passes == "forward":
         # `out = model(batch)`: the hand-written tapes' loss ops (named loss.*) never run (a trace records none)
@@ -364,6 +367,9 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
         for k, group in enumerate(builder.engine.optim_groups()):
             create_states(builder, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)
         states_loaded = True
+    if setup.optimizer.in_backward:  # each parameter stepped by its hook in backward (optimizer_step.InBackward)
+        grads.in_backward = InBackward(builder, states_loaded)
+        builder.replay_templates = None  # step 1's backward makes the states, step 2's the same start does not
     for step in range(1, steps + 1):
         if setup.mesh.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
             builder.engine.run_step(step, grads)
@@ -374,9 +380,12 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
             builder.engine.end_backward(step, mb)
         if setup.batch.passes == "forward":
             continue  # no loss, backward or optimizer step (models/config.py PASSES)
-        if setup.loop.clips_gradients:
-            clip_grad_norm(builder, step)
-        optimizer_step(builder, step, grads, states_loaded, offload)
+        if setup.optimizer.in_backward:  # torchtune's recipe calls no optimizer step(): the hooks ran them
+            builder.op("optimizer.in_backward", Phase.OPTIMIZER, step, -1, [], [])
+        else:
+            if setup.loop.clips_gradients:
+                clip_grad_norm(builder, step)
+            optimizer_step(builder, step, grads, states_loaded, offload)
         builder.op("zero_grad", Phase.ZERO_GRAD, step, -1, [], builder.engine.zero_grad_frees(grads))
         if saves_after(setup, step):
             save_checkpoint(builder, step)

@@ -247,13 +247,30 @@ def compile_fixes(scenario: Scenario) -> list[Candidate]:
              "modelled in its time")]
 
 
+def in_backward_fixes(scenario: Scenario) -> list[Candidate]:
+    """torchtune's optimizer step in backward (the gradients freed as they are made; no accumulation or clipping)
+    and its chunked cross-entropy (the hand-written GPT / Llama describer's head and loss, 8 chunks)."""
+    s = scenario.setup
+    out: list[Candidate] = []
+    if not s.optimizer.in_backward and s.batch.grad_accum == 1 and not s.loop.clips_gradients:
+        out.append(("optimizer step in backward (torchtune optimizer_in_bwd)", {"optimizer_in_backward": True}, False,
+                    "one optimizer per parameter, stepped by its gradient hook: no gradient accumulation or "
+                    "clipping"))
+    model = scenario.model
+    if (not s.loop.chunked_loss and family_of(model).name == "nanogpt" and s.batch.seq_len % 8 == 0
+            and s.precision.autocast is None):
+        out.append(("chunked cross-entropy, 8 chunks (torchtune)", {"chunked_loss": 8}, False,
+                    "the output projection and the loss chunk by chunk; no whole fp32 copy of the logits"))
+    return out
+
+
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:
     """Every fix worth re-simulating, each phase's knobs: save and load, data parallelism, activations, the
     optimizer step, model parallelism, freezing, adapters (LoRA, QLoRA), torch.compile, the allocator's settings
     (first when `fragmentation`: the allocator's cached free blocks cause the OOM)."""
     rest = save_load_fixes(scenario) + data_parallel_fixes(scenario) + activation_fixes(scenario) + \
         optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario) + lora_fixes(scenario) + \
-        compile_fixes(scenario)
+        compile_fixes(scenario) + in_backward_fixes(scenario)
     allocator = allocator_fixes(scenario)
     return allocator + rest if fragmentation else rest + allocator
 

@@ -349,6 +349,56 @@ def _moe(knobs) -> None:
                                          "counts:PATH (a peakledger-moe-counts JSON file)")
 
 
+def _optimizer_in_backward(knobs) -> None:
+    """Optimizer-in-backward as torchtune 0.6.1 runs it (recipes/full_finetune_distributed.py refuses gradient
+    clipping and accumulation with optimizer_in_bwd; torchtune/training/memory.py `register_optim_in_bwd_hooks`):
+    one device, nothing between the gradient and its parameter's step (no master copy, no offload)."""
+    if not isinstance(knobs.optimizer_in_backward, bool):
+        raise ConfigError("optimizer_in_backward", f"must be true or false, got {knobs.optimizer_in_backward!r}")
+    if not knobs.optimizer_in_backward:
+        return
+    if knobs.grad_accum != 1:
+        raise ConfigError("grad_accum", "gradient accumulation is not supported with optimizer_in_backward (each "
+                                        "gradient is stepped and freed in backward; torchtune 0.6.1 refuses it too): "
+                                        "set grad_accum 1")
+    if knobs.loop != "plain":
+        raise ConfigError("loop", f"{knobs.loop!r} clips gradients before the step; gradient clipping is not supported "
+                                  "with optimizer_in_backward (torchtune 0.6.1 refuses it too): use loop plain")
+    for name, ok, allowed in (
+            ("passes", knobs.passes == "train", "train"),
+            ("world_size", knobs.world_size == 1, "1 (one device)"),
+            ("precision", knobs.prec.master is None, "fp32, bf16 or an autocast precision (no fp32 master copy)"),
+            ("set_to_none", knobs.set_to_none, "true (torchtune's hook calls zero_grad(), set_to_none=True)"),
+            ("optimizer_offload", knobs.optimizer_offload == "none", "none"),
+            ("load_mode", knobs.load_mode == "none", "none"),
+            ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+            ("compile", not knobs.compile, "false")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with optimizer_in_backward is not modelled; allowed "
+                                    f"with it: {allowed}")
+
+
+def _chunked_loss(knobs) -> None:
+    """`chunked_loss` N: torchtune 0.6.1's chunked output + CEWithChunkedOutputLoss, N chunks along the sequence
+    (`last_hidden_state.chunk(N, dim=1)`: N equal chunks where N divides seq_len, modelled so)."""
+    n = knobs.chunked_loss
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError("chunked_loss", f"must be an integer >= 0 (0 = one whole cross-entropy), got {n!r}")
+    if n and knobs.seq_len % n:
+        raise ConfigError("chunked_loss", f"{n} chunks must divide seq_len {knobs.seq_len} (equal chunks)")
+    if not n:
+        return
+    for name, ok, allowed in (
+            ("passes", knobs.passes == "train", "train (passes \"forward\" computes no loss)"),
+            ("precision", knobs.prec.autocast is None, "fp32, bf16 or a mixed precision without autocast"),
+            ("lora_r", knobs.lora_r == 0, "0"),
+            ("tp", knobs.tp == 1, "1"), ("pp", knobs.pp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+            ("compile", not knobs.compile, "false")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with chunked_loss is not modelled; allowed with it: "
+                                    f"{allowed}")
+
+
 def _passes(knobs) -> None:
     choice_of(knobs, "passes", PASSES)
     choice_of(knobs, "loop", LOOPS)
@@ -393,7 +443,6 @@ def _compile(knobs) -> None:
                                     f"{allowed}")
 
 
-# One order, so the first problem named is always the same: each section's own values, then what combines them.
 def _float8(knobs) -> None:
     """float8 training (models/float8.py): modelled in pure bf16 (the weights' dtype Float8Linear casts from), on one
     device, eager, without LoRA; the device's compute capability is checked by models/training.py `describe`."""
@@ -409,9 +458,11 @@ def _float8(knobs) -> None:
                                  "checkpointing none")
 
 
+# One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _optimizer_state_shapes, _build_field, _passes, _compile, _float8)
+                  _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
+                  _optimizer_in_backward, _chunked_loss)
 
 
 def check_setup(knobs) -> None:

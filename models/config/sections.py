@@ -50,6 +50,11 @@ class Loop(Section):
                      "accumulation, clip_grad_norm_ before the optimizer step)", choices=LOOPS, argparse_choices=True,
                      name="loop")
     logits_held: bool = knob(True, "batch", "the caller keeps `logits` alive until backward ends", cli="none")
+    # torchtune 0.6.1: TransformerDecoder.chunked_output (the output projection chunk by chunk along the sequence)
+    # with torchtune/modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss(num_output_chunks=N)
+    chunked_loss: int = knob(0, "batch", "torchtune's chunked output and CEWithChunkedOutputLoss: the logits made "
+                             "and upcast for the loss in N chunks along the sequence (0: one whole cross-entropy)",
+                             name="chunked_loss", metavar="N")
 
     @property
     def holds_outputs(self) -> bool:
@@ -72,6 +77,12 @@ class Optimizer(Section):
                              "steps", cli="off")
     frozen: tuple[str, ...] = knob((), "precision", "freeze parameters matching a glob (fnmatch over parameter "
                                    "names; repeat the flag)", cli="append", flag="freeze", metavar="PATTERN")
+    # torchtune 0.6.1 torchtune/training/memory.py `register_optim_in_bwd_hooks`: one optimizer per parameter,
+    # stepped and zeroed by the parameter's post-accumulate-grad hook during backward (models/replay/grads.py)
+    in_backward: bool = knob(False, "precision", "torchtune's optimizer_in_bwd: one optimizer per parameter, its "
+                             "step() and zero_grad() run by the parameter's post-accumulate-grad hook as soon as its "
+                             "gradient is made, so each gradient is freed during backward", cli="on",
+                             name="optimizer_in_backward")
 
     @property
     def spec(self) -> OptimizerSpec:

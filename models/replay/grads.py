@@ -32,6 +32,9 @@ def param_grad(state: ReplayState, p: str, allocs: list, frees: list) -> None:
     """A gradient contribution for parameter `p`, when it trains: the engine's (`Engine.param_grad`)."""
     if p in state.trainable:
         state.builder.engine.param_grad(state, p, allocs, frees)
+        grads = state.grads
+        if grads.in_backward is not None and state.grad_seen.get(p, 1) == state.plan.grad_uses.get(p, 1):
+            grads.ready.append(p)  # its last contribution (grad_accum 1): AccumulateGrad runs the hook next
 
 
 def add_grad(state: ReplayState, name: str, blk: Block, frees: list[int]) -> None:
@@ -76,3 +79,15 @@ def flush_after_node(state: ReplayState) -> None:
         state.builder.op(name, Phase.BACKWARD, state.step, state.mb, allocs, frees,
                          bytes_moved=3 * sum(a.nbytes for a in allocs))
     state.after_node.clear()
+    grads_ready(state)
+
+
+def grads_ready(state: ReplayState) -> None:
+    """Optimizer-in-backward: each parameter whose gradient the node just finished (its `.grad` made, a tied
+    weight's sum done) has its post-accumulate-grad hook run now, its optimizer's step() and zero_grad()
+    (`GradState.in_backward`; torch's AccumulateGrad node runs right after the node that fed it, and calls the
+    hook once `.grad` is set: torch/csrc/autograd/functions/accumulate_grad.h, torch 2.13)."""
+    grads = state.grads
+    if grads.ready:
+        ready, grads.ready = grads.ready, []
+        grads.in_backward(state, ready)

@@ -36,6 +36,10 @@ class GradState:
 
     blocks: dict[str, Block] = field(default_factory=dict)
     persistent: bool = False  # fp32 main-grad buffers allocated at load: every contribution is a temporary
+    # optimizer-in-backward (models/optimizer_step.py `InBackward`): called as `in_backward(state, params)` with the
+    # parameters whose gradient the node just finished, after it (grads.py `grads_ready`); None: off
+    in_backward: Any = None
+    ready: list[str] = field(default_factory=list)  # parameters whose gradient is final, their hook not yet run
 
 
 class GradStorage:

@@ -8,6 +8,7 @@ from .. import gpu, lora
 from ..config import TrainingSetup, TransformerConfig
 from ..tape import Segment, Tape, TensorSpec, checkpoint_segments
 from .attention import attention_eager, attention_sdpa
+from .chunked_loss import chunked_cross_entropy
 from .params import transformer_params
 from .writer import TapeWriter, module_return
 
@@ -54,11 +55,15 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     w.end_layers()
     x = w.layernorm("transformer.ln_f", x, cfg.has_bias) if gpt2 else w.rmsnorm("model.norm", x)
     head_weight = f"{wte}.weight" if cfg.tied else "lm_head.weight"
-    logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
-    _cross_entropy(w, logits, targets)
+    if setup.loop.chunked_loss:  # torchtune's chunked output + CEWithChunkedOutputLoss (chunked_loss.py)
+        held = chunked_cross_entropy(w, x, targets, setup.loop.chunked_loss, head_weight, cfg.vocab_size)
+    else:
+        logits = w.linear("lm_head", x, cfg.vocab_size, False, weight=head_weight)
+        _cross_entropy(w, logits, targets)
+        held = (logits.name,)
     if w.autocast or w.lora_targets:  # the final norm's output is a local of GPT.forward until it returns (the
         w.op("model.return", "release", [x], [])  # head saves a cast of it, or nothing: a frozen head under LoRA)
-    tape.held = (logits.name,) if setup.loop.holds_outputs else ()
+    tape.held = held if setup.loop.holds_outputs else ()
     if chosen:
         lora.lazy_recompute(tape)
     return tape

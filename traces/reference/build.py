@@ -115,7 +115,58 @@ def make_optimizer(model: nn.Module, setup: TrainingSetup, lr: float = 1e-3):
     """`torch_optimizer` over the trainable parameters, after `setup.optimizer.frozen` patterns have frozen theirs
     (requires_grad=False)."""
     freeze(model, setup.optimizer.frozen)
+    if setup.optimizer.in_backward:
+        return InBackwardOptimizers(model, setup, lr)
     return torch_optimizer([p for p in model.parameters() if p.requires_grad], setup, lr)
+
+
+class InBackwardOptimizers:
+    """Optimizer-in-backward as torchtune 0.6.1 sets it up (torchtune/training/memory.py): one `optimizer_class`
+    optimizer per trainable parameter (`optim_dict = {p: cls([p], ...)}`), and `register_optim_in_bwd_hooks`'s
+    post-accumulate-grad hook on each parameter: `optim_dict[param].step(); optim_dict[param].zero_grad()`.
+    torchtune's recipe then calls no step() or zero_grad() of its own: here they do nothing. `state` is every
+    optimizer's states together and `register_step_post_hook` hooks every optimizer, for the tracker."""
+
+    def __init__(self, model: nn.Module, setup: TrainingSetup, lr: float = 1e-3) -> None:
+        cls, kwargs = optimizer_class(setup)
+        self.optim_dict = {p: cls([p], lr=lr, **kwargs) for p in model.parameters() if p.requires_grad}
+
+        def optim_step(param) -> None:  # torchtune 0.6.1 register_optim_in_bwd_hooks, as written there
+            self.optim_dict[param].step()
+            self.optim_dict[param].zero_grad()
+
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(optim_step)
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optim_dict.values() for p, s in opt.state.items()}
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.optim_dict.values() for g in opt.param_groups]
+
+    def register_step_post_hook(self, hook):
+        handles = [opt.register_step_post_hook(hook) for opt in self.optim_dict.values()]
+        return _Handles(handles)
+
+    def step(self) -> None:
+        """The hooks stepped every parameter in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The hooks zeroed every gradient in backward."""
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, handles) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict]:

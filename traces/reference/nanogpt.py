@@ -339,6 +339,8 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.segments = _segments(checkpointing, cfg.n_layer)  # how the blocks run (models/tape.py)
+        # torchtune's chunked output + CEWithChunkedOutputLoss (chunked_ce_loss), when the setup asks for it
+        self.chunks = checkpointing.loop.chunked_loss if isinstance(checkpointing, TrainingSetup) else 0
         if cfg.architecture == "gpt2":
             self.transformer = nn.ModuleDict(dict(
                 wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
@@ -382,11 +384,32 @@ class GPT(nn.Module):
             x = self.transformer.ln_f(x)
         else:
             x = self.model(idx)
+        if self.chunks:  # torchtune 0.6.1 TransformerDecoder.chunked_output, then its CEWithChunkedOutputLoss
+            logits = [self.lm_head(chunk) for chunk in x.chunk(self.chunks, dim=1)]
+            return logits, (chunked_ce_loss(self.chunks)(logits, targets) if targets is not None else None)
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
+
+
+def chunked_ce_loss(num_output_chunks: int) -> nn.Module:
+    """torchtune 0.6.1's own `CEWithChunkedOutputLoss(num_output_chunks)`, loaded from its file
+    (torchtune/modules/loss/ce_chunked_output_loss.py, which imports torch alone: the package's __init__ needs a
+    torchao older than torch 2.13's). Needs `pip install --no-deps torchtune==0.6.1`."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("chunked_loss", "the real chunked loss is torchtune's: "
+                                          "pip install --no-deps torchtune==0.6.1")
+    path = Path(next(iter(spec.submodule_search_locations))) / "modules" / "loss" / "ce_chunked_output_loss.py"
+    module_spec = importlib.util.spec_from_file_location("torchtune_ce_chunked_output_loss", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.CEWithChunkedOutputLoss(num_output_chunks)
 
 
 class MLP(nn.Module):
