@@ -11,6 +11,7 @@ from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from .builder import GraphBuilder
 from .config import dtype_bytes
 from .offload import OffloadedStates
+from .offload_libraries import TorchaoCpuOffload
 from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
 from .replay import GradState
@@ -45,11 +46,15 @@ def clip_grad_norm(builder: GraphBuilder, step: int) -> None:
 
 
 def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,
-                    offload: OffloadedStates | None = None) -> None:
+                    offload: OffloadedStates | TorchaoCpuOffload | None = None) -> None:
     """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1, unless
     they were loaded from a checkpoint), inside the optimizer-state offload when there is one."""
     tensors = builder.engine.optim_tensors()
     create = step == 1 and not states_loaded
+    if isinstance(offload, TorchaoCpuOffload):
+        offload.step(step, create, create_states, _update)
+        builder.engine.after_step(step)
+        return
     chunked_first = create and offload is not None and builder.setup.offload.first_step == "chunked"
     groups = builder.engine.optim_groups() if offload is None else [tensors]
     if create and not chunked_first:

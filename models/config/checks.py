@@ -9,7 +9,7 @@ from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from ..dp_engines import ENGINE_ALIASES, REDUCE_DTYPES
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
-from ..precision import PRECISION_ALIASES, PRECISIONS
+from ..precision import PRECISION_ALIASES, PRECISION_TABLE, PRECISIONS
 from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
@@ -31,7 +31,8 @@ LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # che
 # "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
 # where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
 BUILDS = ("direct", "device-fp32")
-OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
+# models/optimizers.py; "cpu": torchao's CPUOffloadOptimizer, models/offload_libraries.py
+OPTIMIZER_OFFLOADS = ("none", "states", "chunked", "cpu")
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 # pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
 # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
@@ -87,6 +88,8 @@ def _optimizer_offload_fields(knobs) -> None:
                                                 f"\"chunked\", not {mode!r}")
     if mode == "none":
         return
+    if mode == "cpu":
+        _torchao_cpu_offload_fields(knobs)
     if knobs.optimizer == "sgd":
         raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad")
@@ -113,6 +116,30 @@ def _optimizer_offload_fields(knobs) -> None:
                                        "async")
 
 
+
+
+def _torchao_cpu_offload_fields(knobs) -> None:
+    """optimizer_offload "cpu" (torchao 0.18.0 torchao/optim/cpu_offload.py `CPUOffloadOptimizer`, models/
+    offload_libraries.py): "for single-GPU training"; its default optimizer, AdamW with fused=True, or Adam /
+    AMSGrad fused, over the parameters themselves (no master copy); offload_gradients "not compatible with
+    gradient accumulation"."""
+    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
+        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) is modelled with its default, a "
+                                               f"fused Adam step on the host, not {knobs.optimizer} "
+                                               f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
+                                               "optimizer_impl fused")
+    if knobs.world_size != 1 or knobs.dp_engine == "fsdp2" or knobs.zero_stage:
+        raise ConfigError("optimizer_offload", "'cpu' (torchao CPUOffloadOptimizer) is for single-GPU training "
+                                               "over plain parameters; allowed with: world_size 1, no fsdp2, "
+                                               "zero_stage 0")
+    if PRECISION_TABLE[knobs.precision].mixed:
+        allowed = ", ".join(p.name for p in PRECISION_TABLE.values() if not p.mixed)
+        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) steps the parameters' own "
+                                               f"host copies; precision {knobs.precision!r} keeps a master copy, "
+                                               f"not modelled; allowed with: {allowed}")
+    if knobs.offload_gradients and knobs.grad_accum > 1:
+        raise ConfigError("offload_gradients", "torchao: offload_gradients is not compatible with gradient "
+                                               "accumulation; allowed with: grad_accum 1")
 
 
 def _lora_fields(knobs) -> None:
@@ -263,6 +290,7 @@ KNOB_APPLIES = {
     "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
     "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
     "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "offload_gradients": (lambda s: s.optimizer_offload == "cpu", "optimizer_offload cpu"),
     "lora_alpha": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),

@@ -32,6 +32,11 @@ def param_grad(state: ReplayState, p: str, allocs: list, frees: list) -> None:
     """A gradient contribution for parameter `p`, when it trains: the engine's (`Engine.param_grad`)."""
     if p in state.trainable:
         state.builder.engine.param_grad(state, p, allocs, frees)
+        offload = getattr(state.builder, "cpu_offload", None)  # torchao's post-accumulate-grad hook, models/
+        if offload is not None:  # offload_libraries.py: once the gradient is whole (a tied weight's last use)
+            uses = state.plan.grad_uses.get(p, 1)
+            if uses == 1 or state.grad_seen.get(p) == uses:
+                offload.grad_hook(state, p)
 
 
 def add_grad(state: ReplayState, name: str, blk: Block, frees: list[int]) -> None:

@@ -1,0 +1,160 @@
+"""Optimizer and gradient offload as the libraries do it: torchao 0.18.0's CPUOffloadOptimizer
+(`optimizer_offload cpu`, `offload_gradients`), its own code run on the CPU (traces/reference/torchao_offload.py
+stands in for its stream, pin_memory and record_stream), against the simulation."""
+
+import inspect
+
+import pytest
+import torch
+
+from peakledger import validation
+from peakledger.api import op_graph, run
+from peakledger.cli import main
+from peakledger.models.config import ConfigError, TrainingSetup
+from peakledger.models.offload_libraries import MINIMAL_SIZE, is_pinned
+from peakledger.scenario import build_scenario
+from peakledger.simulator.events import Category, Phase, Pool, Stream
+from peakledger.traces.reference import autocast_context, build_model, make_batch, optimizer_class
+from peakledger.traces.reference.torchao_offload import TorchaoOffload
+
+cpu_offload = pytest.importorskip("torchao.optim.cpu_offload")
+
+
+def scenario(preset: str, **training):
+    base = dict(precision="fp32", micro_batch=2, steps=2, optimizer="adamw", optimizer_impl="fused",
+                optimizer_offload="cpu", **({} if preset == "tiny-mlp" else {"seq_len": 32}))
+    return build_scenario({"preset": preset}, {**base, **training}, {"device": "cpu"})
+
+
+def library_step(sc):
+    """One real step of torchao's optimizer; what its own objects hold after backward and after the step."""
+    setup = sc.setup
+    model = build_model(sc.model, setup)
+    cls, kwargs = optimizer_class(setup)
+    opt = TorchaoOffload([p for p in model.parameters() if p.requires_grad], setup, cls, kwargs).optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    with autocast_context(setup):
+        _, loss = model(*make_batch(sc.model, setup)[0])
+    loss.backward()
+    grads_left = sorted(names[id(p)] for p in model.parameters() if p.grad is not None)
+    opt.step()
+    return {
+        "pinned": sum(h.untyped_storage().nbytes() + h.grad.untyped_storage().nbytes()
+                      for h in opt.param_d2h_map.values()),
+        "host_states": sum(v.untyped_storage().nbytes() for p, o in opt.optim_dict.items()
+                           for v in o.state[opt.param_d2h_map[p]].values()),
+        "on_device": sorted(names[id(p)] for g in opt.d_param_groups for p in g["params"]),
+        "grads_left": grads_left,
+    }
+
+
+def simulated_step(sc):
+    """The simulated blocks: device gradients live when step 1's optimizer phase begins; what lives after step 1."""
+    live, grads_left = {}, None
+    for op in (op for op in op_graph(sc).ops_in_order() if op.step <= 1):
+        if grads_left is None and op.phase is Phase.OPTIMIZER:
+            grads_left = sorted(b.name.removesuffix(".grad") for b in live.values()
+                                if b.category is Category.GRADIENT and b.pool is Pool.DEVICE)
+        live.update({b.id: b for b in op.allocs})
+        for f in op.frees:
+            live.pop(f, None)
+    host = [b for b in live.values() if b.pool is Pool.HOST]
+    return {
+        "pinned": sum(b.nbytes for b in host if is_pinned(b)),
+        "host_states": sum(b.nbytes for b in host if b.category is Category.OPTIMIZER_STATE),
+        "on_device": sorted({b.name.rsplit(".", 1)[0] for b in live.values()
+                             if b.category is Category.OPTIMIZER_STATE and b.pool is Pool.DEVICE}),
+        "grads_left": grads_left,
+    }
+
+
+def test_minimal_size_is_the_librarys_default():
+    assert inspect.signature(cpu_offload.CPUOffloadOptimizer).parameters["minimal_size"].default == MINIMAL_SIZE
+
+
+@pytest.mark.parametrize("preset, training", [
+    ("tiny-mlp", dict(offload_gradients=True)),
+    ("tiny", dict(precision="bf16")),  # tied embedding: its hook runs after the last use's sum
+    ("tiny", dict(precision="bf16-autocast", optimizer="amsgrad", offload_gradients=True)),
+])
+def test_torchaos_own_objects_are_the_simulated_blocks(preset, training):
+    """Pinned host copies (p_host, p_host.grad), the host optimizers' states, the parameters torchao keeps on the
+    device (fewer than minimal_size elements) and which device gradients offload_gradients leaves: the library's
+    objects after a real step, the simulation's blocks."""
+    sc = scenario(preset, **training)
+    lib = library_step(sc)
+    assert lib["pinned"] > 0 and lib["host_states"] > 0
+    assert simulated_step(sc) == lib
+    if training.get("offload_gradients"):
+        assert lib["grads_left"] == lib["on_device"]  # only d_opt's parameters keep a device gradient
+
+
+def test_a_real_run_under_the_tracker_matches_the_simulation():
+    """tiny-mlp, offload_gradients: the host peak and the optimizer / zero_grad phases exact; the forward and
+    backward phases off by exactly what the same run without the offload is off (its 4-byte loss scalars);
+    dropping the gradients in backward lowers the backward peak by the same bytes on both sides."""
+    v, _, _ = validation.validate(scenario("tiny-mlp", steps=3, offload_gradients=True))
+    kept, _, _ = validation.validate(scenario("tiny-mlp", steps=3))
+    plain, _, _ = validation.validate(scenario("tiny-mlp", steps=3, optimizer_offload="none"))
+    gaps = {p.label: p.predicted - p.measured for p in v.phases}
+    plain_gaps = {p.label: p.predicted - p.measured for p in plain.phases}
+    assert v.host.measured == v.host.predicted > 0
+    assert all(gaps[k] == 0 for k in gaps if k.startswith(("optimizer", "zero_grad")))
+    assert all(gaps[k] == plain_gaps[k] for k in gaps if k.startswith(("load", "forward", "backward")))
+    back = {p.label: p for p in v.phases}["backward step 2"]
+    back_kept = {p.label: p for p in kept.phases}["backward step 2"]
+    assert back_kept.measured - back.measured == back_kept.predicted - back.predicted > 0
+
+
+def test_llama_3_8b_host_bytes_follow_torchaos_rules():
+    """Llama-3-8B, pure bf16: every parameter tensor has >= 4096 elements, so all 8,030,261,248 parameters get a
+    pinned bf16 p_host and p_host.grad (4 bytes each) and bf16 exp_avg / exp_avg_sq on the host, plus a 4-byte
+    fp32 `step` per tensor (fused: `_get_scalar_dtype(is_fused=True)`); 32 layers x 9 tensors + embedding, final
+    norm and lm_head = 291 tensors; one copy of each gradient to the host and of each parameter back."""
+    n, tensors = 8_030_261_248, 32 * 9 + 3
+    sc = build_scenario({"preset": "llama-3-8b"}, dict(precision="bf16", seq_len=1024, micro_batch=1, steps=1,
+                                                       optimizer="adamw", optimizer_impl="fused",
+                                                       optimizer_offload="cpu", offload_gradients=True),
+                        {"device": "H100-80GB"})
+    graph = op_graph(sc)
+    host = [b for op in graph.ops_in_order() for b in op.allocs if b.pool is Pool.HOST]
+    assert sum(b.nbytes for b in host if is_pinned(b)) == 2 * 2 * n
+    assert sum(b.nbytes for b in host if b.category is Category.OPTIMIZER_STATE) == 2 * 2 * n + 4 * tensors
+    copies = [op for op in graph.ops_in_order() if op.stream is Stream.HOST]
+    assert len(copies) == 2 * tensors  # each gradient to the host, each parameter back
+    report = run(sc, graph=graph)
+    assert report.host.overall.bytes == 4 * 2 * n + 4 * tensors
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(optimizer_offload="cpu", optimizer_impl="foreach"), "optimizer_offload"),
+    (dict(optimizer_offload="cpu", optimizer_impl="fused", optimizer="sgd-momentum"), "optimizer_offload"),
+    (dict(optimizer_offload="cpu", optimizer_impl="fused", world_size=2, dp_engine="ddp"), "optimizer_offload"),
+    (dict(optimizer_offload="cpu", optimizer_impl="fused", precision="bf16-mixed"), "optimizer_offload"),
+    (dict(optimizer_offload="cpu", optimizer_impl="fused", precision="fp32", offload_gradients=True, grad_accum=2),
+     "offload_gradients"),
+])
+def test_bad_settings_name_the_knob(changes, field):
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(**changes)
+    assert e.value.field == field
+
+
+def test_cli_flags_and_their_refusals(capsys):
+    assert main(["simulate", "--preset", "tiny", "--precision", "fp32", "--optimizer-impl", "fused",
+                 "--optimizer-offload", "cpu", "--offload-gradients", "--steps", "1"]) == 0
+    assert main(["simulate", "--preset", "tiny", "--offload-gradients"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "offload_gradients" in err[0] and "optimizer_offload cpu" in err[0]
+
+
+def test_the_shims_leave_other_streams_to_torch():
+    """The stand-in `record_stream` takes only the offload's own host stream; anything else is torch's (which
+    refuses a non-stream on the CPU as before)."""
+    from peakledger.traces.reference.torchao_offload import HostStream, install_cpu_shims
+
+    install_cpu_shims()
+    t = torch.zeros(2)
+    t.record_stream(HostStream())
+    with pytest.raises((RuntimeError, TypeError)):
+        t.record_stream(object())
