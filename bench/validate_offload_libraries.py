@@ -131,6 +131,12 @@ def cpu_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def pinned_bytes(graph) -> int:
+    """Rank 0's pinned host bytes made by the load and the first step (gradients are made again each step)."""
+    return sum(b.nbytes for op in graph.ops_in_order() if op.step <= 1 for b in op.allocs
+               if b.rank == 0 and is_pinned(b))
+
+
 def gpu_table() -> list[str]:
     lines = ["| llama-3-8b, pure bf16, AdamW fused, 1 x H100-80GB, seq 8192, full ckpt (simulated) | device peak | "
              "host peak | of it torchao's pinned buffers | steady step time |", "|---|---:|---:|---:|---:|"]
@@ -143,11 +149,30 @@ def gpu_table() -> list[str]:
         scenario = build_scenario({"preset": "llama-3-8b"}, dict(GPU_BASE, **extra), {"device": "H100-80GB"})
         graph = op_graph(scenario)
         report = run(scenario, graph=graph)
-        pinned = sum(b.nbytes for op in graph.ops_in_order() for b in op.allocs if is_pinned(b))
+        pinned = pinned_bytes(graph)
         ends = step_ends(report.log)[0]
         lines.append(f"| {label} | {report.peaks.overall.bytes / gib:.2f} GiB | "
                      f"{report.host.overall.bytes / gib if report.host else 0:.2f} GiB | "
                      f"{f'{pinned / gib:.2f} GiB' if 'torchao' in label else '-'} | "
+                     f"{ends[3] - ends[2]:.2f} s |")
+    return lines
+
+
+def fsdp_table() -> list[str]:
+    """FSDP2 with and without CPUOffloadPolicy, simulated (rank 0)."""
+    lines = ["| llama-3-8b, bf16-mixed, AdamW fused, FSDP2 x 8 H100-80GB, seq 8192, full ckpt (simulated, rank 0) | "
+             "device peak | host peak | of it pinned | steady step time |", "|---|---:|---:|---:|---:|"]
+    gib = 2**30
+    for label, extra in (("fully_shard", {}), ("fully_shard, CPUOffloadPolicy(pin_memory=True)",
+                                               dict(fsdp_cpu_offload=True))):
+        scenario = build_scenario({"preset": "llama-3-8b"}, dict(GPU_BASE, precision="bf16-mixed", dp_engine="fsdp2",
+                                                                 world_size=8, **extra), {"device": "H100-80GB"})
+        graph = op_graph(scenario)
+        report = run(scenario, graph=graph)
+        ends = step_ends(report.log)[0]
+        pinned = pinned_bytes(graph)
+        lines.append(f"| {label} | {report.peaks.overall.bytes / gib:.2f} GiB | "
+                     f"{report.host.overall.bytes / gib if report.host else 0:.2f} GiB | {pinned / gib:.2f} GiB | "
                      f"{ends[3] - ends[2]:.2f} s |")
     return lines
 
@@ -202,8 +227,22 @@ def render(rows: list[dict], seconds: float) -> str:
         "`is_pinned`), the copies' overlap and the caching allocator's reuse of a gradient block only after its "
         "`record_stream`ed copy ends (the simulation frees it when the hook drops it, as `memory_allocated` sees "
         "it). The timing is the cost model's.",
-        "- Left for later (simulated nowhere yet): FSDP2's `CPUOffloadPolicy` and DeepSpeed ZeRO-Offload "
-        "(`offload_optimizer: cpu`), which the setup's checks still refuse by name.",
+        "",
+        "FSDP2's `CPUOffloadPolicy(pin_memory=True)` (`--fsdp-cpu-offload`, torch 2.13 torch/distributed/fsdp/"
+        "_fully_shard/_fsdp_param.py and _fsdp_collectives.py; models/parallel/fsdp.py), simulated only: "
+        "`_init_sharded_param` moves each padded shard to pinned host memory; `all_gather_inputs` copies each "
+        "shard to the device (`.to(device, non_blocking=True)`, no foreach fast path under offload), casts it to "
+        "the param_dtype where it differs, and the inputs go once the all-gather is issued; `foreach_reduce` "
+        "copies each parameter's view of the reduce-scatter output to the host (pinned the first time; a pageable "
+        "copy summed in and dropped when accumulating) and drops the device output; the optimizer, over CPU "
+        "parameters, makes its states on the host and steps there (fused Adam, at the cost model's CPU bandwidth, "
+        "assumed). `peakledger validate --world-size N --fsdp-cpu-offload` is refused: on a CPU the policy's copies "
+        "are the tensors themselves (`.to(cpu)` of a CPU tensor), so a CPU run cannot show them; "
+        "tests/test_offload_libraries.py holds the simulation to the source's formulas (host bytes per rank, "
+        "the copies' dtypes, sizes and count).", "",
+        *fsdp_table(), "",
+        "- Left for later: DeepSpeed ZeRO-Offload (`offload_optimizer: cpu`), which the setup's checks still refuse "
+        "by name.",
         ""])
 
 

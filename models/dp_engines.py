@@ -60,6 +60,9 @@ class Fsdp2Knobs(Section):
                                  hidden=True)
     backward_prefetch: int = knob(1, "data-parallel", "fsdp2: likewise in backward (FSDP2's default implicit "
                                   "prefetch is 1)", hidden=True)
+    cpu_offload: bool = knob(False, "data-parallel", "fsdp2: CPUOffloadPolicy(pin_memory=True): sharded "
+                             "parameters, gradients and optimizer states in pinned host memory, the step on the CPU",
+                             cli="on", name="fsdp_cpu_offload")
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +98,7 @@ DP_ENGINES: dict[str, DpEngine] = {e.name: e for e in (
               "stage3_param_persistence_threshold": (_stage3, "zero_stage 3")}, unchecked=("zero_stage",),
              aliases=("zero", "zero1", "zero2", "zero3", "ds")),
     DpEngine("fsdp2", "torch fully_shard per block, then the root", Fsdp2Knobs,
+             {"fsdp_cpu_offload": (lambda s: s.world_size > 1, "dp_engine fsdp2 on > 1 rank")},
              aliases=("fsdp", "fsdp1", "fully_shard", "fully-sharded-data-parallel")),
     DpEngine("ddp", "torch DistributedDataParallel: replicas, gradient buckets all-reduced", DdpKnobs,
              aliases=("distributed-data-parallel",)),

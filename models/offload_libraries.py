@@ -44,8 +44,13 @@ ADAM_BYTES_PER_ELEMENT = 7  # fused Adam reads param, grad, exp_avg, exp_avg_sq 
 
 
 def is_pinned(block: Block) -> bool:
-    """Whether a block is one of torchao's pinned host buffers."""
-    return block.pool is Pool.HOST and block.name.endswith(PINNED_SUFFIXES)
+    """Whether a host block is pinned memory: torchao's `p_host` / `p_host.grad`, and FSDP2's CPUOffloadPolicy
+    sharded parameters and gradients (models/parallel/fsdp.py; a pageable gradient copy summed into one when
+    accumulating is `<param>.grad.to_host`). Optimizer states a host step makes are pageable."""
+    if block.pool is not Pool.HOST:
+        return False
+    return block.name.endswith(PINNED_SUFFIXES) or (
+        block.category in (Category.PARAMETER, Category.GRADIENT) and not block.name.endswith(".to_host"))
 
 
 class TorchaoCpuOffload:

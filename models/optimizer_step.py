@@ -104,6 +104,9 @@ def create_states(
     s = builder.setup
     shard = builder.engine.state_shard()
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
+    home = builder.engine.param_pool()  # the host, where the engine keeps the parameters there (FSDP2's offload)
+    if home is Pool.HOST:
+        step_state_pool = Pool.HOST
     states = []
     for t in tensors:
         for state, shape, dtype in state_specs(
@@ -113,7 +116,7 @@ def create_states(
             states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
                                   Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
-                                  pool=step_state_pool if not sharded else Pool.DEVICE))
+                                  pool=step_state_pool if not sharded else home))
     if s.optimizer.name == "adam-8bit":
         states.append(builder.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                               state=OptimizerState.QUANT_STATE))

@@ -158,3 +158,92 @@ def test_the_shims_leave_other_streams_to_torch():
     t.record_stream(HostStream())
     with pytest.raises((RuntimeError, TypeError)):
         t.record_stream(object())
+
+
+# FSDP2's CPUOffloadPolicy (torch 2.13 torch/distributed/fsdp/_fully_shard/_fsdp_param.py, _fsdp_collectives.py)
+
+LLAMA_8B = 8_030_261_248  # every dim 0 divisible by 8: the shards are unpadded
+LLAMA_TENSORS = 32 * 9 + 3
+
+
+def fsdp_graph(**extra):
+    sc = build_scenario({"preset": "llama-3-8b"}, dict(precision="bf16-mixed", seq_len=1024, micro_batch=1, steps=1,
+                                                       optimizer="adamw", optimizer_impl="fused", dp_engine="fsdp2",
+                                                       world_size=8, **extra), {"device": "H100-80GB"})
+    return sc, op_graph(sc)
+
+
+def test_fsdp_cpu_offload_keeps_shards_grads_and_states_on_the_host():
+    """`_init_sharded_param`: each padded fp32 shard `.cpu().pin_memory()`; `foreach_reduce`: each sharded gradient
+    `.to("cpu")` (fp32, the sharded parameter's dtype); the optimizer over CPU parameters makes its states there
+    (fused: the `step` scalars too). Per rank of 8: 8,030,261,248 / 8 elements x 4 bytes for each of parameters,
+    gradients, exp_avg and exp_avg_sq, and 4 bytes of `step` per tensor."""
+    sc, graph = fsdp_graph(fsdp_cpu_offload=True)
+    blocks = [b for op in graph.ops_in_order() for b in op.allocs if b.rank == 0]
+    host = [b for b in blocks if b.pool is Pool.HOST]
+    shard = LLAMA_8B // 8 * 4
+    by = {c: sum(b.nbytes for b in host if b.category is c) for c in (Category.PARAMETER, Category.GRADIENT,
+                                                                       Category.OPTIMIZER_STATE)}
+    assert by == {Category.PARAMETER: shard, Category.GRADIENT: shard,
+                  Category.OPTIMIZER_STATE: 2 * shard + 4 * LLAMA_TENSORS}
+    device = [b for b in blocks if b.pool is Pool.DEVICE]
+    assert not any(b.category is Category.OPTIMIZER_STATE for b in device)
+    assert all(b.name.endswith(".unsharded") for b in device if b.category is Category.PARAMETER)
+    assert all(b.name.endswith(".unsharded.grad") for b in device if b.category is Category.GRADIENT)
+    assert run(sc, graph=graph).host.overall.bytes == 4 * shard + 4 * LLAMA_TENSORS
+    assert sum(b.nbytes for b in host if is_pinned(b)) == 2 * shard  # pin_memory=True: parameters and gradients
+
+
+def test_fsdp_cpu_offload_copies_each_shard_in_and_each_gradient_out():
+    """`all_gather_inputs` under offload: each fp32 host shard copied to the device, then cast to bf16 (the copy
+    dropped); one copy to the host per unit's reduce-scatter output. Forward and backward all-gather every unit
+    (reshard_after_forward), the root too."""
+    _, graph = fsdp_graph(fsdp_cpu_offload=True)
+    ops = [op for op in graph.ops_in_order() if op.rank == 0]
+    to_device = [b for op in ops for b in op.allocs if b.name.endswith(".all_gather_input.to_device")]
+    casts = [b for op in ops for b in op.allocs if b.name.endswith(".all_gather_input")]
+    assert {b.dtype for b in to_device} == {"fp32"} and {b.dtype for b in casts} == {"bf16"}
+    assert len(to_device) == len(casts)
+    assert sum(b.nbytes for b in to_device) == 2 * sum(b.nbytes for b in casts)
+    gathers = [op for op in ops if op.name.startswith("fsdp.all_gather.") and not op.name.endswith(".issue")]
+    host_link = 50e9  # models/devices.py, H100-80GB: PCIe 5 (assumed)
+    assert sum(b.nbytes for b in to_device) == pytest.approx(host_link * sum(
+        op.duration for op in ops if op.stream is Stream.HOST and ".all_gather_input." in op.name))
+    assert len(gathers) >= 2 * 32
+    d2h = [op for op in ops if op.stream is Stream.HOST and op.name.startswith("fsdp.reduce_scatter_output.to_host")]
+    assert len(d2h) == 33  # 32 layers and the root
+
+
+def test_fsdp_cpu_offload_lowers_the_device_peak_by_what_moved_to_the_host():
+    sc_off, g_off = fsdp_graph(fsdp_cpu_offload=True)
+    sc_on, g_on = fsdp_graph()
+    off, on = run(sc_off, graph=g_off), run(sc_on, graph=g_on)
+    assert on.host is None or on.host.overall.bytes == 0
+    shard = LLAMA_8B // 8 * 4
+    assert on.peaks.overall.bytes > 4 * shard > off.peaks.overall.bytes  # parameters, gradients, 2 states
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(dp_engine="fsdp2", world_size=2, fsdp_cpu_offload=True), "fsdp_cpu_offload"),  # foreach
+    (dict(dp_engine="fsdp2", world_size=2, fsdp_cpu_offload=True, optimizer_impl="fused", checkpoint_every=1),
+     "checkpoint_every"),
+])
+def test_fsdp_cpu_offload_refusals_name_the_knob(changes, field):
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(**changes)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("changes", [dict(dp_engine="fsdp2", world_size=1), dict(dp_engine="ddp", world_size=2)])
+def test_fsdp_cpu_offload_is_refused_where_fsdp2_does_not_shard(changes):
+    with pytest.raises(ConfigError) as e:
+        build_scenario({"preset": "tiny"}, dict(changes, fsdp_cpu_offload=True, optimizer_impl="fused"))
+    assert e.value.field == "fsdp_cpu_offload" and "dp_engine fsdp2 on > 1 rank" in str(e.value)
+
+
+def test_a_real_cpu_run_of_fsdp_cpu_offload_is_refused():
+    sc = build_scenario({"preset": "tiny-mlp"}, dict(precision="fp32", optimizer_impl="fused", dp_engine="fsdp2",
+                                                     world_size=2, fsdp_cpu_offload=True), {"device": "cpu"})
+    with pytest.raises(ConfigError) as e:
+        validation.validate_ranks(sc, backend="fake")
+    assert e.value.field == "fsdp_cpu_offload"

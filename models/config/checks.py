@@ -142,6 +142,26 @@ def _torchao_cpu_offload_fields(knobs) -> None:
                                                "accumulation; allowed with: grad_accum 1")
 
 
+def _fsdp_cpu_offload(knobs) -> None:
+    """fsdp_cpu_offload (torch 2.13 fully_shard's CPUOffloadPolicy, models/parallel/fsdp.py): modelled with a fused
+    Adam step on the host, over plain data parallelism, without another offload, checkpoint I/O or LoRA."""
+    if not knobs.fsdp_cpu_offload or knobs.dp_engine != "fsdp2" or knobs.world_size < 2:
+        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
+    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
+        raise ConfigError("fsdp_cpu_offload", f"modelled with a fused Adam step on the CPU, not {knobs.optimizer} "
+                                              f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
+                                              "optimizer_impl fused")
+    for name, ok, allowed in (("optimizer_offload", knobs.optimizer_offload == "none", "none"),
+                              ("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+                              ("load_mode", knobs.load_mode == "none", "none"),
+                              ("build", knobs.build == "direct", "direct"), ("lora_r", knobs.lora_r == 0, "0"),
+                              ("loop", knobs.loop == "plain", "plain (clipping host gradients is not modelled)")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with fsdp_cpu_offload is not modelled; allowed with "
+                                    f"it: {allowed}")
+
+
 def _lora_fields(knobs) -> None:
     """LoRA knobs (models/lora.py): rank >= 0, alpha > 0, dropout in [0, 1), quantize known; nf4 needs adapters
     (transformers' Trainer refuses to fine-tune a purely quantized model); one device only."""
@@ -422,7 +442,7 @@ def _compile(knobs) -> None:
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _optimizer_state_shapes, _build_field, _passes, _compile)
+                  _optimizer_state_shapes, _build_field, _passes, _compile, _fsdp_cpu_offload)
 
 
 def check_setup(knobs) -> None:
