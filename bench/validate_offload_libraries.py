@@ -177,6 +177,27 @@ def fsdp_table() -> list[str]:
     return lines
 
 
+def zero_table() -> list[str]:
+    """DeepSpeed ZeRO-2 with and without ZeRO-Offload, simulated (rank 0)."""
+    lines = ["| llama-3-8b, bf16-mixed, AdamW, DeepSpeed ZeRO-2 x 8 H100-80GB, seq 8192, full ckpt (simulated, rank 0) "
+             "| "
+             "device peak | host peak | of it pinned | steady step time |", "|---|---:|---:|---:|---:|"]
+    gib = 2**30
+    for label, extra in (("ZeRO-2", {}), ("ZeRO-2, offload_optimizer: {device: cpu, pin_memory: true}",
+                                          dict(zero_offload_optimizer="cpu"))):
+        scenario = build_scenario({"preset": "llama-3-8b"}, dict(GPU_BASE, precision="bf16-mixed", zero_stage=2,
+                                                                 world_size=8, **extra), {"device": "H100-80GB"})
+        graph = op_graph(scenario)
+        report = run(scenario, graph=graph)
+        ends = step_ends(report.log)[0]
+        pinned = sum(b.nbytes for op in graph.ops_in_order() for b in op.allocs if b.rank == 0
+                     and b.pool is Pool.HOST and b.category is not Category.OPTIMIZER_STATE)
+        lines.append(f"| {label} | {report.peaks.overall.bytes / gib:.2f} GiB | "
+                     f"{report.host.overall.bytes / gib if report.host else 0:.2f} GiB | {pinned / gib:.2f} GiB | "
+                     f"{ends[3] - ends[2]:.2f} s |")
+    return lines
+
+
 def render(rows: list[dict], seconds: float) -> str:
     n = len(rows)
     count = {k: sum(r[k] for r in rows) for k in ("optimizer_exact", "host_exact", "other_same", "objects_exact")}
@@ -241,8 +262,22 @@ def render(rows: list[dict], seconds: float) -> str:
         "tests/test_offload_libraries.py holds the simulation to the source's formulas (host bytes per rank, "
         "the copies' dtypes, sizes and count).", "",
         *fsdp_table(), "",
-        "- Left for later: DeepSpeed ZeRO-Offload (`offload_optimizer: cpu`), which the setup's checks still refuse "
-        "by name.",
+        "DeepSpeed ZeRO-Offload (`--zero-offload-optimizer cpu`, zero_optimization.offload_optimizer.device cpu, "
+        "pin_memory true; deepspeed 0.19.8 runtime/zero/stage_1_and_2.py `cpu_offload`; models/parallel/"
+        "deepspeed.py), stage 2, simulated only (DeepSpeed needs CUDA here): at init the fp32 partition cloned to "
+        "pinned host memory with a pinned bit16 buffer of its size, `temp_grad_buffer_for_cpu_offload` (host, "
+        "pinned) and `temp_grad_buffer_for_gpu_offload` (device) of the largest parameter, and the fp32 partition's "
+        "`.grad` (pinned, `initialize_optimizer_states`); no fp32 master or gradient partition on the device; after "
+        "each ipg bucket's reduce, this rank's share cast to fp32 on the device and copied into the host gradient "
+        "partition (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`); DeepSpeedCPUAdam's exp_avg / exp_avg_sq "
+        "(fp32) made on the host at the first step, the step on the CPU (cost model's CPU bandwidth, assumed), the "
+        "partition copied back through the bit16 buffer, then the all-gather of the parameters. Assumed: DeepSpeed's "
+        "default grad_accum_dtype (no compact fp32 partition buffer on the device); gradient accumulation refused.",
+        "",
+        *zero_table(), "",
+        "- Left for later: ZeRO-Offload under stage 1 and 3 (`offload_param`), NVMe, gradient accumulation through "
+        "the host buffers; FSDP2's offload with one rank; `time_per_step_s` (the last memory event) for runs whose "
+        "last step ends without one.",
         ""])
 
 

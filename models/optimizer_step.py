@@ -104,7 +104,7 @@ def create_states(
     s = builder.setup
     shard = builder.engine.state_shard()
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
-    home = builder.engine.param_pool()  # the host, where the engine keeps the parameters there (FSDP2's offload)
+    home = builder.engine.state_pool()  # the host where the engine steps there (FSDP2's offload, ZeRO-Offload)
     if home is Pool.HOST:
         step_state_pool = Pool.HOST
     states = []
@@ -113,6 +113,8 @@ def create_states(
             s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state, t.shape
         ):
             sharded = state is not OptimizerState.STEP
+            if not sharded and home is Pool.HOST and not builder.engine.host_step_scalar:
+                continue
             states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
                                   Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,

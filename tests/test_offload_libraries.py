@@ -247,3 +247,57 @@ def test_a_real_cpu_run_of_fsdp_cpu_offload_is_refused():
     with pytest.raises(ConfigError) as e:
         validation.validate_ranks(sc, backend="fake")
     assert e.value.field == "fsdp_cpu_offload"
+
+
+# DeepSpeed ZeRO-Offload (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py, `cpu_offload`, pin_memory true)
+
+def zero_graph(**extra):
+    sc = build_scenario({"preset": "llama-3-8b"}, dict(precision="bf16-mixed", seq_len=1024, micro_batch=1, steps=1,
+                                                       optimizer="adamw", optimizer_impl="fused", zero_stage=2,
+                                                       world_size=8, **extra), {"device": "H100-80GB"})
+    return sc, op_graph(sc)
+
+
+def test_zero_offload_host_buffers_follow_deepspeeds_init():
+    """stage_1_and_2.py under cpu_offload, per rank of 8 (partition = 8,030,261,248 / 8 elements): the fp32
+    partition and its fp32 `.grad` (pinned), the pinned bit16 buffer of the partition's size, and
+    `temp_grad_buffer_for_cpu_offload` of the largest parameter (the 128256 x 4096 embedding) in bf16 on the host;
+    DeepSpeedCPUAdam's exp_avg and exp_avg_sq, fp32, on the host (its `step` is a Python int). On the device:
+    `temp_grad_buffer_for_gpu_offload` (the same size), and no fp32 master, gradient partition or state."""
+    sc, graph = zero_graph(zero_offload_optimizer="cpu")
+    partition, largest = LLAMA_8B // 8, 128256 * 4096
+    blocks = [b for op in graph.ops_in_order() for b in op.allocs if b.rank == 0]
+    host = {b.name: b.nbytes for b in blocks if b.pool is Pool.HOST}
+    assert host == {"flat_group0.partition.fp32": 4 * partition, "flat_group0.partition.fp32.grad": 4 * partition,
+                    "flat_group0.partition.bit16_buffer": 2 * partition,
+                    "deepspeed.temp_grad_buffer_for_cpu_offload": 2 * largest,
+                    "flat_group0.partition.exp_avg": 4 * partition, "flat_group0.partition.exp_avg_sq": 4 * partition}
+    device = [b for b in blocks if b.pool is Pool.DEVICE]
+    assert [b.nbytes for b in device if b.name == "deepspeed.temp_grad_buffer_for_gpu_offload"] == [2 * largest]
+    assert not any(b.category in (Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE) for b in device)
+    assert not any(b.name == "deepspeed.grad_partition" for b in device)
+    assert run(sc, graph=graph).host.overall.bytes == sum(host.values())
+
+
+def test_zero_offload_copies_each_buckets_share_of_gradients_to_the_host():
+    """After each bucket's reduce, this rank's ~1/8 of it cast to fp32 and copied to the host: the copies add up to
+    the fp32 gradient partition (the last bucket's share rounded up)."""
+    _, graph = zero_graph(zero_offload_optimizer="cpu")
+    ops = [op for op in graph.ops_in_order() if op.rank == 0]
+    casts = [b for op in ops for b in op.allocs if b.name.startswith("deepspeed.grad_to_fp32.bucket")]
+    reduces = [op for op in ops if op.name.startswith("deepspeed.reduce_scatter.bucket") and op.stream is
+               Stream.COMMUNICATION]
+    assert len(casts) == len(reduces) > 1
+    assert 0 <= sum(b.nbytes for b in casts) - 4 * (LLAMA_8B // 8) < 4 * len(casts)
+
+
+def test_zero_offload_knob_refusals():
+    with pytest.raises(ConfigError) as e:
+        build_scenario({"preset": "tiny"}, dict(zero_stage=1, world_size=2, zero_offload_optimizer="cpu"))
+    assert e.value.field == "zero_offload_optimizer" and "zero_stage 2" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(zero_stage=2, world_size=2, zero_offload_optimizer="cpu")  # foreach
+    assert e.value.field == "zero_offload_optimizer"
+    with pytest.raises(ConfigError) as e:
+        TrainingSetup(zero_stage=2, world_size=2, zero_offload_optimizer="nvme")
+    assert e.value.field == "zero_offload_optimizer"

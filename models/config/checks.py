@@ -105,8 +105,8 @@ def _optimizer_offload_fields(knobs) -> None:
                                                "offload is not modelled; allowed with it: none")
     if knobs.dp_engine == "deepspeed" and (knobs.world_size > 1 or knobs.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
-                                               "the step runs on the CPU), not modelled; allowed with one device, "
-                                               "fsdp2, ddp or zero-redundancy-optimizer")
+                                               "zero_offload_optimizer cpu, stage 2); allowed here: none, or one "
+                                               "device, fsdp2, ddp or zero-redundancy-optimizer")
     if knobs.load_mode != "none":
         raise ConfigError("load_mode", f"{knobs.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
                                        "moved to the host) is not modelled; allowed there: none")
@@ -160,6 +160,28 @@ def _fsdp_cpu_offload(knobs) -> None:
         if not ok:
             raise ConfigError(name, f"{getattr(knobs, name)!r} with fsdp_cpu_offload is not modelled; allowed with "
                                     f"it: {allowed}")
+
+
+def _zero_offload(knobs) -> None:
+    """zero_offload_optimizer cpu (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py `cpu_offload`, models/parallel/
+    deepspeed.py): DeepSpeedCPUAdam (Adam / AdamW, one fused kernel: optimizer_impl fused), stage 2 over plain data
+    parallelism, without another offload, checkpoint I/O or LoRA."""
+    choice_of(knobs, "zero_offload_optimizer", ("none", "cpu"))
+    if knobs.zero_offload_optimizer == "none" or knobs.dp_engine != "deepspeed" or knobs.zero_stage != 2 \
+            or knobs.world_size < 2:
+        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
+    if knobs.optimizer not in ("adam", "adamw") or knobs.optimizer_impl != "fused":
+        raise ConfigError("zero_offload_optimizer", f"ZeRO-Offload steps with DeepSpeedCPUAdam (one fused kernel), "
+                                                    f"not {knobs.optimizer} {knobs.optimizer_impl}; allowed with: "
+                                                    "adam, adamw with optimizer_impl fused")
+    for name, ok, allowed in (("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+                              ("load_mode", knobs.load_mode == "none", "none"), ("lora_r", knobs.lora_r == 0, "0"),
+                              ("grad_accum", knobs.grad_accum == 1, "1 (accumulating in host buffers is not "
+                                                                    "modelled)")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with zero_offload_optimizer cpu is not modelled; "
+                                    f"allowed with it: {allowed}")
 
 
 def _lora_fields(knobs) -> None:
@@ -442,7 +464,7 @@ def _compile(knobs) -> None:
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
-                  _optimizer_state_shapes, _build_field, _passes, _compile, _fsdp_cpu_offload)
+                  _optimizer_state_shapes, _build_field, _passes, _compile, _fsdp_cpu_offload, _zero_offload)
 
 
 def check_setup(knobs) -> None:

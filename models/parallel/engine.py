@@ -326,6 +326,13 @@ class Engine:
         offloads them (FSDP2's CPUOffloadPolicy)."""
         return Pool.DEVICE
 
+    def state_pool(self) -> Pool:
+        """Where the optimizer's states live: with the parameters, unless the engine steps on the host
+        (ZeRO-Offload)."""
+        return self.param_pool()
+
+    host_step_scalar = True  # a host optimizer keeps `step` as a tensor (torch.optim); DeepSpeedCPUAdam: an int
+
     def extra_param_blocks(self) -> list[Block]:
         return []
 
