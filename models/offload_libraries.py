@@ -97,16 +97,11 @@ class TorchaoCpuOffload:
         replay.after_node.append((f"{p}{HOOK}", [], frees))
 
     def _hooks(self, step: int) -> list[tuple[str, int]]:
-        """(parameter, hook op id) of this step's hooks in the order the library's queue keeps them: a parameter
-        whose hook ran again (gradient accumulation) moves to the end."""
+        """(parameter, hook op id) of every hook this step ran, in order (a parameter's hook runs once per
+        micro-batch under gradient accumulation, each time copying its gradient)."""
         ops = self.builder.graph.ops_in_order()[self._seen:]
-        queue: dict[str, int] = {}
-        for op in ops:
-            if op.rank == self.builder.rank and op.step == step and op.name.endswith(HOOK):
-                name = op.name[: -len(HOOK)]
-                queue.pop(name, None)
-                queue[name] = op.id
-        return list(queue.items())
+        return [(op.name[: -len(HOOK)], op.id) for op in ops
+                if op.rank == self.builder.rank and op.step == step and op.name.endswith(HOOK)]
 
     def step(self, step: int, create: bool, create_states, update) -> None:
         """`step()`: the gradients' copies to the host (on the offload stream, each after its hook), the on-device
@@ -115,10 +110,10 @@ class TorchaoCpuOffload:
         copied back; every copy done before the step returns."""
         builder = self.builder
         by_name = {t.name: t for t in self.offloaded}
-        hooks = self._hooks(step)
-        arrived = {}
-        for name, hook_id in hooks:
+        arrived: dict[str, int] = {}  # the library's queue: a parameter whose hook ran again moves to the end
+        for name, hook_id in self._hooks(step):
             nbytes = by_name[name].numel * dtype_bytes(self._dtype(name))
+            arrived.pop(name, None)
             arrived[name] = self._copy(hook_id, f"{name}.cpu_offload.grad_to_host.copy", nbytes, Phase.BACKWARD,
                                        step)
         if self.on_device:
@@ -127,7 +122,7 @@ class TorchaoCpuOffload:
             update(builder, step, self.on_device, "optimizer.cpu_offload.d_opt")
         cpu = device_profile("cpu")
         last = None
-        for name, _ in hooks:
+        for name in arrived:
             t, dt = by_name[name], self._dtype(name)
             new = []
             if create:

@@ -301,3 +301,14 @@ def test_zero_offload_knob_refusals():
     with pytest.raises(ConfigError) as e:
         TrainingSetup(zero_stage=2, world_size=2, zero_offload_optimizer="nvme")
     assert e.value.field == "zero_offload_optimizer"
+
+
+def test_the_hook_copies_each_gradient_once_per_micro_batch():
+    """torchao's hook runs after every accumulation (`register_post_accumulate_grad_hook`), each time copying the
+    gradient to the host; the queue keeps each parameter once, so the host steps are one per offloaded parameter."""
+    sc = scenario("tiny-mlp", grad_accum=2, steps=1)
+    ops = op_graph(sc).ops_in_order()
+    lib = library_step(sc)
+    n_offloaded = len({op.name for op in ops if op.name.endswith(".host_step")})
+    assert len([op for op in ops if op.name.endswith("grad_to_host.copy")]) == 2 * n_offloaded
+    assert n_offloaded == 6 - len(lib["on_device"])  # tiny-mlp: 3 weights, 3 biases (the biases stay)
