@@ -70,6 +70,7 @@ class GraphBuilder:
         self._flop_rate = device.flops.get(setup.precision.compute, device.flops["fp32"]) * device.flops_efficiency
         self._byte_rate = device.bandwidth * device.bandwidth_efficiency
         self._cuda = device.is_cuda
+        self.cpu_offload = None  # torchao's CPUOffloadOptimizer (models/offload_libraries.py), set by the describer
         self.engine = make_engine(self)
         if setup.mesh.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
             self.engine = PipelineEngine(self, self.engine)

@@ -42,6 +42,10 @@ class DeepSpeedKnobs(Section):
                                            "kept at most", hidden=True)
     stage3_param_persistence_threshold: int = knob(100_000, "data-parallel", "deepspeed stage 3: smaller parameters "
                                                    "stay whole", hidden=True)
+    offload_optimizer: str = knob("none", "data-parallel", "deepspeed stage 2: zero_optimization.offload_optimizer "
+                                  "device (ZeRO-Offload: fp32 partition, its gradients and DeepSpeedCPUAdam's states "
+                                  "in pinned host memory, the step on the CPU)", choices=("none", "cpu"),
+                                  name="zero_offload_optimizer")
 
 
 # fsdp2's MixedPrecisionPolicy.reduce_dtype: "grad" = torch's None (the gradients' own dtype, the param_dtype)
@@ -60,6 +64,9 @@ class Fsdp2Knobs(Section):
                                  hidden=True)
     backward_prefetch: int = knob(1, "data-parallel", "fsdp2: likewise in backward (FSDP2's default implicit "
                                   "prefetch is 1)", hidden=True)
+    cpu_offload: bool = knob(False, "data-parallel", "fsdp2: CPUOffloadPolicy(pin_memory=True): sharded "
+                             "parameters, gradients and optimizer states in pinned host memory, the step on the CPU",
+                             cli="on", name="fsdp_cpu_offload")
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,9 +99,13 @@ DP_ENGINES: dict[str, DpEngine] = {e.name: e for e in (
               "allgather_bucket_size": (lambda s: s.zero_stage in (1, 2), "dp_engine deepspeed with zero_stage 1 or 2"),
               "stage3_prefetch_bucket_size": (_stage3, "zero_stage 3"),
               "stage3_max_live_parameters": (_stage3, "zero_stage 3"),
-              "stage3_param_persistence_threshold": (_stage3, "zero_stage 3")}, unchecked=("zero_stage",),
+              "stage3_param_persistence_threshold": (_stage3, "zero_stage 3"),
+              "zero_offload_optimizer": (lambda s: s.zero_stage == 2 and s.world_size > 1,
+                                         "dp_engine deepspeed with zero_stage 2 on > 1 rank")},
+             unchecked=("zero_stage",),
              aliases=("zero", "zero1", "zero2", "zero3", "ds")),
     DpEngine("fsdp2", "torch fully_shard per block, then the root", Fsdp2Knobs,
+             {"fsdp_cpu_offload": (lambda s: s.world_size > 1, "dp_engine fsdp2 on > 1 rank")},
              aliases=("fsdp", "fsdp1", "fully_shard", "fully-sharded-data-parallel")),
     DpEngine("ddp", "torch DistributedDataParallel: replicas, gradient buckets all-reduced", DdpKnobs,
              aliases=("distributed-data-parallel",)),

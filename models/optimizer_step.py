@@ -11,6 +11,7 @@ from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from .builder import GraphBuilder
 from .config import dtype_bytes
 from .offload import OffloadedStates
+from .offload_libraries import TorchaoCpuOffload
 from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
 from .replay import GradState
@@ -45,11 +46,15 @@ def clip_grad_norm(builder: GraphBuilder, step: int) -> None:
 
 
 def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_loaded: bool = False,
-                    offload: OffloadedStates | None = None) -> None:
+                    offload: OffloadedStates | TorchaoCpuOffload | None = None) -> None:
     """torch.optim's step over the tensors this rank's optimizer owns (states created at step 1, unless
     they were loaded from a checkpoint), inside the optimizer-state offload when there is one."""
     tensors = builder.engine.optim_tensors()
     create = step == 1 and not states_loaded
+    if isinstance(offload, TorchaoCpuOffload):
+        offload.step(step, create, create_states, _update)
+        builder.engine.after_step(step)
+        return
     chunked_first = create and offload is not None and builder.setup.offload.first_step == "chunked"
     groups = builder.engine.optim_groups() if offload is None else [tensors]
     if create and not chunked_first:
@@ -99,16 +104,21 @@ def create_states(
     s = builder.setup
     shard = builder.engine.state_shard()
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
+    home = builder.engine.state_pool()  # the host where the engine steps there (FSDP2's offload, ZeRO-Offload)
+    if home is Pool.HOST:
+        step_state_pool = Pool.HOST
     states = []
     for t in tensors:
         for state, shape, dtype in state_specs(
             s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state, t.shape
         ):
             sharded = state is not OptimizerState.STEP
+            if not sharded and home is Pool.HOST and not builder.engine.host_step_scalar:
+                continue
             states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
                                   Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
-                                  pool=step_state_pool if not sharded else Pool.DEVICE))
+                                  pool=step_state_pool if not sharded else home))
     if s.optimizer.name == "adam-8bit":
         states.append(builder.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
                               state=OptimizerState.QUANT_STATE))

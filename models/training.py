@@ -46,6 +46,7 @@ from .devices import DeviceProfile, device_profile
 from .families import family_of
 from .moe import active_params
 from .offload import OffloadedStates
+from .offload_libraries import TorchaoCpuOffload
 from .optimizer_step import InBackward, clip_grad_norm, create_states, optimizer_step
 from .optimizers import OPTIMIZERS
 from .parallel.checks import check_model_parallel
@@ -362,7 +363,12 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
     grads = GradState(persistent=setup.precision.fp32_grads)
     builder.engine.load(grads)
     states_loaded = load_checkpoint(builder)
-    offload = OffloadedStates(builder, builder.engine.optim_tensors()) if setup.offload.mode != "none" else None
+    offload = None
+    if setup.offload.mode == "cpu":  # torchao's CPUOffloadOptimizer (models/offload_libraries.py)
+        offload = builder.cpu_offload = TorchaoCpuOffload(builder, builder.engine.optim_tensors())
+        offload.load()
+    elif setup.offload.mode != "none":
+        offload = OffloadedStates(builder, builder.engine.optim_tensors())
     if not OPTIMIZERS[setup.optimizer.name].lazy and not states_loaded:  # made by the optimizer's constructor (Adagrad)
         for k, group in enumerate(builder.engine.optim_groups()):
             create_states(builder, 0, group, "optimizer.__init__" + (f".group{k}" if k else ""), Phase.LOAD)

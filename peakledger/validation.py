@@ -83,6 +83,10 @@ def validate_ranks(scenario: Scenario, backend: str = "gloo"):
     if setup.offload.mode != "none" and setup.data_parallel.engine == "zero-redundancy-optimizer":
         raise ConfigError("optimizer_offload", "real runs wrap FSDP2's and DDP's optimizers in the offload, not "
                                                "ZeroRedundancyOptimizer's local one; allowed there: none")
+    if setup.data_parallel.fsdp2.cpu_offload:
+        raise ConfigError("fsdp_cpu_offload", "a CPU run cannot show CPUOffloadPolicy: there its copies to and from "
+                                              "the device are the tensors themselves (`.to(cpu)` of a CPU tensor); "
+                                              "simulated only; allowed in real runs: off")
     if setup.data_parallel.engine not in DISTRIBUTED_ENGINES:
         raise ConfigError("dp_engine", f"real multi-process runs use torch's engines: {', '.join(DISTRIBUTED_ENGINES)}"
                                        " (DeepSpeed needs CUDA)")

@@ -9,7 +9,7 @@ from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from ..dp_engines import ENGINE_ALIASES, REDUCE_DTYPES
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
-from ..precision import PRECISION_ALIASES, PRECISIONS
+from ..precision import PRECISION_ALIASES, PRECISION_TABLE, PRECISIONS
 from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
@@ -31,7 +31,8 @@ LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # che
 # "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
 # where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
 BUILDS = ("direct", "device-fp32")
-OPTIMIZER_OFFLOADS = ("none", "states", "chunked")  # models/optimizers.py
+# models/optimizers.py; "cpu": torchao's CPUOffloadOptimizer, models/offload_libraries.py
+OPTIMIZER_OFFLOADS = ("none", "states", "chunked", "cpu")
 OFFLOAD_FIRST_STEPS = ("whole", "chunked")
 # pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
 # ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
@@ -89,6 +90,8 @@ def _optimizer_offload_fields(knobs) -> None:
                                                 f"\"chunked\", not {mode!r}")
     if mode == "none":
         return
+    if mode == "cpu":
+        _torchao_cpu_offload_fields(knobs)
     if knobs.optimizer == "sgd":
         raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
                                                "sgd-momentum, adam, adamw, amsgrad")
@@ -104,8 +107,8 @@ def _optimizer_offload_fields(knobs) -> None:
                                                "offload is not modelled; allowed with it: none")
     if knobs.dp_engine == "deepspeed" and (knobs.world_size > 1 or knobs.zero_stage):
         raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
-                                               "the step runs on the CPU), not modelled; allowed with one device, "
-                                               "fsdp2, ddp or zero-redundancy-optimizer")
+                                               "zero_offload_optimizer cpu, stage 2); allowed here: none, or one "
+                                               "device, fsdp2, ddp or zero-redundancy-optimizer")
     if knobs.load_mode != "none":
         raise ConfigError("load_mode", f"{knobs.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
                                        "moved to the host) is not modelled; allowed there: none")
@@ -115,6 +118,72 @@ def _optimizer_offload_fields(knobs) -> None:
                                        "async")
 
 
+
+
+def _torchao_cpu_offload_fields(knobs) -> None:
+    """optimizer_offload "cpu" (torchao 0.18.0 torchao/optim/cpu_offload.py `CPUOffloadOptimizer`, models/
+    offload_libraries.py): "for single-GPU training"; its default optimizer, AdamW with fused=True, or Adam /
+    AMSGrad fused, over the parameters themselves (no master copy); offload_gradients "not compatible with
+    gradient accumulation"."""
+    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
+        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) is modelled with its default, a "
+                                               f"fused Adam step on the host, not {knobs.optimizer} "
+                                               f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
+                                               "optimizer_impl fused")
+    if knobs.world_size != 1 or knobs.dp_engine == "fsdp2" or knobs.zero_stage:
+        raise ConfigError("optimizer_offload", "'cpu' (torchao CPUOffloadOptimizer) is for single-GPU training "
+                                               "over plain parameters; allowed with: world_size 1, no fsdp2, "
+                                               "zero_stage 0")
+    if PRECISION_TABLE[knobs.precision].mixed:
+        allowed = ", ".join(p.name for p in PRECISION_TABLE.values() if not p.mixed)
+        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) steps the parameters' own "
+                                               f"host copies; precision {knobs.precision!r} keeps a master copy, "
+                                               f"not modelled; allowed with: {allowed}")
+    if knobs.offload_gradients and knobs.grad_accum > 1:
+        raise ConfigError("offload_gradients", "torchao: offload_gradients is not compatible with gradient "
+                                               "accumulation; allowed with: grad_accum 1")
+
+
+def _fsdp_cpu_offload(knobs) -> None:
+    """fsdp_cpu_offload (torch 2.13 fully_shard's CPUOffloadPolicy, models/parallel/fsdp.py): modelled with a fused
+    Adam step on the host, over plain data parallelism, without another offload, checkpoint I/O or LoRA."""
+    if not knobs.fsdp_cpu_offload or knobs.dp_engine != "fsdp2" or knobs.world_size < 2:
+        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
+    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
+        raise ConfigError("fsdp_cpu_offload", f"modelled with a fused Adam step on the CPU, not {knobs.optimizer} "
+                                              f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
+                                              "optimizer_impl fused")
+    for name, ok, allowed in (("optimizer_offload", knobs.optimizer_offload == "none", "none"),
+                              ("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+                              ("load_mode", knobs.load_mode == "none", "none"),
+                              ("build", knobs.build == "direct", "direct"), ("lora_r", knobs.lora_r == 0, "0"),
+                              ("loop", knobs.loop == "plain", "plain (clipping host gradients is not modelled)")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with fsdp_cpu_offload is not modelled; allowed with "
+                                    f"it: {allowed}")
+
+
+def _zero_offload(knobs) -> None:
+    """zero_offload_optimizer cpu (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py `cpu_offload`, models/parallel/
+    deepspeed.py): DeepSpeedCPUAdam (Adam / AdamW, one fused kernel: optimizer_impl fused), stage 2 over plain data
+    parallelism, without another offload, checkpoint I/O or LoRA."""
+    choice_of(knobs, "zero_offload_optimizer", ("none", "cpu"))
+    if knobs.zero_offload_optimizer == "none" or knobs.dp_engine != "deepspeed" or knobs.zero_stage != 2 \
+            or knobs.world_size < 2:
+        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
+    if knobs.optimizer not in ("adam", "adamw") or knobs.optimizer_impl != "fused":
+        raise ConfigError("zero_offload_optimizer", f"ZeRO-Offload steps with DeepSpeedCPUAdam (one fused kernel), "
+                                                    f"not {knobs.optimizer} {knobs.optimizer_impl}; allowed with: "
+                                                    "adam, adamw with optimizer_impl fused")
+    for name, ok, allowed in (("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
+                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
+                              ("load_mode", knobs.load_mode == "none", "none"), ("lora_r", knobs.lora_r == 0, "0"),
+                              ("grad_accum", knobs.grad_accum == 1, "1 (accumulating in host buffers is not "
+                                                                    "modelled)")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with zero_offload_optimizer cpu is not modelled; "
+                                    f"allowed with it: {allowed}")
 
 
 def _lora_fields(knobs) -> None:
@@ -265,6 +334,7 @@ KNOB_APPLIES = {
     "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
     "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
     "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
+    "offload_gradients": (lambda s: s.optimizer_offload == "cpu", "optimizer_offload cpu"),
     "lora_alpha": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
     "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
@@ -462,7 +532,7 @@ def _float8(knobs) -> None:
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
-                  _optimizer_in_backward, _chunked_loss)
+                  _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload)
 
 
 def check_setup(knobs) -> None:

@@ -153,6 +153,8 @@ class Offload(Section):
                          name="offload_prefetch")
     first_step: str = knob("whole", "offload", "chunked: step 1 as one torch step, or chunk by chunk",
                            choices=OFFLOAD_FIRST_STEPS, name="offload_first_step")
+    gradients: bool = knob(False, "offload", "optimizer_offload cpu: torchao's offload_gradients, each device "
+                           "gradient freed once copied to the host in backward", cli="on", name="offload_gradients")
 
 
 @dataclass(frozen=True, eq=False)

@@ -3,8 +3,9 @@ ipg bucket (1, 2), and partitioned parameters gathered per module with prefetch 
 
 from __future__ import annotations
 
-from ...simulator.events import Block, Category, Phase, Stream
+from ...simulator.events import Block, Category, Phase, Pool, Stream
 from ..config import dtype_bytes
+from ..devices import device_profile
 from .engine import Engine
 from .gathering import Gathering
 from .layout import OptimTensor, ceil_div, flat_partition, sub_groups
@@ -83,12 +84,15 @@ class IpgBucket:
             return
         e = self.engine
         allocs = []
-        if self.partition is None and self.lazy:
+        offload = getattr(e, "zero_offload", False)  # ZeRO-Offload: the partition's gradients go to the host
+        if self.partition is None and self.lazy and not offload:
             self.partition = self.partition_block()
             allocs.append(self.partition)
-        e.collective(f"deepspeed.reduce_scatter.bucket{self.reduced}", "reduce_scatter",
-                     self.filled * dtype_bytes(e.grad_dtype), Phase.BACKWARD, step, mb, allocs=allocs,
-                     after=(e.builder.last(Stream.COMPUTE),))
+        op = e.collective(f"deepspeed.reduce_scatter.bucket{self.reduced}", "reduce_scatter",
+                          self.filled * dtype_bytes(e.grad_dtype), Phase.BACKWARD, step, mb, allocs=allocs,
+                          after=(e.builder.last(Stream.COMPUTE),))
+        if offload:
+            e.grads_to_host(self.reduced, self.filled, op.id, step, mb)
         self.reduced += 1
         self.filled = 0
 
@@ -103,12 +107,58 @@ class DeepSpeedZero12(Engine):
         self.total = sum(p.numel for p in self.trainable)
         self.padded, self.partition = flat_partition(self.total, self.n)
         self.ipg = IpgBucket(self, self.partition, lazy_partition=True)
+        ds = self.setup.data_parallel.deepspeed
+        self.zero_offload = ds.offload_optimizer == "cpu" and ds.zero_stage == 2 and self.n > 1
+        self.host_step_scalar = not self.zero_offload  # DeepSpeedCPUAdam counts steps in a Python int
+
+    # ZeRO-Offload (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py, `cpu_offload`, pin_memory true) -----------------
+    def state_pool(self) -> Pool:
+        return Pool.HOST if self.zero_offload else Pool.DEVICE
+
+    def after_load(self) -> None:
+        """`__init__` under cpu_offload: the fp32 partition cloned to the host and pinned
+        (`single_partition_of_fp32_groups`), a pinned bit16 buffer of the partition's size
+        (`param_buffer_of_bit16_for_cpu_offload_groups`), `temp_grad_buffer_for_cpu_offload` (pinned) and
+        `temp_grad_buffer_for_gpu_offload` (on the device), each of the largest parameter's size in the training
+        dtype; `initialize_optimizer_states`: the fp32 partition's `.grad`, zeros, pinned."""
+        if not self.zero_offload:
+            return
+        builder, dt = self.builder, self.setup.precision.param
+        largest = max(p.numel for p in self.trainable)
+        host = [builder.block("flat_group0.partition.fp32", self.partition * 4, Category.MASTER_PARAMETER, "fp32",
+                              (self.partition,), shard=self.n, pool=Pool.HOST),
+                builder.block("flat_group0.partition.bit16_buffer", self.partition * dtype_bytes(dt),
+                              Category.TEMPORARY, dt, (self.partition,), shard=self.n, pool=Pool.HOST),
+                builder.block("deepspeed.temp_grad_buffer_for_cpu_offload", largest * dtype_bytes(dt),
+                              Category.TEMPORARY, dt, (largest,), pool=Pool.HOST),
+                builder.block("deepspeed.temp_grad_buffer_for_gpu_offload", largest * dtype_bytes(dt),
+                              Category.TEMPORARY, dt, (largest,)),
+                builder.block("flat_group0.partition.fp32.grad", self.partition * 4, Category.GRADIENT, "fp32",
+                              (self.partition,), shard=self.n, pool=Pool.HOST)]
+        builder.op("deepspeed.cpu_offload.__init__", Phase.LOAD, 0, -1, host, [],
+                   duration=self.partition * 4 / builder.device.host_link)
+
+    def grads_to_host(self, k: int, filled: int, reduce: int, step: int, mb: int) -> None:
+        """After a bucket's reduce: each of this rank's gradients in it (about 1/N of the bucket) cast to fp32 on
+        the device where it is 16-bit (`src_tensor.to(master_weights_and_grads_dtype)`, dropped once copied) and
+        copied into the pinned fp32 gradient partition (`async_inplace_copy_grad_to_fp32_buffer_from_gpu`)."""
+        builder = self.builder
+        mine = ceil_div(filled, self.n)
+        allocs = []
+        if self.grad_dtype != "fp32":
+            allocs = [builder.block(f"deepspeed.grad_to_fp32.bucket{k}", mine * 4, Category.TEMPORARY, "fp32",
+                                    (mine,))]
+        issue = builder.op(f"deepspeed.grads_to_host.bucket{k}", Phase.BACKWARD, step, mb, allocs,
+                           [x.id for x in allocs], bytes_moved=sum(x.nbytes for x in allocs), after=(reduce,))
+        builder.op(f"deepspeed.grads_to_host.bucket{k}.copy", Phase.BACKWARD, step, mb, [], [], stream=Stream.HOST,
+                   duration=mine * 4 / builder.device.host_link, after=(issue.id,))
 
     def optim_tensors(self) -> list[OptimTensor]:
         return [OptimTensor("flat_group0.partition", self.partition, (self.partition,))]
 
     def master_dtype(self) -> str | None:
-        return "fp32"  # DeepSpeed keeps an fp32 copy of the rank's partition even in fp32 training
+        # DeepSpeed keeps an fp32 copy of the rank's partition even in fp32 training (on the host under offload)
+        return None if self.zero_offload else "fp32"
 
     def state_shard(self) -> int:
         return self.n
@@ -136,6 +186,11 @@ class DeepSpeedZero12(Engine):
 
     def before_step(self, step: int, grads) -> list[Block]:
         builder = self.builder
+        if self.zero_offload:  # the fp32 gradients are on the host already; DeepSpeedCPUAdam steps there
+            builder.op("deepspeed.cpu_adam.step", Phase.OPTIMIZER, step, -1, [], [],
+                       duration=7 * self.partition * 4 / device_profile("cpu").bandwidth,
+                       after=(builder.last(Stream.HOST),) if builder.last(Stream.HOST) is not None else ())
+            return []
         if (
             self.setup.data_parallel.deepspeed.zero_stage == 1
         ):  # full gradients reduced now, through one bucket at a time
@@ -158,6 +213,12 @@ class DeepSpeedZero12(Engine):
 
     def after_step(self, step: int) -> None:
         size = dtype_bytes(self.setup.precision.param)
+        if self.zero_offload:  # fp32 partition -> the pinned bit16 buffer (host), then to the device partition
+            copy = self.builder.op("deepspeed.cpu_offload.params_to_device", Phase.OPTIMIZER, step, -1, [], [],
+                                   stream=Stream.HOST, duration=self.partition * size / self.builder.device.host_link,
+                                   after=(self.builder.last(Stream.COMPUTE),))
+            self.builder.op("deepspeed.cpu_offload.params_to_device.wait", Phase.OPTIMIZER, step, -1, [], [],
+                            duration=0.0, after=(copy.id,))
         left, k = self.padded, 0
         while left > 0:
             n = min(left, self.setup.data_parallel.deepspeed.allgather_bucket_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from ...simulator.events import Block, Category, Phase, Stream
+from ...simulator.events import Block, Category, Phase, Pool, Stream
 from ..config import ConfigError, dtype_bytes
 from .layout import OptimTensor, own_dtype
 
@@ -238,7 +238,8 @@ class Engine:
         for p in builder.tape.params:
             numel, shard = self.param_numel(p.name)
             dt = own_dtype(builder.tape, p.name) or self.param_storage_dtype()
-            params.append(builder.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard))
+            params.append(builder.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard,
+                                        pool=self.param_pool()))
         params += self.extra_param_blocks()
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
         buffers = []
@@ -319,6 +320,18 @@ class Engine:
 
     def param_storage_dtype(self) -> str:
         return self.setup.precision.param
+
+    def param_pool(self) -> Pool:
+        """Where the rank's stored parameters (and so its optimizer states) live: the device, unless the engine
+        offloads them (FSDP2's CPUOffloadPolicy)."""
+        return Pool.DEVICE
+
+    def state_pool(self) -> Pool:
+        """Where the optimizer's states live: with the parameters, unless the engine steps on the host
+        (ZeRO-Offload)."""
+        return self.param_pool()
+
+    host_step_scalar = True  # a host optimizer keeps `step` as a tensor (torch.optim); DeepSpeedCPUAdam: an int
 
     def extra_param_blocks(self) -> list[Block]:
         return []

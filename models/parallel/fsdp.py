@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ...simulator.events import Block, Category, Phase, Stream
+from ...simulator.events import Block, Category, Phase, Pool, Stream
 from ..config import dtype_bytes
+from ..devices import device_profile
 from ..replay.plan import backward_order
 from .engine import DeviceBuild
 from .gathering import Gathering
@@ -61,6 +62,9 @@ class FSDP2(Gathering):
         self.sync_grads = True  # False between a pipeline's micro-batches (models/parallel/pipeline.py)
         self.outside: set[int] = set()  # ops the module does not run (a pipeline's loss: the schedule's loss_fn)
         self.module_last = len(self.op_unit) - 1  # the module's last op: the root's post-forward follows it
+        # CPUOffloadPolicy(pin_memory=True), on > 1 rank (one rank: refused by the setup's knob rules)
+        self.offload = self.setup.data_parallel.fsdp2.cpu_offload and self.n > 1
+        self.host_grads: dict[str, list[Block]] = {}  # offload: unit -> its parameters' sharded gradients, on the host
 
     def run_outside(self, ops: set[int]) -> None:
         """Ops `ops` run outside the FSDP module (no hook fires for them)."""
@@ -76,6 +80,11 @@ class FSDP2(Gathering):
 
     def master_dtype(self) -> str | None:
         return None  # the fp32 sharded parameters are the master weights under mixed precision
+
+    def param_pool(self) -> Pool:
+        """CPUOffloadPolicy: `_init_sharded_param` moves each padded shard to the CPU and pins it (_fsdp_param.py:
+        `padded_sharded_param.cpu()`, then `.pin_memory()`); the optimizer's states follow its parameters."""
+        return Pool.HOST if self.offload else Pool.DEVICE
 
     def state_shard(self) -> int:
         return self.n
@@ -136,6 +145,8 @@ class FSDP2(Gathering):
 
     # unshard / reshard -----------------------------------------------------------------------------------
     def gather(self, group: str, phase: Phase, step: int, mb: int) -> None:
+        if self.n > 1 and self.offload:
+            return self.gather_offloaded(group, phase, step, mb)
         if self.n > 1:
             return super().gather(group, phase, step, mb)
         # one rank: `unshard` issues no all-gather (_fsdp_param_group.py: `if world_size == 1`); the copies
@@ -189,6 +200,39 @@ class FSDP2(Gathering):
             after=(gather_op,),
         )
         self.live[unit] = blocks
+
+    def gather_offloaded(self, group: str, phase: Phase, step: int, mb: int) -> None:
+        """CPUOffloadPolicy's all-gather (torch 2.13 _fsdp_collectives.py `_get_param_all_gather_inputs`: no
+        foreach fast path under offload; _fsdp_param.py `all_gather_inputs`): each parameter's host shard copied to
+        the device (`.to(self.device, non_blocking=True)`, on the host link), cast to the param_dtype where it
+        differs (the copy then dropped), the all-gather output allocated and the inputs copied in, the inputs
+        dropped once the all-gather is issued."""
+        if group in self.live or group in self.in_flight or not self.group_params(group):
+            return
+        builder, gd = self.builder, self.gather_dtype
+        inputs, copies = [], []
+        for p in self.group_params(group):
+            numel = self.padded_full(p.name) // self.n
+            sdt = own_dtype(builder.tape, p.name) or self.param_storage_dtype()
+            copy = builder.block(f"{p.name}.all_gather_input.to_device", numel * dtype_bytes(sdt), Category.TEMPORARY,
+                                 sdt, (numel,))
+            keep = copy if sdt == gd else builder.block(f"{p.name}.all_gather_input", numel * dtype_bytes(gd),
+                                                        Category.TEMPORARY, gd, (numel,))
+            issue = builder.op(f"fsdp.all_gather_input.to_device.{p.name}", phase, step, mb,
+                               [copy] if keep is copy else [copy, keep], [] if keep is copy else [copy.id],
+                               duration=0.0)
+            copies.append(builder.op(f"fsdp.all_gather_input.to_device.{p.name}.copy", phase, step, mb, [], [],
+                                     stream=Stream.HOST, duration=copy.nbytes / builder.device.host_link,
+                                     after=(issue.id,)).id)
+            inputs.append(keep)
+        numel = sum(self.padded_full(p.name) for p in self.group_params(group))
+        buf = builder.block(f"{group}.all_gather_output", numel * dtype_bytes(gd), Category.ALL_GATHER_BUFFER, gd,
+                            (numel,))
+        op = self.collective(f"{self.prefix}.all_gather.{group}", "all_gather", numel * dtype_bytes(gd), phase, step,
+                             mb, allocs=[buf], after=(copies[-1],))
+        builder.op(f"fsdp.all_gather_inputs.free.{group}", phase, step, mb, [], [x.id for x in inputs], duration=0.0)
+        self.in_flight[group] = op.id
+        self.buffers[group] = buf
 
     def prefetch_backward(self, unit: str | None, step: int, mb: int) -> None:
         """Issue the all-gathers of the next `backward_prefetch` units in backward order after `unit`."""
@@ -300,15 +344,19 @@ class FSDP2(Gathering):
                               (shard,), shard=self.n)
             allocs, out_frees = [reduced], [reduced.id]
         name = f"{unit}.reduce_scatter_output" + (f".{grad_dt}" if dt != grad_dt else "")
-        out = builder.block(f"{unit}.sharded_grads" if first else name,
-                      shard * dtype_bytes(grad_dt), Category.GRADIENT if first else Category.TEMPORARY, grad_dt,
-                      (shard,), shard=self.n)
+        if self.offload:
+            first = unit not in self.host_grads
+        out = builder.block(f"{unit}.sharded_grads" if first and not self.offload else name,
+                      shard * dtype_bytes(grad_dt), Category.GRADIENT if first and not self.offload
+                      else Category.TEMPORARY, grad_dt, (shard,), shard=self.n)
         allocs.append(out)
-        if first:
+        if self.offload:
+            pass  # copied to the host below, then dropped
+        elif first:
             self.sharded_grads[unit] = out
         else:
             out_frees.append(out.id)
-        self.collective(
+        reduce = self.collective(
             f"fsdp.reduce_scatter.{unit}",
             "reduce_scatter",
             rs_input.nbytes,
@@ -320,6 +368,30 @@ class FSDP2(Gathering):
             after=(builder.last(Stream.COMPUTE),),
             pool=Stream.COMMUNICATION,
         )
+        if self.offload:
+            self.grads_to_host(unit, out, reduce.id, first, step, mb)
+
+    def grads_to_host(self, unit: str, out: Block, reduce: int, first: bool, step: int, mb: int) -> None:
+        """CPUOffloadPolicy (_fsdp_collectives.py `foreach_reduce`): each parameter's view of the reduce-scatter
+        output copied to the host, `.to("cpu", non_blocking=pin_memory and not accumulating)`: a pinned host
+        gradient the first time, a pageable one summed into it and dropped in later micro-batches; the device
+        output dropped once copied ("we can free it here by not keeping a ref")."""
+        builder = self.builder
+        grads = []
+        for p in self.group_params(unit):
+            numel = self.padded_full(p.name) // self.n
+            grads.append(builder.block(f"{p.name}.grad" if first else f"{p.name}.grad.to_host",
+                                       numel * dtype_bytes(out.dtype), Category.GRADIENT if first else
+                                       Category.TEMPORARY, out.dtype, (numel,), shard=self.n, pool=Pool.HOST))
+        copy = builder.op(f"fsdp.reduce_scatter_output.to_host.{unit}.copy", Phase.BACKWARD, step, mb, [], [],
+                          stream=Stream.HOST, duration=out.nbytes / builder.device.host_link, after=(reduce,))
+        builder.op(f"fsdp.reduce_scatter_output.to_host.{unit}", Phase.BACKWARD, step, mb, grads, [out.id],
+                   duration=0.0, after=(copy.id,))
+        if first:
+            self.host_grads[unit] = grads
+        else:
+            builder.op(f"fsdp.sharded_grad.accumulate.{unit}", Phase.BACKWARD, step, mb, [], [g.id for g in grads],
+                       bytes_moved=3 * sum(g.nbytes for g in grads))
 
     def end_backward(self, step: int, mb: int) -> None:
         for unit in [u for u in self.forward_order if u in self.live]:
@@ -335,8 +407,17 @@ class FSDP2(Gathering):
         if not self.setup.optimizer.set_to_none:
             return []
         frees = [blk.id for blk in self.sharded_grads.values()]
+        frees += [blk.id for blocks in self.host_grads.values() for blk in blocks]
         self.sharded_grads.clear()
+        self.host_grads.clear()
         return frees
 
     def before_step(self, step: int, grads) -> list[Block]:
+        """CPUOffloadPolicy: the optimizer steps the host shards on the CPU (a fused Adam step reads and writes 7
+        shard-sized tensors, at the cost model's CPU memory bandwidth, assumed)."""
+        if self.offload:
+            cpu = device_profile("cpu")
+            nbytes = sum(t.numel for t in self.optim_tensors()) * dtype_bytes(self.param_storage_dtype())
+            self.builder.op("fsdp.cpu_offload.host_step", Phase.OPTIMIZER, step, -1, [], [],
+                            duration=7 * nbytes / cpu.bandwidth)
         return []

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ...simulator.events import Block, Category, Phase
 from .backward_derived import end_batch
 from .checkpoint import end_region, recompute
-from .grads import grads_ready, param_grad
+from .grads import flush_after_node, grads_ready, param_grad
 from .offload import unpack
 from .state import ReplayState
 
@@ -58,6 +58,8 @@ def recorded_backward(state: ReplayState) -> None:
             builder.op(f"{node.name}{suffix}", Phase.BACKWARD, state.step, state.mb, allocs, frees,
                        flops=node.flops if s == 0 else 0, bytes_moved=2 * sum(a.nbytes for a in allocs))
             grads_ready(state)
+            if state.after_node and getattr(builder, "cpu_offload", None) is not None:
+                flush_after_node(state)  # torchao's gradient hooks (models/offload_libraries.py)
         if i is not None:
             engine.after_op(state, i, Phase.BACKWARD)
         if region is not None and region_last[region] == k:

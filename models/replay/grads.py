@@ -35,6 +35,11 @@ def param_grad(state: ReplayState, p: str, allocs: list, frees: list) -> None:
         grads = state.grads
         if grads.in_backward is not None and state.grad_seen.get(p, 1) == state.plan.grad_uses.get(p, 1):
             grads.ready.append(p)  # its last contribution (grad_accum 1): AccumulateGrad runs the hook next
+        offload = getattr(state.builder, "cpu_offload", None)  # torchao's post-accumulate-grad hook, models/
+        if offload is not None:  # offload_libraries.py: once the gradient is whole (a tied weight's last use)
+            uses = state.plan.grad_uses.get(p, 1)
+            if uses == 1 or state.grad_seen.get(p) == uses:
+                offload.grad_hook(state, p)
 
 
 def add_grad(state: ReplayState, name: str, blk: Block, frees: list[int]) -> None:

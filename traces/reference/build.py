@@ -186,6 +186,10 @@ def torch_optimizer(params, setup: TrainingSetup, lr: float = 1e-3):
     """The `optimizer_class` optimizer over `params` (DTensors included); with `setup.offload.mode`
     it comes wrapped in a `StateOffload`."""
     cls, kwargs = optimizer_class(setup)
+    if setup.offload.mode == "cpu":  # torchao's CPUOffloadOptimizer, on the CPU (torchao_offload.py)
+        from .torchao_offload import TorchaoOffload
+
+        return TorchaoOffload(params, setup, cls, kwargs, lr)
     optimizer = cls(params, lr=lr, **kwargs)
     return StateOffload(optimizer, setup) if setup.offload.mode != "none" else optimizer
 
