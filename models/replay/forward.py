@@ -128,8 +128,7 @@ def run_op(state: ReplayState, i: int, op: TapeOp, recomputing: bool, uses: dict
     packed: dict[str, Block] = {}
     streams = offload and state.streams is not None  # torchtune's OffloadActivations (offload_streams.py)
     if streams:
-        kept, packed = offload_streams.pack(state, op, saves, casts, frees)
-        allocs += packed.values()
+        kept, packed, pre, pre_frees, post_frees = offload_streams.pack(state, op, saves, casts)
         saves = kept + tuple(packed)
     elif offload:
         packed = pack(state, op, saves, casts)
@@ -146,13 +145,16 @@ def run_op(state: ReplayState, i: int, op: TapeOp, recomputing: bool, uses: dict
     for o in outputs:
         if o.name not in uses and o.name not in duplicates:
             release(o.name, frees)
+    if streams:  # the saves packed before the kernel, the kernel, the saves of its outputs, then Python's frees
+        allocs, frees, late = offload_streams.split_op(state, op, allocs, frees, casts, workspace, packed, pre,
+                                                       pre_frees, post_frees)
     bytes_moved = sum([a.nbytes for a in allocs]) + plan.input_bytes[i]
     suffix = ".cached" if reused else ".recompute" if recomputing else ""
     builder.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, state.step, state.mb, allocs,
                frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
                recompute=recomputing, gemm=None if skip_outputs else "cublaslt" if plan.lt[i] else "cublas")
-    if packed and streams:
-        offload_streams.offload_copy(state, op, packed)
+    if streams:
+        late()
     elif packed:
         copy_op(state, f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
 

@@ -58,35 +58,41 @@ def streams_of(state: ReplayState) -> StreamsState:
     return state.streams
 
 
-def pack(state: ReplayState, op: TapeOp, saves: tuple[str, ...], casts: list[Block],
-         frees: list[int]) -> tuple[tuple[str, ...], dict[str, Block]]:
+def pack(state: ReplayState, op: TapeOp, saves: tuple[str, ...], casts: list[Block]):
     """The pack hook for each of `op`'s saves in order (its saved activations, a view by its own size, then autocast's
-    weight copies and the parameters it saves): (the saves kept as they are, held as any save; the host copies by
-    key). A stash entry the hook lets go goes with `op` (its id added to `frees`)."""
+    weight copies and the parameters it saves, in autograd's order: `_pack_order`): (the saves kept as they are,
+    held as any save; the host copies by key; the keys packed before the kernel runs (autograd saves an op's
+    inputs before it, its outputs after); the stash entries let go then, and after)."""
     builder, st = state.builder, streams_of(state)
+    outputs = {o.name for o in op.outputs}
+    pre: set[str] = set()
+    pre_frees: list[int] = []
+    post_frees: list[int] = []
+    before = True
     setup = builder.setup.checkpointing
     pool = host_pool(state)
     kept: list[str] = []
     packed: dict[str, Block] = {}
 
-    items = []  # (name, bytes, dtype, shape, the device tensor the stash keeps or None, an nn.Parameter)
+    items, weights = [], []  # (name, bytes, dtype, shape, the device tensor the stash keeps or None, a Parameter)
     for name in saves:
         spec = state.specs[name]
         views = op.inputs.count(name)
         items.append((name, spec.nbytes // views if views > 1 else spec.nbytes, spec.dtype, spec.shape, name, False))
     for p, cast in zip(op.casts, casts):
         if saves_param(state, op, p):
-            items.append((cast.name, cast.nbytes, cast.dtype, cast.shape,
-                          cast.name if cast.name in state.live else None, False))
-    params = []
+            weights.append((cast.name, cast.nbytes, cast.dtype, cast.shape,
+                            cast.name if cast.name in state.live else None, False))
     for p in op.saved_params:
         if p in op.casts or not saves_param(state, op, p):
             continue
         dtype = builder.setup.precision.param
         # a linear saves its weight's transpose (a view: no Parameter); a norm saves the Parameter itself
-        params.append((p, builder.param_numel[p] * dtype_bytes(dtype), dtype, builder.param_shape[p], None,
-                       op.kind != "linear"))
-    for name, nbytes, dtype, shape, device, parameter in _pack_order(op, items, params):
+        weights.append((p, builder.param_numel[p] * dtype_bytes(dtype), dtype, builder.param_shape[p], None,
+                        op.kind != "linear"))
+    for name, nbytes, dtype, shape, device, parameter in _pack_order(op, items, weights):
+        before = before and name not in outputs
+        frees = pre_frees if before else post_frees
         st.ids += 1
         tid = st.ids
         if nbytes < setup.offload_min_bytes or parameter:
@@ -106,18 +112,54 @@ def pack(state: ReplayState, op: TapeOp, saves: tuple[str, ...], casts: list[Blo
         if device is not None:
             state.hold(device)  # the forward stash's reference
         st.fwd_stash.append((tid, device))
-    return tuple(kept), packed
+        if before:
+            pre.add(key)
+    return tuple(kept), packed, pre, pre_frees, post_frees
 
 
-def _pack_order(op: TapeOp, items: list, params: list) -> list:
-    """The order autograd makes an op's SavedVariables, so the pack hook's ids (measured with torch 2.13 on a CPU:
-    bench/validate_activation_offload.py): nn.LayerNorm's node saves its weight, input, bias, then mean and rstd;
-    a bmm / matmul of two activations saves its second operand first; any other its saves, then its parameters."""
-    if op.kind == "layernorm" and params and items:
-        return [params[0], items[0], *params[1:], *items[1:]]
-    if op.kind in ("bmm", "matmul") and len(items) == 2 and not params:
+def split_op(state: ReplayState, op: TapeOp, allocs: list[Block], frees: list[int], casts: list[Block],
+             workspace: list[Block], packed: dict[str, Block], pre: set[str], pre_frees: list[int],
+             post_frees: list[int]):
+    """An offloaded op as it runs: `<op>.pack` (autocast's weight copies, then the host copies of the saves made
+    before the kernel, the stash entries they let go), the kernel (its outputs and workspace: the allocs and frees
+    returned), then `late()` emits `<op>.pack_outputs` (the saves of its outputs, then the forward references that
+    go as the op returns) and the copies on the offload stream."""
+    builder = state.builder
+    cast_ids = {c.id for c in casts}
+    ws = {w.id for w in workspace}
+    first = [a for a in allocs if a.id in cast_ids] + [packed[k] for k in packed if k in pre]
+    if first or pre_frees:
+        builder.op(f"{op.name}.pack", Phase.FORWARD, state.step, state.mb, first, pre_frees)
+    after = [packed[k] for k in packed if k not in pre]
+    rest = post_frees + [f for f in frees if f not in ws]
+
+    def late() -> None:
+        if after or rest:
+            builder.op(f"{op.name}.pack_outputs", Phase.FORWARD, state.step, state.mb, after, rest)
+        if packed:
+            offload_copy(state, op, packed)
+    return [a for a in allocs if a.id not in cast_ids], [f for f in frees if f in ws], late
+
+
+def _pack_order(op: TapeOp, items: list, weights: list) -> list:
+    """The order autograd makes an op's SavedVariables, which is the order of the pack hook's ids (measured with
+    torch 2.13 on a CPU, bench/validate_activation_offload.py): a product saves its second operand first (mul, mm:
+    a linear without bias saves its weight's transpose, then its input; bmm, matmul), addmm its input first (a
+    linear with bias); nn.LayerNorm's node saves weight, input, bias, then mean and rstd; nn.RMSNorm's last mul by
+    the weight saves the weight before the normalised input; SDPA (the CPU flash kernel) saves key, query, value,
+    logsumexp, output. `items`: the tape's saves in order; `weights`: the
+    autocast weight copies, then the saved parameters."""
+    if op.kind == "layernorm" and weights and items:
+        return [weights[0], items[0], *weights[1:], *items[1:]]
+    if op.kind == "rmsnorm" and weights and items:
+        return [*items[:-1], *weights, items[-1]]
+    if op.kind == "linear":
+        return items + weights if len(op.params) > 1 else weights + items
+    if op.kind == "sdpa" and len(items) == 5:  # (q, k, v, out, logsumexp) in the tape
+        return [items[1], items[0], items[2], items[4], items[3]]
+    if op.kind in ("bmm", "matmul", "mul") and len(items) == 2 and not weights:
         return [items[1], items[0]]
-    return items + params
+    return items + weights
 
 
 def offload_copy(state: ReplayState, op: TapeOp, packed: dict[str, Block]) -> None:
