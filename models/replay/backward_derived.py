@@ -19,8 +19,7 @@ from ..config import dtype_bytes
 from ..tape import TapeOp
 from .checkpoint import end_region, recompute
 from .grads import add_grad, flush_after_node, param_grad, sum_into_pinned
-from .offload import unpack_ids
-from .offload_streams import end_backward
+from .offload_streams import end_backward, unpack_ids
 from .state import ReplayState
 
 

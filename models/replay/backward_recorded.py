@@ -16,7 +16,7 @@ from ...simulator.events import Block, Category, Phase
 from .backward_derived import end_batch
 from .checkpoint import end_region, recompute
 from .grads import param_grad
-from .offload import unpack_ids
+from .offload_streams import unpack_ids
 from .state import ReplayState
 
 

@@ -73,16 +73,6 @@ def unpack(state: ReplayState, i: int) -> list[Block]:
     return blocks
 
 
-def unpack_ids(state: ReplayState, i: int) -> list[int]:
-    """What op `i`'s backward node lets go when it is done because of offloading: save_on_cpu's device copies
-    (`unpack`), or under activation_offload "streams" what torchtune's post-node hook lets go
-    (offload_streams.py `unpack`)."""
-    if state.streams is not None:
-        from .offload_streams import unpack as streams_unpack
-        return streams_unpack(state, i)
-    return [b.id for b in unpack(state, i)]
-
-
 def copy_op(state: ReplayState, name: str, phase: Phase, nbytes: int, allocs=()) -> None:
     """A device<->host copy over the host link, on the compute stream (save_on_cpu copies in line)."""
     device = state.builder.device

@@ -35,6 +35,7 @@ from ...simulator.events import Block, Category, Phase, Stream
 from ..config import dtype_bytes
 from ..tape import TapeOp
 from .offload import copy_op, host_pool, saves_param
+from .offload import unpack as save_on_cpu_unpack
 from .state import ReplayState
 
 
@@ -215,6 +216,14 @@ def unpack(state: ReplayState, i: int) -> list[int]:
     after += _let_go(state, st.bwd_stash)
     st.bwd_stash = new_stash
     return after
+
+
+def unpack_ids(state: ReplayState, i: int) -> list[int]:
+    """What op `i`'s backward node lets go when it is done because of offloading: save_on_cpu's device copies
+    (offload.py `unpack`), or under activation_offload "streams" what torchtune's post-node hook lets go (`unpack`)."""
+    if state.streams is not None:
+        return unpack(state, i)
+    return [b.id for b in save_on_cpu_unpack(state, i)]
 
 
 def end_backward(state: ReplayState) -> list[int]:
