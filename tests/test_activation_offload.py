@@ -164,3 +164,13 @@ def test_on_a_gpu_the_host_copies_are_host_rows_and_stashed_tensors_come_back_wi
     per_step = len([e for e in host if e.step == 1])
     reloaded = len([e for e in back if e.step == 1])
     assert 1 <= per_step - reloaded <= 5  # those still in the forward stash are handed back as they are
+
+
+def test_explain_offers_streams_as_a_fix_where_it_is_modelled():
+    from peakledger.fixes import activation_fixes
+    names = lambda sc: [c[0] for c in activation_fixes(sc)]  # noqa: E731
+    plain = build_scenario({"preset": "tiny", "n_layer": 2}, dict(TRAINING), {"device": "H100-80GB"})
+    assert "activation_offload=streams" in names(plain)
+    assert "activation_offload=streams" not in names(scenario("streams", device="H100-80GB"))
+    full = build_scenario({"preset": "tiny", "n_layer": 2}, {**TRAINING, "checkpointing": "full"}, {"device": "cpu"})
+    assert "activation_offload=streams" not in names(full)
