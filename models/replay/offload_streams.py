@@ -47,6 +47,8 @@ class StreamsState:
     fwd_stash: list[tuple[int, str | None]] = field(default_factory=list)  # (id, device tensor; None: a parameter)
     keys: dict[str, int] = field(default_factory=dict)  # offloaded save (its host block's key) -> tensor id
     bwd_stash: list[str | int] = field(default_factory=list)  # GPU: device copies' block ids; CPU: host keys
+    copies: dict[int, int] = field(default_factory=dict)  # tensor id -> the op of its device-to-host copy
+    waits: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))  # copies the pack ops wait for
 
 
 def active(state: ReplayState) -> bool:
@@ -102,7 +104,9 @@ def pack(state: ReplayState, op: TapeOp, saves: tuple[str, ...], casts: list[Blo
                 state.hold(name)
             continue
         while st.fwd_stash and st.fwd_stash[0][0] <= tid - setup.offload_stash:
-            _, gone = st.fwd_stash.pop(0)
+            old, gone = st.fwd_stash.pop(0)
+            if old in st.copies:  # `self.s0.wait_event(ev)`: the compute stream waits for that copy
+                st.waits[0 if before else 1].append(st.copies.pop(old))
             if gone is not None:
                 state.release(gone, frees)
         key = f"{op.name}.saved.{len(kept) + len(packed)}"
@@ -125,20 +129,25 @@ def split_op(state: ReplayState, op: TapeOp, allocs: list[Block], frees: list[in
     before the kernel, the stash entries they let go), the kernel (its outputs and workspace: the allocs and frees
     returned), then `late()` emits `<op>.pack_outputs` (the saves of its outputs, then the forward references that
     go as the op returns) and the copies on the offload stream."""
-    builder = state.builder
+    builder, st = state.builder, state.streams
     cast_ids = {c.id for c in casts}
     ws = {w.id for w in workspace}
     first = [a for a in allocs if a.id in cast_ids] + [packed[k] for k in packed if k in pre]
-    if first or pre_frees:
-        builder.op(f"{op.name}.pack", Phase.FORWARD, state.step, state.mb, first, pre_frees)
+    pre_waits, post_waits = st.waits
+    if first or pre_frees or pre_waits:
+        builder.op(f"{op.name}.pack", Phase.FORWARD, state.step, state.mb, first, pre_frees, after=tuple(pre_waits))
     after = [packed[k] for k in packed if k not in pre]
     rest = post_frees + [f for f in frees if f not in ws]
 
     def late() -> None:
-        if after or rest:
-            builder.op(f"{op.name}.pack_outputs", Phase.FORWARD, state.step, state.mb, after, rest)
+        if after or rest or post_waits:
+            builder.op(f"{op.name}.pack_outputs", Phase.FORWARD, state.step, state.mb, after, rest,
+                       after=tuple(post_waits))
+        st.waits = ([], [])
         if packed:
-            offload_copy(state, op, packed)
+            copy = offload_copy(state, op, packed)
+            for key in packed:
+                st.copies[st.keys[key]] = copy
     return [a for a in allocs if a.id not in cast_ids], [f for f in frees if f in ws], late
 
 
@@ -163,13 +172,13 @@ def _pack_order(op: TapeOp, items: list, weights: list) -> list:
     return items + weights
 
 
-def offload_copy(state: ReplayState, op: TapeOp, packed: dict[str, Block]) -> None:
-    """The forward's device-to-host copies of `op`'s packed saves, on the offload stream after the op."""
+def offload_copy(state: ReplayState, op: TapeOp, packed: dict[str, Block]) -> int:
+    """The forward's device-to-host copies of `op`'s packed saves, on the offload stream after the op (its id)."""
     builder = state.builder
     nbytes = sum(b.nbytes for b in packed.values())
-    builder.op(f"{op.name}.offload", Phase.FORWARD, state.step, state.mb, [], [], bytes_moved=nbytes,
+    return builder.op(f"{op.name}.offload", Phase.FORWARD, state.step, state.mb, [], [], bytes_moved=nbytes,
                stream=Stream.HOST, duration=nbytes / builder.device.host_link + builder.device.launch_latency,
-               after=(builder.last(Stream.COMPUTE),))
+               after=(builder.last(Stream.COMPUTE),)).id
 
 
 def unpack(state: ReplayState, i: int) -> list[int]:
