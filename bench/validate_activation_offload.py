@@ -191,8 +191,9 @@ def section(facts, rows, seconds: float) -> str:
               "compute stream waiting for it where the stash lets its tensor go, and the backward copies on the "
               "compute stream); those are the simulation's GPU-profile rows, not measured here. On gpt2 (micro-batch "
               "8, seq 1024, H100 profile) `peakledger explain` gives streams 4.776 GiB at +473% step time against "
-              "save_on_cpu's +486%: the host link, not the overlap, sets the time. `import torchtune` itself fails beside torchao 0.18.0 (torchtune 0.6.1 imports "
-              "`torchao.dtypes.nf4tensor`, moved in torchao 0.18.0); offload_streams.py loads the one file."]
+              "save_on_cpu's +486%: the host link, not the overlap, sets the time. `import torchtune` itself fails "
+              "beside torchao 0.18.0 (torchtune 0.6.1 imports `torchao.dtypes.nf4tensor`, moved in torchao "
+              "0.18.0); offload_streams.py loads the one file."]
     return "\n".join(lines) + "\n"
 
 
