@@ -135,7 +135,7 @@ def section(facts, rows, seconds: float) -> str:
     lines = [HEADING, "",
              f"Written by `python bench/validate_activation_offload.py` ({seconds:.0f} s on {platform.machine()}, "
              f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, torchtune {tt} "
-             "installed with --no-deps). Two techniques, both measured with the exact allocation tracker "
+             "). Two techniques, both measured with the exact allocation tracker "
              "(traces/tracker.py) on a CPU, where the device and the host are one memory: a host copy is an "
              "allocation in the one pool, as the simulation's CPU profile keeps it.", "",
              "### save_on_cpu on a CPU-only torch (torch 2.13 torch/autograd/graph.py)", "",

@@ -27,7 +27,6 @@ def scenario(mode="streams", preset="tiny", device="cpu", **knobs):
 
 
 def torchtune_module():
-    pytest.importorskip("torchao")
     from peakledger.traces.reference import offload_streams
     if offload_streams.torchtune_file() is None:
         pytest.skip("torchtune is not installed")

@@ -5,8 +5,9 @@ without the rest of the package: `import torchtune` fails beside torch 2.13 and 
 torchtune/modules/common_utils.py imports `torchao.dtypes.nf4tensor` and `torchao.dtypes.TensorCoreTiledLayoutType`,
 which torchao 0.18.0 no longer has). The file's own imports are given what they name: `torchtune.modules.TiedLinear`
 and `torchtune.utils.get_logger` from their own files (tied_linear.py, utils/_logging.py: torch only), and
-`torchao.dtypes.nf4tensor.NF4Tensor` from torchao 0.18.0's new place (quantization/quantize_/workflows/nf4). The file
-only names NF4Tensor in an `isinstance` after a failed `empty_like`.
+`torchao.dtypes.nf4tensor.NF4Tensor` from torchao 0.18.0's new place (quantization/quantize_/workflows/nf4), or, without
+torchao (torchtune does not require it), a Tensor subclass nothing is and a `torchao` module of version "0": the file
+only names NF4Tensor, and torchao's version, in an `isinstance` after a failed `empty_like`.
 
 A CPU-only torch has no CUDA: `OffloadActivations.__init__` calls `torch.cuda.default_stream()` (AssertionError
 "Torch not compiled with CUDA enabled"), `torch.empty_like(..., pin_memory=True)` raises RuntimeError ("pin_memory=True
@@ -111,10 +112,26 @@ def load() -> types.ModuleType:
     if path is None:
         raise ImportError("torchtune is not installed (pip install torchtune==0.6.1 --no-deps)")
     root = path.parent.parent
-    nf4 = importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-    saved = {k: sys.modules.get(k) for k in ("torchtune", "torchtune.modules", "torchtune.utils",
-                                             "torchao.dtypes.nf4tensor")}
+    nf4_class, stub_torchao = None, None
     try:
+        import torchao  # noqa: F401
+    except ImportError:  # torchtune does not require torchao; the file names it only for NF4Tensor's error path
+        stub_torchao = types.ModuleType("torchao")
+        stub_torchao.__version__ = "0"
+    if stub_torchao is None:
+        for where in ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "torchao.dtypes.nf4tensor"):
+            try:
+                nf4_class = importlib.import_module(where).NF4Tensor
+                break
+            except (ImportError, AttributeError):
+                continue
+    if nf4_class is None:
+        nf4_class = type("NF4Tensor", (torch.Tensor,), {})  # nothing here is one
+    saved = {k: sys.modules.get(k) for k in ("torchtune", "torchtune.modules", "torchtune.utils",
+                                             "torchao.dtypes.nf4tensor", "torchao")}
+    try:
+        if stub_torchao is not None:
+            sys.modules["torchao"] = stub_torchao
         pkg = types.ModuleType("torchtune")
         pkg.__path__ = []
         modules = types.ModuleType("torchtune.modules")
@@ -123,7 +140,7 @@ def load() -> types.ModuleType:
         utils = types.ModuleType("torchtune.utils")
         utils.get_logger = _load_file("peakledger_torchtune_logging", root / "utils" / "_logging.py").get_logger
         nf4mod = types.ModuleType("torchao.dtypes.nf4tensor")
-        nf4mod.NF4Tensor = nf4.NF4Tensor
+        nf4mod.NF4Tensor = nf4_class
         sys.modules.update({"torchtune": pkg, "torchtune.modules": modules, "torchtune.utils": utils,
                             "torchao.dtypes.nf4tensor": nf4mod})
         spec = importlib.util.spec_from_file_location(MODULE, path)
