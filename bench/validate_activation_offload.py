@@ -134,8 +134,8 @@ def section(facts, rows, seconds: float) -> str:
     tt = offload_streams.torchtune_version()
     lines = [HEADING, "",
              f"Written by `python bench/validate_activation_offload.py` ({seconds:.0f} s on {platform.machine()}, "
-             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, torchtune {tt} "
-             "). Two techniques, both measured with the exact allocation tracker "
+             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, torchtune {tt}). "
+             "Two techniques, both measured with the exact allocation tracker "
              "(traces/tracker.py) on a CPU, where the device and the host are one memory: a host copy is an "
              "allocation in the one pool, as the simulation's CPU profile keeps it.", "",
              "### save_on_cpu on a CPU-only torch (torch 2.13 torch/autograd/graph.py)", "",

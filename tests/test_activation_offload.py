@@ -173,3 +173,12 @@ def test_explain_offers_streams_as_a_fix_where_it_is_modelled():
     assert "activation_offload=streams" not in names(scenario("streams", device="H100-80GB"))
     full = build_scenario({"preset": "tiny", "n_layer": 2}, {**TRAINING, "checkpointing": "full"}, {"device": "cpu"})
     assert "activation_offload=streams" not in names(full)
+
+
+def test_the_checkpointing_table_gets_a_streams_row():
+    from peakledger.analysis.checkpointing import policy_table
+    plain = build_scenario({"preset": "tiny", "n_layer": 2}, dict(TRAINING), {"device": "H100-80GB"})
+    rows = {r.policy: r for r in policy_table(plain, policies=("none", "offload"), with_compile=False,
+                                              with_streams=True)}
+    assert rows["streams"].error is None and rows["streams"].host_activations > 0 == rows["none"].host_activations
+    assert rows["streams"].peak < rows["none"].peak
