@@ -73,7 +73,7 @@ _real_to = torch.Tensor.to
 def _to(self, *args, **kwargs):
     """`Tensor.to`; called from the loaded file with device "cuda", the tensor itself (a CPU has one memory)."""
     device = args[0] if args else kwargs.get("device")
-    if device == "cuda" and sys._getframe(1).f_globals.get("__name__") == MODULE:
+    if isinstance(device, str) and device == "cuda" and sys._getframe(1).f_globals.get("__name__") == MODULE:
         return self
     return _real_to(self, *args, **kwargs)
 
