@@ -209,6 +209,15 @@ def policy_label(setup) -> str:
 COMPILE_POLICIES = ("none", "full", "op-policy")  # the rows torch.compile adds where it is modelled
 
 
+def streams_applies(scenario) -> bool:
+    """Whether the table gets a row for activation_offload "streams" (models/replay/offload_streams.py): the
+    hand-written transformer tapes, uncompiled, on one device, not offloading already."""
+    from ..models.families import family_of, nanogpt
+    s = scenario.setup
+    return (family_of(scenario.model) is nanogpt.FAMILY and s.checkpointing.activation_offload == "none"
+            and not s.compile.on and s.mesh.world_size == 1 and not s.lora.r and s.batch.passes == "train")
+
+
 def compile_applies(scenario) -> bool:
     """Whether torch.compile is one more fix to try: a traced model, or a hand-written model whose family gives an HF
     equivalent (`Family.hf_equivalent`, which a compiled preset runs as) and it has one, not compiled already, on the
@@ -231,12 +240,14 @@ def compile_applies(scenario) -> bool:
     return profile.is_cuda and lowerable(profile.compute_capability)
 
 
-def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True) -> list[PolicyRow]:
+def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True,
+                 with_streams: bool = False) -> list[PolicyRow]:
     """Simulate `scenario` under each policy in `policies` (names of `TrainingSetup.checkpointing`; "every-k"
     takes the scenario's `checkpoint_every_k`, "layers" its `checkpoint_layers`); and, `with_compile` where
     `compile_applies`, compiled under each of `COMPILE_POLICIES`. A compiled graph marks no op as recomputed (the
     partitioner puts the recompute in the backward graph), so a compiled row's recompute is the FLOPs its step runs
-    over the compiled row without checkpointing."""
+    over the compiled row without checkpointing. `with_streams`: a last row for activation_offload "streams"
+    where `streams_applies` (the `peakledger checkpointing` command's table)."""
     cases = [(policy, False) for policy in policies]
     if with_compile and compile_applies(scenario):
         cases += [(policy, True) for policy in COMPILE_POLICIES]
@@ -259,6 +270,17 @@ def policy_table(scenario, policies=DEFAULT_POLICIES, with_compile: bool = True)
                               host_activations=host_activations(run.log, run.rank),
                               model_flops=model_flops, recompute_flops=recompute_flops,
                               step_time_s=step_time(run.graph), compiled=compiled or add_compile))
+    if with_streams and streams_applies(scenario):  # activation offload with streams (torchtune), beside the policies
+        try:
+            case = scenario.with_changes(checkpointing="none", checkpoint_layers=(), activation_offload="streams")
+            run = simulate_run(case)
+            model_flops, recompute_flops = step_flops(run.graph, run.rank)
+            rows.append(PolicyRow(policy="streams", label="streams (torchtune)", peak=run.peak,
+                                  capacity_needed=run.capacity_needed,
+                                  host_activations=host_activations(run.log, run.rank), model_flops=model_flops,
+                                  recompute_flops=recompute_flops, step_time_s=step_time(run.graph)))
+        except ConfigError as e:
+            rows.append(PolicyRow("streams", "streams (torchtune)", error=str(e)))
     base = next((r for r in rows if r.compiled and r.policy == "none" and r.error is None), None)
     if base is not None:
         rows = [dataclasses.replace(r, model_flops=base.model_flops,

@@ -261,8 +261,11 @@ def checkpoint_segments(setup: TrainingSetup, n_layer: int) -> tuple[Segment, ..
                `analysis.checkpointing.optimal_checkpointing` chooses one).
     sqrt       `sqrt_segments`: ceil(sqrt(n_layer)) regions of consecutive layers.
     selective, op-policy, offload: every layer, wrapped so (see `Segment`).
+    `activation_offload` "save-on-cpu" is policy "offload".
     """
     policy = setup.checkpointing.policy
+    if setup.checkpointing.activation_offload == "save-on-cpu":
+        policy = "offload"
     one = lambda i, wrap: Segment(range(i, i + 1), wrap)  # noqa: E731
     if policy == "sqrt":
         return tuple(Segment(r, "checkpoint") for r in sqrt_segments(n_layer))

@@ -344,7 +344,7 @@ def cmd_checkpointing(args) -> int:
     scenario = scenario_from_args(args)
     with progress(f"simulating each checkpointing policy of {scenario.name}"
                   + (" and searching the layer set" if budget is not None else "")):
-        rows = policy_table(scenario)
+        rows = policy_table(scenario, with_streams=True)
         best = optimal_checkpointing(scenario, budget) if budget is not None else None
     if args.plot:
         from .analysis.plot import setup_text

@@ -112,6 +112,14 @@ def activation_fixes(scenario: Scenario) -> list[Candidate]:
             cost = ("saved activations copied to the host and back over the host link" if policy == "offload"
                     else "recompute in backward")
             out.append((f"checkpointing={policy}", {"checkpointing": policy}, False, cost))
+    from .models.families import nanogpt
+    if (family is nanogpt.FAMILY and s.checkpointing.activation_offload == "none" and s.checkpointing.policy == "none"
+            and s.mesh.world_size == 1 and not s.lora.r and not s.compile.on and s.batch.passes == "train"):
+        # torchtune 0.6.1 OffloadActivations (models/replay/offload_streams.py): the forward's copies on their own
+        # stream, the backward's waited for
+        out.append(("activation_offload=streams", {"activation_offload": "streams"},
+                    False, "torchtune OffloadActivations: saved activations copied to pinned host memory on a side "
+                    "stream, copied back in backward"))
     mb = s.batch.micro_batch if not traced or "micro_batch" in model.varies else 1  # a fixed factory batch
     for d in sorted((d for d in range(1, mb) if mb % d == 0), reverse=True):
         out.append((f"micro-batch {mb} -> {d}, accumulation {s.batch.grad_accum} -> {s.batch.grad_accum * mb // d}",

@@ -23,6 +23,10 @@ PASSES = ("train", "forward")
 # the accumulation steps, and `clip_grad_norm_` (max_grad_norm 1.0) before the optimizer step
 LOOPS = ("plain", "hf-trainer")
 CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
+# activation offload (models/replay/offload.py): save-on-cpu = torch.autograd.graph.save_on_cpu(pin_memory=True) per
+# layer (the same as checkpointing "offload"); streams = torchtune 0.6.1's OffloadActivations(use_streams=True)
+# around the model's forward, its output head under NoOpManager (models/replay/offload_streams.py)
+ACTIVATION_OFFLOADS = ("none", "save-on-cpu", "streams")
 DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
 SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
 LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
@@ -380,6 +384,36 @@ def _activation_checkpointing(knobs) -> None:
     _checkpoint_layers(knobs)
 
 
+def _activation_offload(knobs) -> None:
+    """`activation_offload` and its two knobs (torchtune's OffloadActivations raises ValueError for a forward stash
+    under 1: torchtune/training/_activation_offloading.py, 0.6.1), and what it is modelled with."""
+    choice_of(knobs, "activation_offload", ACTIVATION_OFFLOADS)
+    positive_int(knobs, "activation_offload_stash")
+    min_bytes = knobs.activation_offload_min_bytes
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ConfigError("activation_offload_min_bytes", f"must be an integer >= 0, got {min_bytes!r}")
+    mode = knobs.activation_offload
+    if mode == "none":
+        for name, default in (("activation_offload_stash", 5), ("activation_offload_min_bytes", 1024)):
+            if getattr(knobs, name) != default:
+                raise ConfigError(name, "only applies to activation_offload streams")
+        return
+    if mode == "save-on-cpu" and knobs.checkpointing not in ("none", "offload"):
+        raise ConfigError("activation_offload", f"save-on-cpu is checkpointing \"offload\"; with checkpointing "
+                                                f"{knobs.checkpointing!r} it is not modelled; allowed with: none, "
+                                                "offload")
+    for name, ok, allowed in (
+            ("checkpointing", mode != "streams" or knobs.checkpointing == "none", "none"),
+            ("compile", not knobs.compile, "off"),
+            ("lora_r", knobs.lora_r == 0, "0"),
+            ("world_size", mode != "streams" or knobs.world_size == 1, "1"),
+            ("pp", knobs.pp == 1, "1"),
+            ("passes", mode != "streams" or knobs.passes == "train", "train")):
+        if not ok:
+            raise ConfigError(name, f"{getattr(knobs, name)!r} with activation_offload {mode} is not modelled yet; "
+                                    f"allowed with it: {allowed}")
+
+
 def _data_parallel(knobs) -> None:
     """The engine (models/dp_engines.py) and its knobs; ZeRO stages are DeepSpeed's."""
     if knobs.zero_stage not in (0, 1, 2, 3):
@@ -529,7 +563,8 @@ def _float8(knobs) -> None:
 
 
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
-SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _data_parallel, _fp32_grads,
+SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _activation_offload, _data_parallel,
+                  _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
                   _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload)

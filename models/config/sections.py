@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..knobs import Section, knob
 from ..optimizers import OPTIMIZERS, OptimizerSpec
 from .checks import (
+    ACTIVATION_OFFLOADS,
     BUILDS,
     CHECKPOINTING,
     COMPILE_MODES,
@@ -98,6 +99,16 @@ class Checkpointing(Section):
                         name="checkpoint_every_k")
     layers: tuple[int, ...] = knob((), "checkpointing", "checkpointing layers: exactly these layer indices, e.g. "
                                    "0,3,7", name="checkpoint_layers")
+    # activation offload (models/replay/offload.py, offload_streams.py)
+    activation_offload: str = knob("none", "checkpointing", "save-on-cpu: torch.autograd.graph.save_on_cpu("
+                                   "pin_memory=True) per layer (= checkpointing offload); streams: torchtune "
+                                   "OffloadActivations(use_streams=True) around the forward, the output head not "
+                                   "offloaded", choices=ACTIVATION_OFFLOADS)
+    offload_stash: int = knob(5, "checkpointing", "activation_offload streams: max_fwd_stash_size, the saved tensors "
+                              "kept on the device until their copy is done (default 5)",
+                              name="activation_offload_stash")
+    offload_min_bytes: int = knob(1024, "checkpointing", "activation_offload streams: min_offload_size, smaller saved "
+                                  "tensors stay on the device (default 1024)", name="activation_offload_min_bytes")
 
 
 @dataclass(frozen=True, eq=False)

@@ -19,7 +19,7 @@ from ..config import dtype_bytes
 from ..tape import TapeOp
 from .checkpoint import end_region, recompute
 from .grads import add_grad, flush_after_node, param_grad, sum_into_pinned
-from .offload import unpack
+from .offload_streams import end_backward, unpack_ids
 from .state import ReplayState
 
 
@@ -43,7 +43,9 @@ def derived_backward(state: ReplayState) -> None:
 
 
 def end_batch(state: ReplayState, frees: list[int]) -> None:
-    """The micro-batch's backward is done: the caller drops its outputs and the batch (with `frees`)."""
+    """The micro-batch's backward is done (activation_offload streams: torchtune's end-of-backward callback lets
+    its backward stash go): the caller drops its outputs and the batch (with `frees`)."""
+    frees += end_backward(state)
     for name in state.tape.held:
         state.release(name, frees)
     for t in state.tape.inputs:
@@ -55,7 +57,7 @@ def run_node(state: ReplayState, i: int, op: TapeOp) -> None:
     """Forward op `i`'s backward node (and the split's and autocast copy's nodes after it)."""
     builder, plan, grad_of = state.builder, state.plan, state.grad_of
     allocs, frees = [], []
-    frees += [b.id for b in unpack(state, i)]
+    frees += unpack_ids(state, i)
     out0 = op.outputs[0]
     grad_out = grad_of.get(out0.name)
     views = plan.view_reads[i]

@@ -16,7 +16,7 @@ from ...simulator.events import Block, Category, Phase
 from .backward_derived import end_batch
 from .checkpoint import end_region, recompute
 from .grads import flush_after_node, grads_ready, param_grad
-from .offload import unpack
+from .offload_streams import unpack_ids
 from .state import ReplayState
 
 
@@ -40,7 +40,7 @@ def recorded_backward(state: ReplayState) -> None:
             recompute(state, region)
         if i is not None:
             engine.before_op(state, i, Phase.BACKWARD)
-        unpacked = [blk.id for blk in unpack(state, i)] if i is not None else []
+        unpacked = unpack_ids(state, i) if i is not None else []
         for s, step in enumerate(node.steps):
             allocs, frees = [], []
             for t in step.allocs:

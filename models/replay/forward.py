@@ -14,15 +14,23 @@ Every step takes the replay's state (state.py `ReplayState`) and reaches the bui
 from __future__ import annotations
 
 from ...simulator.events import Block, Category, Phase
-from ..config import dtype_bytes
+from ..config import ConfigError, dtype_bytes
 from ..tape import TapeOp
-from . import template
+from . import offload_streams, template
 from .offload import copy_op, pack, saves_param
 from .state import ReplayState
 
 
 def run_forward(state: ReplayState) -> None:
-    """The micro-batch's forward pass: played from the plan's recording, or run (`forward_pass`)."""
+    """The micro-batch's forward pass: played from the plan's recording, or run (`forward_pass`); under
+    activation_offload "streams" always run (offload_streams.py keeps state a recording does not)."""
+    if offload_streams.active(state):
+        if not any(op.offloaded for op in state.tape.ops):
+            raise ConfigError("activation_offload", "streams is modelled for the hand-written transformer tapes "
+                                                    "(model families nanogpt and llama); not for this model's")
+        state.streams = offload_streams.StreamsState()
+        forward_pass(state)
+        return
     template.forward(state, forward_pass)
 
 
@@ -118,7 +126,11 @@ def run_op(state: ReplayState, i: int, op: TapeOp, recomputing: bool, uses: dict
         if not (held or cached_cast):
             frees.append(cast.id)
     packed: dict[str, Block] = {}
-    if offload:
+    streams = offload and state.streams is not None  # torchtune's OffloadActivations (offload_streams.py)
+    if streams:
+        kept, packed, pre, pre_frees, post_frees = offload_streams.pack(state, op, saves, casts)
+        saves = kept + tuple(packed)
+    elif offload:
         packed = pack(state, op, saves, casts)
         allocs += packed.values()
         saves = tuple(packed)
@@ -133,12 +145,17 @@ def run_op(state: ReplayState, i: int, op: TapeOp, recomputing: bool, uses: dict
     for o in outputs:
         if o.name not in uses and o.name not in duplicates:
             release(o.name, frees)
+    if streams:  # the saves packed before the kernel, the kernel, the saves of its outputs, then Python's frees
+        allocs, frees, late = offload_streams.split_op(state, op, allocs, frees, casts, workspace, packed, pre,
+                                                       pre_frees, post_frees)
     bytes_moved = sum([a.nbytes for a in allocs]) + plan.input_bytes[i]
     suffix = ".cached" if reused else ".recompute" if recomputing else ""
     builder.op(op.name + suffix, Phase.BACKWARD if recomputing else Phase.FORWARD, state.step, state.mb, allocs,
                frees, flops=0 if reused else op.flops, bytes_moved=0 if reused else bytes_moved,
                recompute=recomputing, gemm=None if skip_outputs else "cublaslt" if plan.lt[i] else "cublas")
-    if packed:
+    if streams:
+        late()
+    elif packed:
         copy_op(state, f"{op.name}.offload", Phase.FORWARD, sum(b.nbytes for b in packed.values()))
 
 

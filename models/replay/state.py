@@ -114,6 +114,9 @@ class ReplayState:
     cache_pending: dict[int, set[str]] = field(default_factory=dict)
     """For each checkpoint region, the outputs selective checkpointing cached in its first pass that its
     recompute has not reused yet."""
+    streams: Any = None
+    """activation_offload "streams" (offload_streams.py `StreamsState`): torchtune's tensor ids, forward stash,
+    offloaded saves and backward stash; None otherwise (such a replay is never played from a recording)."""
 
     # -- what template.py keeps from the forward to the backward ---------------------------------------------
     template: object | None = None

@@ -23,6 +23,10 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     w = TapeWriter(tape, setup, cpu)
     w.lora_targets = chosen
     w.fused_rms_norm = not cpu and gpu.cuda_fused_rms_norm(torch_version)
+    # torchtune's recipes run `with OffloadActivations(): logits = model(batch)`, the output head under NoOpManager
+    # (torchtune/training/_activation_offloading.py get_act_offloading_ctx_manager, 0.6.1) and the loss outside
+    streams = setup.checkpointing.activation_offload == "streams"
+    w.streams = streams
     idx = TensorSpec("batch.idx", (B, T), "int64", False)
     targets = TensorSpec("batch.targets", (B, T), "int64", False)
     tape.inputs = [idx, targets]
@@ -50,11 +54,12 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
             h = f"transformer.h.{i}" if gpt2 else f"model.layers.{i}"
             block_input = x
             x = _gpt2_block(w, cfg, h, x) if gpt2 else _llama_block(w, cfg, h, x, rope)
-            if _input_outlives_its_uses(segment, i):
+            if _input_outlives_its_uses(segment, i) or streams:
                 w.op(f"{h}.return", "release", [block_input], [])
     w.end_layers()
     x = w.layernorm("transformer.ln_f", x, cfg.has_bias) if gpt2 else w.rmsnorm("model.norm", x)
     head_weight = f"{wte}.weight" if cfg.tied else "lm_head.weight"
+    w.streams = False
     if setup.loop.chunked_loss:  # torchtune's chunked output + CEWithChunkedOutputLoss (chunked_loss.py)
         held = chunked_cross_entropy(w, x, targets, setup.loop.chunked_loss, head_weight, cfg.vocab_size)
     else:

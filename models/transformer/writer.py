@@ -25,6 +25,7 @@ class TapeWriter:
         self.core_region: int | None = None  # "selective": the region of this layer's attention core
         self.sac = False  # "op-policy": matmul and SDPA outputs are kept by the region's first pass
         self.offload = False  # "offload": saved tensors go to the host
+        self.streams = False  # activation_offload "streams": under torchtune's OffloadActivations (the whole forward)
         self.lora_targets: tuple[str, ...] = ()  # setup.lora.r > 0: peft target_modules (models/lora.py)
         self.fused_rms_norm = False  # nn.RMSNorm runs CUDA's fused kernel (models/gpu.py `cuda_fused_rms_norm`)
 
@@ -73,7 +74,7 @@ class TapeWriter:
         kw.setdefault("region", self.region)
         if self.sac and kind in SAC_SAVED_KINDS:
             kw.setdefault("cached", True)
-        if self.offload:
+        if self.offload or self.streams:
             kw.setdefault("offloaded", True)
         return self.tape.add(name, kind, [i.name if isinstance(i, TensorSpec) else i for i in inputs],
                              outputs, **kw)

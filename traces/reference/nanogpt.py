@@ -359,6 +359,13 @@ class GPT(nn.Module):
             if cfg.tied:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.apply(self._init_weights)
+        # activation_offload "streams": torchtune's OffloadActivations around the forward, NoOpManager on the head
+        # (traces/reference/offload_streams.py; get_act_offloading_ctx_manager's hooks on `model.output`)
+        self.offload_streams = None
+        if isinstance(checkpointing, TrainingSetup) and checkpointing.checkpointing.activation_offload == "streams":
+            from .offload_streams import offload_activations
+            self.offload_streams = offload_activations(checkpointing.checkpointing.offload_stash,
+                                                       checkpointing.checkpointing.offload_min_bytes)
         for seg in self.segments:
             for i in seg.layers:
                 gpt2 = cfg.architecture == "gpt2"
@@ -376,18 +383,23 @@ class GPT(nn.Module):
         b, t = idx.size()
         if t > self.cfg.max_seq_len:
             raise ConfigError("seq_len", f"{t} exceeds the model's max_seq_len {self.cfg.max_seq_len}")
-        if self.cfg.architecture == "gpt2":
-            pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
-            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-            for seg in self.segments:
-                x = run_segment(nn.Sequential(*(self.transformer.h[i] for i in seg.layers)), seg.wrap, x)
-            x = self.transformer.ln_f(x)
-        else:
-            x = self.model(idx)
-        if self.chunks:  # torchtune 0.6.1 TransformerDecoder.chunked_output, then its CEWithChunkedOutputLoss
-            logits = [self.lm_head(chunk) for chunk in x.chunk(self.chunks, dim=1)]
+        offload, head = self.offload_streams or (contextlib.nullcontext(), contextlib.nullcontext())
+        with offload:  # torchtune's recipes: `with activations_handling_ctx: logits = model(...)`, the loss outside
+            if self.cfg.architecture == "gpt2":
+                pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
+                x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+                for seg in self.segments:
+                    x = run_segment(nn.Sequential(*(self.transformer.h[i] for i in seg.layers)), seg.wrap, x)
+                x = self.transformer.ln_f(x)
+            else:
+                x = self.model(idx)
+            with head:
+                if self.chunks:  # torchtune 0.6.1 TransformerDecoder.chunked_output
+                    logits = [self.lm_head(chunk) for chunk in x.chunk(self.chunks, dim=1)]
+                else:
+                    logits = self.lm_head(x)
+        if self.chunks:  # then its CEWithChunkedOutputLoss
             return logits, (chunked_ce_loss(self.chunks)(logits, targets) if targets is not None else None)
-        logits = self.lm_head(x)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
