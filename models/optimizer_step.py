@@ -10,8 +10,9 @@ from math import prod
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from .builder import GraphBuilder
 from .config import dtype_bytes
+from .lowbit import paged
 from .offload import OffloadedStates
-from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
+from .optimizers import OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
 from .replay import GradState
 
@@ -57,7 +58,9 @@ def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_lo
         if offload is not None:
             offload.adopt(created)
     fp32_grads = builder.engine.before_step(step, grads)
-    if offload is None:
+    if offload is None and create and OPTIMIZERS[builder.setup.optimizer.name].per_param:
+        _per_param_first_step(builder, step, groups)
+    elif offload is None:
         _update(builder, step, groups[0], "optimizer")
         for k, group in enumerate(groups[1:], 1):  # torch.optim: each group's lazy states, then its update
             if create:
@@ -73,6 +76,19 @@ def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_lo
         builder.op("optimizer.copy_master_to_params", Phase.OPTIMIZER, step, -1, [], [g.id for g in fp32_grads],
              bytes_moved=sum(t.numel for t in tensors) * 6)
     builder.engine.after_step(step)
+
+
+def _per_param_first_step(builder: GraphBuilder, step: int, groups) -> None:
+    """The first `step()` of an optimizer that makes each parameter's states just before its own update
+    (`OptimizerSpec.per_param`: torchao's `_AdamBase.step`, bitsandbytes' `Optimizer8bit.step`): per parameter, its
+    states, then its update."""
+    first = True
+    for k, group in enumerate(groups):
+        name = "optimizer" if k == 0 else f"optimizer.group{k}"
+        for t in group:
+            create_states(builder, step, [t], f"{name}.init_state.{t.name}", shared=first)
+            _update(builder, step, [t], name)
+            first = False
 
 
 def _offloaded_update(builder: GraphBuilder, step: int, offload: OffloadedStates, create: bool) -> None:
@@ -92,25 +108,32 @@ def _offloaded_update(builder: GraphBuilder, step: int, offload: OffloadedStates
 
 
 def create_states(
-    builder: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER
+    builder: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER, shared: bool = True
 ) -> list[Block]:
     """torch's lazy state init (`_init_group`) for `tensors`: every state of each, on the device (Adam's
-    `step` scalar on the host unless fused); `phase` LOAD for an optimizer whose constructor makes them."""
+    `step` scalar on the host unless fused; torchao's always, `OptimizerSpec.host_step`; bitsandbytes' paged
+    states in managed memory, shown as host memory: models/lowbit.py), with the optimizer's shared states where
+    `shared`; `phase` LOAD for an optimizer whose constructor makes them."""
     s = builder.setup
+    spec = OPTIMIZERS[s.optimizer.name]
     shard = builder.engine.state_shard()
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
+    if spec.host_step and not builder.device.is_cpu:
+        step_state_pool = Pool.HOST
     states = []
     for t in tensors:
         for state, shape, dtype in state_specs(
             s.optimizer.name, t.numel, own_dtype(builder.tape, t.name) or s.precision.state, t.shape
         ):
             sharded = state is not OptimizerState.STEP
-            states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
+            managed = paged(s.optimizer.name, state, t.numel) and not builder.device.is_cpu
+            states.append(builder.block(f"{t.name}.{state.value}" + (".managed" if managed else ""),
+                                  prod(shape) * dtype_bytes(dtype),
                                   Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
-                                  pool=step_state_pool if not sharded else Pool.DEVICE))
-    if s.optimizer.name == "adam-8bit":
-        states.append(builder.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
+                                  pool=Pool.HOST if managed else step_state_pool if not sharded else Pool.DEVICE))
+    for name, shape, dtype in spec.shared_states if shared else ():  # bitsandbytes' qmaps: one pair for all
+        states.append(builder.block(name, prod(shape) * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, shape,
                               state=OptimizerState.QUANT_STATE))
     builder.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
     return states

@@ -9,9 +9,12 @@ States are created lazily, inside the first `step()` (torch's `_init_group`): no
 - Adafactor: `step`, then for a parameter of >= 2 dims its factored second moment, `row_var` (the shape with the
   last dim 1) and `col_var` (the second-to-last dim 1), else `variance` (the parameter's shape): states whose shape
   follows the parameter's shape, not its element count (`OptimizerSpec.by_shape`).
-- 8-bit Adam (bitsandbytes defaults, assumed): tensors of >= 4096 elements get two int8 states plus
-  one fp32 absmax per 256-element block for each; smaller tensors keep fp32 states; the two 256-entry
-  fp32 quantization maps are shared by all parameters.
+- 8-bit Adam (bitsandbytes 0.50.2 AdamW8bit, checked against its `Optimizer2State.init_state` and a real CPU run in
+  tests/test_lowbit_optimizers.py): tensors of >= 4096 elements get two uint8 states plus one fp32 absmax per
+  256-element block for each; smaller tensors keep fp32 states; the two 256-entry fp32 quantization maps are shared
+  by all parameters. `adam-8bit` (the name stored scenarios use) and `adamw-8bit-bnb` are the same states.
+- Low-bit optimizers (torchao 0.18.0 AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes 0.50.2 AdamW8bit /
+  PagedAdamW8bit): models/lowbit.py, their rules cited there.
 
 Step temporaries (Adam family, measured on torch CPU, see shared notes):
 - foreach: `_foreach_sqrt(exp_avg_sqs)` materialises one state-sized tensor per parameter, all at once.
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..simulator.events import OptimizerState, Pool
+from . import lowbit
 
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
@@ -102,7 +106,14 @@ class OptimizerSpec:
     - `lazy`: states made inside the first `step()` (torch's `_init_group`); False: in the constructor (Adagrad's
       `__init__` fills `sum` and `step` at once);
     - `impls`: the implementations torch has for it (foreach, for-loop, fused);
-    - `capture`: traces/cuda_capture.py runs it on a GPU."""
+    - `capture`: traces/cuda_capture.py runs it on a GPU;
+    - `reference`: a function returning the optimizer class itself, where it is not torch.optim's (torchao's,
+      bitsandbytes'): the real programs build that class with `torch_kwargs` (no impl flags);
+    - `per_param`: `step()` makes each parameter's states just before that parameter's own update, one parameter
+      after the other (torchao's and bitsandbytes' loops), not all at once before the update;
+    - `host_step`: the `step` tensor is made on the host whatever the device (torchao's `torch.tensor(0.0)`);
+    - `shared_states`: (name, shape, dtype) of the tensors the optimizer shares across parameters (bitsandbytes'
+      two qmaps), made with the first parameter's states."""
 
     name: str
     states: Callable[[Shape, str], StateSpecs]
@@ -116,6 +127,10 @@ class OptimizerSpec:
     lazy: bool = True
     impls: tuple[str, ...] = ("foreach", "for-loop", "fused")
     capture: bool = True
+    reference: Callable[[], type] | None = None
+    per_param: bool = False
+    host_step: bool = False
+    shared_states: tuple[tuple[str, Shape, str], ...] = ()
 
 
 def _none(shape: Shape, dtype: str) -> StateSpecs:
@@ -253,7 +268,21 @@ OPTIMIZER_SPECS = (
     OptimizerSpec("adamw", _adam, ADAM_FOREACH, ADAM_LOOP, torch_class="AdamW"),
     OptimizerSpec("amsgrad", _amsgrad, ADAM_FOREACH, ADAM_LOOP, torch_class="Adam",
                   torch_kwargs=(("amsgrad", True),)),
-    OptimizerSpec("adam-8bit", _adam_8bit, flops_per_element=16, capture=False),
+    OptimizerSpec("adam-8bit", _adam_8bit, flops_per_element=16, capture=False,
+                  shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
+    # models/lowbit.py: torchao 0.18.0 (torchao/optim/adam.py, subclass_{8bit,4bit,fp8}.py) and bitsandbytes 0.50.2
+    # (bitsandbytes/optim/optimizer.py, functional.py get_paged); torchao's step is one compiled update per parameter
+    # whatever torch's impl flags say; bitsandbytes' one fused CUDA kernel per parameter
+    *(OptimizerSpec(f"adamw-{kind}" if kind != "8bit" else "adamw-8bit-torchao", lowbit.torchao_states(kind),
+                    temps=lowbit.torchao_temps(kind), flops_per_element=16, capture=False, reference=factory,
+                    per_param=True, host_step=True)
+      for kind, factory in (("8bit", lowbit.torchao_adamw8bit), ("4bit", lowbit.torchao_adamw4bit),
+                            ("fp8", lowbit.torchao_adamwfp8))),
+    OptimizerSpec("adamw-8bit-bnb", _adam_8bit, flops_per_element=16, capture=False, reference=lowbit.bnb_adamw8bit,
+                  per_param=True, shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
+    OptimizerSpec("paged-adamw-8bit", _adam_8bit, flops_per_element=16, capture=False,
+                  reference=lowbit.bnb_paged_adamw8bit, per_param=True,
+                  shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
     # torch/optim/rmsprop.py (torch 2.13): `_multi_tensor_rmsprop` `avg = torch._foreach_sqrt(square_avgs)`, then
     # `_foreach_add_(avg, eps)`; `_single_tensor_rmsprop` `avg = square_avg.sqrt()`, `avg.add_(eps)` per parameter
     # (defaults: no momentum, not centered); no fused implementation
