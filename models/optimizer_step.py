@@ -53,12 +53,13 @@ def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_lo
     create = step == 1 and not states_loaded
     chunked_first = create and offload is not None and builder.setup.offload.first_step == "chunked"
     groups = builder.engine.optim_groups() if offload is None else [tensors]
-    if create and not chunked_first:
+    per_param = create and offload is None and OPTIMIZERS[builder.setup.optimizer.name].per_param
+    if create and not chunked_first and not per_param:
         created = create_states(builder, step, groups[0], "optimizer.init_state")
         if offload is not None:
             offload.adopt(created)
     fp32_grads = builder.engine.before_step(step, grads)
-    if offload is None and create and OPTIMIZERS[builder.setup.optimizer.name].per_param:
+    if per_param:
         _per_param_first_step(builder, step, groups)
     elif offload is None:
         _update(builder, step, groups[0], "optimizer")
