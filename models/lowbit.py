@@ -20,8 +20,9 @@ torchao 0.18.0, torchao/optim/adam.py (`_AdamBase`, `AdamW8bit`, `AdamW4bit`, `A
   compiled graph allocates, measured with torch.profiler on the CPU (inductor's C++ backend, torch 2.13.0, fp32
   parameters; bench/validate_lowbit.py), per quantised parameter of n elements: 8-bit: two new `scale`s (n // 256
   fp32) and the two dequantised fp32 moments (`exp_avg_f32`, `exp_avg_sq_f32`, n fp32 each), all freed when the
-  parameter's update ends; fp8: the two new `scale`s only (the moments stay in registers); 4-bit: the two unpacked
-  code arrays (n uint8, made from two nibble halves of n // 2 uint8 each, freed first), then two `scale`s
+  parameter's update ends; fp8: the two new `scale`s (the moments stay in registers), and where the parameter's last
+  dim is no multiple of 256 (the (-1, 256) blocks span rows) the two new fp8 code arrays (n bytes each); 4-bit: the
+  two unpacked code arrays (n uint8, made from two nibble halves of n // 2 uint8 each, freed first), then two `scale`s
   (n // 128 fp32), the two fp32 moments and two int64 code indices (n int64, the nearest-qmap search).
   A parameter that keeps plain states makes none (one fused kernel). On CUDA (Triton) inductor may keep fewer:
   this plan is the CPU's, stated as an assumption for a GPU.
@@ -104,8 +105,9 @@ def torchao_temps(kind: str):
                 continue
             pair = lambda k, s, dt: (Temp(i, f"exp_avg.{k}", s, dt), Temp(i, f"exp_avg_sq.{k}", s, dt))  # noqa: E731
             scales = pair("scale", (numel // TORCHAO_BLOCKS[kind],), "fp32")
-            if kind == "fp8":
-                ops.append(TempOp("compiled_update", scales, scales, i))
+            if kind == "fp8":  # a last dim that is no multiple of the block: the new codes made apart, then copied
+                made = scales + (pair("codes", shape, "fp8_e4m3") if shape and shape[-1] % TORCHAO_BLOCKS[kind] else ())
+                ops.append(TempOp("compiled_update", made, made, i))
                 continue
             moments = pair("f32", shape, "fp32")
             if kind == "8bit":

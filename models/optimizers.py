@@ -113,7 +113,9 @@ class OptimizerSpec:
       after the other (torchao's and bitsandbytes' loops), not all at once before the update;
     - `host_step`: the `step` tensor is made on the host whatever the device (torchao's `torch.tensor(0.0)`);
     - `shared_states`: (name, shape, dtype) of the tensors the optimizer shares across parameters (bitsandbytes'
-      two qmaps), made with the first parameter's states."""
+      two qmaps), made with the first parameter's states;
+    - `compiled_step`: the library compiles its step (torchao's `torch.compile(single_param_adam)`): a real run is
+      measured by torch.profiler (traces/lowbit_run.py), not by the dispatch tracker."""
 
     name: str
     states: Callable[[Shape, str], StateSpecs]
@@ -131,6 +133,7 @@ class OptimizerSpec:
     per_param: bool = False
     host_step: bool = False
     shared_states: tuple[tuple[str, Shape, str], ...] = ()
+    compiled_step: bool = False
 
 
 def _none(shape: Shape, dtype: str) -> StateSpecs:
@@ -275,7 +278,7 @@ OPTIMIZER_SPECS = (
     # whatever torch's impl flags say; bitsandbytes' one fused CUDA kernel per parameter
     *(OptimizerSpec(f"adamw-{kind}" if kind != "8bit" else "adamw-8bit-torchao", lowbit.torchao_states(kind),
                     temps=lowbit.torchao_temps(kind), flops_per_element=16, capture=False, reference=factory,
-                    per_param=True, host_step=True)
+                    per_param=True, host_step=True, compiled_step=True)
       for kind, factory in (("8bit", lowbit.torchao_adamw8bit), ("4bit", lowbit.torchao_adamw4bit),
                             ("fp8", lowbit.torchao_adamwfp8))),
     OptimizerSpec("adamw-8bit-bnb", _adam_8bit, flops_per_element=16, capture=False, reference=lowbit.bnb_adamw8bit,

@@ -44,6 +44,10 @@ def measure(scenario: Scenario, model_hook=None):
     if spec.torch_class is None and spec.reference is None:
         raise ConfigError("optimizer", f"{setup.optimizer.name} needs bitsandbytes (CUDA); use one of: "
                                        + ", ".join(n for n, sp in OPTIMIZERS.items() if sp.torch_class or sp.reference))
+    if spec.compiled_step:  # torchao's compiled optimizer step: torch.profiler, as a compiled model is measured
+        from .traces.lowbit_run import measure_lowbit  # torch, torchao
+
+        return measure_lowbit(scenario.model, setup)[0]
     if setup.compile.on:  # a compiled step: inductor's buffers are seen by torch.profiler only
         from .traces.compiled_run import measure_compiled  # torch
 
