@@ -4,10 +4,11 @@ states of bitsandbytes 0.50.2's AdamW8bit) on the reference programs, against th
     python bench/validate_lowbit.py
 
 torchao's step is `torch.compile(single_param_adam)` per parameter: the dispatch tracker cannot see it (dynamo runs
-eagerly under a TorchDispatchMode, and the subclass's own ops run below the mode), so the run is measured as the
-compiled run is (traces/compiled_run.py): torch.profiler's allocator events, phase by phase. The optimizer's
-compiled graphs are built first, by a warm-up optimizer over copies of the parameters, outside the profiler; the
-measured run then starts fresh (no state), compiled step included (inductor's C++ backend, this CPU).
+eagerly under a TorchDispatchMode, and the subclass's own ops run below the mode), so the run is measured by
+traces/lowbit_run.py as traces/compiled_run.py measures a compiled model: torch.profiler's allocator events, phase by
+phase. The optimizer's compiled graphs are built first, by a warm-up optimizer over copies of the parameters,
+outside the profiler; the measured run then starts fresh (no state), compiled step included (inductor's C++
+backend, this CPU).
 Checked per config: the overall peak, the optimizer-state bytes (the library's own state tensors after the run,
 each quantised state's codes, scale and qmap, summed) against the simulation's optimizer_state rows, and the
 optimizer phases' allocations paired by size. Appends / replaces the "Low-bit optimizers (real CPU runs)" section
@@ -27,6 +28,7 @@ from sections import replace_section  # bench/sections.py, beside this script
 from peakledger import build_scenario
 from peakledger.models.script.record import plain_tensors
 from peakledger.simulator.events import Action, Category, Phase
+from peakledger.traces.lowbit_run import measure_lowbit
 from peakledger.validation import validate
 
 SECTION = "## Low-bit optimizers (real CPU runs)"
@@ -50,39 +52,6 @@ def state_bytes(optimizer) -> int:
                 for t in plain_tensors(v):
                     seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
-
-
-def measure_torchao(scenario):
-    """The profiled real run (traces/compiled_run.py's loop, ranges and events) with the torchao optimizer, its
-    compiled step warmed up first. Returns (EventLog, the optimizer)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from peakledger.simulator.events import EventLog
-    from peakledger.simulator.run_metadata import RunMetadata
-    from peakledger.traces.compiled_run import SOURCE, _events, _loop, _ranges
-    from peakledger.traces.reference import build_model, make_batch, make_optimizer
-    from peakledger.traces.reference.build import optimizer_class
-
-    setup = scenario.setup
-    torch.set_num_threads(1)
-    net = build_model(scenario.model, setup)
-    optimizer = make_optimizer(net, setup)
-    batches = make_batch(scenario.model, setup)
-    cls, kwargs = optimizer_class(setup)
-    copies = [torch.nn.Parameter(p.detach().clone()) for p in net.parameters() if p.requires_grad]
-    warm = cls(copies, lr=1e-3, **kwargs)
-    for _ in range(2):  # compiles single_param_adam for every parameter signature
-        for p in copies:
-            p.grad = torch.randn_like(p)
-        warm.step()
-    del warm, copies
-    torch.manual_seed(0)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        _loop(net, optimizer, batches, setup, None, range(1, setup.batch.steps + 1), marks=True)
-    events = _events(prof._memory_profile(), prof, _ranges(prof),
-                     {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
-    meta = RunMetadata(torch_version=torch.__version__, setup=setup, device="cpu", steps=setup.batch.steps)
-    return EventLog(events=events, source=SOURCE, metadata=meta), optimizer
 
 
 def optimizer_sizes(log, step: int) -> Counter:
@@ -110,11 +79,12 @@ def paired(measured: Counter, simulated: Counter) -> tuple[int, int, int]:
 
 def run_case(preset: str, optimizer: str) -> dict:
     scenario = build_scenario({"preset": preset}, training(preset, optimizer), {"device": "cpu"})
-    measured, opt = measure_torchao(scenario)
+    measured, opt = measure_lowbit(scenario.model, scenario.setup)
     v, _, simulated = validate(scenario, measured)
     steps = {s: paired(optimizer_sizes(measured, s), optimizer_sizes(simulated, s)) for s in (1, 2)}
     return {"label": f"{preset}, {optimizer}, fp32", "v": v, "truth": state_bytes(opt),
-            "sim_states": simulated_state_bytes(simulated), "steps": steps}
+            "sim_states": simulated_state_bytes(simulated), "steps": steps,
+            "optimizer_exact": all(p.measured == p.predicted for p in v.phases if p.label.startswith("optimizer"))}
 
 
 def bnb_case(preset: str, optimizer: str) -> dict:
@@ -142,19 +112,22 @@ def render(rows: list[dict], bnb: list[dict], seconds: float) -> str:
              "micro-batch 2 (seq 32 for tiny), fp32, with torchao's own step: `torch.compile(single_param_adam)` "
              "per parameter, compiled by inductor's C++ backend (it compiles on the CPU; the graphs are built by a "
              "warm-up optimizer over copies of the parameters before the measured run, which starts with no state). "
-             "Measured by torch.profiler's allocator events phase by phase (traces/compiled_run.py's measurement: "
-             "the dispatch tracker cannot see a compiled step nor a tensor subclass's inner ops). Optimizer-state "
-             "bytes: the library's own state tensors after the run (each quantised state's codes, scale, qmap) vs "
-             "the simulation's optimizer_state rows. Events: the optimizer phases' allocations paired by size "
-             f"(paired / measured only / simulated only). {seconds:.0f} s on {platform.machine()}. Regenerate with "
-             "`python bench/validate_lowbit.py`.", "",
+             "Measured by torch.profiler's allocator events phase by phase (traces/lowbit_run.py, as "
+             "traces/compiled_run.py measures a compiled model: the dispatch tracker cannot see a compiled step nor "
+             "a tensor subclass's inner ops; `peakledger validate --optimizer adamw-4bit` runs the same). "
+             "Optimizer-state bytes: the library's own state tensors after the run (each quantised state's codes, "
+             "scale, qmap) vs the simulation's optimizer_state rows. Events: the optimizer phases' allocations "
+             f"paired by size (paired / measured only / simulated only). {seconds:.0f} s on {platform.machine()}. "
+             "Regenerate with `python bench/validate_lowbit.py`.", "",
              "| config | measured peak B | predicted peak B | error | optimizer-state B, library / simulated | "
-             "step 1 allocations paired | step 2 allocations paired |", "|---|---:|---:|---:|---:|---|---|"]
+             "optimizer phase peaks | step 1 allocations paired | step 2 allocations paired |",
+             "|---|---:|---:|---:|---:|---|---|---|"]
     for r in rows:
         v = r["v"]
         s1, s2 = r["steps"][1], r["steps"][2]
         lines.append(f"| {r['label']} | {v.overall.measured:,} | {v.overall.predicted:,} | {v.overall.error:+.3%} | "
                      f"{r['truth']:,} / {r['sim_states']:,} ({pct(r['truth'], r['sim_states'])}) | "
+                     f"{'exact' if r['optimizer_exact'] else 'DIFFER'} | "
                      f"{s1[0]} / {s1[1]} / {s1[2]} | {s2[0]} / {s2[1]} / {s2[2]} |")
     lines += ["", "bitsandbytes 0.50.2 `AdamW8bit` (`--optimizer adamw-8bit-bnb`, and `adam-8bit`: the same states) "
               "runs on the CPU too (its CPU backend; measured by the dispatch tracker): the states it keeps "
