@@ -32,13 +32,14 @@ from peakledger.traces.lowbit_run import measure_lowbit
 from peakledger.validation import validate
 
 SECTION = "## Low-bit optimizers (real CPU runs)"
-CASES = [("tiny-mlp", o) for o in ("adamw-8bit-torchao", "adamw-4bit", "adamw-fp8")] + \
-        [("tiny", o) for o in ("adamw-8bit-torchao", "adamw-4bit", "adamw-fp8")]
-BNB_CASES = [("tiny-mlp", "adamw-8bit-bnb"), ("tiny", "adamw-8bit-bnb")]
+TORCHAO = ("adamw-8bit-torchao", "adamw-4bit", "adamw-fp8")
+CASES = [(preset, o, precision) for preset, precision in (("tiny-mlp", "fp32"), ("tiny", "fp32"), ("tiny-mlp", "bf16"))
+         for o in TORCHAO]
+BNB_CASES = [("tiny-mlp", "adamw-8bit-bnb", "fp32"), ("tiny", "adamw-8bit-bnb", "fp32")]
 
 
-def training(preset: str, optimizer: str) -> dict:
-    base = dict(micro_batch=2, steps=2, precision="fp32", optimizer=optimizer)
+def training(preset: str, optimizer: str, precision: str = "fp32") -> dict:
+    base = dict(micro_batch=2, steps=2, precision=precision, optimizer=optimizer)
     return base if preset == "tiny-mlp" else dict(base, seq_len=32)
 
 
@@ -77,22 +78,22 @@ def paired(measured: Counter, simulated: Counter) -> tuple[int, int, int]:
     return both, sum(measured.values()) - both, sum(simulated.values()) - both
 
 
-def run_case(preset: str, optimizer: str) -> dict:
-    scenario = build_scenario({"preset": preset}, training(preset, optimizer), {"device": "cpu"})
+def run_case(preset: str, optimizer: str, precision: str) -> dict:
+    scenario = build_scenario({"preset": preset}, training(preset, optimizer, precision), {"device": "cpu"})
     measured, opt = measure_lowbit(scenario.model, scenario.setup)
     v, _, simulated = validate(scenario, measured)
     steps = {s: paired(optimizer_sizes(measured, s), optimizer_sizes(simulated, s)) for s in (1, 2)}
-    return {"label": f"{preset}, {optimizer}, fp32", "v": v, "truth": state_bytes(opt),
+    return {"label": f"{preset}, {optimizer}, {precision}", "v": v, "truth": state_bytes(opt),
             "sim_states": simulated_state_bytes(simulated), "steps": steps,
             "optimizer_exact": all(p.measured == p.predicted for p in v.phases if p.label.startswith("optimizer"))}
 
 
-def bnb_case(preset: str, optimizer: str) -> dict:
+def bnb_case(preset: str, optimizer: str, precision: str) -> dict:
     """bitsandbytes' AdamW8bit on its CPU backend, run by the tracker (no compile, no subclass): the states."""
     from peakledger.traces.reference import build_model, make_batch, make_optimizer
     from peakledger.traces.tracker import run_training_steps
 
-    scenario = build_scenario({"preset": preset}, training(preset, optimizer), {"device": "cpu"})
+    scenario = build_scenario({"preset": preset}, training(preset, optimizer, precision), {"device": "cpu"})
     net = build_model(scenario.model, scenario.setup)
     opt = make_optimizer(net, scenario.setup)
     measured = run_training_steps(net, opt, make_batch(scenario.model, scenario.setup), steps=2)
@@ -109,7 +110,8 @@ def render(rows: list[dict], bnb: list[dict], seconds: float) -> str:
     lines = [SECTION, "",
              "torchao 0.18.0's `AdamW8bit`, `AdamW4bit`, `AdamWFp8` (`--optimizer adamw-8bit-torchao|adamw-4bit|"
              "adamw-fp8`; models/lowbit.py) run for real on this CPU (torch " + torch.__version__ + "), 2 steps, "
-             "micro-batch 2 (seq 32 for tiny), fp32, with torchao's own step: `torch.compile(single_param_adam)` "
+             "micro-batch 2 (seq 32 for tiny), fp32 and pure bf16, with torchao's own step: "
+             "`torch.compile(single_param_adam)` "
              "per parameter, compiled by inductor's C++ backend (it compiles on the CPU; the graphs are built by a "
              "warm-up optimizer over copies of the parameters before the measured run, which starts with no state). "
              "Measured by torch.profiler's allocator events phase by phase (traces/lowbit_run.py, as "
@@ -129,6 +131,14 @@ def render(rows: list[dict], bnb: list[dict], seconds: float) -> str:
                      f"{r['truth']:,} / {r['sim_states']:,} ({pct(r['truth'], r['sim_states'])}) | "
                      f"{'exact' if r['optimizer_exact'] else 'DIFFER'} | "
                      f"{s1[0]} / {s1[1]} / {s1[2]} | {s2[0]} / {s2[1]} / {s2[2]} |")
+    off = [r for r in rows if not r["v"].passes(0.005)]
+    lines += ["", f"**Summary: optimizer phase peaks exact in {sum(r['optimizer_exact'] for r in rows)}/{len(rows)}; "
+              f"optimizer-state bytes exact in {sum(r['truth'] == r['sim_states'] for r in rows)}/{len(rows)}; "
+              f"overall peak within 0.5% in {len(rows) - len(off)}/{len(rows)}.**" + (
+                  " Outside it: " + "; ".join(f"{r['label']} ({r['v'].overall.error:+.3%})" for r in off) +
+                  ": the peak there is in backward, not in the optimizer step: from the forward on, the profiler "
+                  "holds a block the simulation has no twin for (35,840 B in the pure-bf16 forward, its category "
+                  "`unknown`, owner not identified); the optimizer phases are exact." if off else "")]
     lines += ["", "bitsandbytes 0.50.2 `AdamW8bit` (`--optimizer adamw-8bit-bnb`, and `adam-8bit`: the same states) "
               "runs on the CPU too (its CPU backend; measured by the dispatch tracker): the states it keeps "
               "(`state1`/`state2` uint8, `absmax1`/`absmax2`, the two shared qmaps) against the simulation's. Its "
@@ -151,8 +161,8 @@ def render(rows: list[dict], bnb: list[dict], seconds: float) -> str:
 def main() -> None:
     t0 = time.time()
     only = sys.argv[1:]
-    rows = [run_case(p, o) for p, o in CASES if not only or p in only]
-    bnb = [bnb_case(p, o) for p, o in BNB_CASES if not only or p in only]
+    rows = [run_case(*case) for case in CASES if not only or case[0] in only]
+    bnb = [bnb_case(*case) for case in BNB_CASES if not only or case[0] in only]
     text = render(rows, bnb, time.time() - t0)
     print(text)
     replace_section(SECTION, text)
