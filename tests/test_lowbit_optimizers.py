@@ -149,3 +149,60 @@ def test_unmodelled_combinations_are_refused(extra, knob):
     with pytest.raises(ConfigError) as err:
         build_scenario({"preset": "tiny-mlp"}, dict(optimizer="adamw-4bit", **extra), {"device": "cpu"})
     assert err.value.field == knob
+
+
+def _simulated_rows_per_param(optimizer: str, preset: str) -> dict[str, int]:
+    """The simulation's optimizer_state rows alive after step 1, summed per parameter (`<param>.<state>` blocks;
+    the shared qmaps under `optimizer`)."""
+    log = _sim(optimizer, preset=preset, **({} if preset == "tiny-mlp" else {"seq_len": 32}))
+    live = {}
+    for e in log.events:
+        if e.block.category is Category.OPTIMIZER_STATE and e.step <= 1:
+            if e.action is Action.ALLOC:
+                live[e.block.id] = e.block
+            else:
+                live.pop(e.block.id, None)
+    out: dict[str, int] = {}
+    for b in live.values():
+        param = b.name.removesuffix(".managed").rsplit(".", 1)[0]  # `<param>.<state>`, or `optimizer.qmaps`
+        out[param] = out.get(param, 0) + b.nbytes
+    return out
+
+
+@pytest.mark.parametrize("optimizer,module,name", [("adamw-8bit-torchao", "torchao.optim", "AdamW8bit"),
+                                                   ("adamw-4bit", "torchao.optim", "AdamW4bit"),
+                                                   ("adamw-fp8", "torchao.optim", "AdamWFp8"),
+                                                   ("adamw-8bit-bnb", "bitsandbytes.optim", "AdamW8bit")])
+def test_reference_program_states_match_the_simulated_rows(optimizer, module, name):
+    # the tiny preset's real program (GPT-2 family, d_model 64): (64, 64) weights quantised (4096 elements), biases
+    # and norms plain; one real step of the library's optimizer over its parameters, each one's state bytes summed
+    lib = pytest.importorskip(module)
+    import torch
+
+    from peakledger.traces.reference import build_model
+
+    s = build_scenario({"preset": "tiny"}, dict(micro_batch=2, seq_len=32, steps=2, precision="fp32",
+                                                optimizer=optimizer), {"device": "cpu"})
+    model = build_model(s.model, s.setup)
+    named = [(n, p) for n, p in model.named_parameters()]
+    opt = getattr(lib, name)([p for _, p in named], lr=1e-3)
+    for _, p in named:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    truth = dict(zip((n for n, _ in named), _library_state_bytes(opt, [p for _, p in named])))
+    simulated = _simulated_rows_per_param(optimizer, "tiny")
+    shared = simulated.pop("optimizer", 0)  # bitsandbytes' qmaps: the library counts them with the first holder
+    first = next(n for n in truth if truth[n] and n in simulated and simulated[n] != truth[n]) if shared else None
+    if first is not None:
+        simulated[first] += shared
+    assert simulated == truth
+
+
+def test_explain_offers_the_low_bit_optimizers_and_no_impl_fix_for_them():
+    from peakledger.fixes import optimizer_fixes
+
+    adamw = build_scenario({"preset": "tiny"}, {}, {"device": "cpu"})
+    names = {changes.get("optimizer") for _, changes, _, _ in optimizer_fixes(adamw)}
+    assert {"adamw-8bit-torchao", "adamw-4bit", "paged-adamw-8bit"} <= names
+    lowbit = build_scenario({"preset": "tiny"}, {"optimizer": "adamw-4bit"}, {"device": "cpu"})
+    assert not any("optimizer_impl" in changes for _, changes, _, _ in optimizer_fixes(lowbit))
