@@ -90,38 +90,6 @@ def torchao_states(kind: str):
     return states
 
 
-def torchao_temps(kind: str):
-    """The compiled `single_param_adam`'s buffers, parameter by parameter (see the module's notes)."""
-
-    def plan(impl: str, tensors: tuple[tuple[Shape, str], ...]) -> list:
-        from .optimizers import Temp, TempOp  # the registry's plan types (models/optimizers.py imports this module)
-
-        ops: list[TempOp] = []
-        for i, (shape, _dtype) in enumerate(tensors):
-            numel = prod(shape)
-            one, inc = Temp(i, "step_one", (), "int64", host=True), Temp(i, "step_add", (), "fp32", host=True)
-            ops.append(TempOp("step_increment", (one, inc), (inc, one), i))
-            if not torchao_quantised(kind, numel):
-                continue
-            pair = lambda k, s, dt: (Temp(i, f"exp_avg.{k}", s, dt), Temp(i, f"exp_avg_sq.{k}", s, dt))  # noqa: E731
-            scales = pair("scale", (numel // TORCHAO_BLOCKS[kind],), "fp32")
-            if kind == "fp8":  # a last dim that is no multiple of the block: the new codes made apart, then copied
-                made = scales + (pair("codes", shape, "fp8_e4m3") if shape and shape[-1] % TORCHAO_BLOCKS[kind] else ())
-                ops.append(TempOp("compiled_update", made, made, i))
-                continue
-            moments = pair("f32", shape, "fp32")
-            if kind == "8bit":
-                ops.append(TempOp("compiled_update", scales + moments, scales + moments, i))
-                continue
-            halves, codes = pair("codes_half", (numel // 2,), "int8"), pair("codes_u8", (numel,), "int8")
-            indices = pair("code_index", (numel,), "int64")
-            ops += [TempOp("compiled_update.unpack", halves + codes, halves, i),
-                    TempOp("compiled_update", scales + moments + indices, codes + scales + moments + indices, i)]
-        return ops
-
-    return plan
-
-
 def paged(optimizer_name: str, state: OptimizerState, numel: int) -> bool:
     """Whether this state of a parameter of `numel` elements lives in CUDA unified memory (bnb's paged buffers)."""
     return optimizer_name == "paged-adamw-8bit" and state in MOMENTS and numel >= BNB_PAGED_MIN

@@ -261,6 +261,38 @@ def _adafactor_foreach(tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
     return ops + [TempOp("end", (), updates[::-1])] if updates else ops
 
 
+def _torchao_temps(kind: str):
+    """torchao's compiled `single_param_adam`'s buffers, parameter by parameter (models/lowbit.py's notes)."""
+
+    def plan(impl: str, tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
+        ops: list[TempOp] = []
+        for i, (shape, _dtype) in enumerate(tensors):
+            numel = prod(shape)
+            one, inc = Temp(i, "step_one", (), "int64", host=True), Temp(i, "step_add", (), "fp32", host=True)
+            ops.append(TempOp("step_increment", (one, inc), (inc, one), i))
+            if not lowbit.torchao_quantised(kind, numel):
+                continue
+            pair = lambda k, s, dt: (Temp(i, f"exp_avg.{k}", s, dt), Temp(i, f"exp_avg_sq.{k}", s, dt))  # noqa: E731
+            block = lowbit.TORCHAO_BLOCKS[kind]
+            scales = pair("scale", (numel // block,), "fp32")
+            if kind == "fp8":  # a last dim that is no multiple of the block: the new codes made apart, then copied
+                made = scales + (pair("codes", shape, "fp8_e4m3") if shape and shape[-1] % block else ())
+                ops.append(TempOp("compiled_update", made, made, i))
+                continue
+            moments = pair("f32", shape, "fp32")
+            if kind == "8bit":
+                ops.append(TempOp("compiled_update", scales + moments, scales + moments, i))
+                continue
+            halves, codes = pair("codes_half", (numel // 2,), "int8"), pair("codes_u8", (numel,), "int8")
+            indices = pair("code_index", (numel,), "int64")
+            ops += [TempOp("compiled_update.unpack", halves + codes, halves, i),
+                    TempOp("compiled_update", scales + moments + indices, codes + scales + moments + indices, i)]
+        return ops
+
+    return plan
+
+
+
 ADAM_FOREACH = ("exp_avg_sq_sqrt",)  # torch/optim/adam.py `_multi_tensor_adam`: `_foreach_sqrt(exp_avg_sqs)`
 ADAM_LOOP = ("exp_avg_sq_sqrt", "denom")  # `_single_tensor_adam`: `(exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`
 OPTIMIZER_SPECS = (
@@ -277,7 +309,7 @@ OPTIMIZER_SPECS = (
     # (bitsandbytes/optim/optimizer.py, functional.py get_paged); torchao's step is one compiled update per parameter
     # whatever torch's impl flags say; bitsandbytes' one fused CUDA kernel per parameter
     *(OptimizerSpec(f"adamw-{kind}" if kind != "8bit" else "adamw-8bit-torchao", lowbit.torchao_states(kind),
-                    temps=lowbit.torchao_temps(kind), flops_per_element=16, capture=False, reference=factory,
+                    temps=_torchao_temps(kind), flops_per_element=16, capture=False, reference=factory,
                     per_param=True, host_step=True, compiled_step=True)
       for kind, factory in (("8bit", lowbit.torchao_adamw8bit), ("4bit", lowbit.torchao_adamw4bit),
                             ("fp8", lowbit.torchao_adamwfp8))),

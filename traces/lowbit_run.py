@@ -3,20 +3,20 @@
 torchao 0.18.0's `_AdamBase.step` runs `torch.compile(single_param_adam, fullgraph=True)` per parameter: under the
 dispatch tracker (tracker.py) dynamo refuses to trace ("non-infra torch dispatch mode present") and fullgraph turns
 that into an error, and a tensor subclass's own ops (dequantise, quantise) run below the mode anyway. So the run is
-measured as a compiled model is (compiled_run.py: its loop with phase ranges and the allocator's events): the
-optimizer's graphs are compiled first by a warm-up optimizer over copies of the parameters (same shapes, dtypes and
-state subclasses), outside the profiler, then the measured run starts with no state, its compiled step included.
+measured as a compiled model is (compiled_run.py `profiled_events`: its loop with phase ranges and the allocator's
+events): the optimizer's graphs are compiled first by a warm-up optimizer over copies of the parameters (same shapes,
+dtypes and state subclasses), outside the profiler, then the measured run starts with no state, its compiled step
+included.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from ..models.config import TrainingSetup
 from ..simulator.events import EventLog
 from ..simulator.run_metadata import RunMetadata
-from .compiled_run import SOURCE, _events, _loop, _ranges
+from .compiled_run import SOURCE, profiled_events
 from .reference import TORCH_DTYPES, build_model, make_batch, make_optimizer
 from .reference.build import optimizer_class
 
@@ -42,10 +42,7 @@ def measure_lowbit(model_config, setup: TrainingSetup, seed: int = 0):
     warm_up(cls, kwargs, [p for p in net.parameters() if p.requires_grad])
     autocast = TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None
     torch.manual_seed(seed)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        _loop(net, optimizer, batches, setup, autocast, range(1, setup.batch.steps + 1), marks=True)
-    events = _events(prof._memory_profile(), prof, _ranges(prof),
-                     {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
+    events = profiled_events(net, optimizer, batches, setup, autocast, range(1, setup.batch.steps + 1))
     meta = RunMetadata(torch_version=torch.__version__, setup=setup, device="cpu", steps=setup.batch.steps,
                        compile={"optimizer_step": "torchao's torch.compile(single_param_adam) per parameter",
                                 "measured_by": "torch.profiler memory timeline"})
