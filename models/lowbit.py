@@ -18,14 +18,14 @@ torchao 0.18.0, torchao/optim/adam.py (`_AdamBase`, `AdamW8bit`, `AdamW4bit`, `A
   fp32 (numel // 256,); no qmap.
 - The update is `torch.compile(single_param_adam, fullgraph=True, dynamic=False)` per parameter: the buffers its
   compiled graph allocates, measured with torch.profiler on the CPU (inductor's C++ backend, torch 2.13.0, fp32
-  parameters; bench/validate_lowbit.py), per quantised parameter of n elements: 8-bit: two new `scale`s (n // 256
-  fp32) and the two dequantised fp32 moments (`exp_avg_f32`, `exp_avg_sq_f32`, n fp32 each), all freed when the
-  parameter's update ends; fp8: the two new `scale`s (the moments stay in registers), and where the parameter's last
+  and bf16 parameters; bench/validate_lowbit.py), per quantised parameter of n elements: 8-bit: two new `scale`s
+  (n // 256 fp32) and the two dequantised fp32 moments (`exp_avg_f32`, `exp_avg_sq_f32`, n fp32 each), all freed when
+  the parameter's update ends; fp8: the two new `scale`s (the moments stay in registers), and where the parameter's last
   dim is no multiple of 256 (the (-1, 256) blocks span rows) the two new fp8 code arrays (n bytes each); 4-bit: the
   two unpacked code arrays (n uint8, made from two nibble halves of n // 2 uint8 each, freed first), then two `scale`s
   (n // 128 fp32), the two fp32 moments and two int64 code indices (n int64, the nearest-qmap search).
-  A parameter that keeps plain states makes none (one fused kernel). On CUDA (Triton) inductor may keep fewer:
-  this plan is the CPU's, stated as an assumption for a GPU.
+  A parameter that keeps plain states makes none (one fused kernel); the plan: models/optimizers.py `_torchao_temps`.
+  On CUDA (Triton) inductor may keep fewer (the int64 indices above all): this plan is the CPU's, assumed for a GPU.
 
 bitsandbytes 0.50.2, bitsandbytes/optim/optimizer.py `Optimizer2State.init_state` (AdamW8bit, optim_bits 8, defaults):
 `state["step"]` a Python int (no tensor); `numel < min_8bit_size` (4096): `state1`, `state2` fp32 `zeros_like`;
