@@ -206,3 +206,17 @@ def test_explain_offers_the_low_bit_optimizers_and_no_impl_fix_for_them():
     assert {"adamw-8bit-torchao", "adamw-4bit", "paged-adamw-8bit"} <= names
     lowbit = build_scenario({"preset": "tiny"}, {"optimizer": "adamw-4bit"}, {"device": "cpu"})
     assert not any("optimizer_impl" in changes for _, changes, _, _ in optimizer_fixes(lowbit))
+
+
+def test_validate_runs_torchaos_compiled_step_and_its_optimizer_phases_match():
+    # `peakledger validate --optimizer adamw-fp8`: torchao's real compiled step on the CPU, measured by torch.profiler
+    # (traces/lowbit_run.py); every optimizer phase's peak as the simulation's, and the library's state bytes
+    pytest.importorskip("torchao.optim")
+    from peakledger.validation import validate
+
+    s = build_scenario({"preset": "tiny-mlp"}, dict(micro_batch=2, steps=2, precision="fp32", optimizer="adamw-fp8"),
+                       {"device": "cpu"})
+    v, measured, _ = validate(s)
+    optimizer_phases = [p for p in v.phases if p.label.startswith("optimizer")]
+    assert len(optimizer_phases) == 2 and all(p.measured == p.predicted for p in optimizer_phases)
+    assert abs(v.overall.error) <= 0.005
