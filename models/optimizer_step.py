@@ -10,9 +10,10 @@ from math import prod
 from ..simulator.events import Block, Category, OptimizerState, Phase, Pool
 from .builder import GraphBuilder
 from .config import dtype_bytes
+from .lowbit import paged
 from .offload import OffloadedStates
 from .offload_libraries import TorchaoCpuOffload
-from .optimizers import BNB_QMAP_BYTES, OPTIMIZERS, state_specs, step_pool, update_flops
+from .optimizers import OPTIMIZERS, state_specs, step_pool, update_flops
 from .parallel import own_dtype
 from .replay import GradState
 
@@ -57,12 +58,15 @@ def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_lo
         return
     chunked_first = create and offload is not None and builder.setup.offload.first_step == "chunked"
     groups = builder.engine.optim_groups() if offload is None else [tensors]
-    if create and not chunked_first:
+    per_param = create and offload is None and OPTIMIZERS[builder.setup.optimizer.name].per_param
+    if create and not chunked_first and not per_param:
         created = create_states(builder, step, groups[0], "optimizer.init_state")
         if offload is not None:
             offload.adopt(created)
     fp32_grads = builder.engine.before_step(step, grads)
-    if offload is None:
+    if per_param:
+        _per_param_first_step(builder, step, groups)
+    elif offload is None:
         _update(builder, step, groups[0], "optimizer")
         for k, group in enumerate(groups[1:], 1):  # torch.optim: each group's lazy states, then its update
             if create:
@@ -78,6 +82,19 @@ def optimizer_step(builder: GraphBuilder, step: int, grads: GradState, states_lo
         builder.op("optimizer.copy_master_to_params", Phase.OPTIMIZER, step, -1, [], [g.id for g in fp32_grads],
              bytes_moved=sum(t.numel for t in tensors) * 6)
     builder.engine.after_step(step)
+
+
+def _per_param_first_step(builder: GraphBuilder, step: int, groups) -> None:
+    """The first `step()` of an optimizer that makes each parameter's states just before its own update
+    (`OptimizerSpec.per_param`: torchao's `_AdamBase.step`, bitsandbytes' `Optimizer8bit.step`): per parameter, its
+    states, then its update."""
+    first = True
+    for k, group in enumerate(groups):
+        name = "optimizer" if k == 0 else f"optimizer.group{k}"
+        for t in group:
+            create_states(builder, step, [t], f"{name}.init_state.{t.name}", shared=first)
+            _update(builder, step, [t], name)
+            first = False
 
 
 def _offloaded_update(builder: GraphBuilder, step: int, offload: OffloadedStates, create: bool) -> None:
@@ -97,15 +114,18 @@ def _offloaded_update(builder: GraphBuilder, step: int, offload: OffloadedStates
 
 
 def create_states(
-    builder: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER
+    builder: GraphBuilder, step: int, tensors, op_name: str, phase: Phase = Phase.OPTIMIZER, shared: bool = True
 ) -> list[Block]:
     """torch's lazy state init (`_init_group`) for `tensors`: every state of each, on the device (Adam's
-    `step` scalar on the host unless fused); `phase` LOAD for an optimizer whose constructor makes them."""
+    `step` scalar on the host unless fused; torchao's always, `OptimizerSpec.host_step`; bitsandbytes' paged
+    states in managed memory, shown as host memory: models/lowbit.py), with the optimizer's shared states where
+    `shared`; `phase` LOAD for an optimizer whose constructor makes them."""
     s = builder.setup
+    spec = OPTIMIZERS[s.optimizer.name]
     shard = builder.engine.state_shard()
     step_state_pool = step_pool(builder.device.is_cpu, s.optimizer.impl)
     home = builder.engine.state_pool()  # the host where the engine steps there (FSDP2's offload, ZeRO-Offload)
-    if home is Pool.HOST:
+    if home is Pool.HOST or (spec.host_step and not builder.device.is_cpu):
         step_state_pool = Pool.HOST
     states = []
     for t in tensors:
@@ -115,12 +135,14 @@ def create_states(
             sharded = state is not OptimizerState.STEP
             if not sharded and home is Pool.HOST and not builder.engine.host_step_scalar:
                 continue
-            states.append(builder.block(f"{t.name}.{state.value}", prod(shape) * dtype_bytes(dtype),
+            managed = paged(s.optimizer.name, state, t.numel) and not builder.device.is_cpu
+            states.append(builder.block(f"{t.name}.{state.value}" + (".managed" if managed else ""),
+                                  prod(shape) * dtype_bytes(dtype),
                                   Category.OPTIMIZER_STATE, dtype, shape, state=state,
                                   shard=shard if sharded else 1,
-                                  pool=step_state_pool if not sharded else home))
-    if s.optimizer.name == "adam-8bit":
-        states.append(builder.block("optimizer.qmaps", BNB_QMAP_BYTES, Category.OPTIMIZER_STATE, "fp32", (2, 256),
+                                  pool=Pool.HOST if managed else step_state_pool if not sharded else home))
+    for name, shape, dtype in spec.shared_states if shared else ():  # bitsandbytes' qmaps: one pair for all
+        states.append(builder.block(name, prod(shape) * dtype_bytes(dtype), Category.OPTIMIZER_STATE, dtype, shape,
                               state=OptimizerState.QUANT_STATE))
     builder.op(op_name, phase, step, -1, states, [], bytes_moved=sum(x.nbytes for x in states))
     return states

@@ -9,9 +9,12 @@ States are created lazily, inside the first `step()` (torch's `_init_group`): no
 - Adafactor: `step`, then for a parameter of >= 2 dims its factored second moment, `row_var` (the shape with the
   last dim 1) and `col_var` (the second-to-last dim 1), else `variance` (the parameter's shape): states whose shape
   follows the parameter's shape, not its element count (`OptimizerSpec.by_shape`).
-- 8-bit Adam (bitsandbytes defaults, assumed): tensors of >= 4096 elements get two int8 states plus
-  one fp32 absmax per 256-element block for each; smaller tensors keep fp32 states; the two 256-entry
-  fp32 quantization maps are shared by all parameters.
+- 8-bit Adam (bitsandbytes 0.50.2 AdamW8bit, checked against its `Optimizer2State.init_state` and a real CPU run in
+  tests/test_lowbit_optimizers.py): tensors of >= 4096 elements get two uint8 states plus one fp32 absmax per
+  256-element block for each; smaller tensors keep fp32 states; the two 256-entry fp32 quantization maps are shared
+  by all parameters. `adam-8bit` (the name stored scenarios use) and `adamw-8bit-bnb` are the same states.
+- Low-bit optimizers (torchao 0.18.0 AdamW8bit / AdamW4bit / AdamWFp8, bitsandbytes 0.50.2 AdamW8bit /
+  PagedAdamW8bit): models/lowbit.py, their rules cited there.
 
 Step temporaries (Adam family, measured on torch CPU, see shared notes):
 - foreach: `_foreach_sqrt(exp_avg_sqs)` materialises one state-sized tensor per parameter, all at once.
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from math import prod
 
 from ..simulator.events import OptimizerState, Pool
+from . import lowbit
 
 BNB_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
@@ -102,7 +106,16 @@ class OptimizerSpec:
     - `lazy`: states made inside the first `step()` (torch's `_init_group`); False: in the constructor (Adagrad's
       `__init__` fills `sum` and `step` at once);
     - `impls`: the implementations torch has for it (foreach, for-loop, fused);
-    - `capture`: traces/cuda_capture.py runs it on a GPU."""
+    - `capture`: traces/cuda_capture.py runs it on a GPU;
+    - `reference`: a function returning the optimizer class itself, where it is not torch.optim's (torchao's,
+      bitsandbytes'): the real programs build that class with `torch_kwargs` (no impl flags);
+    - `per_param`: `step()` makes each parameter's states just before that parameter's own update, one parameter
+      after the other (torchao's and bitsandbytes' loops), not all at once before the update;
+    - `host_step`: the `step` tensor is made on the host whatever the device (torchao's `torch.tensor(0.0)`);
+    - `shared_states`: (name, shape, dtype) of the tensors the optimizer shares across parameters (bitsandbytes'
+      two qmaps), made with the first parameter's states;
+    - `compiled_step`: the library compiles its step (torchao's `torch.compile(single_param_adam)`): a real run is
+      measured by torch.profiler (traces/lowbit_run.py), not by the dispatch tracker."""
 
     name: str
     states: Callable[[Shape, str], StateSpecs]
@@ -116,6 +129,11 @@ class OptimizerSpec:
     lazy: bool = True
     impls: tuple[str, ...] = ("foreach", "for-loop", "fused")
     capture: bool = True
+    reference: Callable[[], type] | None = None
+    per_param: bool = False
+    host_step: bool = False
+    shared_states: tuple[tuple[str, Shape, str], ...] = ()
+    compiled_step: bool = False
 
 
 def _none(shape: Shape, dtype: str) -> StateSpecs:
@@ -243,6 +261,38 @@ def _adafactor_foreach(tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
     return ops + [TempOp("end", (), updates[::-1])] if updates else ops
 
 
+def _torchao_temps(kind: str):
+    """torchao's compiled `single_param_adam`'s buffers, parameter by parameter (models/lowbit.py's notes)."""
+
+    def plan(impl: str, tensors: tuple[tuple[Shape, str], ...]) -> list[TempOp]:
+        ops: list[TempOp] = []
+        for i, (shape, _dtype) in enumerate(tensors):
+            numel = prod(shape)
+            one, inc = Temp(i, "step_one", (), "int64", host=True), Temp(i, "step_add", (), "fp32", host=True)
+            ops.append(TempOp("step_increment", (one, inc), (inc, one), i))
+            if not lowbit.torchao_quantised(kind, numel):
+                continue
+            pair = lambda k, s, dt: (Temp(i, f"exp_avg.{k}", s, dt), Temp(i, f"exp_avg_sq.{k}", s, dt))  # noqa: E731
+            block = lowbit.TORCHAO_BLOCKS[kind]
+            scales = pair("scale", (numel // block,), "fp32")
+            if kind == "fp8":  # a last dim that is no multiple of the block: the new codes made apart, then copied
+                made = scales + (pair("codes", shape, "fp8_e4m3") if shape and shape[-1] % block else ())
+                ops.append(TempOp("compiled_update", made, made, i))
+                continue
+            moments = pair("f32", shape, "fp32")
+            if kind == "8bit":
+                ops.append(TempOp("compiled_update", scales + moments, scales + moments, i))
+                continue
+            halves, codes = pair("codes_half", (numel // 2,), "int8"), pair("codes_u8", (numel,), "int8")
+            indices = pair("code_index", (numel,), "int64")
+            ops += [TempOp("compiled_update.unpack", halves + codes, halves, i),
+                    TempOp("compiled_update", scales + moments + indices, codes + scales + moments + indices, i)]
+        return ops
+
+    return plan
+
+
+
 ADAM_FOREACH = ("exp_avg_sq_sqrt",)  # torch/optim/adam.py `_multi_tensor_adam`: `_foreach_sqrt(exp_avg_sqs)`
 ADAM_LOOP = ("exp_avg_sq_sqrt", "denom")  # `_single_tensor_adam`: `(exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)`
 OPTIMIZER_SPECS = (
@@ -253,7 +303,21 @@ OPTIMIZER_SPECS = (
     OptimizerSpec("adamw", _adam, ADAM_FOREACH, ADAM_LOOP, torch_class="AdamW"),
     OptimizerSpec("amsgrad", _amsgrad, ADAM_FOREACH, ADAM_LOOP, torch_class="Adam",
                   torch_kwargs=(("amsgrad", True),)),
-    OptimizerSpec("adam-8bit", _adam_8bit, flops_per_element=16, capture=False),
+    OptimizerSpec("adam-8bit", _adam_8bit, flops_per_element=16, capture=False,
+                  shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
+    # models/lowbit.py: torchao 0.18.0 (torchao/optim/adam.py, subclass_{8bit,4bit,fp8}.py) and bitsandbytes 0.50.2
+    # (bitsandbytes/optim/optimizer.py, functional.py get_paged); torchao's step is one compiled update per parameter
+    # whatever torch's impl flags say; bitsandbytes' one fused CUDA kernel per parameter
+    *(OptimizerSpec(f"adamw-{kind}" if kind != "8bit" else "adamw-8bit-torchao", lowbit.torchao_states(kind),
+                    temps=_torchao_temps(kind), flops_per_element=16, capture=False, reference=factory,
+                    per_param=True, host_step=True, compiled_step=True)
+      for kind, factory in (("8bit", lowbit.torchao_adamw8bit), ("4bit", lowbit.torchao_adamw4bit),
+                            ("fp8", lowbit.torchao_adamwfp8))),
+    OptimizerSpec("adamw-8bit-bnb", _adam_8bit, flops_per_element=16, capture=False, reference=lowbit.bnb_adamw8bit,
+                  per_param=True, shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
+    OptimizerSpec("paged-adamw-8bit", _adam_8bit, flops_per_element=16, capture=False,
+                  reference=lowbit.bnb_paged_adamw8bit, per_param=True,
+                  shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
     # torch/optim/rmsprop.py (torch 2.13): `_multi_tensor_rmsprop` `avg = torch._foreach_sqrt(square_avgs)`, then
     # `_foreach_add_(avg, eps)`; `_single_tensor_rmsprop` `avg = square_avg.sqrt()`, `avg.add_(eps)` per parameter
     # (defaults: no momentum, not centered); no fused implementation

@@ -12,6 +12,7 @@ from .analysis.checkpointing import compile_applies
 from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES
 from .models.devices import device_profile
 from .models.families import family_of
+from .models.optimizers import OPTIMIZERS
 from .models.traced import traced_layers
 from .models.traced.model import TracedModel
 from .scenario import Scenario
@@ -138,9 +139,17 @@ def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
     out: list[Candidate] = []
     if s.optimizer.name in ("adam", "adamw"):
         out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
-    if s.optimizer.impl != "fused" and s.optimizer.name != "adam-8bit":
+        # the low-bit optimizers (models/lowbit.py): torchao 0.18.0's, bitsandbytes 0.50.2's paged one
+        out.append(("8-bit AdamW (torchao AdamW8bit)", {"optimizer": "adamw-8bit-torchao"}, True,
+                    "blockwise 8-bit states; a compiled update per parameter"))
+        out.append(("4-bit AdamW (torchao AdamW4bit)", {"optimizer": "adamw-4bit"}, True,
+                    "blockwise 4-bit states; a compiled update per parameter, its dequantised copies the largest"))
+        out.append(("paged 8-bit AdamW (bitsandbytes PagedAdamW8bit)", {"optimizer": "paged-adamw-8bit"}, True,
+                    "8-bit states in CUDA unified memory, paged to the host under pressure (host memory)"))
+    plain_step = s.optimizer.name != "adam-8bit" and not OPTIMIZERS[s.optimizer.name].per_param
+    if s.optimizer.impl != "fused" and plain_step:
         out.append(("fused optimizer", {"optimizer_impl": "fused"}, False, "none: no step temporaries"))
-    if s.optimizer.impl == "foreach" and s.optimizer.name != "adam-8bit":
+    if s.optimizer.impl == "foreach" and plain_step:
         out.append(("for-loop optimizer (foreach=False)", {"optimizer_impl": "for-loop"}, False,
                     "one parameter's temporaries at a time instead of a whole group's; a slower step"))
     chunked = {"optimizer_offload": "chunked", "offload_first_step": "chunked"}

@@ -40,9 +40,14 @@ def measure(scenario: Scenario, model_hook=None):
         raise ConfigError("world_size", "one real CPU process runs without data parallelism; use validate_ranks "
                                         "(peakledger validate --world-size N --dp-engine fsdp2|ddp|"
                                         "zero-redundancy-optimizer) for real multi-process runs")
-    if OPTIMIZERS[setup.optimizer.name].torch_class is None:
-        raise ConfigError("optimizer", f"{setup.optimizer.name} needs bitsandbytes (CUDA); use one of torch's: "
-                                       + ", ".join(n for n, spec in OPTIMIZERS.items() if spec.torch_class))
+    spec = OPTIMIZERS[setup.optimizer.name]
+    if spec.torch_class is None and spec.reference is None:
+        raise ConfigError("optimizer", f"{setup.optimizer.name} needs bitsandbytes (CUDA); use one of: "
+                                       + ", ".join(n for n, sp in OPTIMIZERS.items() if sp.torch_class or sp.reference))
+    if spec.compiled_step:  # torchao's compiled optimizer step: torch.profiler, as a compiled model is measured
+        from .traces.lowbit_run import measure_lowbit  # torch, torchao
+
+        return measure_lowbit(scenario.model, setup)[0]
     if setup.compile.on:  # a compiled step: inductor's buffers are seen by torch.profiler only
         from .traces.compiled_run import measure_compiled  # torch
 

@@ -173,4 +173,13 @@ def _measure(model: TracedModel, setup: TrainingSetup, seed: int) -> EventLog:
     return EventLog(events=events, source=SOURCE, metadata=metadata)
 
 
-__all__ = ["measure_compiled", "SOURCE"]
+def profiled_events(net, optimizer, batches, setup: TrainingSetup, autocast, steps: range) -> list[Event]:
+    """This module's loop over `steps` (phase ranges marked) under torch.profiler, and its allocator events as
+    `_measure` reads them: for another program measured the same way (lowbit_run.py: torchao's compiled step)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        _loop(net, optimizer, batches, setup, autocast, steps, marks=True)
+    return _events(prof._memory_profile(), prof, _ranges(prof),
+                   {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
+
+
+__all__ = ["measure_compiled", "profiled_events", "SOURCE"]

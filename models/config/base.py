@@ -8,6 +8,7 @@ from ...simulator.strict_json import JSONRefused
 from ..names import did_you_mean
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "int64": 8, "bool": 1, "int32": 4}
+DTYPE_BYTES["fp8_e4m3"] = 1  # torchao AdamWFp8's codes (float8_e4m3fn): models/lowbit.py
 DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
                  "uint8": "int8", "long": "int64"}
 

@@ -562,12 +562,26 @@ def _float8(knobs) -> None:
                                  "checkpointing none")
 
 
+def _lowbit_optimizer(knobs) -> None:
+    """The low-bit optimizers (models/lowbit.py: torchao's, bitsandbytes' adamw-8bit-bnb / paged-adamw-8bit) are
+    modelled in a plain training loop: their states offloaded, saved or loaded are not."""
+    if not OPTIMIZER_REGISTRY[knobs.optimizer].per_param:
+        return
+    for name, value, allowed in (("optimizer_offload", knobs.optimizer_offload, "none"),
+                                 ("checkpoint_every", knobs.checkpoint_every, 0),
+                                 ("load_mode", knobs.load_mode, "none")):
+        if value != allowed:
+            raise ConfigError(name, f"{value!r} with optimizer {knobs.optimizer} (low-bit states, models/lowbit.py) "
+                                    f"is not modelled; allowed with it: {allowed}")
+
+
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
 SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _activation_offload, _data_parallel,
                   _fp32_grads,
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
-                  _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload)
+                  _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload,
+                  _lowbit_optimizer)
 
 
 def check_setup(knobs) -> None:

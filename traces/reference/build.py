@@ -173,8 +173,11 @@ def optimizer_class(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], 
     """The torch.optim class and its keyword arguments for `setup.optimizer.name` / `setup.optimizer.impl`, as the
     optimizer's entry in models/optimizers.py `OPTIMIZERS` names them (sgd: SGD(momentum=0); sgd-momentum:
     SGD(momentum=0.9); amsgrad: Adam(amsgrad=True); rmsprop: RMSprop; adagrad: Adagrad; ...); optimizer_impl
-    "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" -> fused=True."""
+    "foreach" -> foreach=True, "for-loop" -> foreach=False, "fused" -> fused=True. An entry with a `reference`
+    (models/lowbit.py: torchao.optim.AdamW8bit, ...) is that class, imported when asked for."""
     spec = OPTIMIZERS[setup.optimizer.name]
+    if spec.reference is not None:  # the library's own class (torchao's, bitsandbytes'): no torch impl flags
+        return spec.reference(), dict(spec.torch_kwargs)
     if spec.torch_class is None:
         raise NotImplementedError(
             f"no plain-torch reference for optimizer {setup.optimizer.name!r} (needs bitsandbytes)"
