@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.config import ConfigError
+from ..models.devices import NODE_HOSTS
 from ..models.training import RankRanges
 from ..simulator.events import Action, EventLog, Pool
 from .units import format_bytes
@@ -106,6 +108,11 @@ class HostFit:
     source: str = ""  # where host_memory came from (--host-memory, or the profile's typical node)
 
     @property
+    def asked(self) -> bool:
+        """Judged on request (--host-memory or --pinned-limit given), not only by a profile's default node."""
+        return self.source == "--host-memory" or self.pinned_limit_rule == "given"
+
+    @property
     def fits_ram(self) -> bool:
         return self.host.need <= self.host_memory
 
@@ -145,6 +152,35 @@ class HostFit:
                 "worst_node_pinned": self.pinned.as_json(), "ranks": [u.as_json() for u in self.uses],
                 "rule": "need per node = sum over its ranks of each rank's host peak + the baseline per rank "
                         "(conservative: the peaks need not coincide); pinned likewise, without a baseline"}
+
+
+@dataclass(frozen=True)
+class HostLimits:
+    """The host limits asked for (--host-memory, --pinned-limit, --gpus-per-node); None: the default."""
+
+    host_memory: int | None = None
+    pinned_limit: int | None = None
+    gpus_per_node: int | None = None
+
+
+def judge_host(log: EventLog, device: str, limits: HostLimits = HostLimits()) -> HostFit | None:
+    """The host's verdict of the run in `log` on `device` (`host_fit`), or None where the host is not judged: no
+    --host-memory, and no typical node for the profile (models/devices.py NODE_HOSTS) or nothing of the run on the
+    host. The one place every command (simulate --check, explain, where) gets it."""
+    node = NODE_HOSTS.get(device)
+    if limits.host_memory is not None:
+        return host_fit(log, limits.host_memory, limits.pinned_limit, limits.gpus_per_node, "--host-memory")
+    if node is None:
+        if limits.pinned_limit is not None:
+            raise ConfigError("pinned_limit", f"needs --host-memory: {device} has no typical node (those with one: "
+                                              f"{', '.join(NODE_HOSTS)})")
+        return None
+    if limits.pinned_limit is None and not any(e.block.pool is Pool.HOST for e in log.events):
+        return None
+    md = log.metadata
+    world = md.setup.mesh.world_size if md.setup is not None else 1
+    return host_fit(log, node.host_memory, limits.pinned_limit, limits.gpus_per_node or min(node.gpus_per_node, world),
+                    f"{node.system}'s host memory, the {device} profile's typical node")
 
 
 def _ranks(n: NodeNeed) -> str:
@@ -210,4 +246,5 @@ def host_fit(log: EventLog, host_memory: int, pinned_limit: int | None = None, g
                    _worst_node(pin_seg, world, g, 0), tuple(uses.values()), source)
 
 
-__all__ = ["HostFit", "HostUse", "NodeNeed", "PINNED_SHARE", "PROCESS_BASELINE", "host_fit", "host_uses"]
+__all__ = ["HostFit", "HostLimits", "HostUse", "NodeNeed", "PINNED_SHARE", "PROCESS_BASELINE", "host_fit",
+           "host_uses", "judge_host"]

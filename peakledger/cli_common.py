@@ -11,15 +11,14 @@ from dataclasses import dataclass
 
 from . import api
 from .analysis.card_fit import THIN_MARGIN, CardFit
-from .analysis.host import HostFit, host_fit
+from .analysis.host import HostFit, HostLimits, judge_host
 from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
 from .models.config import FLAG_GROUPS, SETUP_KNOBS, ConfigError
-from .models.devices import DEVICES, NODE_HOSTS, device_profile
+from .models.devices import DEVICES, device_profile
 from .models.presets import PRESETS
 from .scenario import parse_value
-from .simulator.events import Pool
 from .simulator.numbers import float_text, int_text, non_ascii_digit
 
 
@@ -179,28 +178,24 @@ def add_host_flags(p: argparse.ArgumentParser) -> None:
                    "node, 8, or the world size if smaller)")
 
 
-def host_verdict(args, scenario, log) -> HostFit | None:
-    """The host's verdict of the run in `log` (analysis/host.py `host_fit`), or None where the host is not judged:
-    no --host-memory, and no typical node for the device profile or nothing of the run on the host."""
-    given = budget_flag(args, "host_memory")
-    pinned = budget_flag(args, "pinned_limit")
+def host_limits(args) -> HostLimits:
+    """The host flags as limits (analysis/host.py); bad values: ConfigError naming the flag."""
     per_node = getattr(args, "gpus_per_node", None)
     if per_node is not None and per_node < 1:
         raise ConfigError("gpus_per_node", f"must be >= 1, got {per_node}")
-    node = NODE_HOSTS.get(scenario.device)
-    if given is None:
-        if node is None:
-            if pinned is not None:
-                raise ConfigError("pinned_limit", f"needs --host-memory: {scenario.device} has no typical node "
-                                                  f"(allowed defaults: {', '.join(NODE_HOSTS)})")
-            return None
-        if pinned is None and not any(e.block.pool is Pool.HOST for e in log.events):
-            return None
-    world = scenario.setup.mesh.world_size
-    if given is None:
-        return host_fit(log, node.host_memory, pinned, per_node or min(node.gpus_per_node, world),
-                        f"{node.system}'s host memory, the {scenario.device} profile's typical node")
-    return host_fit(log, given, pinned, per_node, "--host-memory")
+    return HostLimits(budget_flag(args, "host_memory"), budget_flag(args, "pinned_limit"), per_node)
+
+
+def host_verdict(args, scenario, log) -> HostFit | None:
+    """The host's verdict of the run in `log` under the host flags (analysis/host.py `judge_host`); None: not
+    judged."""
+    return judge_host(log, scenario.device, host_limits(args))
+
+
+def host_json(args, host: HostFit | None) -> dict:
+    """{"host_check": ...} where the host was judged on request (--host-memory or --pinned-limit) or does not fit;
+    else {} (a run judged only by a profile's default node, and fitting it, keeps its JSON as it was)."""
+    return {"host_check": host.as_json()} if host is not None and (host.asked or not host.fits) else {}
 
 
 def check_line(fits: bool, need: int, budget: int, unit: str) -> str:

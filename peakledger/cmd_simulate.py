@@ -37,6 +37,7 @@ from .cli_common import (
     decide,
     fit_verdict,
     flag_int,
+    host_json,
     host_verdict,
     parse_case,
     write_json,
@@ -126,7 +127,7 @@ def cmd_simulate(args) -> int:
         write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
                      **({"compile_vs_eager": savings} if savings else {}),
                      **({"fit_check": verdict.as_json()} if verdict is not None else {}),
-                     **({"host_check": host.as_json()} if host is not None and args.host_memory else {})})
+                     **host_json(args, host)})
     else:
         print(render_text(report, args.unit))
         if path:

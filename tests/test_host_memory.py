@@ -160,3 +160,20 @@ def test_nothing_on_the_host_of_a_profile_without_a_node_is_not_judged(capsys):
 def test_bad_host_flags_exit_2(capsys, argv, field):
     code, _, err = run_cli(capsys, "simulate", *TINY, *argv)
     assert code == 2 and field in err and len(err.strip().splitlines()) == 1
+
+
+def test_explain_and_where_read_the_same_host_verdict(capsys, offloaded):
+    peak, _, _ = host_walk(offloaded.log, 0)
+    need = peak + PROCESS_BASELINE
+    code, out, _ = run_cli(capsys, "explain", *OFFLOAD, "--check", "--host-memory", f"{need - 1}B", "--json")
+    data = json.loads(out)
+    assert code == 1 and data["fits"] and not data["host_check"]["fits"]  # the device fits, the host does not
+    assert data["host_check"]["worst_node_host"]["need"] == need and data["host_moment"]["pool"] == "host"
+    where = [a for a in OFFLOAD if a not in ("--device", "H100-80GB")]
+    code, out, _ = run_cli(capsys, "where", *where, "--devices", "H100-80GB", "--no-max-batch", "--check",
+                           "--host-memory", f"{need - 1}B", "--json")
+    row = json.loads(out)["devices"][0]
+    assert code == 1 and not row["fits"] and row["margin_bytes"] > 0 and row["host"]["worst_node_host"]["need"] == need
+    code, out, _ = run_cli(capsys, "where", *where, "--devices", "H100-80GB", "--no-max-batch", "--check", "--json")
+    row = json.loads(out)["devices"][0]
+    assert code == 0 and row["fits"] and "host" not in row  # the DGX node's 2 TiB: fits, JSON as before
