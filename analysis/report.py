@@ -201,6 +201,13 @@ def _repeats_json(plan: StepPlan) -> dict | None:
             "rule": f"step s > {plan.simulated} repeats simulated step {first} + (s - {first}) mod {plan.period}"}
 
 
+def _host_memory_json(r: Report) -> dict:
+    """{"host_memory": the host peak split pinned / pageable} where the rank holds pinned host memory (else {}: the
+    split says nothing more than host_peak, and such a run's JSON stays as it was)."""
+    use = host_uses(r.log).get(r.host.rank) if r.host is not None else None
+    return {"host_memory": use.as_json()} if use is not None and use.pinned_peak else {}
+
+
 def report_json(r: Report) -> dict:
     md = r.metadata
     setup = md.setup
@@ -229,7 +236,7 @@ def report_json(r: Report) -> dict:
         "phases": [p.as_json() for p in r.phases],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.overall) if r.host else None,
-        **({"host_memory": host_uses(r.log)[r.host.rank].as_json()} if r.host else {}),
+        **_host_memory_json(r),
         "steps": plan.steps,
         "steps_simulated": plan.simulated,
         "repeats": _repeats_json(plan),

@@ -70,6 +70,8 @@ def test_host_rows_equal_the_log_and_torchs_adam_rule(offloaded):
     assert (host["peak"], host["pinned_at_peak"], host["pageable_at_peak"], host["pinned_peak"]) == \
         (peak, pinned, peak - pinned, top_pinned)
     assert data["host_peak"]["bytes"] == peak
+    plain = report_json(api.run(scenario()))  # Adam's steps on the host, nothing pinned: the JSON of before
+    assert plain["host_peak"]["bytes"] > 0 and "host_memory" not in plain
 
 
 def test_pinned_split_is_the_blocks_flags(offloaded):
