@@ -29,7 +29,9 @@ from ..models.config import ConfigError
 from ..models.devices import NODE_HOSTS
 from ..models.training import RankRanges
 from ..simulator.events import Action, EventLog, Pool
-from .units import format_bytes
+from ..simulator.timeline import timeline
+from .ledger import row_name
+from .units import Scale, format_bytes
 
 # RSS of a Python process after `import torch`, torch 2.13.0+cpu (the CPU build), measured on this project's Linux
 # x86-64 CI machine (Python 3.11.7): /proc/self/statm resident pages x page size, 229,953,536 B (3 runs: 229.9 to
@@ -183,6 +185,25 @@ def judge_host(log: EventLog, device: str, limits: HostLimits = HostLimits()) ->
                     f"{node.system}'s host memory, the {device} profile's typical node")
 
 
+def host_ledger_lines(log: EventLog, rank: int, index: int, unit: str | None = None) -> list[str]:
+    """The host's ledger of `rank` right after its host timeline's event `index` (the host peak): the ledger's rows
+    (analysis/ledger.py), each with its pinned bytes; none where the rank holds no pinned host memory."""
+    use = host_uses(log).get(rank)
+    if use is None or not use.pinned_peak or index < 0:
+        return []
+    rows: dict[str, list[int]] = {}
+    for b in timeline(log, rank, Pool.HOST).live_blocks_at(index):
+        row = rows.setdefault(row_name(b), [0, 0])
+        row[0] += b.nbytes
+        row[1] += b.nbytes if b.pinned else 0
+    total, pinned = sum(v[0] for v in rows.values()), sum(v[1] for v in rows.values())
+    g = Scale.of([total], unit)
+    out = ["", f"host ledger at the host peak (rank {rank}; {g.unit}; exact totals in --json host_memory)",
+           f"  {'row':<30}{'at peak':>14}{'pinned':>14}"]
+    out += [f"  {name:<30}{g.number(b):>14}{g.number(p):>14}" for name, (b, p) in sorted(rows.items())]
+    return out + [f"  {'total':<30}{g.number(total):>14}{g.number(pinned):>14}"]
+
+
 def _ranks(n: NodeNeed) -> str:
     return f"rank {n.first}" if n.stop == n.first + 1 else f"ranks {n.first}-{n.stop - 1}"
 
@@ -247,4 +268,4 @@ def host_fit(log: EventLog, host_memory: int, pinned_limit: int | None = None, g
 
 
 __all__ = ["HostFit", "HostLimits", "HostUse", "NodeNeed", "PINNED_SHARE", "PROCESS_BASELINE", "host_fit",
-           "host_uses", "judge_host"]
+           "host_ledger_lines", "host_uses", "judge_host"]

@@ -25,7 +25,7 @@ from ..simulator.run_metadata import RunMetadata
 from ..simulator.timeline import PeakPoint, Timeline, rank_events, rank_peak_points, timeline
 from .device import context_of, device_json, device_lines, gpu_memory, torch_rules
 from .explain import cause
-from .host import host_uses
+from .host import host_ledger_lines, host_uses
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
 from .phases import PhasePeak, phase_lines, phase_peaks
@@ -475,6 +475,8 @@ def render_text(r: Report, unit: str | None = None) -> str:
     lines.append(title)
     for name, at, dtype, shard, tensors, share, top in [head] + body:
         lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}".rstrip())
+    if r.host is not None:
+        lines += host_ledger_lines(r.log, r.host.rank, r.host.overall.index, unit)
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     for o in r.log.ooms:
         lines.append("")

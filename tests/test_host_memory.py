@@ -14,7 +14,7 @@ import pytest
 
 from peakledger import api
 from peakledger.analysis.host import PROCESS_BASELINE, host_fit
-from peakledger.analysis.report import report_json
+from peakledger.analysis.report import render_text, report_json
 from peakledger.cli import main
 from peakledger.models.training import RankRanges
 from peakledger.scenario import build_scenario
@@ -179,3 +179,13 @@ def test_explain_and_where_read_the_same_host_verdict(capsys, offloaded):
     code, out, _ = run_cli(capsys, "where", *where, "--devices", "H100-80GB", "--no-max-batch", "--check", "--json")
     row = json.loads(out)["devices"][0]
     assert code == 0 and row["fits"] and "host" not in row  # the DGX node's 2 TiB: fits, JSON as before
+
+
+def test_the_text_report_has_the_host_ledger(offloaded):
+    text = render_text(offloaded)
+    assert "host ledger at the host peak (rank 0;" in text
+    rows = {line.split()[0]: line.split()[1:] for line in text[text.index("host ledger"):].splitlines()[2:6]}
+    assert set(rows) == {"optimizer_state.exp_avg", "optimizer_state.exp_avg_sq", "optimizer_state.step", "total"}
+    assert float(rows["optimizer_state.step"][1]) == 0 < float(rows["optimizer_state.step"][0])  # pageable
+    assert rows["optimizer_state.exp_avg"][0] == rows["optimizer_state.exp_avg"][1]  # pinned
+    assert "host ledger" not in render_text(api.run(scenario()))  # nothing pinned: no host ledger
