@@ -65,7 +65,8 @@ def cmd_explain(args) -> int:
     status = decide(args, 1 if args.check and not verdict.fits else 0)
     if args.html:
         write_html(args.html, html_report(
-            x.report, u, budget=budget, verdict=(x.fits, check_line(x.fits, x.capacity_needed, budget, u)),
+            x.report, u, budget=budget, verdict=(verdict.fits, verdict.line(u)) if host_json(args, host) else
+            (x.fits, check_line(x.fits, x.capacity_needed, budget, u)),
             fixes=diagnosis.fixes_table(x, u),
             notes=[f"{'where it runs out' if not x.fits else 'its highest moment'}: {x.where}"] + x.first_step))
     if args.json:

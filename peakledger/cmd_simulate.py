@@ -149,7 +149,9 @@ def _html_page(args, scenario, report, budget: int | None) -> str:
     without --budget has none); when it does not fit, the fixes `explain` finds there, each re-simulated."""
     profile = device_profile(scenario.device)
     card = budget if budget is not None else None if profile.is_cpu else profile.memory_bytes
-    verdict = fit_verdict(report, card, scenario.headroom) if card is not None else None
+    host = host_verdict(args, scenario, report.log)
+    verdict = fit_verdict(report, card, scenario.headroom, host if host is not None and (host.asked or not host.fits)
+                          else None) if card is not None else None
     fixes = None
     if verdict is not None and not verdict.fits:
         x = diagnosis.explain(scenario, card)
