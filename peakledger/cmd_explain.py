@@ -162,7 +162,9 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
     allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
     its first moment over the budget, or its peak."""
-    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
+    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else []) + [
+        f"--{n.replace('_', '-')}" for n in ("host_memory", "pinned_limit", "gpus_per_node")
+        if getattr(args, n, None) is not None]
     if ignored:
         raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
                                    "ignored: drop them (or explain the scenario without --trace)")
