@@ -115,6 +115,12 @@ class HostFit:
         return self.source == "--host-memory" or self.pinned_limit_rule == "given"
 
     @property
+    def said(self) -> bool:
+        """Worth a report's lines: asked for, not fitting, or the run holds pinned host memory (a host-side technique
+        in use); not for a run whose host holds only, say, Adam's step tensors against a default node."""
+        return self.asked or not self.fits or any(u.pinned_peak for u in self.uses)
+
+    @property
     def fits_ram(self) -> bool:
         return self.host.need <= self.host_memory
 

@@ -226,6 +226,12 @@ class FitVerdict:
         return self.fits if self.device_fits is None else self.device_fits
 
     @property
+    def shows_host(self) -> bool:
+        """The host's verdict is said (line, JSON) where it was asked for or does not fit: a run judged only by its
+        profile's default node, and fitting it, reads as before."""
+        return self.host is not None and (self.host.asked or not self.host.fits)
+
+    @property
     def by_retry(self) -> bool:
         return self.card is not None and self.card.by_retry
 
@@ -242,7 +248,7 @@ class FitVerdict:
                      f"request(s) after a flush, torch's rule): unbounded it would hold {f(self.card.unbounded)}")
         if self.card is not None and self.card.thin:
             text += f"; thin margin, under {THIN_MARGIN:.0%} of the budget (--headroom adds a margin to what is judged)"
-        if self.host is not None:
+        if self.shows_host:
             text += "; " + self.host.text(unit)
         return text
 
@@ -253,7 +259,7 @@ class FitVerdict:
                 "fits_by_allocator_retry": self.by_retry, "alloc_retries": card.alloc_retries if card else 0,
                 "unbounded_capacity_needed": card.unbounded if card else None,
                 "thin_margin": bool(card and card.thin),
-                **({"fits_gpu": self.fits_gpu, "host": self.host.as_json()} if self.host is not None else {})}
+                **({"fits_gpu": self.fits_gpu, "host": self.host.as_json()} if self.shows_host else {})}
 
 
 def fit_verdict(report, budget: int, headroom: float, host: HostFit | None = None) -> FitVerdict:

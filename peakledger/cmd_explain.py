@@ -94,7 +94,7 @@ def cmd_explain(args) -> int:
         print("\n".join(f"  - {line}" for line in x.first_step))
     print("\n".join(render_moment(x.moment, u, setup, x.binding)))
     print("\n".join(_explain_gpu_lines(x, u)))
-    if host is not None:
+    if host is not None and host.said:
         print("\n".join(host.lines(u)))
     if host_moment is not None:
         if x.host_moment is None:

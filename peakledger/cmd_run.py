@@ -164,7 +164,7 @@ def cmd_run(args) -> int:
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
     if written:
         print(f"written: {', '.join(written)}")
-    if host is not None:
+    if host is not None and host.said:
         print("\n".join(host.lines(args.unit)[:1 if verdict is not None else 2]))
     if verdict is not None:
         print(verdict.line(args.unit))

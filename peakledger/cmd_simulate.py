@@ -137,7 +137,7 @@ def cmd_simulate(args) -> int:
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
         if savings:
             print("\n".join(_savings_lines(savings, args.unit)))
-        if host is not None:
+        if host is not None and host.said:
             print("\n".join(host.lines(args.unit)[:1 if verdict is not None else 2]))  # --check: the verdict's
         if verdict is not None:
             print(verdict.line(args.unit))

@@ -149,9 +149,13 @@ def test_node_sums_its_ranks():
     assert host_fit(r.log, 1 << 40).gpus_per_node == 4  # by default 8, or the world size if smaller
 
 
-def test_nothing_on_the_host_of_a_profile_without_a_node_is_not_judged(capsys):
-    code, out, _ = run_cli(capsys, "simulate", *TINY, "--device", "RTX-4090-24GB", "--check", "--json")
-    assert code == 0 and "host" not in json.loads(out)["fit_check"]
+@pytest.mark.parametrize("device", ["RTX-4090-24GB", "H100-80GB"])
+def test_a_host_not_asked_for_and_fitting_reads_as_before(capsys, device):
+    """No typical node (RTX): not judged; a DGX node's 2 TiB against Adam's step tensors: judged, fits, unsaid."""
+    code, out, _ = run_cli(capsys, "simulate", *TINY, "--device", device, "--check", "--json")
+    assert code == 0 and "host" not in json.loads(out)["fit_check"] and "host_check" not in json.loads(out)
+    code, out, _ = run_cli(capsys, "simulate", *TINY, "--device", device, "--check")
+    assert code == 0 and "host" not in out.strip().splitlines()[-1] and "host per node" not in out
 
 
 @pytest.mark.parametrize("argv, field", [
