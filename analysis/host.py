@@ -33,10 +33,10 @@ from ..simulator.timeline import timeline
 from .ledger import row_name
 from .units import Scale, format_bytes
 
-# RSS of a Python process after `import torch`, torch 2.13.0+cpu (the CPU build), measured on this project's Linux
-# x86-64 CI machine (Python 3.11.7): /proc/self/statm resident pages x page size, 229,953,536 B (3 runs: 229.9 to
-# 230.0 MB). A CUDA process holds more (the CUDA runtime and the kernels' host copies): not measured here, so
-# this is a lower bound of each rank's host baseline.
+# RSS of a Python process after `import torch`, torch 2.13.0+cpu (the CPU build), Python 3.11.7, Linux x86-64:
+# /proc/self/statm resident pages x page size, 229,953,536 B (3 runs, 229.9 to 230.0 MB; bench/validate_host.py
+# re-measures it: 5 runs, median within 0.02%). A CUDA process holds more (the CUDA runtime and the kernels' host
+# copies): not measured here (no GPU), so this is a lower bound of each rank's host baseline.
 PROCESS_BASELINE = 229_953_536
 PINNED_SHARE = 0.5  # the default pinned limit: this share of the node's host memory (see the module docstring)
 
