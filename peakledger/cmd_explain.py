@@ -30,6 +30,7 @@ from .cli_common import (
     check_line,
     decide,
     host_json,
+    host_limits,
     host_verdict,
     write_json,
 )
@@ -53,7 +54,7 @@ def cmd_explain(args) -> int:
         return _explain_trace(args, budget, host_budget)
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "explain")
-    x = diagnosis.explain(scenario, budget, host_budget)
+    x = diagnosis.explain(scenario, budget, host_budget, host_limits(args))
     setup = scenario.setup
     host = host_verdict(args, scenario, x.report.log)  # the node's host verdict (analysis/host.py), None: not judged
     verdict = FitVerdict(x.fits and (host is None or host.fits), x.capacity_needed, budget, host=host,

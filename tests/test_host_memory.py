@@ -193,3 +193,19 @@ def test_the_text_report_has_the_host_ledger(offloaded):
     assert float(rows["optimizer_state.step"][1]) == 0 < float(rows["optimizer_state.step"][0])  # pageable
     assert rows["optimizer_state.exp_avg"][0] == rows["optimizer_state.exp_avg"][1]  # pinned
     assert "host ledger" not in render_text(api.run(scenario()))  # nothing pinned: no host ledger
+
+
+def test_a_fix_that_moves_memory_to_a_host_too_small_does_not_fit(offloaded):
+    """explain's fixes are judged by the same host verdict: offloading the optimizer states fits the card, but not a
+    node whose RAM is one byte short of the offloaded run's host need."""
+    from peakledger import diagnosis
+    from peakledger.analysis.host import HostLimits
+
+    need = host_walk(offloaded.log, 0)[0] + PROCESS_BASELINE
+    base = scenario()
+    fits = diagnosis._fix(base, 80 << 30, "offload", {"optimizer_offload": "states"}, False, "states on the host",
+                          host=HostLimits(host_memory=need))
+    short = diagnosis._fix(base, 80 << 30, "offload", {"optimizer_offload": "states"}, False, "states on the host",
+                           host=HostLimits(host_memory=need - 1))
+    assert fits.fits and fits.note == "states on the host"
+    assert not short.fits and short.note.startswith("states on the host; host: DOES NOT FIT (needs ")
