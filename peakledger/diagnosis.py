@@ -163,7 +163,7 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     return out
 
 
-def explain(scenario: Scenario, budget: int, host_budget: int | None = None, host: HostLimits | None = None
+def explain(scenario: Scenario, budget: int, host_budget: int | None = None, limits: HostLimits | None = None
             ) -> Explanation:
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
@@ -189,7 +189,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, hos
         for candidate in listed:
             bar.advance(description=f"re-simulating: {candidate[0]}")
             try:
-                fix = _fix(scenario, budget, *candidate, host=host)
+                fix = _fix(scenario, budget, *candidate, host=limits)
             except ConfigError:
                 continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
             candidates.append(candidate)
@@ -198,7 +198,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, hos
             bar.advance(0, description="searching the fewest GPUs that fit")
             fixes += more_gpus_fixes(scenario, budget)
         if fixes and not any(f.fits for f in fixes):
-            combined = _combine(scenario, budget, candidates, fixes, host=host)
+            combined = _combine(scenario, budget, candidates, fixes, host=limits)
             if combined is not None:
                 fixes.append(combined)
     tried = len(fixes)
