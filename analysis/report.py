@@ -25,6 +25,7 @@ from ..simulator.run_metadata import RunMetadata
 from ..simulator.timeline import PeakPoint, Timeline, rank_events, rank_peak_points, timeline
 from .device import context_of, device_json, device_lines, gpu_memory, torch_rules
 from .explain import cause
+from .host import host_ledger_lines, host_uses
 from .ledger import LedgerRow, ledger_at
 from .peaks import Peaks, peaks, with_headroom
 from .phases import PhasePeak, phase_lines, phase_peaks
@@ -200,6 +201,13 @@ def _repeats_json(plan: StepPlan) -> dict | None:
             "rule": f"step s > {plan.simulated} repeats simulated step {first} + (s - {first}) mod {plan.period}"}
 
 
+def _host_memory_json(r: Report) -> dict:
+    """{"host_memory": the host peak split pinned / pageable} where the rank holds pinned host memory (else {}: the
+    split says nothing more than host_peak, and such a run's JSON stays as it was)."""
+    use = host_uses(r.log).get(r.host.rank) if r.host is not None else None
+    return {"host_memory": use.as_json()} if use is not None and use.pinned_peak else {}
+
+
 def report_json(r: Report) -> dict:
     md = r.metadata
     setup = md.setup
@@ -228,6 +236,7 @@ def report_json(r: Report) -> dict:
         "phases": [p.as_json() for p in r.phases],
         "ranks": [rp.as_json() for rp in r.ranks],
         "host_peak": _peak_json(r.host.overall) if r.host else None,
+        **_host_memory_json(r),
         "steps": plan.steps,
         "steps_simulated": plan.simulated,
         "repeats": _repeats_json(plan),
@@ -413,10 +422,14 @@ def peak_lines(r: Report, unit: str | None = None) -> list[str]:
                              + cause(pk.first_step.event, pk.first_step.live_by_category, setup))
         if r.host is not None:
             he = r.host.overall.event
+            use = host_uses(r.log).get(r.host.rank)
             lines.append(
                 f"host peak        {f(r.host.overall.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
                 f"  (rank {r.host.rank} host memory)"
             )
+            if use is not None:  # the same peak, split by Block.pinned
+                lines.append(f"  pinned {f(use.pinned_at_peak)}, pageable {f(use.pageable_at_peak)} at the host peak; "
+                             f"pinned peak {f(use.pinned_peak)}")
         if pk.headroom:
             what = "device total" if r.gpu is not None else "peak"
             lines.append(f"capacity needed  {f(r.capacity_needed):>14}  ({what} x (1 + {pk.headroom:g}) headroom)")
@@ -462,6 +475,8 @@ def render_text(r: Report, unit: str | None = None) -> str:
     lines.append(title)
     for name, at, dtype, shard, tensors, share, top in [head] + body:
         lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}".rstrip())
+    if r.host is not None:
+        lines += host_ledger_lines(r.log, r.host.rank, r.host.overall.index, unit)
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     for o in r.log.ooms:
         lines.append("")

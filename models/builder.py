@@ -76,9 +76,10 @@ class GraphBuilder:
             self.engine = PipelineEngine(self, self.engine)
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
-              shard: int = 1, pool: Pool = Pool.DEVICE) -> Block:
+              shard: int = 1, pool: Pool = Pool.DEVICE, pinned: bool = False) -> Block:
+        """A new block of this rank; `pinned`: page-locked host memory (simulator/events.py `Block`)."""
         return new_block(next(self._block_ids), nbytes, category, name, dtype,
-                         shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool)
+                         shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool, pinned)
 
     def op(self, name: str, phase: Phase, step: int, micro_batch_index: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,

@@ -365,10 +365,16 @@ def _on_device(builder, t: StateTensor) -> bool:
     return not builder.device.is_cpu and t.pool is Pool.DEVICE
 
 
-def _staging(builder, name: str, nbytes: int, t: StateTensor, pool: Pool, whole: bool = False) -> Block:
-    """A checkpoint buffer holding `t` (its shard, or the `whole` tensor rebuilt by a gather)."""
+PIN_MIN_BYTES = 5  # the stager pins a copy of at least this many bytes (torch 2.13 distributed/checkpoint/
+# _state_dict_stager.py `pin_memory_min_bytes`; DefaultStager's StagingOptions.use_pinned_memory is True, staging.py)
+
+
+def _staging(builder, name: str, nbytes: int, t: StateTensor, pool: Pool, whole: bool = False,
+             pinned: bool = False) -> Block:
+    """A checkpoint buffer holding `t` (its shard, or the `whole` tensor rebuilt by a gather); `pinned`: page-locked
+    host memory (only the async stager's copies; every other host copy here is pageable)."""
     return builder.block(name, nbytes, Category.CHECKPOINT_STAGING, t.dtype, t.shape, shard=1 if whole else t.shard,
-                   pool=pool)
+                   pool=pool, pinned=pinned)
 
 
 def save_checkpoint(builder, step: int) -> None:
@@ -482,7 +488,8 @@ def _async_save(builder, step: int, state: tuple[StateTensor, ...]) -> None:
             (),
             pool=pool,
         )
-        staged = [_staging(builder, f"checkpoint.{t.name}.staging", t.storage_nbytes, t, pool)] if first else []
+        staged = [_staging(builder, f"checkpoint.{t.name}.staging", t.storage_nbytes, t, pool,
+                           pinned=pool is Pool.HOST and t.storage_nbytes >= PIN_MIN_BYTES)] if first else []
         builder.op(f"checkpoint.async.stage.{t.name}", ph, step, -1, [placeholder] + staged, [placeholder.id],
              duration=_copy_seconds(builder, t.storage_nbytes))
     builder.op("checkpoint.async.write", ph, step, -1, [], [], stream=Stream.HOST,

@@ -150,6 +150,28 @@ DEVICES = {
 }
 
 
+@dataclass(frozen=True)
+class NodeHost:
+    """The typical node a GPU profile sits in, for judging host memory (analysis/host.py): its RAM and GPUs."""
+
+    system: str
+    host_memory: int  # bytes of host RAM per node
+    gpus_per_node: int
+    source: str
+
+
+TiB = 2**40
+# NVIDIA's DGX datasheets, "System Memory" (2TB = 32 x 64 GiB DIMMs = 2 TiB; 1TB = 1 TiB) and "GPUs" (8): profiles
+# without a typical node (PCIe and consumer cards: any host) have none, and their host is judged only when
+# --host-memory is given
+NODE_HOSTS = {
+    "H100-80GB": NodeHost("DGX H100", 2 * TiB, 8, "NVIDIA DGX H100 datasheet: 8x H100 SXM5, 2TB system memory"),
+    "H200-141GB": NodeHost("DGX H200", 2 * TiB, 8, "NVIDIA DGX H200 datasheet: 8x H200 SXM, 2TB system memory"),
+    "A100-80GB": NodeHost("DGX A100 640GB", 2 * TiB, 8, "NVIDIA DGX A100 datasheet: 640GB system, 2TB memory"),
+    "A100-40GB": NodeHost("DGX A100 320GB", 1 * TiB, 8, "NVIDIA DGX A100 datasheet: 320GB system, 1TB memory"),
+}
+
+
 def device_profile(name: str) -> DeviceProfile:
     try:
         return DEVICES[name]

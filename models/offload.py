@@ -4,7 +4,9 @@ The semantics (which wrapper does what, and why the first step is special) are i
 Here an `OffloadedStates` keeps the rank's two sets of blocks as the describer adds ops:
 
 - host buffers, one per offloaded state tensor (`<tensor>.<state>.host`), allocated by the first
-  offload and kept for the rest of the run: the state's home between steps. They are Pool.HOST on
+  offload and kept for the rest of the run: the state's home between steps (pinned on a GPU profile: Megatron's
+  and DeepSpeed's offload buffers are page-locked, models/optimizers.py; pageable on "cpu", where nothing can be
+  pinned without CUDA). They are Pool.HOST on
   every profile, the "cpu" one included (the tracker counts the reference offload's host buffers as
   host memory too), so a CPU run's device pool holds what a GPU's would;
 - device copies (`<tensor>.<state>`, the blocks torch's lazy init creates in step 1, later the
@@ -78,7 +80,7 @@ class OffloadedStates:
     def _host_buffer(self, device_copy: Block) -> Block:
         d = device_copy
         blk = self.builder.block(f"{d.name}.host", d.nbytes, Category.OPTIMIZER_STATE, d.dtype, d.shape, state=d.state,
-                           shard=d.shard_factor, pool=Pool.HOST)
+                           shard=d.shard_factor, pool=Pool.HOST, pinned=not self.builder.device.is_cpu)
         self.host[d.name] = blk
         return blk
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from . import api
 from .analysis.card_fit import THIN_MARGIN, CardFit
+from .analysis.host import HostFit, HostLimits, judge_host
 from .analysis.peaks import with_headroom
 from .analysis.units import format_bytes, parse_bytes
 from .inputs import MODEL_FLAG_TYPES
@@ -165,6 +166,38 @@ def add_check_flag(p: argparse.ArgumentParser) -> None:
                         "--device profile's memory), 0 when it fits; the last line says which")
 
 
+def add_host_flags(p: argparse.ArgumentParser) -> None:
+    """The host's limits (analysis/host.py): judged with the device by --check, where and explain."""
+    g = p.add_argument_group("host memory (judged per node: the ranks of a node share its RAM)")
+    g.add_argument("--host-memory", help="host RAM per node (2TiB, 512GiB): judged when given, or by default where "
+                   "the --device profile has a typical node (H100-80GB, H200-141GB: DGX, 2 TiB) and the run puts "
+                   "tensors on the host")
+    g.add_argument("--pinned-limit", help="pinned (page-locked) host memory per node (default: half of "
+                   "--host-memory, analysis/host.py)")
+    g.add_argument("--gpus-per-node", type=flag_int, help="ranks per node sharing one host (default: the profile's "
+                   "node, 8, or the world size if smaller)")
+
+
+def host_limits(args) -> HostLimits:
+    """The host flags as limits (analysis/host.py); bad values: ConfigError naming the flag."""
+    per_node = getattr(args, "gpus_per_node", None)
+    if per_node is not None and per_node < 1:
+        raise ConfigError("gpus_per_node", f"must be >= 1, got {per_node}")
+    return HostLimits(budget_flag(args, "host_memory"), budget_flag(args, "pinned_limit"), per_node)
+
+
+def host_verdict(args, scenario, log) -> HostFit | None:
+    """The host's verdict of the run in `log` under the host flags (analysis/host.py `judge_host`); None: not
+    judged."""
+    return judge_host(log, scenario.device, host_limits(args))
+
+
+def host_json(args, host: HostFit | None) -> dict:
+    """{"host_check": ...} where the host was judged on request (--host-memory or --pinned-limit) or does not fit;
+    else {} (a run judged only by a profile's default node, and fitting it, keeps its JSON as it was)."""
+    return {"host_check": host.as_json()} if host is not None and (host.asked or not host.fits) else {}
+
+
 def check_line(fits: bool, need: int, budget: int, unit: str) -> str:
     """The last line of a --check: FITS with the margin, or DOES NOT FIT with how far over."""
     f = lambda n: format_bytes(n, unit)  # noqa: E731
@@ -177,13 +210,26 @@ class FitVerdict:
     """A --check's answer: the run's one verdict against the budget (analysis/card_fit.py `CardFit`: the need
     judged, a fit only by the caching allocator's flush-and-retry, a thin margin), or, for a run that stopped at
     its first OOM (`stopped_at`, the op), a lower bound of the need (what was live there plus the allocation that
-    failed, x (1 + headroom)): such a run never fits."""
+    failed, x (1 + headroom)): such a run never fits. `host`, where the host is judged (analysis/host.py): the run
+    fits only when the device and the host both do."""
 
     fits: bool
     need: int
     budget: int
     stopped_at: str | None = None
     card: CardFit | None = None
+    host: HostFit | None = None
+    device_fits: bool | None = None  # with `host`: the device's verdict alone
+
+    @property
+    def fits_gpu(self) -> bool:
+        return self.fits if self.device_fits is None else self.device_fits
+
+    @property
+    def shows_host(self) -> bool:
+        """The host's verdict is said (line, JSON) where it was asked for or does not fit: a run judged only by its
+        profile's default node, and fitting it, reads as before."""
+        return self.host is not None and (self.host.asked or not self.host.fits)
 
     @property
     def by_retry(self) -> bool:
@@ -194,12 +240,16 @@ class FitVerdict:
         if self.stopped_at is not None:
             return (f"fit check: DOES NOT FIT (the run stopped at its first OOM, at {self.stopped_at}: at least "
                     f"{f(self.need)} needed of {f(self.budget)}, over by at least {f(self.need - self.budget)})")
-        text = check_line(self.fits, self.need, self.budget, unit)
+        text = check_line(self.fits_gpu, self.need, self.budget, unit)
+        if self.host is not None and self.fits_gpu and not self.host.fits:  # the device fits, the host does not
+            text = "fit check: DOES NOT FIT: fits the GPU" + text.removeprefix("fit check: FITS")
         if self.by_retry:
             text += (f"; only because the caching allocator frees its cache and retries ({self.card.alloc_retries:,} "
                      f"request(s) after a flush, torch's rule): unbounded it would hold {f(self.card.unbounded)}")
         if self.card is not None and self.card.thin:
             text += f"; thin margin, under {THIN_MARGIN:.0%} of the budget (--headroom adds a margin to what is judged)"
+        if self.shows_host:
+            text += "; " + self.host.text(unit)
         return text
 
     def as_json(self) -> dict:
@@ -208,18 +258,22 @@ class FitVerdict:
                 "capacity_needed_is_lower_bound": self.stopped_at is not None, "stopped_at_oom": self.stopped_at,
                 "fits_by_allocator_retry": self.by_retry, "alloc_retries": card.alloc_retries if card else 0,
                 "unbounded_capacity_needed": card.unbounded if card else None,
-                "thin_margin": bool(card and card.thin)}
+                "thin_margin": bool(card and card.thin),
+                **({"fits_gpu": self.fits_gpu, "host": self.host.as_json()} if self.shows_host else {})}
 
 
-def fit_verdict(report, budget: int, headroom: float) -> FitVerdict:
-    """The --check verdict of `report` against `budget` (see FitVerdict); never read from a partial run."""
+def fit_verdict(report, budget: int, headroom: float, host: HostFit | None = None) -> FitVerdict:
+    """The --check verdict of `report` against `budget` and, given `host` (`host_verdict`), the host's limits (see
+    FitVerdict); never read from a partial run."""
     log = report.log
     if log.metadata.stopped_at_oom and log.ooms:
         oom = log.ooms[0]
         need = with_headroom(oom.live_bytes + oom.event.block.nbytes, headroom)
-        return FitVerdict(False, max(need, budget + 1), budget, stopped_at=oom.event.op)
+        return FitVerdict(False, max(need, budget + 1), budget, stopped_at=oom.event.op, host=host)
     card = api.card_fit(report, budget)
-    return FitVerdict(card.fits and not log.ooms, card.need, budget, card=card)
+    gpu = card.fits and not log.ooms
+    return FitVerdict(gpu and (host is None or host.fits), card.need, budget, card=card, host=host,
+                      device_fits=gpu if host is not None else None)
 
 
 def parse_case(text: str) -> tuple[str, dict]:

@@ -7,23 +7,36 @@ import json
 
 from . import diagnosis
 from .analysis.allocator_replay import replay_snapshot
-from .analysis.explain import live_at_moment, moment_json, render_moment, render_reserved_moment, reserved_moment_json
+from .analysis.explain import (
+    live_at_moment,
+    moment_json,
+    render_moment,
+    render_reserved_moment,
+    reserved_moment_json,
+    worst_moment,
+)
 from .analysis.export import write_html
 from .analysis.export_html import html_report
 from .analysis.phases import phase_lines
 from .analysis.units import format_bytes, parse_bytes
 from .assumed import assumed, assumed_lines
 from .cli_common import (
+    FitVerdict,
     add_check_flag,
+    add_host_flags,
     add_scenario_flags,
     budget_flag,
     budget_of,
     check_line,
     decide,
+    host_json,
+    host_limits,
+    host_verdict,
     write_json,
 )
 from .inputs import check_command_outputs, scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
+from .simulator.events import Pool
 from .traces.store import load_trace
 
 
@@ -41,12 +54,20 @@ def cmd_explain(args) -> int:
         return _explain_trace(args, budget, host_budget)
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "explain")
-    x = diagnosis.explain(scenario, budget, host_budget)
+    x = diagnosis.explain(scenario, budget, host_budget, host_limits(args))
     setup = scenario.setup
-    status = decide(args, 1 if args.check and not x.fits else 0)
+    host = host_verdict(args, scenario, x.report.log)  # the node's host verdict (analysis/host.py), None: not judged
+    verdict = FitVerdict(x.fits and (host is None or host.fits), x.capacity_needed, budget, host=host,
+                         device_fits=x.fits if host is not None else None)
+    host_moment = x.host_moment
+    if host_moment is None and host is not None and not host.fits_ram:  # where a rank outgrows its even share
+        share = max(0, host.host_memory // host.gpus_per_node - host.baseline)
+        host_moment = worst_moment(x.report.log, share, Pool.HOST)
+    status = decide(args, 1 if args.check and not verdict.fits else 0)
     if args.html:
         write_html(args.html, html_report(
-            x.report, u, budget=budget, verdict=(x.fits, check_line(x.fits, x.capacity_needed, budget, u)),
+            x.report, u, budget=budget, verdict=(verdict.fits, verdict.line(u)) if host_json(args, host) else
+            (x.fits, check_line(x.fits, x.capacity_needed, budget, u)),
             fixes=diagnosis.fixes_table(x, u),
             notes=[f"{'where it runs out' if not x.fits else 'its highest moment'}: {x.where}"] + x.first_step))
     if args.json:
@@ -55,7 +76,7 @@ def cmd_explain(args) -> int:
                      "where": x.where, "first_step": x.first_step,
                      "phases": [p.as_json() for p in x.phases], "risks": x.risks,
                      "moment": moment_json(x.moment, setup, x.binding),
-                     "host_moment": moment_json(x.host_moment, setup) if x.host_moment else None,
+                     "host_moment": moment_json(host_moment, setup) if host_moment else None, **host_json(args, host),
                      "fixes_tried": x.tried,
                      "fixes": [{"name": fx.name, "changes": {k: list(v) if isinstance(v, tuple) else v
                                                              for k, v in fx.changes.items()},
@@ -65,8 +86,8 @@ def cmd_explain(args) -> int:
                     "assumed": assumed(scenario)})
         return status
     f = lambda n: format_bytes(n, u)  # noqa: E731
-    verdict = "fits" if x.fits else "DOES NOT FIT"
-    print(f"{x.scenario}: {verdict} a budget of {f(budget)}: peak {f(x.peak)}, capacity needed "
+    said = "fits" if x.fits else "DOES NOT FIT"
+    print(f"{x.scenario}: {said} a budget of {f(budget)}: peak {f(x.peak)}, capacity needed "
           f"{f(x.capacity_needed)}")
     print(f"{'where it runs out' if not x.fits else 'its highest moment'}: {x.where}")
     if x.first_step:
@@ -74,8 +95,13 @@ def cmd_explain(args) -> int:
         print("\n".join(f"  - {line}" for line in x.first_step))
     print("\n".join(render_moment(x.moment, u, setup, x.binding)))
     print("\n".join(_explain_gpu_lines(x, u)))
-    if x.host_moment is not None:
-        print("\n".join(render_moment(x.host_moment, u, setup)))
+    if host is not None and host.said:
+        print("\n".join(host.lines(u)))
+    if host_moment is not None:
+        if x.host_moment is None:
+            print(f"the host's moment, against a rank's even share of the node ({host.gpus_per_node} rank(s)) less "
+                  "its baseline:")
+        print("\n".join(render_moment(host_moment, u, setup)))
     elif host_budget is not None:
         print(f"host budget {f(host_budget)}: nothing of this scenario lives in host memory (no offload, no "
               "host staging), so it always fits")
@@ -92,7 +118,7 @@ def cmd_explain(args) -> int:
         print(f"  {name:<52}{peak:>14}  {fits:<5}{ratio:>11}  {cost}")
     print("\n".join(["", *assumed_lines(scenario), "  (the scenario's; each fix changes what it names)"]))
     if args.check:
-        print(check_line(x.fits, x.capacity_needed, budget, u))
+        print(verdict.line(u))
     return status
 
 
@@ -137,7 +163,9 @@ def _explain_trace(args, budget: int, host_budget: int | None) -> int:
     are refused. A truncated trace is said, and its reading is a lower bound. A CUDA snapshot is read in
     allocated terms (blocks handed to tensors) and in reserved terms (segments cudaMalloc holds), each with
     its first moment over the budget, or its peak."""
-    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else [])
+    ignored = scenario_flags_given(args) + (["--host-budget"] if host_budget is not None else []) + [
+        f"--{n.replace('_', '-')}" for n in ("host_memory", "pinned_limit", "gpus_per_node")
+        if getattr(args, n, None) is not None]
     if ignored:
         raise ConfigError("trace", f"explain --trace reads the measured trace only; {', '.join(ignored)} would be "
                                    "ignored: drop them (or explain the scenario without --trace)")
@@ -213,7 +241,9 @@ def register(sub) -> None:
     add_scenario_flags(x)
     x.add_argument("--budget", help="device memory per rank: 24GiB, 24G, 24GB (default: the --device profile's "
                    "memory)")
-    x.add_argument("--host-budget", help="host memory per rank (checks the host pool too)")
+    x.add_argument("--host-budget", help="host memory per rank: the moment a rank's host pool runs out (the node's "
+                   "verdict is --host-memory's)")
+    add_host_flags(x)
     x.add_argument("--trace", metavar="FILE", help="explain a measured trace (capture JSON or CUDA snapshot pickle)")
     x.add_argument("--json", action="store_true")
     x.add_argument("--html", metavar="FILE", help="also write one self-contained HTML page (no network): the "

@@ -8,10 +8,23 @@ import shlex
 from pathlib import Path
 
 from .analysis.export import write_chrome_trace, write_snapshot
+from .analysis.host import judge_host
 from .analysis.report import render_text, report_json
 from .analysis.units import Scale, format_bytes
 from .analysis.validate import render_validation, validation_json
-from .cli_common import add_check_flag, budget_flag, budget_of, decide, fit_verdict, flag_float, flag_int, write_json
+from .cli_common import (
+    add_check_flag,
+    add_host_flags,
+    budget_flag,
+    budget_of,
+    decide,
+    fit_verdict,
+    flag_float,
+    flag_int,
+    host_json,
+    host_limits,
+    write_json,
+)
 from .inputs import check_command_outputs
 from .models.config import ConfigError
 from .models.devices import DEVICES
@@ -125,7 +138,8 @@ def cmd_run(args) -> int:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
         write_chrome_trace(report.log, args.export_chrome, graph)
-    verdict = fit_verdict(report, budget, 0.0) if args.check else None
+    host = judge_host(report.log, run.device, host_limits(args))  # the node's host (analysis/host.py); None: not
+    verdict = fit_verdict(report, budget, 0.0, host) if args.check else None
     code = 1 if verdict is not None and not verdict.fits else 0
     if args.tolerance is not None and not all(v.passes(args.tolerance) for v in validations):
         code = 1
@@ -137,7 +151,7 @@ def cmd_run(args) -> int:
                                    for t, r in tries]} if tries else {}),
                      **({"validation": validation_json(validations[0]),
                          "validation_by_rank": [validation_json(v) for v in validations]} if validations else {}),
-                     **({"fit_check": verdict.as_json()} if verdict is not None else {})})
+                     **({"fit_check": verdict.as_json()} if verdict is not None else {}), **host_json(args, host)})
         return code
     text = render_text(report, args.unit).split("\n")
     print("\n".join(text[:1] + header(report, args.unit) + text[1:]))
@@ -150,6 +164,8 @@ def cmd_run(args) -> int:
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome) if x]
     if written:
         print(f"written: {', '.join(written)}")
+    if host is not None and host.said:
+        print("\n".join(host.lines(args.unit)[:1 if verdict is not None else 2]))
     if verdict is not None:
         print(verdict.line(args.unit))
     return code
@@ -172,6 +188,7 @@ def register(sub) -> None:
                    "fake process group")
     r.add_argument("--budget", help="device capacity (80GiB, 24G, 80GB): record the first OOM")
     add_check_flag(r)
+    add_host_flags(r)
     r.add_argument("--try", dest="tries", action="append", metavar="'ARGS'",
                    help="a change to the script's own arguments to predict too (repeat): '--micro-batch 2', "
                         "'--gradient_checkpointing', '--lr=1e-4'; each is run on fake tensors and compared with the "

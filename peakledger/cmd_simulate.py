@@ -30,12 +30,15 @@ from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
 from .cli_common import (
     add_check_flag,
+    add_host_flags,
     add_scenario_flags,
     budget_flag,
     budget_of,
     decide,
     fit_verdict,
     flag_int,
+    host_json,
+    host_verdict,
     parse_case,
     write_json,
 )
@@ -113,7 +116,8 @@ def cmd_simulate(args) -> int:
         path = critical_path(graph)
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph, args.html) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
-    verdict = fit_verdict(report, budget, scenario.headroom) if args.check else None
+    host = host_verdict(args, scenario, report.log)  # None: the host not judged
+    verdict = fit_verdict(report, budget, scenario.headroom, host) if args.check else None
     code = decide(args, 1 if verdict is not None and not verdict.fits else 0)
     savings = None
     if scenario.setup.compile.on:  # what compile saves: the same run simulated eager, beside it
@@ -122,7 +126,8 @@ def cmd_simulate(args) -> int:
     if args.json:
         write_json({**report_json(report), **({"critical_path": critical_path_json(path)} if path else {}),
                      **({"compile_vs_eager": savings} if savings else {}),
-                     **({"fit_check": verdict.as_json()} if verdict is not None else {})})
+                     **({"fit_check": verdict.as_json()} if verdict is not None else {}),
+                     **host_json(args, host)})
     else:
         print(render_text(report, args.unit))
         if path:
@@ -132,6 +137,8 @@ def cmd_simulate(args) -> int:
                   + (f" (they show the simulated steps: {repeats})" if repeats else ""))
         if savings:
             print("\n".join(_savings_lines(savings, args.unit)))
+        if host is not None and host.said:
+            print("\n".join(host.lines(args.unit)[:1 if verdict is not None else 2]))  # --check: the verdict's
         if verdict is not None:
             print(verdict.line(args.unit))
     return code
@@ -142,7 +149,9 @@ def _html_page(args, scenario, report, budget: int | None) -> str:
     without --budget has none); when it does not fit, the fixes `explain` finds there, each re-simulated."""
     profile = device_profile(scenario.device)
     card = budget if budget is not None else None if profile.is_cpu else profile.memory_bytes
-    verdict = fit_verdict(report, card, scenario.headroom) if card is not None else None
+    host = host_verdict(args, scenario, report.log)
+    verdict = fit_verdict(report, card, scenario.headroom, host if host is not None and (host.asked or not host.fits)
+                          else None) if card is not None else None
     fixes = None
     if verdict is not None and not verdict.fits:
         x = diagnosis.explain(scenario, card)
@@ -377,6 +386,7 @@ def register(sub) -> None:
     s.add_argument("--budget", help="device capacity (80GiB, 80GB, bytes): record the first OOM")
     s.add_argument("--stop-at-oom", action="store_true", help="with --budget: end the run at the first OOM")
     add_check_flag(s)
+    add_host_flags(s)
     s.add_argument("--export-snapshot", metavar="FILE",
                    help="write a CUDA memory snapshot pickle in torch.cuda.memory._snapshot()'s format (python -m "
                         "torch.cuda._memory_viz stats|trace_plot|segment_plot FILE, or pytorch.org/memory_viz): per "

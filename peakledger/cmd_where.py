@@ -11,9 +11,10 @@ The same scenario flags as `simulate` (no --device: every GPU profile is the dev
 
 from __future__ import annotations
 
+from .analysis.host import HostLimits
 from .analysis.units import Scale, format_bytes
 from .assumed import assumed, assumed_lines
-from .cli_common import add_scenario_flags, decide, write_json
+from .cli_common import add_host_flags, add_scenario_flags, decide, host_limits, write_json
 from .gpus import GPU_LIMIT, LAYOUTS
 from .inputs import scenario_from_args
 from .models.config import ConfigError
@@ -54,7 +55,8 @@ def render(result: Where, unit: str | None) -> str:
     for p in result.placements:
         rows.append((p.device, f(p.usable), f(p.allocated_peak), f(p.reserved_peak), f(p.outside_allocator),
                      f(p.device_total_peak),
-                     ("yes" if p.fits else "no") + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
+                     ("yes" if p.fits else "no") + (" (host)" if p.host_fails else "")
+                     + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
                      ("+" if p.margin >= 0 else "") + f(p.margin), _batch(p)))
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
@@ -69,7 +71,8 @@ def render(result: Where, unit: str | None) -> str:
                            "attention kernel, not exact)") + ":"] + [f"  {d}: {n}" for d, n in notes]
     out += ["", "usable: the total the CUDA driver reports (cudaMemGetInfo; bench/SOURCES.md); outside: CUDA context "
             "and kernels (+ NCCL's buffers) outside the caching allocator; device total = outside + reserved; "
-            "margin = usable - device total x (1 + headroom); fits (flush): only because the allocator frees its "
+            "margin = usable - device total x (1 + headroom); fits no (host): the GPU fits, the node's host does not "
+            "(notes); fits (flush): only because the allocator frees its "
             "cache and retries, the row the run on this card; max mb: the largest micro-batch that fits (-: not "
             "searched; 0: the parameters, gradients and optimizer states do, not one sample; none: not even they)"]
     return "\n".join(out)
@@ -86,11 +89,16 @@ def cmd_where(args) -> int:
     if (layouts is not None or args.max_gpus is not None) and not args.min_gpus:
         raise ConfigError("layouts" if layouts is not None else "max_gpus", "only goes with --min-gpus")
     scenario = scenario_from_args(args)
+    limits = host_limits(args)
+    if args.min_gpus and limits != HostLimits():
+        raise ConfigError("host_memory", "the host flags go with where's table, not --min-gpus (each count there is "
+                                         "judged with the profile's typical node)")
     if args.min_gpus:
         return _cmd_min_gpus(args, scenario, devices, layouts)
     with progress("simulating on each GPU profile", total=len(devices or GPU_PROFILES)) as bar:
         result = where(scenario, devices, search=not args.no_max_batch,
-                       progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"))
+                       progress=lambda i, n, name: bar.advance(0 if i == 0 else 1, f"simulating on {name}"),
+                       host=limits)
     code = decide(args, 1 if args.check and not result.fits_on else 0)
     if args.json:
         write_json({**result.as_json(), "assumed": assumed(scenario, devices=EACH_CARD)})
@@ -160,6 +168,7 @@ def register(sub) -> None:
     """Adds the `where` sub-command: the scenario on every GPU device profile."""
     w = sub.add_parser("where", help="on which GPUs the scenario fits, and the largest micro-batch on each")
     add_scenario_flags(w)
+    add_host_flags(w)
     w.add_argument("--devices", metavar="NAME,NAME", help="GPU profiles to try (default: all): "
                                                           + ", ".join(GPU_PROFILES))
     w.add_argument("--no-max-batch", action="store_true",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from . import api
 from .analysis.device import first_gpu_oom, with_gpu_oom
 from .analysis.explain import Moment, from_record, reserved_moment, worst_moment
+from .analysis.host import HostLimits, judge_host
 from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
 from .analysis.units import Scale, format_bytes, format_duration
@@ -162,7 +163,8 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     return out
 
 
-def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> Explanation:
+def explain(scenario: Scenario, budget: int, host_budget: int | None = None, limits: HostLimits | None = None
+            ) -> Explanation:
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
     unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak."""
@@ -187,7 +189,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
         for candidate in listed:
             bar.advance(description=f"re-simulating: {candidate[0]}")
             try:
-                fix = _fix(scenario, budget, *candidate)
+                fix = _fix(scenario, budget, *candidate, host=limits)
             except ConfigError:
                 continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
             candidates.append(candidate)
@@ -196,7 +198,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None) -> 
             bar.advance(0, description="searching the fewest GPUs that fit")
             fixes += more_gpus_fixes(scenario, budget)
         if fixes and not any(f.fits for f in fixes):
-            combined = _combine(scenario, budget, candidates, fixes)
+            combined = _combine(scenario, budget, candidates, fixes, host=limits)
             if combined is not None:
                 fixes.append(combined)
     tried = len(fixes)
@@ -242,15 +244,22 @@ def _helps(fix: Fix, base: Report, need: int, fits_now: bool) -> bool:
     return set(fix.changes) <= ALLOCATOR_KNOBS and fix.capacity_needed < need
 
 
-def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str) -> Fix:
+def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str,
+         host: HostLimits | None = None) -> Fix:
+    """A fix re-simulated and judged: the card (api.card_fit) and the node's host (analysis/host.py judge_host,
+    under `host`'s limits, else the profile's typical node): a fix that moves memory to a host that cannot hold it
+    does not fit, and its note says so."""
     report = api.run(scenario.with_changes(**changes))
     verdict = api.card_fit(report, budget)
+    judged = judge_host(report.log, scenario.device, host or HostLimits())
+    if judged is not None and not judged.fits:
+        note = f"{note}; {judged.text('GiB')}" if note else judged.text("GiB")
     return Fix(
         name=name,
         changes=changes,
         peak=report.peaks.overall.bytes,
         capacity_needed=verdict.need,
-        fits=verdict.fits,
+        fits=verdict.fits and (judged is None or judged.fits),
         step_time=report.time_per_step_s,
         changes_training=changes_training,
         note=note,
@@ -274,7 +283,8 @@ def more_gpus_fixes(scenario: Scenario, budget: int, limit: int = GPU_LIMIT) -> 
     return out
 
 
-def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4) -> Fix | None:
+def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4,
+             host: HostLimits | None = None) -> Fix | None:
     """No single fix fits: add fixes greedily (the one that lowers the peak most, training-preserving ones
     first on ties), each combination re-simulated, until the peak fits or nothing helps."""
     by_name = {c[0]: c for c in candidates}
@@ -291,7 +301,8 @@ def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], ro
             merged = {k: v for f in chosen for k, v in f.changes.items()} | changes
             try:
                 trials.append(_fix(scenario, budget, " + ".join([f.name for f in chosen] + [name]), merged,
-                                   any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note])))
+                                   any(f.changes_training for f in chosen) or ct, "; ".join([best.note, note]),
+                                   host=host))
             except ConfigError:
                 continue
         if not trials:

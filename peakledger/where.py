@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from . import api
 from .analysis.card_fit import THIN_MARGIN
+from .analysis.host import HostFit, HostLimits, judge_host
 from .analysis.units import format_bytes
 from .gpus import GPU_LIMIT, Count, layouts_by_key, min_gpus
 from .models import gpu
@@ -82,10 +83,16 @@ class Placement:
     # requests were served only by that flush (torch's num_alloc_retries)
     alloc_retries: int = 0
     unbounded_total: int | None = None
+    # the node's host verdict (analysis/host.py; None: not judged); `fits` is the device's and the host's
+    host: HostFit | None = None
 
     @property
     def by_retry(self) -> bool:
         return self.unbounded_total is not None
+
+    @property
+    def host_fails(self) -> bool:
+        return self.host is not None and not self.host.fits
 
     def as_json(self) -> dict:
         return {"device": self.device, "usable_bytes": self.usable,
@@ -96,7 +103,9 @@ class Placement:
                 "max_micro_batch": self.max_micro_batch, "max_micro_batch_searched": self.searched,
                 "search_limit_reached": self.search_limit_reached, "exact": self.exact,
                 "fits_by_allocator_retry": self.by_retry, "alloc_retries": self.alloc_retries,
-                "unbounded_device_total": self.unbounded_total, "notes": list(self.notes)}
+                "unbounded_device_total": self.unbounded_total, "notes": list(self.notes),
+                **({"host": self.host.as_json()} if self.host is not None and (self.host.asked or self.host_fails)
+                   else {})}
 
 
 @dataclass(frozen=True)
@@ -155,9 +164,11 @@ def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
             "not simulated here")
 
 
-def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Placement:
-    """`scenario` on `profile`: its device total against the profile's memory, and (with `search`) the largest
-    micro-batch that fits it."""
+def place(scenario: Scenario, profile: DeviceProfile, search: bool = True, host: HostLimits | None = None
+          ) -> Placement:
+    """`scenario` on `profile`: its device total against the profile's memory, the node's host against `host`'s
+    limits (analysis/host.py `judge_host`: by default the profile's typical node) and (with `search`) the largest
+    micro-batch that fits the device."""
     on = dataclasses.replace(scenario, device=profile.name)
     report = api.run(on)
     if report.gpu is None:  # (every profile here is a CUDA one)
@@ -188,11 +199,15 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Pl
         notes.append(f"thin margin: {format_bytes(verdict.margin, 'GiB')} left, under {THIN_MARGIN:.0%} of the card: "
                      "a longer batch, fragmentation or another process's memory can make it OOM (--headroom adds a "
                      "margin to what is judged)")
+    judged = judge_host(report.log, profile.name, host or HostLimits())
+    if judged is not None and (judged.asked or not judged.fits):
+        notes.append(judged.text("GiB"))
     point = verdict.point
     return Placement(device=profile.name, usable=usable, compute_capability=tuple(profile.compute_capability),
                      bf16_native=profile.bf16_native, allocated_peak=report.gpu.at_allocated_peak.allocated,
                      reserved_peak=point.reserved, outside_allocator=point.total - point.reserved,
-                     device_total_peak=point.total, capacity_needed=verdict.need, fits=verdict.fits,
+                     device_total_peak=point.total, capacity_needed=verdict.need,
+                     fits=verdict.fits and (judged is None or judged.fits), host=judged,
                      margin=verdict.margin,
                      max_micro_batch=best, searched=best is not None, search_limit_reached=capped,
                      exact=note is None, notes=tuple(notes), alloc_retries=verdict.alloc_retries,
@@ -200,7 +215,7 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True) -> Pl
 
 
 def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool = True,
-          progress: Callable[[int, int, str], None] | None = None) -> Where:
+          progress: Callable[[int, int, str], None] | None = None, host: HostLimits | None = None) -> Where:
     """`scenario` placed on each GPU profile of `devices` (all by default), smallest memory first. `progress(i,
     n, name)` is called before the i-th of n profiles (0-based) is simulated."""
     profiles = gpu_profiles(devices)
@@ -208,7 +223,7 @@ def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool
     for i, profile in enumerate(profiles):
         if progress is not None:
             progress(i, len(profiles), profile.name)
-        placements.append(place(scenario, profile, search))
+        placements.append(place(scenario, profile, search, host))
     s = scenario.setup
     return Where(scenario=scenario.name, micro_batch=s.batch.micro_batch, precision=s.precision.name,
                  headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.mesh.world_size,

@@ -91,7 +91,11 @@ class Block:
     """One allocation: exact bytes (a Python int), what it is for and where it lives.
 
     `name` is the tensor's path (`layers.3.attn.c_attn.weight`, `layers.3.attn.softmax_out`),
-    `shard_factor` the number of ranks one full tensor is divided across (1 = not sharded).
+    `shard_factor` the number of ranks one full tensor is divided across (1 = not sharded). `pinned`: a
+    Pool.HOST block in page-locked memory (cudaHostAlloc: `pin_memory=True`, torch's CachingHostAllocator), which
+    the OS cannot page out; False for pageable host memory and for every device block. A flag on the host block,
+    not a pool of its own: pinned memory is host RAM, counted in the host's total, and every reader of Pool.HOST
+    keeps seeing all of it.
     """
 
     id: int
@@ -104,6 +108,7 @@ class Block:
     shard_factor: int = 1
     rank: int = 0
     pool: Pool = Pool.DEVICE
+    pinned: bool = False
 
     @property
     def module(self) -> str:
@@ -140,7 +145,7 @@ _new = object.__new__
 
 def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, shape: tuple[int, ...] = (),
               state: OptimizerState | None = None, shard_factor: int = 1, rank: int = 0,
-              pool: Pool = Pool.DEVICE) -> Block:
+              pool: Pool = Pool.DEVICE, pinned: bool = False) -> Block:
     """`Block(...)`, equal to it field for field, made without the frozen dataclass's `__init__` (one
     `object.__setattr__` per field): the describers make hundreds of thousands. `shape` must be a tuple."""
     b = _new(Block)
@@ -155,6 +160,7 @@ def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, s
     d["shard_factor"] = shard_factor
     d["rank"] = rank
     d["pool"] = pool
+    d["pinned"] = pinned
     return b
 
 

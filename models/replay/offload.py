@@ -32,7 +32,7 @@ def pack(state: ReplayState, op: TapeOp, saves: tuple[str, ...], casts: list[Blo
     def pack_one(name: str, nbytes: int, dtype: str, shape) -> None:
         key = f"{op.name}.saved.{len(out)}"
         out[key] = state.live[key] = builder.block(f"{name}.offloaded", nbytes, Category.ACTIVATION, dtype, shape,
-                                                   pool=pool)
+                                                   pool=pool, pinned=pool is Pool.HOST)  # save_on_cpu(pin_memory=True)
         state.hold(key)
 
     for name in saves:
