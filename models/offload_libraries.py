@@ -44,9 +44,11 @@ ADAM_BYTES_PER_ELEMENT = 7  # fused Adam reads param, grad, exp_avg, exp_avg_sq 
 
 
 def is_pinned(block: Block) -> bool:
-    """Whether a host block is pinned memory: torchao's `p_host` / `p_host.grad`, and FSDP2's CPUOffloadPolicy
-    sharded parameters and gradients (models/parallel/fsdp.py; a pageable gradient copy summed into one when
-    accumulating is `<param>.grad.to_host`). Optimizer states a host step makes are pageable."""
+    """Whether the library asks for a host block to be pinned, on any profile: torchao's `p_host` / `p_host.grad`,
+    and FSDP2's CPUOffloadPolicy sharded parameters and gradients (models/parallel/fsdp.py; a pageable gradient copy
+    summed into one when accumulating is `<param>.grad.to_host`). Optimizer states a host step makes are pageable.
+    On a GPU profile these blocks carry `Block.pinned` (what the host memory report counts); on the cpu profile
+    nothing is page-locked (torch pins only where CUDA is available), and this names what the library would pin."""
     if block.pool is not Pool.HOST:
         return False
     return block.name.endswith(PINNED_SUFFIXES) or (
@@ -75,7 +77,8 @@ class TorchaoCpuOffload:
             dt = self._dtype(t.name)
             nbytes = t.numel * dtype_bytes(dt)
             for suffix, category in zip(PINNED_SUFFIXES, (Category.MASTER_PARAMETER, Category.GRADIENT)):
-                blk = builder.block(f"{t.name}{suffix}", nbytes, category, dt, t.shape, pool=Pool.HOST)
+                blk = builder.block(f"{t.name}{suffix}", nbytes, category, dt, t.shape, pool=Pool.HOST,
+                                    pinned=not builder.device.is_cpu)
                 self.host[blk.name] = blk
                 blocks.append(blk)
         if blocks:

@@ -312,3 +312,13 @@ def test_the_hook_copies_each_gradient_once_per_micro_batch():
     n_offloaded = len({op.name for op in ops if op.name.endswith(".host_step")})
     assert len([op for op in ops if op.name.endswith("grad_to_host.copy")]) == 2 * n_offloaded
     assert n_offloaded == 6 - len(lib["on_device"])  # tiny-mlp: 3 weights, 3 biases (the biases stay)
+
+
+def test_on_a_gpu_the_blocks_the_library_pins_are_pinned_memory():
+    """The host memory report counts `Block.pinned`: on a GPU profile exactly the blocks the library asks to pin."""
+    for changes in ({"optimizer_offload": "cpu", "optimizer_impl": "fused", "precision": "bf16"},
+                    {"dp_engine": "fsdp2", "world_size": 2, "fsdp_cpu_offload": True, "optimizer_impl": "fused"}):
+        sc = build_scenario({"preset": "tiny"}, changes, {"device": "H100-80GB"})
+        host = [b for op in op_graph(sc).ops_in_order() for b in op.allocs if b.pool is Pool.HOST]
+        assert any(b.pinned for b in host)
+        assert all(b.pinned == is_pinned(b) for b in host), changes

@@ -239,7 +239,7 @@ class Engine:
             numel, shard = self.param_numel(p.name)
             dt = own_dtype(builder.tape, p.name) or self.param_storage_dtype()
             params.append(builder.block(p.name, numel * dtype_bytes(dt), Category.PARAMETER, dt, p.shape, shard=shard,
-                                        pool=self.param_pool()))
+                                        pool=self.param_pool(), pinned=self.pins_params()))
         params += self.extra_param_blocks()
         # the describers' buffers are floating point: `module.to(dtype)` casts them with the parameters
         buffers = []
@@ -325,6 +325,10 @@ class Engine:
         """Where the rank's stored parameters (and so its optimizer states) live: the device, unless the engine
         offloads them (FSDP2's CPUOffloadPolicy)."""
         return Pool.DEVICE
+
+    def pins_params(self) -> bool:
+        """The rank's host-held parameters are pinned memory (FSDP2's CPUOffloadPolicy(pin_memory=True))."""
+        return False
 
     def state_pool(self) -> Pool:
         """Where the optimizer's states live: with the parameters, unless the engine steps on the host

@@ -86,6 +86,11 @@ class FSDP2(Gathering):
         `padded_sharded_param.cpu()`, then `.pin_memory()`); the optimizer's states follow its parameters."""
         return Pool.HOST if self.offload else Pool.DEVICE
 
+    def pins_params(self) -> bool:
+        """CPUOffloadPolicy(pin_memory=True), its default: the host shards (and first gradients) are page-locked on
+        a GPU; a CPU run has nothing to pin (torch pins only where CUDA is available)."""
+        return self.offload and not self.builder.device.is_cpu
+
     def state_shard(self) -> int:
         return self.n
 
@@ -382,7 +387,8 @@ class FSDP2(Gathering):
             numel = self.padded_full(p.name) // self.n
             grads.append(builder.block(f"{p.name}.grad" if first else f"{p.name}.grad.to_host",
                                        numel * dtype_bytes(out.dtype), Category.GRADIENT if first else
-                                       Category.TEMPORARY, out.dtype, (numel,), shard=self.n, pool=Pool.HOST))
+                                       Category.TEMPORARY, out.dtype, (numel,), shard=self.n, pool=Pool.HOST,
+                                       pinned=first and self.pins_params()))
         copy = builder.op(f"fsdp.reduce_scatter_output.to_host.{unit}.copy", Phase.BACKWARD, step, mb, [], [],
                           stream=Stream.HOST, duration=out.nbytes / builder.device.host_link, after=(reduce,))
         builder.op(f"fsdp.reduce_scatter_output.to_host.{unit}", Phase.BACKWARD, step, mb, grads, [out.id],
