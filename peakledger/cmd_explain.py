@@ -114,8 +114,9 @@ def cmd_explain(args) -> int:
         print("")
     title, head, rows = diagnosis.fixes_table(x, u)
     print(title)
+    width = max([52] + [len(r[0]) + 1 for r in rows])  # the fix names' column, as wide as the longest
     for name, peak, fits, ratio, cost in [head] + rows if rows else []:
-        print(f"  {name:<52}{peak:>14}  {fits:<5}{ratio:>11}  {cost}")
+        print(f"  {name:<{width}}{peak:>14}  {fits:<5}{ratio:>11}  {cost}")
     print("\n".join(["", *assumed_lines(scenario), "  (the scenario's; each fix changes what it names)"]))
     if args.check:
         print(verdict.line(u))

@@ -139,12 +139,16 @@ def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
     out: list[Candidate] = []
     if s.optimizer.name in ("adam", "adamw"):
         out.append(("8-bit Adam (bitsandbytes)", {"optimizer": "adam-8bit"}, True, "quantised optimizer states"))
-        # the low-bit optimizers (models/lowbit.py): torchao 0.18.0's, bitsandbytes 0.50.2's paged one
-        out.append(("8-bit AdamW (torchao AdamW8bit)", {"optimizer": "adamw-8bit-torchao"}, True,
+        # the low-bit optimizers (models/lowbit.py): torchao 0.18.0's, bitsandbytes 0.50.2's paged one; as the
+        # recipes that use them train (torchtune's full_finetune_single_device: bf16 weights, no fp32 masters), a
+        # mixed precision becomes its 16-bit half
+        half, words = ({}, "") if s.precision.uniform else ({"precision": "bf16"}, " in bf16")
+        out.append((f"8-bit AdamW (torchao AdamW8bit){words}", {"optimizer": "adamw-8bit-torchao", **half}, True,
                     "blockwise 8-bit states; a compiled update per parameter"))
-        out.append(("4-bit AdamW (torchao AdamW4bit)", {"optimizer": "adamw-4bit"}, True,
+        out.append((f"4-bit AdamW (torchao AdamW4bit){words}", {"optimizer": "adamw-4bit", **half}, True,
                     "blockwise 4-bit states; a compiled update per parameter, its dequantised copies the largest"))
-        out.append(("paged 8-bit AdamW (bitsandbytes PagedAdamW8bit)", {"optimizer": "paged-adamw-8bit"}, True,
+        out.append((f"paged 8-bit AdamW (bitsandbytes PagedAdamW8bit){words}",
+                    {"optimizer": "paged-adamw-8bit", **half}, True,
                     "8-bit states in CUDA unified memory, paged to the host under pressure (host memory)"))
     plain_step = s.optimizer.name != "adam-8bit" and not OPTIMIZERS[s.optimizer.name].per_param
     if s.optimizer.impl != "fused" and plain_step:
@@ -162,6 +166,7 @@ def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
     elif s.offload.first_step == "whole":
         out.append(("first step chunk by chunk (offload_first_step=chunked)", {"offload_first_step": "chunked"}, False,
                     "none: the first step creates and offloads the states chunk by chunk"))
+    out += library_offload_fixes(scenario)
     if s.precision.fp32_grads:
         out.append(("gradients in the parameters' dtype (fp32_grads off)", {"fp32_grads": False}, True,
                     "16-bit gradient accumulation"))
@@ -174,6 +179,34 @@ def optimizer_fixes(scenario: Scenario) -> list[Candidate]:
                     "gradients reduced in 16 bits"))
     if s.precision.uniform and s.precision.param == "fp32":
         out.append(("bf16 mixed precision", {"precision": "bf16-mixed"}, True, "16-bit compute and gradients"))
+    return out
+
+
+def library_offload_fixes(scenario: Scenario) -> list[Candidate]:
+    """The optimizer run on the host as the libraries do it (models/offload_libraries.py, models/parallel/): torchao's
+    CPUOffloadOptimizer on one GPU (with and without offload_gradients), FSDP2's CPUOffloadPolicy and DeepSpeed's
+    ZeRO-Offload on several; each modelled with the fused Adam step, torchao's in a precision without fp32 masters
+    (a mixed one becomes its 16-bit half, which changes the numerics)."""
+    s = scenario.setup
+    if s.optimizer.name not in ("adam", "adamw") or s.offload.mode != "none":
+        return []
+    fused = {} if s.optimizer.impl == "fused" else {"optimizer_impl": "fused"}
+    host_step = "the optimizer steps on the CPU over pinned host copies; gradients go to the host and parameters " \
+                "back every step, over the host link"
+    out: list[Candidate] = []
+    if s.mesh.world_size == 1:
+        half = {} if s.precision.uniform else {"precision": "bf16"}
+        torchao = {"optimizer_offload": "cpu", **fused, **half}
+        name = "torchao CPUOffloadOptimizer" + (" in bf16" if half else "")
+        out.append((name, torchao, bool(half), host_step))
+        out.append((name + " + offload_gradients", {**torchao, "offload_gradients": True}, bool(half),
+                    host_step + "; each device gradient freed once copied"))
+    elif s.data_parallel.engine == "fsdp2" and not s.data_parallel.fsdp2.cpu_offload:
+        out.append(("fsdp2 CPUOffloadPolicy", {"fsdp_cpu_offload": True, **fused}, False,
+                    host_step + "; the host shards all-gathered to the device per block"))
+    elif s.data_parallel.engine == "deepspeed" and s.data_parallel.deepspeed.zero_stage == 2:
+        out.append(("ZeRO-Offload (offload_optimizer cpu)", {"zero_offload_optimizer": "cpu", **fused}, False,
+                    host_step + " (DeepSpeedCPUAdam)"))
     return out
 
 
