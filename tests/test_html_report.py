@@ -122,7 +122,8 @@ def test_fixes_are_shown_when_the_run_does_not_fit_its_card_and_are_explains_own
     lines = explain_text.splitlines()
     head = next(k for k, line in enumerate(lines) if line.startswith("  fix "))
     end = lines.index("", head)  # (the table ends at a blank line; what the run assumed follows)
-    names = [line[2:54].rstrip() for line in lines[head + 1:end] if line.startswith("  ") and len(line) > 54]
+    names_end = lines[head].index("  fits") - 14  # the names' column ends where the 14-wide peak column begins
+    names = [line[2:names_end].rstrip() for line in lines[head + 1:end]]
     assert names and _fix_names(over) == names and _fix_names(explained) == names
     assert "where it runs out: " in explained
 
