@@ -57,18 +57,18 @@ CASES = {
         "knobs": dict(ADAMW, activation_offload="streams"), "describers": ("hand-written",),
         "cuda": "pinned host copies on a second CUDA stream"},
     "adamw-8bit-torchao": {
-        "order": 9, "timeout": 150, "program": {"optimizer": "torchao-AdamW8bit"},
+        "order": 10, "timeout": 150, "program": {"optimizer": "torchao-AdamW8bit"},
         "knobs": {"optimizer": "adamw-8bit-torchao"}, "describers": ("hand-written", "auto"),
         "cuda": None},
     "adamw-4bit-torchao": {
-        "order": 10, "timeout": 150, "program": {"optimizer": "torchao-AdamW4bit"},
+        "order": 11, "timeout": 150, "program": {"optimizer": "torchao-AdamW4bit"},
         "knobs": {"optimizer": "adamw-4bit"}, "describers": ("hand-written", "auto"), "cuda": None},
     "adamw-fp8-torchao": {
-        "order": 11, "timeout": 150, "program": {"optimizer": "torchao-AdamWFp8"},
+        "order": 12, "timeout": 150, "program": {"optimizer": "torchao-AdamWFp8"},
         "knobs": {"optimizer": "adamw-fp8"}, "describers": ("hand-written", "auto"),
         "cuda": "float8 state dtypes on sm >= 8.9"},
     "fsdp2-cpu-offload-1gpu": {
-        "order": 12, "timeout": 120, "program": {"optimizer": "torch-adamw", "fsdp2_cpu_offload": True},
+        "order": 9, "timeout": 120, "program": {"optimizer": "torch-adamw", "fsdp2_cpu_offload": True},
         "knobs": {"optimizer": "adamw", "dp_engine": "fsdp2", "world_size": 1, "fsdp_cpu_offload": True,
                   "reduce_dtype": "fp32"},
         "precision": "bf16-mixed", "describers": (),
