@@ -291,6 +291,15 @@ def child(name: str, out_dir: Path, max_entries: int, dry: bool) -> int:
     except Exception as e:  # noqa: BLE001
         res = {"case": name, "error": repr(e)[:800], "traceback": traceback.format_exc()[-4000:]}
         code = 1
+        try:  # what the case did up to the error (an OOM's snapshot included)
+            import torch
+            if not dry and torch.cuda.is_initialized():
+                snap = torch.cuda.memory._snapshot()
+                with gzip.open(out_dir / f"{name}.pickle.gz", "wb", compresslevel=6) as f:
+                    pickle.dump(snap, f)
+                res["snapshot_after_error"] = True
+        except Exception as e2:  # noqa: BLE001
+            res["snapshot_error"] = repr(e2)[:300]
     (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
     return code
 
