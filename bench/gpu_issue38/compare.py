@@ -178,8 +178,9 @@ def print_case(c: dict, steps: int) -> None:
         sn = row.get("snapshot")
         if sn and "predicted" in sn:
             ev = sn.get("events", {}).get("reserved", {})
-            print(f"    snapshot (requested bytes): allocated {sn['measured']['allocated']:,} / "
-                  f"{sn['predicted']['allocated']:,} B ({pct(sn['measured']['allocated'], sn['predicted']['allocated'])})"
+            m, p = sn["measured"], sn["predicted"]
+            print(f"    snapshot (requested bytes): allocated {m['allocated']:,} / "
+                  f"{p['allocated']:,} B ({pct(m['allocated'], p['allocated'])})"
                   f", reserved {sn['measured']['reserved']:,} / {sn['predicted']['reserved']:,} B "
                   f"({pct(sn['measured']['reserved'], sn['predicted']['reserved'])}); reserved after paired allocs "
                   f"equal {ev.get('equal')} / within 2% {ev.get('within_2pct')} / "

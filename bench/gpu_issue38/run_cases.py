@@ -22,7 +22,6 @@ training/_activation_offloading.py is loaded as a file, as torchtune's recipes u
 from __future__ import annotations
 
 import argparse
-import gc
 import gzip
 import importlib.util
 import io
@@ -240,27 +239,27 @@ def run_case(name: str, out_dir: Path, max_entries: int, dry: bool) -> dict:
         ids = torch.randint(0, config["vocab_size"], (res["micro_batch"], res["seq_len"]), generator=g).to(device)
         rows = {}
 
-        def phase(label, fn):
+        def phase(label, fn, *args):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            value = fn()
+            value = fn(*args)
             row = device_now(cuda)
             row["seconds"] = round(time.perf_counter() - t, 4)
             rows[label] = row
             return value
 
         if offload_ctx is not None:  # torchtune: `with ctx: logits = model(tokens)`, the loss outside it
-            def fwd():
+            def fwd(ids):
                 with offload_ctx:
                     out = model(input_ids=ids)
                 return out, model.loss_function(logits=out.logits, labels=ids, vocab_size=config["vocab_size"])
         else:
-            def fwd():
+            def fwd(ids):
                 out = model(input_ids=ids, labels=ids)
                 return out, out.loss
-        out, loss = phase("forward", fwd)
+        out, loss = phase("forward", fwd, ids)
         phase("backward", loss.backward)
         res.setdefault("loss", []).append(float(loss.detach().float().cpu()))
         del out, loss
