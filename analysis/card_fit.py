@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..simulator.device_memory import DeviceMemory, DevicePoint, device_memory
-from ..simulator.events import EventLog, Phase
-from .device import context_of, cuda_profile, outside_allocator, torch_rules
+from ..simulator.device_memory import DeviceMemory, DevicePoint
+from ..simulator.events import EventLog
+from .device import cuda_profile, gpu_memory
 from .peaks import with_headroom
 
 THIN_MARGIN = 0.02  # a fit with less than this share of the budget left is thin (a warning, not a refusal)
@@ -56,12 +56,9 @@ class CardFit:
 def _replays(log: EventLog, capacity: int | None, known: DeviceMemory | None = None) -> list[DeviceMemory]:
     """Each rank of the log through the allocator, bounded by `capacity` (None: unbounded), stopping at its OOM;
     `known`, one rank's replay under the same bound already made, is taken as it is."""
-    md = log.metadata
-    before = frozenset({Phase.CHECKPOINT}) if md.empty_cache_before_save else frozenset()
     ranks = sorted({e.block.rank for e in log.events})
     return [known if known is not None and known.rank == r and known.capacity == capacity else
-            device_memory(log, r, md.alloc_conf or "", capacity, context_of(log).bytes, outside_allocator(log),
-                          False, before, torch_rules(log), capacity is not None) for r in ranks]
+            gpu_memory(log, r, capacity=capacity, unbounded=capacity is None) for r in ranks]
 
 
 def card_fit(log: EventLog, budget: int, headroom: float, tensors_needed: int,

@@ -55,16 +55,16 @@ def outside_allocator(log: EventLog) -> dict[str, int]:
 
 
 def gpu_memory(log: EventLog, rank: int, capacity: int | None = None, series: bool = False,
-               events: list | None = None) -> DeviceMemory | None:
+               events: list | None = None, unbounded: bool = False) -> DeviceMemory | None:
     """The rank through the allocator; `capacity` defaults to the run's budget (`device_capacity` in the log's
-    metadata: a run given a budget is a device of that size). `events`: the rank's, if already found
-    (simulator/timeline.py `rank_events`)."""
+    metadata: a run given a budget is a device of that size), `unbounded` asks for none even then. `events`: the
+    rank's, if already found (simulator/timeline.py `rank_events`)."""
     profile = cuda_profile(log)
     if profile is None:
         return None
     stop = capacity is not None  # an explicit capacity asks where the OOM is; the run's budget, what it needs
     md = log.metadata
-    if capacity is None:
+    if capacity is None and not unbounded:
         capacity = md.device_capacity
     before = frozenset({Phase.CHECKPOINT}) if md.empty_cache_before_save else frozenset()
     return device_memory(log, rank, "" if md.alloc_conf is None else md.alloc_conf, capacity, context_of(log).bytes,

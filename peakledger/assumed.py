@@ -26,7 +26,7 @@ def assumed(scenario: Scenario, micro_batch: str | None = None, devices: str | N
     if s.batch.passes == "train":
         out["loop"] = LOOP_WORDS.get(s.loop.name, s.loop.name)
     note = family_of(model).batch_note(model, s)
-    b_eff = s.batch.micro_batch * s.batch.grad_accum * s.mesh.dp
+    b_eff = s.effective_batch
     out["batch"] = ((f"micro-batch {micro_batch} x accumulation {s.batch.grad_accum} x dp {s.mesh.dp}, "
                      if micro_batch else f"micro-batch {s.batch.micro_batch} x accumulation {s.batch.grad_accum} x "
                      f"dp {s.mesh.dp} = {b_eff} per step, ") + (note if note else f"seq_len {s.batch.seq_len}")

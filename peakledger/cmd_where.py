@@ -41,6 +41,14 @@ def _batch(p) -> str:
     return f">= {p.max_micro_batch:,}" if p.search_limit_reached else f"{p.max_micro_batch:,}"
 
 
+def _table(cols, rows) -> list[str]:
+    """`where`'s tables: the first column left-aligned, the others right-aligned, each as wide as its widest cell."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [line(cols)] + [line(r) for r in rows]
+
+
 def render(result: Where, unit: str | None) -> str:
     """The table: every size in one unit (`unit`, else the largest value's), named in the first line."""
     g = Scale.of([x for p in result.placements for x in (p.usable, p.allocated_peak, p.reserved_peak,
@@ -58,10 +66,7 @@ def render(result: Where, unit: str | None) -> str:
                      ("yes" if p.fits else "no") + (" (host)" if p.host_fails else "")
                      + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
                      ("+" if p.margin >= 0 else "") + f(p.margin), _batch(p)))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [head, "", line(cols)] + [line(r) for r in rows]
+    out = [head, "", *_table(cols, rows)]
     fits = result.fits_on
     out += ["", f"fits on {len(fits)} of {len(result.placements)}: {', '.join(fits)}" if fits
             else f"fits on none of the {len(result.placements)} profiles"]
@@ -119,10 +124,7 @@ def render_counts(scenario_name: str, cards: list[CardCounts], unit: str) -> str
         return f"{c.n:,}" + (" (flush)" if c.at.by_retry else "")
     cols = ("device", *(lay.name for lay in layouts))
     rows = [(card.device, *(cell(c) for c in card.counts)) for card in cards]
-    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(cols)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    out = [head, "", line(cols)] + [line(r) for r in rows] + ["", "checked:"]
+    out = [head, "", *_table(cols, rows), "", "checked:"]
     for card in cards:
         for c in card.counts:
             if c.n is None:

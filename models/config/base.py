@@ -59,6 +59,13 @@ def dtype_bytes(dtype: str) -> int:
 INT64_MAX = 2**63 - 1  # torch sizes are int64 (c10::SymInt): no dimension, count or element number is larger
 
 
+def non_negative_int(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+
+
 def positive_int(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)

@@ -10,7 +10,7 @@ from ..dp_engines import ENGINE_ALIASES, REDUCE_DTYPES
 from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
 from ..precision import PRECISION_ALIASES, PRECISION_TABLE, PRECISIONS
-from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
+from .base import INT64_MAX, ConfigError, at_most, choice_of, non_negative_int, positive_int
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -85,9 +85,7 @@ def _optimizer_offload_fields(knobs) -> None:
     choice_of(knobs, "optimizer_offload", OPTIMIZER_OFFLOADS)
     choice_of(knobs, "offload_first_step", OFFLOAD_FIRST_STEPS)
     positive_int(knobs, "offload_chunk_params")
-    prefetch = knobs.offload_prefetch
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ConfigError("offload_prefetch", f"must be an integer >= 0, got {prefetch!r}")
+    non_negative_int(knobs, "offload_prefetch")
     mode = knobs.optimizer_offload
     if knobs.offload_first_step != "whole" and mode != "chunked":
         raise ConfigError("offload_first_step", f"{knobs.offload_first_step!r} only applies to optimizer_offload "
@@ -389,9 +387,7 @@ def _activation_offload(knobs) -> None:
     under 1: torchtune/training/_activation_offloading.py, 0.6.1), and what it is modelled with."""
     choice_of(knobs, "activation_offload", ACTIVATION_OFFLOADS)
     positive_int(knobs, "activation_offload_stash")
-    min_bytes = knobs.activation_offload_min_bytes
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-        raise ConfigError("activation_offload_min_bytes", f"must be an integer >= 0, got {min_bytes!r}")
+    non_negative_int(knobs, "activation_offload_min_bytes")
     mode = knobs.activation_offload
     if mode == "none":
         for name, default in (("activation_offload_stash", 5), ("activation_offload_min_bytes", 1024)):
