@@ -5,22 +5,12 @@ the logits through backward, HF Trainer's step drops them), so the test checks t
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
-
-from peakledger.cli import main
+from cli_run import cli
 
 TINY = ["--preset", "tiny", "--seq-len", "32", "--micro-batch", "2"]
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
 
 
 COMMANDS = {

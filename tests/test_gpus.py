@@ -9,33 +9,18 @@ on the card) at that size, which fits, and one GPU fewer, which does not.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from dataclasses import dataclass
 
 import pytest
+from cli_run import cli, cli_json
 
-from peakledger.cli import main
 from peakledger.gpus import FSDP2, TP, min_gpus
 from peakledger.scenario import build_scenario
 
 LLAMA_8B = ["--preset", "llama-3-8b", "--precision", "bf16-mixed", "--micro-batch", "4", "--seq-len", "2048"]
 LORA_8B = ["--preset", "llama-3-8b", "--lora-r", "16", "--precision", "bf16", "--micro-batch", "1", "--seq-len",
            "2048"]
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
-
-
-def cli_json(*argv) -> dict:
-    rc, out, err = cli(*argv, "--json")
-    assert rc == 0, err
-    return json.loads(out)
 
 
 def simulate_check(args: list[str], world: int, engine: str = "fsdp2") -> dict:

@@ -10,13 +10,12 @@ and against `peakledger max-batch`, and each profile's memory against the table 
 
 from __future__ import annotations
 
-import contextlib
 import io
-import json
 import re
 from pathlib import Path
 
 import pytest
+from cli_run import cli, cli_json
 from tables import cell_equals, decimals
 
 from peakledger.cli import main
@@ -51,19 +50,6 @@ LLAMA_1B = ["--preset", "tiny-llama", "--n-layer", "16", "--d-model", "2048", "-
 FULL = LLAMA_1B + ["--precision", "bf16-mixed", "--optimizer", "adamw"]
 LORA = LLAMA_1B + ["--precision", "bf16", "--lora-r", "16", "--lora-targets", "q_proj,k_proj,v_proj,o_proj"]
 FULL_FITS = ["A100-40GB", "L40S-48GB", "RTX-A6000-48GB", "H100-PCIe-80GB", "H100-80GB", "A100-80GB", "H200-141GB"]
-
-
-def cli(*argv) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(list(argv))
-    return rc, out.getvalue(), err.getvalue()
-
-
-def cli_json(*argv) -> dict:
-    rc, out, err = cli(*argv, "--json")
-    assert rc == 0, err
-    return json.loads(out)
 
 
 def simulate_fits(args: list[str], device: str, micro_batch: int | None = None) -> bool:
