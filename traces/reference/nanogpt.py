@@ -410,17 +410,13 @@ def chunked_ce_loss(num_output_chunks: int) -> nn.Module:
     """torchtune 0.6.1's own `CEWithChunkedOutputLoss(num_output_chunks)`, loaded from its file
     (torchtune/modules/loss/ce_chunked_output_loss.py, which imports torch alone: the package's __init__ needs a
     torchao older than torch 2.13's). Needs `pip install --no-deps torchtune==0.6.1`."""
-    import importlib.util
-    from pathlib import Path
+    from .torchtune_files import load_file, torchtune_root
 
-    spec = importlib.util.find_spec("torchtune")
-    if spec is None or not spec.submodule_search_locations:
+    root = torchtune_root()
+    if root is None:
         raise ConfigError("chunked_loss", "the real chunked loss is torchtune's: "
                                           "pip install --no-deps torchtune==0.6.1")
-    path = Path(next(iter(spec.submodule_search_locations))) / "modules" / "loss" / "ce_chunked_output_loss.py"
-    module_spec = importlib.util.spec_from_file_location("torchtune_ce_chunked_output_loss", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = load_file("torchtune_ce_chunked_output_loss", root / "modules" / "loss" / "ce_chunked_output_loss.py")
     return module.CEWithChunkedOutputLoss(num_output_chunks)
 
 

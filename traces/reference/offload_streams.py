@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from .torchtune_files import load_file, torchtune_root
+
 MODULE = "peakledger_torchtune_activation_offloading"  # the loaded file's module name (the `.to` stub's scope)
 
 
@@ -80,23 +82,16 @@ def _to(self, *args, **kwargs):
 
 def torchtune_file() -> Path | None:
     """The installed torchtune's _activation_offloading.py, or None without torchtune."""
-    spec = importlib.util.find_spec("torchtune")
-    if spec is None or not spec.submodule_search_locations:
+    root = torchtune_root()
+    if root is None:
         return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "training" / "_activation_offloading.py"
+    path = root / "training" / "_activation_offloading.py"
     return path if path.exists() else None
 
 
 def torchtune_version() -> str:
     from importlib.metadata import version
     return version("torchtune")
-
-
-def _load_file(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 _LOADED: types.ModuleType | None = None
@@ -135,10 +130,10 @@ def load() -> types.ModuleType:
         pkg = types.ModuleType("torchtune")
         pkg.__path__ = []
         modules = types.ModuleType("torchtune.modules")
-        modules.TiedLinear = _load_file("peakledger_torchtune_tied_linear", root / "modules" / "tied_linear.py"
+        modules.TiedLinear = load_file("peakledger_torchtune_tied_linear", root / "modules" / "tied_linear.py"
                                         ).TiedLinear
         utils = types.ModuleType("torchtune.utils")
-        utils.get_logger = _load_file("peakledger_torchtune_logging", root / "utils" / "_logging.py").get_logger
+        utils.get_logger = load_file("peakledger_torchtune_logging", root / "utils" / "_logging.py").get_logger
         nf4mod = types.ModuleType("torchao.dtypes.nf4tensor")
         nf4mod.NF4Tensor = nf4_class
         sys.modules.update({"torchtune": pkg, "torchtune.modules": modules, "torchtune.utils": utils,
