@@ -84,6 +84,9 @@ class VllmEngineSpec:
             non_negative_int(self, "profile_peak_bytes")
         if self.max_model_len is not None:
             positive_int(self, "max_model_len")
+            if self.max_model_len > self.model.max_seq_len:  # vllm/config/model.py: derived max_model_len
+                raise ConfigError("max_model_len", f"{self.max_model_len} is over the model's max_seq_len "
+                                                   f"{self.model.max_seq_len} (vLLM refuses it)")
         choice_of(self, "kv_cache_dtype", tuple(KV_CACHE_DTYPES))
         choice_of(self, "sleep_level", SLEEP_LEVELS)
         dtype_bytes(self.dtype)
@@ -196,16 +199,22 @@ def size_engine(spec: VllmEngineSpec, total: int, in_use: int) -> EngineSizing:
                             f"free memory on startup ({free:,} B) is less than desired GPU memory utilization "
                             f"({spec.gpu_memory_utilization}, {requested:,} B)")
     available = requested - non_kv_bytes(spec) - cudagraph_estimate(spec)
+    blocks, error = kv_blocks(spec, available)
+    per_request = -(-spec.context // spec.block_size)
+    return EngineSizing(requested, free, available, blocks, blocks * block_bytes(spec), blocks / per_request, error)
+
+
+def kv_blocks(spec: VllmEngineSpec, available: int) -> tuple[int, str]:
+    """The KV cache blocks `available` bytes make, or 0 and why vLLM refuses (get_kv_cache_configs: one block is
+    held back for the BlockPool's null block before the checks)."""
     per_block = block_bytes(spec)
     per_request = -(-spec.context // spec.block_size)
     if available - per_block <= 0:
-        return EngineSizing(requested, free, available, 0, 0, 0.0, "no available memory for the cache blocks")
+        return 0, "no available memory for the cache blocks"
     if per_request * per_block > available - per_block:
-        return EngineSizing(requested, free, available, 0, 0, 0.0,
-                            f"one request of max_model_len {spec.context} needs {per_request * per_block:,} B of KV "
-                            f"cache, more than the {available - per_block:,} B available")
-    blocks = available // per_block
-    return EngineSizing(requested, free, available, blocks, blocks * per_block, blocks / per_request)
+        return 0, (f"one request of max_model_len {spec.context} needs {per_request * per_block:,} B of KV cache, "
+                   f"more than the {available - per_block:,} B available")
+    return available // per_block, ""
 
 
 def max_utilization(total: int, in_use: int) -> float:
