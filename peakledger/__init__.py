@@ -8,8 +8,9 @@
     report = run(trace(hf_config="config.json", micro_batch=4, seq_len=2048, precision="bf16-mixed"))
 """
 
-from .api import fixed_state_peak, max_micro_batch, run, trace
+from .api import batch_range, fixed_state_peak, max_micro_batch, run, trace
 from .diagnosis import explain
 from .scenario import Scenario, build_scenario
 
-__all__ = ["Scenario", "build_scenario", "run", "trace", "explain", "max_micro_batch", "fixed_state_peak"]
+__all__ = ["Scenario", "build_scenario", "run", "trace", "explain", "max_micro_batch", "fixed_state_peak",
+           "batch_range"]

@@ -9,7 +9,7 @@ from .analysis.card_fit import CardFit
 from .analysis.card_fit import card_fit as card_fit_of
 from .analysis.device import device_settings, with_gpu_oom
 from .analysis.ledger import ledger_at
-from .analysis.maxbatch import max_fitting
+from .analysis.maxbatch import BatchRange, max_fitting, solve
 from .analysis.peaks import with_headroom
 from .analysis.peers import (
     deepspeed_estimators,
@@ -130,6 +130,15 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
         return cache[b]
 
     return max_fitting(need, budget, limit)
+
+
+def batch_range(*, fixed, per_sample, budget) -> BatchRange:
+    """The micro-batches B that fit the abstract memory model fixed + per_sample x B <= budget (`peakledger
+    max-batch --fixed --per-sample --budget`): exact ints, or strings as the flags take them ("100", "80GiB"; all
+    with a unit or none), searched by `max_micro_batch`'s own search (analysis/maxbatch.py). `.max_batch` is the
+    largest (0: only the fixed part fits, -1: not even it), `.feasible_range` (1, max) or None. Bad values raise
+    ConfigError naming the flag."""
+    return solve(fixed, per_sample, budget)[0]
 
 
 def hf_config_of(model) -> tuple[dict | None, str]:
