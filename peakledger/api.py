@@ -1,5 +1,6 @@
 """The public API: simulate a scenario, find the largest micro-batch, compare scenarios, explain an OOM with
-its fixes. Real runs held against the simulation are validation.py."""
+its fixes; before any model, the abstract batch budget (`batch_range`) and the compute plan (`plan`). Real runs
+held against the simulation are validation.py."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from .models.families import family_of
 from .models.traced import from_hf_dict
 from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
+from .plan import plan as plan  # (the compute planner, peakledger/plan.py: one of the API's entry points)
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
