@@ -37,6 +37,7 @@ from .deadline import COUNT_FORMS, parse_amount
 from .models.compute_shape import ModelShape, model_shape
 from .models.config import ConfigError
 from .models.devices import device_profile
+from .models.families import family_of
 from .scenario import build_scenario
 
 MAX_COMPUTE = 10**30  # FLOPs: far past any training run (the largest are near 1e26)
@@ -86,6 +87,7 @@ def _one(value, field: str, limit: int = MAX_COUNT) -> int | None:
 def _model(preset: str | None, hf_config: str | None, seq_len: int | None) -> ModelShape:
     table = {"preset": preset} if preset is not None else {"hf_config": hf_config}
     scenario = build_scenario(table, {"seq_len": seq_len} if seq_len is not None else {}, {})
+    family_of(scenario.model).check(scenario.model, scenario.setup)  # (the family's own: seq_len within its positions)
     return model_shape(scenario.model, scenario.setup.batch.seq_len)
 
 
