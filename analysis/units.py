@@ -10,7 +10,10 @@ GB (10^9), with significant digits that do not fake precision (4 by default).
   asked for (--unit), else the binary unit of the table's largest value (`auto_unit`);
 - a duration: `format_duration`, three significant digits in the unit people read it in ('0.400 ms',
   '850 ms', '51.0 s', '12.3 min', '1.42 h'), never scientific notation;
-- a count of FLOPs in a sentence: `format_flops` ('91.88 GFLOP');
+- a count of FLOPs in a sentence: `format_flops` ('91.88 GFLOP'); a training run's total, in the scaling papers'
+  notation: `format_sci` ('6.00e16');
+- a count of tokens or parameters: `format_count` ('50M', '1.2B', '15T': the K/M/B/T suffixes `peakledger plan`
+  and `--target-tokens` read);
 - a number for a file (CSV): `round_significant` (a float rounded to significant digits, not printed).
 """
 
@@ -222,3 +225,26 @@ def format_flops(n: int | float) -> str:
         return "0 FLOP"
     unit = auto_unit(n, "flops")
     return f"{n:,} FLOP" if unit == "FLOP" else f"{fixed_significant(n / FLOP_UNITS[unit], 4)} {unit}"
+
+
+COUNT_UNITS = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}  # tokens and parameters: 2B = 2e9
+
+
+def format_sci(x: int | float, digits: int = 3) -> str:
+    """`x` in scientific notation with `digits` significant digits and a bare exponent: 6e16 -> '6.00e16', 1.2e20
+    -> '1.20e20', 950 -> '9.50e2' (the scaling papers' notation for FLOPs)."""
+    if x == 0:
+        return "0"
+    mantissa, _, exponent = f"{x:.{digits - 1}e}".partition("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def format_count(n: int | float) -> str:
+    """A count of tokens or parameters, three significant digits with K, M, B or T: 50_000_000 -> '50M', 1.24e8 ->
+    '124M', 7e9 -> '7B', 1.5e13 -> '15T'; under 1,000 as it is ('950'); 1,000T and up in `format_sci`."""
+    if abs(n) < 1000:
+        return f"{n:,}" if isinstance(n, int) else f"{n:.3g}"
+    for unit, scale in COUNT_UNITS.items():  # the smallest unit the count reads under 1,000 in (rounded)
+        if abs(n) / scale < 999.5:
+            return f"{n / scale:.3g}{unit}"
+    return format_sci(n)

@@ -83,9 +83,18 @@ class DeviceProfile:
         latency = self.interconnect_latency * (1 if kind == "broadcast" else n - 1)
         return hops * (volume / self.interconnect + latency)
 
+    def peak_dtype(self, dtype: str) -> str:
+        """The compute dtype whose peak times `dtype`: itself, or fp32 where the device has no such path (bf16 on a
+        T4 or V100 runs emulated)."""
+        return dtype if dtype in self.flops else "fp32"
+
+    def sustained_flops(self, dtype: str) -> float:
+        """FLOP/s a training kernel reaches in `dtype`: the vendor peak x the assumed efficiency (the cost model's
+        rate, not a measurement)."""
+        return self.flops[self.peak_dtype(dtype)] * self.flops_efficiency
+
     def duration(self, flops: int, bytes_moved: int, dtype: str) -> float:
-        peak = self.flops.get(dtype, self.flops["fp32"])
-        compute = flops / (peak * self.flops_efficiency)
+        compute = flops / self.sustained_flops(dtype)
         memory = bytes_moved / (self.bandwidth * self.bandwidth_efficiency)
         return max(compute, memory) + self.launch_latency
 

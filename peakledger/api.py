@@ -1,5 +1,6 @@
 """The public API: simulate a scenario, find the largest micro-batch, compare scenarios, explain an OOM with
-its fixes. Real runs held against the simulation are validation.py."""
+its fixes; before any model, the abstract batch budget (`batch_range`) and the compute plan (`plan`). Real runs
+held against the simulation are validation.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .analysis.card_fit import CardFit
 from .analysis.card_fit import card_fit as card_fit_of
 from .analysis.device import device_settings, with_gpu_oom
 from .analysis.ledger import ledger_at
-from .analysis.maxbatch import max_fitting
+from .analysis.maxbatch import BatchRange, max_fitting, solve
 from .analysis.peaks import with_headroom
 from .analysis.peers import (
     deepspeed_estimators,
@@ -28,6 +29,7 @@ from .models.families import family_of
 from .models.traced import from_hf_dict
 from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
+from .plan import plan as plan  # (the compute planner, peakledger/plan.py: one of the API's entry points)
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
@@ -130,6 +132,15 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
         return cache[b]
 
     return max_fitting(need, budget, limit)
+
+
+def batch_range(*, fixed, per_sample, budget) -> BatchRange:
+    """The micro-batches B that fit the abstract memory model fixed + per_sample x B <= budget (`peakledger
+    max-batch --fixed --per-sample --budget`): exact ints, or strings as the flags take them ("100", "80GiB"; all
+    with a unit or none), searched by `max_micro_batch`'s own search (analysis/maxbatch.py). `.max_batch` is the
+    largest (0: only the fixed part fits, -1: not even it), `.feasible_range` (1, max) or None. Bad values raise
+    ConfigError naming the flag."""
+    return solve(fixed, per_sample, budget)[0]
 
 
 def hf_config_of(model) -> tuple[dict | None, str]:

@@ -49,7 +49,12 @@ def assumed(scenario: Scenario, micro_batch: str | None = None, devices: str | N
 
 def assumed_lines(scenario: Scenario, micro_batch: str | None = None, devices: str | None = None) -> list[str]:
     """The text block: a head line and one line per topic."""
-    return ["assumed:"] + [f"  {topic}: {text}" for topic, text in assumed(scenario, micro_batch, devices).items()]
+    return topic_lines(assumed(scenario, micro_batch, devices))
 
 
-__all__ = ["assumed", "assumed_lines", "NOT_SIMULATED"]
+def topic_lines(topics: dict[str, str]) -> list[str]:
+    """An `assumed:` block of any command's topics (`peakledger plan`'s have no scenario): the head, a line each."""
+    return ["assumed:"] + [f"  {topic}: {text}" for topic, text in topics.items()]
+
+
+__all__ = ["assumed", "assumed_lines", "topic_lines", "NOT_SIMULATED"]

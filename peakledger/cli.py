@@ -5,6 +5,7 @@
     peakledger compare [--case "name: key=value key=value" ...] [same flags for the base scenario]
     peakledger validate | capture | explain | replay | calibrate ...
     peakledger models                    # the models --preset takes by name
+    peakledger plan --compute 1e21 --params 125M,1B,7B   # a training budget: C = 6ND, tokens per size, hours
 
 Each command module registers its sub-commands (`register(subparsers)`) and holds what they run: cmd_simulate.py
 (simulate, max-batch, compare, checkpointing, sweep), cmd_validate.py (validate, capture), cmd_explain.py (explain,
@@ -23,7 +24,17 @@ import sys
 import threading
 import traceback
 
-from . import cmd_calibrate, cmd_explain, cmd_ledger, cmd_models, cmd_run, cmd_simulate, cmd_validate, cmd_where
+from . import (
+    cmd_calibrate,
+    cmd_explain,
+    cmd_ledger,
+    cmd_models,
+    cmd_plan,
+    cmd_run,
+    cmd_simulate,
+    cmd_validate,
+    cmd_where,
+)
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.names import did_you_mean
@@ -61,7 +72,8 @@ class Parser(argparse.ArgumentParser):
 
 
 # each: register(subparsers)
-COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate, cmd_models)
+COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate, cmd_models,
+            cmd_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -294,5 +294,13 @@ def parse_case(text: str) -> tuple[str, dict]:
     return name.strip(), changes
 
 
+def table_lines(cols, rows) -> list[str]:
+    """A text table: the first column left-aligned, the others right-aligned, each as wide as its widest cell."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    return [line(cols)] + [line(r) for r in rows]
+
+
 def write_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")

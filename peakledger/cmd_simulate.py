@@ -28,6 +28,7 @@ from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
+from .batch_budget import cmd_batch_budget
 from .cli_common import (
     add_check_flag,
     add_host_flags,
@@ -184,6 +185,8 @@ SEARCHED = "the largest that fits (searched; each probe simulated)"
 
 
 def cmd_max_batch(args) -> int:
+    if args.fixed is not None or args.per_sample is not None:  # the abstract model M(B) = fixed + per-sample x B
+        return cmd_batch_budget(args)
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "max-batch")
     with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)"):
@@ -404,9 +407,15 @@ def register(sub) -> None:
     s.add_argument("--export-graph", metavar="FILE",
                    help="write the op graph as GraphML (networkx) and print its critical path")
     s.set_defaults(func=cmd_simulate)
-    m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget")
+    m = sub.add_parser("max-batch", help="largest micro-batch that fits a budget (a model's, or M(B) = fixed + "
+                                         "per-sample x B with --fixed / --per-sample)")
     add_scenario_flags(m)
-    m.add_argument("--budget", help="80GiB, 24G, 80GB (default: the --device profile's memory)")
+    m.add_argument("--budget", help="80GiB, 24G, 80GB (default: the --device profile's memory); with --fixed / "
+                                    "--per-sample also a whole number in a unit of your own")
+    m.add_argument("--fixed", metavar="X", help="the abstract model instead of a simulated one: memory that does not "
+                                                "grow with the batch (100, 30GiB); needs --per-sample and --budget")
+    m.add_argument("--per-sample", metavar="Y", help="the abstract model's memory per sample (30, 1.5GiB): B fits "
+                                                     "when X + Y x B <= budget (peakledger/batch_budget.py)")
     m.add_argument("--json", action="store_true")
     add_check_flag(m)
     m.set_defaults(func=cmd_max_batch)

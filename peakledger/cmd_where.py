@@ -14,7 +14,7 @@ from __future__ import annotations
 from .analysis.host import HostLimits
 from .analysis.units import Scale, format_bytes
 from .assumed import assumed, assumed_lines
-from .cli_common import add_host_flags, add_scenario_flags, decide, host_limits, write_json
+from .cli_common import add_host_flags, add_scenario_flags, decide, host_limits, table_lines, write_json
 from .gpus import GPU_LIMIT, LAYOUTS
 from .inputs import scenario_from_args
 from .models.config import ConfigError
@@ -41,14 +41,6 @@ def _batch(p) -> str:
     return f">= {p.max_micro_batch:,}" if p.search_limit_reached else f"{p.max_micro_batch:,}"
 
 
-def _table(cols, rows) -> list[str]:
-    """`where`'s tables: the first column left-aligned, the others right-aligned, each as wide as its widest cell."""
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    def line(cells) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-    return [line(cols)] + [line(r) for r in rows]
-
-
 def render(result: Where, unit: str | None) -> str:
     """The table: every size in one unit (`unit`, else the largest value's), named in the first line."""
     g = Scale.of([x for p in result.placements for x in (p.usable, p.allocated_peak, p.reserved_peak,
@@ -66,7 +58,7 @@ def render(result: Where, unit: str | None) -> str:
                      ("yes" if p.fits else "no") + (" (host)" if p.host_fails else "")
                      + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
                      ("+" if p.margin >= 0 else "") + f(p.margin), _batch(p)))
-    out = [head, "", *_table(cols, rows)]
+    out = [head, "", *table_lines(cols, rows)]
     fits = result.fits_on
     out += ["", f"fits on {len(fits)} of {len(result.placements)}: {', '.join(fits)}" if fits
             else f"fits on none of the {len(result.placements)} profiles"]
@@ -124,7 +116,7 @@ def render_counts(scenario_name: str, cards: list[CardCounts], unit: str) -> str
         return f"{c.n:,}" + (" (flush)" if c.at.by_retry else "")
     cols = ("device", *(lay.name for lay in layouts))
     rows = [(card.device, *(cell(c) for c in card.counts)) for card in cards]
-    out = [head, "", *_table(cols, rows), "", "checked:"]
+    out = [head, "", *table_lines(cols, rows), "", "checked:"]
     for card in cards:
         for c in card.counts:
             if c.n is None:

@@ -121,30 +121,39 @@ def parse_duration(text: object, field: str = "deadline") -> float:
     return float(seconds)  # the exact value rounded once
 
 
-def parse_count(text: object, field: str = "target_tokens") -> int:
-    """'2e9' -> 2000000000 ('2000000000', '2.5e9', '2B', '500M'): exact, a whole number > 0."""
+def parse_count(text: object, field: str = "target_tokens", limit: int = _MAX_COUNT) -> int:
+    """'2e9' -> 2000000000 ('2000000000', '2.5e9', '2B', '500M'): exact, a whole number > 0, at most `limit`
+    (default 1e21)."""
+    return int(parse_amount(text, field, limit=limit))
+
+
+def parse_amount(text: object, field: str, *, limit: int = _MAX_COUNT, whole: bool = True,
+                 forms: str = COUNT_FORMS) -> Fraction:
+    """The exact value of '2e9', '2.5B', '35k', '1234.5' (digits x 10^exponent x the K/M/B/T suffix), > 0 and at
+    most `limit` (a power of ten); `whole`: a whole number or refused. A ConfigError naming the flag and `forms`."""
     flag = _flag(field)
+    top = f"1e{len(str(limit)) - 1}" if limit == 10 ** (len(str(limit)) - 1) else f"{limit:,}"
     if isinstance(text, int) and not isinstance(text, bool):
-        value = text
+        value = Fraction(text)
     else:
         m = _COUNT.match(text) if isinstance(text, str) and len(text) <= _MAX_TEXT else None
         if not m or m.group(4).lower() not in COUNT_SUFFIXES:
-            raise ConfigError(field, f"{flag} cannot read {text!r}; allowed: {COUNT_FORMS}")
+            raise ConfigError(field, f"{flag} cannot read {text!r}; allowed: {forms}")
         sign, number, exponent, suffix = m.groups()
-        whole, _, frac = number.partition(".")
+        whole_part, _, frac = number.partition(".")
         exp = int(exponent[1:]) if exponent else 0
-        if abs(exp) > 30:
-            raise ConfigError(field, f"{flag} {text.strip()!r} is out of range (at most 1e21); allowed: {COUNT_FORMS}")
-        # exact: digits x 10^(exp - len(frac)) x suffix, a whole number or refused
-        numerator = int((whole or "0") + frac) * 10 ** max(0, exp) * COUNT_SUFFIXES[suffix.lower()]
-        denominator = 10 ** (len(frac) + max(0, -exp))
-        if numerator % denominator:
-            raise ConfigError(field, f"{flag} {text.strip()!r} is not a whole number; allowed: {COUNT_FORMS}")
-        value = -(numerator // denominator) if sign == "-" else numerator // denominator
+        if abs(exp) > len(str(limit)) + 9:
+            raise ConfigError(field, f"{flag} {text.strip()!r} is out of range (at most {top}); allowed: {forms}")
+        # exact: digits x 10^(exp - len(frac)) x suffix
+        value = Fraction(int((whole_part or "0") + frac) * COUNT_SUFFIXES[suffix.lower()]) * Fraction(10) ** \
+            (exp - len(frac))
+        if whole and value.denominator != 1:
+            raise ConfigError(field, f"{flag} {text.strip()!r} is not a whole number; allowed: {forms}")
+        value = -value if sign == "-" else value
     if value <= 0:
-        raise ConfigError(field, f"{flag} must be > 0, got {text!r}; allowed: {COUNT_FORMS}")
-    if value > _MAX_COUNT:
-        raise ConfigError(field, f"{flag} {text!r} is out of range (at most 1e21); allowed: {COUNT_FORMS}")
+        raise ConfigError(field, f"{flag} must be > 0, got {text!r}; allowed: {forms}")
+    if value > limit:
+        raise ConfigError(field, f"{flag} {text!r} is out of range (at most {top}); allowed: {forms}")
     return value
 
 
@@ -424,4 +433,5 @@ def render_ranking(points: list[tuple[dict, dict]], budget: DeadlineBudget, unit
 
 __all__ = ["DeadlineBudget", "deadline_budget", "parse_duration", "parse_count", "tokens_per_step", "steps_needed",
            "steady_step_seconds", "plan_point", "verdict", "rank_points", "render_ranking", "format_hours",
-           "check_sweep", "point_budget", "DURATION_FORMS", "COUNT_FORMS", "MIN_DURATION_S", "MAX_DURATION_S"]
+           "parse_amount", "check_sweep", "point_budget", "DURATION_FORMS", "COUNT_FORMS", "MIN_DURATION_S",
+           "MAX_DURATION_S"]

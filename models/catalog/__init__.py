@@ -146,9 +146,9 @@ def traced_model(model: CatalogModel):
     return from_hf_dict(read_hf_json(model.path), model.name)
 
 
-def parameters(traced) -> int:
-    """The parameters a traced HF model (`TracedModel`) holds, tied ones once: transformers' model built on the
-    meta device (no memory), the way the traced describer builds it (`TracedModel.build`)."""
+def meta_model(traced):
+    """A traced HF model (`TracedModel`) as transformers builds it on the meta device (no memory), the way the traced
+    describer builds it (`TracedModel.build`): its modules and parameters, no values."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -158,11 +158,15 @@ def parameters(traced) -> int:
     hf_logging.set_verbosity_error()  # (its notes on a config's rope keys: not the listing's business)
     try:
         with torch.device("meta"):
-            built = traced.build(TrainingSetup())[0]
+            return traced.build(TrainingSetup())[0]
     finally:
         hf_logging.set_verbosity(verbosity)
-    return sum(p.numel() for p in built.parameters())
+
+
+def parameters(traced) -> int:
+    """The parameters a traced HF model (`TracedModel`) holds, tied ones once (`meta_model`'s)."""
+    return sum(p.numel() for p in meta_model(traced).parameters())
 
 
 __all__ = ["CATALOG", "MODELS", "CatalogModel", "Found", "resolve", "hub_cache_dir", "cached_config",
-           "looks_like_hub_id", "known_names", "traced_model", "parameters"]
+           "looks_like_hub_id", "known_names", "traced_model", "parameters", "meta_model"]
