@@ -31,6 +31,7 @@ from .models.training import build_tape, describe
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
+from .simulator.gcpause import gc_paused
 from .simulator.ops import OpGraph
 from .simulator.timeline import timeline
 
@@ -60,6 +61,7 @@ def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
     return graph
 
 
+@gc_paused  # describe, simulate and summarize: one block, no full collection between them (simulator/gcpause.py)
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False,
         graph: OpGraph | None = None) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the

@@ -50,6 +50,7 @@ from .models.config import ConfigError
 from .models.devices import DEVICES, device_profile
 from .models.training import StepPlan
 from .progress import progress
+from .simulator.gcpause import paused_gc
 from .simulator.timeline import timeline
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def cmd_simulate(args) -> int:
     scenario = scenario_from_args(args)
     if args.check and budget is None:
         budget = budget_of(args, scenario, "--check")
-    with progress(f"describing and simulating {scenario.name}"):
+    with progress(f"describing and simulating {scenario.name}"), paused_gc():  # one block (simulator/gcpause.py)
         graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
