@@ -154,7 +154,8 @@ def _html_page(args, scenario, report, budget: int | None) -> str:
                           else None) if card is not None else None
     fixes = None
     if verdict is not None and not verdict.fits:
-        x = diagnosis.explain(scenario, card)
+        with progress(f"explaining {scenario.name}") as bar:
+            x = diagnosis.explain(scenario, card, progress=bar)
         fixes = diagnosis.fixes_table(x, args.unit)
     return html_report(report, args.unit, budget=card, fixes=fixes,
                        verdict=(verdict.fits, verdict.line(args.unit)) if verdict is not None else None)
@@ -186,8 +187,8 @@ SEARCHED = "the largest that fits (searched; each probe simulated)"
 def cmd_max_batch(args) -> int:
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "max-batch")
-    with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)"):
-        best = api.max_micro_batch(scenario, budget)
+    with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)") as bar:
+        best = api.max_micro_batch(scenario, budget, progress=bar)
         fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,
