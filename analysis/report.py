@@ -60,7 +60,7 @@ class Report:
     metadata: RunMetadata = field(default_factory=RunMetadata)  # the log's
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
-    gpu: DeviceMemory | None = None  # the same rank through the caching allocator, on a CUDA device profile
+    gpu: DeviceMemory | None = None  # the same rank through the caching allocator (with its series), on a CUDA profile
 
     @property
     def capacity_needed(self) -> int:
@@ -75,12 +75,13 @@ class Report:
         """The peak rank's timeline in the peak's pool, made once when something reads it."""
         return timeline(self.log, self.peaks.rank, self.peaks.pool)
 
-    @functools.cached_property
+    @property
     def gpu_series(self) -> DeviceMemory | None:
         """The peak rank through the caching allocator with its series (time, allocated, reserved) per device
-        event, on a CUDA profile: the allocator replayed once more, when a report is shown (the phase peaks, the
-        picture, the HTML report read it); a max-batch probe or a sweep point never reads it."""
-        return gpu_memory(self.log, self.peaks.rank, series=True) if self.gpu is not None else None
+        event, on a CUDA profile (the phase peaks, the picture, the HTML report read it): `gpu` itself, whose one
+        replay in `summarize` keeps the series (appending a point per event costs little beside the replay that
+        a second pass would repeat)."""
+        return self.gpu
 
     @functools.cached_property
     def phases(self) -> list[PhasePeak]:
@@ -173,7 +174,7 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events))
-    gpu = gpu_memory(log, rank, events=events) if pool is Pool.DEVICE else None
+    gpu = gpu_memory(log, rank, series=True, events=events) if pool is Pool.DEVICE else None  # the run's one replay
     return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=log.metadata, ranks=per_rank, host=host,
                   gpu=gpu)
 

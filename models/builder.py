@@ -75,6 +75,12 @@ class GraphBuilder:
         if setup.mesh.pp > 1:  # a pipeline rank: its stages in the schedule's order (models/parallel/pipeline.py)
             self.engine = PipelineEngine(self, self.engine)
 
+    def close(self) -> None:
+        """Done describing: the builder lets go of what it holds. Its engine and their helpers point back at it (a
+        reference cycle), so without this the graph, the tape and every block it made would wait for the cyclic
+        collector (simulator/gcpause.py) after their users drop them, instead of being freed then."""
+        vars(self).clear()
+
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
               shard: int = 1, pool: Pool = Pool.DEVICE, pinned: bool = False) -> Block:
         """A new block of this rank; `pinned`: page-locked host memory (simulator/events.py `Block`)."""

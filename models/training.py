@@ -249,10 +249,12 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         if bad:
             raise ConfigError("ranks", f"rank {bad[0]!r} is not in 0..{setup.mesh.world_size - 1}")
         classes = {r: RankRanges([(r, r + 1)]) for r in ranks}
+    builders = []
     for rank in simulated_ranks(classes, setup) if model_parallel else classes:
         builder = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
              else GraphBuilder(tape, setup, profile, rank, graph, ids))
         _describe_rank(builder, plan.simulated)
+        builders.append(builder)
     if plan.truncated:
         check_repeats(graph, plan)
     family = family_of(model)
@@ -286,6 +288,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
         graph.metadata = graph.metadata.updated(
             n_active_params=active_params(model, tape.n_params),
             experts=f"top-{model.num_experts_per_tok} of {model.num_local_experts} experts")
+    for b in builders:
+        b.close()  # (no reference cycle keeps the graph alive once the caller drops it)
     return graph
 
 
@@ -320,6 +324,7 @@ def rank_classes(tape: Tape, setup: TrainingSetup, profile: DeviceProfile) -> di
     for k, (start, sig) in enumerate(zip(starts, sigs)):
         stop = starts[k + 1] if k + 1 < len(starts) else n
         classes.setdefault((sig, saved[start]) if start in saved else (sig,), []).append((start, stop))
+    first.close()
     return {ranges[0][0]: RankRanges(ranges) for ranges in classes.values()}
 
 

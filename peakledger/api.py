@@ -30,9 +30,11 @@ from .models.traced import from_hf_dict
 from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
 from .plan import plan as plan  # (the compute planner, peakledger/plan.py: one of the API's entry points)
+from .progress import Progress, reporter
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
 from .simulator.events import Category, Phase, Pool
+from .simulator.gcpause import gc_paused
 from .simulator.ops import OpGraph
 from .simulator.timeline import timeline
 
@@ -62,18 +64,25 @@ def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
     return graph
 
 
+@gc_paused  # describe, simulate and summarize: one block, no full collection between them (simulator/gcpause.py)
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False,
-        graph: OpGraph | None = None) -> Report:
+        graph: OpGraph | None = None, progress: Progress | None = None) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak). `graph`: the scenario already described with this
-    budget (`op_graph`), for a caller that also exports it."""
-    graph = graph if graph is not None else op_graph(scenario, budget)
+    budget (`op_graph`), for a caller that also exports it. `progress(i, n, what)` before each of the three
+    stages (peakledger/progress.py; silent by default)."""
+    say = reporter(progress)
+    if graph is None:
+        say(0, 3, f"describing {scenario.name}")
+        graph = op_graph(scenario, budget)
     ranks = [int(r) for r in graph.metadata.rank_classes]
     cuda = device_profile(scenario.device).is_cuda  # on a GPU the caching allocator decides the OOM
     capacities = {(r, Pool.DEVICE): budget for r in ranks} if budget is not None and not cuda else None
+    say(1, 3, f"simulating {scenario.name}")
     log = simulate(graph, capacities, stop_on_oom=stop_on_oom, simulator=scenario.simulator)
     if budget is not None and cuda:
         log = with_gpu_oom(log, budget, stop_on_oom)
+    say(2, 3, f"summarizing {scenario.name}")
     return summarize(log, name=scenario.name, headroom=scenario.headroom)
 
 
@@ -107,10 +116,13 @@ def fixed_state_peak(scenario: Scenario) -> int:
 MAX_BATCH_LIMIT = 1 << 20  # the search stops here: an answer equal to it means "at least this many"
 
 
-def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMIT) -> int:
+def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMIT,
+                    progress: Progress | None = None) -> int:
     """Largest micro-batch whose simulated peak x (1 + headroom) fits `budget`; 0 if only the fixed
     state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound). A module
-    whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused."""
+    whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused. `progress(i, None,
+    what)` before each probe (peakledger/progress.py; silent by default)."""
+    say = reporter(progress)
     model = scenario.model
     if isinstance(model, TracedModel) and model.kind == "module" and "micro_batch" not in model.varies:
         raise ConfigError("module", f"max-batch varies the micro-batch, and {model.source.rpartition(':')[2]}() takes "
@@ -120,6 +132,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
     def need(b: int) -> int:
         if b not in cache:
+            say(len(cache), None, f"probing micro-batch {b}")
             if b == 0:
                 peak = fixed_state_peak(scenario)
                 cache[b] = with_headroom(peak, scenario.headroom)  # a lower bound: tensors only

@@ -36,6 +36,7 @@ from .cli_common import (
 )
 from .inputs import check_command_outputs, scenario_flags_given, scenario_from_args
 from .models.config import ConfigError
+from .progress import progress
 from .simulator.events import Pool
 from .traces.store import load_trace
 
@@ -54,7 +55,8 @@ def cmd_explain(args) -> int:
         return _explain_trace(args, budget, host_budget)
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "explain")
-    x = diagnosis.explain(scenario, budget, host_budget, host_limits(args))
+    with progress(f"explaining {scenario.name}") as bar:
+        x = diagnosis.explain(scenario, budget, host_budget, host_limits(args), progress=bar)
     setup = scenario.setup
     host = host_verdict(args, scenario, x.report.log)  # the node's host verdict (analysis/host.py), None: not judged
     verdict = FitVerdict(x.fits and (host is None or host.fits), x.capacity_needed, budget, host=host,

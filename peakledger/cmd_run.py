@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.host import judge_host
@@ -30,13 +31,17 @@ from .models.config import ConfigError
 from .models.devices import DEVICES
 from .models.names import did_you_mean
 from .progress import progress
-from .script import ScriptRun, predict_script, validate_script, with_args
 from .simulator.allocator import TORCH_VERSIONS
+
+if TYPE_CHECKING:
+    from .script import ScriptRun
 
 DEFAULT_STEPS = 2
 
 
 def run_of(args) -> ScriptRun:
+    from .script import ScriptRun  # torch, loaded for `run` only (every other command starts without it)
+
     device = args.device or "cpu"
     if device not in DEVICES:
         raise ConfigError("device", f"{device!r} is not a device profile; allowed: {', '.join(DEVICES)}"
@@ -108,6 +113,8 @@ def try_lines(report, tries: list, budget: int | None, unit: str | None) -> list
 
 
 def cmd_run(args) -> int:
+    from .script import predict_script, validate_script, with_args  # torch: for `run` only
+
     check_command_outputs(args, ["plot", "export_snapshot", "export_chrome"])
     run = run_of(args)
     budget = budget_flag(args)

@@ -24,7 +24,6 @@ from .analysis.export_html import html_report
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
-from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
@@ -52,6 +51,7 @@ from .models.config import ConfigError
 from .models.devices import DEVICES, device_profile
 from .models.training import StepPlan
 from .progress import progress
+from .simulator.gcpause import paused_gc
 from .simulator.timeline import timeline
 
 if TYPE_CHECKING:
@@ -84,11 +84,11 @@ def cmd_simulate(args) -> int:
     scenario = scenario_from_args(args)
     if args.check and budget is None:
         budget = budget_of(args, scenario, "--check")
-    with progress(f"describing and simulating {scenario.name}"):
+    with progress(f"describing and simulating {scenario.name}"), paused_gc():  # one block (simulator/gcpause.py)
         graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
-        from .analysis.plot import setup_text  # matplotlib, loaded for the picture only
+        from .analysis.plot import plot_timeline, setup_text  # matplotlib, loaded for the picture only
 
         gpu = report.gpu_series
         oom = report.log.ooms[0] if report.log.ooms else None
@@ -155,7 +155,8 @@ def _html_page(args, scenario, report, budget: int | None) -> str:
                           else None) if card is not None else None
     fixes = None
     if verdict is not None and not verdict.fits:
-        x = diagnosis.explain(scenario, card)
+        with progress(f"explaining {scenario.name}") as bar:
+            x = diagnosis.explain(scenario, card, progress=bar)
         fixes = diagnosis.fixes_table(x, args.unit)
     return html_report(report, args.unit, budget=card, fixes=fixes,
                        verdict=(verdict.fits, verdict.line(args.unit)) if verdict is not None else None)
@@ -189,8 +190,8 @@ def cmd_max_batch(args) -> int:
         return cmd_batch_budget(args)
     scenario = scenario_from_args(args)
     budget = budget_of(args, scenario, "max-batch")
-    with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)"):
-        best = api.max_micro_batch(scenario, budget)
+    with progress(f"searching the largest micro-batch of {scenario.name} (each probe simulated)") as bar:
+        best = api.max_micro_batch(scenario, budget, progress=bar)
         fixed = api.fixed_state_peak(scenario)
     capped = best >= api.MAX_BATCH_LIMIT
     result = {"budget": budget, "max_micro_batch": best, "fixed_state_bytes": fixed,

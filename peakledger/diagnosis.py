@@ -24,7 +24,7 @@ from .analysis.units import Scale, format_bytes, format_duration
 from .fixes import candidate_fixes
 from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, min_gpus
 from .models.config import ConfigError, TrainingSetup
-from .progress import progress
+from .progress import Progress, reporter
 from .scenario import Scenario
 from .simulator.allocator import round_size
 from .simulator.device_memory import DeviceMemory, DeviceOOM
@@ -163,13 +163,15 @@ def first_step_risks(scenario: Scenario, report: Report) -> list[str]:
     return out
 
 
-def explain(scenario: Scenario, budget: int, host_budget: int | None = None, limits: HostLimits | None = None
-            ) -> Explanation:
+def explain(scenario: Scenario, budget: int, host_budget: int | None = None, limits: HostLimits | None = None,
+            progress: Progress | None = None) -> Explanation:
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
-    unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak."""
-    with progress(f"simulating {scenario.name} as it is"):
-        base = api.run(scenario)
+    unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak.
+    `progress(i, n, what)` before each simulation (peakledger/progress.py; silent by default)."""
+    say = reporter(progress)
+    say(0, None, f"simulating {scenario.name} as it is")
+    base = api.run(scenario)
     setup = base.metadata.setup
     moment = worst_moment(base.log, budget)
     found = first_gpu_oom(base.log, budget) if base.gpu is not None else None
@@ -185,22 +187,23 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
     fits_now = verdict.fits
     candidates, fixes = [], []
     listed = candidate_fixes(scenario, fragmentation)
-    with progress("re-simulating each fix", total=len(listed)) as bar:
-        for candidate in listed:
-            bar.advance(description=f"re-simulating: {candidate[0]}")
-            try:
-                fix = _fix(scenario, budget, *candidate, host=limits)
-            except ConfigError:
-                continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
-            candidates.append(candidate)
-            fixes.append(fix)
-        if not fits_now:
-            bar.advance(0, description="searching the fewest GPUs that fit")
-            fixes += more_gpus_fixes(scenario, budget)
-        if fixes and not any(f.fits for f in fixes):
-            combined = _combine(scenario, budget, candidates, fixes, host=limits)
-            if combined is not None:
-                fixes.append(combined)
+    steps = 1 + len(listed) + (not fits_now)
+    for k, candidate in enumerate(listed, start=1):
+        say(k, steps, f"re-simulating: {candidate[0]}")
+        try:
+            fix = _fix(scenario, budget, *candidate, host=limits)
+        except ConfigError:
+            continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
+        candidates.append(candidate)
+        fixes.append(fix)
+    if not fits_now:
+        say(steps - 1, steps, "searching the fewest GPUs that fit")
+        fixes += more_gpus_fixes(scenario, budget)
+    if fixes and not any(f.fits for f in fixes):
+        say(steps, steps, "combining fixes")
+        combined = _combine(scenario, budget, candidates, fixes, host=limits)
+        if combined is not None:
+            fixes.append(combined)
     tried = len(fixes)
     fixes = [f for f in fixes if _helps(f, base, verdict.need, fits_now)]
     fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits

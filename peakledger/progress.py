@@ -8,11 +8,30 @@ terminal, nothing at all otherwise (pipes, files, CI logs and --json output stay
             p.advance()
 
 `total=None` shows a spinner with the elapsed time (a step whose length is not known in advance).
+
+The Python API draws nothing: its long calls (`run`, `explain`, `max_micro_batch`, `where`) take `progress=`, a
+callable `progress(i, n, what)` called before the i-th (0-based) of n steps (n None: not known in advance), and log
+the same as INFO records on the "peakledger" logger (`reporter`), silent unless the application configures
+logging. A `progress` bar is such a callable too: the CLI passes its bar to the API.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable
+
+Progress = Callable[[int, "int | None", str], None]  # progress(i, n, what): before the i-th of n steps
+LOG = logging.getLogger("peakledger")
+
+
+def reporter(callback: Progress | None) -> Progress:
+    """The API's progress: an INFO record on the "peakledger" logger, then `callback(i, n, what)` if given."""
+    def report(i: int, n: int | None, what: str) -> None:
+        LOG.info("%s (%d of %s)", what, i + 1, "?" if n is None else n)
+        if callback is not None:
+            callback(i, n, what)
+    return report
 
 
 class progress:
@@ -44,6 +63,11 @@ class progress:
         if self.bar is not None:
             self.bar.update(self.task, advance=n, **({"description": description} if description else {}))
 
+    def __call__(self, i: int, n: int | None, what: str) -> None:
+        """The API's progress callback (`Progress`): the bar at step i of n, described by `what`."""
+        if self.bar is not None:
+            self.bar.update(self.task, completed=i, description=what, **({"total": n} if n is not None else {}))
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
@@ -56,4 +80,4 @@ class progress:
         self.close()
 
 
-__all__ = ["progress"]
+__all__ = ["progress", "reporter", "Progress", "LOG"]

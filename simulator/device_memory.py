@@ -175,6 +175,7 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
         if series:
             out.append((e.time, live, alloc.reserved))
     kinds = [s.kind for s in alloc.events]
+    alloc.close()
     return DeviceMemory(rank=rank, alloc_conf=alloc_conf, context=context, outside=outside, capacity=capacity,
                         reserved_peak=best_reserved,
                         at_allocated_peak=best_live, oom=oom, segment_allocs=kinds.count("segment_alloc")

@@ -11,11 +11,15 @@ it off until the outermost ends.
 
 Objects moved so are not counted by CPython's rule for a full collection (one runs once the objects that survived
 the young collections since the last full one pass a quarter of those it left: Python/gc.c, `long_lived_pending`,
-CPython 3.11), so a process that runs many paused blocks (a sweep's worker, a max-batch search) never collected
-what their reference cycles leave: 2,000 tiny sweep points in one process grew to 754 MB. Here the blocks' moved
-objects are counted (`pending`) and a full collection runs once they pass GROWTH times what the last one left and
-FLOOR: the same 2,000 points stay at 151 MB in 10.8 s (8.9 s never collecting; 10.2 s and 74 MB collecting every
-64 points, as the sweep's workers did before), and one command's run never pays for one.
+CPython 3.11), so a process that runs many paused blocks (a sweep's worker, a max-batch search, explain's fixes)
+would never collect what reference cycles leave: 2,000 tiny sweep points in one process grew to 754 MB. Here,
+when an outermost block starts and an upper bound of the objects the collector tracks (the last count plus each
+block's net growth, O(1)) has passed GROWTH times what the last full collection left and FLOOR, they are counted
+(`_tracked`), and a full collection runs if the count has passed it too. What a run drops is freed by
+reference counting (the describers' builders and the allocator model cut their own cycles when done: builder.py
+`close`, allocator/core.py `close`), so the count grows only by what is live or cyclic: a command's runs, however
+large (the 2,048-rank Llama-3-70B pipeline holds 4 million objects at once, an 8B explain makes 37 runs), never
+pay for one unless they leave garbage in cycles, and then once it passes the mark, at the next block's start.
 """
 
 from __future__ import annotations
@@ -24,28 +28,40 @@ import functools
 import gc
 from contextlib import contextmanager
 
-_COUNTS = {"long_lived": 0, "pending": 0}  # this process's: objects its last full collection left, objects moved since
-GROWTH = 4.0  # a full collection once the objects moved since the last one pass this share of those it left,
-FLOOR = 1_000_000  # and this many: one command's run (a Llama-3-70B preset moves ~230,000) never pays for one
+_COUNTS = {"long_lived": 0, "bound": 0}  # this process's: the objects its last full collection left; at most
+# how many are tracked now (the last count, plus each block's net growth since: gc.get_count()[0], allocations
+# less deallocations of tracked objects, read in O(1))
+GROWTH = 4.0  # a full collection once the objects tracked pass this multiple of those the last one left,
+FLOOR = 1_000_000  # and this many
+
+
+def _tracked() -> int:
+    """Every object the collector tracks, counted: moved into one generation, counted, moved back to the oldest
+    (a walk of the list, no object made: ~50 ms a million)."""
+    gc.freeze()
+    n = gc.get_freeze_count()
+    gc.unfreeze()
+    return n
 
 
 @contextmanager
 def paused_gc():
-    enabled = gc.isenabled()
+    enabled = gc.isenabled()  # (off: a block inside another, or a caller's own pause)
+    mark = max(GROWTH * _COUNTS["long_lived"], FLOOR)
+    if enabled and gc.get_freeze_count() == 0 and _COUNTS["bound"] > mark:
+        _COUNTS["bound"] = _tracked()  # the bound passed the mark: count them
+        if _COUNTS["bound"] > mark:
+            gc.collect()  # what earlier blocks left in reference cycles, collected before this one adds to it
+            _COUNTS["long_lived"] = _COUNTS["bound"] = _tracked()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
             if gc.get_freeze_count() == 0:
-                _COUNTS["pending"] += len(gc.get_objects(0)) + len(gc.get_objects(1))  # what moves now
-                gc.freeze()
+                _COUNTS["bound"] += gc.get_count()[0]  # the block's net growth (the collector was off throughout)
+                gc.freeze()  # the young generations moved to the oldest (two list splices)
                 gc.unfreeze()
-                if _COUNTS["pending"] > max(GROWTH * _COUNTS["long_lived"], FLOOR):
-                    gc.collect()
-                    gc.freeze()
-                    _COUNTS.update(long_lived=gc.get_freeze_count(), pending=0)
-                    gc.unfreeze()
             gc.enable()
 
 

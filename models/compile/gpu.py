@@ -17,7 +17,15 @@ attention backward's workspace, padded layouts' storage sizes; cuBLAS's workspac
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 from ..config import ConfigError
+
+# a CUDA (or ROCm) build of torch ships c10's device code as a library of its own: torch/lib/libc10_cuda.so,
+# c10_cuda.dll, libc10_hip.so (c10/cuda/CMakeLists.txt `add_library(c10_cuda ...)`, torch 2.6 to 2.13)
+DEVICE_LIBRARIES = ("libc10_cuda.*", "c10_cuda.*", "libc10_hip.*")
 
 
 def running_torch() -> str:
@@ -47,8 +55,23 @@ def gpu_check(capability: tuple[int, int] | None) -> None:
                                     "depends on the device; simulate compile on a profile of the device torch sees")
 
 
+def cuda_build_possible() -> bool:
+    """False when the installed torch is surely no CUDA build (its lib folder holds no c10 device library), found
+    without importing torch (seconds); True when it may be one, or when torch is imported already."""
+    if "torch" in sys.modules:
+        return True
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True  # (no torch found here: gpu_check's import says what there is)
+    lib = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    return not lib.is_dir() or any(any(lib.glob(pattern)) for pattern in DEVICE_LIBRARIES)
+
+
 def lowerable(capability: tuple[int, int] | None) -> bool:
-    """Whether `gpu_check` lets this torch lower a CUDA profile's program."""
+    """Whether `gpu_check` lets this torch lower a CUDA profile's program (a torch without CUDA, without importing
+    it: `explain` asks for every GPU run)."""
+    if not cuda_build_possible():
+        return False
     try:
         gpu_check(capability)
     except ConfigError:

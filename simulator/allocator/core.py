@@ -382,6 +382,17 @@ class CachingAllocator(ExpandableSegments):
                 out[a] = [(b.addr, b.size, not b.free) for b in s.blocks()]
         return dict(sorted(out.items()))
 
+    def close(self) -> None:
+        """Done with the allocator: its blocks' links (prev / next, their segment, each segment's head) and its own
+        address function (a bound method of it) are cut, so what it made is freed by reference counting, not left
+        in reference cycles for the cyclic collector. Its counters stay readable; it serves no more requests."""
+        for b in self.blocks.values():
+            b.prev = b.next = b.segment = None
+        for seg in self.segments.values():
+            seg.head = None
+        self.segment_address = None
+        self._events.clear()
+
     def largest_free(self) -> int:
         """The largest cached free block: each pool's index is ordered by (stream, size, address), so each
         stream's largest is the last entry before the next stream's first."""
