@@ -111,19 +111,8 @@ class TrlRun:
     facts: dict = field(default_factory=dict)  # shapes and sizes read from the real run (the trainer's own tensors)
 
     def phase_peaks(self) -> dict[tuple[str, int], int]:
-        """(label, step) -> the highest running total of live bytes while that label ran (its entry level
-        included)."""
-        out: dict[tuple[str, int], int] = {}
-        running = 0
-        previous = None
-        for e, label, step in zip(self.log.events, self.labels, self.steps):
-            key = (label, step)
-            if key != previous:  # entering: what is live already counts
-                out[key] = max(out.get(key, 0), running)
-                previous = key
-            running += e.delta
-            out[key] = max(out[key], running)
-        return out
+        """(label, step) -> its peak (`label_peaks`)."""
+        return label_peaks(self.log.events, self.labels, self.steps)
 
     def peak(self) -> int:
         running = best = 0
@@ -148,6 +137,22 @@ class TrlRun:
             if (lab, s) == (label, step) and running == target:
                 return {c: b for c, b in live.items() if b}
         raise KeyError((label, step))
+
+
+def label_peaks(events, labels: list[str], steps: list[int]) -> dict[tuple[str, int], int]:
+    """(label, step) -> the highest running total of live bytes while that label ran, what is live when it is
+    entered included; `labels` and `steps` say where each of `events` happened."""
+    out: dict[tuple[str, int], int] = {}
+    running = 0
+    previous = None
+    for e, label, step in zip(events, labels, steps):
+        key = (label, step)
+        if key != previous:
+            out[key] = max(out.get(key, 0), running)
+            previous = key
+        running += e.delta
+        out[key] = max(out[key], running)
+    return out
 
 
 class _Clock:
@@ -346,4 +351,4 @@ def _model_facts(trainer) -> dict:
     return {"policy": size(trainer.model), "ref": size(trainer.ref_model)}
 
 
-__all__ = ["TrlCase", "TrlRun", "measure", "make_model", "LABEL_PHASES", "SCRIPT"]
+__all__ = ["TrlCase", "TrlRun", "measure", "label_peaks", "make_model", "LABEL_PHASES", "SCRIPT"]
