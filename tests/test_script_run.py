@@ -209,3 +209,21 @@ def test_local_weights_are_read_from_the_header_only(tmp_path):
     assert sorted(f.keys()) == ["a", "b"] and f.get_slice("a").get_shape() == [3, 5]
     assert isinstance(a, FakeTensor) and a.dtype == torch.bfloat16 and tuple(a.shape) == (3, 5)
     assert isinstance(b, FakeTensor) and tuple(b.shape) == (7,)
+
+
+@pytest.mark.skipif(not _has("trl", "datasets"), reason="needs trl and datasets")
+@pytest.mark.parametrize("trainer", ["dpo", "grpo"])
+def test_trl_rl_from_a_model_folder_is_exact_but_its_load(tmp_path, trainer):
+    # a Qwen2 policy by path (TRL builds the reference model from it), beta > 0: transformers' loader threads would
+    # make the weights outside the fake mode (models/script/run.py SEQUENTIAL_LOAD); the load phase holds the
+    # checkpoint's weights twice on the fake side (docs/rl.md)
+    from peakledger.traces.reference.trl_run import make_model
+
+    make_model(str(tmp_path / "model"))
+    run = ScriptRun(str(SCRIPTS / "trl_rl.py"), ("--model", str(tmp_path / "model"), "--trainer", trainer))
+    report, _ = predict_script(run)
+    (v,) = validate_script(run, report)
+    assert v.overall.predicted == v.overall.measured > 0
+    for p in v.phases:
+        if not p.label.startswith("load"):
+            assert p.predicted == p.measured, p.label

@@ -8,6 +8,9 @@ and the measurement (traces/script_run.py, real tensors) alike:
   removed after the run;
 - no network: HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE and HF_DATASETS_OFFLINE are set while it runs; a script that
   asks the Hugging Face hub for a model or dataset is refused, naming what it asked for (`hub_error`);
+- transformers loads a local checkpoint's tensors in its own thread, sequentially (HF_DEACTIVATE_ASYNC_LOAD): its
+  worker threads would make them outside the fake mode, which is thread-local, so a fake run would hold real
+  weights that every forward re-converts (a new fake storage per weight read); same bytes loaded either way;
 - the boundary of user code (models/traced/boundary.py): a time limit, its prints on stderr, `os._exit` refused; a
   `sys.exit(0)` (or `None`) is a script ending, any other status an error naming the script.
 
@@ -43,6 +46,8 @@ from .values import Values, numpy_reads
 from .weights import header_only_weights
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+# transformers 5.25.0 core_model_loading.py:1867-1874: a ThreadPoolExecutor loads the weights unless this is set
+SEQUENTIAL_LOAD = {"HF_DEACTIVATE_ASYNC_LOAD": "1"}
 # libraries a script may use whose save / generate entry points ScriptPhases wraps: imported before the script
 # runs (under the offline environment) when the script's text names them
 LIBRARIES = {"transformers": ("transformers", "transformers.generation.utils", "safetensors.torch"),
@@ -91,7 +96,7 @@ def script_context(path: Path, argv: list[str], env: dict[str, str] | None = Non
     `env` more environment (a rank's, `rank_env`)."""
     start = Path.cwd()
     scratch = Path(tempfile.mkdtemp(prefix="peakledger-run-"))
-    extra = {**OFFLINE, **(env or {})}
+    extra = {**OFFLINE, **SEQUENTIAL_LOAD, **(env or {})}
     saved_env = {k: os.environ.get(k) for k in extra}
     saved_argv, saved_path = sys.argv, list(sys.path)
     try:

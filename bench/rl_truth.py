@@ -1,0 +1,164 @@
+"""TRL's DPO and GRPO trainers on a tiny random Qwen2: the real CPU run's peak of every RL phase (the truth), and
+what `peakledger run` predicts for the same script, phase by phase.
+
+The truth is traces/reference/trl_run.py `measure`: examples/scripts/trl_rl.py run as it is under the allocation
+tracker, the trainer's own methods wrapped to say which phase runs (rollout.generate, rollout.ref_logprobs,
+rollout.old_logprobs, rollout.reward, rollout.score, update.forward, update.ref_forward, update.backward,
+optimizer, zero_grad). The prediction is `peakledger run examples/scripts/trl_rl.py --steps N -- ARGS` (the same
+script on fake tensors, recorded and simulated). peakledger run has no RL phases of its own (its phases are
+forward / backward / optimizer / zero_grad / eval / generate, positioned by what the script calls), so its events
+are given the truth's labels by aligning the two event streams (difflib on each event's action, bytes, dtype and
+shape: the same program makes the same allocations in the same order); an event with no counterpart takes the
+label of the one before it. A phase's peak is the highest running total of live bytes while it runs, what is live
+on entry included.
+
+    python bench/rl_truth.py                  # print the table
+    python bench/rl_truth.py --write          # also write bench/rl_truth.json and the section in VALIDATION.md
+    python bench/rl_truth.py --cases grpo     # one case
+    python bench/rl_truth.py --no-predict     # the truth only
+
+Deterministic: the script fixes its seeds and every length (prompt, chosen, rejected, min_new_tokens =
+max_new_tokens); torch.set_num_threads(1) in the measured run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from sections import replace_section  # noqa: E402  (bench/sections.py, beside this script)
+
+from peakledger.simulator.safe_io import write_atomic  # noqa: E402
+from peakledger.traces.reference.trl_run import (  # noqa: E402
+    LABEL_PHASES,
+    SCRIPT,
+    TrlCase,
+    label_peaks,
+    make_model,
+    measure,
+)
+
+JSON_PATH = os.path.join(HERE, "rl_truth.json")
+HEADING = "## RL post-training: TRL's DPO and GRPO trainers, phase by phase"
+CASES = {
+    "dpo": TrlCase("dpo"),
+    "dpo-defaults": TrlCase("dpo", bf16=True, gradient_checkpointing=True),
+    "grpo": TrlCase("grpo"),
+    "grpo-buffered": TrlCase("grpo", micro_batch=4, grad_accum=2, num_iterations=2),
+    "grpo-defaults": TrlCase("grpo", bf16=True, gradient_checkpointing=True),
+}
+ORDER = list(LABEL_PHASES) + ["other"]
+
+
+def _key(e) -> tuple:
+    return (e.action.value, e.block.nbytes, e.block.dtype, e.block.shape)
+
+
+def transfer_labels(truth, predicted_events) -> tuple[list[str], list[int]]:
+    """The truth's (label, step) for each predicted event, by aligning the two event streams."""
+    a = [_key(e) for e in truth.log.events]
+    b = [_key(e) for e in predicted_events]
+    where: list[tuple[str, int] | None] = [None] * len(b)
+    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+        for k in range(block.size):
+            where[block.b + k] = (truth.labels[block.a + k], truth.steps[block.a + k])
+    labels, steps = [], []
+    last = ("load", 0)
+    for w in where:
+        last = w or last
+        labels.append(last[0])
+        steps.append(last[1])
+    return labels, steps
+
+
+def predict(case: TrlCase, model: str):
+    from peakledger.script import ScriptRun, predict_script
+
+    report, _ = predict_script(ScriptRun(str(SCRIPT), tuple(case.argv(model)), steps=case.steps))
+    return report
+
+
+def run_case(name: str, case: TrlCase, model: str, with_prediction: bool) -> dict:
+    truth = measure(case, model)
+    peaks = truth.phase_peaks()
+    row = {"case": name, "argv": case.argv("MODEL"), "measured_peak": truth.peak(), "facts": truth.facts,
+           "phases": []}
+    predicted = {}
+    if with_prediction:
+        report = predict(case, model)
+        events = report.log.events
+        labels, steps = transfer_labels(truth, events)
+        predicted = label_peaks(events, labels, steps)
+        row["predicted_peak"] = report.peaks.overall.bytes
+        row["aligned_events"] = f"{sum(1 for _ in events)} predicted / {len(truth.log.events)} measured"
+    for (label, step), measured in sorted(peaks.items(), key=lambda kv: (kv[0][1], ORDER.index(kv[0][0]))):
+        entry = {"label": label, "step": step, "measured": measured}
+        if (label, step) in predicted:
+            entry["predicted"] = predicted[(label, step)]
+        row["phases"].append(entry)
+    return row
+
+
+def _err(p: int | None, m: int) -> str:
+    return "" if p is None else f"{(p - m) / m * 100:+.3f}%"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| case | phase | step | measured (B) | predicted (B) | error |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | **overall** | | {r['measured_peak']:,} | "
+                     f"{r.get('predicted_peak', 0):,} | {_err(r.get('predicted_peak'), r['measured_peak'])} |")
+        for p in r["phases"]:
+            pred = p.get("predicted")
+            lines.append(f"| {r['case']} | {p['label']} | {p['step']} | {p['measured']:,} | "
+                         f"{'' if pred is None else format(pred, ',')} | {_err(pred, p['measured'])} |")
+    return "\n".join(lines)
+
+
+def section(rows: list[dict]) -> str:
+    import torch
+    import transformers
+    import trl
+
+    args = {r["case"]: " ".join(r["argv"][2:]) for r in rows}
+    cases = "; ".join(f"`{k}`: `{v}`" for k, v in args.items())
+    return f"""{HEADING}
+
+`python bench/rl_truth.py --write` (trl {trl.__version__}, transformers {transformers.__version__}, torch \
+{torch.__version__}; torch.set_num_threads(1)). examples/scripts/trl_rl.py on a tiny random Qwen2 (2 layers, hidden \
+64, 4 query / 2 key-value heads, vocab 500; the trainer builds the reference model from the policy's folder), run \
+for real under the allocation tracker with the trainer's methods wrapped to name the RL phase \
+(traces/reference/trl_run.py); predicted: `peakledger run` of the same script, its events given the measured \
+run's phase labels by aligning the two event streams (bench/rl_truth.py). What each phase holds: docs/rl.md. \
+Cases: {cases}. The JSON: bench/rl_truth.json.
+
+{table(rows)}
+"""
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--no-predict", action="store_true")
+    parser.add_argument("--write", action="store_true")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="rl-truth-") as tmp:
+        model = os.path.join(tmp, "tiny-qwen2")
+        make_model(model)
+        rows = [run_case(name, CASES[name], model, not args.no_predict) for name in args.cases]
+    print(table(rows))
+    if args.write:
+        write_atomic(JSON_PATH, (json.dumps(rows, indent=1, sort_keys=True) + "\n").encode())
+        replace_section(HEADING, section(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
