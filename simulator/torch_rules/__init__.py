@@ -54,6 +54,11 @@ def default_rules(installed: str | None) -> tuple[TorchRules, str]:
     return default_note(RULES, installed)
 
 
+def default_version() -> str:
+    """The torch version a run follows when none is asked for: `default_rules` of the installed torch."""
+    return default_rules(installed_torch())[0].version
+
+
 def rules_note(version: str, installed: str | None) -> str:
     """Why a run follows `version`'s rules, for the report: the default's reason, or that it was asked for."""
     chosen, why = default_rules(installed)
@@ -63,4 +68,4 @@ def rules_note(version: str, installed: str | None) -> str:
 
 
 __all__ = ["RULES", "TORCH_VERSIONS", "TorchRules", "TorchVersionError", "rules_for", "nearest", "installed_torch",
-           "default_rules", "rules_note"]
+           "default_rules", "default_version", "rules_note"]
