@@ -67,5 +67,11 @@ def rules_note(version: str, installed: str | None) -> str:
     return "asked for" + (f"; torch {installed.partition('+')[0]} is installed" if installed else "")
 
 
+def rules_reason(version: str) -> str:
+    """`rules_note` of `version` with the torch installed here."""
+    return rules_note(version, installed_torch())
+
+
 __all__ = ["RULES", "TORCH_VERSIONS", "TorchRules", "TorchVersionError", "rules_for", "nearest", "installed_torch",
-           "default_rules", "default_version", "rules_note"]
+           "default_rules", "default_version", "rules_note",
+           "rules_reason"]
