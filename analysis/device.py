@@ -18,12 +18,14 @@ from ..models.devices import DEVICES, DeviceProfile
 from ..models.gpu import nccl_buffer_bytes
 from ..simulator.device_memory import DeviceMemory, device_memory
 from ..simulator.events import Action, Block, Category, EventLog, OOMRecord, Phase, Pool
+from ..simulator.torch_rules import rules_reason
 from .units import Scale
 
 
 def device_settings(scenario) -> dict:
     """A scenario's run fields the allocator reads, as the log's metadata carries them."""
     return {"alloc_conf": scenario.alloc_conf, "torch_version": scenario.torch_version,
+            "torch_rules": rules_reason(scenario.torch_version),
             "empty_cache_before_save": scenario.empty_cache_before_save}
 
 

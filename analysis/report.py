@@ -221,6 +221,7 @@ def report_json(r: Report) -> dict:
         "batch": md.batch,
         "describer_note": md.describer_note,
         "device": md.device,
+        "gpu_rules": {"torch_version": torch_rules(r.log), "why": md.torch_rules} if r.gpu is not None else None,
         "setup": setup.knob_values() if setup is not None else {},
         "n_params": md.n_params,
         "n_trainable": md.n_trainable,
@@ -364,7 +365,7 @@ def setup_lines(r: Report) -> list[str]:
             lines.append("  loop: " + LOOP_WORDS.get(setup.loop.name, setup.loop.name))
         if r.gpu is not None:
             lines.append(f"  GPU rules: torch {torch_rules(r.log)}'s CUDA kernels and caching allocator "
-                         f"on {md.device}")
+                         f"on {md.device}" + (f" ({md.torch_rules})" if md.torch_rules else ""))
         if md.batch:
             if md.describer_note:
                 lines.append(f"  note: {md.describer_note}")

@@ -3,6 +3,7 @@
     python bench/same_json.py --write DIR            # every case's --json into DIR/<case>.json
     python bench/same_json.py --write DIR2 --against DIR   # then: which cases differ, byte for byte
     ... --renamed models/traced/=models/traced/             # a module the outputs cite was renamed
+    ... --exe OTHER_TREE/.venv/bin/peakledger --append=--torch-version --append=2.11   # another tree's, a flag more
 
 The cases cover every section of the training setup (batch, precision and optimizer, checkpointing, each
 data-parallel engine, the mesh, checkpoint I/O, offload, LoRA / QLoRA, MoE), the describers (hand-written,
@@ -94,9 +95,10 @@ CASES: dict[str, list[str]] = {
 }
 
 
-def run_case(name: str, args: list[str], out: Path) -> tuple[str, int, str]:
-    exe = str(Path(sys.executable).with_name("peakledger"))
-    done = subprocess.run([exe, *args, "--json"], cwd=ROOT, capture_output=True, timeout=900)
+def run_case(name: str, args: list[str], out: Path, exe: str | None = None,
+             append: tuple[str, ...] = ()) -> tuple[str, int, str]:
+    exe = exe or str(Path(sys.executable).with_name("peakledger"))
+    done = subprocess.run([exe, *args, *append, "--json"], cwd=ROOT, capture_output=True, timeout=900)
     (out / f"{name}.json").write_bytes(done.stdout)
     (out / f"{name}.rc").write_text(f"{done.returncode}\n{done.stderr.decode(errors='replace')[-2000:]}")
     lines = done.stderr.decode(errors="replace").strip().splitlines()
@@ -111,12 +113,16 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="these cases only")
     ap.add_argument("--renamed", action="append", default=[], metavar="OLD=NEW",
                     help="a file the outputs name was renamed: OLD read as NEW in the earlier bytes (repeatable)")
+    ap.add_argument("--exe", help="the peakledger to run (default: this Python's)")
+    ap.add_argument("--append", action="append", default=[], metavar="ARG",
+                    help="an argument added to every case, e.g. --append=--torch-version --append=2.11 (repeatable)")
     args = ap.parse_args()
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)
     cases = {k: v for k, v in CASES.items() if not args.only or k in args.only}
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-        for name, rc, last in pool.map(lambda kv: run_case(*kv, out), cases.items()):
+        for name, rc, last in pool.map(lambda kv: run_case(*kv, out, args.exe, tuple(args.append)),
+                                            cases.items()):
             print(f"{name:24} exit {rc}" + (f"  {last[:100]}" if rc else ""), flush=True)
     if not args.against:
         return 0

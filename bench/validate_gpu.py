@@ -25,7 +25,7 @@ traces/cuda_capture.py (each micro-batch copied in; forward, loss, backward; opt
 `_dump_snapshot` (gzip'd into --output-dir, with manifest.json naming every run, the GPU and torch). The
 prediction is `peakledger.api.run` of the same scenario on the profile of the GPU's compute capability (9.0:
 H100-80GB, 8.0: A100-80GB; another GPU is recorded but not predicted), with the caching-allocator rules of the
-torch that ran (2.6, or 2.11 for torch >= 2.11).
+torch that ran (its own release's when modelled, else the newest modelled not newer).
 
 Compared (`compare_run`): allocated peak (highest sum of live requested bytes) and reserved peak
 (bench/gpu_snapshots.py `measured_peaks`, as bench/validate_gpu_truth.py reads the shared snapshots), and event by
@@ -52,7 +52,6 @@ import gc
 import gzip
 import itertools
 import json
-import re
 import sys
 import time
 from collections import Counter
@@ -67,6 +66,7 @@ from peakledger.analysis.device import gpu_memory  # noqa: E402
 from peakledger.scenario import build_scenario  # noqa: E402
 from peakledger.simulator.events import Action, EventLog, Pool  # noqa: E402
 from peakledger.simulator.safe_io import write_atomic  # noqa: E402
+from peakledger.traces.cuda_capture import allocator_rules as capture_rules  # noqa: E402
 from peakledger.traces.cuda_snapshot import parse_snapshot  # noqa: E402
 
 SECTION = "## GPU validation: recorded snapshots vs predictions"
@@ -77,7 +77,6 @@ DEFAULT_OUTPUT = ROOT / "traces" / "data" / "gpu"
 MANIFEST = "manifest.json"
 CS336 = ROOT / "examples" / "modules" / "cs336_lm.py"
 PROFILES = {(9, 0): "H100-80GB", (8, 0): "A100-80GB"}  # compute capability -> peakledger device profile
-ALLOCATOR_RULES = ("2.6", "2.11")  # torch versions whose allocator rules are modelled (simulator/allocator)
 TARGETS = {"allocated": 0.01, "reserved": 0.02}
 LIMIT_SECONDS = 480
 MODELS = {"tiny": {"preset": "tiny"}, "tiny-llama": {"preset": "tiny-llama"}, "tiny-mlp": {"preset": "tiny-mlp"},
@@ -285,11 +284,8 @@ def compare_run(trace, report) -> dict:
 # -- the device ----------------------------------------------------------------------------------------------
 
 def allocator_rules(torch_version: str) -> str:
-    """The newest modelled allocator rules not newer than `torch_version` ("2.13.0+cu128" -> "2.11")."""
-    m = re.match(r"(\d+)\.(\d+)", torch_version)
-    have = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-    fitting = [v for v in ALLOCATOR_RULES if tuple(map(int, v.split("."))) <= have]
-    return fitting[-1] if fitting else ALLOCATOR_RULES[0]
+    """The rules of the torch that ran: traces/cuda_capture.py `allocator_rules` ("2.12.1" -> "2.11")."""
+    return capture_rules(torch_version)
 
 
 def cuda_device() -> dict | None:

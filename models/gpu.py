@@ -57,9 +57,11 @@ Not modelled (cannot be established from the sources with certainty, or needs wh
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from math import prod
+
+from ..simulator.safe_io import InputError
+from ..simulator.torch_rules import nearest
 
 MiB = 1 << 20
 NCCL_BUFFSIZE = 4 * MiB  # NCCL's default (docs: NCCL_BUFFSIZE)
@@ -78,18 +80,12 @@ CUBLASLT_DTYPES = ("fp64", "fp32", "fp16", "bf16")  # Blas.cpp isInputCompliesAd
 LINEAR_KINDS = ("linear", "frozen_linear")  # the hand-written describers' F.linear (models/transformer/, lora.py)
 
 
-def _major_minor(torch_version: str) -> tuple[int, int]:
-    m = re.match(r"\s*(\d+)\.(\d+)", str(torch_version))
-    if m is None:
-        raise ValueError(f"torch_version {torch_version!r} is not a version (e.g. 2.6, 2.11)")
-    return int(m.group(1)), int(m.group(2))
-
-
 def cublaslt_workspace_bytes(torch_version: str) -> int:
     """The persistent cuBLASLt workspace of one (cuBLAS handle, stream) under `torch_version` (module docstring):
-    1 MiB in torch 2.11 (CublasHandlePool.cpp getCUDABlasLtWorkspace, a block of its own); 0 where none is
-    modelled (2.6: a workspace per call, size not established; after 2.11: the cuBLAS workspace is used)."""
-    return CUBLASLT_WORKSPACE_KIB * 1024 if _major_minor(torch_version) == (2, 11) else 0
+    the release's rule set (simulator/torch_rules): 1 MiB in torch 2.11 (CublasHandlePool.cpp
+    getCUDABlasLtWorkspace, a block of its own); 0 where none is modelled (2.6: a workspace per call, size not
+    established; 2.13: the cuBLAS workspace is used). A release not modelled follows the nearest older one."""
+    return nearest(torch_version).cublaslt_workspace_bytes
 
 
 def addmm_takes_cublaslt(m: int, k: int, n: int, bias_shape: tuple[int, ...] | None, dtype: str) -> bool:
@@ -136,8 +132,9 @@ def cuda_fused_rms_norm(torch_version: str) -> bool:
     _fused_rms_norm (native_functions.yaml `CUDA: _fused_rms_norm_cuda`, added by pytorch#153666 in 2025), which
     allocates the output and the fp32 rstd per row only and saves input, rstd and weight (derivatives.yaml); its
     backward (_fused_rms_norm_backward) allocates the input's and the weight's gradients. Seen in the H200 snapshots
-    (torch 2.11). torch 2.6 has no such kernel: rms_norm is the composite of pow, mean, rsqrt and products."""
-    return _major_minor(torch_version) >= (2, 11)
+    (torch 2.11). torch 2.6 has no such kernel: rms_norm is the composite of pow, mean, rsqrt and products. The
+    release's rule set says (simulator/torch_rules `fused_rms_norm`)."""
+    return nearest(torch_version).fused_rms_norm
 
 
 def nccl_buffer_bytes(world_size: int) -> int:
@@ -161,14 +158,13 @@ def sdpa_rules(torch_version: str) -> str:
 
 
 def kernel_rules(torch_version: str) -> str:
-    """The SDPA rule set that holds for a torch version: "2.6" for 2.6.x and older, else "2.13" (the device rng
-    state of flash came with 2.7; the latest source stands for every later version)."""
-    m = str(torch_version).strip().split(".")
+    """The SDPA rule set that holds for a torch version: its release's `sdpa` (simulator/torch_rules), a release
+    not modelled following the nearest older one: "2.6" for 2.6.x and older, else "2.13" (the device rng state of
+    flash came with 2.7)."""
     try:
-        major, minor = int(m[0]), int(m[1])
-    except (ValueError, IndexError):
+        return nearest(torch_version).sdpa
+    except InputError:
         raise ValueError(f"torch_version {torch_version!r} is not a version (e.g. 2.6, 2.11)") from None
-    return "2.6" if (major, minor) <= (2, 6) else "2.13"
 
 
 def _sm(cc, lo: tuple[int, int], hi: tuple[int, int]) -> bool:

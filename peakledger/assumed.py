@@ -12,6 +12,7 @@ from .analysis.report import LOOP_WORDS
 from .models.devices import device_profile
 from .models.families import family_of
 from .scenario import Scenario
+from .simulator.torch_rules import rules_reason
 
 NOT_SIMULATED = ("not simulated: evaluation or generation inside training, other processes on the GPU, the data "
                  "loader's pinned buffers, variable-length batches (every micro-batch is at the full length)")
@@ -38,8 +39,9 @@ def assumed(scenario: Scenario, micro_batch: str | None = None, devices: str | N
                           f"{s.data_parallel.engine})" if world > 1 else "one GPU"))
     profile = device_profile(scenario.device)
     allocator = f" ({scenario.alloc_conf})" if scenario.alloc_conf else " (default settings)"
+    why = rules_reason(scenario.torch_version)
     out["device"] = (f"{devices or scenario.device}: torch {scenario.torch_version}'s CUDA kernels and caching "
-                     f"allocator{allocator}" if profile.is_cuda or devices
+                     f"allocator{allocator}; {why}" if profile.is_cuda or devices
                      else f"{scenario.device}: no CUDA context or caching allocator")
     if scenario.headroom:
         out["headroom"] = f"{scenario.headroom:g} added to what each run needs before it is judged"

@@ -75,7 +75,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
                    "PYTORCH_CUDA_ALLOC_CONF syntax, e.g. expandable_segments:True,max_split_size_mb:128")
     r.add_argument("--empty-cache-before-save", action="store_true", default=None,
                    help="the program calls torch.cuda.empty_cache() before each checkpoint save (GPU profiles)")
-    r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply: 2.6 (default) or 2.11")
+    r.add_argument("--torch-version", help="whose CUDA rules apply (caching allocator, kernels, workspaces): 2.6, 2.11 "
+                   "or 2.13; default: the installed torch's, else the nearest modelled")
     r.add_argument("--simulator", help="the discrete-event engine: builtin (default) or simpy (SimPy's own objects: "
                    "the same events, slower; simulator/simpy_engine.py takes processes of your own)")
     r.add_argument("--unit", choices=["GiB", "GB", "MiB", "MB"],

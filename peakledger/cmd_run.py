@@ -32,6 +32,7 @@ from .models.devices import DEVICES
 from .models.names import did_you_mean
 from .progress import progress
 from .simulator.allocator import TORCH_VERSIONS
+from .simulator.torch_rules import default_version
 
 if TYPE_CHECKING:
     from .script import ScriptRun
@@ -46,7 +47,7 @@ def run_of(args) -> ScriptRun:
     if device not in DEVICES:
         raise ConfigError("device", f"{device!r} is not a device profile; allowed: {', '.join(DEVICES)}"
                                     f"{did_you_mean(device, DEVICES)}")
-    version = args.torch_version or "2.6"
+    version = args.torch_version or default_version()
     if version not in TORCH_VERSIONS:
         raise ConfigError("torch_version", f"{version!r} is not modelled; allowed: {', '.join(TORCH_VERSIONS)}"
                                            f"{did_you_mean(version, TORCH_VERSIONS)}")
@@ -187,8 +188,8 @@ def register(sub) -> None:
     r.add_argument("--steps", type=flag_int, help=f"optimizer steps to run (default {DEFAULT_STEPS}; the run stops "
                                                   "at the next training forward); 0: the whole script")
     r.add_argument("--device", help="the device profile: cpu (default) or a GPU, " + ", ".join(DEVICES))
-    r.add_argument("--torch-version", help="whose CUDA caching-allocator rules apply on a GPU profile: 2.6 (default) "
-                                           "or 2.11")
+    r.add_argument("--torch-version", help="whose CUDA rules apply on a GPU profile: 2.6, 2.11 or 2.13; default: "
+                                           "the installed torch's, else the nearest modelled")
     r.add_argument("--alloc-conf", metavar="CONF", help="CUDA caching allocator settings (PYTORCH_CUDA_ALLOC_CONF)")
     r.add_argument("--world-size", type=flag_int, help="a distributed script (torchrun's environment, "
                    "init_process_group) runs as this many ranks (default 1): each rank class is recorded with torch's "

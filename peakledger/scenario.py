@@ -16,7 +16,7 @@ TOML layout (every key optional; flags given on the command line override the fi
     headroom = 0.1
     alloc_conf = "expandable_segments:True"   # the CUDA caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF)
     empty_cache_before_save = false           # torch.cuda.empty_cache() before each checkpoint save
-    torch_version = "2.6"                     # whose allocator rules: 2.6 or 2.11
+    torch_version = "2.13"                    # whose CUDA rules: 2.6, 2.11 or 2.13 (default: the installed torch's)
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from .models.transformer.hf_config import HAND_WRITTEN_HF, load_hf_config, read_
 from .simulator.allocator import TORCH_VERSIONS, AllocatorConfig
 from .simulator.engine import SIMULATORS
 from .simulator.numbers import float_text, int_text
+from .simulator.torch_rules import default_version
 
 ModelConfig = TransformerConfig | MLPConfig | TracedModel  # (the families' configs: models/families/)
 DEFAULT_PRESET = "gpt2"
@@ -64,7 +65,8 @@ class Scenario:
     headroom: float = 0.0
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF syntax; "" = torch's defaults (simulator/allocator.py)
     empty_cache_before_save: bool = False  # the program calls torch.cuda.empty_cache() before each checkpoint save
-    torch_version: str = "2.6"  # whose CUDA allocator rules apply (simulator/allocator: 2.6 or 2.11)
+    # whose CUDA rules apply (simulator/torch_rules); default: the installed torch's, else the nearest modelled
+    torch_version: str = dataclasses.field(default_factory=default_version)
     simulator: str = "builtin"  # the discrete-event engine: simulator/engine.py's, or SimPy's (same log)
 
     def __post_init__(self) -> None:

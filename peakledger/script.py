@@ -25,6 +25,7 @@ from .models.training import RANK_LIST_LIMIT
 from .simulator.engine import simulate
 from .simulator.events import Pool
 from .simulator.run_metadata import RunMetadata
+from .simulator.torch_rules import default_version
 
 MEASURED_RANKS = 8  # --validate runs at most this many real processes (one per rank, gloo)
 
@@ -39,7 +40,7 @@ class ScriptRun:
     argv: tuple[str, ...] = ()
     steps: int | None = 2
     device: str = "cpu"
-    torch_version: str = "2.6"
+    torch_version: str = field(default_factory=default_version)  # whose CUDA rules (simulator/torch_rules)
     alloc_conf: str = ""
     seconds: float | None = None
     world_size: int = 1

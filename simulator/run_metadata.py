@@ -56,6 +56,7 @@ class RunMetadata:
     device: str | int | None = UNSET  # the device profile's name ("H100-80GB", "cpu"); a CUDA capture: the GPU's
     # name; a CUDA snapshot: the device's index
     torch_version: str | None = UNSET  # the torch whose rules apply (simulated) or that ran (measured)
+    torch_rules: str | None = UNSET  # simulated: why those rules (simulator/torch_rules `rules_note`)
     alloc_conf: str | None = UNSET  # PYTORCH_CUDA_ALLOC_CONF
     empty_cache_before_save: bool | None = UNSET  # torch.cuda.empty_cache() before a checkpoint save
     device_capacity: int | None = UNSET  # bytes: the budget the run was given (None: the device's own memory)

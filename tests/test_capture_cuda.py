@@ -156,7 +156,7 @@ def test_gpu_profile_by_compute_capability_and_memory(cap, total, profile):
 
 
 @pytest.mark.parametrize("version, rules", [("2.6.0+cu124", "2.6"), ("2.10.1", "2.6"), ("2.11.0", "2.11"),
-                                            ("2.13.0+cu128", "2.11"), ("1.13", "2.6")])
+                                            ("2.12.1", "2.11"), ("2.13.0+cu128", "2.13"), ("1.13", "2.6")])
 def test_allocator_rules_of_the_torch_that_ran(version, rules):
     assert cc.allocator_rules(version) == rules
 

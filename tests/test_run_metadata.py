@@ -66,7 +66,7 @@ def test_the_keys_a_simulated_run_writes():
     assert graph.metadata.batch is None and graph.metadata.to_json_dict()["batch"] is None
     report = api.run(build_scenario({"preset": "tiny"}, {"micro_batch": 2, "seq_len": 32}, {}))
     added = set(report.metadata.to_json_dict()) - set(graph.metadata.to_json_dict())
-    assert added == {"alloc_conf", "device_capacity", "empty_cache_before_save", "torch_version"}
+    assert added == {"alloc_conf", "device_capacity", "empty_cache_before_save", "torch_version", "torch_rules"}
     assert report.metadata.device_capacity is None and report.metadata.to_json_dict()["device_capacity"] is None
 
 

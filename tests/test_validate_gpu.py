@@ -100,7 +100,8 @@ def test_matrix():
 
 
 def test_allocator_rules_and_profiles():
-    assert vg.allocator_rules("2.13.0+cu128") == "2.11"
+    assert vg.allocator_rules("2.13.0+cu128") == "2.13"  # modelled: its own rules
+    assert vg.allocator_rules("2.12.1") == "2.11"  # not modelled: the newest modelled not newer
     assert vg.allocator_rules("2.11.0") == "2.11"
     assert vg.allocator_rules("2.10.1") == "2.6"
     assert vg.allocator_rules("2.4.0") == "2.6"  # older than any modelled: the oldest rules

@@ -27,7 +27,7 @@ the loader's stack heuristic when the raw pickle is read on its own.
 The trace's metadata records the scenario as CPU captures do (model, model_kind, setup, scenario), so
 `peakledger validate --trace` re-simulates it, and what it ran on: the GPU (`gpu`, `compute_capability`,
 `gpu_total_memory`), the peakledger device profile that matches it (`device_profile`, `gpu_profile`), the
-torch version and the allocator rules it follows (`allocator_rules`, `allocator_rules_for`: 2.6 or 2.11),
+torch version and the allocator rules it follows (`allocator_rules`: the rule set of simulator/torch_rules it follows),
 `PYTORCH_CUDA_ALLOC_CONF` (`alloc_conf`), and the reserved peak of the snapshot (`reserved_peak`).
 
 A capture's memory: the model is built on the host (in fp32: `build_model` casts after building) and moved
@@ -44,7 +44,6 @@ import bisect
 import contextlib
 import dataclasses
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,12 +54,13 @@ from ..models.fields import as_keys
 from ..models.optimizers import OPTIMIZERS
 from ..simulator.events import EventLog, Phase
 from ..simulator.run_metadata import RunMetadata
+from ..simulator.safe_io import InputError
+from ..simulator.torch_rules import RULES, nearest
 from .cuda_snapshot import PREEXISTING_OP, SnapshotTrace, load_snapshot
 
 MAX_ENTRIES = 1_000_000
 CAPTURE_PRECISIONS = ("fp32", "bf16", "bf16-autocast", "bf16-mixed")
 CAPTURE_OPTIMIZERS = tuple(name for name, spec in OPTIMIZERS.items() if spec.capture)  # models/optimizers.py
-ALLOCATOR_RULES = ("2.6", "2.11")  # torch versions whose allocator rules are modelled (simulator/allocator)
 MARK_GAP_S = 0.002  # quiet seconds on each side of a loop mark: no allocation lies near a phase boundary
 
 
@@ -297,11 +297,12 @@ def label_steps(trace: SnapshotTrace, marks: list) -> dict:
 # -- the GPU ------------------------------------------------------------------------------------------
 
 def allocator_rules(torch_version: str) -> str:
-    """The newest modelled allocator rules not newer than `torch_version` ("2.13.0+cu128" -> "2.11")."""
-    m = re.match(r"(\d+)\.(\d+)", str(torch_version))
-    have = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-    fitting = [v for v in ALLOCATOR_RULES if tuple(map(int, v.split("."))) <= have]
-    return fitting[-1] if fitting else ALLOCATOR_RULES[0]
+    """The rules of the torch that ran (simulator/torch_rules `nearest`): its own release's when modelled, else the
+    newest modelled not newer ("2.12.1" -> "2.11"); the oldest for an older torch or a text that is no version."""
+    try:
+        return nearest(str(torch_version)).version
+    except InputError:
+        return RULES[0].version
 
 
 def gpu_profile(capability, total_memory: int | None = None) -> str | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from math import prod
 
+from ...simulator.torch_rules import nearest
 from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec
 from .capture import Capture
@@ -98,9 +99,10 @@ def zeros_held(version: str) -> bool:
     `CompiledFunction.backward(ctx, *flat_args)` holds them in its arguments' tuple (measured on the H200 snapshots,
     torch 2.11: 525 MB of zeros at llama-1b's backward); torch 2.13's generated prologue clears the list the engine
     passes (`flat_args.clear()`, torch/_functorch/_aot_autograd/runtime_wrappers.py), so each goes at the wrapper's
-    `del` of it (measured on this CPU: the zeros, and the logits' gradient between a LoRA GPT-2's graphs)."""
-    major, minor = (int(x) for x in version.split(".")[:2])
-    return (major, minor) < (2, 13)
+    `del` of it (measured on this CPU: the zeros, and the logits' gradient between a LoRA GPT-2's graphs). The
+    release's rule set says (simulator/torch_rules `compiled_backward_clears_grads`; 2.12, not modelled, follows
+    2.11)."""
+    return not nearest(version).compiled_backward_clears_grads
 
 
 def to_tape(cap: Capture, setup: TrainingSetup, describer: str, torch_version: str = "2.13") -> Tape:

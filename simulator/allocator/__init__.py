@@ -1,5 +1,5 @@
 """A model of torch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp), pure and deterministic, for torch
-2.6 and 2.11 (`AllocatorConfig.parse(text, torch_version=...)`).
+each modelled release (simulator/torch_rules; `AllocatorConfig.parse(text, torch_version=...)`).
 
 How the modules compose:
 

@@ -1,16 +1,17 @@
 """The allocator settings (PYTORCH_CUDA_ALLOC_CONF) and the size rules that depend on them.
 
-Parsing follows torch's own parser for the version asked for: c10/cuda/CUDAAllocatorConfig.cpp `parseArgs` in torch
-2.6, c10/core/AllocatorConfig.cpp `AcceleratorAllocatorConfig::parseArgs` plus CUDAAllocatorConfig.cpp in 2.11
-(the keys of each version are those its headers declare). Where the two versions differ, each rule says so.
+Parsing follows torch's own parser for the release asked for: c10/cuda/CUDAAllocatorConfig.cpp `parseArgs` in torch
+2.6, c10/core/AllocatorConfig.cpp `AcceleratorAllocatorConfig::parseArgs` plus CUDAAllocatorConfig.cpp from 2.11 on
+(the keys of each release are those its headers declare). What differs between releases is a field of the
+release's rule set (simulator/torch_rules: its keys, the 20 MiB bound, the '>' fill); each rule says where.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from ..safe_io import InputError
+from ..torch_rules import TORCH_VERSIONS, TorchRules, TorchVersionError, rules_for
 
 KB, MB = 1 << 10, 1 << 20
 K_MIN_BLOCK_SIZE = 512  # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -22,27 +23,11 @@ K_ROUND_LARGE = 2 * MB  # kRoundLarge: round up large allocations to 2 MiB
 K_ROUNDUP_INTERVALS = 16  # kRoundUpPowerOfTwoIntervals: 1 MiB .. 64 GiB, one entry per power of two
 SMALL, LARGE = "small", "large"
 
-TORCH_VERSIONS = ("2.6", "2.11")  # the versions whose rules are modelled
-
-# Every key each version's parser accepts (2.6: CUDAAllocatorConfig::parseArgs; 2.11: AcceleratorAllocatorConfig's
-# getKeys() plus CUDAAllocatorConfig::getKeys()). A key outside the set is an error in both.
-_KEYS_26 = frozenset({
-    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold", "roundup_power2_divisions",
-    "expandable_segments", "backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
-    "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_num_register_threads",
-    "pinned_use_background_threads"})
-_KEYS = {"2.6": _KEYS_26,
-         "2.11": _KEYS_26 | {"large_segment_size_mb", "per_process_memory_fraction",
-                             "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb"}}
-# accepted and validated, but without effect on the device allocator's blocks (host/pinned memory, the lock,
-# CUDA-graph capture, which the model has none of)
-_NO_EFFECT = {"release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "pinned_use_cuda_host_register",
-              "pinned_use_hip_host_register", "pinned_num_register_threads", "pinned_use_background_threads",
-              "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb"}
-_NOT_MODELLED = {  # key -> why
-    "large_segment_size_mb": "2.11's setting of the large pool's segment and page size, kLargeBuffer by default",
-    "per_process_memory_fraction": "pass the allowed bytes as the capacity instead",
-}
+# the keys whose value is True or False (toBool / "Expected a single True/False argument"), in every release
+_BOOL_KEYS = frozenset({"expandable_segments", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+                        "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+                        "pinned_use_background_threads", "graph_capture_record_stream_reuse", "pinned_free_catch_all",
+                        "throw_on_cudamalloc_oom"})
 
 
 class AllocatorConfigError(InputError):
@@ -52,12 +37,11 @@ class AllocatorConfigError(InputError):
 
 def normalize_torch_version(text: str | None) -> str:
     """"2.6", "2.6.0", "2.11.0+cu128" -> "2.6" / "2.11"; a version whose rules are not modelled is refused."""
-    m = re.match(r"\s*(\d+)\.(\d+)(\.\d+)?([+a-z].*)?\s*$", text or "")
-    version = f"{m.group(1)}.{m.group(2)}" if m else None
-    if version not in TORCH_VERSIONS:
+    try:
+        return rules_for(text).version
+    except TorchVersionError:
         raise AllocatorConfigError(f"torch_version {text!r} is not modelled; allowed: {', '.join(TORCH_VERSIONS)} "
-                                   "(major.minor, a patch level is ignored)")
-    return version
+                                   "(major.minor, a patch level is ignored)") from None
 
 
 def _tokens(text: str) -> list[str]:
@@ -93,10 +77,10 @@ def _bool(key: str, value: str) -> bool:
     return value == "True"
 
 
-def _mb_at_least_20(key: str, value: str, version: str) -> int:
-    # parseMaxSplitSize / parseMaxNonSplitRoundingSize: 2.6 wants > kLargeBuffer/MiB (20), 2.11 >= 20
-    strict = version == "2.6"
-    allowed = f"an integer number of MiB {'>' if strict else '>='} {K_LARGE_BUFFER // MB} (torch {version})"
+def _mb_at_least_20(key: str, value: str, rules: TorchRules) -> int:
+    # parseMaxSplitSize / parseMaxNonSplitRoundingSize: 2.6 wants > kLargeBuffer/MiB (20), 2.11 on >= 20
+    strict = rules.max_split_strict
+    allowed = f"an integer number of MiB {'>' if strict else '>='} {K_LARGE_BUFFER // MB} (torch {rules.version})"
     mb = _int(key, value, allowed)
     if mb < K_LARGE_BUFFER // MB or (strict and mb == K_LARGE_BUFFER // MB):
         raise AllocatorConfigError(f"{key} must be {allowed}, got {mb}")
@@ -105,10 +89,10 @@ def _mb_at_least_20(key: str, value: str, version: str) -> int:
     return mb * MB
 
 
-def _roundup_list(toks: list[str], i: int, version: str) -> tuple[list[int], int]:
+def _roundup_list(toks: list[str], i: int, rules: TorchRules) -> tuple[list[int], int]:
     """parseRoundUpPower2Divisions, list form `[256:1,512:2,>:8]` (interval starts in MiB, powers of two): the first
     entry also fills every interval below it; '>' fills the rest, from the last given interval in 2.6 (overwriting
-    it) and from the one after it in 2.11 (the fill starts at last_index + 1). Returns (table, index of ']')."""
+    it) and from the one after it from 2.11 on (the fill starts at last_index + 1). Returns (table, index of ']')."""
     table = [0] * K_ROUNDUP_INTERVALS
     first, last = True, 0
     allowed = "[INTERVAL_MB:DIVISIONS,...,>:DIVISIONS] with power-of-two intervals and divisions a power of two or 0"
@@ -121,7 +105,7 @@ def _roundup_list(toks: list[str], i: int, version: str) -> tuple[list[int], int
         if div != 0 and not _pow2(div):
             raise AllocatorConfigError(f"roundup_power2_divisions: divisions must be a power of 2 or 0, got {div}")
         if bound == ">":
-            start = last if version == "2.6" else last + 1
+            start = last + 1 if rules.roundup_fill_after_last else last
             table[start:] = [div] * (K_ROUNDUP_INTERVALS - start)
         else:
             mb = _int("roundup_power2_divisions", bound, allowed)
@@ -166,7 +150,8 @@ class AllocatorConfig:
         """Parse torch's syntax, "key:value,key:[a:b,...]" (parseArgs of `torch_version`); refuse what is not
         modelled."""
         version = normalize_torch_version(torch_version)
-        keys = _KEYS[version]
+        rules = rules_for(version)
+        keys, not_modelled = rules.alloc_keys, rules.not_modelled()
         toks = _tokens(text or "")
         values: dict = {}
         unmodelled: list[str] = []
@@ -184,7 +169,7 @@ class AllocatorConfig:
             value = toks[i + 2]
             i += 2
             if key == "max_split_size_mb" or key == "max_non_split_rounding_mb":
-                values[key] = _mb_at_least_20(key, value, version)
+                values[key] = _mb_at_least_20(key, value, rules)
             elif key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold: in (0.0, 1.0)
                 try:
                     t = float(value)
@@ -196,7 +181,7 @@ class AllocatorConfig:
                 values[key] = t
             elif key == "roundup_power2_divisions":
                 if value == "[":
-                    table, i = _roundup_list(toks, i, version)
+                    table, i = _roundup_list(toks, i, rules)
                 else:  # the single-number form (kept for backwards compatibility): one power of 2 for all intervals
                     n = _int(key, value, "a power of 2 or a [INTERVAL_MB:DIVISIONS,...] list")
                     if not _pow2(n):
@@ -217,10 +202,14 @@ class AllocatorConfig:
             elif key == "pinned_reserve_segment_size_mb":
                 if _int(key, value, "an integer number of MiB > 0") <= 0:
                     raise AllocatorConfigError(f"pinned_reserve_segment_size_mb must be > 0, got {value}")
-            elif key in _NO_EFFECT:
+            elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):  # 2.13: std::stoull
+                _int(key, value, "an integer number of MiB")
+            elif key in rules.alloc_no_effect:
                 _bool(key, value)
+            elif key in _BOOL_KEYS and not _bool(key, value):  # False: torch's default, nothing to model
+                pass
             else:
-                unmodelled.append(f"{key}:{value} ({_NOT_MODELLED[key]})")
+                unmodelled.append(f"{key}:{value} ({not_modelled[key]})")
             i += 1
             if i < len(toks):
                 if toks[i] != ",":
