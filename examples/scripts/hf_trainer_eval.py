@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArguments
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--max-steps", type=int, default=1)
+parser.add_argument("--max-steps", type=int, default=1, help="training steps, each followed by an evaluation "
+                    "(0: trainer.evaluate() alone)")
 parser.add_argument("--micro-batch", type=int, default=2)
 parser.add_argument("--eval-batch", type=int, default=2)
 parser.add_argument("--eval-batches", type=int, default=4, help="batches in the eval set")
@@ -47,7 +48,7 @@ def accuracy(pred) -> dict:
 
 
 training_args = TrainingArguments(
-    output_dir=args.output_dir, use_cpu=True, report_to=[], seed=42, max_steps=args.max_steps,
+    output_dir=args.output_dir, use_cpu=True, report_to=[], seed=42, max_steps=max(args.max_steps, 1),
     per_device_train_batch_size=args.micro_batch, per_device_eval_batch_size=args.eval_batch,
     learning_rate=1e-4, optim="adamw_torch", eval_strategy="steps", eval_steps=1, logging_steps=1,
     save_strategy="no", dataloader_num_workers=0,
@@ -55,4 +56,7 @@ training_args = TrainingArguments(
 )
 trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(8, 1),
                   eval_dataset=Tokens(args.eval_batches * args.eval_batch, 2), compute_metrics=accuracy)
-trainer.train()
+if args.max_steps:
+    trainer.train()
+else:
+    trainer.evaluate()
