@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from peakledger.analysis.explain import cause
 from peakledger.analysis.validate import compare_logs
 from peakledger.models.script.child import in_children
 from peakledger.script import ScriptRun, predict_script
-from peakledger.simulator.events import Category, Phase
+from peakledger.simulator.events import Action, Block, Category, Event, Phase, Stream
 from peakledger.traces.script_run import measure_script
 from tests.cli_run import cli
 
@@ -86,3 +87,12 @@ def test_run_reports_the_generation_phases_and_the_kv_cache():
     rc, text, err = cli("run", str(GEN), *args)
     assert rc == 0, err
     assert "step 0 prefill" in text and "step 0 decode" in text and "kv_cache" in text
+
+
+def test_the_why_of_a_moment_names_the_kv_cache_and_the_accumulated_predictions():
+    kv = Block(1, 4096, Category.KV_CACHE, "kv_cache.layers.0.keys", "fp32")
+    at = Event(1, 0.0, Action.ALLOC, kv, Phase.DECODE, 1, -1, Stream.COMPUTE, "cat")
+    assert "the KV cache (8,192 B now)" in cause(at, {Category.KV_CACHE: 8192})
+    logits = Block(2, 1024, Category.PREDICTIONS, "eval.accumulated", "fp32")
+    at = Event(2, 0.0, Action.ALLOC, logits, Phase.EVAL, 1, -1, Stream.COMPUTE, "cat")
+    assert "eval_accumulation_steps" in cause(at, {Category.PREDICTIONS: 1024})
