@@ -32,10 +32,12 @@ STACK_ORDER: tuple[Category, ...] = (
 PHASE_COLOURS = {Phase.LOAD: "#dddddd", Phase.FORWARD: "#e3eefa", Phase.BACKWARD: "#fbeadf",
                  Phase.OPTIMIZER: "#e2f4dc", Phase.ZERO_GRAD: "#efe3f5", Phase.CHECKPOINT: "#fff3c2",
                  Phase.EVAL: "#e0f2f1", Phase.GENERATE: "#fde4ec", Phase.PREFILL: "#fbd5e2",
-                 Phase.DECODE: "#fdeef3"}
+                 Phase.DECODE: "#fdeef3", Phase.ROLLOUT: "#fff0e0", Phase.REFERENCE: "#eceff1",
+                 Phase.OLD_LOGPROBS: "#f1f8e9"}
 PHASE_SHORT = {Phase.LOAD: "load", Phase.FORWARD: "fwd", Phase.BACKWARD: "bwd", Phase.OPTIMIZER: "opt",
                Phase.ZERO_GRAD: "zero", Phase.CHECKPOINT: "save",
-               Phase.EVAL: "eval", Phase.GENERATE: "gen", Phase.PREFILL: "prefill", Phase.DECODE: "decode"}
+               Phase.EVAL: "eval", Phase.GENERATE: "gen", Phase.PREFILL: "prefill", Phase.DECODE: "decode",
+               Phase.ROLLOUT: "rollout", Phase.REFERENCE: "ref", Phase.OLD_LOGPROBS: "old"}
 
 BUDGET_COLOUR = "#C00000"
 

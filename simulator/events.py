@@ -72,6 +72,13 @@ class Phase(str, enum.Enum):
     GENERATE = "generate"  # a generation's own work outside the model's forwards: inputs expanded, the cache made
     PREFILL = "prefill"  # generation's first forward over the prompt, and the first token chosen from its logits
     DECODE = "decode"  # generation's later forwards, one token per sequence each, until generate returns
+    # RL post-training, as TRL 1.16.0's trainers run it (models/script/phases.py wraps their methods; docs/rl.md).
+    # ROLLOUT: GRPO's _prepare_inputs when it generates (trl/trainer/grpo_trainer.py:1536-1543), less the passes
+    # below and generation: padding, rewards, advantages, the buffer split
+    ROLLOUT = "rollout"
+    # REFERENCE: a frozen reference model's forward under no_grad (grpo_trainer.py:2710-2735, dpo_trainer.py:1327-1338)
+    REFERENCE = "reference"
+    OLD_LOGPROBS = "old_logprobs"  # the policy's no_grad forward for the old log-probs (grpo_trainer.py:2634-2657)
 
 
 class Action(str, enum.Enum):

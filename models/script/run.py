@@ -52,7 +52,7 @@ SEQUENTIAL_LOAD = {"HF_DEACTIVATE_ASYNC_LOAD": "1"}
 # runs (under the offline environment) when the script's text names them
 _HF = ("transformers", "transformers.generation.utils", "transformers.cache_utils", "transformers.trainer_pt_utils",
        "safetensors.torch")
-LIBRARIES = {"transformers": _HF, "trl": _HF,
+LIBRARIES = {"transformers": _HF, "trl": (*_HF, "trl.trainer.grpo_trainer", "trl.trainer.dpo_trainer"),
              "accelerate": ("accelerate", "safetensors.torch"), "peft": ("transformers", "safetensors.torch"),
              "safetensors": ("safetensors.torch",)}
 
