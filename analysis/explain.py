@@ -98,6 +98,16 @@ def cause(event: Event, by_category: dict[Category, int], setup: TrainingSetup |
         return "a ZeRO-3 / FSDP all-gather rebuilds full parameters (prefetch can hold more than one unit)"
     if cat is Category.REDUCE_SCATTER_BUCKET:
         return "a gradient reduce bucket is being filled or reduced"
+    kv = by_category.get(Category.KV_CACHE, 0)
+    if phase in ("prefill", "decode", "generate") or cat is Category.KV_CACHE:
+        return (f"generation ({phase}): the KV cache ({kv:,} B now) beside the training state; a dynamic cache "
+                f"concatenates each step (old and new keys / values live at once), a static one holds max_length "
+                f"from the prefill on; fewer sequences per batch, a shorter max_new_tokens or a smaller cache dtype "
+                f"lower it")
+    if cat is Category.PREDICTIONS or (phase == "eval" and by_category.get(Category.PREDICTIONS)):
+        return (f"evaluation: the logits of every eval batch so far are kept on the device "
+                f"({by_category.get(Category.PREDICTIONS, 0):,} B) until eval_accumulation_steps moves them to the "
+                f"CPU (HF Trainer's evaluation_loop); set it, or preprocess_logits_for_metrics to keep less")
     if phase == "backward":
         return "backward: saved activations are still live while gradients of activations are produced"
     if phase == "forward":

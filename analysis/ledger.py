@@ -14,9 +14,9 @@ from ..simulator.events import Block, Category
 from ..simulator.timeline import Timeline
 
 ROW_ORDER = [Category.PARAMETER, Category.GRADIENT, Category.MASTER_PARAMETER, Category.OPTIMIZER_STATE,
-             Category.ACTIVATION, Category.TEMPORARY, Category.INPUT, Category.BUFFER, Category.ALL_GATHER_BUFFER,
-             Category.REDUCE_SCATTER_BUCKET, Category.CHECKPOINT_STAGING, Category.WORKSPACE,
-             Category.UNKNOWN]
+             Category.ACTIVATION, Category.KV_CACHE, Category.PREDICTIONS, Category.TEMPORARY, Category.INPUT,
+             Category.BUFFER, Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.CHECKPOINT_STAGING,
+             Category.WORKSPACE, Category.UNKNOWN]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from .units import Scale, format_bytes
 
 PHASE_WORDS = {Phase.LOAD: "load", Phase.FORWARD: "forward", Phase.BACKWARD: "backward",
                Phase.OPTIMIZER: "optimizer step", Phase.ZERO_GRAD: "zero_grad", Phase.CHECKPOINT: "checkpoint save",
-               Phase.EVAL: "eval", Phase.GENERATE: "generate"}
+               Phase.EVAL: "eval", Phase.GENERATE: "generate",
+               Phase.PREFILL: "prefill", Phase.DECODE: "decode", Phase.ROLLOUT: "rollout",
+               Phase.REFERENCE: "reference pass", Phase.OLD_LOGPROBS: "old log-probs"}
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,15 @@
 """TRL's DPO and GRPO trainers on a tiny random Qwen2: the real CPU run's peak of every RL phase (the truth), and
-what `peakledger run` predicts for the same script, phase by phase.
+what `peakledger run` predicts for the same script, phase by phase, each side from its own phases.
 
 The truth is traces/reference/trl_run.py `measure`: examples/scripts/trl_rl.py run as it is under the allocation
-tracker, the trainer's own methods wrapped to say which phase runs (rollout.generate, rollout.ref_logprobs,
-rollout.old_logprobs, rollout.reward, rollout.score, update.forward, update.ref_forward, update.backward,
-optimizer, zero_grad). The prediction is `peakledger run examples/scripts/trl_rl.py --steps N -- ARGS` (the same
-script on fake tensors, recorded and simulated). peakledger run has no RL phases of its own (its phases are
-forward / backward / optimizer / zero_grad / eval / generate, positioned by what the script calls), so its events
-are given the truth's labels by aligning the two event streams (difflib on each event's action, bytes, dtype and
-shape: the same program makes the same allocations in the same order); an event with no counterpart takes the
-label of the one before it. A phase's peak is the highest running total of live bytes while it runs, what is live
-on entry included.
+tracker, the trainer's own methods wrapped to say which phase runs (its labels, each written on the events as a
+schema phase by `LABEL_PHASES`: rollout.score and rollout.reward ROLLOUT, rollout.generate GENERATE,
+rollout.ref_logprobs and update.ref_forward REFERENCE, rollout.old_logprobs OLD_LOGPROBS, update.forward FORWARD,
+...). The prediction is `peakledger run examples/scripts/trl_rl.py --steps N -- ARGS` (the same script on fake
+tensors, recorded and simulated), whose phases are its own: models/script/phases.py wraps TRL's trainer methods
+while the script runs. No alignment: each side's events carry their (phase, step); HF generate's PREFILL and DECODE
+of the prediction count as GENERATE (the truth does not split generate). A phase's peak is the highest running
+total of live bytes while it runs, what is live on entry included.
 
     python bench/rl_truth.py                  # print the table
     python bench/rl_truth.py --write          # also write bench/rl_truth.json and the section in VALIDATION.md
@@ -24,7 +23,6 @@ max_new_tokens); torch.set_num_threads(1) in the measured run.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import os
 import sys
@@ -35,9 +33,9 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from sections import replace_section  # noqa: E402  (bench/sections.py, beside this script)
 
+from peakledger.simulator.events import Phase  # noqa: E402
 from peakledger.simulator.safe_io import write_atomic  # noqa: E402
 from peakledger.traces.reference.trl_run import (  # noqa: E402
-    LABEL_PHASES,
     SCRIPT,
     TrlCase,
     label_peaks,
@@ -46,7 +44,7 @@ from peakledger.traces.reference.trl_run import (  # noqa: E402
 )
 
 JSON_PATH = os.path.join(HERE, "rl_truth.json")
-HEADING = "## RL post-training: TRL's DPO and GRPO trainers, phase by phase"
+HEADING = "## RL post-training: TRL's DPO and GRPO trainers, peakledger run's own RL phases"
 CASES = {
     "dpo": TrlCase("dpo"),
     "dpo-defaults": TrlCase("dpo", bf16=True, gradient_checkpointing=True),
@@ -54,28 +52,14 @@ CASES = {
     "grpo-buffered": TrlCase("grpo", micro_batch=4, grad_accum=2, num_iterations=2),
     "grpo-defaults": TrlCase("grpo", bf16=True, gradient_checkpointing=True),
 }
-ORDER = list(LABEL_PHASES) + ["other"]
+ORDER = list(Phase)
+FOLD = {Phase.PREFILL: Phase.GENERATE, Phase.DECODE: Phase.GENERATE}  # the truth labels HF generate as one
 
 
-def _key(e) -> tuple:
-    return (e.action.value, e.block.nbytes, e.block.dtype, e.block.shape)
-
-
-def transfer_labels(truth, predicted_events) -> tuple[list[str], list[int]]:
-    """The truth's (label, step) for each predicted event, by aligning the two event streams."""
-    a = [_key(e) for e in truth.log.events]
-    b = [_key(e) for e in predicted_events]
-    where: list[tuple[str, int] | None] = [None] * len(b)
-    for block in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
-        for k in range(block.size):
-            where[block.b + k] = (truth.labels[block.a + k], truth.steps[block.a + k])
-    labels, steps = [], []
-    last = ("load", 0)
-    for w in where:
-        last = w or last
-        labels.append(last[0])
-        steps.append(last[1])
-    return labels, steps
+def phase_peaks(events) -> dict[tuple[Phase, int], int]:
+    """(phase, step) -> the phase's peak, from each event's own phase and step (PREFILL / DECODE as GENERATE)."""
+    events = list(events)
+    return label_peaks(events, [FOLD.get(e.phase, e.phase) for e in events], [e.step for e in events])
 
 
 def predict(case: TrlCase, model: str):
@@ -87,38 +71,39 @@ def predict(case: TrlCase, model: str):
 
 def run_case(name: str, case: TrlCase, model: str, with_prediction: bool) -> dict:
     truth = measure(case, model)
-    peaks = truth.phase_peaks()
+    measured = phase_peaks(truth.log.events)
     row = {"case": name, "argv": case.argv("MODEL"), "measured_peak": truth.peak(), "facts": truth.facts,
            "phases": []}
     predicted = {}
     if with_prediction:
         report = predict(case, model)
-        events = report.log.events
-        labels, steps = transfer_labels(truth, events)
-        predicted = label_peaks(events, labels, steps)
+        predicted = phase_peaks(report.log.events)
         row["predicted_peak"] = report.peaks.overall.bytes
-        row["aligned_events"] = f"{sum(1 for _ in events)} predicted / {len(truth.log.events)} measured"
-    for (label, step), measured in sorted(peaks.items(), key=lambda kv: (kv[0][1], ORDER.index(kv[0][0]))):
-        entry = {"label": label, "step": step, "measured": measured}
-        if (label, step) in predicted:
-            entry["predicted"] = predicted[(label, step)]
+    for phase, step in sorted(set(measured) | set(predicted), key=lambda k: (k[1], ORDER.index(k[0]))):
+        entry = {"phase": phase.value, "step": step}
+        for side, peaks in (("measured", measured), ("predicted", predicted)):
+            if (phase, step) in peaks:
+                entry[side] = peaks[(phase, step)]
         row["phases"].append(entry)
     return row
 
 
-def _err(p: int | None, m: int) -> str:
-    return "" if p is None else f"{(p - m) / m * 100:+.3f}%"
+def _err(p: int | None, m: int | None) -> str:
+    return "" if p is None or not m else f"{(p - m) / m * 100:+.3f}%"
+
+
+def _num(n: int | None) -> str:
+    return "" if n is None else format(n, ",")
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| case | phase | step | measured (B) | predicted (B) | error |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['case']} | **overall** | | {r['measured_peak']:,} | "
-                     f"{r.get('predicted_peak', 0):,} | {_err(r.get('predicted_peak'), r['measured_peak'])} |")
+                     f"{_num(r.get('predicted_peak'))} | {_err(r.get('predicted_peak'), r['measured_peak'])} |")
         for p in r["phases"]:
-            pred = p.get("predicted")
-            lines.append(f"| {r['case']} | {p['label']} | {p['step']} | {p['measured']:,} | "
-                         f"{'' if pred is None else format(pred, ',')} | {_err(pred, p['measured'])} |")
+            m, pred = p.get("measured"), p.get("predicted")
+            lines.append(f"| {r['case']} | {p['phase']} | {p['step']} | {_num(m)} | {_num(pred)} | {_err(pred, m)} |")
     return "\n".join(lines)
 
 

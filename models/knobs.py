@@ -32,6 +32,7 @@ FLAG_GROUPS = {  # group -> the title of its flags in --help, in --help order
     "moe": "mixture of experts",
     "compile": "torch.compile (inductor; the CPU program, traced models)",
     "float8": "float8 training (torchao Float8Linear)",
+    "rl": "RL post-training (TRL GRPO: reference model, rollout with HF generate or a colocated vLLM engine)",
 }
 CLI_FORMS = ("value", "on", "off", "append", "none")
 

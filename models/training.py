@@ -55,6 +55,7 @@ from .parallel.mesh import MeshTapes, is_model_parallel, mesh_classes, rank_buil
 from .parallel.pipeline import pipeline_metadata, pipeline_timing
 from .rank_ranges import RankRanges
 from .replay import GradState, MicroBatchReplay
+from .rl import GrpoRun
 from .tape import Tape
 from .traced.model import TracedModel
 
@@ -253,7 +254,8 @@ def describe(model: ModelConfig, setup: TrainingSetup, device: str | DeviceProfi
     for rank in simulated_ranks(classes, setup) if model_parallel else classes:
         builder = (rank_builder(tape, setup, profile, rank, graph, ids, tapes) if model_parallel
              else GraphBuilder(tape, setup, profile, rank, graph, ids))
-        _describe_rank(builder, plan.simulated)
+        rl = GrpoRun(model, builder, profile.context_bytes) if setup.rl.on else None
+        _describe_rank(builder, plan.simulated, rl)
         builders.append(builder)
     if plan.truncated:
         check_repeats(graph, plan)
@@ -362,8 +364,9 @@ def check_repeats(graph: OpGraph, plan: StepPlan) -> None:
                                "misses a step-dependent behaviour")
 
 
-def _describe_rank(builder: GraphBuilder, steps: int) -> None:
-    """Load, then optimizer steps 1..`steps` of rank `builder.rank`."""
+def _describe_rank(builder: GraphBuilder, steps: int, rl: GrpoRun | None = None) -> None:
+    """Load, then optimizer steps 1..`steps` of rank `builder.rank`; with `rl`, each step's rollout first
+    (models/rl.py)."""
     setup = builder.setup
     grads = GradState(persistent=setup.precision.fp32_grads)
     builder.engine.load(grads)
@@ -381,7 +384,11 @@ def _describe_rank(builder: GraphBuilder, steps: int) -> None:
     if setup.optimizer.in_backward:  # each parameter stepped by its hook in backward (optimizer_step.InBackward)
         grads.in_backward = InBackward(builder, states_loaded)
         builder.replay_templates = None  # step 1's backward makes the states, step 2's the same start does not
+    if rl is not None:
+        rl.load()
     for step in range(1, steps + 1):
+        if rl is not None:
+            rl.rollout(step)
         if setup.mesh.pp > 1:  # the micro-batches in the pipeline schedule's order (models/parallel/pipeline.py)
             builder.engine.run_step(step, grads)
         for mb in range(setup.batch.grad_accum if setup.mesh.pp == 1 else 0):

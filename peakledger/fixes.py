@@ -314,15 +314,48 @@ def in_backward_fixes(scenario: Scenario) -> list[Candidate]:
     return out
 
 
+def rl_fixes(scenario: Scenario) -> list[Candidate]:
+    """An RL run's rollout and scoring (models/rl.py): vLLM's share, its sleep mode, the reference model offloaded,
+    the KV cache in fp8, a smaller generation group."""
+    s = scenario.setup
+    rl = s.rl
+    if not rl.on:
+        return []
+    out: list[Candidate] = []
+    if rl.vllm == "colocate":
+        u = rl.vllm_gpu_memory_utilization
+        for lower in (0.2, 0.15, 0.1):
+            if lower < u:
+                out.append((f"vllm_gpu_memory_utilization {u} -> {lower}", {"vllm_gpu_memory_utilization": lower},
+                            False, "a smaller KV-cache pool: fewer sequences generated at once (slower rollout)"))
+        for level in (1, 2):
+            if level != rl.vllm_sleep_level:
+                out.append((f"vllm_sleep_level {rl.vllm_sleep_level} -> {level}", {"vllm_sleep_level": level}, False,
+                            "the engine's weights " + ("copied to pinned host memory" if level == 1 else "discarded")
+                            + " and its KV cache freed between rollouts; woken (and weights synced) every rollout"))
+        if rl.kv_cache_dtype == "auto":
+            out.append(("kv_cache_dtype fp8", {"kv_cache_dtype": "fp8"}, True,
+                        "vLLM's KV cache in fp8: twice the sequences in the same pool; small numeric change"))
+    if rl.beta and not rl.offload_reference:
+        out.append(("offload the reference model", {"offload_reference": True}, False,
+                    "its weights copied to the device and back for every scoring pass, over the host link"))
+    g, rows = rl.num_generations, s.batch.micro_batch * s.batch.grad_accum
+    for d in sorted((d for d in range(2, g) if g % d == 0 and rows % d == 0), reverse=True)[:1]:
+        out.append((f"num_generations {g} -> {d}", {"num_generations": d}, True,
+                    "smaller groups: noisier advantages"))
+    return out
+
+
 def candidate_fixes(scenario: Scenario, fragmentation: bool = False) -> list[Candidate]:
     """Every fix worth re-simulating, each phase's knobs: save and load, data parallelism, activations, the
     optimizer step, model parallelism, freezing, adapters (LoRA, QLoRA), torch.compile, the allocator's settings
     (first when `fragmentation`: the allocator's cached free blocks cause the OOM)."""
-    rest = save_load_fixes(scenario) + data_parallel_fixes(scenario) + activation_fixes(scenario) + \
+    rest = rl_fixes(scenario) + save_load_fixes(scenario) + data_parallel_fixes(scenario) + \
+        activation_fixes(scenario) + \
         optimizer_fixes(scenario) + model_parallel_fixes(scenario) + freeze_fixes(scenario) + lora_fixes(scenario) + \
         compile_fixes(scenario) + in_backward_fixes(scenario)
     allocator = allocator_fixes(scenario)
     return allocator + rest if fragmentation else rest + allocator
 
 
-__all__ = ["Candidate", "candidate_fixes", "SAVE_NOTES", "LOAD_NOTES"]
+__all__ = ["Candidate", "candidate_fixes", "rl_fixes", "SAVE_NOTES", "LOAD_NOTES"]

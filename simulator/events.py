@@ -40,6 +40,8 @@ class Category(str, enum.Enum):
     REDUCE_SCATTER_BUCKET = "reduce_scatter_bucket"
     CHECKPOINT_STAGING = "checkpoint_staging"
     WORKSPACE = "workspace"  # GPU library workspaces held by the caching allocator (cuBLAS, one per handle and stream)
+    KV_CACHE = "kv_cache"  # generation's key / value cache: one block per layer, keys and values (transformers' Cache)
+    PREDICTIONS = "predictions"  # an evaluation's accumulated outputs on the device (HF Trainer's preds_host)
     UNKNOWN = "unknown"  # measured traces only: a block no rule could label
 
 
@@ -67,7 +69,16 @@ class Phase(str, enum.Enum):
     ZERO_GRAD = "zero_grad"
     CHECKPOINT = "checkpoint"
     EVAL = "eval"  # a script's evaluation: a model called without autograd or in eval mode (peakledger run)
-    GENERATE = "generate"  # a script's generation (transformers' generate) inside training (peakledger run)
+    GENERATE = "generate"  # a generation's own work outside the model's forwards: inputs expanded, the cache made
+    PREFILL = "prefill"  # generation's first forward over the prompt, and the first token chosen from its logits
+    DECODE = "decode"  # generation's later forwards, one token per sequence each, until generate returns
+    # RL post-training, as TRL 1.16.0's trainers run it (models/script/phases.py wraps their methods; docs/rl.md).
+    # ROLLOUT: GRPO's _prepare_inputs when it generates (trl/trainer/grpo_trainer.py:1536-1543), less the passes
+    # below and generation: padding, rewards, advantages, the buffer split
+    ROLLOUT = "rollout"
+    # REFERENCE: a frozen reference model's forward under no_grad (grpo_trainer.py:2710-2735, dpo_trainer.py:1327-1338)
+    REFERENCE = "reference"
+    OLD_LOGPROBS = "old_logprobs"  # the policy's no_grad forward for the old log-probs (grpo_trainer.py:2634-2657)
 
 
 class Action(str, enum.Enum):

@@ -26,11 +26,18 @@ def parameter_bytes() -> int:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    from peakledger.traces.reference.trl_run import TrlCase, make_model, measure
+def folder(tmp_path_factory):
+    from peakledger.traces.reference.trl_run import make_model
 
-    folder = str(tmp_path_factory.mktemp("rl") / "tiny-qwen2")
-    make_model(folder)
+    path = str(tmp_path_factory.mktemp("rl") / "tiny-qwen2")
+    make_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(folder):
+    from peakledger.traces.reference.trl_run import TrlCase, measure
+
     return {name: measure(TrlCase(name), folder) for name in ("dpo", "grpo")}
 
 
@@ -100,3 +107,34 @@ def test_grpo_keeps_the_generation_batch_until_the_next_one(runs):
     assert held == [("rollout.score", 2)]
     assert run.facts["buffer"] == [{"prompt_ids": [B, P], "prompt_mask": [B, P], "completion_ids": [B, C],
                                     "completion_mask": [B, C], "advantages": [B], "ref_per_token_logps": [B, C]}]
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "grpo"])
+def test_peakledger_run_names_the_rl_phases_itself(runs, folder, trainer):
+    # peakledger run's own phases (models/script/phases.py wraps TRL's methods), no alignment: every RL phase the
+    # real run's independent labels give (traces/reference/trl_run.py) has the same peak within 0.5%
+    import sys
+    from pathlib import Path
+
+    from peakledger.script import ScriptRun, predict_script
+    from peakledger.simulator.events import Phase
+    from peakledger.traces.reference.trl_run import SCRIPT, TrlCase, label_peaks
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from rl_truth import phase_peaks
+
+    run = runs[trainer]
+    case = TrlCase(trainer)
+    report, _ = predict_script(ScriptRun(str(SCRIPT), tuple(case.argv(folder)), steps=case.steps))
+    predicted = phase_peaks(report.log.events)
+    measured = label_peaks(run.log.events, list(run.labels), list(run.steps))
+    names = {"dpo": {"update.ref_forward": Phase.REFERENCE},
+             "grpo": {"rollout.generate": Phase.GENERATE, "rollout.ref_logprobs": Phase.REFERENCE}}[trainer]
+    for step in (1, 2):
+        for label, phase in names.items():
+            truth = measured[(label, step)]
+            assert abs(predicted[(phase, step)] - truth) <= 0.005 * truth, (label, step)
+    if trainer == "grpo":  # the rollout's own work (padding, reward, advantages, the buffer split)
+        truth = max(measured[("rollout.score", 2)], measured[("rollout.reward", 2)])
+        assert abs(predicted[(Phase.ROLLOUT, 2)] - truth) <= 0.005 * truth
+    assert report.peaks.overall.bytes == run.peak()

@@ -43,7 +43,11 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
         label_state(models, optimizers, lambda t, category, name, state: tracker.mark(t, category, name=name,
                                                                                        state=state))
 
-    phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module)
+    def label(t, category, name, state) -> None:
+        tracker.mark(t, category, name=name, state=state)
+
+    phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module,
+                          on_label=label)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

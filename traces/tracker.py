@@ -84,7 +84,7 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 _PRECEDENCE = [Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.GRADIENT, Category.OPTIMIZER_STATE,
                Category.ALL_GATHER_BUFFER, Category.REDUCE_SCATTER_BUCKET, Category.CHECKPOINT_STAGING,
-               Category.ACTIVATION, Category.TEMPORARY]
+               Category.KV_CACHE, Category.PREDICTIONS, Category.ACTIVATION, Category.TEMPORARY]
 RESIZE_OP = "UntypedStorage.resize_"
 
 

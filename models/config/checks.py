@@ -11,6 +11,7 @@ from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
 from ..precision import PRECISION_ALIASES, PRECISION_TABLE, PRECISIONS
 from .base import INT64_MAX, ConfigError, at_most, choice_of, non_negative_int, positive_int
+from .rl import check_rl
 
 OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
 OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
@@ -577,10 +578,10 @@ SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _acti
                   _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
                   _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload,
-                  _lowbit_optimizer)
+                  _lowbit_optimizer, check_rl)
 
 
-def check_setup(knobs) -> None:
+def check_setup(knobs) -> None:  # (the RL section's checks: models/config/rl.py)
     """Every check of a setup's `knobs` (models/config/setup.py KnobValues: the knobs by name, as each error names
     them; their types are checked before, by models/fields.py), in SECTION_CHECKS order."""
     for check in SECTION_CHECKS:

@@ -21,12 +21,13 @@ from ..knobs import Section, SetupKnob, section_knobs
 from ..precision import PRECISION_TABLE, Precision
 from .base import ConfigError
 from .checks import check_setup
+from .rl import Rl
 from .sections import Batch, Checkpointing, CheckpointIO, Compile, Float8, Loop, Lora, Mesh, Moe, Offload, Optimizer
 
 SECTIONS: dict[str, type[Section]] = {
     "batch": Batch, "loop": Loop, "precision": Precision, "optimizer": Optimizer, "checkpointing": Checkpointing,
     "data_parallel": DataParallel, "mesh": Mesh, "checkpoint_io": CheckpointIO, "offload": Offload, "lora": Lora,
-    "moe": Moe, "compile": Compile, "float8": Float8,
+    "moe": Moe, "compile": Compile, "float8": Float8, "rl": Rl,
 }
 
 # The knobs in the order of the serialised form of version 1 (when the setup was one flat dataclass), so stored
@@ -92,6 +93,7 @@ class TrainingSetup:
     moe: Moe
     compile: Compile
     float8: Float8
+    rl: Rl
 
     def __init__(self, _sections: tuple[Section, ...] = (), **given) -> None:
         """`_sections`: whole sections a knob given by the same name does not replace (`replace`'s)."""

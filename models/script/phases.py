@@ -19,8 +19,18 @@ the libraries' entry points say where it is:
 - work between an optimizer step and the next training forward (a zero_grad, logging, an eval, a save, GRPO's
   generation of the next batch) is the finished step's;
 - `torch.save` and safetensors' `save_file` / `save_model`: CHECKPOINT, for the call;
-- transformers' `GenerationMixin.generate`: GENERATE, for the call.
-Module calls made inside backward (activation checkpointing's recompute) or inside generate change nothing.
+- transformers' `GenerationMixin.generate`: GENERATE for its own work (inputs expanded for
+  num_return_sequences, the cache made), PREFILL from its `_prefill` (the prompt's forward) until the first later
+  forward of the model, DECODE from there until generate returns (models/generation/ explains the program);
+- TRL's trainers (trl 1.16.0): GRPO's `_generate_and_score_completions` starts the next step's ROLLOUT, which goes
+  on until the update's forward (the buffer split after it included); its `_generate_single_turn` is GENERATE
+  (HF generate's PREFILL / DECODE inside it); `_get_per_token_logps_and_entropies` under no_grad is REFERENCE for
+  the trainer's `ref_model`, else OLD_LOGPROBS; DPO's `_compute_loss` names its `ref_model`, whose top-level calls
+  are REFERENCE for the call (the position before comes back after). A PEFT reference pass (the policy with its
+  adapter disabled) is not told apart: OLD_LOGPROBS in GRPO, EVAL in DPO;
+- what transformers' `Cache.update` leaves in a layer's keys / values is labelled KV_CACHE (`on_label`), and what
+  HF Trainer's evaluation loop accumulates (`EvalLoopContainer.add`: preds_host, labels, losses) PREDICTIONS.
+Module calls made inside backward (activation checkpointing's recompute) or inside generate change nothing else.
 
 The run stops at the first training forward after `steps` optimizer steps (`StopScript`): what the script does
 after its last counted step (its eval, its save) is in the run; its next step is not.
@@ -41,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ...simulator.events import Phase
+from ...simulator.events import Category, Phase
 
 
 class StopScript(BaseException):
@@ -79,15 +89,20 @@ class ScriptPhases:
     `on_position(position)`: the position changed (before the work of the new one runs). `on_scan(models,
     optimizers)`: after a backward, an optimizer step or a zero_grad, to label gradients and optimizer states.
     `on_inputs(tensors)`: the tensors a training or eval forward is given (the batch). `on_module(name | None)`:
-    the module running now (its path; None: none), at each module's start and end. `steps`: stop after this
-    many optimizer steps (None: run to the
-    end)."""
+    the module running now (its path; None: none), at each module's start and end. `on_label(tensor, category,
+    name, state)`: label a tensor the libraries hold (a KV cache layer, an eval's accumulated outputs), as
+    `label_state`'s callback. `steps`: stop after this many optimizer steps (None: run to the end)."""
 
     def __init__(self, steps: int | None, on_position: Callable[[Position], None],
                  on_scan: Callable[[list, list], None], on_inputs: Callable[[list], None],
-                 on_module: Callable[[str | None], None]) -> None:
+                 on_module: Callable[[str | None], None], on_label: Callable | None = None) -> None:
         self.steps = steps
         self.on_position, self.on_scan, self.on_inputs, self.on_module = on_position, on_scan, on_inputs, on_module
+        self.on_label = on_label if on_label is not None else (lambda t, category, name, state: None)
+        self.generating = 0  # depth of generate calls running
+        self.prefilled = False  # generate's prefill forward has returned
+        self.references: set[int] = set()  # ids of the RL trainers' reference models
+        self.rl_pass: Phase | None = None  # a no_grad scoring pass running (its top-level calls keep its phase)
         self.position = Position(Phase.LOAD, 0, -1)
         self.calls = Calls()
         self.models: dict[int, torch.nn.Module] = {}  # id -> each top-level module called
@@ -128,9 +143,15 @@ class ScriptPhases:
         @functools.wraps(original)
         def call(module, *args, **kwargs):
             top = not self.stack and not self.inside
+            restore = None
+            if not self.stack and self.generating and self.position.phase is Phase.PREFILL and self.prefilled:
+                self._move(Phase.DECODE, self.step, -1)  # generate's first forward after its prefill
             if not self.stack:
                 if top:
+                    before = self.position
                     self._top_level(module, args, kwargs)
+                    if self.position.phase is Phase.REFERENCE and self.rl_pass is None:
+                        restore = before  # DPO's reference forward, inside the step's forward
                 key = id(module)
                 if key not in self.names:
                     cls = type(module).__name__
@@ -144,6 +165,8 @@ class ScriptPhases:
             finally:
                 self.stack.pop()
                 self.on_module(self.stack[-1] if self.stack else None)
+            if restore is not None:
+                self._move(restore.phase, restore.step, restore.micro_batch)
             if top and self.position.phase is Phase.FORWARD:  # what the caller holds of it, watched until backward
                 self._outputs = [weakref.ref(t) for t in _output_tensors(out) if t.dim() > 0]
             return out
@@ -163,7 +186,8 @@ class ScriptPhases:
             self._move(Phase.FORWARD, self.step, self.in_step)
         else:
             self.calls.evals += 1
-            self._move(Phase.EVAL, self.step, -1)
+            phase = Phase.REFERENCE if id(module) in self.references else (self.rl_pass or Phase.EVAL)
+            self._move(phase, self.step, -1)
         self.on_inputs(tensors)
 
     def _new_step(self) -> None:
@@ -271,6 +295,114 @@ class ScriptPhases:
                 return original(*args, **kwargs)
         return call
 
+    # -- generate's phases, its KV cache, an evaluation's accumulated outputs -----------------------------------
+    def _generate(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            self.calls.generates += 1
+            self.generating += 1
+            try:
+                with self._during(Phase.GENERATE):
+                    return original(*args, **kwargs)
+            finally:
+                self.generating -= 1
+        return generate
+
+    def _prefill(self, original: Callable) -> Callable:
+        """generate's `_prefill`: PREFILL, which goes on after it (the first token chosen) until the next forward."""
+        @functools.wraps(original)
+        def prefill(*args, **kwargs):
+            if not self.generating:
+                return original(*args, **kwargs)
+            self.prefilled = False
+            self._move(Phase.PREFILL, self.step, -1)
+            out = original(*args, **kwargs)
+            self.prefilled = True
+            return out
+        return prefill
+
+    def _cache_update(self, original: Callable) -> Callable:
+        """`Cache.update(key_states, value_states, layer_idx)`: the layer's keys and values after it are the cache."""
+        @functools.wraps(original)
+        def update(cache, key_states, value_states, layer_idx, *args, **kwargs):
+            out = original(cache, key_states, value_states, layer_idx, *args, **kwargs)
+            layer = cache.layers[layer_idx]
+            for part in ("keys", "values"):
+                t = getattr(layer, part, None)
+                if isinstance(t, torch.Tensor):
+                    self.on_label(t, Category.KV_CACHE, f"kv_cache.layers.{layer_idx}.{part}", None)
+            return out
+        return update
+
+    def _accumulated(self, original: Callable) -> Callable:
+        """HF Trainer's `EvalLoopContainer.add`: what it holds after it (nested_concat's result) is PREDICTIONS."""
+        @functools.wraps(original)
+        def add(container, tensors):
+            out = original(container, tensors)
+            for t in _output_tensors(container.tensors):
+                self.on_label(t, Category.PREDICTIONS, "eval.accumulated", None)
+            return out
+        return add
+
+    # -- TRL's RL trainers: rollout, reference and old log-prob passes ---------------------------------------
+    def _rollout(self, original: Callable) -> Callable:
+        """GRPOTrainer._generate_and_score_completions: the next step's ROLLOUT (a run of `steps` steps stops here)."""
+        @functools.wraps(original)
+        def rollout(trainer, *args, **kwargs):
+            if self.inside:
+                return original(trainer, *args, **kwargs)
+            self._reference(trainer)
+            if getattr(trainer.model, "training", False):
+                if self.steps is not None and self.done >= self.steps:
+                    raise StopScript()
+                self._new_step()
+            self._move(Phase.ROLLOUT, self.step, -1)
+            return original(trainer, *args, **kwargs)
+        return rollout
+
+    def _rl_generate(self, original: Callable) -> Callable:
+        """GRPOTrainer._generate_single_turn: GENERATE (TRL's padding and masking around HF generate's phases)."""
+        @functools.wraps(original)
+        def generate(*args, **kwargs):
+            if self.inside:
+                return original(*args, **kwargs)
+            with self._during(Phase.GENERATE, hide=False):
+                return original(*args, **kwargs)
+        return generate
+
+    def _logprobs(self, original: Callable) -> Callable:
+        """GRPOTrainer._get_per_token_logps_and_entropies(model, ...) under no_grad: REFERENCE for the trainer's
+        ref_model, OLD_LOGPROBS for the policy; with autograd on it is the update's forward."""
+        @functools.wraps(original)
+        def logprobs(trainer, model, *args, **kwargs):
+            if self.inside or torch.is_grad_enabled():
+                return original(trainer, model, *args, **kwargs)
+            self._reference(trainer)
+            ref = getattr(trainer, "ref_model", None)
+            phase = Phase.REFERENCE if ref is not None and model is ref else Phase.OLD_LOGPROBS
+            outer, self.rl_pass = self.rl_pass, phase
+            try:
+                with self._during(phase, hide=False):
+                    return original(trainer, model, *args, **kwargs)
+            finally:
+                self.rl_pass = outer
+        return logprobs
+
+    def _dpo_loss(self, original: Callable) -> Callable:
+        """DPOTrainer._compute_loss: its ref_model's forward inside is REFERENCE."""
+        @functools.wraps(original)
+        def compute_loss(trainer, *args, **kwargs):
+            self._reference(trainer)
+            return original(trainer, *args, **kwargs)
+        return compute_loss
+
+    def _reference(self, trainer) -> None:
+        ref = getattr(trainer, "ref_model", None)
+        if isinstance(ref, torch.nn.Module):
+            self.references.add(id(ref))
+
     # -- the patches ----------------------------------------------------------------------------------------
     def __enter__(self) -> "ScriptPhases":
         stack = self._stack = contextlib.ExitStack()
@@ -290,10 +422,14 @@ class ScriptPhases:
         if accelerator is not None:  # accelerate's own (a norm per device mesh, then clip_grads_with_norm_)
             self._patch(accelerator, "clip_grad_norm_", self._clip)
         self._patch(torch, "save", lambda f: self._around(f, Phase.CHECKPOINT, "saves"))
+        wraps = {"generate": self._generate, "_prefill": self._prefill, "update": self._cache_update,
+                 "add": self._accumulated, "_generate_and_score_completions": self._rollout,
+                 "_generate_single_turn": self._rl_generate, "_get_per_token_logps_and_entropies": self._logprobs,
+                 "_compute_loss": self._dpo_loss}
         for module, names in _library_calls():
             for name in names:
-                phase, counter = (Phase.GENERATE, "generates") if name == "generate" else (Phase.CHECKPOINT, "saves")
-                self._patch(module, name, lambda f, p=phase, c=counter: self._around(f, p, c))
+                wrap = wraps.get(name) or (lambda f: self._around(f, Phase.CHECKPOINT, "saves"))
+                self._patch(module, name, wrap)
         return self
 
     def _patch(self, owner, name: str, wrap: Callable[[Callable], Callable]) -> None:
@@ -329,7 +465,20 @@ def _library_calls() -> list[tuple[object, tuple[str, ...]]]:
         found.append((st, ("save_file", "save_model")))
     generation = sys.modules.get("transformers.generation.utils")
     if generation is not None:
-        found.append((generation.GenerationMixin, ("generate",)))
+        found.append((generation.GenerationMixin, ("generate", "_prefill")))
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is not None:
+        found.append((cache, ("update",)))
+    container = getattr(sys.modules.get("transformers.trainer_pt_utils"), "EvalLoopContainer", None)
+    if container is not None:
+        found.append((container, ("add",)))
+    grpo = getattr(sys.modules.get("trl.trainer.grpo_trainer"), "GRPOTrainer", None)
+    if grpo is not None:  # trl 1.16.0 trainer/grpo_trainer.py:1419, :1763, :2324
+        found.append((grpo, ("_generate_and_score_completions", "_generate_single_turn",
+                             "_get_per_token_logps_and_entropies")))
+    dpo = getattr(sys.modules.get("trl.trainer.dpo_trainer"), "DPOTrainer", None)
+    if dpo is not None:  # trl 1.16.0 trainer/dpo_trainer.py:1285
+        found.append((dpo, ("_compute_loss",)))
     for module, cls, names in (("transformers.modeling_utils", "PreTrainedModel", ("save_pretrained",)),
                                ("transformers.trainer", "Trainer", ("_save_checkpoint", "save_model")),
                                ("accelerate.accelerator", "Accelerator", ("save_state", "save_model")),

@@ -8,7 +8,8 @@ dispatch (`torch.tensor(data)` before its lift, a constant made at import) are a
 tracker does. What the recording is not told it learns as the script goes (`ScriptPhases`): the models it calls,
 the optimizers it steps; after each backward, optimizer step and zero_grad the `.grad`s and optimizer states are
 labelled; a tensor autograd saves is an activation. Labels, strongest first: parameter, buffer, input (the
-tensors a top-level module call is given), gradient, optimizer state, activation, temporary.
+tensors a top-level module call is given), gradient, optimizer state, KV cache, accumulated eval outputs,
+activation, temporary.
 
 realpath.py keeps the fake run on the real path (kernel output sizes: kernel_outputs.py; transformers' tracing
 test; the CPU kernels' fake rules); values.py answers the values the script reads.
@@ -32,7 +33,7 @@ from .phases import Calls, Position
 from .values import REAL_DRAWS, Values
 
 LABELS = (Category.PARAMETER, Category.BUFFER, Category.INPUT, Category.GRADIENT, Category.OPTIMIZER_STATE,
-          Category.ACTIVATION, Category.TEMPORARY)
+          Category.KV_CACHE, Category.PREDICTIONS, Category.ACTIVATION, Category.TEMPORARY)
 _RANK = {c: k for k, c in enumerate(LABELS)}
 # `torch.tensor(data)` makes a real tensor outside dispatch and lifts it: in the real run the lift returns that
 # tensor (one storage, which the tracker finds when the lift reads it); here the fake output is that storage

@@ -50,8 +50,9 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 SEQUENTIAL_LOAD = {"HF_DEACTIVATE_ASYNC_LOAD": "1"}
 # libraries a script may use whose save / generate entry points ScriptPhases wraps: imported before the script
 # runs (under the offline environment) when the script's text names them
-LIBRARIES = {"transformers": ("transformers", "transformers.generation.utils", "safetensors.torch"),
-             "trl": ("transformers", "transformers.generation.utils", "safetensors.torch"),
+_HF = ("transformers", "transformers.generation.utils", "transformers.cache_utils", "transformers.trainer_pt_utils",
+       "safetensors.torch")
+LIBRARIES = {"transformers": _HF, "trl": (*_HF, "trl.trainer.grpo_trainer", "trl.trainer.dpo_trainer"),
              "accelerate": ("accelerate", "safetensors.torch"), "peft": ("transformers", "safetensors.torch"),
              "safetensors": ("safetensors.torch",)}
 
@@ -186,7 +187,8 @@ def record_script(path: Path, argv: list[str], steps: int | None, seconds: float
     values = Values()
     rec = Recorder(values, Position(Phase.LOAD, 0, -1))
     phases = ScriptPhases(steps, on_position=lambda p: setattr(rec, "position", p), on_scan=rec.scan,
-                          on_inputs=rec.inputs, on_module=lambda name: setattr(rec, "module", name))
+                          on_inputs=rec.inputs, on_module=lambda name: setattr(rec, "module", name),
+                          on_label=rec.label)
     with script_context(path, argv, rank_env(rank, world_size)), fake_process_group(rank, world_size):
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake, fake_gaps(), cpu_fake_kernels(), real_code_paths(), numpy_reads(values), \

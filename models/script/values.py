@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections import Counter
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..traced.realpath import (
     CONSTANT_FILLS,
@@ -164,7 +166,7 @@ class Values:
         if real is not None:
             return real
         self.given[(where_in_script(), f"{_word(standin(t.dtype))} x {t.numel()}")] += 1
-        with unset_fake_temporarily():
+        with _disable_current_modes():  # made outside the recording: the real read allocates no torch storage
             return torch.full(tuple(t.shape), standin(t.dtype), dtype=t.dtype)
 
     def lines(self) -> list[str]:
@@ -174,6 +176,10 @@ class Values:
 
 def _word(value) -> str:
     return repr(value)
+
+
+def _keep(t: torch.Tensor) -> None:
+    """A numpy array's finalizer, holding the fake tensor it was read from until the array goes."""
 
 
 class numpy_reads:
@@ -195,8 +201,11 @@ class numpy_reads:
             def read(t, *args, **kwargs):
                 if isinstance(t, FakeTensor):
                     real = values.array(t)
-                    with unset_fake_temporarily():
-                        return getattr(real, name)(*args, **kwargs)
+                    with _disable_current_modes():  # (numpy() detaches: not the script's op)
+                        out = getattr(real, name)(*args, **kwargs)
+                    if name != "tolist":  # a CPU tensor's numpy view keeps its storage alive while the array lives
+                        weakref.finalize(out, _keep, t)
+                    return out
                 return original(t, *args, **kwargs)
             return read
 

@@ -41,15 +41,15 @@ from ...simulator.events import Category, EventLog, Phase
 from ...simulator.run_metadata import RunMetadata
 from ..tracker import AllocationTracker
 
-LABEL_PHASES = {
+LABEL_PHASES = {  # the schema's phase of each label (peakledger run names the same calls the same way)
     "load": Phase.LOAD,
-    "rollout.score": Phase.GENERATE,
-    "rollout.generate": Phase.GENERATE,
-    "rollout.old_logprobs": Phase.EVAL,
-    "rollout.ref_logprobs": Phase.EVAL,
-    "rollout.reward": Phase.EVAL,
+    "rollout.score": Phase.ROLLOUT,
+    "rollout.generate": Phase.GENERATE,  # peakledger run splits HF generate into GENERATE / PREFILL / DECODE
+    "rollout.old_logprobs": Phase.OLD_LOGPROBS,
+    "rollout.ref_logprobs": Phase.REFERENCE,
+    "rollout.reward": Phase.ROLLOUT,
     "update.forward": Phase.FORWARD,
-    "update.ref_forward": Phase.EVAL,
+    "update.ref_forward": Phase.REFERENCE,
     "update.backward": Phase.BACKWARD,
     "optimizer": Phase.OPTIMIZER,
     "zero_grad": Phase.ZERO_GRAD,
