@@ -19,7 +19,6 @@ import argparse
 import warnings
 
 from .analysis.ledger import row_name
-from .analysis.plot import plot_timeline
 from .analysis.units import Scale, auto_unit, format_bytes
 from .analysis.user_events import (
     ORDER_RULE,
@@ -49,6 +48,8 @@ def cmd_ledger(args) -> int:
                          f"{u.path} has {len(pools)} (rank, pool) timelines ({_names(pools)}); the plot and the "
                          "timeline export draw one: choose it with --rank and --pool")
     if args.plot:
+        from .analysis.plot import plot_timeline  # matplotlib, loaded for the picture only
+
         pl = pools[0]
         with warnings.catch_warnings():  # (matplotlib's on a list whose events share one instant: a zero-width axis)
             warnings.simplefilter("ignore", UserWarning)

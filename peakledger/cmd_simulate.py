@@ -24,7 +24,6 @@ from .analysis.export_html import html_report
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
-from .analysis.plot import plot_timeline
 from .analysis.report import render_text, report_json
 from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
@@ -87,7 +86,7 @@ def cmd_simulate(args) -> int:
         graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
-        from .analysis.plot import setup_text  # matplotlib, loaded for the picture only
+        from .analysis.plot import plot_timeline, setup_text  # matplotlib, loaded for the picture only
 
         gpu = report.gpu_series
         oom = report.log.ooms[0] if report.log.ooms else None

@@ -11,7 +11,6 @@ from . import (
     validation,
 )
 from .analysis.device import device_settings, gpu_memory
-from .analysis.plot import plot_overlay
 from .analysis.units import format_bytes
 from .analysis.validate import PeakPair, compare_logs, render_validation, validation_json
 from .cli_common import add_scenario_flags, decide, flag_float, write_json
@@ -183,6 +182,8 @@ def cmd_validate(args) -> int:
         with progress(f"running {scenario.name} for real under the tracker, then simulating"):
             result, measured, simulated = validation.validate(scenario)
     if args.plot:
+        from .analysis.plot import plot_overlay  # matplotlib, loaded for the picture only
+
         plot_overlay(timeline(measured), timeline(simulated), args.plot, unit=args.unit,
                      title=f"{scenario.name}: measured vs predicted")
     ok = result.passes(args.tolerance) if args.tolerance is not None else True
