@@ -102,9 +102,9 @@ def _code_digest() -> str:
 
 
 @functools.cache
-def salt(lora_r: int = 0, quantize: str = "none") -> str:
+def salt(lora: bool = False, quantize: str = "none") -> str:
     """What every entry also depends on (module docstring)."""
-    libs = ["torch", "transformers"] + (["peft"] if lora_r else []) + (["bitsandbytes"] if quantize != "none" else [])
+    libs = ["torch", "transformers"] + (["peft"] if lora else []) + (["bitsandbytes"] if quantize != "none" else [])
     versions = ", ".join(f"{p} {version(p)}" for p in libs)
     return f"format {FORMAT}; python {sys.version_info[0]}.{sys.version_info[1]}; {versions}; code {_code_digest()}"
 
@@ -249,7 +249,8 @@ def entry(model, key: tuple, lora_r: int, quantize: str, batch_slot: int = 3) ->
     folder = cache_dir()
     if folder is None or model.kind != "hf":
         return None
-    return Entry(folder, key, batch_slot, salt(lora_r, quantize))
+    max_bytes()  # a bad $PEAKLEDGER_CACHE_MAX_BYTES is said before any work
+    return Entry(folder, key, batch_slot, salt(bool(lora_r), quantize))
 
 
 # -- HF task names: what transformers builds for a config, known without importing it ------------------------------
