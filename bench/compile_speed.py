@@ -49,7 +49,8 @@ PROOF_LAYERS = 8  # --proof-layers
 
 
 def _env(cache: str) -> dict:
-    return {**os.environ, "PEAKLEDGER_GEMM_CACHE": cache, "PYTHONWARNINGS": "ignore"}
+    return {**os.environ, "PEAKLEDGER_GEMM_CACHE": cache, "PYTHONWARNINGS": "ignore",
+            "PEAKLEDGER_CACHE_DIR": "off"}  # (nor the disk cache of traces: the eager describe beside it traces)
 
 
 def cold(config_path: str, cache: str) -> dict:

@@ -27,6 +27,8 @@ import warnings
 
 from sections import replace_section  # bench/sections.py, beside this script
 
+os.environ["PEAKLEDGER_CACHE_DIR"] = "off"  # the disk cache of traces (models/traced/store.py) would answer "first"
+
 import peakledger.models.traced as trace
 import peakledger.models.traced.convert as convert
 from peakledger import api

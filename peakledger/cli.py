@@ -39,6 +39,7 @@ from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
 from .models.names import did_you_mean
 from .models.traced.boundary import end_user_processes, time_limit
+from .models.traced.store import cache_enabled
 from .simulator.safe_io import InputError, all_or_none, digits_message, too_many_digits
 
 
@@ -131,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         check_common(args)
-        with time_limit(getattr(args, "module_timeout", None)), all_or_none():  # (the outputs: all or none)
+        with time_limit(getattr(args, "module_timeout", None)), all_or_none(), \
+                cache_enabled(not getattr(args, "no_cache", False)):  # (the outputs: all or none)
             try:
                 return args.func(args)
             except BrokenPipeError:  # stdout's reader went away (| head): the outputs stand, and the verdict

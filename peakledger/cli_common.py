@@ -85,6 +85,8 @@ def add_scenario_flags(p: argparse.ArgumentParser) -> None:
     r.add_argument("--debug", action="store_true", help="on an internal error, print the whole traceback")
     r.add_argument("--module-timeout", type=flag_float, metavar="SECONDS",
                    help="--module: the longest its import, factory or traced step may run (default 600; 0: no limit)")
+    r.add_argument("--no-cache", action="store_true", help="--hf-config: trace anew, neither reading nor writing the "
+                   "disk cache of traces ($PEAKLEDGER_CACHE_DIR, default ~/.cache/peakledger/traces; docs/models.md)")
 
 
 def _typed(read, kind: str):

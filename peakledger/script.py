@@ -13,19 +13,21 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .analysis.device import with_gpu_oom
 from .analysis.report import Report, summarize
 from .analysis.validate import Validation, compare_logs
 from .models.config import ConfigError
 from .models.devices import device_profile
-from .models.script import ScriptRecording, check_script, record_script, script_graph
-from .models.script.child import in_children
 from .models.training import RANK_LIST_LIMIT
 from .simulator.engine import simulate
 from .simulator.events import Pool
 from .simulator.run_metadata import RunMetadata
 from .simulator.torch_rules import default_version
+
+if TYPE_CHECKING:  # models/script imports torch: only a script's run loads it (a --hf-config repeat imports none)
+    from .models.script import ScriptRecording
 
 MEASURED_RANKS = 8  # --validate runs at most this many real processes (one per rank, gloo)
 
@@ -91,6 +93,9 @@ def script_metadata(run: ScriptRun, rec: ScriptRecording, classes: dict[int, lis
 def predict_script(run: ScriptRun, budget: int | None = None, stop_on_oom: bool = False) -> tuple[Report, object]:
     """The script predicted: (its report, its op graph). A distributed script is recorded once per rank class,
     each rank in its own forked process with torch's fake process group (models/script/run.py)."""
+    from .models.script import check_script, record_script, script_graph
+    from .models.script.child import in_children
+
     path = check_script(run.path)
     profile = device_profile(run.device)
     ranks = run.recorded_ranks
@@ -112,6 +117,8 @@ def validate_script(run: ScriptRun, predicted: Report) -> list[Validation]:
     """The script run for real on the CPU under the tracker (traces/script_run.py), one forked process per rank
     (a distributed script: gloo, every rank, at most MEASURED_RANKS), each held against the rank of `predicted`
     that stands for it."""
+    from .models.script import check_script
+    from .models.script.child import in_children
     from .traces.script_run import measure_script
 
     if run.world_size > MEASURED_RANKS:

@@ -21,3 +21,13 @@ def _gemm_scratchpad_cache(tmp_path_factory):
     import os
 
     os.environ.setdefault("PEAKLEDGER_GEMM_CACHE", str(tmp_path_factory.mktemp("gemm") / "gemm-scratchpad.json"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _trace_cache_off():
+    """The disk cache of traces (models/traced/store.py) is off for the suite: tests that empty the per-process
+    cache to trace anew must trace, and nothing is written to the user's ~/.cache. tests/test_trace_cache.py turns
+    it on, in a folder of its own, where it tests it."""
+    import os
+
+    os.environ["PEAKLEDGER_CACHE_DIR"] = "off"

@@ -38,6 +38,7 @@ from collections import OrderedDict
 
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
+from . import store
 from .boundary import user_code
 from .gpu_paths import cuda_tape
 from .model import TracedModel, from_hf_dict, from_module_spec
@@ -77,16 +78,25 @@ def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = N
     if hit is not None:
         _CACHE.move_to_end(key)
         return hit
+    disk = store.entry(model, key, setup.lora.r, setup.lora.quantize)
+    hit = disk.load() if disk is not None else None
+    if hit is not None:
+        return _remember(key, hit)
     check_setup(model, setup)
     if "micro_batch" in model.varies:  # three traced sizes of one affine program give every other size
         from .scale import derive
         points = {k[3]: r for k, r in _CACHE.items() if k[:3] == key[:3] and k[4:] == key[4:] and k not in _DERIVED}
+        if disk is not None:
+            points = {**disk.points(), **points}
         derived = derive(points, setup.batch.micro_batch)
         if derived is not None:
             _DERIVED.add(key)
             return _remember(key, derived)
     deep = _by_depth(model, setup, target)
-    return _remember(key, deep if deep is not None else _trace(model, setup, target))
+    rec = deep if deep is not None else _trace(model, setup, target)
+    if disk is not None:
+        disk.save(rec)
+    return _remember(key, rec)
 
 
 def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
@@ -224,11 +234,15 @@ def traced_layers(model: TracedModel, setup: TrainingSetup) -> tuple[str, ...]:
     return (hit or recording(model, setup)).layers
 
 
-def traced_versions(setup: TrainingSetup) -> str:
-    """The libraries the trace ran, as installed: "torch 2.13.0+cpu, transformers 5.25.0", and peft with LoRA (the
-    same whatever else the process imported before)."""
+def traced_versions(model: TracedModel, setup: TrainingSetup) -> str:
+    """The libraries the trace ran, as installed: "torch 2.13.0+cpu, transformers 5.25.0", and peft with LoRA. A HF
+    config's are read from the packages' metadata (store.py: a recording read from the disk cache imports none of
+    them); a module factory's from the modules its process imported."""
     import sys
 
+    if model.kind == "hf":
+        used = ("torch", "transformers") + (("peft",) if setup.lora.r else ())
+        return ", ".join(f"{n} {store.version(n)}" for n in used)
     import torch
 
     used = ("transformers",) + (("peft",) if setup.lora.r else ())
@@ -245,7 +259,7 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
 
     target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
     rec = recording(model, setup, target)
-    describer = f"traced ({model.kind}: {rec.model_class}; {traced_versions(setup)})"
+    describer = f"traced ({model.kind}: {rec.model_class}; {traced_versions(model, setup)})"
     tape = to_tape(rec, setup, rec.layers, describer=describer)
     if cpu:
         return tape

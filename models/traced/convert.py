@@ -23,7 +23,7 @@ from math import prod
 
 from ..config import ConfigError, TrainingSetup, dtype_bytes
 from ..tape import SAC_SAVED_ATEN, GradNode, GradStep, ParamSpec, Tape, TapeOp, TensorSpec, checkpoint_segments
-from .record import Recording, Storage
+from .recording import Recording, Storage
 
 SAC_KEPT = frozenset(SAC_SAVED_ATEN)  # aten ops whose outputs op-policy keeps (models/tape.py `op_policy`)
 POLICIES = ("none", "full", "every-k", "layers", "sqrt", "op-policy", "offload")

@@ -33,6 +33,7 @@ from math import prod
 from pathlib import Path
 
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
+from . import store
 from .boundary import REAL_BYTES, user_code
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
@@ -81,7 +82,7 @@ class TracedModel:
             given = [k for k in ("micro_batch", "seq_len") if k in self.varies]
             return (f"the factory's batch ({', '.join(f'{k}={setup.knob(k)}' for k in given)} passed)" if given
                     else "the factory's batch (fixed: the factory takes no micro_batch / seq_len)")
-        task = hf_task(self.hf_dict())[1]
+        task = hf_task_name(self.hf_dict(), self.digest)[1]
         data = self.hf_dict()
         B, T = setup.batch.micro_batch, setup.batch.seq_len
         if task == "AutoModelForImageClassification":
@@ -103,10 +104,22 @@ class TracedModel:
 
 
 def from_hf_dict(data: dict, name: str) -> TracedModel:
-    hf_task(data)  # refuses a model type transformers does not know
-    check_hf_sizes(data)
     text = json.dumps(data, sort_keys=True)
-    return TracedModel(name=name, kind="hf", source=text, digest=hashlib.sha256(text.encode()).hexdigest())
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    hf_task_name(data, digest)  # refuses a model type transformers does not know
+    check_hf_sizes(data)
+    return TracedModel(name=name, kind="hf", source=text, digest=digest)
+
+
+def hf_task_name(data: dict, digest: str) -> tuple[str, str]:
+    """(model class name, auto class) of a HF config (`digest`: of its canonical JSON): from the disk cache where
+    this transformers took the config before (store.py; transformers is not imported), else from `hf_task`."""
+    known = store.known_task(digest)
+    if known is not None:
+        return known
+    cls, task = hf_task(data)
+    store.remember_task(digest, cls.__name__, task)
+    return cls.__name__, task
 
 
 def from_module_spec(spec: str) -> TracedModel:

@@ -23,7 +23,6 @@ run on the real run's path (integer values, transformers' tracing test, CPU kern
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +40,7 @@ from .realpath import (
     tensors_in,
     view_replays,
 )
+from .recording import BackwardNode, ForwardOp, Recording, Storage
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "int64",
           torch.int32: "int32", torch.bool: "bool", torch.int8: "int8", torch.uint8: "uint8",
@@ -71,57 +71,6 @@ class FlopCount(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.total += op_flops(func, args, kwargs, out)
         return out
-
-
-@dataclass
-class Storage:
-    """One allocation seen in the run."""
-
-    id: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    name: str
-    born: str  # "param", "buffer", "input", "forward", "backward", "grad" (a `.grad` at the start)
-    op: int = -1  # the forward op that made it (born "forward")
-    requires_grad: bool = False
-    death: tuple[str, int] | None = None  # ("forward", op index) / ("backward", node index) / ("end", 0)
-
-
-@dataclass
-class ForwardOp:
-    name: str  # module path . aten op
-    aten: str
-    module: str
-    reads: tuple[int, ...]  # storage ids read (not parameters)
-    params: tuple[str, ...]  # parameter names read
-    outputs: tuple[int, ...]  # storages it allocated
-    flops: int = 0
-
-
-@dataclass
-class BackwardNode:
-    name: str
-    op: int | None  # the forward op that made it (None: AccumulateGrad and nodes no op returned)
-    events: list[tuple[str, int]] = field(default_factory=list)  # ("alloc" | "free", storage id) in order
-    saves: list[int] = field(default_factory=list)  # storage ids it saved (forward-born or batch)
-    flops: int = 0
-
-
-@dataclass
-class Recording:
-    params: list[tuple[str, tuple[int, ...], str, bool]]  # name, shape, dtype, requires_grad
-    buffers: list[Storage]
-    inputs: list[Storage]
-    storages: dict[int, Storage]
-    ops: list[ForwardOp]
-    nodes: list[BackwardNode]
-    param_grads: dict[int, str]  # backward storage -> the parameter whose `.grad` it became
-    held: list[int]  # forward storages the caller held until after backward (freed by `del out, loss`)
-    modules: list[str]  # every module path, in `named_modules` order
-    layers: tuple[str, ...] = ()  # the repeated blocks (`find_layers`)
-    model_class: str = ""
-    autocast_cached: tuple[int, ...] = ()  # forward storages autocast's weight cache held until its region exited
 
 
 OP_KEY = "peakledger_op"  # a node's metadata key: the index of the forward op that made it

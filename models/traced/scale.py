@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .record import Recording
+from .recording import Recording
 
 
 def signature(rec: Recording) -> tuple:

@@ -1,0 +1,196 @@
+"""How fast `peakledger simulate --hf-config` answers cold (empty trace cache) and warm (models/traced/store.py: the
+recording read from disk, neither torch nor transformers imported), beside torch's MemTracker under FakeTensorMode
+on the same model and step. Writes the "Trace cache: cold and warm" section of bench/RESULTS.md (appended, or
+replaced where it is there).
+
+    python bench/warm_cache_speed.py                 # print (5 pairs of runs each)
+    python bench/warm_cache_speed.py --runs 7 --write
+
+The model: examples/hf-llama-3-8b/config.json (Llama-3-8B); the step: micro-batch 1, seq 2048, pure bf16
+(`--precision bf16`, as MemTracker's model is built with `dtype=torch.bfloat16`), AdamW, `--device cpu`. Every
+figure is a whole process, timed from its start to its exit (wall clock; CPU = the child's user + system time),
+and each comparison runs its two commands in turn, A B A B ..., the ratio taken pair by pair, the median quoted:
+- cold: `peakledger simulate ...` with the trace cache emptied before each run (the imports of transformers and
+  torch, the traces of 3 and 4 layers, the simulation), against MemTracker;
+- warm: the same model again with a setting the recording does not follow (`--grad-accum 8 --optimizer sgd`),
+  the cache primed once, against MemTracker;
+- warm, another micro-batch: micro-batch 6 where the cache holds 2, 4 and 8 (scale.py derives 6 from them; each
+  traced size primed once), against the warm run. A micro-batch whose program is not on disk (1 after 1 alone) is
+  traced: a cold run.
+- MemTracker: a new Python that imports torch and transformers, builds the model under FakeTensorMode
+  (`no_init_weights`, bf16) and runs one forward, backward and AdamW step inside
+  `torch.distributed._tools.mem_tracker.MemTracker` (as bench/traced_speed.py, at this step's sizes).
+peakledger's own modules are compiled first (`compileall`), as a wheel install ships them: under
+PYTHONDONTWRITEBYTECODE an editable checkout would otherwise compile some 400 modules from source in every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CONFIG = os.path.join(ROOT, "examples", "hf-llama-3-8b", "config.json")
+FLAGS = ["--precision", "bf16", "--micro-batch", "1", "--seq-len", "2048", "--device", "cpu"]
+WARM_FLAGS = ["--grad-accum", "8", "--optimizer", "sgd"]
+SECTION = "## Trace cache: cold and warm"
+RESULTS = os.path.join(HERE, "RESULTS.md")
+
+MEMTRACKER = r"""
+import sys, json
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.initialization import no_init_weights
+
+config = json.load(open(sys.argv[1]))
+mb, seq = int(sys.argv[2]), int(sys.argv[3])
+with FakeTensorMode():
+    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
+    with no_init_weights():
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    model.train()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (mb, seq))
+    mt = MemTracker()
+    mt.track_external(model, optim)
+    with mt:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+    snap = mt.get_tracker_snapshot("peak")
+    print(json.dumps({"peak": snap[next(iter(snap))]["Total"]}))
+"""
+
+
+def peakledger(config: str, *flags: str) -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "peakledger")
+    return [exe, "simulate", "--hf-config", config, *flags]
+
+
+def memtracker(config: str, seq_len: str) -> list[str]:
+    return [sys.executable, "-c", MEMTRACKER, config, "1", seq_len]
+
+
+def timed(cmd: list[str], env: dict, before=None) -> dict:
+    """One whole process: wall seconds from its start to its exit, and its CPU seconds (user + system)."""
+    if before is not None:
+        before()
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return {"wall": wall, "cpu": cpu, "stdout": proc.stdout}
+
+
+def pairs(a: list[str], b: list[str], env: dict, runs: int, before_a=None) -> dict:
+    """A and B in turn, `runs` times each after one warm-up pair; medians, and the A/B ratio pair by pair."""
+    timed(a, env, before_a)
+    timed(b, env)
+    ta, tb = [], []
+    for _ in range(runs):
+        ta.append(timed(a, env, before_a))
+        tb.append(timed(b, env))
+    med = statistics.median
+    return {"a": med(x["wall"] for x in ta), "b": med(x["wall"] for x in tb),
+            "a_cpu": med(x["cpu"] for x in ta), "b_cpu": med(x["cpu"] for x in tb),
+            "b_over_a": med(y["wall"] / x["wall"] for x, y in zip(ta, tb)),
+            "a_range": (min(x["wall"] for x in ta), max(x["wall"] for x in ta)),
+            "b_range": (min(x["wall"] for x in tb), max(x["wall"] for x in tb)), "a_out": ta[-1]["stdout"],
+            "b_out": tb[-1]["stdout"]}
+
+
+def render(cold: dict, warm: dict, derived: dict, runs: int, note: str) -> str:
+    def row(name, cmd, w, other, ratio, which="a"):
+        lo, hi = w[f"{which}_range"]
+        return (f"| {name} | `{cmd}` | **{w[which]:.2f} s** ({lo:.2f}-{hi:.2f}) | {w[f'{which}_cpu']:.2f} s | "
+                f"{other} | {ratio} |")
+
+    flags = " ".join(FLAGS)
+    return "\n".join([
+        SECTION, "",
+        f"`python bench/warm_cache_speed.py --runs {runs} --write` on {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}{note}. Whole processes, medians of {runs} runs (min-max); each pair of "
+        "commands run in turn and the ratio taken pair by pair (bench/warm_cache_speed.py says how). Model: "
+        f"examples/hf-llama-3-8b/config.json; step: `{flags}`.", "",
+        "| run | command | wall | CPU | compared with (same call) | MemTracker / this |",
+        "|---|---|---:|---:|---|---:|",
+        row("cold (empty cache)", f"peakledger simulate --hf-config CONFIG {flags}", cold,
+            f"MemTracker {cold['b']:.1f} s", f"**{cold['b_over_a']:.1f}x**"),
+        row("warm (another setting)", f"... {' '.join(WARM_FLAGS)}", warm, f"MemTracker {warm['b']:.1f} s",
+            f"**{warm['b_over_a']:.1f}x**"),
+        row("warm (micro-batch 6; 2, 4, 8 cached)", "... --micro-batch 6", derived,
+            f"warm {derived['b']:.2f} s", f"{cold['b'] / derived['a']:.1f}x (cold's MemTracker runs)"),
+        row("MemTracker, FakeTensorMode", "python -c MEMTRACKER CONFIG 1 2048", cold, "cold", "1x", which="b"),
+        "",
+        "A warm run imports neither torch nor transformers (tests/test_trace_cache.py checks it); a micro-batch whose "
+        "program is not in the cache is traced, as cold.", ""])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
+    ap.add_argument("--note", default="", help="a few words on the machine's load, put after its description")
+    ap.add_argument("--config", default=CONFIG, help="a Llama config.json (default: the Llama-3-8B's); --write "
+                    "needs the default")
+    ap.add_argument("--seq-len", default="2048")
+    args = ap.parse_args()
+    if args.write and (args.config != CONFIG or args.seq_len != "2048"):
+        raise SystemExit("--write: only the default model and sequence length")
+    flags = ["--precision", "bf16", "--micro-batch", "1", "--seq-len", args.seq_len, "--device", "cpu"]
+    run = lambda *f: peakledger(args.config, *f)  # noqa: E731
+    mt = memtracker(args.config, args.seq_len)
+    if args.runs < 5:
+        raise SystemExit("--runs: at least 5")
+    for folder in ("peakledger", "models", "simulator", "traces", "analysis"):
+        compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
+    cache = tempfile.mkdtemp(prefix="peakledger-bench-cache-")
+    env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
+
+    def empty():
+        shutil.rmtree(cache, ignore_errors=True)
+
+    try:
+        cold = pairs(run(*flags), mt, env, args.runs, before_a=empty)
+        print(f"cold {cold['a']:.2f}s, MemTracker {cold['b']:.2f}s: {cold['b_over_a']:.1f}x", flush=True)
+        timed(run(*flags), env)  # primes the cache
+        warm = pairs(run(*flags, *WARM_FLAGS), mt, env, args.runs)
+        print(f"warm {warm['a']:.2f}s, MemTracker {warm['b']:.2f}s: {warm['b_over_a']:.1f}x", flush=True)
+        for b in ("2", "4", "8"):
+            timed(run(*flags[:2], "--micro-batch", b, *flags[4:]), env)
+        derived = pairs(run(*flags[:2], "--micro-batch", "6", *flags[4:]), run(*flags, *WARM_FLAGS), env,
+                        args.runs)
+        print(f"micro-batch 6 derived from the cache {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    section = render(cold, warm, derived, args.runs, f"; {args.note}" if args.note else "")
+    print()
+    print(section)
+    if args.write:
+        sys.path.insert(0, HERE)
+        from sections import replace_section  # bench/sections.py
+
+        replace_section(SECTION, section, RESULTS)
+        print("wrote the section into bench/RESULTS.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
