@@ -101,7 +101,10 @@ def backward_workspaces(name: str, M: int, K: int, N: int, recipe: str, act: str
     stages = backward_stages(name, M, K, N, recipe, act, gpu)
     top = max(stages[:-1], key=lambda s: sum(t.nbytes for t in s))
     grads = (f"{name}.grad_input", f"{name}.grad_weight") if input_grad else (f"{name}.grad_weight",)
-    return tuple(t for t in top if t.name not in grads), tuple(t for t in stages[-1] if t.name not in grads)
+    # the node's grad_output (bf16, its argument) is alive until the node returns, through the grad_weight matmul;
+    # the replay frees it after the first of the two replay nodes, so the second holds a tensor of its bytes
+    held = TensorSpec(f"{name}.grad_output_held", (M, N), act, False)
+    return tuple(t for t in top if t.name not in grads), tuple(t for t in stages[-1] if t.name not in grads) + (held,)
 
 
 def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None) -> TensorSpec:
