@@ -128,14 +128,14 @@ def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, wei
     # tensors still alive; the matmul's node makes grad_input. One torch node, two replay nodes, in its order.
     w8 = TensorSpec(w8.name, w8.shape, w8.dtype, True)
     # Where the input needs no gradient (an MLP's first layer), the node runs because the weight needs one: the
-    # matmul reads the weight's scale as the weight's stand-in, whose "gradient" is a placeholder of the scale's
-    # bytes (4 B tensorwise) between the two replay nodes.
-    ws = TensorSpec(ws.name, ws.shape, ws.dtype, not x.requires_grad)
-    w.op(f"{name}.weight_cast", "float8_cast", [], [w8, ws], workspace=wt, params=(weight,),
+    # matmul reads an empty stand-in of the weight, whose "gradient" links the two replay nodes and holds no bytes
+    # (the CUDA and CPU runs hold nothing there: bench/validate_fakecuda_lowp.py).
+    link = () if x.requires_grad else (TensorSpec(f"{name}.weight_link", (0,), "fp32", True),)
+    w.op(f"{name}.weight_cast", "float8_cast", [], [w8, ws, *link], workspace=wt, params=(weight,),
          bwd_workspace=weight_bwd)
     out = w.t(f"{name}.out", (*lead, N))
-    inputs = [x, x8, xs] if x.requires_grad else [x, x8, xs, ws]
-    (y,) = w.op(name, "float8_linear", inputs, [out], saves=(x.name,), releases=(w8.name, ws.name),
+    (y,) = w.op(name, "float8_linear", [x, x8, xs, *link], [out], saves=(x.name,),
+                releases=(w8.name, ws.name, *(t.name for t in link)),
                 saved_params=(weight,), bwd_workspace=main_bwd, flops=2 * M * K * N)
     if not bias:
         return y

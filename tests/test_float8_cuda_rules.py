@@ -65,3 +65,20 @@ def test_device_matmuls_turn_emulation_off():
     (m,) = [m for m in lin.modules() if isinstance(m, Float8Linear)]
     assert m.config.emulate is False and [c.emulate for c in m.linear_mm_config] == [False, False, False]
     assert m.linear_mm_config.output.use_fast_accum is True  # the recipe's other settings kept
+
+
+def test_mse_loss_keeps_the_unreduced_storage_while_the_loss_is_held():
+    """torch's `F.mse_loss` (mean) returns a 0-dim tensor over the whole unreduced storage (Loss.cpp
+    `mse_loss_out`): the MLP tape's loss has those bytes, and a real CPU run of the MLP matches the simulation at
+    the backward peak but for the loss's 2-byte root gradient (the tape writes none), with and without float8."""
+    from peakledger import build_scenario
+    from peakledger.validation import validate
+
+    x, t = torch.randn(16, 512, dtype=torch.bfloat16), torch.randn(16, 512, dtype=torch.bfloat16)
+    assert torch.nn.functional.mse_loss(x, t).untyped_storage().nbytes() == 16 * 512 * 2
+    for fp8 in ("none", "rowwise"):
+        training = dict(precision="bf16", fp8=fp8, micro_batch=16, steps=1)
+        v, _, _ = validate(build_scenario({"preset": "tiny-mlp"}, training, {"device": "cpu"}))
+        phases = {p.label: p for p in v.phases}
+        assert phases["forward step 1"].measured == phases["forward step 1"].predicted
+        assert phases["backward step 1"].measured - phases["backward step 1"].predicted == 2
