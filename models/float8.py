@@ -17,7 +17,8 @@
   output bf16), the float8 copies freed when the Function's forward returns.
 - Backward (one node): grad_output cast (e5m2 in tensorwise, e4m3 in rowwise), the weight cast again, grad_input
   = mm; grad_output and the input cast again (the dim for the grad_weight matmul), grad_weight = mm. The four
-  float8 tensors are the backward's locals: alive until it returns. `float8_ops.py preprocess_addmm` makes
+  float8 tensors are the backward's locals, and its bf16 grad_output its argument: alive until it returns
+  (measured on the fake CUDA runtime, bench/validate_fakecuda_lowp.py). `float8_ops.py preprocess_addmm` makes
   `_scaled_mm`'s layouts: the weight copied column-major for grad_input (N x K float8), grad_output^T and the
   input copied for grad_weight; rowwise's grad gemms (use_fast_accum False) scale the output by an fp32
   outer product of the inverse scales (`addmm_float8_unwrapped` post_inverse_scale, output's shape).
