@@ -154,7 +154,8 @@ def render(rows: list[dict], bnb: list[dict], seconds: float) -> str:
               "functional.py `get_paged`: cudaMallocManaged); on the CPU bitsandbytes falls back to plain buffers, "
               "so no CPU run shows its paging: the simulation shows the managed `state1`/`state2` of parameters of "
               ">= 1e5 elements as host rows (`<param>.<state>.managed`), outside the device's allocated bytes. "
-              "Not run on the fake CUDA runtime (bench/fakecuda) here.", ""]
+              "The CUDA program, paging included, on the fake CUDA runtime: \"float8 and bitsandbytes on the fake "
+              "CUDA runtime\" below (bench/validate_fakecuda_lowp.py).", ""]
     return "\n".join(lines)
 
 

@@ -17,7 +17,8 @@
   output bf16), the float8 copies freed when the Function's forward returns.
 - Backward (one node): grad_output cast (e5m2 in tensorwise, e4m3 in rowwise), the weight cast again, grad_input
   = mm; grad_output and the input cast again (the dim for the grad_weight matmul), grad_weight = mm. The four
-  float8 tensors are the backward's locals: alive until it returns. `float8_ops.py preprocess_addmm` makes
+  float8 tensors are the backward's locals, and its bf16 grad_output its argument: alive until it returns
+  (measured on the fake CUDA runtime, bench/validate_fakecuda_lowp.py). `float8_ops.py preprocess_addmm` makes
   `_scaled_mm`'s layouts: the weight copied column-major for grad_input (N x K float8), grad_output^T and the
   input copied for grad_weight; rowwise's grad gemms (use_fast_accum False) scale the output by an fp32
   outer product of the inverse scales (`addmm_float8_unwrapped` post_inverse_scale, output's shape).
@@ -101,7 +102,10 @@ def backward_workspaces(name: str, M: int, K: int, N: int, recipe: str, act: str
     stages = backward_stages(name, M, K, N, recipe, act, gpu)
     top = max(stages[:-1], key=lambda s: sum(t.nbytes for t in s))
     grads = (f"{name}.grad_input", f"{name}.grad_weight") if input_grad else (f"{name}.grad_weight",)
-    return tuple(t for t in top if t.name not in grads), tuple(t for t in stages[-1] if t.name not in grads)
+    # the node's grad_output (bf16, its argument) is alive until the node returns, through the grad_weight matmul;
+    # the replay frees it after the first of the two replay nodes, so the second holds a tensor of its bytes
+    held = TensorSpec(f"{name}.grad_output_held", (M, N), act, False)
+    return tuple(t for t in top if t.name not in grads), tuple(t for t in stages[-1] if t.name not in grads) + (held,)
 
 
 def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, weight: str | None) -> TensorSpec:
@@ -125,14 +129,14 @@ def write_linear(w, name: str, x: TensorSpec, out_features: int, bias: bool, wei
     # tensors still alive; the matmul's node makes grad_input. One torch node, two replay nodes, in its order.
     w8 = TensorSpec(w8.name, w8.shape, w8.dtype, True)
     # Where the input needs no gradient (an MLP's first layer), the node runs because the weight needs one: the
-    # matmul reads the weight's scale as the weight's stand-in, whose "gradient" is a placeholder of the scale's
-    # bytes (4 B tensorwise) between the two replay nodes.
-    ws = TensorSpec(ws.name, ws.shape, ws.dtype, not x.requires_grad)
-    w.op(f"{name}.weight_cast", "float8_cast", [], [w8, ws], workspace=wt, params=(weight,),
+    # matmul reads an empty stand-in of the weight, whose "gradient" links the two replay nodes and holds no bytes
+    # (the CUDA and CPU runs hold nothing there: bench/validate_fakecuda_lowp.py).
+    link = () if x.requires_grad else (TensorSpec(f"{name}.weight_link", (0,), "fp32", True),)
+    w.op(f"{name}.weight_cast", "float8_cast", [], [w8, ws, *link], workspace=wt, params=(weight,),
          bwd_workspace=weight_bwd)
     out = w.t(f"{name}.out", (*lead, N))
-    inputs = [x, x8, xs] if x.requires_grad else [x, x8, xs, ws]
-    (y,) = w.op(name, "float8_linear", inputs, [out], saves=(x.name,), releases=(w8.name, ws.name),
+    (y,) = w.op(name, "float8_linear", [x, x8, xs, *link], [out], saves=(x.name,),
+                releases=(w8.name, ws.name, *(t.name for t in link)),
                 saved_params=(weight,), bwd_workspace=main_bwd, flops=2 * M * K * N)
     if not bias:
         return y

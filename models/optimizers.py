@@ -313,9 +313,9 @@ OPTIMIZER_SPECS = (
                     per_param=True, host_step=True, compiled_step=True)
       for kind, factory in (("8bit", lowbit.torchao_adamw8bit), ("4bit", lowbit.torchao_adamw4bit),
                             ("fp8", lowbit.torchao_adamwfp8))),
-    OptimizerSpec("adamw-8bit-bnb", _adam_8bit, flops_per_element=16, capture=False, reference=lowbit.bnb_adamw8bit,
+    OptimizerSpec("adamw-8bit-bnb", _adam_8bit, flops_per_element=16, reference=lowbit.bnb_adamw8bit,
                   per_param=True, shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
-    OptimizerSpec("paged-adamw-8bit", _adam_8bit, flops_per_element=16, capture=False,
+    OptimizerSpec("paged-adamw-8bit", _adam_8bit, flops_per_element=16,
                   reference=lowbit.bnb_paged_adamw8bit, per_param=True,
                   shared_states=(("optimizer.qmaps", (2, 256), "fp32"),)),
     # torch/optim/rmsprop.py (torch 2.13): `_multi_tensor_rmsprop` `avg = torch._foreach_sqrt(square_avgs)`, then

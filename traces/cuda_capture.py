@@ -86,7 +86,7 @@ def check_capturable(scenario) -> None:
         raise ConfigError("world_size", "a CUDA capture is one process on one GPU, without data or model "
                                         "parallelism: world_size 1, zero_stage 0")
     if setup.optimizer.name not in CAPTURE_OPTIMIZERS:
-        raise ConfigError("optimizer", f"a CUDA capture runs torch.optim's {', '.join(CAPTURE_OPTIMIZERS)}; got "
+        raise ConfigError("optimizer", f"a CUDA capture runs the optimizers {', '.join(CAPTURE_OPTIMIZERS)}; got "
                                        f"{setup.optimizer.name!r}")
     if setup.checkpoint_io.every:
         raise ConfigError("checkpoint_every", "a capture runs training steps without checkpoint saves: drop "
@@ -192,7 +192,12 @@ def place_model(model_config, setup, device: str):
     if reference(model_config).whole:  # (a traced model's own program: traces/reference/build.py)
         with torch.device(device):
             return build_model(model_config, setup), make_batch(model_config, setup)
-    return build_model(model_config, setup).to(device), make_batch(model_config, setup)
+    model = build_model(model_config, setup).to(device)
+    if setup.float8.recipe != "none" and torch.device(device).type == "cuda":  # torch._scaled_mm, not emulated
+        from .reference.float8 import device_matmuls
+
+        model = device_matmuls(model)
+    return model, make_batch(model_config, setup)
 
 
 # -- the loop and its marks ---------------------------------------------------------------------------

@@ -26,6 +26,12 @@ cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { return cudaSuccess; }
 cudaError_t cudaStreamQuery(cudaStream_t s) { return cudaSuccess; }
 cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *st) { *st = cudaStreamCaptureStatusNone; return cudaSuccess; }
+/* torch 2.13 (CUDA 13's signature) asks the capture id of the current stream before anything else runs */
+cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptureStatus *st, unsigned long long *id,
+                                     cudaGraph_t *g, const cudaGraphNode_t **deps, const cudaGraphEdgeData **edges,
+                                     size_t *n) {
+    *st = cudaStreamCaptureStatusNone; if (id) *id = 0; if (g) *g = 0; if (deps) *deps = 0; if (edges) *edges = 0;
+    if (n) *n = 0; return cudaSuccess; }
 cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *m) { return cudaSuccess; }
 cudaError_t cudaDeviceGetStreamPriorityRange(int *lo, int *hi) { if (lo) *lo = 0; if (hi) *hi = -5; return cudaSuccess; }
 cudaError_t cudaDeviceCanAccessPeer(int *c, int a, int b) { *c = 0; return cudaSuccess; }
@@ -53,6 +59,22 @@ cudaError_t cudaMalloc(void **p, size_t n) {
     return cudaSuccess;
 }
 cudaError_t cudaFree(void *p) { free(p); return cudaSuccess; }
+/* Unified memory (bitsandbytes' paged optimizer states: functional.py get_paged -> cget_managed_ptr): host memory
+   too, counted apart from cudaMalloc; prefetches (bitsandbytes' cprefetch before each paged update, device -1 = to
+   the host) counted by direction. `fakecudart_managed` hands the counts to a script (ctypes). */
+static size_t n_managed = 0, bytes_managed = 0, prefetch_dev = 0, prefetch_host = 0;
+cudaError_t cudaMallocManaged(void **p, size_t n, unsigned int fl) {
+    trace("cudaMallocManaged");
+    if (posix_memalign(p, 4096, n ? n : 1)) return cudaErrorMemoryAllocation;
+    memset(*p, 0, n);
+    n_managed++; bytes_managed += n;
+    if (verbose == 1) fprintf(stderr, "[fakecudart] cudaMallocManaged(%zu) -> host %p\n", n, *p);
+    return cudaSuccess;
+}
+cudaError_t cudaMemPrefetchAsync(const void *p, size_t n, struct cudaMemLocation loc, unsigned int fl, cudaStream_t s) {
+    if (loc.type == cudaMemLocationTypeDevice) prefetch_dev += n; else prefetch_host += n;
+    return cudaSuccess; }
+void fakecudart_managed(size_t *out) { out[0] = n_managed; out[1] = bytes_managed; out[2] = prefetch_dev; out[3] = prefetch_host; }
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, enum cudaMemcpyKind k) { memcpy(d, s, n); return cudaSuccess; }
 cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind k, cudaStream_t st) { memcpy(d, s, n); return cudaSuccess; }
 cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st) { memset(d, v, n); return cudaSuccess; }
@@ -111,6 +133,8 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int dev) {
     case cudaDevAttrMaxRegistersPerMultiprocessor: *v = 65536; break;
     case cudaDevAttrMaxThreadsPerMultiProcessor: *v = 2048; break;
     case cudaDevAttrL2CacheSize: *v = 52428800; break;
+    case cudaDevAttrConcurrentManagedAccess: *v = 1; break;  /* an H200's answer: bitsandbytes' cprefetch asks it */
+    case cudaDevAttrManagedMemory: *v = 1; break;
     default: *v = 0;
     }
     return cudaSuccess;

@@ -31,7 +31,13 @@ def mlp_tape(cfg: MLPConfig, setup: TrainingSetup, cpu: bool = False) -> Tape:
             if i < len(dims) - 2:
                 h = w.pointwise(f"layers.{2 * i + 1}", cfg.activation, h)
     w.end_layers()
-    w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", (), h.dtype)], saves=(h.name, y_true.name),
-         workspace=(w.t("loss.mse.diff", h.shape, h.dtype, False),))
-    tape.held = (h.name,) if setup.loop.holds_outputs else ()
+    # torch 2.13 aten/src/ATen/native/Loss.cpp mse_loss_out (CPU and CUDA): the reduced loss keeps the storage its
+    # structured output was made with, the broadcast shape, then `resize_({})` (models/traced/kernel_outputs.py
+    # FULL_STORAGE_LOSSES): a 0-dim tensor of the input's bytes, alive as long as the caller's `loss`; the
+    # unreduced `loss` its TensorIterator allocates is freed when it returns. That one is made inside the kernel,
+    # where the dispatch tracker does not see it: the cpu profile leaves it out, as the measurement does
+    diff = () if w.cpu else (w.t("loss.mse.diff", h.shape, h.dtype, False),)
+    w.op("loss.mse", "mse_loss", [h, y_true], [w.t("loss", h.shape, h.dtype)], saves=(h.name, y_true.name),
+         workspace=diff)
+    tape.held = ((h.name,) if setup.loop.holds_outputs else ()) + ("loss",)  # `loss.backward()`: the caller's
     return tape
