@@ -81,6 +81,9 @@ def _context_rows(dm: DeviceMemory, ctx: CudaContext | None) -> list[tuple[str, 
     return [(row, nbytes, not ctx.measured, ctx.source) for row, nbytes in ctx.parts]
 
 
+MAPPED_ROW = "mapped outside the allocator (vLLM's CuMemAllocator pool)"  # simulator/events.py Block.outside_allocator
+
+
 def device_ledger(dm: DeviceMemory, ctx: CudaContext | None = None) -> list[dict]:
     """The device total at its peak, row by row: the tensors (the allocated ledger), the allocator's rounding and
     cached free blocks, and what lies outside the allocator (`ctx`: measured or assumed; NCCL's buffers, assumed).
@@ -91,6 +94,8 @@ def device_ledger(dm: DeviceMemory, ctx: CudaContext | None = None) -> list[dict
             ("reserved, unallocated (cached free blocks)", p.fragmentation, False, None)]
     rows += _context_rows(dm, ctx)
     rows += [(f"{name} buffers", nbytes, True, None) for name, nbytes in dm.outside.items()]
+    if p.outside_allocator:
+        rows.append((MAPPED_ROW, p.outside_allocator, False, None))
     return [{"row": name, "bytes": nbytes, "unit": "B", "assumed": assumed, "source": source}
             for name, nbytes, assumed, source in rows]
 
@@ -133,7 +138,9 @@ def device_lines(dm: DeviceMemory, unit: str | None, ctx: CudaContext | None = N
         f"block {f(rp.largest_free)}",
         f"  device total     {f(dm.total_peak.total):>14}  = "
         + (ctx.text() if ctx is not None and ctx.bytes == dm.context else f"CUDA context {f(dm.context)} (assumed)")
-        + (f" + {outside} (assumed)" if outside else "") + f" + reserved; {dm.segment_allocs:,} cudaMalloc, "
+        + (f" + {outside} (assumed)" if outside else "") + " + reserved"
+        + (f" + {f(dm.total_peak.outside_allocator)} {MAPPED_ROW}" if dm.total_peak.outside_allocator else "")
+        + f"; {dm.segment_allocs:,} cudaMalloc, "
         f"{dm.segment_frees:,} cudaFree",
     ]
 

@@ -45,10 +45,11 @@ EMPTY_CACHE_FRAME = {"filename": "torch/cuda/memory.py", "line": 0, "name": "emp
 
 
 def device_events(log: EventLog) -> dict[int, list[Event]]:
-    """Each rank's device-pool events, in log order (ranks in order; rank 0 when there are none)."""
+    """Each rank's device-pool events, in log order (ranks in order; rank 0 when there are none); blocks outside
+    torch's caching allocator (Block.outside_allocator) are not in its snapshot."""
     out: dict[int, list[Event]] = {}
     for e in log.events:
-        if e.block.pool is Pool.DEVICE:
+        if e.block.pool is Pool.DEVICE and not e.block.outside_allocator:
             out.setdefault(e.block.rank, []).append(e)
     return dict(sorted(out.items())) or {0: []}
 

@@ -30,8 +30,9 @@ class PhasePeak:
     allocated: int  # the tensors' highest bytes within the phase
     op: str  # the op that reached it
     reserved: int | None  # the caching allocator's highest reserved bytes within the phase (CUDA profiles)
-    device_total: int | None  # reserved + context + outside the allocator, at that moment
+    device_total: int | None  # the highest reserved + context + outside the allocator within the phase
     index: int = -1  # the timeline event that reached `allocated` (its first moment)
+    outside_allocator: int = 0  # blocks mapped outside the allocator (Block.outside_allocator) at device_total
 
     @property
     def label(self) -> str:
@@ -49,21 +50,25 @@ def phase_peaks(tl: Timeline, gpu: DeviceMemory | None = None) -> list[PhasePeak
     the series covers every event of the timeline (a replay that stopped at an OOM does not)."""
     series = gpu.series if gpu is not None and len(gpu.series) == len(tl.events) else None
     fixed = gpu.outside_total if gpu is not None else 0
-    best: dict[tuple[int, Phase], list] = {}  # key -> [allocated, index, reserved]
+    mapped = gpu.outside_series if series is not None and len(gpu.outside_series) == len(series) else None
+    best: dict[tuple[int, Phase], list] = {}  # key -> [allocated, index, reserved, reserved + mapped, mapped]
     total = tl.total.tolist()
     for i, e in enumerate(tl.events):
         key = (e.step, e.phase)
         row = best.get(key)
         reserved = series[i][2] if series is not None else None
+        ext = mapped[i] if mapped is not None else 0
         if row is None:
-            best[key] = [total[i], i, reserved]
+            best[key] = [total[i], i, reserved, None if reserved is None else reserved + ext, ext]
             continue
         if total[i] > row[0]:
             row[0], row[1] = total[i], i
         if reserved is not None and reserved > row[2]:
             row[2] = reserved
-    return [PhasePeak(step, phase, a, tl.events[i].op, r, None if r is None else r + fixed, i)
-            for (step, phase), (a, i, r) in best.items()]
+        if reserved is not None and reserved + ext > row[3]:
+            row[3], row[4] = reserved + ext, ext
+    return [PhasePeak(step, phase, a, tl.events[i].op, r, None if d is None else d + fixed, i, x)
+            for (step, phase), (a, i, r, d, x) in best.items()]
 
 
 def phase_table(rows: list[PhasePeak], unit: str | None, budget: int | None = None
@@ -108,7 +113,8 @@ STATE_PHASES = (Phase.LOAD, Phase.OPTIMIZER, Phase.ZERO_GRAD)  # no activations 
 def floor(p: PhasePeak) -> int:
     """What a phase needs that its cache does not explain: its tensors' peak, plus what lies outside the caching
     allocator on a GPU (context, NCCL) at that moment."""
-    return p.allocated + (p.device_total - p.reserved if p.device_total is not None and p.reserved is not None else 0)
+    return p.allocated + (p.device_total - p.reserved - p.outside_allocator
+                          if p.device_total is not None and p.reserved is not None else 0)
 
 
 def binding(phases: list[PhasePeak], budget: int) -> PhasePeak | None:

@@ -82,10 +82,13 @@ class GraphBuilder:
         vars(self).clear()
 
     def block(self, name: str, nbytes: int, category: Category, dtype: str, shape=(), state=None,
-              shard: int = 1, pool: Pool = Pool.DEVICE, pinned: bool = False) -> Block:
-        """A new block of this rank; `pinned`: page-locked host memory (simulator/events.py `Block`)."""
+              shard: int = 1, pool: Pool = Pool.DEVICE, pinned: bool = False,
+              outside_allocator: bool = False) -> Block:
+        """A new block of this rank; `pinned`: page-locked host memory, `outside_allocator`: device memory torch's
+        caching allocator does not hold (simulator/events.py `Block`)."""
         return new_block(next(self._block_ids), nbytes, category, name, dtype,
-                         shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool, pinned)
+                         shape if type(shape) is tuple else tuple(shape), state, shard, self.rank, pool, pinned,
+                         outside_allocator)
 
     def op(self, name: str, phase: Phase, step: int, micro_batch_index: int, allocs, frees, flops: int = 0,
            bytes_moved: int = 0, recompute: bool = False, stream: Stream = Stream.COMPUTE,

@@ -73,8 +73,8 @@ class GrpoRun:
             raise ConfigError("kv_cache_dtype", "fp8 is vLLM's KV cache: give --vllm colocate with it")
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _blk(self, name, nbytes, cat, dtype, shape=(), pool=Pool.DEVICE, pinned=False):
-        return self.b.block(name, nbytes, cat, dtype, shape, pool=pool, pinned=pinned)
+    def _blk(self, name, nbytes, cat, dtype, shape=(), pool=Pool.DEVICE, pinned=False, outside=False):
+        return self.b.block(name, nbytes, cat, dtype, shape, pool=pool, pinned=pinned, outside_allocator=outside)
 
     def _op(self, name, phase, step, allocs=(), frees=()):
         self.b.op(name, phase, step, -1, list(allocs), [b.id for b in frees], gemm=None)
@@ -86,7 +86,8 @@ class GrpoRun:
                    "buffer": Category.BUFFER}.get(item.category, Category.TEMPORARY)
             pool = Pool.HOST if item.pool == "host" else Pool.DEVICE
             out.append(self._blk(item.name, item.nbytes, cat, self.spec.dtype, pool=pool,
-                                 pinned=pool is Pool.HOST and item.name.endswith("offloaded")))
+                                 pinned=pool is Pool.HOST and item.name.endswith("offloaded"),
+                                 outside=item.outside_allocator))
         return out
 
     # -- load: the reference model, the engine's start ------------------------------------------------------

@@ -233,6 +233,14 @@ def min_utilization(spec: VllmEngineSpec, total: int) -> float:
     return min(u, 1.0)
 
 
+def utilization_for_blocks(spec: VllmEngineSpec, total: int, blocks: int) -> float:
+    """The smallest utilization (4 decimals) whose KV pool makes at least `blocks` blocks of `spec`'s page:
+    ceil(total * u) - non_kv - cudagraph_estimate >= blocks * block_bytes (determine_available_memory, kv_blocks)."""
+    need = non_kv_bytes(spec) + cudagraph_estimate(spec) + blocks * block_bytes(spec)
+    u = math.ceil(need * 10_000 / total) / 10_000
+    return min(u, 1.0)
+
+
 def max_rollout_batch(spec: VllmEngineSpec, sizing: EngineSizing, seq_len: int) -> int:
     """Sequences of `seq_len` tokens (prompt + completion) the pool holds at once: the BlockPool holds one block back
     (vllm/v1/core/block_pool.py null_block); each sequence takes cdiv(seq_len, block_size) blocks. The scheduler also
@@ -244,13 +252,24 @@ def max_rollout_batch(spec: VllmEngineSpec, sizing: EngineSizing, seq_len: int) 
 
 
 class Item(NamedTuple):
-    """One holding, in the event schema's words: name, category hint, bytes, phase hint, pool ("device" | "host")."""
+    """One holding, in the event schema's words: name, category hint, bytes, phase hint, pool ("device" | "host");
+    `outside_allocator`: device memory mapped outside torch's caching allocator (simulator/events.py
+    Block.outside_allocator)."""
 
     name: str
     category: str
     nbytes: int
     phase: str
     pool: str
+    outside_allocator: bool = False
+
+
+# Sleep mode turns on the CuMemAllocator (vllm/config/model.py ModelConfig.__post_init__: enable_cumem_allocator);
+# the worker then loads the weights, makes the KV cache and captures the CUDA graphs in its pool (gpu_worker.py
+# _maybe_get_memory_pool_context tags "weights" / "kv_cache", cumem.py cudagraph_pool), outside torch's caching
+# allocator. Without sleep mode they are torch's allocator's blocks (the context is a nullcontext). The profile run's
+# activations are torch's either way.
+CUMEM_POOLED = ("weights", "kv_cache", "cuda_graphs")
 
 
 PHASES = ("engine_start", "generate", "sleep", "wake_weights", "weight_sync", "wake_kv_cache")
@@ -270,7 +289,8 @@ def engine_items(spec: VllmEngineSpec, sizing: EngineSizing, phase: str) -> list
     weights, kv, graphs = weight_bytes(spec), sizing.kv_pool, cudagraph_estimate(spec)
 
     def dev(name, cat, n):
-        return Item(f"vllm.{name}", cat, n, phase, "device")
+        outside = name == "non_torch" or bool(spec.sleep_level) and name in CUMEM_POOLED
+        return Item(f"vllm.{name}", cat, n, phase, "device", outside)
 
     items = [dev("cuda_graphs", "workspace", graphs), dev("non_torch", "workspace", spec.non_torch_bytes)]
     if phase == "engine_start":

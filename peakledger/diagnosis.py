@@ -21,7 +21,7 @@ from .analysis.host import HostLimits, judge_host
 from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
 from .analysis.units import Scale, format_bytes, format_duration
-from .fixes import candidate_fixes
+from .fixes import RL_KNOBS, candidate_fixes
 from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, min_gpus
 from .models.config import ConfigError, TrainingSetup
 from .progress import Progress, reporter
@@ -205,9 +205,12 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
         if combined is not None:
             fixes.append(combined)
     tried = len(fixes)
-    fixes = [f for f in fixes if _helps(f, base, verdict.need, fits_now)]
-    fixes.sort(key=lambda f: (0, f.more_gpus, f.changes_training, f.step_time) if f.fits
-               else (1, f.capacity_needed, f.changes_training))  # on the same GPUs before more GPUs
+    # a run that runs out in its rollout or scoring: the RL fixes are listed whatever they do (a sleep level or an
+    # fp8 cache that lowers nothing is an answer too), and rank first within their group
+    rl_phase = moment.event.phase in RL_PHASES and not fits_now
+    fixes = [f for f in fixes if _helps(f, base, verdict.need, fits_now) or rl_phase and _rl_fix(f)]
+    fixes.sort(key=lambda f: (0, f.more_gpus, not (rl_phase and _rl_fix(f)), f.changes_training, f.step_time)
+               if f.fits else (1, not (rl_phase and _rl_fix(f)), f.capacity_needed, f.changes_training))
     return Explanation(scenario=scenario.name, budget=budget, host_budget=host_budget, moment=moment,
                        host_moment=host, peak=base.peaks.overall.bytes, capacity_needed=verdict.need,
                        step_time=base.time_per_step_s, fixes=fixes, gpu=found[0] if found else base.gpu,
@@ -237,6 +240,13 @@ def fixes_table(x: Explanation, unit: str | None = None) -> tuple[str, list[str]
 
 
 ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})
+
+
+RL_PHASES = frozenset({Phase.ROLLOUT, Phase.GENERATE, Phase.PREFILL, Phase.DECODE, Phase.REFERENCE})
+
+
+def _rl_fix(fix: Fix) -> bool:
+    return bool(fix.changes) and set(fix.changes) <= RL_KNOBS
 
 
 def _helps(fix: Fix, base: Report, need: int, fits_now: bool) -> bool:

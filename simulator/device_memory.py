@@ -9,7 +9,13 @@ bytes on its stream, each FREE a `free`. Four numbers are kept apart, as the see
   rounded up to 512 B and sometimes larger: `allocated_blocks`);
 - reserved: what the allocator holds from the device (torch's memory_reserved);
 - fragmentation: reserved - allocated blocks, and the largest free cached block;
-- device total: the CUDA context + reserved + buffers outside the allocator (NCCL), what nvidia-smi shows.
+- device total: the CUDA context + reserved + buffers outside the allocator (NCCL), what nvidia-smi shows,
+  + the live blocks the process maps outside torch's allocator (simulator/events.py `Block.outside_allocator`:
+  vLLM's CuMemAllocator pool in sleep mode). Those take no segment: the allocator's room shrinks by their bytes
+  while they live. vLLM empties torch's cache before it maps them and after it unmaps them (vllm 0.32.0
+  vllm/device_allocator/cumem.py CuMemAllocator.wake_up: `gc.collect(); torch.accelerator.empty_cache()` before
+  create_and_map; CuMemAllocator.sleep: `torch.cuda.empty_cache()` after unmap_and_release); the replay does the
+  same. One that does not fit is an OOM of its own (cuMemCreate fails; torch's cache is already empty).
 
 With a capacity (the device's bytes, or a budget) a cudaMalloc that would exceed capacity - context -
 outside fails; the allocator frees its cache and retries before it raises the OOM, as torch does. The
@@ -37,8 +43,9 @@ class DevicePoint:
     allocated: int  # tensor bytes
     allocated_blocks: int  # block bytes (torch's memory_allocated)
     reserved: int
-    total: int  # context + reserved + outside the allocator
+    total: int  # context + reserved + outside the allocator (+ `outside_allocator`)
     largest_free: int  # the largest cached free block
+    outside_allocator: int = 0  # live Block.outside_allocator bytes (vLLM's CuMemAllocator pool)
 
     @property
     def fragmentation(self) -> int:
@@ -51,7 +58,7 @@ class DevicePoint:
                 "step": e.step if e else None, "micro_batch_index": e.micro_batch_index if e else None,
                 "time_s": e.time if e else None, "allocated": self.allocated, "allocated_blocks": self.allocated_blocks,
                 "reserved": self.reserved, "device_total": self.total, "fragmentation": self.fragmentation,
-                "largest_free_block": self.largest_free}
+                "largest_free_block": self.largest_free, "outside_allocator": self.outside_allocator}
 
 
 @dataclass(frozen=True)
@@ -64,10 +71,13 @@ class DeviceOOM:
     segment: int  # the cudaMalloc that failed (the segment size torch reports as "Tried to allocate")
     capacity: int  # the device's (or budget's) bytes
     device: int = 0
+    outside_allocator: bool = False  # a Block.outside_allocator mapping failed, not torch's cudaMalloc
 
     @property
     def message(self) -> str:
         p = self.point
+        if self.outside_allocator:
+            return cumem_oom_message(self.requested, self.capacity, p.total, p.reserved, self.device)
         return torch_oom_message(self.segment, self.capacity, p.total, p.allocated_blocks, p.reserved, self.device)
 
 
@@ -85,11 +95,14 @@ class DeviceMemory:
     segment_frees: int
     series: list[tuple[float, int, int]] = field(default_factory=list)  # (time, allocated, reserved) per event
     alloc_retries: int = 0  # requests served only after the allocator freed its whole cache (num_alloc_retries)
+    outside_series: list[int] = field(default_factory=list)  # live Block.outside_allocator bytes per series point
+    device_peak: DevicePoint | None = None  # the device total's highest moment, when outside-allocator blocks move it
 
     @property
     def total_peak(self) -> DevicePoint:
-        """The device total's peak: the reserved peak's moment (the context and outside buffers are constant)."""
-        return self.reserved_peak
+        """The device total's peak: the reserved peak's moment (the context and outside buffers are constant)
+        unless blocks outside the allocator (`device_peak`) make another moment higher."""
+        return self.reserved_peak if self.device_peak is None else self.device_peak
 
     @property
     def outside_total(self) -> int:
@@ -117,6 +130,16 @@ def torch_oom_message(segment: int, capacity: int, in_use: int, allocated: int, 
             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
+def cumem_oom_message(nbytes: int, capacity: int, in_use: int, reserved: int, device: int = 0) -> str:
+    """A failed mapping outside torch's allocator (vLLM's CuMemAllocator: cuMemCreate returns
+    CUDA_ERROR_OUT_OF_MEMORY in create_and_map, csrc/cumem_allocator.cpp, vllm 0.32.0)."""
+    return (f"CUDA Error: out of memory: vLLM's CuMemAllocator could not map {format_size(nbytes)} (cuMemCreate). "
+            f"GPU {device} has a total capacity of {format_size(capacity)} of which "
+            f"{format_size(max(0, capacity - in_use))} is free. Including non-PyTorch memory, this process has "
+            f"{format_size(in_use)} memory in use, {format_size(reserved)} of it reserved by PyTorch after "
+            "emptying its cache.")
+
+
 def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: int | None = None,
                   context: int = 0, outside: dict[str, int] | None = None, series: bool = False,
                   empty_cache_before: frozenset[Phase] = frozenset(), torch_version: str = "2.6",
@@ -133,15 +156,17 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
     alloc = CachingAllocator(AllocatorConfig.parse(alloc_conf, torch_version), capacity=limit)
     addr: dict[int, int] = {}
     live = 0
+    ext = 0  # live Block.outside_allocator bytes: no segment, but the allocator's room and the device total
 
     def point(i: int, e: Event | None, largest: bool) -> DevicePoint:
-        return DevicePoint(i, e, live, alloc.allocated, alloc.reserved, fixed + alloc.reserved,
-                           alloc.largest_free() if largest else -1)
+        return DevicePoint(i, e, live, alloc.allocated, alloc.reserved, fixed + alloc.reserved + ext,
+                           alloc.largest_free() if largest else -1, ext)
 
     start = point(-1, None, True)
-    best_reserved = best_live = start
+    best_reserved = best_live = best_total = start
     oom = None
     out: list[tuple[float, int, int]] = []
+    ext_out: list[int] = []
     phase = None
     for i, e in enumerate(log.events) if events is None else events:
         b = e.block
@@ -151,6 +176,26 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
             phase = e.phase
             if phase in empty_cache_before:
                 alloc.empty_cache()
+        if b.outside_allocator:
+            if e.action is Action.ALLOC:
+                alloc.empty_cache()
+                if alloc.capacity is not None and fixed + alloc.reserved + ext + b.nbytes > capacity:
+                    oom = DeviceOOM(i, point(i - 1, e, True), b.nbytes, b.nbytes, capacity, rank, True)
+                    if stop_at_oom or alloc.config.garbage_collection_threshold:
+                        break
+                    alloc.capacity = None
+                ext += b.nbytes
+            else:
+                ext -= b.nbytes
+                alloc.empty_cache()
+            if alloc.capacity is not None:
+                alloc.capacity = max(0, limit - ext)
+            if fixed + alloc.reserved + ext > best_total.total:
+                best_total = point(i, e, True)
+            if series:
+                out.append((e.time, live, alloc.reserved))
+                ext_out.append(ext)
+            continue
         if e.action is Action.ALLOC:
             if b.nbytes > 0:
                 try:
@@ -170,14 +215,19 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
             live -= b.nbytes
         if alloc.reserved > best_reserved.reserved:
             best_reserved = point(i, e, True)
+        if fixed + alloc.reserved + ext > best_total.total:
+            best_total = best_reserved if best_reserved.index == i else point(i, e, True)
         if live > best_live.allocated:
             best_live = point(i, e, True)
         if series:
             out.append((e.time, live, alloc.reserved))
+            ext_out.append(ext)
     kinds = [s.kind for s in alloc.events]
     alloc.close()
     return DeviceMemory(rank=rank, alloc_conf=alloc_conf, context=context, outside=outside, capacity=capacity,
                         reserved_peak=best_reserved,
                         at_allocated_peak=best_live, oom=oom, segment_allocs=kinds.count("segment_alloc")
                         + kinds.count("segment_map"), segment_frees=kinds.count("segment_free")
-                        + kinds.count("segment_unmap"), series=out, alloc_retries=alloc.alloc_retries)
+                        + kinds.count("segment_unmap"), series=out, alloc_retries=alloc.alloc_retries,
+                        outside_series=ext_out,
+                        device_peak=None if best_total.total <= best_reserved.total else best_total)

@@ -107,6 +107,10 @@ class Block:
     the OS cannot page out; False for pageable host memory and for every device block. A flag on the host block,
     not a pool of its own: pinned memory is host RAM, counted in the host's total, and every reader of Pool.HOST
     keeps seeing all of it.
+    `outside_allocator`: a Pool.DEVICE block mapped by the process outside torch's caching allocator (vLLM's
+    CuMemAllocator pool in sleep mode: cuMemCreate / cuMemMap, vllm 0.32.0 vllm/device_allocator/cumem.py). It is
+    device memory (every reader of Pool.DEVICE counts its bytes, and the device total holds it), but torch's
+    reserved memory does not: the allocator replay (simulator/device_memory.py) takes no segment for it.
     """
 
     id: int
@@ -120,6 +124,7 @@ class Block:
     rank: int = 0
     pool: Pool = Pool.DEVICE
     pinned: bool = False
+    outside_allocator: bool = False
 
     @property
     def module(self) -> str:
@@ -156,7 +161,7 @@ _new = object.__new__
 
 def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, shape: tuple[int, ...] = (),
               state: OptimizerState | None = None, shard_factor: int = 1, rank: int = 0,
-              pool: Pool = Pool.DEVICE, pinned: bool = False) -> Block:
+              pool: Pool = Pool.DEVICE, pinned: bool = False, outside_allocator: bool = False) -> Block:
     """`Block(...)`, equal to it field for field, made without the frozen dataclass's `__init__` (one
     `object.__setattr__` per field): the describers make hundreds of thousands. `shape` must be a tuple."""
     b = _new(Block)
@@ -172,6 +177,7 @@ def new_block(id: int, nbytes: int, category: Category, name: str, dtype: str, s
     d["rank"] = rank
     d["pool"] = pool
     d["pinned"] = pinned
+    d["outside_allocator"] = outside_allocator
     return b
 
 

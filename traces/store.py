@@ -7,8 +7,9 @@ Layout (format "peakledger-trace", version 1):
      "blocks": [[id, nbytes, category, name, dtype, shape, state, shard_factor, rank, pool(, pinned)], ...],
      "events": [[seq, time, action, block_id, phase, step, micro_batch_index, stream, op], ...]}
 
-A pinned host block (simulator/events.py `Block.pinned`) carries an 11th element, true; every other block has
-10, so a log without pinned memory is written as before. Blocks are stored once and events refer to them, so
+A pinned host block (simulator/events.py `Block.pinned`) carries an 11th element, true; a device block outside
+torch's caching allocator (`Block.outside_allocator`) an 11th element false and a 12th, true; every other block
+has 10, so a log without either is written as before. Blocks are stored once and events refer to them, so
 a trace is a fraction of a naive dump. Loading
 checks the format and version and every reference, and raises `TraceFormatError` saying what is wrong.
 The metadata is the log's `RunMetadata` (`to_json_dict` / `from_json_dict`); its training setup is read back
@@ -50,7 +51,7 @@ def to_json(log: EventLog) -> dict:
         "format": FORMAT, "version": VERSION, "source": log.source, "metadata": log.metadata.to_json_dict(),
         "blocks": [[b.id, b.nbytes, b.category.value, b.name, b.dtype, list(b.shape),
                     b.state.value if b.state else None, b.shard_factor, b.rank, b.pool.value]
-                   + ([True] if b.pinned else [])
+                   + ([True] if b.pinned else [False, True] if b.outside_allocator else [])
                    for b in blocks.values()],
         "events": [[e.seq, e.time, e.action.value, e.block.id, e.phase.value, e.step, e.micro_batch_index,
                     e.stream.value, e.op] for e in log.events],
@@ -72,11 +73,13 @@ def from_json(data: dict) -> EventLog:
     try:
         blocks = {}
         for row in data["blocks"]:
-            if not isinstance(row, list) or len(row) not in (10, 11) or (len(row) == 11 and row[10] is not True):
+            if not isinstance(row, list) or len(row) not in (10, 11, 12) or (len(row) == 11 and row[10] is not True) \
+                    or (len(row) == 12 and (row[10], row[11]) != (False, True)):
                 raise TraceFormatError(f"block {row!r}: expected [id, bytes, category, name, dtype, shape, state, "
-                                       "shard factor, rank, pool] and, for a pinned host block, true")
+                                       "shard factor, rank, pool] and, for a pinned host block, true; for a device "
+                                       "block outside the caching allocator, false, true")
             bid, nbytes, cat, name, dtype, shape, state, shard, rank, pool = row[:10]
-            pinned = len(row) == 11
+            pinned, outside = len(row) == 11, len(row) == 12
             if not (_is_int(bid) and _is_int(nbytes) and _is_int(shard) and _is_int(rank)):
                 raise TraceFormatError(f"block {bid!r}: id, bytes, shard factor and rank must be integers, got "
                                        f"{[bid, nbytes, shard, rank]!r}")
@@ -91,7 +94,8 @@ def from_json(data: dict) -> EventLog:
                                        f">= 0, got {[name, dtype, shape]!r}")
             blocks[bid] = Block(id=bid, nbytes=nbytes, category=Category(cat), name=name, dtype=dtype,
                                 shape=tuple(shape), state=None if state is None else OptimizerState(state),
-                                shard_factor=shard, rank=rank, pool=Pool(pool), pinned=pinned)
+                                shard_factor=shard, rank=rank, pool=Pool(pool), pinned=pinned,
+                                outside_allocator=outside)
         events = []
         for seq, t, a, bid, ph, step, mb, st, op in data["events"]:
             if not (_is_int(seq) and _is_int(step) and _is_int(mb)) or isinstance(t, bool) \
