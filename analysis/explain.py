@@ -98,6 +98,8 @@ def cause(event: Event, by_category: dict[Category, int], setup: TrainingSetup |
         return "a ZeRO-3 / FSDP all-gather rebuilds full parameters (prefetch can hold more than one unit)"
     if cat is Category.REDUCE_SCATTER_BUCKET:
         return "a gradient reduce bucket is being filled or reduced"
+    if event.block.name.startswith("vllm."):
+        return vllm_cause(event)
     kv = by_category.get(Category.KV_CACHE, 0)
     if phase in ("prefill", "decode", "generate") or cat is Category.KV_CACHE:
         return (f"generation ({phase}): the KV cache ({kv:,} B now) beside the training state; a dynamic cache "
@@ -113,6 +115,26 @@ def cause(event: Event, by_category: dict[Category, int], setup: TrainingSetup |
     if phase == "forward":
         return "forward: saved activations accumulate layer by layer"
     return f"{phase}: {cat.value} {event.block.name}"
+
+
+def vllm_cause(event: Event) -> str:
+    """A colocated vLLM engine's own memory (models/rl.py, models/vllm_engine.py; vLLM 0.32.0)."""
+    b = event.block
+    how = ("mapped by vLLM's CuMemAllocator outside torch's caching allocator (sleep mode: torch's cache is emptied "
+           "first, its partly used segments stay)" if b.outside_allocator else
+           "allocated through torch's caching allocator (no sleep mode)")
+    if b.name == "vllm.kv_cache":
+        return (f"vLLM's KV-cache pool ({b.nbytes:,} B), {how}, beside the training process's memory; its size is "
+                "fixed when the engine starts, ceil(total x gpu_memory_utilization) less vLLM's weights and its "
+                "profile run's peak (gpu_worker.py determine_available_memory), whatever the rollout batch: a lower "
+                "vllm_gpu_memory_utilization (or kv_cache_dtype fp8 with it) shrinks it, offloading the reference "
+                "model makes room beside it")
+    if b.name == "vllm.weights":
+        return (f"vLLM's own copy of the weights ({b.nbytes:,} B), {how}, beside the policy, its optimizer states "
+                "and the reference model; sleep level 2 discards it between rollouts instead of keeping a host copy, "
+                "offloading the reference model makes room beside it")
+    return (f"vLLM's {b.name.removeprefix('vllm.')} ({b.nbytes:,} B), {how}, beside the training process's memory; "
+            "a lower vllm_gpu_memory_utilization shrinks the engine's share")
 
 
 def _is_start(e: Event) -> bool:

@@ -13,8 +13,9 @@ Per step (grpo_trainer.py _prepare_inputs :1522-1551, _generate_and_score_comple
   REFERENCE  (rl_beta != 0) the reference model's no_grad forward in chunks of micro_batch rows: per chunk the
              fused LM head's tile [min(N, 4096), 32768] (trl/kernels/chunked_logprob.py), the hidden states and
              the MLP step; with offload_reference its weights copied in for the pass and freed after.
-The training process's memory when the engine starts (the trainer's __init__: policy, reference, CUDA context) is
-what `size_engine` checks vLLM's requested share against. Peakledger's estimates, not a library's rule: the
+The training process's memory when the engine starts (the trainer's __init__: policy and its buffers, reference, CUDA
+context), as simulated up to that moment (`device_holdings`), is what `size_engine` checks vLLM's requested share
+against. Peakledger's estimates, not a library's rule: the
 prefill / reference forward's transient (the MLP step), the vLLM sampler's logits during generation."""
 
 from __future__ import annotations
@@ -40,11 +41,25 @@ def engine_spec(model: TransformerConfig, setup) -> VllmEngineSpec:
 def training_in_use(model: TransformerConfig, setup, params: int, context: int) -> int:
     """The training process's device bytes when TRL starts the engine (the trainer's __init__): the CUDA context,
     the policy's parameters (+ fp32 master weights), the reference model's unless offloaded. No optimizer state
-    yet (torch makes it at the first step)."""
+    yet (torch makes it at the first step). A formula, without the models' buffers (a few bytes); the simulated run
+    checks the engine's start against its own holdings (`device_holdings`)."""
     p = setup.precision
     policy = params * (dtype_bytes(p.param) + (dtype_bytes(p.master) if p.master else 0))
     ref = 0 if setup.rl.beta == 0 or setup.rl.offload_reference else params * dtype_bytes(p.param)
     return context + policy + ref
+
+
+def device_holdings(graph, rank: int) -> int:
+    """The device bytes `rank`'s ops in `graph` hold live so far (its tensors, torch's or mapped outside it)."""
+    live: dict[int, int] = {}
+    for op in graph.ops_in_order():
+        if op.rank == rank:
+            for b in op.allocs:
+                if b.pool is Pool.DEVICE:
+                    live[b.id] = b.nbytes
+            for i in op.frees:
+                live.pop(i, None)
+    return sum(live.values())
 
 
 class GrpoRun:
@@ -63,12 +78,9 @@ class GrpoRun:
         self.buffer: list = []
         self.ref_device: list = []
         self.engine = None
+        self.context = context
         if rl.vllm == "colocate":
             self.spec = engine_spec(model, self.setup)
-            in_use = training_in_use(model, self.setup, self.params, context)
-            self.sizing = size_engine(self.spec, builder.device.memory_bytes, in_use)
-            if self.sizing.error:
-                raise ConfigError("vllm_gpu_memory_utilization", f"vLLM refuses to start: {self.sizing.error}")
         elif rl.kv_cache_dtype != "auto":
             raise ConfigError("kv_cache_dtype", "fp8 is vLLM's KV cache: give --vllm colocate with it")
 
@@ -100,6 +112,10 @@ class GrpoRun:
             self._op("ref_model.load", Phase.LOAD, 0, [self.ref])
         if rl.vllm != "colocate":
             return
+        in_use = self.context + device_holdings(self.b.graph, self.b.rank)
+        self.sizing = size_engine(self.spec, self.b.device.memory_bytes, in_use)
+        if self.sizing.error:
+            raise ConfigError("vllm_gpu_memory_utilization", f"vLLM refuses to start: {self.sizing.error}")
         start = self._engine("engine_start")
         self._op("vllm.LLM", Phase.LOAD, 0, start)
         profile = [b for b in start if b.name == "vllm.profile_run"]

@@ -66,6 +66,10 @@ def render(result: Where, unit: str | None) -> str:
     if notes:
         out += ["notes" + ("" if all(p.exact for p in result.placements) else " (*: that row simulates another GPU's "
                            "attention kernel, not exact)") + ":"] + [f"  {d}: {n}" for d, n in notes]
+    rl = [line for p in result.placements if p.rl is not None for line in p.rl.lines(p.device)]
+    if rl:
+        out += ["RL (each figure re-simulated on the card; max mb: the largest micro-batch TRL accepts, "
+                "num_generations dividing micro-batch x grad_accum, that fits):"] + [f"  {line}" for line in rl]
     out += ["", "usable: the total the CUDA driver reports (cudaMemGetInfo; bench/SOURCES.md); outside: CUDA context "
             "and kernels (+ NCCL's buffers) outside the caching allocator; device total = outside + reserved; "
             "margin = usable - device total x (1 + headroom); fits no (host): the GPU fits, the node's host does not "

@@ -68,6 +68,7 @@ class Explanation:
     risks: list[str] = field(default_factory=list)  # when it fits: what commonly makes a real first step worse
     tried: int = 0  # fixes re-simulated (those listed changed the peak)
     report: Report | None = None  # the run as it is (its timeline, ledger and phases: explain --html)
+    rl_listed: bool = False  # RL fixes that lower nothing are listed too (the run runs out in its rollout)
 
 
 def where(event, setup: TrainingSetup) -> str:
@@ -204,10 +205,18 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
         combined = _combine(scenario, budget, candidates, fixes, host=limits)
         if combined is not None:
             fixes.append(combined)
-    tried = len(fixes)
     # a run that runs out in its rollout or scoring: the RL fixes are listed whatever they do (a sleep level or an
-    # fp8 cache that lowers nothing is an answer too), and rank first within their group
+    # fp8 cache that lowers nothing is an answer too), and rank first within their group; when none fits alone,
+    # they are combined with each other and the allocator's settings (the training unchanged)
     rl_phase = moment.event.phase in RL_PHASES and not fits_now
+    rl_singles = [f for f in fixes if _rl_fix(f) or f.changes and set(f.changes) <= ALLOCATOR_KNOBS]
+    if rl_phase and rl_singles and not any(f.fits for f in rl_singles):
+        say(steps, steps, "combining the RL fixes")
+        names = {f.name for f in rl_singles}
+        combined = _combine(scenario, budget, [c for c in candidates if c[0] in names], rl_singles, host=limits)
+        if combined is not None and combined.name not in {f.name for f in fixes}:
+            fixes.append(combined)
+    tried = len(fixes)
     fixes = [f for f in fixes if _helps(f, base, verdict.need, fits_now) or rl_phase and _rl_fix(f)]
     fixes.sort(key=lambda f: (0, f.more_gpus, not (rl_phase and _rl_fix(f)), f.changes_training, f.step_time)
                if f.fits else (1, not (rl_phase and _rl_fix(f)), f.capacity_needed, f.changes_training))
@@ -218,7 +227,9 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
                        where=where(moment.event, setup) + f", rank {moment.rank}",
                        first_step=first_step_causes(moment, setup) if moment.event.step <= 1 else [],
                        phases=base.phases, risks=first_step_risks(scenario, base) if fits_now else [], tried=tried,
-                       binding=None if fits_now else binding(base.phases, budget), report=base)
+                       binding=None if fits_now else binding(base.phases, budget), report=base,
+                       rl_listed=rl_phase and any(_rl_fix(f) and not _helps(f, base, verdict.need, fits_now)
+                                                  for f in fixes))
 
 
 FIX_HEAD = ["fix", "peak", "fits", "step time", "cost"]
@@ -231,7 +242,9 @@ def fixes_table(x: Explanation, unit: str | None = None) -> tuple[str, list[str]
     if not x.fixes:
         return f"fixes: none of the {x.tried} re-simulated lowers the peak", FIX_HEAD, []
     g = Scale.of([fx.peak for fx in x.fixes], unit)
-    title = (f"fixes that lower the peak, each re-simulated ({len(x.fixes)} of {x.tried} tried; step time "
+    what = ("fixes, each re-simulated: every RL fix tried (the run runs out in its rollout), the others where they "
+            "lower the peak" if x.rl_listed else "fixes that lower the peak, each re-simulated")
+    title = (f"{what} ({len(x.fixes)} of {x.tried} tried; step time "
              f"{format_duration(x.step_time)} now; fitting first, then same GPUs, training unchanged, faster):")
     rows = [[fx.name, g.number(fx.peak), "yes" if fx.fits else "no",
              f"{fx.step_time / x.step_time - 1:+.0%}" if x.step_time else "-",
@@ -246,7 +259,8 @@ RL_PHASES = frozenset({Phase.ROLLOUT, Phase.GENERATE, Phase.PREFILL, Phase.DECOD
 
 
 def _rl_fix(fix: Fix) -> bool:
-    return bool(fix.changes) and set(fix.changes) <= RL_KNOBS
+    """A fix of the rollout: RL knobs, with the allocator's settings or not."""
+    return bool(set(fix.changes) & RL_KNOBS) and set(fix.changes) <= RL_KNOBS | ALLOCATOR_KNOBS
 
 
 def _helps(fix: Fix, base: Report, need: int, fits_now: bool) -> bool:

@@ -36,6 +36,7 @@ from .models.families import family_of
 from .models.names import did_you_mean
 from .models.transformer.attention import GPU_TARGET
 from .scenario import Scenario
+from .where_rl import RlFit, rl_fit
 
 GPU_PROFILES = tuple(name for name, p in DEVICES.items() if p.is_cuda)
 
@@ -85,6 +86,9 @@ class Placement:
     unbounded_total: int | None = None
     # the node's host verdict (analysis/host.py; None: not judged); `fits` is the device's and the host's
     host: HostFit | None = None
+    # an RL run (--rl grpo): its rollout batch and vLLM utilization range (peakledger/where_rl.py); max_micro_batch
+    # is then its search's (the micro-batches TRL accepts; 0: not the least of them)
+    rl: RlFit | None = None
 
     @property
     def by_retry(self) -> bool:
@@ -105,7 +109,8 @@ class Placement:
                 "fits_by_allocator_retry": self.by_retry, "alloc_retries": self.alloc_retries,
                 "unbounded_device_total": self.unbounded_total, "notes": list(self.notes),
                 **({"host": self.host.as_json()} if self.host is not None and (self.host.asked or self.host_fails)
-                   else {})}
+                   else {}),
+                **({"rl": self.rl.as_json()} if self.rl is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -175,7 +180,10 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True, host:
         raise ConfigError("devices", f"{profile.name} has no caching allocator to replay")
     usable = profile.memory_bytes
     best, capped, notes = None, False, []
-    if search:
+    rl = rl_fit(on, report, profile, search) if on.setup.rl.on else None
+    if rl is not None:
+        best = rl.max_micro_batch
+    elif search:
         try:
             best = api.max_micro_batch(on, usable)
         except ConfigError as e:
@@ -211,7 +219,7 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True, host:
                      margin=verdict.margin,
                      max_micro_batch=best, searched=best is not None, search_limit_reached=capped,
                      exact=note is None, notes=tuple(notes), alloc_retries=verdict.alloc_retries,
-                     unbounded_total=verdict.unbounded if verdict.by_retry else None)
+                     unbounded_total=verdict.unbounded if verdict.by_retry else None, rl=rl)
 
 
 def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool = True,

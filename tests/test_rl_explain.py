@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 from peakledger import api
+from peakledger.analysis.explain import cause
 from peakledger.cli import build_parser
-from peakledger.diagnosis import explain
+from peakledger.diagnosis import explain, fixes_table
 from peakledger.inputs import scenario_from_args
 from peakledger.simulator.device_memory import device_memory
 from peakledger.simulator.events import Action, Category, EventLog, Phase, Stream, new_block, new_event
@@ -54,6 +55,12 @@ def test_explain_names_the_rollout_and_ranks_the_rl_fixes():
     assert oom.point.outside_allocator == vllm_weights()
     assert oom.point.total + oom.requested > TOTAL
     assert "CuMemAllocator could not map" in oom.message
+    # the why line speaks of vLLM's pool (its own bytes), not of HF generate's dynamic cache
+    why = cause(e, x.moment.by_category)
+    assert why.startswith(f"vLLM's KV-cache pool ({kv_pool(0.8):,} B), mapped by vLLM's CuMemAllocator")
+    assert "dynamic cache" not in why and "0 B now" not in why
+    # RL fixes that lower nothing are listed (sleep level 2 keeps the device's bytes): the title says so
+    assert x.rl_listed and fixes_table(x)[0].startswith("fixes, each re-simulated: every RL fix tried")
     names = [f.name for f in x.fixes]
     for want in ("vllm_gpu_memory_utilization 0.8 -> 0.2", "vllm_sleep_level 1 -> 2", "offload the reference model"):
         assert want in names

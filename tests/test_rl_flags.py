@@ -49,3 +49,25 @@ def test_rl_knobs_refused_with_the_knob_named():
     with pytest.raises(ConfigError, match="max_completion_length"):
         TrainingSetup(**{**BASE, "max_completion_length": 1536})
     assert math.ceil(TOTAL * 0.3) == 25_505_326_695  # vLLM's request_memory (docs/rl.md's example)
+
+
+def test_explain_combines_offloading_the_reference_with_expandable_segments():
+    """docs/rl.md's 7B run: no RL fix fits alone, offloading the reference with expandable segments does; explain
+    combines the rollout's fixes with the allocator's (diagnosis._combine, the two candidates only here)."""
+    from peakledger.cli import build_parser
+    from peakledger.diagnosis import _combine, _fix
+    from peakledger.fixes import allocator_fixes, rl_fixes
+    from peakledger.inputs import scenario_from_args
+
+    argv = ["simulate", "--preset", "qwen2.5-7b", "--describer", "hand-written"]
+    for k, v in BASE.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    sc = scenario_from_args(build_parser().parse_args(argv))
+    budget = 85_017_755_648
+    wanted = ("offload the reference model", "allocator: expandable_segments:True")
+    candidates = [c for c in rl_fixes(sc) + allocator_fixes(sc) if c[0] in wanted]
+    singles = [_fix(sc, budget, *c) for c in candidates]
+    assert [f.name for f in singles] == list(wanted) and not any(f.fits for f in singles)
+    both = _combine(sc, budget, candidates, singles)
+    assert both.name == " + ".join(wanted) and both.fits
+    assert both.changes == {"offload_reference": True, "alloc_conf": "expandable_segments:True"}
