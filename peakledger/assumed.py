@@ -14,8 +14,12 @@ from .models.families import family_of
 from .scenario import Scenario
 from .simulator.torch_rules import rules_reason
 
-NOT_SIMULATED = ("not simulated: evaluation or generation inside training, other processes on the GPU, the data "
-                 "loader's pinned buffers, variable-length batches (every micro-batch is at the full length)")
+NOT_SIMULATED = ("not simulated: evaluation or generation inside training (peakledger run records them from the "
+                 "script: docs/generation.md), other processes on the GPU, the data loader's pinned buffers, "
+                 "variable-length batches (every micro-batch is at the full length)")
+NOT_SIMULATED_RL = ("not simulated: evaluation inside training, other processes on the GPU than the colocated vLLM "
+                    "engine, the data loader's pinned buffers, completions shorter than --max-completion-length "
+                    "(every rollout generates the full length), the reward model's own memory")
 
 
 def assumed(scenario: Scenario, micro_batch: str | None = None, devices: str | None = None) -> dict[str, str]:
@@ -45,7 +49,17 @@ def assumed(scenario: Scenario, micro_batch: str | None = None, devices: str | N
                      else f"{scenario.device}: no CUDA context or caching allocator")
     if scenario.headroom:
         out["headroom"] = f"{scenario.headroom:g} added to what each run needs before it is judged"
-    out["not simulated"] = NOT_SIMULATED.removeprefix("not simulated: ")
+    if s.rl.trainer != "none":
+        out["rl"] = (f"TRL 1.16.0's {s.rl.trainer.upper()}Trainer: {s.rl.num_generations} completions per prompt of "
+                     f"{s.rl.max_completion_length} tokens, beta {s.rl.beta:g} ("
+                     + ("a reference model" + (" in host memory" if s.rl.offload_reference else "")
+                        if s.rl.beta else "no reference model")
+                     + "), rollout by "
+                     + (f"a colocated vLLM engine (utilization {s.rl.vllm_gpu_memory_utilization:g}, sleep level "
+                        f"{s.rl.vllm_sleep_level}; vLLM 0.32.0's sizing)" if s.rl.vllm != "none"
+                        else "HF generate (dynamic cache)"))
+    out["not simulated"] = (NOT_SIMULATED_RL if s.rl.trainer != "none" else NOT_SIMULATED).removeprefix(
+        "not simulated: ")
     return out
 
 

@@ -32,7 +32,7 @@ def test_each_answer_prints_its_loop_and_batch(name, loop):
     assert f"  loop: {loop} (" in block
     assert "  batch: micro-batch " + ("the largest that fits" if name == "max-batch" else "2 x accumulation 1") \
         in block and "seq_len 32; 2 steps" in block
-    assert "  not simulated: evaluation or generation inside training" in block
+    assert "  not simulated: evaluation or generation inside training (peakledger run records them" in block
     assert "  device: " + ("each card of the table in turn" if name.startswith("where") else "H100-80GB") in block
     rc, out, err = cli(*COMMANDS[name], "--loop", loop, "--json")
     assert rc == 0, err
