@@ -378,3 +378,15 @@ def test_cuda_program_is_lowered_for_the_device_torch_sees():
         build_tape(model, _setup(compile_mode="reduce-overhead"), cpu=False,
                    cuda=(DEVICES[profile].compute_capability, "2.11"))
     assert e.value.field == "compile_mode"
+
+
+def test_kernel_temporaries_are_blocks_freed_inside_their_top_level_ops_call():
+    from peakledger.traces.compiled_run import _kernel_temporaries
+
+    mm = ("aten::mm", 100, 200)
+    raw = [(110, 1, 2048, mm),  # the mm's output: freed after the call returned
+           (120, 2, 530432, mm), (130, 2, -530432, mm),  # freed inside the call: a temporary
+           (150, 3, 64, None), (160, 3, -64, None),  # no aten op above it (a compiled region): kept
+           (170, 4, 8, mm), (300, 4, -8, None),  # outlives the call
+           (400, 1, -2048, None)]
+    assert _kernel_temporaries(raw) == {1: "aten::mm"}

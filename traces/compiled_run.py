@@ -70,14 +70,19 @@ def _ranges(prof) -> list[tuple[int, int, Phase, int, int]]:
     return sorted(out)
 
 
-def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
+def _events(memory, prof, ranges, host_batch: set, model, kernel_temporaries: bool = False) -> list[Event]:
     """The allocator's own events (every allocation and free the profiler saw, `_EventType.Allocation`, in time
     order) as Events; what was alive before the run (parameters, buffers) from the memory timeline's PREEXISTING
     entries, the host-side batch left out as the tracker leaves it out, and the module's parameters and buffers no
     profiled op touched (the timeline knows only the tensors its aten ops read: Llama's `original_inv_freq`; under
     LoRA the frozen norm weights, which only inductor's C++ kernels read and no optimizer updates). A block's
     category is the memory profiler's for the storage created there and then (torch/profiler/_memory_profiler.py),
-    else unknown."""
+    else unknown. With `kernel_temporaries`, a block allocated and freed inside one call of a top-level aten op (the
+    outermost `aten::` event above the allocation, as the dispatch tracker would see the call: oneDNN's GEMM
+    scratchpad inside `aten::addmm` / `aten::mm`, a loss kernel's unreduced buffer) is that op's: category
+    workspace, named `<op>.workspace`, its op the op's name and the aten op it called that holds the allocation
+    (`aten::linear > aten::addmm`); one under a compiled region is inductor's (no aten op above it) and keeps its
+    label."""
     from torch._C._profiler import _EventType
 
     cpu = torch.device("cpu")
@@ -89,9 +94,9 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
         if action == PAction.CREATE and ptr is not None and getattr(key, "device", cpu) == cpu:
             category[(t, ptr)] = category_of(memory._categories.get(key, version))
 
-    def add(kind: Action, block: Block, where) -> None:
+    def add(kind: Action, block: Block, where, op: str | None = None) -> None:
         events.append(Event(seq=len(events), time=float(len(events)), action=kind, block=block, phase=where[0],
-                            step=where[1], micro_batch_index=where[2], stream=Stream.COMPUTE, op=kind.value))
+                            step=where[1], micro_batch_index=where[2], stream=Stream.COMPUTE, op=op or kind.value))
 
     for t, action, (key, version), nbytes in memory.timeline:
         ptr = getattr(getattr(key, "storage", None), "ptr", None)
@@ -110,20 +115,29 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
             live[ptr] = Block(id=len(events) + 1, nbytes=t.untyped_storage().nbytes(), category=kind, name=name,
                               dtype="?", pool=Pool.DEVICE)
             add(Action.ALLOC, live[ptr], (Phase.LOAD, 0, -1))
-    raw, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    raw, stack = [], [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        e = stack.pop()
-        stack.extend(e.children)
+        e, outer = stack.pop()
         if e.tag == _EventType.Allocation and e.extra_fields.device == cpu:
-            raw.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+            raw.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, outer))
+        if e.name.startswith("aten::") and (outer is None or " > " not in outer[0]):
+            # the top-level op's call, and the op it called that holds the allocation (linear > addmm)
+            outer = (e.name, e.start_time_ns, e.end_time_ns) if outer is None else (f"{outer[0]} > {e.name}",
+                                                                                     *outer[1:])
+        stack.extend((c, outer) for c in e.children)
     raw.sort(key=lambda r: r[0])
+    inside = _kernel_temporaries(raw) if kernel_temporaries else {}
     k, where = 0, (Phase.LOAD, 0, -1)
-    for t, ptr, size in raw:
+    for n, (t, ptr, size, _) in enumerate(raw):
         while k < len(ranges) and ranges[k][1] < t:
             k += 1
         if k < len(ranges) and ranges[k][0] <= t:
             where = ranges[k][2:]
-        if size > 0:
+        if size > 0 and n in inside:
+            live[ptr] = Block(id=len(events) + 1, nbytes=int(size), category=Category.WORKSPACE,
+                              name=f"{inside[n]}.workspace", dtype="?", pool=Pool.DEVICE)
+            add(Action.ALLOC, live[ptr], where, inside[n])
+        elif size > 0:
             block = Block(id=len(events) + 1, nbytes=int(size), category=category.get((t, ptr), Category.UNKNOWN),
                           name=f"storage@{ptr:#x}", dtype="?", pool=Pool.DEVICE)
             live[ptr] = block
@@ -131,6 +145,22 @@ def _events(memory, prof, ranges, host_batch: set, model) -> list[Event]:
         elif ptr in live:
             add(Action.FREE, live.pop(ptr), where)
     return events
+
+
+def _kernel_temporaries(raw: list) -> dict[int, str]:
+    """{index in `raw` of an allocation: its op's name} for each allocation whose free (the next event of its
+    pointer) falls inside the same call of its outermost aten op (`raw`: time, ptr, size, that call's
+    (name, start, end) or None, in time order)."""
+    out, open_at = {}, {}
+    for n, (t, ptr, size, outer) in enumerate(raw):
+        if size > 0:
+            open_at[ptr] = n
+        elif ptr in open_at:
+            a = open_at.pop(ptr)
+            op = raw[a][3]
+            if op is not None and op[1] <= t <= op[2]:
+                out[a] = op[0]
+    return out
 
 
 def measure_compiled(model: TracedModel, setup: TrainingSetup, seed: int = 0) -> EventLog:
@@ -173,13 +203,15 @@ def _measure(model: TracedModel, setup: TrainingSetup, seed: int) -> EventLog:
     return EventLog(events=events, source=SOURCE, metadata=metadata)
 
 
-def profiled_events(net, optimizer, batches, setup: TrainingSetup, autocast, steps: range) -> list[Event]:
+def profiled_events(net, optimizer, batches, setup: TrainingSetup, autocast, steps: range,
+                    kernel_temporaries: bool = False) -> list[Event]:
     """This module's loop over `steps` (phase ranges marked) under torch.profiler, and its allocator events as
-    `_measure` reads them: for another program measured the same way (lowbit_run.py: torchao's compiled step)."""
+    `_measure` reads them: for another program measured the same way (lowbit_run.py: torchao's compiled step);
+    `kernel_temporaries` names the blocks an aten op allocates and frees inside one call (`_events`)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         _loop(net, optimizer, batches, setup, autocast, steps, marks=True)
     return _events(prof._memory_profile(), prof, _ranges(prof),
-                   {t.untyped_storage().data_ptr() for b in batches for t in b}, net)
+                   {t.untyped_storage().data_ptr() for b in batches for t in b}, net, kernel_temporaries)
 
 
 __all__ = ["measure_compiled", "profiled_events", "SOURCE"]

@@ -42,7 +42,8 @@ def measure_lowbit(model_config, setup: TrainingSetup, seed: int = 0):
     warm_up(cls, kwargs, [p for p in net.parameters() if p.requires_grad])
     autocast = TORCH_DTYPES[setup.precision.autocast] if setup.precision.autocast else None
     torch.manual_seed(seed)
-    events = profiled_events(net, optimizer, batches, setup, autocast, range(1, setup.batch.steps + 1))
+    events = profiled_events(net, optimizer, batches, setup, autocast, range(1, setup.batch.steps + 1),
+                             kernel_temporaries=True)
     meta = RunMetadata(torch_version=torch.__version__, setup=setup, device="cpu", steps=setup.batch.steps,
                        compile={"optimizer_step": "torchao's torch.compile(single_param_adam) per parameter",
                                 "measured_by": "torch.profiler memory timeline"})
