@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ConfigError, TransformerConfig
+from .families import family_of
 from .moe import active_params
 from .traced.model import TracedModel, hf_task
 from .transformer.params import transformer_params
@@ -49,7 +50,7 @@ class ModelShape:
 
 
 def model_shape(model, seq_len: int) -> ModelShape:
-    if isinstance(model, TransformerConfig):
+    if family_of(model).transformer:
         return _hand_written(model, seq_len)
     if isinstance(model, TracedModel) and model.kind == "hf":
         return _traced(model, seq_len)

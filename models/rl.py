@@ -66,7 +66,7 @@ class GrpoRun:
     """The RL work of one rank's run, written through the rank's GraphBuilder."""
 
     def __init__(self, model, builder, context: int = 0) -> None:
-        if not isinstance(model, TransformerConfig):
+        if not family_of(model).transformer:
             raise ConfigError("rl", "GRPO is simulated for decoder-only transformers (--preset, --hf-config)")
         self.m, self.b, self.setup = model, builder, builder.setup
         rl, batch = self.setup.rl, self.setup.batch

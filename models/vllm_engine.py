@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 from .config import ConfigError, TransformerConfig, dtype_bytes
 from .config.base import choice_of, non_negative_int, positive_int
+from .families import family_of
 from .transformer.params import transformer_params
 
 VOCAB_PADDING = 64  # vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
@@ -71,7 +72,7 @@ class VllmEngineSpec:
     non_torch_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, TransformerConfig):
+        if not family_of(self.model).transformer:
             raise ConfigError("model", "a vLLM engine is modelled for decoder-only transformers (TransformerConfig)")
         if self.model.num_local_experts:
             raise ConfigError("model", "a vLLM engine of a mixture of experts is not modelled")

@@ -355,7 +355,7 @@ def _fp8_kv_fix(scenario: Scenario) -> list[Candidate]:
     holds now (the same tokens at once: the rollout no slower); the pool alone in fp8 holds twice the tokens in the
     same bytes, which lowers no peak. None when the engine does not start as it is."""
     s = scenario.setup
-    if not isinstance(scenario.model, TransformerConfig):
+    if not family_of(scenario.model).transformer:
         return []
     try:
         spec = engine_spec(scenario.model, s)
