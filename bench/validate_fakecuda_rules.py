@@ -155,6 +155,19 @@ def render(rows: list[dict], choice: list[str], seconds: float) -> str:
         f"**Summary: under 2.13's rules the overall peak within {worst['2.13']:.3%} and every phase peak within "
         f"{worst_phase['2.13']:.3%} of the capture; under 2.11's within {worst['2.11']:.3%} / "
         f"{worst_phase['2.11']:.3%}.**", "",
+        "What this established (docs/gpu.md \"What changed between torch 2.11 and 2.13\"): (1) torch 2.13.0+cu130 "
+        "puts cuDNN attention first on sm90 (sdp_utils.cpp check_prefer_cudnn_attention: cuDNN > 9.15.0, sm9x/sm10x, "
+        "any minor on CUDA 13 builds; the wheel's cuDNN is 9.20.0, the library's own answer, so a real H200 with this "
+        "wheel answers the same): the 2.13 rule set now says so (`sdpa_cudnn_version`, `wheel_cuda_major`) and the "
+        "tapes write cuDNN's meta-rule tensors under 2.13 (no flash `dq_accum` / `softmax_d` in the backward: the "
+        "'predicted only' 131,072 B blocks of 2.11 below); 2.11's rules are unchanged (flash). (2) nn.RMSNorm runs "
+        "`_fused_rms_norm` (rstd (B, T, 1) fp32, input / rstd / weight saved) as under 2.11: forward peaks exact with "
+        "the carried-over rule, so the reported 19% RMSNorm gap at the forward peak is not reproduced here (phase "
+        "peaks of bf16 and bf16-mixed are exact but the loss's 2-byte root gradients). What is left: bf16-autocast "
+        "4,096 B (two rotary cos/sin of the real program's fp32 RoPE at 4,096 B each vs the tape's 2,048 B) and fp32 "
+        "8,192 B (the tape keeps the rotary cos/sin alive at the forward peak): the hand-written RoPE, not a kernel "
+        "rule; and transients the tape folds (rotate_half's neg / cat, rotary products: allocations measured / "
+        "predicted below), freed before every phase peak.", "",
         "Replaced kernels (no driver): " + ", ".join(FAKED + CUDNN) + " allocate their outputs from torch 2.13's "
         "meta rules and nothing else; the simulation's cuBLAS(Lt) handle workspaces are dropped before comparing.",
         "", "### torch 2.13's SDPA choice on the fake H200 (`torch._fused_sdp_choice`)", "",
