@@ -224,9 +224,19 @@ def _can_efficient(v, dtype, hd, hd_v, cc, n_head, n_kv, gqa) -> bool:
     return dtype in (("fp16", "fp32", "bf16") if cc[0] >= 8 else ("fp16", "fp32"))  # check_tensor_dtype
 
 
-def _prefer_cudnn(cc, cudnn_version: int | None) -> bool:
-    # sdp_utils.cpp check_prefer_cudnn_attention (2.13, CUDA < 13 wheels): cuDNN > 9.15.0 on sm90/sm100/sm103
-    return cudnn_version is not None and cudnn_version > 91500 and cc[0] in (9, 10) and cc[1] in (0, 3)
+def _prefer_cudnn(cc, cudnn_version: int | None, cuda_major: int = 12) -> bool:
+    # sdp_utils.cpp check_prefer_cudnn_attention (2.13): cuDNN > 9.15.0 on sm9x / sm10x; CUDA < 13 wheels only
+    # sm90 / sm100 / sm103 ("(!minor || minor == 3)")
+    if cudnn_version is None or cudnn_version <= 91500 or cc[0] not in (9, 10):
+        return False
+    return cuda_major >= 13 or cc[1] in (0, 3)
+
+
+def sdpa_cudnn(torch_version: str) -> tuple[int | None, int]:
+    """(cuDNN version, CUDA major) of `torch_version`'s default CUDA wheel, what `sdpa_backend` reads for cuDNN
+    attention: the release's rule set (simulator/torch_rules `sdpa_cudnn_version`, `wheel_cuda_major`)."""
+    rules = nearest(torch_version)
+    return rules.sdpa_cudnn_version, rules.wheel_cuda_major
 
 
 def _can_cudnn(dtype, hd, hd_v, dropout, cc, seq_q, seq_k, n_head, n_kv, gqa, cudnn_version) -> bool:
@@ -250,11 +260,12 @@ def sdpa_backend(dtype: str, head_dim: int, dropout: float, has_mask: bool, is_c
                  compute_capability: tuple[int, int], torch_version: str = "2.6", *, head_dim_v: int | None = None,
                  seq_q: int | None = None, seq_k: int | None = None, n_head: int = 1, n_kv_head: int | None = None,
                  enable_gqa: bool = False, requires_grad: bool = True, cudnn_version: int | None = None,
-                 last_dims_contiguous: bool = True) -> str:
+                 last_dims_contiguous: bool = True, cuda_major: int = 12) -> str:
     """"flash", "efficient", "cudnn" or "math": select_sdp_backend (sdp_utils.cpp) with every backend enabled,
     dense inputs and aligned storage offsets. 2.6: flash, efficient, math (cuDNN comes after math, so never);
-    2.13: the same unless `_prefer_cudnn` (cuDNN first). `last_dims_contiguous` False: q, k, v or the mask has
-    a last dimension of stride other than 1, which every fused kernel refuses on CUDA (sdp_utils_cpp.h
+    2.13: the same unless `_prefer_cudnn` (cuDNN first: `sdpa_cudnn` gives a release's cuDNN and CUDA major; torch
+    2.13.0+cu130 with its cuDNN 9.20 on sm90: cuDNN for bf16 / fp16). `last_dims_contiguous` False: q, k, v or
+    the mask has a last dimension of stride other than 1, which every fused kernel refuses on CUDA (sdp_utils_cpp.h
     check_last_dim_stride_equals_1_dense: the mask's stride is checked on CUDA, not on the CPU): math."""
     if not last_dims_contiguous:
         return "math"
@@ -263,7 +274,7 @@ def sdpa_backend(dtype: str, head_dim: int, dropout: float, has_mask: bool, is_c
     hd_v = head_dim if head_dim_v is None else head_dim_v
     n_kv = n_head if n_kv_head is None else n_kv_head
     order = ("flash", "efficient", "math")  # priority_order (2.6 constant; 2.13 Context's default order)
-    if v == "2.13" and _prefer_cudnn(cc, cudnn_version):
+    if v == "2.13" and _prefer_cudnn(cc, cudnn_version, cuda_major):
         order = ("cudnn",) + order
     for backend in order:
         if backend == "cudnn" and _can_cudnn(dtype, head_dim, hd_v, dropout, cc, seq_q, seq_k, n_head, n_kv,
@@ -357,8 +368,11 @@ def sdpa_kernel(backend: str, batch: int, n_head: int, seq_q: int, seq_k: int, h
         saved = ("q", "k", "v") + (("mask",) if has_mask else ()) + ("out", "logsumexp")
         return SdpaKernel("efficient", outs, saved if requires_grad else ())
     if backend == "cudnn":
-        # _meta_registrations.py meta__scaled_dot_product_cudnn_attention: res (B, H, T, Dv), logsumexp
-        # (B, H, T, 1) fp32; rng tensors and cuDNN's workspace not modelled
+        # torch 2.13 _meta_registrations.py meta__scaled_dot_product_cudnn_attention: res (B, H, T, Dv), logsumexp
+        # (B, H, T, 1) fp32, philox seed / offset on the meta device (no device bytes); k, v at their own (GQA)
+        # heads, saved as they are (derivatives.yaml; seen in torch 2.13.0's ScaledDotProductCudnnAttentionBackward0
+        # on the fake runtime); meta__scaled_dot_product_cudnn_backward: dq, dk, dv empty_like q, k, v (no
+        # expanded GQA gradients). cuDNN's own workspace (its execution plan's) is not established (needs a GPU)
         outs = (Piece("out", (B, H, seq_q, Dv), dtype),)
         if requires_grad:
             outs += (Piece("logsumexp", (B, H, seq_q, 1), "fp32"),)

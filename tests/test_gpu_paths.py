@@ -194,7 +194,7 @@ def test_traced_llama_bf16_flash_on_h100():
     k, op = _traced_op(cpu)
     assert op.kind == "_scaled_dot_product_flash_attention_for_cpu"
     assert _saved_bytes(cpu, op.name) == saved == 47_360
-    for version, rng in (("2.6", 0), ("2.13", 16 + 8)):  # 2.7+ keeps flash's rng state and offset on the device
+    for version, rng in (("2.6", 0), ("2.11", 16 + 8)):  # 2.7+ keeps flash's rng state and offset on the device
         gpu = traced_tape(model, setup, cuda=(H100, version))
         kg, op_g = _traced_op(gpu)
         assert op_g.kind == "_scaled_dot_product_flash_attention" and _saved_bytes(gpu, op_g.name) == 47_360 + rng
@@ -203,8 +203,17 @@ def test_traced_llama_bf16_flash_on_h100():
         assert extra == {"softmax_d": B * H * 128 * 4, "dq_accum": B * 128 * H * 32 * 4,
                          "dk_expanded": B * T * H * D * 2, "dv_expanded": B * T * H * D * 2}
         assert set(node.steps[0].frees) >= {a.name for a in node.steps[0].allocs[3:]}
-    log = simulate(describe(model, setup.replace(steps=1), "H100-80GB"))
+    log = simulate(describe(model, setup.replace(steps=1), "H100-80GB", torch_version="2.11"))
     assert any(e.action is Action.ALLOC and ".dq_accum." in e.block.name for e in log.events)
+    # torch 2.13.0+cu130 (cuDNN 9.20.0 > 9.15.0, CUDA 13: sdp_utils.cpp check_prefer_cudnn_attention) puts cuDNN
+    # first on sm90: its meta rule's outputs, out (B, H, T, D) and logsumexp (B, H, T, 1) fp32, k and v at their 2
+    # heads; no flash temporaries in its backward
+    gpu = traced_tape(model, setup, cuda=(H100, "2.13"))
+    kg, op_g = _traced_op(gpu)
+    assert op_g.kind == "_scaled_dot_product_cudnn_attention"
+    # + the meta rule's philox seed and offset, 0-dim int64 each, saved by the backward (derivatives.yaml)
+    qkv_out_lse = B * H * T * D * 2 + 2 * B * Hk * T * D * 2 + B * H * T * D * 2 + B * H * T * 4
+    assert _saved_bytes(gpu, op_g.name) == qkv_out_lse + 2 * 8
 
 
 def test_traced_llama_fp32_mha_runs_memory_efficient_and_gqa_math():

@@ -150,3 +150,43 @@ def test_2_13_parser_agrees_with_torch_2_13s_own():
 
     assert theirs == [ours(s) for s in settings]
     assert theirs.count(True) == 8  # the bounds are torch's: 19 refused, 20 taken (2.6 refused 20 too)
+
+
+# -- SDPA on sm90: cuDNN attention first under 2.13 (bench/validate_fakecuda_rules.py) -----------------------------
+
+def test_cudnn_attention_rule_fields():
+    # PyPI's torch 2.13.0 (+cu130) ships nvidia-cudnn-cu13 9.20.0.48: cudnnGetVersion 92000; 2.6 / 2.11 unchanged
+    assert (v2_13.RULES.sdpa_cudnn_version, v2_13.RULES.wheel_cuda_major) == (92000, 13)
+    assert v2_11.RULES.sdpa_cudnn_version is None and v2_6.RULES.sdpa_cudnn_version is None
+
+
+def test_sdpa_choice_follows_check_prefer_cudnn_attention():
+    from peakledger.models import gpu
+    # tiny-llama's attention: head dim 16, 4 heads, 2 KV heads (GQA), T 64; what torch 2.13.0's own
+    # torch._fused_sdp_choice answered on sm 9.0 with cuDNN 9.20 (CUDNN / MATH / EFFICIENT)
+    def pick(dtype, cc, cudnn, cuda_major, n_kv=2, version="2.13"):
+        return gpu.sdpa_backend(dtype, 16, 0.0, False, True, cc, version, seq_q=64, seq_k=64, n_head=4,
+                                n_kv_head=n_kv, enable_gqa=n_kv != 4, cudnn_version=cudnn, cuda_major=cuda_major)
+    assert pick("bf16", (9, 0), 92000, 13) == "cudnn" and pick("fp16", (9, 0), 92000, 13, n_kv=4) == "cudnn"
+    assert pick("fp32", (9, 0), 92000, 13) == "math"  # cuDNN and flash take 16-bit only; efficient no GQA
+    assert pick("fp32", (9, 0), 92000, 13, n_kv=4) == "efficient"
+    assert pick("bf16", (9, 0), 91500, 13) == "flash"  # "cudnn_version > 91500"
+    # CUDA < 13 wheels: sm90 / sm100 / sm103 only ("!minor || minor == 3"); CUDA 13: any sm10x minor
+    assert pick("bf16", (10, 1), 92000, 12) == "flash" and pick("bf16", (10, 1), 92000, 13) == "cudnn"
+    assert pick("bf16", (8, 0), 92000, 13) == "flash"  # sm80 is never preferred
+    assert pick("bf16", (9, 0), None, 12, version="2.6") == "flash"
+
+
+def test_tiny_llama_tape_writes_cudnn_under_2_13_and_flash_under_2_11():
+    from peakledger.models.transformer.nanogpt import transformer_tape
+    cfg = preset("tiny-llama")
+    B, T, H, D = 2, 64, 4, 16
+    setup = TrainingSetup(micro_batch=B, seq_len=T, precision="bf16")
+    for version, lse_shape, bwd in (("2.13", (B, H, T, 1), set()), ("2.11", (B, H, T), {"softmax_d", "dq_accum",
+                                                                                     "dk_expanded", "dv_expanded"})):
+        tape = transformer_tape(cfg, setup, cpu=False, torch_version=version)
+        op = next(o for o in tape.ops if o.kind == "sdpa")
+        shapes = {o.name.split(".")[-1]: (o.shape, o.dtype) for o in op.outputs}
+        # cuDNN's meta rule: out (B, H, T, D) bf16 (the tape's (B, T, H*D)), logsumexp (B, H, T, 1) fp32
+        assert shapes["out"] == ((B, T, H * D), "bf16") and shapes["lse"] == (lse_shape, "fp32")
+        assert {w.name.split(".")[-1] for w in op.bwd_workspace} == bwd

@@ -47,7 +47,7 @@ import weakref
 
 import torch
 
-from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend
+from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend, sdpa_cudnn
 from .realpath import tensors_in
 
 # autocast_mode.h (torch 2.13): the CUDA policy of every op AutocastCUDA registers ("aten::name.overload")
@@ -210,8 +210,10 @@ def _boolean_mask_additive(mask, dtype, fill: float):
 class _Sdpa:
     """attention.cpp `scaled_dot_product_attention` for CUDA tensors, the backend from models/gpu.py."""
 
-    def __init__(self, compute_capability: tuple[int, int], rules: str) -> None:
+    def __init__(self, compute_capability: tuple[int, int], rules: str, cudnn_version: int | None = None,
+                 cuda_major: int = 12) -> None:
         self.cc, self.rules = compute_capability, rules
+        self.cudnn = (cudnn_version, cuda_major)  # the release's wheel's (models/gpu.py `sdpa_cudnn`)
         self.backends: list[str] = []  # what each call ran, in order (the recording reports them)
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
@@ -224,7 +226,8 @@ class _Sdpa:
         backend = "math" if dtype is None or query.dim() != 4 else sdpa_backend(
             dtype, query.shape[-1], dropout_p, attn_mask is not None, is_causal, self.cc, self.rules,
             head_dim_v=value.shape[-1], seq_q=query.shape[-2], seq_k=key.shape[-2], n_head=query.shape[-3],
-            n_kv_head=key.shape[-3], enable_gqa=enable_gqa, requires_grad=grad, last_dims_contiguous=contiguous)
+            n_kv_head=key.shape[-3], enable_gqa=enable_gqa, requires_grad=grad, last_dims_contiguous=contiguous,
+            cudnn_version=self.cudnn[0], cuda_major=self.cudnn[1])
         self.backends.append(backend)
         aten = torch.ops.aten
         if backend == "flash":
@@ -312,7 +315,7 @@ class cuda_program:
 
     def __init__(self, compute_capability: tuple[int, int], torch_version: str = "2.6") -> None:
         self.cc = tuple(compute_capability)
-        self.sdpa = _Sdpa(self.cc, kernel_rules(torch_version))
+        self.sdpa = _Sdpa(self.cc, kernel_rules(torch_version), *sdpa_cudnn(torch_version))
         self.cache = _CastCache()
 
     @property

@@ -66,17 +66,23 @@ def _attention_eager_core(w: TapeWriter, prefix: str, q_src: TensorSpec, k_src: 
     return y
 
 
-# What a GPU profile's tape is written for: build_tape passes only `cpu`, so one target stands for the GPU
-# profiles (A100 sm80, H100/H200 sm90 choose the same SDPA kernels under torch 2.6's rules) and the torch of
-# the real GPU snapshots.
+# What a GPU profile's tape is written for: one compute capability stands for the GPU profiles (A100 sm80,
+# H100/H200 sm90 choose the same SDPA kernels under torch 2.6's rules); the torch version is the writer's
+# (`TapeWriter.torch_version`, the run's rules where the describer passes them), else the real H100 snapshots'.
 GPU_TARGET = ((9, 0), "2.6")
 
 
-def cuda_sdpa_backend(q: TensorSpec, n_head: int, n_kv: int, head_dim: int, dropout: float) -> str:
-    cc, version = GPU_TARGET
+def cuda_sdpa_backend(q: TensorSpec, n_head: int, n_kv: int, head_dim: int, dropout: float,
+                      torch_version: str = GPU_TARGET[1]) -> str:
+    """The CUDA SDPA kernel of `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on `GPU_TARGET`'s sm: from
+    2.13 (its cu130 wheel's cuDNN 9.20), cuDNN attention for 16-bit inputs (models/gpu.py `sdpa_cudnn`); else
+    the choice under GPU_TARGET's (2.6's) rules, as before."""
+    cc = GPU_TARGET[0]
     T = q.shape[1]
+    cudnn, cuda_major = gpu.sdpa_cudnn(torch_version)
+    version = gpu.kernel_rules(torch_version) if cudnn else GPU_TARGET[1]
     return gpu.sdpa_backend(q.dtype, head_dim, dropout, False, True, cc, version, seq_q=T, seq_k=T, n_head=n_head,
-                            n_kv_head=n_kv, enable_gqa=n_kv != n_head)
+                            n_kv_head=n_kv, enable_gqa=n_kv != n_head, cudnn_version=cudnn, cuda_major=cuda_major)
 
 
 def attention_sdpa(w: TapeWriter, prefix: str, q: TensorSpec, k: TensorSpec, v: TensorSpec,
@@ -99,11 +105,14 @@ def _attention_sdpa_cuda(w: TapeWriter, prefix: str, q: TensorSpec, k: TensorSpe
     """`F.scaled_dot_product_attention(q, k, v, dropout_p, is_causal=True, enable_gqa=...)` on CUDA: the kernel
     models/gpu.py picks, its outputs (named as the CPU op's: .sdpa.out, .sdpa.lse), the tensors its backward
     keeps and its temporaries. The math fallback is written as eager attention (see the module docstring)."""
-    backend = cuda_sdpa_backend(q, n_head, n_kv, head_dim, dropout)
+    backend = cuda_sdpa_backend(q, n_head, n_kv, head_dim, dropout, w.torch_version)
     if backend == "math":
         return attention_eager(w, prefix, q, k, v, n_head, n_kv, head_dim, dropout, fp32_softmax=True)
     B, T = q.shape[0], q.shape[1]
-    kernel = gpu.sdpa_kernel(backend, B, n_head, T, T, head_dim, q.dtype, dropout, GPU_TARGET[1], n_kv_head=n_kv)
+    # flash / efficient are written with GPU_TARGET's (2.6's) kernel rules whatever the version, as before; cuDNN,
+    # chosen from 2.13, with the version's
+    rules = gpu.kernel_rules(w.torch_version) if backend == "cudnn" else GPU_TARGET[1]
+    kernel = gpu.sdpa_kernel(backend, B, n_head, T, T, head_dim, q.dtype, dropout, rules, n_kv_head=n_kv)
     roles = {"out": f"{prefix}.sdpa.out", "logsumexp": f"{prefix}.sdpa.lse"}
     name = {"q": q.name, "k": k.name, "v": v.name}
     outputs = []

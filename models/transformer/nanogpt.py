@@ -23,6 +23,7 @@ def transformer_tape(cfg: TransformerConfig, setup: TrainingSetup, cpu: bool = F
     w = TapeWriter(tape, setup, cpu)
     w.lora_targets = chosen
     w.fused_rms_norm = not cpu and gpu.cuda_fused_rms_norm(torch_version)
+    w.torch_version = torch_version
     # torchtune's recipes run `with OffloadActivations(): logits = model(batch)`, the output head under NoOpManager
     # (torchtune/training/_activation_offloading.py get_act_offloading_ctx_manager, 0.6.1) and the loss outside
     streams = setup.checkpointing.activation_offload == "streams"

@@ -28,6 +28,7 @@ class TapeWriter:
         self.streams = False  # activation_offload "streams": under torchtune's OffloadActivations (the whole forward)
         self.lora_targets: tuple[str, ...] = ()  # setup.lora.r > 0: peft target_modules (models/lora.py)
         self.fused_rms_norm = False  # nn.RMSNorm runs CUDA's fused kernel (models/gpu.py `cuda_fused_rms_norm`)
+        self.torch_version = "2.6"  # on a GPU: whose SDPA kernel rules (models/transformer/attention.py GPU_TARGET)
 
     def begin_layer(self, segment: Segment, layer: int) -> None:
         """The ops written next belong to `layer` of `segment`: mark them as its policy says."""

@@ -37,6 +37,11 @@ class TorchRules:
     compiled_backward_clears_grads: bool  # the compiled backward clears the gradients list it is given
     # -- outside the allocator ------------------------------------------------------------------------------------
     context_source: str | None  # where the CUDA context was measured under this release (models/cuda_context.py)
+    # -- SDPA: cuDNN attention (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp check_prefer_cudnn_attention) -
+    # the cuDNN version (cudnnGetVersion) and CUDA major of the release's default PyPI CUDA wheel, what the check
+    # reads to put cuDNN attention first; None: not established here (cuDNN never first in the model)
+    sdpa_cudnn_version: int | None = None
+    wheel_cuda_major: int = 12
 
     def not_modelled(self) -> dict[str, str]:
         return dict(self.alloc_not_modelled)

@@ -38,6 +38,12 @@ RULES = TorchRules(
     cublaslt_workspace_bytes=0,
     fused_rms_norm=True,  # native_functions.yaml:3256 `CUDA: _fused_rms_norm_cuda`, as in 2.11
     sdpa="2.13",
+    # PyPI's torch 2.13.0 (+cu130) requires nvidia-cudnn-cu13 9.20.0.48: torch.backends.cudnn.version() 92000 (the
+    # library's own answer, bench/validate_fakecuda_rules.py); with CUDA >= 13, sdp_utils.cpp
+    # check_prefer_cudnn_attention puts cuDNN first on any sm9x / sm10x ("cudnn_version > 91500 && (major == 9 ||
+    # major == 10)"); torch 2.13.0's own `torch._fused_sdp_choice` on sm 9.0 answers CUDNN_ATTENTION for bf16/fp16
+    sdpa_cudnn_version=92000,
+    wheel_cuda_major=13,
     # runtime_wrappers.py:3025-3026: the generated backward's prologue `flat_args.clear()`
     compiled_backward_clears_grads=True,
     context_source=None,  # not measured under 2.13 yet (../shared/gpu-truth/PENDING.md item 2)
