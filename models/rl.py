@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..simulator.events import Category, Phase, Pool
 from .config import ConfigError, TransformerConfig, dtype_bytes
+from .families import family_of
 from .vllm_engine import VllmEngineSpec, engine_items, size_engine
 
 TILE_TOKENS, TILE_VOCAB = 4096, 32768  # trl/kernels/chunked_logprob.py:31 TOKEN_CHUNK_SIZE, utils.py:1506

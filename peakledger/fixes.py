@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .analysis.checkpointing import compile_applies
-from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, ConfigError, TransformerConfig
+from .models.config import CHECKPOINTING, LOAD_MODES, SAVE_MODES, ConfigError
 from .models.devices import device_profile
 from .models.families import family_of
 from .models.optimizers import OPTIMIZERS
