@@ -254,7 +254,7 @@ def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_trai
     does not fit, and its note says so."""
     report = api.run(scenario.with_changes(**changes))
     verdict = api.card_fit(report, budget)
-    judged = judge_host(report.log, scenario.device, host or HostLimits())
+    judged = judge_host(report.log, scenario.device, host or HostLimits(), report.index)
     if judged is not None and not judged.fits:
         note = f"{note}; {judged.text('GiB')}" if note else judged.text("GiB")
     return Fix(
