@@ -1,0 +1,51 @@
+"""Issue 39, second round: what a run computes once and shares, as behaviour (no timings). The caching allocator's
+largest free block kept between calls, worked out by hand and against its search over the free lists."""
+
+from __future__ import annotations
+
+import random
+
+from peakledger.simulator.allocator import AllocatorConfig, CachingAllocator
+
+MB = 1 << 20
+
+
+def _searched(m: CachingAllocator) -> int:
+    """The largest free block, from the free lists themselves (every block not allocated, mapped)."""
+    return max((size for lst in m._free.values() for _, size, _ in lst), default=0)
+
+
+def test_the_largest_free_block_by_hand():
+    m = CachingAllocator()
+    assert m.largest_free() == 0
+    a = m.malloc(5 * MB)  # a 20 MiB segment (torch: requests of 1 to 10 MiB), split: 15 MiB left free
+    assert m.largest_free() == 15 * MB
+    b = m.malloc(4 * MB)  # best fit: cut from those 15 MiB, 11 left
+    assert m.largest_free() == 11 * MB
+    c = m.malloc(11 * MB)  # those 11 MiB taken whole: nothing free
+    assert m.largest_free() == 0
+    m.free(a)  # 5 MiB free, before the 4 MiB still allocated
+    assert m.largest_free() == 5 * MB
+    m.free(c)  # 11 MiB free, after it
+    assert m.largest_free() == 11 * MB
+    m.free(b)  # merged with both neighbours: the whole 20 MiB segment
+    assert m.largest_free() == 20 * MB
+    m.release_cached_blocks()  # torch.cuda.empty_cache
+    assert m.largest_free() == 0
+
+
+def test_the_largest_free_block_kept_is_the_one_searched_at_every_step():
+    rng = random.Random(39)
+    for conf in ("", "expandable_segments:True", "max_split_size_mb:32"):
+        m = CachingAllocator(AllocatorConfig.parse(conf))
+        live = []
+        for step in range(3000):
+            r = rng.random()
+            if live and r < 0.45:
+                m.free(live.pop(rng.randrange(len(live))))
+            elif r < 0.47:
+                m.release_cached_blocks()
+            else:
+                size = rng.choice([512, 3000, 1 << 16, 3 * MB, 11 * MB, 37 * MB, rng.randrange(1, 64 * MB)])
+                live.append(m.malloc(size, stream=rng.choice([0, 0, 1])))
+            assert m.largest_free() == _searched(m), (conf, step)
