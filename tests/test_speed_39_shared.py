@@ -49,3 +49,30 @@ def test_the_largest_free_block_kept_is_the_one_searched_at_every_step():
                 size = rng.choice([512, 3000, 1 << 16, 3 * MB, 11 * MB, 37 * MB, rng.randrange(1, 64 * MB)])
                 live.append(m.malloc(size, stream=rng.choice([0, 0, 1])))
             assert m.largest_free() == _searched(m), (conf, step)
+
+
+def test_a_card_its_live_tensors_cannot_fit_is_judged_without_a_bounded_replay(monkeypatch):
+    from peakledger import api
+    from peakledger.analysis import card_fit as card_fit_module
+    from peakledger.analysis.device import gpu_memory
+    from peakledger.scenario import build_scenario
+
+    sc = build_scenario({"preset": "gpt2"}, {"micro_batch": 2, "seq_len": 256}, {"device": "H100-80GB"})
+    report = api.run(sc)
+    gpu = report.gpu
+    tensors, outside = gpu.at_allocated_peak.allocated, gpu.outside_total
+    calls = []
+    real = card_fit_module.gpu_memory
+    monkeypatch.setattr(card_fit_module, "gpu_memory", lambda *a, **k: calls.append(k) or real(*a, **k))
+    # one byte less than the live tensors and what lies outside the allocator: no bounded replay is made...
+    budget = tensors + outside - 1
+    verdict = api.card_fit(report, budget)
+    assert calls == [] and not verdict.fits
+    assert (verdict.need, verdict.unbounded, verdict.point) == (gpu.total_peak.total, gpu.total_peak.total,
+                                                                gpu.total_peak)
+    # ... and the bounded replay it spared stops at an OOM, as the verdict says
+    assert gpu_memory(report.log, gpu.rank, capacity=budget).oom is not None
+    # with room for the tensors (under the unbounded device total), the bounded run is replayed
+    if tensors + outside < gpu.total_peak.total:
+        api.card_fit(report, tensors + outside)
+        assert [k.get("capacity") for k in calls] == [tensors + outside]
