@@ -76,3 +76,29 @@ def test_a_card_its_live_tensors_cannot_fit_is_judged_without_a_bounded_replay(m
     if tensors + outside < gpu.total_peak.total:
         api.card_fit(report, tensors + outside)
         assert [k.get("capacity") for k in calls] == [tensors + outside]
+
+
+def test_the_ledgers_row_maxima_from_the_timelines_columns_equal_the_walk():
+    import dataclasses
+
+    from peakledger import api
+    from peakledger.analysis.ledger import ledger_at, row_name
+    from peakledger.scenario import build_scenario
+
+    for training in ({"lora_r": 8}, {"optimizer": "adamw"}, {"precision": "bf16-mixed", "steps": 2}):
+        sc = build_scenario({"preset": "tiny-llama"}, {"micro_batch": 2, "seq_len": 32, **training},
+                            {"device": "H100-80GB"})
+        report = api.run(sc)
+        tl = report.timeline
+        walked = dataclasses.replace(tl, total=tl.total.astype(object))  # Python ints: every row walks the events
+        for index in (report.peaks.overall.index, 0, len(tl.events) - 1):
+            assert ledger_at(tl, index) == ledger_at(walked, index)
+        # each row's maximum, by hand: its running bytes over the events, from 0
+        lora = bool(training.get("lora_r"))
+        running, top = {}, {}
+        for e in tl.events:
+            name = row_name(e.block, lora)
+            running[name] = running.get(name, 0) + e.delta
+            top[name] = max(top.get(name, 0), running[name])
+        assert {r.row: r.max_bytes for r in report.ledger} == top
+        assert any(r.row.startswith("optimizer_state.") for r in report.ledger)
