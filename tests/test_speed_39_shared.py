@@ -102,3 +102,33 @@ def test_the_ledgers_row_maxima_from_the_timelines_columns_equal_the_walk():
             top[name] = max(top.get(name, 0), running[name])
         assert {r.row: r.max_bytes for r in report.ledger} == top
         assert any(r.row.startswith("optimizer_state.") for r in report.ledger)
+
+
+def test_a_fix_of_the_allocators_settings_alone_shares_the_runs_simulation(monkeypatch):
+    from peakledger import api, diagnosis
+    from peakledger.analysis.report import report_json
+    from peakledger.scenario import build_scenario
+
+    sc = build_scenario({"preset": "gpt2"}, {"micro_batch": 4, "seq_len": 512, "precision": "bf16-mixed"},
+                        {"device": "H100-80GB"})
+    calls = []
+    real = api.describe
+    monkeypatch.setattr(api, "describe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    base = api.run(sc)
+    budget = base.gpu.total_peak.total - (64 << 20)
+    assert len(calls) == 1
+    for changes in ({"alloc_conf": "expandable_segments:True"}, {"alloc_conf": "max_split_size_mb:128"},
+                    {"empty_cache_before_save": True}):
+        shared = diagnosis._fix(sc, budget, "fix", changes, False, "", base=base)
+        assert len(calls) == 1  # no description (nor simulation) of its own
+        fresh = diagnosis._fix(sc, budget, "fix", changes, False, "")
+        assert len(calls) == 2
+        calls.clear()
+        calls.append(1)
+        assert shared == fresh
+        assert report_json(api.rerun_allocator(base, sc.with_changes(**changes))) == \
+            report_json(api.run(sc.with_changes(**changes)))
+        calls[:] = [1]
+    # a fix that changes the training is described anew
+    diagnosis._fix(sc, budget, "fix", {"optimizer": "sgd"}, True, "", base=base)
+    assert len(calls) == 2
