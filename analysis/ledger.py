@@ -107,7 +107,7 @@ def _row_maxima(tl: Timeline, lora: bool) -> tuple[dict[str, int], dict[str, Blo
         highest[name] = max(highest.get(name, 0), running[name])
         first_block.setdefault(name, e.block)
     if columns:
-        for c, first in tl._first_seen():
+        for c, first in tl.first_seen:
             if c not in split:
                 highest[c.value] = max(0, int(tl.by_category[c].max()))
                 first_block[c.value] = tl.events[first].block

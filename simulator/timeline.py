@@ -6,6 +6,7 @@ arrays are for plotting and vector maths (int64, or object dtype if a total woul
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,12 +69,14 @@ class Timeline:
         if best < 0:  # `peak` counts only totals from 0 up
             return PeakPoint(bytes=0, event=None, live_by_category={})
         by = self.by_category
-        live = {c: int(by[c][i]) for c, first in self._first_seen() if first <= i}
+        live = {c: int(by[c][i]) for c, first in self.first_seen if first <= i}
         return PeakPoint(bytes=best, event=self.events[i], live_by_category={c: b for c, b in live.items() if b},
                          index=i)
 
-    def _first_seen(self) -> list[tuple[Category, int]]:
-        """Each category with the index of its first event, in that order (the order `live_at` meets them)."""
+    @functools.cached_property
+    def first_seen(self) -> list[tuple[Category, int]]:
+        """Each category with the index of its first event, in that order (the order `live_at` meets them); found
+        once (the peaks and the ledger each read it)."""
         first: dict[Category, int] = {}
         for i, e in enumerate(self.events):
             c = e.block.category
