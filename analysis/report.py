@@ -16,8 +16,6 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..models.config import TrainingSetup
 from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.device_memory import DeviceMemory
@@ -115,23 +113,12 @@ def step_ends(log: EventLog, index: LogIndex | None = None) -> dict[int, dict[in
     """rank -> step -> when the rank's last event of that step happens (events are in time order); `index`: the
     log's (simulator/log_index.py), its last event of each (rank, step) found there."""
     if index is not None:
-        return _indexed_step_ends(log, index)
-    ends: dict[int, dict[int, float]] = {}
+        ends: dict[int, dict[int, float]] = {}
+        for e in map(log.events.__getitem__, index.last_of_steps()):
+            ends.setdefault(e.block.rank, {})[e.step] = e.time
+        return ends
+    ends = {}
     for e in log.events:
-        ends.setdefault(e.block.rank, {})[e.step] = e.time
-    return ends
-
-
-def _indexed_step_ends(log: EventLog, index: LogIndex) -> dict[int, dict[int, float]]:
-    if not len(index):
-        return {}
-    low = int(index.step.min())
-    key = (index.rank - int(index.rank.min())) * (int(index.step.max()) - low + 1) + (index.step - low)
-    _, last = np.unique(key[::-1], return_index=True)  # each (rank, step)'s last event
-    ends: dict[int, dict[int, float]] = {}
-    events = log.events
-    for i in sorted((len(key) - 1 - last).tolist()):
-        e = events[i]
         ends.setdefault(e.block.rank, {})[e.step] = e.time
     return ends
 
@@ -150,10 +137,7 @@ def run_events(log: EventLog, index: LogIndex | None = None) -> int:
     plan = run_plan(log)
     if not plan.truncated:
         return len(log.events)
-    per_step: dict[int, int] = {}
-    if index is not None:
-        steps, counts = np.unique(index.step, return_counts=True)
-        per_step = dict(zip(steps.tolist(), counts.tolist()))
+    per_step: dict[int, int] = index.step_counts() if index is not None else {}
     for e in log.events if index is None else ():
         per_step[e.step] = per_step.get(e.step, 0) + 1
     first, last = plan.repeated

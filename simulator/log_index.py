@@ -57,6 +57,20 @@ class LogIndex:
     def pool_positions(self, pool: Pool) -> np.ndarray:
         return np.flatnonzero(self.pool == POOLS.index(pool))
 
+    def last_of_steps(self) -> list[int]:
+        """The place of each (rank, step)'s last event, in the log's order."""
+        if not len(self):
+            return []
+        low = int(self.step.min())
+        key = (self.rank - int(self.rank.min())) * (int(self.step.max()) - low + 1) + (self.step - low)
+        _, last = np.unique(key[::-1], return_index=True)
+        return sorted((len(key) - 1 - last).tolist())
+
+    def step_counts(self) -> dict[int, int]:
+        """step -> how many events it holds."""
+        steps, counts = np.unique(self.step, return_counts=True)
+        return dict(zip(steps.tolist(), counts.tolist()))
+
 
 def log_index(log: EventLog) -> LogIndex | None:
     """The index of `log`, in one pass over its events per column; None where the bytes could leave int64 (a
