@@ -68,10 +68,16 @@ def card_fit(log: EventLog, budget: int, headroom: float, tensors_needed: int,
     already made (reused where its bound is the one needed)."""
     if cuda_profile(log) is None:
         return CardFit(tensors_needed <= budget, tensors_needed, budget, 0, tensors_needed)
-    free = max(_replays(log, None, replayed), key=lambda dm: (dm.total_peak.total, -dm.rank))
+    replays = _replays(log, None, replayed)
+    free = max(replays, key=lambda dm: (dm.total_peak.total, -dm.rank))
     unbounded = with_headroom(free.total_peak.total, headroom)
     if unbounded <= budget or headroom:
         return CardFit(unbounded <= budget, unbounded, budget, free.rank, unbounded, free.total_peak)
+    # a rank whose live tensors alone pass what the allocator may reserve within the budget (the budget less what
+    # lies outside it) stops at an OOM however its cache is freed (reserved >= allocated blocks >= live tensors):
+    # the bounded run's verdict, without replaying it
+    if any(dm.at_allocated_peak.allocated > max(0, budget - dm.outside_total) for dm in replays):
+        return CardFit(False, unbounded, budget, free.rank, unbounded, free.total_peak)
     bounded = _replays(log, budget, replayed)
     if any(dm.oom is not None for dm in bounded):
         return CardFit(False, unbounded, budget, free.rank, unbounded, free.total_peak)

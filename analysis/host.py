@@ -29,6 +29,7 @@ from ..models.config import ConfigError
 from ..models.devices import NODE_HOSTS
 from ..models.training import RankRanges
 from ..simulator.events import Action, EventLog, Pool
+from ..simulator.log_index import LogIndex
 from ..simulator.timeline import timeline
 from .ledger import row_name
 from .units import Scale, format_bytes
@@ -59,12 +60,14 @@ class HostUse:
                 "pageable_at_peak": self.pageable_at_peak, "pinned_peak": self.pinned_peak, "unit": "B"}
 
 
-def host_uses(log: EventLog) -> dict[int, HostUse]:
-    """Every rank's host memory (ranks with no host block: none listed), from its Pool.HOST events in order."""
+def host_uses(log: EventLog, index: LogIndex | None = None) -> dict[int, HostUse]:
+    """Every rank's host memory (ranks with no host block: none listed), from its Pool.HOST events in order
+    (`index`: the log's, simulator/log_index.py, where they are found)."""
     total: dict[int, int] = {}
     pinned: dict[int, int] = {}
     out: dict[int, list[int]] = {}  # rank -> [peak, pinned at peak, pinned peak]
-    for e in log.events:
+    events = log.events if index is None else map(log.events.__getitem__, index.pool_positions(Pool.HOST).tolist())
+    for e in events:
         b = e.block
         if b.pool is not Pool.HOST:
             continue
@@ -171,34 +174,40 @@ class HostLimits:
     gpus_per_node: int | None = None
 
 
-def judge_host(log: EventLog, device: str, limits: HostLimits = HostLimits()) -> HostFit | None:
+def judge_host(log: EventLog, device: str, limits: HostLimits = HostLimits(),
+               index: LogIndex | None = None) -> HostFit | None:
     """The host's verdict of the run in `log` on `device` (`host_fit`), or None where the host is not judged: no
     --host-memory, and no typical node for the profile (models/devices.py NODE_HOSTS) or nothing of the run on the
-    host. The one place every command (simulate --check, explain, where) gets it."""
+    host. The one place every command (simulate --check, explain, where) gets it. `index`: the log's
+    (simulator/log_index.py; a report's `index`), read instead of its events."""
     node = NODE_HOSTS.get(device)
     if limits.host_memory is not None:
-        return host_fit(log, limits.host_memory, limits.pinned_limit, limits.gpus_per_node, "--host-memory")
+        return host_fit(log, limits.host_memory, limits.pinned_limit, limits.gpus_per_node, "--host-memory",
+                        index=index)
     if node is None:
         if limits.pinned_limit is not None:
             raise ConfigError("pinned_limit", f"needs --host-memory: {device} has no typical node (those with one: "
                                               f"{', '.join(NODE_HOSTS)})")
         return None
-    if limits.pinned_limit is None and not any(e.block.pool is Pool.HOST for e in log.events):
+    if limits.pinned_limit is None and not (index.has_pool(Pool.HOST) if index is not None else
+                                            any(e.block.pool is Pool.HOST for e in log.events)):
         return None
     md = log.metadata
     world = md.setup.mesh.world_size if md.setup is not None else 1
     return host_fit(log, node.host_memory, limits.pinned_limit, limits.gpus_per_node or min(node.gpus_per_node, world),
-                    f"{node.system}'s host memory, the {device} profile's typical node")
+                    f"{node.system}'s host memory, the {device} profile's typical node", index=index)
 
 
-def host_ledger_lines(log: EventLog, rank: int, index: int, unit: str | None = None) -> list[str]:
+def host_ledger_lines(log: EventLog, rank: int, index: int, unit: str | None = None,
+                      log_idx: LogIndex | None = None) -> list[str]:
     """The host's ledger of `rank` right after its host timeline's event `index` (the host peak): the ledger's rows
-    (analysis/ledger.py), each with its pinned bytes; none where the rank holds no pinned host memory."""
-    use = host_uses(log).get(rank)
+    (analysis/ledger.py), each with its pinned bytes; none where the rank holds no pinned host memory. `log_idx`:
+    the log's index (simulator/log_index.py)."""
+    use = host_uses(log, log_idx).get(rank)
     if use is None or not use.pinned_peak or index < 0:
         return []
     rows: dict[str, list[int]] = {}
-    for b in timeline(log, rank, Pool.HOST).live_blocks_at(index):
+    for b in timeline(log, rank, Pool.HOST, index=log_idx).live_blocks_at(index):
         row = rows.setdefault(row_name(b), [0, 0])
         row[0] += b.nbytes
         row[1] += b.nbytes if b.pinned else 0
@@ -247,12 +256,13 @@ def _worst_node(segments: list[tuple[int, int, int]], world: int, g: int, baseli
 
 
 def host_fit(log: EventLog, host_memory: int, pinned_limit: int | None = None, gpus_per_node: int | None = None,
-             source: str = "--host-memory", baseline: int = PROCESS_BASELINE) -> HostFit:
+             source: str = "--host-memory", baseline: int = PROCESS_BASELINE, index: LogIndex | None = None) -> HostFit:
     """The host's verdict of the run in `log` (see the module docstring); `gpus_per_node` None: 8, or the world
-    size if smaller; `pinned_limit` None: PINNED_SHARE of `host_memory`."""
-    uses = host_uses(log)
+    size if smaller; `pinned_limit` None: PINNED_SHARE of `host_memory`; `index`: the log's (simulator/log_index.py),
+    read instead of its events."""
+    uses = host_uses(log, index)
     md = log.metadata
-    ranks = sorted({e.block.rank for e in log.events})
+    ranks = index.ranks() if index is not None else sorted({e.block.rank for e in log.events})
     world = md.setup.mesh.world_size if md.setup is not None else (max(ranks) + 1 if ranks else 1)
     g = max(1, gpus_per_node if gpus_per_node is not None else min(8, world))
     classes = _classes(log, ranks)

@@ -80,14 +80,7 @@ def ledger_at(tl: Timeline, event_index: int) -> list[LedgerRow]:
     (0 bytes at that moment if none) and each row's own maximum over the run."""
     lora = has_adapters(e.block for e in tl.events)
     rows = {r.row: r for r in ledger(tl.live_blocks_at(event_index), lora)}
-    running: dict[str, int] = {}
-    highest: dict[str, int] = {}
-    first_block: dict[str, Block] = {}
-    for e in tl.events:
-        name = row_name(e.block, lora)
-        running[name] = running.get(name, 0) + e.delta
-        highest[name] = max(highest.get(name, 0), running[name])
-        first_block.setdefault(name, e.block)
+    highest, first_block = _row_maxima(tl, lora)
     out = []
     for name, top in highest.items():
         b = first_block[name]
@@ -96,3 +89,26 @@ def ledger_at(tl: Timeline, event_index: int) -> list[LedgerRow]:
         out.append(replace(row, max_bytes=top))
     out.sort(key=lambda r: (ROW_ORDER.index(r.category), r.row))
     return out
+
+
+def _row_maxima(tl: Timeline, lora: bool) -> tuple[dict[str, int], dict[str, Block]]:
+    """Each row's highest bytes over the timeline (from 0) and the block of its first event. A row that is a whole
+    category reads its column of the timeline (int64: exact); the rows a category splits into (optimizer states by
+    name, LoRA's parameters) walk that category's events; every row walks the events where the columns are Python
+    ints (object arrays)."""
+    split = {Category.OPTIMIZER_STATE} | ({Category.PARAMETER} if lora else set())
+    columns = tl.total.dtype != object
+    highest: dict[str, int] = {}
+    first_block: dict[str, Block] = {}
+    running: dict[str, int] = {}
+    for e in tl.events if not columns else (e for e in tl.events if e.block.category in split):
+        name = row_name(e.block, lora)
+        running[name] = running.get(name, 0) + e.delta
+        highest[name] = max(highest.get(name, 0), running[name])
+        first_block.setdefault(name, e.block)
+    if columns:
+        for c, first in tl.first_seen:
+            if c not in split:
+                highest[c.value] = max(0, int(tl.by_category[c].max()))
+                first_block[c.value] = tl.events[first].block
+    return highest, first_block

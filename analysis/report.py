@@ -21,6 +21,7 @@ from ..models.training import RANK_LIST_LIMIT, RankRanges, StepPlan
 from ..simulator.device_memory import DeviceMemory
 from ..simulator.events import EventLog, Pool
 from ..simulator.gcpause import gc_paused
+from ..simulator.log_index import LogIndex, log_index
 from ..simulator.run_metadata import RunMetadata
 from ..simulator.timeline import PeakPoint, Timeline, rank_events, rank_peak_points, timeline
 from .device import context_of, device_json, device_lines, gpu_memory, torch_rules
@@ -61,6 +62,8 @@ class Report:
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
     gpu: DeviceMemory | None = None  # the same rank through the caching allocator (with its series), on a CUDA profile
+    index: LogIndex | None = None  # the log's index (simulator/log_index.py), made once by `summarize` for its readers
+    peak_timeline: Timeline | None = field(default=None, repr=False)  # `timeline`, where `summarize` made it
 
     @property
     def capacity_needed(self) -> int:
@@ -72,8 +75,10 @@ class Report:
 
     @functools.cached_property
     def timeline(self) -> Timeline:
-        """The peak rank's timeline in the peak's pool, made once when something reads it."""
-        return timeline(self.log, self.peaks.rank, self.peaks.pool)
+        """The peak rank's timeline in the peak's pool: `summarize`'s, or made once when something reads it."""
+        if self.peak_timeline is not None:
+            return self.peak_timeline
+        return timeline(self.log, self.peaks.rank, self.peaks.pool, index=self.index)
 
     @property
     def gpu_series(self) -> DeviceMemory | None:
@@ -96,7 +101,7 @@ class Report:
     @property
     def time_per_step_s(self) -> float:
         """Simulated seconds per requested step: the whole run's end over its steps (0.0 for an empty log)."""
-        return run_seconds(self.log) / max(1, self.steps)
+        return run_seconds(self.log, self.index) / max(1, self.steps)
 
 
 def run_plan(log: EventLog) -> StepPlan:
@@ -104,30 +109,36 @@ def run_plan(log: EventLog) -> StepPlan:
     return StepPlan.of(log.metadata)
 
 
-def step_ends(log: EventLog) -> dict[int, dict[int, float]]:
-    """rank -> step -> when the rank's last event of that step happens (events are in time order)."""
-    ends: dict[int, dict[int, float]] = {}
+def step_ends(log: EventLog, index: LogIndex | None = None) -> dict[int, dict[int, float]]:
+    """rank -> step -> when the rank's last event of that step happens (events are in time order); `index`: the
+    log's (simulator/log_index.py), its last event of each (rank, step) found there."""
+    if index is not None:
+        ends: dict[int, dict[int, float]] = {}
+        for e in map(log.events.__getitem__, index.last_of_steps()):
+            ends.setdefault(e.block.rank, {})[e.step] = e.time
+        return ends
+    ends = {}
     for e in log.events:
         ends.setdefault(e.block.rank, {})[e.step] = e.time
     return ends
 
 
-def run_seconds(log: EventLog) -> float:
+def run_seconds(log: EventLog, index: LogIndex | None = None) -> float:
     """The time of the whole run's last event: the log's own, or, when later steps repeat simulated ones,
     the last repeat's (`StepPlan.end_time` of each rank, whose steps repeat at its own pace; equal to a full
     simulation's up to float rounding)."""
     plan = run_plan(log)
-    return max((plan.end_time(ends) for ends in step_ends(log).values()), default=0.0)
+    return max((plan.end_time(ends) for ends in step_ends(log, index).values()), default=0.0)
 
 
-def run_events(log: EventLog) -> int:
+def run_events(log: EventLog, index: LogIndex | None = None) -> int:
     """How many events a simulation of every requested step records: the log's, plus each repeated step's
     source's count."""
     plan = run_plan(log)
     if not plan.truncated:
         return len(log.events)
-    per_step: dict[int, int] = {}
-    for e in log.events:
+    per_step: dict[int, int] = index.step_counts() if index is not None else {}
+    for e in log.events if index is None else ():
         per_step[e.step] = per_step.get(e.step, 0) + 1
     first, last = plan.repeated
     cycles, rest = divmod(plan.steps - plan.simulated, plan.period)
@@ -146,15 +157,15 @@ def _stages(metadata: RunMetadata, rank: int) -> str:
     return f", stage{'s' if len(stages) > 1 else ''} {', '.join(stages)}"
 
 
-def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
+def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE, index: LogIndex | None = None) -> list[RankPeak]:
     """The peak of every rank in the log, with the ranks each stands for (its metadata's `rank_class_ranges`; a
-    log written before it was there lists them in `rank_classes`)."""
+    log written before it was there lists them in `rank_classes`); `index`: the log's, read instead of its events."""
     md = log.metadata
     if md.rank_class_ranges is not None:
         classes = {int(r): RankRanges.from_json(m) for r, m in md.rank_class_ranges.items()}
     else:
         classes = {int(r): RankRanges.of(m) for r, m in (md.rank_classes or {}).items()}
-    points = rank_peak_points(log, pool)
+    points = rank_peak_points(log, pool, index)
     # a pipeline group is simulated whole: its stages that stand for no class of their own are not reported
     return [RankPeak(rank=r, same_as=classes.get(r, RankRanges([(r, r + 1)])), peak=points[r]) for r in sorted(points)
             if not classes or r in classes]
@@ -163,20 +174,22 @@ def rank_peaks(log: EventLog, pool: Pool = Pool.DEVICE) -> list[RankPeak]:
 @gc_paused  # simulator/gcpause.py: the log's events are walked several times, nothing cyclic is made
 def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | None = None,
               pool: Pool = Pool.DEVICE) -> Report:
-    """The report of one rank: `rank`, or by default the rank with the highest peak (the lowest on ties)."""
-    per_rank = rank_peaks(log, pool)
+    """The report of one rank: `rank`, or by default the rank with the highest peak (the lowest on ties). The log's
+    index (simulator/log_index.py) is made here, once, and kept in the report for every later reader."""
+    index = log_index(log)
+    per_rank = rank_peaks(log, pool, index)
     if rank is None:
         rank = max(per_rank, key=lambda rp: (rp.peak.bytes, -rp.rank)).rank if per_rank else 0
-    events = rank_events(log, rank)  # the rank's events, found once for its timelines and its allocator replay
-    tl = timeline(log, rank, pool, events)
+    events = rank_events(log, rank, index)  # the rank's events, found once for its timelines and allocator replay
+    tl = timeline(log, rank, pool, events, index)
     pk = peaks(tl, headroom=headroom)
     rows = ledger_at(tl, pk.overall.index) if pk.overall.event is not None else []
     host = None
     if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
-        host = peaks(timeline(log, rank, Pool.HOST, events))
+        host = peaks(timeline(log, rank, Pool.HOST, events, index))
     gpu = gpu_memory(log, rank, series=True, events=events) if pool is Pool.DEVICE else None  # the run's one replay
     return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=log.metadata, ranks=per_rank, host=host,
-                  gpu=gpu)
+                  gpu=gpu, index=index, peak_timeline=tl)
 
 
 def training_flops(n_params: int, tokens_per_step: int) -> int:
@@ -205,7 +218,7 @@ def _repeats_json(plan: StepPlan) -> dict | None:
 def _host_memory_json(r: Report) -> dict:
     """{"host_memory": the host peak split pinned / pageable} where the rank holds pinned host memory (else {}: the
     split says nothing more than host_peak, and such a run's JSON stays as it was)."""
-    use = host_uses(r.log).get(r.host.rank) if r.host is not None else None
+    use = host_uses(r.log, r.index).get(r.host.rank) if r.host is not None else None
     return {"host_memory": use.as_json()} if use is not None and use.pinned_peak else {}
 
 
@@ -243,7 +256,7 @@ def report_json(r: Report) -> dict:
         "steps_simulated": plan.simulated,
         "repeats": _repeats_json(plan),
         "events": len(r.log.events),
-        "events_all_steps": run_events(r.log),
+        "events_all_steps": run_events(r.log, r.index),
         "ooms": [{"op": o.event.op, "phase": o.event.phase.value, "step": o.event.step, "tensor": o.event.block.name,
                   "bytes": o.event.block.nbytes, "capacity": o.capacity, "live_bytes": o.live_bytes,
                   "message": o.message or None}
@@ -271,7 +284,7 @@ def report_json(r: Report) -> dict:
                 "method": f"6ND over active parameters (N = parameters one token runs through, {md.experts}; "
                           "D = tokens per optimizer step)"}
         if r.log.events:
-            out["simulated_time_per_step_s"] = run_seconds(r.log) / setup.batch.steps
+            out["simulated_time_per_step_s"] = run_seconds(r.log, r.index) / setup.batch.steps
     return out
 
 
@@ -424,7 +437,7 @@ def peak_lines(r: Report, unit: str | None = None) -> list[str]:
                              + cause(pk.first_step.event, pk.first_step.live_by_category, setup))
         if r.host is not None:
             he = r.host.overall.event
-            use = host_uses(r.log).get(r.host.rank)
+            use = host_uses(r.log, r.index).get(r.host.rank)
             lines.append(
                 f"host peak        {f(r.host.overall.bytes):>14}  at {he.op} ({he.phase.value}, step {he.step})"
                 f"  (rank {r.host.rank} host memory)"
@@ -478,7 +491,7 @@ def render_text(r: Report, unit: str | None = None) -> str:
     for name, at, dtype, shard, tensors, share, top in [head] + body:
         lines.append(f"  {name:<30}{at:>14}  {dtype:<16}{shard:>6}{tensors:>9}{share:>8}{top:>14}".rstrip())
     if r.host is not None:
-        lines += host_ledger_lines(r.log, r.host.rank, r.host.overall.index, unit)
+        lines += host_ledger_lines(r.log, r.host.rank, r.host.overall.index, unit, r.index)
     f = lambda n: format_bytes(n, unit)  # noqa: E731
     for o in r.log.ooms:
         lines.append("")
@@ -495,5 +508,5 @@ def render_text(r: Report, unit: str | None = None) -> str:
         lines += [f"  - {a}" for a in listed]
     plan = run_plan(r.log)
     lines.append(f"{len(r.log.events):,} events" if not plan.truncated else
-                 f"{len(r.log.events):,} events simulated ({run_events(r.log):,} in all {plan.steps} steps)")
+                 f"{len(r.log.events):,} events simulated ({run_events(r.log, r.index):,} in all {plan.steps} steps)")
     return "\n".join(lines)

@@ -33,7 +33,7 @@ from .plan import plan as plan  # (the compute planner, peakledger/plan.py: one 
 from .progress import Progress, reporter
 from .scenario import Scenario, build_scenario, traced_scenario
 from .simulator.engine import simulate
-from .simulator.events import Category, Phase, Pool
+from .simulator.events import Category, EventLog, Phase, Pool
 from .simulator.gcpause import gc_paused
 from .simulator.ops import OpGraph
 from .simulator.timeline import timeline
@@ -83,6 +83,19 @@ def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False
     if budget is not None and cuda:
         log = with_gpu_oom(log, budget, stop_on_oom)
     say(2, 3, f"summarizing {scenario.name}")
+    return summarize(log, name=scenario.name, headroom=scenario.headroom)
+
+
+ALLOCATOR_SETTINGS = frozenset({"alloc_conf", "empty_cache_before_save"})  # read by the allocator replay alone
+
+
+def rerun_allocator(base: Report, scenario: Scenario) -> Report:
+    """`run(scenario)` where `scenario` differs from the one `base` reports (run without a budget) only in
+    ALLOCATOR_SETTINGS: neither the description nor the simulation reads them (only the caching allocator's replay,
+    from the log's metadata), so `base`'s events are summarized again under the new settings, not remade."""
+    log = base.log
+    log = EventLog(events=log.events, source=log.source, metadata=log.metadata.updated(**device_settings(scenario)),
+                   ooms=log.ooms, op_names=log.op_names)
     return summarize(log, name=scenario.name, headroom=scenario.headroom)
 
 

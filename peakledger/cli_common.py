@@ -189,10 +189,10 @@ def host_limits(args) -> HostLimits:
     return HostLimits(budget_flag(args, "host_memory"), budget_flag(args, "pinned_limit"), per_node)
 
 
-def host_verdict(args, scenario, log) -> HostFit | None:
+def host_verdict(args, scenario, log, index=None) -> HostFit | None:
     """The host's verdict of the run in `log` under the host flags (analysis/host.py `judge_host`); None: not
-    judged."""
-    return judge_host(log, scenario.device, host_limits(args))
+    judged. `index`: the log's (a report's `index`, simulator/log_index.py)."""
+    return judge_host(log, scenario.device, host_limits(args), index)
 
 
 def host_json(args, host: HostFit | None) -> dict:

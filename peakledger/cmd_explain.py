@@ -58,7 +58,7 @@ def cmd_explain(args) -> int:
     with progress(f"explaining {scenario.name}") as bar:
         x = diagnosis.explain(scenario, budget, host_budget, host_limits(args), progress=bar)
     setup = scenario.setup
-    host = host_verdict(args, scenario, x.report.log)  # the node's host verdict (analysis/host.py), None: not judged
+    host = host_verdict(args, scenario, x.report.log, x.report.index)  # the node's host verdict; None: not judged
     verdict = FitVerdict(x.fits and (host is None or host.fits), x.capacity_needed, budget, host=host,
                          device_fits=x.fits if host is not None else None)
     host_moment = x.host_moment

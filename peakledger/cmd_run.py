@@ -146,7 +146,8 @@ def cmd_run(args) -> int:
         write_snapshot(report.log, args.export_snapshot)
     if args.export_chrome:
         write_chrome_trace(report.log, args.export_chrome, graph)
-    host = judge_host(report.log, run.device, host_limits(args))  # the node's host (analysis/host.py); None: not
+    host = judge_host(report.log, run.device, host_limits(args),  # the node's host (analysis/host.py); None: not
+                      report.index)
     verdict = fit_verdict(report, budget, 0.0, host) if args.check else None
     code = 1 if verdict is not None and not verdict.fits else 0
     if args.tolerance is not None and not all(v.passes(args.tolerance) for v in validations):

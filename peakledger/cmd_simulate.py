@@ -117,7 +117,7 @@ def cmd_simulate(args) -> int:
         path = critical_path(graph)
     written = [x for x in (args.plot, args.export_snapshot, args.export_chrome, args.export_graph, args.html) if x]
     repeats = StepPlan.of(report.log.metadata).summary()
-    host = host_verdict(args, scenario, report.log)  # None: the host not judged
+    host = host_verdict(args, scenario, report.log, report.index)  # None: the host not judged
     verdict = fit_verdict(report, budget, scenario.headroom, host) if args.check else None
     code = decide(args, 1 if verdict is not None and not verdict.fits else 0)
     savings = None
@@ -150,7 +150,7 @@ def _html_page(args, scenario, report, budget: int | None) -> str:
     without --budget has none); when it does not fit, the fixes `explain` finds there, each re-simulated."""
     profile = device_profile(scenario.device)
     card = budget if budget is not None else None if profile.is_cpu else profile.memory_bytes
-    host = host_verdict(args, scenario, report.log)
+    host = host_verdict(args, scenario, report.log, report.index)
     verdict = fit_verdict(report, card, scenario.headroom, host if host is not None and (host.asked or not host.fits)
                           else None) if card is not None else None
     fixes = None

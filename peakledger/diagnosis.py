@@ -192,7 +192,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
     for k, candidate in enumerate(listed, start=1):
         say(k, steps, f"re-simulating: {candidate[0]}")
         try:
-            fix = _fix(scenario, budget, *candidate, host=limits)
+            fix = _fix(scenario, budget, *candidate, host=limits, base=base)
         except ConfigError:
             continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
         candidates.append(candidate)
@@ -252,7 +252,7 @@ def fixes_table(x: Explanation, unit: str | None = None) -> tuple[str, list[str]
     return title, [FIX_HEAD[0], f"{FIX_HEAD[1]} {g.unit}", *FIX_HEAD[2:]], rows
 
 
-ALLOCATOR_KNOBS = frozenset({"alloc_conf", "empty_cache_before_save"})
+ALLOCATOR_KNOBS = api.ALLOCATOR_SETTINGS
 
 
 RL_PHASES = frozenset({Phase.ROLLOUT, Phase.GENERATE, Phase.PREFILL, Phase.DECODE, Phase.REFERENCE})
@@ -272,13 +272,16 @@ def _helps(fix: Fix, base: Report, need: int, fits_now: bool) -> bool:
 
 
 def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_training: bool, note: str,
-         host: HostLimits | None = None) -> Fix:
+         host: HostLimits | None = None, base: Report | None = None) -> Fix:
     """A fix re-simulated and judged: the card (api.card_fit) and the node's host (analysis/host.py judge_host,
     under `host`'s limits, else the profile's typical node): a fix that moves memory to a host that cannot hold it
-    does not fit, and its note says so."""
-    report = api.run(scenario.with_changes(**changes))
+    does not fit, and its note says so. `base`: `scenario`'s own run (api.run), whose simulation a fix of the
+    allocator's settings alone shares (api.rerun_allocator)."""
+    changed = scenario.with_changes(**changes)
+    report = api.rerun_allocator(base, changed) if base is not None and set(changes) <= api.ALLOCATOR_SETTINGS \
+        else api.run(changed)
     verdict = api.card_fit(report, budget)
-    judged = judge_host(report.log, scenario.device, host or HostLimits())
+    judged = judge_host(report.log, scenario.device, host or HostLimits(), report.index)
     if judged is not None and not judged.fits:
         note = f"{note}; {judged.text('GiB')}" if note else judged.text("GiB")
     return Fix(

@@ -207,7 +207,7 @@ def place(scenario: Scenario, profile: DeviceProfile, search: bool = True, host:
         notes.append(f"thin margin: {format_bytes(verdict.margin, 'GiB')} left, under {THIN_MARGIN:.0%} of the card: "
                      "a longer batch, fragmentation or another process's memory can make it OOM (--headroom adds a "
                      "margin to what is judged)")
-    judged = judge_host(report.log, profile.name, host or HostLimits())
+    judged = judge_host(report.log, profile.name, host or HostLimits(), report.index)
     if judged is not None and (judged.asked or not judged.fits):
         notes.append(judged.text("GiB"))
     point = verdict.point

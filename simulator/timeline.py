@@ -6,11 +6,13 @@ arrays are for plotting and vector maths (int64, or object dtype if a total woul
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from .events import Action, Category, Event, EventLog, Pool
+from .log_index import CATEGORIES, LogIndex, first_max, groups, running_sums
 
 INT64_MAX = 2**63 - 1
 
@@ -67,12 +69,14 @@ class Timeline:
         if best < 0:  # `peak` counts only totals from 0 up
             return PeakPoint(bytes=0, event=None, live_by_category={})
         by = self.by_category
-        live = {c: int(by[c][i]) for c, first in self._first_seen() if first <= i}
+        live = {c: int(by[c][i]) for c, first in self.first_seen if first <= i}
         return PeakPoint(bytes=best, event=self.events[i], live_by_category={c: b for c, b in live.items() if b},
                          index=i)
 
-    def _first_seen(self) -> list[tuple[Category, int]]:
-        """Each category with the index of its first event, in that order (the order `live_at` meets them)."""
+    @functools.cached_property
+    def first_seen(self) -> list[tuple[Category, int]]:
+        """Each category with the index of its first event, in that order (the order `live_at` meets them); found
+        once (the peaks and the ledger each read it)."""
         first: dict[Category, int] = {}
         for i, e in enumerate(self.events):
             c = e.block.category
@@ -103,10 +107,12 @@ class Timeline:
         return [e.block for e in self.live_allocs_at(index)]
 
 
-def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE) -> dict[int, PeakPoint]:
+def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE, index: LogIndex | None = None) -> dict[int, PeakPoint]:
     """Every rank's `timeline(log, rank, pool).peak()`, in one pass over the log instead of a timeline per rank:
     each rank's running total and bytes by category, the latter copied whenever the total passes the rank's
-    highest so far (ties to the earliest event)."""
+    highest so far (ties to the earliest event). `index`: the log's (simulator/log_index.py), read instead."""
+    if index is not None:
+        return _indexed_peak_points(log, pool, index)
     states: dict[int, list] = {}  # rank -> [total, events seen, best, its index, its event, by category, at best]
     alloc = Action.ALLOC
     last_rank, st, cats = None, None, None
@@ -135,21 +141,65 @@ def rank_peak_points(log: EventLog, pool: Pool = Pool.DEVICE) -> dict[int, PeakP
             if st[2] >= 0 else PeakPoint(bytes=0, event=None, live_by_category={}) for r, st in states.items()}
 
 
+def _indexed_peak_points(log: EventLog, pool: Pool, index: LogIndex) -> dict[int, PeakPoint]:
+    """`rank_peak_points` from the log's index: each rank's running totals (int64, exact: `log_index`), the first
+    highest, and the bytes by category up to it, in the order the rank first meets them."""
+    sel = index.pool_positions(pool)
+    if not len(sel):
+        return {}
+    order, starts, run = groups(index.rank[sel])
+    pos = sel[order]  # the pool's events, rank by rank, each rank's in the log's order
+    d = index.delta[pos]
+    total = running_sums(d, starts, run)
+    best = first_max(total, starts, run)
+    cats = index.category[pos]
+    place = np.arange(len(pos))
+    upto = place <= best[run]
+    live, first = {}, {}
+    for k in np.unique(cats).tolist():
+        mine = cats == k
+        live[k] = np.add.reduceat(np.where(upto & mine, d, 0), starts).tolist()
+        first[k] = np.minimum.reduceat(np.where(mine, place, len(pos)), starts).tolist()
+    out = {}
+    events = log.events
+    for g, (r, b, s) in enumerate(zip(index.rank[pos[starts]].tolist(), best.tolist(), starts.tolist())):
+        top = int(total[b])
+        if top < 0:
+            out[r] = PeakPoint(bytes=0, event=None, live_by_category={})
+            continue
+        seen = sorted((first[k][g], k) for k in first if first[k][g] <= b)
+        out[r] = PeakPoint(bytes=top, event=events[int(pos[b])], index=b - s,
+                           live_by_category={CATEGORIES[k]: live[k][g] for _, k in seen if live[k][g]})
+    return out
+
+
 def _array(values: list[int]) -> np.ndarray:
     if values and (max(values) > INT64_MAX or min(values) < -INT64_MAX):
         return np.array(values, dtype=object)
     return np.array(values, dtype=np.int64)
 
 
-def rank_events(log: EventLog, rank: int) -> list[tuple[int, Event]]:
+def rank_events(log: EventLog, rank: int, index: LogIndex | None = None) -> list[tuple[int, Event]]:
     """The events of `rank` (every pool) with their places in the log, in order: one pass over the log that a
-    rank's timelines and its allocator replay (simulator/device_memory.py) can share."""
+    rank's timelines and its allocator replay (simulator/device_memory.py) can share (`index`: looked up in the
+    log's index instead)."""
+    if index is not None:
+        places = index.positions(rank).tolist()
+        return list(zip(places, map(log.events.__getitem__, places)))
     return [(i, e) for i, e in enumerate(log.events) if e.block.rank == rank]
 
 
 def timeline(log: EventLog, rank: int = 0, pool: Pool = Pool.DEVICE,
-             events: list[tuple[int, Event]] | None = None) -> Timeline:
-    """`rank`'s occupancy of `pool`; `events`: the rank's events if already found (`rank_events`)."""
+             events: list[tuple[int, Event]] | None = None, index: LogIndex | None = None) -> Timeline:
+    """`rank`'s occupancy of `pool`; `events`: the rank's events if already found (`rank_events`); `index`: the
+    log's (simulator/log_index.py), its columns read instead of the events'."""
+    if index is not None:
+        places = index.positions(rank, pool)
+        events = list(map(log.events.__getitem__, places.tolist()))
+        d, codes = index.delta[places], index.category[places]
+        return Timeline(rank=rank, pool=pool, events=events, times=np.array([e.time for e in events], dtype=float),
+                        total=np.cumsum(d), by_category={CATEGORIES[k]: np.cumsum(np.where(codes == k, d, 0))
+                                                         for k in np.unique(codes).tolist()})
     if events is None:
         events = [e for e in log.events if e.block.rank == rank and e.block.pool is pool]
     else:

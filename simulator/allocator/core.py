@@ -45,6 +45,7 @@ class CachingAllocator(ExpandableSegments):
         self.segments: dict[int, Segment] = {}
         self.blocks: dict[int, Block] = {}  # every block by address (allocated, free, pending or unmapped)
         self._free: dict[str, list[tuple[int, int, int]]] = {SMALL: [], LARGE: []}  # (stream, size, addr), sorted
+        self._largest: int | None = 0  # `largest_free`, kept as blocks join the index; None: to find again
         self._unmapped: dict[str, list[tuple[int, int]]] = {SMALL: [], LARGE: []}  # (stream, addr), sorted
         self._events: dict[int, deque[list]] = {}  # stream -> [[block, done], ...]: insert_events' cuda_events
         self._gc_calls = {SMALL: 0, LARGE: 0}  # get_free_blocks_call_count per pool
@@ -65,12 +66,16 @@ class CachingAllocator(ExpandableSegments):
     def _index(self, b: Block) -> None:
         b.gc_base = self._gc_calls[b.segment.pool]
         insort(self._free[b.segment.pool], (b.segment.stream, b.size, b.addr))
+        if self._largest is not None and b.size > self._largest:
+            self._largest = b.size
 
     def _unindex(self, b: Block) -> None:
         lst = self._free[b.segment.pool]
         i = bisect_left(lst, (b.segment.stream, b.size, b.addr))
         assert lst[i] == (b.segment.stream, b.size, b.addr)
         del lst[i]
+        if self._largest is not None and b.size >= self._largest:  # (the largest may have left)
+            self._largest = None
 
     def _try_merge(self, dst: Block, src: Block | None) -> None:
         # try_merge_blocks: a free neighbour with the same mapping state (and no outstanding event) joins dst
@@ -395,7 +400,10 @@ class CachingAllocator(ExpandableSegments):
 
     def largest_free(self) -> int:
         """The largest cached free block: each pool's index is ordered by (stream, size, address), so each
-        stream's largest is the last entry before the next stream's first."""
+        stream's largest is the last entry before the next stream's first. Kept between calls: a block joining the
+        index raises it, and only the removal of a block as large as it makes it be found again."""
+        if self._largest is not None:
+            return self._largest
         best = 0
         for lst in self._free.values():
             i = len(lst)
@@ -403,4 +411,5 @@ class CachingAllocator(ExpandableSegments):
                 stream, size, _ = lst[i - 1]
                 best = max(best, size)
                 i = bisect_left(lst, (stream, -1, -1), 0, i - 1)
+        self._largest = best
         return best
