@@ -20,10 +20,16 @@ budget?" over every subset of the layer chain (per-layer full checkpointing, pol
 2. Dynamic programming over the chain finds the least-recompute S under that model exactly: at layer j
    it keeps, for each recompute cost, the smallest memory held by the layers below (a smaller prefix
    is never worse for the layers above), so the Pareto front of (cost, prefix) is all it carries.
+   A block the first recompute allocates and keeps (torch 2.11's cuBLASLt workspace of the autograd
+   thread) belongs to the set, not to a layer: `LayerCosts.kept`, added when any layer is checkpointed.
 3. The chosen set is simulated in full. If the verified peak does not fit (the model is exact when
    layers are independent, which is what the replay makes them, but engines that prefetch or gather
    across layers can couple them), the gap tightens the limit and the search runs again; after a few
-   rounds it falls back to checkpointing every layer, and says so.
+   rounds it falls back to checkpointing every layer, and says so. On a GPU the budget holds the
+   device total: the search starts from the tensors' room beside what lies outside the allocator (a
+   bound no set beats), and a set whose device total misses only by the allocator's cache (segment
+   rounding, cached blocks: not additive per layer, and not the same from set to set) leaves the sets
+   of a lower modelled peak for the next round (exact where the device total grows with the peak).
 
 Every answer is a function of the scenario: the same input gives the same JSON and text, byte for byte
 (no wall-clock time in them; bench/run.py times the search itself). Per-step figures are per requested
@@ -42,7 +48,7 @@ from ..models.devices import device_profile
 from ..models.families import family_of
 from ..models.training import StepPlan, describe
 from ..simulator.engine import simulate
-from ..simulator.events import Category, EventLog, Phase, Pool
+from ..simulator.events import Action, Category, EventLog, Phase, Pool
 from ..simulator.ops import OpGraph
 from .device import device_settings, gpu_memory
 from .peaks import with_headroom
@@ -64,6 +70,7 @@ class SimulatedRun:
     peak: int  # device pool, the worst rank
     capacity_needed: int  # peak (on a CUDA profile: the device total) with the scenario's headroom
     rank: int
+    outside: int = 0  # on a CUDA profile: what lies outside the allocator (context, NCCL's buffers), a constant
 
 
 def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
@@ -75,7 +82,8 @@ def simulate_run(scenario, ranks: list[int] | None = None) -> SimulatedRun:
     rank, peak = device_peak(log)
     gpu = gpu_memory(log, rank)  # on a CUDA profile a budget holds the device total (analysis/device.py)
     needed = gpu.total_peak.total if gpu is not None else peak
-    return SimulatedRun(graph, log, peak, with_headroom(needed, scenario.headroom), rank)
+    outside = gpu.outside_total if gpu is not None else 0
+    return SimulatedRun(graph, log, peak, with_headroom(needed, scenario.headroom), rank, outside)
 
 
 def _representatives(run: SimulatedRun) -> list[int]:
@@ -355,6 +363,10 @@ class LayerCosts:
                     or after the first layer's backward (independent of the set).
     top             highest occupancy (after the last layer's forward, before its backward: final norm,
                     head, loss) minus what every layer holds then.
+    kept            bytes the first recomputed op allocates and nothing frees (torch 2.11's cuBLASLt workspace
+                    of the autograd thread, models/gpu.py): left out of the pieces above and added to every
+                    moment of a set with any layer checkpointed (exact where its peak comes after the first
+                    recompute: a later step, or the backward; above the run's peak otherwise).
     """
 
     held: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
@@ -363,6 +375,7 @@ class LayerCosts:
     before: int
     after: int
     top: tuple[int, int]
+    kept: int = 0
 
     def peak(self, layers) -> int:
         """The model's peak for checkpointing exactly `layers`."""
@@ -373,10 +386,10 @@ class LayerCosts:
             s = CHECKPOINTED if j in chosen else PLAIN
             best = max(best, fwd + inner[s][0], bwd + inner[s][1])
             fwd, bwd = fwd + held[s][0], bwd + held[s][1]
-        return max(best, fwd + self.top[0], bwd + self.top[1])
+        return max(best, fwd + self.top[0], bwd + self.top[1]) + (self.kept if chosen else 0)
 
 
-def _cut(run: SimulatedRun, n: int, pattern: re.Pattern, divide: int) -> dict:
+def _cut(run: SimulatedRun, n: int, pattern: re.Pattern, divide: int, skip: frozenset = frozenset()) -> dict:
     """One simulation cut into per-layer pieces (see `LayerCosts`).
 
     What each layer holds is read from one reference pass (the first micro-batch on the lowest rank): in
@@ -384,7 +397,8 @@ def _cut(run: SimulatedRun, n: int, pattern: re.Pattern, divide: int) -> dict:
     the backward, the bytes of the blocks its forward allocated that are still alive when the backward
     starts. Every moment of every pass and rank is then measured against those reference prefixes, so
     whatever differs between passes (optimizer states in step 2, a data-parallel engine's prefetched
-    gathers) lands in the residuals and the model reproduces both simulations it was cut from exactly."""
+    gathers) lands in the residuals and the model reproduces both simulations it was cut from exactly.
+    `skip`: (rank, block id) of blocks left out (`_kept_by_recompute`)."""
     layer_of: dict[str, int | None] = {}
 
     def layer(op: str) -> int | None:
@@ -399,7 +413,7 @@ def _cut(run: SimulatedRun, n: int, pattern: re.Pattern, divide: int) -> dict:
     level = dict.fromkeys(ranks, 0)
     for e in run.log.events:
         r = e.block.rank
-        if e.block.pool is Pool.DEVICE:
+        if e.block.pool is Pool.DEVICE and (r, e.block.id) not in skip:
             level[r] += e.delta
             records[r].append(_Record(level[r], e.delta, e.phase, (e.step, e.micro_batch_index), layer(e.op),
                                       e.block.id))
@@ -518,6 +532,24 @@ def _held_backward(records: list[_Record], one_pass, n: int) -> list[int]:
     return held
 
 
+def _kept_by_recompute(run: SimulatedRun) -> tuple[frozenset, int]:
+    """(rank, block id) of the device blocks a recomputed op allocates and nothing frees, and the most bytes of
+    them on one rank (`LayerCosts.kept`)."""
+    recomputed = {op.name for op in run.graph.ops_in_order() if op.recompute}
+    alive: dict[tuple[int, int], int] = {}
+    for e in run.log.events:
+        if e.block.pool is Pool.DEVICE:
+            key = (e.block.rank, e.block.id)
+            if e.action is Action.ALLOC and e.op in recomputed:
+                alive[key] = e.block.nbytes
+            elif e.action is Action.FREE:
+                alive.pop(key, None)
+    per_rank: dict[int, int] = {}
+    for (rank, _), nbytes in alive.items():
+        per_rank[rank] = per_rank.get(rank, 0) + nbytes
+    return frozenset(alive), max(per_rank.values(), default=0)
+
+
 def layer_costs(scenario) -> tuple[LayerCosts, SimulatedRun, SimulatedRun]:
     """`LayerCosts` of `scenario`'s model, from a simulation with no layer checkpointed and one with all
     (returned too: the search reuses them)."""
@@ -525,7 +557,8 @@ def layer_costs(scenario) -> tuple[LayerCosts, SimulatedRun, SimulatedRun]:
     pattern, divide = _layer_pattern(scenario.model, scenario.setup)
     plain = simulate_run(with_checkpointed_layers(scenario, ()))
     full = simulate_run(with_checkpointed_layers(scenario, tuple(range(n))), _representatives(plain))
-    cuts = [_cut(plain, n, pattern, divide), _cut(full, n, pattern, divide)]
+    skip, kept = _kept_by_recompute(full)
+    cuts = [_cut(plain, n, pattern, divide), _cut(full, n, pattern, divide, skip)]
     steps = simulated_steps(full.graph)
     recompute = [0] * n
     for op in full.graph.ops_in_order():
@@ -537,7 +570,7 @@ def layer_costs(scenario) -> tuple[LayerCosts, SimulatedRun, SimulatedRun]:
                        inner=tuple((cuts[0]["inner"][j], cuts[1]["inner"][j]) for j in range(n)),
                        recompute=tuple(r // steps for r in recompute),
                        before=max(c["before"] for c in cuts), after=max(c["after"] for c in cuts),
-                       top=tuple(max(c["top"][p] for c in cuts) for p in (0, 1)))
+                       top=tuple(max(c["top"][p] for c in cuts) for p in (0, 1)), kept=kept)
     return costs, plain, full
 
 
@@ -556,7 +589,17 @@ def cheapest_layers(costs: LayerCosts, limit: int) -> tuple[int, ...] | None:
     layers above depend on nothing else, and less held is never worse. So only the Pareto front of
     (cost, forward held, backward held) is carried: an entry goes when another costs no more and holds
     no more in either pass. Among the cheapest fitting sets the one with the lowest modelled peak wins,
-    then the lexicographically smallest."""
+    then the lexicographically smallest. `LayerCosts.kept` belongs to a set, not to a layer: the chain is
+    searched under `limit - kept`, and the empty set, which does without it, under `limit`."""
+    found = _cheapest(costs, limit - costs.kept)
+    if costs.kept and costs.peak(()) <= limit:
+        return min((c for c in (found, ()) if c is not None),
+                   key=lambda c: (sum(costs.recompute[j] for j in c), costs.peak(c), c))
+    return found
+
+
+def _cheapest(costs: LayerCosts, limit: int) -> tuple[int, ...] | None:
+    """`cheapest_layers` over the chain, `kept` aside."""
     if max(costs.before, costs.after) > limit:
         return None
     front = [(0, 0, 0, 0, ())]  # (cost, forward held, backward held, peak so far, layers)
@@ -639,10 +682,12 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
                                            "GPT2LMHeadModel is modelled with none or full only")
     n = n_layers(scenario.model, scenario.setup)
     costs, plain, full = layer_costs(scenario)
-    # on a GPU the device needs more than the tensors (context, the allocator's cache): start from the plain
-    # run's overhead, then tighten by what a verified set still lacks
-    overhead = max(0, plain.capacity_needed - with_headroom(plain.peak, scenario.headroom))
-    limit = _raw_limit(budget - overhead, scenario.headroom) if budget >= overhead else -1
+    # on a GPU the device needs more than the tensors: what lies outside the allocator (the same for every set),
+    # and the allocator's cache (its segments' rounding and free blocks, which differ from set to set and are not
+    # additive per layer). A set cannot fit unless its tensors fit beside the former, so the search starts there
+    # and walks down: a set that misses on the device alone rules out those the model gives a peak no lower
+    raw = _raw_limit(budget, scenario.headroom)
+    limit = raw - plain.outside if raw >= plain.outside else -1
     simulations = 2
     known = {(): plain, tuple(range(n)): full}
     tightened = limit
@@ -660,16 +705,19 @@ def optimal_checkpointing(scenario, budget: int, max_rounds: int = 4) -> Optimal
                 notes.append(f"found in round {round_}")
             return _result(scenario, layers, n, budget, True, run, costs, "; ".join(notes) or "exact search, verified",
                            simulations)
-        gap = run.peak - costs.peak(layers)
+        predicted = costs.peak(layers)
+        gap = run.peak - predicted
         notes.append(f"round {round_}: {len(layers)} layers verified {run.peak:,} B, model said "
-                     f"{costs.peak(layers):,} B" + (f", needs {run.capacity_needed:,} B of the device"
-                                                    if run.capacity_needed != with_headroom(run.peak, scenario.headroom)
-                                                    else ""))
-        # the per-layer model's error, or on a GPU what the device needs beyond the budget (context, the cache)
-        tightened -= max(gap, run.capacity_needed - budget, 1)
+                     f"{predicted:,} B" + (f", needs {run.capacity_needed:,} B of the device"
+                                           if run.capacity_needed != with_headroom(run.peak, scenario.headroom)
+                                           else ""))
+        if gap > 0:  # the per-layer model's error (and on a GPU what the device needs beyond the budget)
+            tightened -= max(gap, run.capacity_needed - budget)
+        else:  # the model was right, the device's cache missed: the sets of a lower modelled peak are left
+            tightened = predicted - 1
     every = tuple(range(n))
     fits = full.capacity_needed <= budget
-    if fits and overhead:  # a GPU: the cache's layout is not additive per layer; verify by size instead
+    if fits and plain.outside:  # a GPU: the cache's layout is not additive per layer; verify by size instead
         for layers in _by_size(costs, n):
             run = known.get(layers)
             if run is None:

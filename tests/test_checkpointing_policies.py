@@ -29,18 +29,19 @@ from peakledger.models.tape import checkpoint_segments, sqrt_segments
 from peakledger.models.training import describe
 from peakledger.simulator.engine import simulate
 from peakledger.simulator.events import Category, Phase, Pool
+from peakledger.simulator.torch_rules import TORCH_VERSIONS
 from peakledger.validation import validate
 
 TRAINING = dict(micro_batch=4, seq_len=64, steps=2, optimizer="adamw")
 
 
 def scenario(policy="none", preset_name="tiny", n_layer=None, attention="eager", precision="fp32", device="cpu",
-             **training):
+             torch_version=None, **training):
     model = {"preset": preset_name, "attention": attention}
     if n_layer:
         model["n_layer"] = n_layer
-    return build_scenario(model, {**TRAINING, "precision": precision, "checkpointing": policy, **training},
-                          {"device": device})
+    run = {"device": device, **({"torch_version": torch_version} if torch_version else {})}
+    return build_scenario(model, {**TRAINING, "precision": precision, "checkpointing": policy, **training}, run)
 
 
 def events_of(log):
@@ -194,15 +195,18 @@ def test_policy_table_rows_render_and_plot(tmp_path):
 
 # -- the least-recompute layer search -------------------------------------------------------------------
 
-SEARCH_CASES = [
-    dict(preset_name="tiny", n_layer=4, precision="bf16-autocast", device="cpu"),
+GPU_SEARCH_CASES = [
     dict(preset_name="tiny-llama", n_layer=4, precision="bf16-mixed", device="H100-80GB", micro_batch=8),
     dict(preset_name="tiny", n_layer=4, precision="bf16-mixed", device="H100-80GB", world_size=4,
          dp_engine="fsdp2"),
 ]
+# the device total (the allocator's segments, cuDNN's or another attention's tensors) follows each torch's rules
+SEARCH_CASES = [dict(preset_name="tiny", n_layer=4, precision="bf16-autocast", device="cpu")] + [
+    dict(case, torch_version=version) for case in GPU_SEARCH_CASES for version in TORCH_VERSIONS]
 
 
-@pytest.mark.parametrize("case", SEARCH_CASES, ids=lambda c: f"{c['preset_name']}-{c['device']}")
+@pytest.mark.parametrize("case", SEARCH_CASES, ids=lambda c: "-".join(
+    [c["preset_name"], c["device"]] + ([c["torch_version"]] if "torch_version" in c else [])))
 def test_search_answer_fits_when_verified_and_no_subset_is_cheaper(case):
     base = scenario(**case)
     n = n_layers(base.model)
