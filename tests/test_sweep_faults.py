@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -135,7 +136,10 @@ def test_a_killed_worker_in_a_real_command(tmp_path):
     driver = killed_worker(after_s=0.2)
     done = driver([sys.executable, "-c", RUNNER, *args, "s.csv"], tmp_path, 60)
     assert len(driver.killed) == 1  # mid-sweep
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+    # nothing on stderr but, on a slow (loaded) machine, the sweep's own estimate of a long wall time
+    # (cmd_simulate._say_estimate: "sweep: N points at about ... each on 2 workers: about ...")
+    said = [line for line in done.stderr.splitlines() if not re.fullmatch(r"sweep: [\d,]+ points at about .+", line)]
+    assert done.returncode == 0 and said == [], done.stderr
     assert time.monotonic() - start < 60
     assert (tmp_path / "s.csv").read_bytes() == (tmp_path / "calm.csv").read_bytes()
 

@@ -115,12 +115,21 @@ def _events(memory, prof, ranges, host_batch: set, model, kernel_temporaries: bo
             live[ptr] = Block(id=len(events) + 1, nbytes=t.untyped_storage().nbytes(), category=kind, name=name,
                               dtype="?", pool=Pool.DEVICE)
             add(Action.ALLOC, live[ptr], (Phase.LOAD, 0, -1))
+    def _name(e) -> str:
+        """An op event's name; "" where kineto hands back bytes that are not UTF-8 (seen once under load: an event
+        the tree walk meets whose name is not an op's)."""
+        try:
+            return e.name
+        except UnicodeDecodeError:
+            return ""
+
     raw, stack = [], [(e, None) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
         e, outer = stack.pop()
-        if e.tag == _EventType.Allocation and e.extra_fields.device == cpu:
-            raw.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, outer))
-        if e.name.startswith("aten::") and (outer is None or " > " not in outer[0]):
+        if e.tag == _EventType.Allocation:
+            if e.extra_fields.device == cpu:
+                raw.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size, outer))
+        elif kernel_temporaries and _name(e).startswith("aten::") and (outer is None or " > " not in outer[0]):
             # the top-level op's call, and the op it called that holds the allocation (linear > addmm)
             outer = (e.name, e.start_time_ns, e.end_time_ns) if outer is None else (f"{outer[0]} > {e.name}",
                                                                                      *outer[1:])
