@@ -13,7 +13,8 @@ How the pieces compose:
                on real tensors (formulas writing into their zeros, gradients summed in place), and
                `gpu_paths.py` adds what the CUDA kernels allocate inside themselves.
 - `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
-- `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers.
+- `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers (of
+               layers that repeat every p, from 3p and 4p).
 - here         `traced_tape` (what `models.training.build_tape` calls) and the trace cache. The same program
                built for real (CPU, random weights) to validate against is on the measuring side:
                traces/reference/traced.py `real_model`.

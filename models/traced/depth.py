@@ -6,8 +6,10 @@ config key is traced with 3 and with 4 layers; the 4-layer recording is derived 
 and compared with the traced one, item by item (`same`): the ops, their module paths, reads and outputs, the
 storages with their bytes, shapes, births and deaths, the autograd nodes with their events and saves, the
 parameters, their gradients, what the caller holds. Only if they are equal is the n-layer recording derived
-(models/traced/__init__.py `recording`); otherwise (layers that alternate, a first layer of its own kind, a
-shared buffer one layer makes) the model is traced whole.
+(models/traced/__init__.py `recording`); otherwise (a first layer of its own kind, a shared buffer one layer
+makes) the model is traced whole. Layers whose kinds repeat every p layers (`period`: Gemma-2 alternates
+sliding-window and full attention, p = 2) are traced with 3p and 4p layers and derived the same way, a group of p
+consecutive layers standing for one layer below.
 
 How a recording of 3 layers becomes one of n. Every item (parameter, storage, op, node, module path) belongs to a
 layer (its module path is under `layers[i]`) or to none. In each ordered list the items of one layer come in
