@@ -1,6 +1,7 @@
 """A deep HF model's recording derived from traces of 3 and 4 layers (models/traced/depth.py) equals the trace of the
 whole model, item for item, on the programs the derivation serves (decoders of one repeated layer, CPU and CUDA
-programs, mixed precision, checkpointing, LoRA, MoE), and is refused where layers differ."""
+programs, mixed precision, checkpointing, LoRA, MoE; layers of two kinds that alternate, from 6 and 8 layers), and
+is refused where layers differ."""
 
 from __future__ import annotations
 
@@ -72,6 +73,64 @@ def test_layers_that_differ_are_not_derived():
         assert not depth.same(depth.derive(three, 4), four)
     except depth.NotPeriodic:
         pass
+
+
+def test_alternating_layers_are_derived_by_period():
+    # Gemma2 alternates sliding-window and full-attention layers (its config's layer_types): every 2 layers repeat,
+    # so 10 layers are derived from traces of 6 and 8 (3 and 4 periods) and equal the whole trace item for item
+    # (checkpointed, as the README's Gemma-2 example: the model then runs without its KV cache, whose sliding-window
+    # layers each make a scalar at the model's level, outside any layer, which no derivation places)
+    model = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=10), "gemma2-10")
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16", checkpointing="full")
+    assert depth.period(model, setup) == 2
+    traced = []
+    whole_trace = trace._trace
+
+    def counted(m, s, t):
+        traced.append(json.loads(m.source)["num_hidden_layers"])
+        return whole_trace(m, s, t)
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trace, "_trace", counted)
+            derived = recording(model, setup, H100)
+        assert traced == [6, 8]
+        whole = recording(model, setup, H100, by_depth=False)
+    finally:
+        if enabled:
+            gc.enable()
+    assert derived.layers == whole.layers == tuple(f"model.layers.{i}" for i in range(10))
+    assert depth.same(derived, whole)
+    # an explicit layer_types list of the deep model is cut to the shallow ones' depth
+    kinds = ["sliding_attention", "full_attention"] * 5
+    explicit = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=10, layer_types=kinds), "gemma2-10-explicit")
+    assert depth.same(recording(explicit, setup, H100), whole)
+    # with the KV cache (not checkpointed) 8 layers derived from 6 differ from their trace: the model is traced whole
+    traced.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trace, "_trace", counted)
+        recording(model, TrainingSetup(micro_batch=2, seq_len=16, precision="bf16"), H100)
+    assert traced == [6, 8, 10]
+
+
+def test_layers_without_a_period_are_traced_whole(monkeypatch):
+    # two sliding-window layers then eight full-attention ones: no period repeats three times
+    kinds = ["sliding_attention"] * 2 + ["full_attention"] * 8
+    model = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=10, layer_types=kinds), "gemma2-irregular")
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16")
+    assert depth.period(model, setup) is None
+    traced = []
+    whole_trace = trace._trace
+    monkeypatch.setattr(trace, "_trace", lambda m, s, t: traced.append(json.loads(m.source)["num_hidden_layers"])
+                        or whole_trace(m, s, t))
+    assert len(recording(model, setup, H100).layers) == 10
+    assert traced == [10]
+    # a period that does not repeat in whole periods is none either
+    assert depth.period_of([("a",), ("b",), ("a",), ("b",), ("a",)]) is None
+    assert depth.period_of([("a",), ("b",)] * 3) == 2
+    assert depth.period_of([("a",)] * 3) == 1
 
 
 def test_layer_key_names_one_stack():

@@ -250,6 +250,24 @@ def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
     assert derive(points, 5) is not None
 
 
+def test_sizes_above_a_kink_are_derived_from_the_points_above_it():
+    """A CUDA reduction's staging buffer grows with the micro-batch up to the grid's cap (on this tiny Gemma2 at
+    sequence 128, between 2048 and 3072): 1024, 3072, 4096 and 6144 are not affine together, 3072, 4096 and 6144
+    are, so 5120 is derived from them and equals its trace; 2048, below them, is not derived."""
+    from peakledger.models import traced as trace
+    from peakledger.models.traced.depth import same
+    from peakledger.models.traced.scale import affine, derive
+
+    model = from_hf_dict(dict(HF["gemma2"], num_hidden_layers=3), "gemma2-kink")
+    sizes = (1024, 2048, 3072, 4096, 5120, 6144)
+    setup = {b: TrainingSetup(micro_batch=b, seq_len=128, precision="bf16") for b in sizes}
+    target = ((9, 0), "2.13")
+    points = {b: trace._trace(model, setup[b], target) for b in (1024, 3072, 4096, 6144)}
+    assert not affine(points)
+    assert derive(points, 2048) is None
+    assert same(derive(points, 5120), trace._trace(model, setup[5120], target))
+
+
 def test_a_quadratic_size_is_traced_not_derived():
     from peakledger.models.traced import _DERIVED, _key
 

@@ -13,7 +13,8 @@ How the pieces compose:
                on real tensors (formulas writing into their zeros, gradients summed in place), and
                `gpu_paths.py` adds what the CUDA kernels allocate inside themselves.
 - `scale.py`   derives the recording of another micro-batch size from three traced ones of one program.
-- `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers.
+- `depth.py`   derives the recording of a HF model of n identical layers from traces of 3 and 4 layers (of
+               layers that repeat every p, from 3p and 4p).
 - here         `traced_tape` (what `models.training.build_tape` calls) and the trace cache. The same program
                built for real (CPU, random weights) to validate against is on the measuring side:
                traces/reference/traced.py `real_model`.
@@ -128,9 +129,10 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
 
 
 def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
-    """The recording of a HF model of many identical layers derived from traces of 3 and 4 layers (depth.py), or
-    None where it cannot be shown exact: the derivation of 4 layers must equal their trace, and the n-layer
-    model's layers must be alike module for module (`depth.uniform`)."""
+    """The recording of a HF model of many layers derived from traces of few (depth.py), or None where it cannot be
+    shown exact. Its layers must repeat with a period p, module for module (`depth.period`: 1 where all are
+    alike, 2 where two kinds alternate), and it is traced with 3p and 4p layers, whose layers must be the n-layer
+    model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace."""
     from . import depth
 
     if model.kind != "hf":
@@ -138,14 +140,23 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
     data = model.hf_dict()
     key = depth.layer_key(data)
     n = data.get(key) if key else None
-    if not isinstance(n, int) or n <= depth.TRACED + 1 or not depth.uniform(model, setup):
+    if not isinstance(n, int) or n <= depth.TRACED + 1:
         return None
-    shallow = [recording(from_hf_dict({**data, key: k}, model.name), setup, target)
-               for k in (depth.TRACED, depth.TRACED + 1)]
+    prints = depth.fingerprints(model, setup)
+    p = depth.period_of(prints)
+    if p is None or n <= (depth.TRACED + 1) * p:
+        return None
+    kinds = data.get("layer_types")  # a HF config's per-layer list (transformers' layer_type_validation)
+    depths = (depth.TRACED * p, (depth.TRACED + 1) * p)
+    shallow_models = [from_hf_dict({**data, key: k, **({"layer_types": kinds[:k]} if isinstance(kinds, list) else {})},
+                                   model.name) for k in depths]
+    if any(depth.fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
+        return None
+    shallow = [recording(m, setup, target) for m in shallow_models]
     try:
-        if not depth.same(depth.derive(shallow[0], depth.TRACED + 1), shallow[1]):
+        if not depth.same(depth.derive(shallow[0], (depth.TRACED + 1) * p, p), shallow[1]):
             return None
-        return depth.derive(shallow[0], n)
+        return depth.derive(shallow[0], n, p)
     except depth.NotPeriodic:
         return None
 

@@ -6,8 +6,10 @@ config key is traced with 3 and with 4 layers; the 4-layer recording is derived 
 and compared with the traced one, item by item (`same`): the ops, their module paths, reads and outputs, the
 storages with their bytes, shapes, births and deaths, the autograd nodes with their events and saves, the
 parameters, their gradients, what the caller holds. Only if they are equal is the n-layer recording derived
-(models/traced/__init__.py `recording`); otherwise (layers that alternate, a first layer of its own kind, a
-shared buffer one layer makes) the model is traced whole.
+(models/traced/__init__.py `recording`); otherwise (a first layer of its own kind, a shared buffer one layer
+makes) the model is traced whole. Layers whose kinds repeat every p layers (`period`: Gemma-2 alternates
+sliding-window and full attention, p = 2) are traced with 3p and 4p layers and derived the same way, a group of p
+consecutive layers standing for one layer below.
 
 How a recording of 3 layers becomes one of n. Every item (parameter, storage, op, node, module path) belongs to a
 layer (its module path is under `layers[i]`) or to none. In each ordered list the items of one layer come in
@@ -45,9 +47,9 @@ def layer_key(data: dict) -> str | None:
     return keys[0]
 
 
-def _prefix(layers: tuple[str, ...]) -> str:
-    if len(layers) != TRACED:
-        raise NotPeriodic(f"{len(layers)} layers found, not {TRACED}")
+def _prefix(layers: tuple[str, ...], period: int = 1) -> str:
+    if len(layers) != TRACED * period:
+        raise NotPeriodic(f"{len(layers)} layers found, not {TRACED * period}")
     prefix = layers[0][:-1]
     if any(layer != f"{prefix}{i}" for i, layer in enumerate(layers)):
         raise NotPeriodic("the layers are not one numbered list")
@@ -116,18 +118,25 @@ class _Plan:
         return self.new[(i, layer)]
 
 
-def derive(rec: Recording, n: int) -> Recording:
-    """The recording of the same model with `n` >= 3 layers (module docstring); NotPeriodic if it cannot be."""
-    if n < TRACED:
-        raise NotPeriodic("fewer layers than traced")
-    prefix = _prefix(rec.layers)
+def derive(rec: Recording, n: int, period: int = 1) -> Recording:
+    """The recording of the same model with `n` >= 3 x `period` layers (module docstring) from one of 3 x `period`
+    layers whose kinds repeat every `period` layers: a group of `period` consecutive layers is then the repeated
+    unit; NotPeriodic if it cannot be."""
+    if n % period or n < TRACED * period:
+        raise NotPeriodic("fewer layers than traced, or not whole periods")
+    prefix = _prefix(rec.layers, period)
+    layers_n, n = n, n // period  # from here on n counts groups
 
-    def layer_of(path: str) -> int | None:
+    def head_of(path: str) -> int | None:
         if path.startswith(prefix):
             head = path[len(prefix):].split(".", 1)[0]
-            if head.isdigit() and int(head) < TRACED:
+            if head.isdigit() and int(head) < TRACED * period:
                 return int(head)
         return None
+
+    def layer_of(path: str) -> int | None:
+        head = head_of(path)
+        return None if head is None else head // period
 
     def moved(t: int | None, layer: int | None, u: int | None) -> int | None:
         """The layer an item of tag `u` is in, seen from a copy (of an item of tag `t`) placed in `layer`."""
@@ -140,10 +149,10 @@ def derive(rec: Recording, n: int) -> Recording:
         return layer + (u - t)
 
     def rename(path: str, layer: int | None) -> str:
-        t = layer_of(path)
-        if t is None:
+        head = head_of(path)
+        if head is None:
             return path
-        return f"{prefix}{layer}" + path[len(f"{prefix}{t}"):]
+        return f"{prefix}{layer * period + head % period}" + path[len(f"{prefix}{head}"):]
 
     ops, nodes = rec.ops, rec.nodes
     op_tag = [layer_of(op.module) for op in ops]
@@ -231,28 +240,44 @@ def derive(rec: Recording, n: int) -> Recording:
         rec, params=params, buffers=[storages[c] for s in rec.buffers for c, _ in copies(s.id)],
         inputs=[storages[c] for s in rec.inputs for c, _ in copies(s.id)], storages=storages, ops=new_ops,
         nodes=new_nodes, param_grads=param_grads, held=held, modules=modules, autocast_cached=autocast_cached,
-        layers=tuple(f"{prefix}{i}" for i in range(n)))
+        layers=tuple(f"{prefix}{i}" for i in range(layers_n)))
 
 
-def uniform(model, setup) -> bool:
-    """The model's repeated layers (record.py `find_layers`) are alike: built on the meta device, every layer has
-    the same modules, parameter shapes and dtypes, and the same plain attributes (a sliding window, an attention
-    type, a dense or sparse MLP) but its index. A pattern that repeats every k layers shows here, where traces of
-    3 and 4 layers could miss it. The model must be one list of layers."""
-
+def fingerprints(model, setup) -> list[tuple] | None:
+    """Each of the model's repeated layers (record.py `find_layers`), built on the meta device, as what makes two
+    layers alike: the same modules, parameter shapes and dtypes, and the same plain attributes (a sliding window,
+    an attention type, a dense or sparse MLP) but its index. None unless the model is one numbered list of at
+    least 3 layers."""
     with torch.device("meta"):
         net = model.build(setup)[0]
     layers = find_layers(net)
-    if not layers:
-        return False
-    try:
-        _prefix(layers[:TRACED])
-    except NotPeriodic:
-        return False
-    if any(layer != f"{layers[0][:-1]}{i}" for i, layer in enumerate(layers)):
-        return False
-    prints = {_fingerprint(net.get_submodule(layer)) for layer in layers}
-    return len(prints) == 1
+    if len(layers) < TRACED or any(layer != f"{layers[0][:-1]}{i}" for i, layer in enumerate(layers)):
+        return None
+    return [_fingerprint(net.get_submodule(layer)) for layer in layers]
+
+
+def period_of(prints: list[tuple] | None) -> int | None:
+    """The smallest p such that the layers repeat every p layers (layer i alike layer i mod p, module for module)
+    in at least 3 whole periods, or None. A pattern shows here, on every layer of the model, where traces of
+    a few layers could miss it."""
+    if not prints:
+        return None
+    for p in range(1, len(prints) // TRACED + 1):
+        if len(prints) % p == 0 and all(prints[i] == prints[i % p] for i in range(len(prints))):
+            return p
+    return None
+
+
+def period(model, setup) -> int | None:
+    """The period of the model's layers (`period_of` its `fingerprints`): 1 where all are alike, 2 where two kinds
+    alternate (Gemma-2's sliding-window and full attention), None where no period repeats."""
+    return period_of(fingerprints(model, setup))
+
+
+def uniform(model, setup) -> bool:
+    """The model's repeated layers are alike (`period` 1): one list of at least 3 layers, each with the same
+    modules, parameter shapes and dtypes, and plain attributes but its index."""
+    return period(model, setup) == 1
 
 
 def _fingerprint(layer) -> tuple:
@@ -274,4 +299,4 @@ def same(a: Recording, b: Recording) -> bool:
             and [s.id for s in a.inputs] == [s.id for s in b.inputs])
 
 
-__all__ = ["derive", "same", "uniform", "layer_key", "NotPeriodic", "TRACED"]
+__all__ = ["derive", "same", "uniform", "period", "period_of", "fingerprints", "layer_key", "NotPeriodic", "TRACED"]

@@ -6,7 +6,9 @@ the same program (the same ops on the same storages in the same order, the same 
 same events: `signature`) and whose every size (each storage's bytes and each dimension of its shape, each
 op's FLOPs) is affine in the micro-batch (a + b x B: `affine`) give the recording at any size B by that
 formula (`derive`). Whatever is not affine (a B x B tensor, a kernel chosen by size) shows in the three
-points, and then nothing is derived: the size is traced.
+points, and then nothing is derived: the size is traced. A size that is affine only from some micro-batch on (a CUDA
+reduction's staging buffer grows with the batch up to the grid's cap, then stays) is derived from the points
+from there on, three or more that are affine, for sizes from their smallest up.
 """
 
 from __future__ import annotations
@@ -57,13 +59,18 @@ def affine(points: dict[int, Recording]) -> bool:
 def derive(points: dict[int, Recording], micro_batch: int) -> Recording | None:
     """The recording at `micro_batch` from `points` (see the module docstring), or None if they do not allow it
     (fewer than three of one program, not affine, or a size that would not be a whole number or would be
-    negative). Only sizes from the smallest point of the program up are derived: a micro-batch of 1 is often a
-    program of its own (a size-1 dimension lets a reshape skip its copy)."""
+    negative). Only sizes from the smallest point used up are derived: a micro-batch of 1 is often a program of its
+    own (a size-1 dimension lets a reshape skip its copy)."""
     groups: dict[tuple, dict[int, Recording]] = {}
     for b, rec in points.items():
         groups.setdefault(signature(rec), {})[b] = rec
     points = max(groups.values(), key=len, default={})
-    if not points or micro_batch < min(points) or not affine(points):
+    sizes = sorted(points)
+    for k in range(len(sizes) - 2):  # all the points, else those above a kink (a staging buffer reaching its cap)
+        if micro_batch >= sizes[k] and affine({b: points[b] for b in sizes[k:]}):
+            points = {b: points[b] for b in sizes[k:]}
+            break
+    else:
         return None
     b1, b2 = sorted(points)[:2]
     r1, r2 = points[b1], points[b2]
