@@ -33,6 +33,7 @@ from collections import Counter
 
 import torch
 from sections import replace_section  # bench/sections.py, beside this script
+from validate_float8 import live_at_peak  # the device pool's live set at a phase's peak
 
 from peakledger import build_scenario
 from peakledger.analysis.validate import compare_logs
@@ -119,23 +120,6 @@ def run_case(preset: str, train: dict) -> dict:
             "states": states, "managed": {k: after[k] - before[k] for k in after}}
 
 
-def live_at_peak(log: EventLog, phase: Phase, step: int = 1) -> tuple[int, dict]:
-    """The highest live device bytes in `phase` of `step` and the blocks alive then."""
-    live, peak, cur, snap = 0, -1, {}, {}
-    for e in log.events:
-        if e.block.pool is not Pool.DEVICE:
-            continue
-        if e.action is Action.ALLOC:
-            cur[e.block.id] = e.block
-            live += e.block.nbytes
-        else:
-            cur.pop(e.block.id, None)
-            live -= e.block.nbytes
-        if e.phase == phase and e.step == step and live > peak:
-            peak, snap = live, dict(cur)
-    return peak, snap
-
-
 def one_sided(m: dict, s: dict) -> tuple[int, list[str], list[str]]:
     """(blocks paired by size, measured-only names, predicted-only names) of two live sets."""
     a, b = Counter(x.nbytes for x in m.values()), Counter(x.nbytes for x in s.values())
@@ -194,8 +178,8 @@ def phase_rows(r: dict) -> list[str]:
 def at_peaks(r: dict) -> list[str]:
     rows = []
     for ph in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER):
-        pm, cm = live_at_peak(r["measured"], ph)
-        ps, cs = live_at_peak(r["simulated"], ph)
+        pm, cm = live_at_peak(r["measured"], ph, pool=Pool.DEVICE)
+        ps, cs = live_at_peak(r["simulated"], ph, pool=Pool.DEVICE)
         n, om, os_ = one_sided(cm, cs)
         side = "; ".join([f"measured only: {', '.join(om)}"] * bool(om) +
                          [f"predicted only: {', '.join(os_)}"] * bool(os_)) or "none"

@@ -21,7 +21,7 @@ from sections import replace_section  # bench/sections.py, beside this script
 
 from peakledger import build_scenario
 from peakledger.api import run
-from peakledger.simulator.events import Phase
+from peakledger.simulator.events import Phase, Pool
 from peakledger.validation import validate
 
 SECTION = "## Float8 training (torchao)"
@@ -44,10 +44,13 @@ def fp8_allocs(log, phase: Phase, step: int = 1, by_name: bool = False) -> tuple
     return len(blocks), sum(b.nbytes for b in blocks)
 
 
-def live_at_peak(log, phase: Phase, step: int = 1) -> tuple[int, dict]:
-    """The highest live bytes in `phase` of `step` and the blocks alive then (id -> Block)."""
+def live_at_peak(log, phase: Phase, step: int = 1, pool: Pool | None = None) -> tuple[int, dict]:
+    """The highest live bytes in `phase` of `step` and the blocks alive then (id -> Block); with `pool`, that pool's
+    blocks only (the fake-CUDA comparison's device, bench/validate_fakecuda_lowp.py)."""
     live, peak, cur, snap = 0, -1, {}, {}
     for e in log.events:
+        if pool is not None and e.block.pool is not pool:
+            continue
         if e.action.value == "alloc":
             cur[e.block.id] = e.block
             live += e.block.nbytes
