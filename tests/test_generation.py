@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from validate_generation import kv_peak  # bench/: KV_CACHE bytes live at once within a phase
 
 from peakledger.analysis.explain import cause
 from peakledger.analysis.validate import compare_logs
@@ -37,16 +38,6 @@ def agree(predicted, measured) -> set[Phase]:
     return {e.phase for e in predicted.events}
 
 
-def kv_in(log, phase: Phase) -> int:
-    live = best = 0
-    for e in log.events:
-        if e.block.category is Category.KV_CACHE:
-            before, live = live, live + e.delta
-            if e.phase is phase:
-                best = max(best, before, live)
-    return best
-
-
 def test_generate_dynamic_greedy_agrees_with_its_real_run_and_its_cache_grows_by_concatenation():
     p, n, prompts = 6, 4, 2
     predicted, measured = both(GEN, ["--train-steps", "1", "--micro-batch", "1", "--prompts", str(prompts),
@@ -55,8 +46,8 @@ def test_generate_dynamic_greedy_agrees_with_its_real_run_and_its_cache_grows_by
     token = prompts * KV_HEADS * HEAD_DIM * 4  # one layer's keys for one token, fp32
     # the last decode step: every layer holds p + n - 1 tokens, and torch.cat's old values (p + n - 2) live a moment
     want = LAYERS * 2 * token * (p + n - 1) + token * (p + n - 2)
-    assert kv_in(predicted, Phase.DECODE) == kv_in(measured, Phase.DECODE) == want
-    assert kv_in(predicted, Phase.PREFILL) == LAYERS * 2 * token * p
+    assert kv_peak(predicted, Phase.DECODE) == kv_peak(measured, Phase.DECODE) == want
+    assert kv_peak(predicted, Phase.PREFILL) == LAYERS * 2 * token * p
 
 
 def test_generate_static_sampling_with_several_sequences_agrees_and_preallocates_max_length():
@@ -67,7 +58,8 @@ def test_generate_static_sampling_with_several_sequences_agrees_and_preallocates
     agree(predicted, measured)
     # StaticCache: max_cache_len = max_length - 1 for every expanded row, allocated at the prefill's first update
     want = LAYERS * 2 * prompts * seqs * KV_HEADS * HEAD_DIM * 4 * (p + n - 1)
-    assert kv_in(predicted, Phase.PREFILL) == kv_in(predicted, Phase.DECODE) == kv_in(measured, Phase.DECODE) == want
+    assert (kv_peak(predicted, Phase.PREFILL) == kv_peak(predicted, Phase.DECODE) == kv_peak(measured, Phase.DECODE)
+            == want)
 
 
 @pytest.mark.parametrize("accumulation", [0, 2])
