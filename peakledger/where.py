@@ -29,12 +29,11 @@ from .analysis.card_fit import THIN_MARGIN
 from .analysis.host import HostFit, HostLimits, judge_host
 from .analysis.units import format_bytes
 from .gpus import GPU_LIMIT, Count, layouts_by_key, min_gpus
-from .models import gpu
 from .models.config import ConfigError
 from .models.devices import DEVICES, DeviceProfile
 from .models.families import family_of
 from .models.names import did_you_mean
-from .models.transformer.attention import GPU_TARGET
+from .models.transformer.attention import GPU_TARGET, sdpa_choice
 from .scenario import Scenario
 from .where_rl import RlFit, rl_fit
 
@@ -144,29 +143,30 @@ def uses_bf16(scenario: Scenario) -> bool:
 
 
 def attention_note(scenario: Scenario, profile: DeviceProfile) -> str | None:
-    """Where the hand-written describers' SDPA kernel (chosen for `GPU_TARGET` under its torch rules) is not the one
-    torch picks on this GPU under the same rules: a note saying so (that row's attention tensors are the other
-    kernel's); None where they agree, or the model is traced (its trace follows the GPU) or runs eager attention."""
+    """Where the hand-written describers' SDPA kernel (written for `GPU_TARGET`'s sm, models/transformer/attention.py
+    `sdpa_choice`) is not the one the run's torch picks on this GPU: a note saying so (that row's attention tensors
+    are the other kernel's); None where they agree, or the model is traced (its trace follows the GPU) or runs eager
+    attention."""
     model = scenario.model
     if not family_of(model).transformer or model.attention != "sdpa":
         return None
-    cc, rules = GPU_TARGET
+    cc = GPU_TARGET[0]
     if tuple(profile.compute_capability) == tuple(cc):
         return None
-    s = scenario.setup
+    s, version = scenario.setup, scenario.torch_version
     n_kv = model.kv_heads
-    def pick(capability):
-        return gpu.sdpa_backend(s.precision.compute, model.head_size, model.dropout, False, True, capability, rules,
-                                seq_q=s.batch.seq_len, seq_k=s.batch.seq_len, n_head=model.n_head, n_kv_head=n_kv,
-                                enable_gqa=n_kv != model.n_head)
 
-    written, here = pick(cc), pick(profile.compute_capability)
+    def pick(capability):
+        return sdpa_choice(s.precision.compute, s.batch.seq_len, model.n_head, n_kv, model.head_size, model.dropout,
+                           version, capability)
+
+    written, here = pick(None), pick(tuple(profile.compute_capability))
     if written == here:
         return None
     target = "sm{}{}".format(*cc)
-    return (f"attention: the hand-written describer writes the {written} SDPA kernel ({target}'s choice); torch "
-            f"{rules} picks {here} on sm{''.join(map(str, profile.compute_capability))}, whose saved tensors are "
-            "not simulated here")
+    return (f"attention: the hand-written describer writes the {written} SDPA kernel ({target}'s choice under torch "
+            f"{version}); torch {version} picks {here} on sm{''.join(map(str, profile.compute_capability))}, whose "
+            "saved tensors are not simulated here")
 
 
 def place(scenario: Scenario, profile: DeviceProfile, search: bool = True, host: HostLimits | None = None

@@ -185,9 +185,14 @@ def test_notes_say_what_a_profile_cannot_show(lora):
         assert any(n.startswith("attention: the hand-written describer writes the flash") for n in notes[name]), name
     assert all(not notes[n] for n in BY_MEMORY if not n.startswith(("T4", "V100")))
     assert [r["device"] for r in lora["devices"] if not r["exact"]] == ["T4-16GB", "V100-16GB", "V100-32GB"]
-    d = cli_json("where", *LLAMA_1B, "--precision", "fp16-mixed", "--devices", "T4-16GB", "--no-max-batch")
-    assert not any(n.startswith("bf16") for n in d["devices"][0]["notes"])  # fp16 is native there
-    assert "torch 2.6 picks math on sm75" in d["devices"][0]["notes"][0]  # no flash before sm80; efficient: no GQA
+    for version, written in (("2.13", "cudnn"), ("2.6", "flash")):  # the note judges under the run's own torch
+        d = cli_json("where", *LLAMA_1B, "--precision", "fp16-mixed", "--devices", "T4-16GB", "--no-max-batch",
+                     "--torch-version", version)
+        assert not any(n.startswith("bf16") for n in d["devices"][0]["notes"])  # fp16 is native there
+        note = d["devices"][0]["notes"][0]
+        assert note.startswith(f"attention: the hand-written describer writes the {written} SDPA kernel (sm90's "
+                               f"choice under torch {version})"), note  # 2.13's cuDNN on sm90 in 16-bit
+        assert f"torch {version} picks math on sm75" in note  # no flash before sm80; efficient: no GQA
 
 
 def test_a_traced_hf_config_is_traced_for_each_gpu():

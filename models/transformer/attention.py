@@ -74,14 +74,23 @@ GPU_TARGET = ((9, 0), "2.6")
 
 def cuda_sdpa_backend(q: TensorSpec, n_head: int, n_kv: int, head_dim: int, dropout: float,
                       torch_version: str = GPU_TARGET[1]) -> str:
-    """The CUDA SDPA kernel of `F.scaled_dot_product_attention(q, k, v, is_causal=True)` on `GPU_TARGET`'s sm: from
-    2.13 (its cu130 wheel's cuDNN 9.20), cuDNN attention for 16-bit inputs (models/gpu.py `sdpa_cudnn`); else
-    the choice under GPU_TARGET's (2.6's) rules, as before."""
-    cc = GPU_TARGET[0]
-    T = q.shape[1]
+    """The CUDA SDPA kernel of `F.scaled_dot_product_attention(q, k, v, is_causal=True)` the hand-written tape writes
+    (`sdpa_choice` of q's dtype and length)."""
+    return sdpa_choice(q.dtype, q.shape[1], n_head, n_kv, head_dim, dropout, torch_version)
+
+
+def sdpa_choice(dtype: str, seq: int, n_head: int, n_kv: int, head_dim: int, dropout: float,
+                torch_version: str = GPU_TARGET[1], compute_capability: tuple[int, int] | None = None) -> str:
+    """The causal SDPA kernel torch `torch_version` picks for these inputs. Without `compute_capability`, the one the
+    hand-written tape writes, on `GPU_TARGET`'s sm: from 2.13 (its cu130 wheel's cuDNN 9.20) cuDNN attention for
+    16-bit inputs (models/gpu.py `sdpa_cudnn`); else the choice under GPU_TARGET's (2.6's) rules, as before. With
+    it, torch's own pick on that sm under the release's rules (peakledger/where.py's note on another card)."""
     cudnn, cuda_major = gpu.sdpa_cudnn(torch_version)
-    version = gpu.kernel_rules(torch_version) if cudnn else GPU_TARGET[1]
-    return gpu.sdpa_backend(q.dtype, head_dim, dropout, False, True, cc, version, seq_q=T, seq_k=T, n_head=n_head,
+    if compute_capability is None:
+        cc, rules = GPU_TARGET[0], (gpu.kernel_rules(torch_version) if cudnn else GPU_TARGET[1])
+    else:
+        cc, rules = compute_capability, gpu.kernel_rules(torch_version)
+    return gpu.sdpa_backend(dtype, head_dim, dropout, False, True, cc, rules, seq_q=seq, seq_k=seq, n_head=n_head,
                             n_kv_head=n_kv, enable_gqa=n_kv != n_head, cudnn_version=cudnn, cuda_major=cuda_major)
 
 
