@@ -63,6 +63,7 @@ from .harness import (
     free_loopback_port,
     holders,
     measure_ranks,
+    released_call,
     run_metadata,
     tracking,
     train_steps,
@@ -308,13 +309,8 @@ class BackendReleased:
 
     @staticmethod
     def call(inner, count: ReleaseCount, **kwargs):
-        tensors = (kwargs["output_tensor"], kwargs["input_tensor"])
-        before = holders(tensors)
-        work = inner(**kwargs)
-        count.collectives += 1
-        if work is None:  # synchronous: the collective has completed; an async Work keeps its tensors by design
-            wait_released(tensors, before, count, BackendReleased.TIMEOUT_S)
-        return work
+        return released_call(inner, (kwargs["output_tensor"], kwargs["input_tensor"]), count,
+                             BackendReleased.TIMEOUT_S, **kwargs)
 
 
 def unit_params(model: torch.nn.Module) -> dict[str, list[str]]:

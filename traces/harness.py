@@ -230,6 +230,71 @@ def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: fl
         time.sleep(1e-5)
 
 
+def released_call(fn: Callable, tensors: tuple, count: ReleaseCount, timeout_s: float, /, *args, **kwargs):
+    """`fn(*args, **kwargs)`, a collective on `tensors`; when it ran synchronously (returned no Work: an async Work
+    keeps its tensors by design), it returns only once the process group has let go of them (`wait_released`)."""
+    before = holders(tensors)
+    work = fn(*args, **kwargs)
+    count.collectives += 1
+    if work is None:
+        wait_released(tensors, before, count, timeout_s)
+    return work
+
+
+# The synchronous collectives a user's FSDP2 script reaches (torch 2.13's DefaultAllGather / DefaultReduceScatter,
+# torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, call `dist.all_gather_single` / `reduce_scatter_single`;
+# older releases and hand-written loops the `_into_tensor` / `_tensor` ones), looked up on `torch.distributed` at call.
+SYNC_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                    "all_reduce", "broadcast")
+
+
+@contextlib.contextmanager
+def collectives_released(count: ReleaseCount, tracker=None, timeout_s: float = 5.0):
+    """Inside, every synchronous collective of `SYNC_COLLECTIVES` called through `torch.distributed` returns only once
+    the process group has released its tensors (`released_call`), counted in `count`; with the entered `tracker`
+    (traces/tracker.py `AllocationTracker`), also once every storage the call itself allocated is freed: gloo's
+    reduce-scatter clones its whole input and all-reduces the clone, which its worker thread and the caller's work
+    object both hold (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp `reduce_scatter_tensor_coalesced`), so its
+    last reference goes on whichever thread lets go last. A program measured as it is (traces/script_run.py, a user's
+    script) then has its frees where it drops its references, as traces/distributed.py's `BackendReleased` does for
+    the FSDP2 units it builds. It allocates nothing."""
+    originals = {name: getattr(dist, name) for name in SYNC_COLLECTIVES if hasattr(dist, name)}
+
+    def released(fn: Callable) -> Callable:
+        def call(*args, **kwargs):
+            tensors = tuple(x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+            first = len(tracker.records) + 1 if tracker is not None else 0
+            work = released_call(fn, tensors, count, timeout_s, *args, **kwargs)
+            if work is None and tracker is not None:
+                own = {id(r) for r in map(tracker.record_of, tensors) if r is not None}  # the caller's tensors
+                made = [tracker.records[k] for k in range(first, len(tracker.records) + 1)]
+                _wait_freed([r for r in made if id(r) not in own], count, timeout_s)
+            return work
+        call.__wrapped__ = fn
+        return call
+
+    for name, fn in originals.items():
+        setattr(dist, name, released(fn))
+    try:
+        yield count
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _wait_freed(records: list, count: ReleaseCount, timeout_s: float) -> None:
+    """Wait until each tracker record of `records` (a collective's own copies) has been freed."""
+    if all(r.freed for r in records):
+        return
+    count.waited += 1
+    deadline = time.monotonic() + timeout_s
+    while not all(r.freed for r in records):
+        if time.monotonic() > deadline:
+            count.timeouts += 1
+            return
+        time.sleep(1e-5)
+
+
 # -- in a rank ------------------------------------------------------------------------------------------------
 
 def batch_tensors(batches) -> tuple:
@@ -273,5 +338,5 @@ def run_metadata(rank: int, world_size: int, model_cfg, setup: TrainingSetup, ba
 
 
 __all__ = ["Job", "measure_ranks", "spawn_ranks", "process_group", "gloo_group", "loopback_listener", "log_path",
-           "free_loopback_port", "LOOPBACK", "ReleaseCount", "holders", "wait_released", "batch_tensors", "tracking",
-           "train_steps", "run_metadata"]
+           "free_loopback_port", "LOOPBACK", "ReleaseCount", "holders", "wait_released", "released_call",
+           "collectives_released", "batch_tensors", "tracking", "train_steps", "run_metadata"]

@@ -4,13 +4,17 @@ The same script, arguments and world as the prediction (models/script/run.py `sc
 folder, offline), with real tensors: every storage it allocates and frees is the tracker's (traces/tracker.py),
 the position of each event comes from the same calls the prediction reads (models/script/phases.py
 `ScriptPhases`), and the labels from the models and optimizers the script used, scanned after each backward,
-optimizer step and zero_grad. It stops after the same number of optimizer steps. The result is an `EventLog`
+optimizer step and zero_grad. It stops after the same number of optimizer steps. In a distributed script every
+synchronous collective returns only once gloo has released its tensors (traces/harness.py `collectives_released`):
+gloo's worker thread otherwise drops the last reference to its own copy of a reduce-scatter's input (the root
+unit's gradients) at a moment that varies run to run, in some runs inside the next phase. The result is an `EventLog`
 in the schema, held against the prediction by analysis/validate.py. peakledger/script.py runs it in a forked
 child (models/script/child.py), as it runs the prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -20,6 +24,7 @@ from ..models.script.record import label_state
 from ..models.script.run import rank_env, run_path, script_context
 from ..simulator.events import Category, EventLog
 from ..simulator.run_metadata import RunMetadata
+from .harness import ReleaseCount, collectives_released
 from .tracker import AllocationTracker
 
 
@@ -48,15 +53,17 @@ def measure_script(path: Path, argv: list[str], steps: int | None, seconds: floa
 
     phases = ScriptPhases(steps, on_position=position, on_scan=scan, on_inputs=inputs, on_module=module,
                           on_label=label)
+    release = ReleaseCount()
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with script_context(path, argv, rank_env(rank, world_size, port)):
-            with phases, tracker:
+            with phases, tracker, collectives_released(release, tracker):
                 run_path(path, seconds)
             log = tracker.log(RunMetadata(source="torch-dispatch-tracker (peakledger run's measurement)",
                                           script=path.name))
     finally:
         torch.set_num_threads(previous)
-    log.metadata = log.metadata.updated(script_calls=vars(phases.calls))
+    log.metadata = log.metadata.updated(script_calls=vars(phases.calls),
+                                        **({"backend_release": dataclasses.asdict(release)} if world_size > 1 else {}))
     return log
