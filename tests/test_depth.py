@@ -19,6 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 H100 = ((9, 0), "2.11")
 
 
+@pytest.fixture(autouse=True)
+def _in_this_process(monkeypatch):
+    """Every trace in this process, where these tests count them (test_the_deeper_trace_runs_in_a_fork: beside it)."""
+    monkeypatch.setenv("PEAKLEDGER_FORK", "0")
+
+
 def _config(name: str, **extra) -> dict:
     return {**json.loads((ROOT / "examples" / name / "config.json").read_text()), **extra}
 
@@ -137,3 +143,28 @@ def test_layer_key_names_one_stack():
     assert depth.layer_key({"num_hidden_layers": 32}) == "num_hidden_layers"
     assert depth.layer_key({"n_layer": 12}) == "n_layer"
     assert depth.layer_key({"num_layers": 6, "num_decoder_layers": 6}) is None  # an encoder-decoder: two stacks
+
+
+def test_the_deeper_trace_runs_in_a_fork_beside_this_one(monkeypatch, tmp_path):
+    # models/forked.py: the 8-layer trace in a forked child while this process traces 6 layers; the same recording
+    monkeypatch.setenv("PEAKLEDGER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("peakledger.models.forked.worth_forking", lambda: True)
+    trace._CACHE.clear()  # (another test of this process may have traced the same shallow models)
+    model = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=10), "gemma2-10-forked")
+    setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16", checkpointing="full")
+    traced = []
+    whole_trace = trace._trace
+
+    def counted(m, s, t):
+        traced.append(json.loads(m.source)["num_hidden_layers"])
+        return whole_trace(m, s, t)
+
+    monkeypatch.setattr(trace, "_trace", counted)
+    forked = recording(model, setup, H100)
+    assert traced == [6]  # (the child's count is its own)
+    assert len(list(tmp_path.glob("rec-*"))) == 3  # 6, 8 and 10 layers on disk, the child's entry included
+    trace._CACHE.clear()
+    monkeypatch.setattr("peakledger.models.forked.worth_forking", lambda: False)
+    monkeypatch.setenv("PEAKLEDGER_CACHE_DIR", str(tmp_path / "here"))
+    here = recording(model, setup, H100)
+    assert traced == [6, 6, 8] and depth.same(forked, here)

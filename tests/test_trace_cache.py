@@ -29,6 +29,12 @@ def _fresh_process() -> None:
     trace._DERIVED.clear()
 
 
+@pytest.fixture(autouse=True)
+def _in_this_process(monkeypatch):
+    """Every trace in this process, where these tests count them (models/forked.py: no fork)."""
+    monkeypatch.setenv("PEAKLEDGER_FORK", "0")
+
+
 @pytest.fixture
 def disk(tmp_path, monkeypatch):
     folder = tmp_path / "traces"

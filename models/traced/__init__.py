@@ -152,13 +152,43 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
                                    model.name) for k in depths]
     if any(depth.fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
         return None
-    shallow = [recording(m, setup, target) for m in shallow_models]
+    shallow = _both(shallow_models, setup, target)
     try:
         if not depth.same(depth.derive(shallow[0], (depth.TRACED + 1) * p, p), shallow[1]):
             return None
         return depth.derive(shallow[0], n, p)
     except depth.NotPeriodic:
         return None
+
+
+def _both(models: list[TracedModel], setup: TrainingSetup, target: tuple | None) -> list:
+    """The recordings of the two shallow models of a depth derivation; where neither is cached (here or on disk) the
+    deeper one is traced in a forked child beside this process's trace of the other (models/forked.py: a trace is one
+    Python thread; a child that fails or stalls gives None and it is traced here, the same recording either way)."""
+    from ..forked import forked, worth_forking
+
+    deeper = models[-1]
+    key = _key(deeper, setup, target)
+    disk = store.entry(deeper, key, setup.lora.r, setup.lora.quantize)
+    if not worth_forking() or any(_cached(m, setup, target) for m in models):
+        return [recording(m, setup, target) for m in models]
+    pending = forked(lambda: recording(deeper, setup, target))
+    first = recording(models[0], setup, target)
+    got = pending()
+    if got is None:
+        return [first, recording(deeper, setup, target)]
+    if disk is not None and not disk.path.exists():  # (the child saved it, unless its folder could not be written)
+        disk.save(got)
+    return [first, _remember(key, got)]
+
+
+def _cached(model: TracedModel, setup: TrainingSetup, target: tuple | None) -> bool:
+    """`model`'s recording is in this process's cache or on disk."""
+    key = _key(model, setup, target)
+    if key in _CACHE:
+        return True
+    disk = store.entry(model, key, setup.lora.r, setup.lora.quantize)
+    return disk is not None and disk.path.exists()
 
 
 def _remember(key: tuple, rec):
