@@ -20,13 +20,22 @@ from ..models.config import ConfigError
 from .units import parse_bytes
 
 
-def max_fitting(peak_of: Callable[[int], int], budget: int, limit: int = 2**64) -> int:
-    if peak_of(0) > budget:
-        return -1
-    if peak_of(1) > budget:
-        return 0
-    lo, hi = 1, 2  # peak_of(lo) fits; find hi that does not (or reaches limit)
-    while hi <= limit and peak_of(hi) <= budget:
+def max_fitting(peak_of: Callable[[int], int], budget: int, limit: int = 2**64, start: int = 1) -> int:
+    """The search (module docstring). `start`: a micro-batch to probe first (the scenario's own, whose peak the caller
+    already has): where it fits, the doubling starts from it and the sizes below it are not probed (the peak being
+    non-decreasing, they fit); where it does not, the search stays below it. The answer is the same for any `start`."""
+    start = min(max(start, 1), limit)
+    if start > 1 and peak_of(start) <= budget:
+        lo, hi = start, start * 2  # peak_of(lo) fits, and so do 0 .. lo - 1
+    else:
+        if peak_of(0) > budget:
+            return -1
+        if peak_of(1) > budget:
+            return 0
+        lo, hi = 1, 2  # peak_of(lo) fits; find hi that does not (or reaches limit)
+        if start > 1:
+            hi = start  # known not to fit: the binary search below takes it from here
+    while hi <= limit and hi != start and peak_of(hi) <= budget:
         lo, hi = hi, hi * 2
     if hi > limit:
         if peak_of(limit) <= budget:

@@ -133,8 +133,9 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
                     progress: Progress | None = None) -> int:
     """Largest micro-batch whose simulated peak x (1 + headroom) fits `budget`; 0 if only the fixed
     state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound). A module
-    whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused. `progress(i, None,
-    what)` before each probe (peakledger/progress.py; silent by default)."""
+    whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused. The scenario's own
+    micro-batch is probed first (analysis/maxbatch.py `max_fitting`'s `start`: where it fits, no smaller one is
+    traced). `progress(i, None, what)` before each probe (peakledger/progress.py; silent by default)."""
     say = reporter(progress)
     model = scenario.model
     if isinstance(model, TracedModel) and model.kind == "module" and "micro_batch" not in model.varies:
@@ -157,7 +158,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
         return cache[b]
 
-    return max_fitting(need, budget, limit)
+    return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch)
 
 
 def batch_range(*, fixed, per_sample, budget) -> BatchRange:

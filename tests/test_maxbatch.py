@@ -30,6 +30,11 @@ def test_max_batch_against_brute_force():
                 f = linear(fixed, per)
                 brute = max([b for b in range(0, 500) if f(b) <= budget], default=-1)
                 assert max_fitting(f, budget, limit=10**6) == brute
+                for start in (2, 3, 7, 64):  # probing the scenario's own micro-batch first changes no answer
+                    asked = []
+                    got = max_fitting(lambda b: asked.append(b) or f(b), budget, limit=10**6, start=start)
+                    assert got == brute, (fixed, per, budget, start)
+                    assert asked[0] == start and (f(start) > budget or min(asked) >= start)  # none below a fit
 
 
 def test_budget_strings():
