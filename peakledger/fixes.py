@@ -292,8 +292,8 @@ def lora_fixes(scenario: Scenario) -> list[Candidate]:
 
 
 def compile_fixes(scenario: Scenario) -> list[Candidate]:
-    """torch.compile where it is modelled (analysis/checkpointing.py `compile_applies`; elsewhere the setup refuses
-    it and the fix is skipped): fewer saved activations, temporaries fused away."""
+    """torch.compile where it is modelled (analysis/checkpointing/policies.py `compile_applies`; elsewhere the setup
+    refuses it and the fix is skipped): fewer saved activations, temporaries fused away."""
     if not compile_applies(scenario):
         return []
     return [("torch.compile (inductor)", {"compile": True}, False,

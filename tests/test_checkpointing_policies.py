@@ -240,7 +240,7 @@ def test_search_checks_its_answer_when_the_model_is_wrong(monkeypatch, scale):
     """A deliberately optimistic model (what layers hold, scaled down): an answer that does not fit when
     simulated tightens the limit for another round; the result always fits when verified, and says how
     it got there (with nothing held at all, only every layer checkpointed is left)."""
-    import peakledger.analysis.checkpointing as ck
+    import peakledger.analysis.checkpointing.search as ck  # (where optimal_checkpointing reads layer_costs)
     base = scenario(n_layer=4, precision="bf16-autocast")
     costs, plain, full = layer_costs(base)
     scaled = lambda pair: tuple(int(x * scale) for x in pair)  # noqa: E731
