@@ -44,8 +44,11 @@ def _batch(p) -> str:
 def render(result: Where, unit: str | None) -> str:
     """The table: every size in one unit (`unit`, else the largest value's), named in the first line."""
     g = Scale.of([x for p in result.placements for x in (p.usable, p.allocated_peak, p.reserved_peak,
-                                                          p.outside_allocator, p.device_total_peak, p.margin)], unit)
-    f = g.number
+                                                          p.outside_allocator, p.device_total_peak, p.margin)
+                  if x is not None], unit)
+
+    def f(x: int | None) -> str:
+        return "-" if x is None else g.number(x)  # (a refused row has no sizes)
     head = (f"{result.scenario}: micro-batch {result.micro_batch}, {result.precision}, torch {result.torch_version} "
             "CUDA rules" + (f", headroom {result.headroom:g}" if result.headroom else "")
             + (f"; {result.world_size} GPUs, each row one GPU (the worst rank)" if result.world_size > 1 else "")
@@ -56,8 +59,9 @@ def render(result: Where, unit: str | None) -> str:
         rows.append((p.device, f(p.usable), f(p.allocated_peak), f(p.reserved_peak), f(p.outside_allocator),
                      f(p.device_total_peak),
                      ("yes" if p.fits else "no") + (" (host)" if p.host_fails else "")
+                     + (" (refused)" if p.refused is not None else "")
                      + (" (flush)" if p.by_retry else "") + ("" if p.exact else "*"),
-                     ("+" if p.margin >= 0 else "") + f(p.margin), _batch(p)))
+                     ("+" if p.margin is not None and p.margin >= 0 else "") + f(p.margin), _batch(p)))
     out = [head, "", *table_lines(cols, rows)]
     fits = result.fits_on
     out += ["", f"fits on {len(fits)} of {len(result.placements)}: {', '.join(fits)}" if fits
@@ -73,7 +77,8 @@ def render(result: Where, unit: str | None) -> str:
     out += ["", "usable: the total the CUDA driver reports (cudaMemGetInfo; bench/SOURCES.md); outside: CUDA context "
             "and kernels (+ NCCL's buffers) outside the caching allocator; device total = outside + reserved; "
             "margin = usable - device total x (1 + headroom); fits no (host): the GPU fits, the node's host does not "
-            "(notes); fits (flush): only because the allocator frees its "
+            "(notes); fits no (refused): the run stops before its first step on this card (a colocated vLLM engine "
+            "refuses to start: notes), no sizes; fits (flush): only because the allocator frees its "
             "cache and retries, the row the run on this card; max mb: the largest micro-batch that fits (-: not "
             "searched; 0: the parameters, gradients and optimizer states do, not one sample; none: not even they)"]
     return "\n".join(out)

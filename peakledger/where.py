@@ -35,7 +35,7 @@ from .models.families import family_of
 from .models.names import did_you_mean
 from .models.transformer.attention import GPU_TARGET, sdpa_choice
 from .scenario import Scenario
-from .where_rl import RlFit, rl_fit
+from .where_rl import REFUSED, RlFit, rl_fit
 
 GPU_PROFILES = tuple(name for name, p in DEVICES.items() if p.is_cuda)
 
@@ -66,13 +66,14 @@ class Placement:
     usable: int  # bytes: the profile's memory_bytes
     compute_capability: tuple[int, int]
     bf16_native: bool
-    allocated_peak: int  # the worst rank's allocated peak (tensors)
-    reserved_peak: int  # its reserved peak (the caching allocator's segments)
-    outside_allocator: int  # at the device-total peak: CUDA context and kernels (+ NCCL's buffers)
-    device_total_peak: int  # outside_allocator + reserved at the device-total peak
-    capacity_needed: int  # device_total_peak x (1 + headroom)
+    # the sizes are None on a row where the run cannot start (`refused`)
+    allocated_peak: int | None  # the worst rank's allocated peak (tensors)
+    reserved_peak: int | None  # its reserved peak (the caching allocator's segments)
+    outside_allocator: int | None  # at the device-total peak: CUDA context and kernels (+ NCCL's buffers)
+    device_total_peak: int | None  # outside_allocator + reserved at the device-total peak
+    capacity_needed: int | None  # device_total_peak x (1 + headroom)
     fits: bool
-    margin: int  # usable - capacity_needed
+    margin: int | None  # usable - capacity_needed
     max_micro_batch: int | None  # -1: not even the fixed state; 0: only it; None: not searched (see `searched`)
     searched: bool  # False: not asked for, or the batch is fixed (a module whose factory takes no micro_batch)
     exact: bool  # False: the describer does not write this GPU's program (`attention_note`); its figures are another's
@@ -88,6 +89,18 @@ class Placement:
     # an RL run (--rl grpo): its rollout batch and vLLM utilization range (peakledger/where_rl.py); max_micro_batch
     # is then its search's (the micro-batches TRL accepts; 0: not the least of them)
     rl: RlFit | None = None
+    # why the run cannot start on this card (a colocated vLLM engine's own refusal, models/rl.py); the row then has
+    # no sizes and does not fit
+    refused: str | None = None
+
+    @classmethod
+    def refused_on(cls, profile: DeviceProfile, why: str) -> "Placement":
+        """The row of a card where the run stops before its first step (vLLM refuses to start): no sizes, no fit."""
+        return cls(device=profile.name, usable=profile.memory_bytes,
+                   compute_capability=tuple(profile.compute_capability), bf16_native=profile.bf16_native,
+                   allocated_peak=None, reserved_peak=None, outside_allocator=None, device_total_peak=None,
+                   capacity_needed=None, fits=False, margin=None, max_micro_batch=None, searched=False, exact=True,
+                   search_limit_reached=False, notes=(why,), refused=why)
 
     @property
     def by_retry(self) -> bool:
@@ -109,7 +122,8 @@ class Placement:
                 "unbounded_device_total": self.unbounded_total, "notes": list(self.notes),
                 **({"host": self.host.as_json()} if self.host is not None and (self.host.asked or self.host_fails)
                    else {}),
-                **({"rl": self.rl.as_json()} if self.rl is not None else {})}
+                **({"rl": self.rl.as_json()} if self.rl is not None else {}),
+                **({"refused": self.refused} if self.refused is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -231,7 +245,12 @@ def where(scenario: Scenario, devices: Sequence[str] | None = None, search: bool
     for i, profile in enumerate(profiles):
         if progress is not None:
             progress(i, len(profiles), profile.name)
-        placements.append(place(scenario, profile, search, host))
+        try:
+            placements.append(place(scenario, profile, search, host))
+        except ConfigError as e:
+            if e.field != REFUSED:
+                raise
+            placements.append(Placement.refused_on(profile, e.message))  # this card only: the others are judged
     s = scenario.setup
     return Where(scenario=scenario.name, micro_batch=s.batch.micro_batch, precision=s.precision.name,
                  headroom=scenario.headroom, torch_version=scenario.torch_version, world_size=s.mesh.world_size,

@@ -93,3 +93,21 @@ def test_simulate_check_counts_vllms_mapped_memory():
     rollout = next(p for p in good["phases"] if (p["step"], p["phase"]) == (2, "rollout"))
     assert rollout["device_total"] >= context + vllm_weights() + kv_pool(0.3)
     assert good["fit_check"]["capacity_needed"] == good["device_total_peak"]["device_total"] <= TOTAL
+
+
+def test_a_card_where_vllm_refuses_to_start_is_a_no_row():
+    # utilization 0.03: vLLM's KV pool holds no 1,024-token request on the T4 (its least is above 0.05) and does on the
+    # A100-40GB (0.02): the T4 is a row that does not fit, with no sizes and vLLM's reason; the A100 is judged
+    flags = argv(vllm_gpu_memory_utilization=0.03)[1:]
+    at = flags.index("--device")
+    cmd = ["where", *flags[:at], *flags[at + 2:], "--devices", "T4-16GB,A100-40GB", "--no-max-batch"]
+    rc, out, err = cli(*cmd, "--json")
+    assert rc == 0, err
+    t4, a100 = json.loads(out)["devices"]
+    assert t4["refused"].startswith("vLLM refuses to start") and t4["fits"] is False
+    assert t4["allocated_peak"] is t4["margin_bytes"] is t4["capacity_needed"] is None
+    assert t4["notes"] == [t4["refused"]]
+    assert a100["fits"] is True and "refused" not in a100
+    rc, text, _ = cli(*cmd, "--check")
+    assert rc == 0 and "no (refused)" in text and "fits on 1 of 2: A100-40GB" in text
+    assert cli(*cmd[:-3], "--devices", "T4-16GB", "--no-max-batch", "--check")[0] == 1  # fits nowhere: 1, not 2
