@@ -25,6 +25,7 @@ import sys
 import time
 import warnings
 
+from memtracker_step import memtracker_step  # bench/memtracker_step.py, beside this script
 from sections import replace_section  # bench/sections.py, beside this script
 
 os.environ["PEAKLEDGER_CACHE_DIR"] = "off"  # the disk cache of traces (models/traced/store.py) would answer "first"
@@ -129,44 +130,8 @@ def max_batch(model) -> dict:
 
 
 def memtracker(config: dict) -> dict:
-    """torch's MemTracker on the same model under FakeTensorMode: bf16 weights (as HF loads them with
-    dtype=torch.bfloat16), one forward + backward + AdamW step."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-
-    out = {}
-    t0 = time.perf_counter()
-    try:
-        with FakeTensorMode():
-            stage = "build"
-            cfg = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"})
-            with no_init_weights():
-                model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-            model.train()
-            out["build"] = time.perf_counter() - t0
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            ids = torch.randint(0, cfg.vocab_size, (SETUP.batch.micro_batch, SETUP.batch.seq_len))
-            stage = "step"
-            t1 = time.perf_counter()
-            mt = MemTracker()
-            mt.track_external(model, optim)
-            with mt:
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                optim.step()
-                optim.zero_grad()
-            out["step"] = time.perf_counter() - t1
-            snap = mt.get_tracker_snapshot("peak")
-            dev = next(iter(snap))
-            out["peak"] = snap[dev]["Total"]
-            out["device"] = str(dev)
-    except Exception as e:
-        out["failed"] = f"{stage}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    out["total"] = time.perf_counter() - t0
-    return out
+    """torch's MemTracker on the same model and step (bench/memtracker_step.py), timed by stage."""
+    return memtracker_step(config, SETUP.batch.micro_batch, SETUP.batch.seq_len)
 
 
 def render(results: list[dict], search: dict | None, mt: dict | None, command: str) -> str:

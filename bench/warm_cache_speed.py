@@ -21,7 +21,8 @@ and each comparison runs its two commands in turn, A B A B ..., the ratio taken 
   traced: a cold run.
 - MemTracker: a new Python that imports torch and transformers, builds the model under FakeTensorMode
   (`no_init_weights`, bf16) and runs one forward, backward and AdamW step inside
-  `torch.distributed._tools.mem_tracker.MemTracker` (as bench/traced_speed.py, at this step's sizes).
+  `torch.distributed._tools.mem_tracker.MemTracker`: bench/memtracker_step.py, the program bench/traced_speed.py
+  times by stage, here run whole at this step's sizes.
 peakledger's own modules are compiled first (`compileall`), as a wheel install ships them: under
 PYTHONDONTWRITEBYTECODE an editable checkout would otherwise compile some 400 modules from source in every run.
 """
@@ -48,33 +49,7 @@ WARM_FLAGS = ["--optimizer", "sgd"]  # SGD instead of AdamW: no trace follows th
 SECTION = "## Trace cache: cold and warm"
 RESULTS = os.path.join(HERE, "RESULTS.md")
 
-MEMTRACKER = r"""
-import sys, json
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.initialization import no_init_weights
-
-config = json.load(open(sys.argv[1]))
-mb, seq = int(sys.argv[2]), int(sys.argv[3])
-with FakeTensorMode():
-    cfg = LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
-    with no_init_weights():
-        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    model.train()
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab_size, (mb, seq))
-    mt = MemTracker()
-    mt.track_external(model, optim)
-    with mt:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-    snap = mt.get_tracker_snapshot("peak")
-    print(json.dumps({"peak": snap[next(iter(snap))]["Total"]}))
-"""
+MEMTRACKER = os.path.join(HERE, "memtracker_step.py")  # torch and transformers only: a whole process
 
 
 def peakledger(config: str, *flags: str) -> list[str]:
@@ -83,7 +58,7 @@ def peakledger(config: str, *flags: str) -> list[str]:
 
 
 def memtracker(config: str, seq_len: str) -> list[str]:
-    return [sys.executable, "-c", MEMTRACKER, config, "1", seq_len]
+    return [sys.executable, MEMTRACKER, config, "1", seq_len]
 
 
 def timed(cmd: list[str], env: dict, before=None) -> dict:
@@ -141,7 +116,8 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, runs: int, note:
             f"**{second['b_over_a']:.1f}x**"),
         row("warm (micro-batch 6; 2, 4, 8 cached)", "... --micro-batch 6", derived,
             f"warm {derived['b']:.2f} s", f"{cold['b'] / derived['a']:.1f}x (cold's MemTracker runs)"),
-        row("MemTracker, FakeTensorMode", "python -c MEMTRACKER CONFIG 1 2048", cold, "cold", "1x", which="b"),
+        row("MemTracker, FakeTensorMode", "python bench/memtracker_step.py CONFIG 1 2048", cold, "cold", "1x",
+            which="b"),
         "",
         "A warm run imports neither torch nor transformers (tests/test_trace_cache.py checks it); a micro-batch whose "
         "program is not in the cache is traced, as cold.", ""])
