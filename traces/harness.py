@@ -219,11 +219,17 @@ def holders(tensors) -> list[int]:
 
 def wait_released(tensors, before: list[int], count: ReleaseCount, timeout_s: float) -> None:
     """Wait until `tensors` have no more holders than `before` (another thread's references gone)."""
-    if all(now <= was for now, was in zip(holders(tensors), before)):
+    _wait_until(lambda: all(now <= was for now, was in zip(holders(tensors), before)), count, timeout_s)
+
+
+def _wait_until(done: Callable[[], bool], count: ReleaseCount, timeout_s: float) -> None:
+    """Wait until `done()` (another thread has let go), counted in `count`: `waited` when it was not at once,
+    `timeouts` when `timeout_s` passed first."""
+    if done():
         return
     count.waited += 1
     deadline = time.monotonic() + timeout_s
-    while any(now > was for now, was in zip(holders(tensors), before)):
+    while not done():
         if time.monotonic() > deadline:
             count.timeouts += 1
             return
@@ -268,7 +274,8 @@ def collectives_released(count: ReleaseCount, tracker=None, timeout_s: float = 5
             if work is None and tracker is not None:
                 own = {id(r) for r in map(tracker.record_of, tensors) if r is not None}  # the caller's tensors
                 made = [tracker.records[k] for k in range(first, len(tracker.records) + 1)]
-                _wait_freed([r for r in made if id(r) not in own], count, timeout_s)
+                copies = [r for r in made if id(r) not in own]
+                _wait_until(lambda: all(r.freed for r in copies), count, timeout_s)
             return work
         call.__wrapped__ = fn
         return call
@@ -280,19 +287,6 @@ def collectives_released(count: ReleaseCount, tracker=None, timeout_s: float = 5
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-
-
-def _wait_freed(records: list, count: ReleaseCount, timeout_s: float) -> None:
-    """Wait until each tracker record of `records` (a collective's own copies) has been freed."""
-    if all(r.freed for r in records):
-        return
-    count.waited += 1
-    deadline = time.monotonic() + timeout_s
-    while not all(r.freed for r in records):
-        if time.monotonic() > deadline:
-            count.timeouts += 1
-            return
-        time.sleep(1e-5)
 
 
 # -- in a rank ------------------------------------------------------------------------------------------------
