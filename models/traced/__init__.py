@@ -165,18 +165,18 @@ def _both(models: list[TracedModel], setup: TrainingSetup, target: tuple | None)
     """The recordings of the two shallow models of a depth derivation; where neither is cached (here or on disk) the
     deeper one is traced in a forked child beside this process's trace of the other (models/forked.py: a trace is one
     Python thread; a child that fails or stalls gives None and it is traced here, the same recording either way)."""
-    from ..forked import forked, worth_forking
+    from ..forked import forked
 
     deeper = models[-1]
-    key = _key(deeper, setup, target)
-    disk = store.entry(deeper, key, setup.lora.r, setup.lora.quantize)
-    if not worth_forking() or any(_cached(m, setup, target) for m in models):
+    if any(_cached(m, setup, target) for m in models):
         return [recording(m, setup, target) for m in models]
-    pending = forked(lambda: recording(deeper, setup, target))
+    pending = forked(lambda: recording(deeper, setup, target))  # (no fork where it cannot help: None, traced here)
     first = recording(models[0], setup, target)
     got = pending()
     if got is None:
         return [first, recording(deeper, setup, target)]
+    key = _key(deeper, setup, target)
+    disk = store.entry(deeper, key, setup.lora.r, setup.lora.quantize)
     if disk is not None and not disk.path.exists():  # (the child saved it, unless its folder could not be written)
         disk.save(got)
     return [first, _remember(key, got)]
