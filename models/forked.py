@@ -10,14 +10,21 @@ no OpenMP region (one intra-op thread): an OpenMP pool the parent made before th
 threads) has no threads in the child, and a parallel region would wait for them forever (libgomp; measured: a hang in
 a real `zeros`); one thread enters none (aten/src/ATen/ParallelOpenMP.h `parallel_for`: `get_num_threads() > 1`).
 Used by models/traced (the two shallow traces of a depth derivation) and models/compile/fork.py (a window's deepest
-compile)."""
+compile).
+
+`shared_map(fn, items)` is `[fn(x) for x in items]` with the items shared out between this process and one forked
+child as each takes the next one not taken (a counter in shared memory), so that pieces of work of unequal length
+keep both cores busy (explain's re-simulated fixes: peakledger/diagnosis.py). What the child could not do (it
+failed, stalled, or `fn` raised there) this process does itself, so that the results, and any exception `fn`
+raises, are those of the plain loop; `done(i, item)` is called here once per item, in the order this process
+learns that it is done (the child's items when its answers arrive)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 STALL_S = 60.0  # a child that has used no CPU for this long is stuck (a trace or a compile is busy Python throughout)
@@ -104,4 +111,55 @@ def forked(work: Callable[[], Any]) -> Callable[[], Any]:
     return result
 
 
-__all__ = ["forked", "worth_forking", "answers", "cpu_seconds", "STALL_S", "ENV"]
+def shared_map(fn: Callable[[Any], Any], items: Sequence[Any],
+               done: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """`[fn(x) for x in items]`, the items shared with a forked child (see the module docstring)."""
+    items = list(items)
+    note = done or (lambda i, item: None)
+    if len(items) < 2 or not worth_forking():
+        out = []
+        for i, item in enumerate(items):
+            out.append(fn(item))
+            note(i, item)
+        return out
+    import multiprocessing
+
+    counter = multiprocessing.get_context("fork").Value("q", 0)  # the next item not taken (a lock with it)
+
+    def take() -> int:
+        with counter.get_lock():
+            i = counter.value
+            counter.value = i + 1
+        return i
+
+    def theirs() -> dict[int, Any]:
+        got: dict[int, Any] = {}
+        while (i := take()) < len(items):
+            try:
+                got[i] = fn(items[i])
+            except Exception:  # noqa: BLE001 (not sent: done again here, where it raises as in the plain loop)
+                continue
+        return got
+
+    pending = forked(theirs)
+    ours: dict[int, Any] = {}
+    try:
+        while (i := take()) < len(items):
+            ours[i] = fn(items[i])
+            note(i, items[i])
+    except BaseException:
+        with counter.get_lock():
+            counter.value = len(items)  # the child takes no more
+        pending()
+        raise
+    child = pending() or {}
+    for i in sorted(child):
+        note(i, items[i])
+    for i in range(len(items)):  # what the child took and did not send back
+        if i not in ours and i not in child:
+            ours[i] = fn(items[i])
+            note(i, items[i])
+    return [ours[i] if i in ours else child[i] for i in range(len(items))]
+
+
+__all__ = ["forked", "shared_map", "worth_forking", "answers", "cpu_seconds", "STALL_S", "ENV"]

@@ -22,8 +22,9 @@ from .analysis.phases import PHASE_WORDS, PhasePeak, binding
 from .analysis.report import Report
 from .analysis.units import Scale, format_bytes, format_duration
 from .fixes import RL_KNOBS, candidate_fixes
-from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, min_gpus
+from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, Layout, min_gpus
 from .models.config import ConfigError, TrainingSetup
+from .models.forked import shared_map
 from .progress import Progress, reporter
 from .scenario import Scenario
 from .simulator.allocator import round_size
@@ -186,20 +187,27 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
         e.block.pool is Pool.HOST for e in base.log.events) else None
     verdict = api.card_fit(base, budget)  # the one verdict: the figures printed are those judged
     fits_now = verdict.fits
-    candidates, fixes = [], []
     listed = candidate_fixes(scenario, fragmentation)
-    steps = 1 + len(listed) + (not fits_now)
-    for k, candidate in enumerate(listed, start=1):
-        say(k, steps, f"re-simulating: {candidate[0]}")
-        try:
-            fix = _fix(scenario, budget, *candidate, host=limits, base=base)
-        except ConfigError:
-            continue  # not applicable to this model / setup (a policy the model has no layers for, ...)
-        candidates.append(candidate)
-        fixes.append(fix)
-    if not fits_now:
-        say(steps - 1, steps, "searching the fewest GPUs that fit")
-        fixes += more_gpus_fixes(scenario, budget)
+    layouts = () if fits_now else MORE_GPU_LAYOUTS
+    steps = 1 + len(listed) + len(layouts)
+    said = iter(range(1, steps))
+
+    def one(item):  # a candidate re-simulated, or a layout's fewest GPUs (each independent of the others)
+        if isinstance(item, tuple):
+            try:
+                return _fix(scenario, budget, *item, host=limits, base=base)
+            except ConfigError:
+                return None  # not applicable to this model / setup (a policy the model has no layers for, ...)
+        return more_gpus_fix(scenario, budget, item, base=base)
+
+    def done(i, item):
+        say(next(said), steps, f"re-simulated: {item[0]}" if isinstance(item, tuple)
+            else f"searched the fewest GPUs that fit ({item.name})")
+
+    # the searches of more GPUs first (each several runs), the candidates after: the two processes end together
+    results = shared_map(one, [*layouts, *listed], done)  # models/forked.py: on two cores, two at once
+    candidates = [c for c, f in zip(listed, results[len(layouts):]) if f is not None]
+    fixes = [f for f in results[len(layouts):] if f is not None] + [f for f in results[:len(layouts)] if f is not None]
     if fixes and not any(f.fits for f in fixes):
         say(steps, steps, "combining fixes")
         combined = _combine(scenario, budget, candidates, fixes, host=limits)
@@ -280,6 +288,12 @@ def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_trai
     changed = scenario.with_changes(**changes)
     report = api.rerun_allocator(base, changed) if base is not None and set(changes) <= api.ALLOCATOR_SETTINGS \
         else api.run(changed)
+    return _judged(scenario, budget, report, name, changes, changes_training, note, host)
+
+
+def _judged(scenario: Scenario, budget: int, report: Report, name: str, changes: dict, changes_training: bool,
+            note: str, host: HostLimits | None = None) -> Fix:
+    """`report` (the run of `scenario` with `changes`) judged as a fix (`_fix`)."""
     verdict = api.card_fit(report, budget)
     judged = judge_host(report.log, scenario.device, host or HostLimits(), report.index)
     if judged is not None and not judged.fits:
@@ -297,20 +311,28 @@ def _fix(scenario: Scenario, budget: int, name: str, changes: dict, changes_trai
     )
 
 
+MORE_GPU_LAYOUTS = (FSDP2, ZERO3, TP)
+
+
 def more_gpus_fixes(scenario: Scenario, budget: int, limit: int = GPU_LIMIT) -> list[Fix]:
     """Sharding over more GPUs (peakledger/gpus.py): for FSDP2, ZeRO-3 and tensor parallelism, the fewest GPUs at
     which the run fits `budget`, each count re-simulated and the one below it too (named in the fix's note)."""
-    out = []
+    return [f for f in (more_gpus_fix(scenario, budget, lay, limit) for lay in MORE_GPU_LAYOUTS) if f is not None]
+
+
+def more_gpus_fix(scenario: Scenario, budget: int, layout: Layout, limit: int = GPU_LIMIT,
+                  base: Report | None = None) -> Fix | None:
+    """`layout`'s fewest GPUs at which the run fits `budget` as a fix, or None: none up to `limit`, or its own.
+    `base`: `scenario`'s own run, judged there instead of run again."""
     world = scenario.setup.mesh.world_size
-    for layout in (FSDP2, ZERO3, TP):
-        count = min_gpus(scenario, layout, lambda sc: _fix(sc, budget, "", {}, False, ""), limit)
-        if count.n is None or count.n == world:
-            continue
-        below = (f"; {count.below_n:,} GPUs do not fit (need {format_bytes(count.below.capacity_needed, 'GiB')})"
-                 if count.below is not None and count.below_n != world else "")
-        out.append(dataclasses.replace(count.at, name=f"{layout.name} over {count.n:,} GPUs ({world} -> {count.n:,})",
-                                       changes=count.changes(scenario), note=layout.note + below, more_gpus=True))
-    return out
+    known = {world: _judged(scenario, budget, base, "", {}, False, "")} if base is not None else None
+    count = min_gpus(scenario, layout, lambda sc: _fix(sc, budget, "", {}, False, ""), limit, known=known)
+    if count.n is None or count.n == world:
+        return None
+    below = (f"; {count.below_n:,} GPUs do not fit (need {format_bytes(count.below.capacity_needed, 'GiB')})"
+             if count.below is not None and count.below_n != world else "")
+    return dataclasses.replace(count.at, name=f"{layout.name} over {count.n:,} GPUs ({world} -> {count.n:,})",
+                               changes=count.changes(scenario), note=layout.note + below, more_gpus=True)
 
 
 def _combine(scenario: Scenario, budget: int, candidates, singles: list[Fix], rounds: int = 4,

@@ -116,14 +116,16 @@ class Count(Generic[V]):
         return self.layout.changes(scenario, self.n) if self.n is not None else {}
 
 
-def min_gpus(scenario: Scenario, layout: Layout, judge: Callable[[Scenario], V], limit: int = GPU_LIMIT) -> Count[V]:
+def min_gpus(scenario: Scenario, layout: Layout, judge: Callable[[Scenario], V], limit: int = GPU_LIMIT,
+             known: dict[int, V] | None = None) -> Count[V]:
     """The smallest of `layout`'s sizes (up to `limit` GPUs) at which `judge(scenario at that size).fits`, and the
     verdicts at it and at the size below. A size the setup refuses counts as not fitting; a layout refused at
-    every size it tries says so in `error`."""
+    every size it tries says so in `error`. `known`: verdicts the caller has already (GPU count -> verdict: the
+    scenario's own run), not judged again."""
     sizes = layout.sizes(scenario, limit)
     if not sizes:
         return Count(layout, None, None, None, None, limit, error="no size of this layout applies to the model")
-    seen: dict[int, V | None] = {}
+    seen: dict[int, V | None] = {i: known[n] for i, n in enumerate(sizes) if known and n in known}
     refusal: list[str] = []
 
     def verdict(i: int) -> V | None:
