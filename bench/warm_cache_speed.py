@@ -14,11 +14,10 @@ and each comparison runs its two commands in turn, A B A B ..., the ratio taken 
   torch, the traces of 3 and 4 layers, the simulation), against MemTracker;
 - warm: the same model again with a setting the recording does not follow (`--optimizer sgd`), the cache primed
   once, against MemTracker;
-- second call, another micro-batch: micro-batch 2 where the cache holds micro-batch 1 alone (emptied and primed
-  before each run): one size gives no other (scale.py needs three), so it is traced: against MemTracker;
-- warm, another micro-batch: micro-batch 6 where the cache holds 2, 4 and 8 (scale.py derives 6 from them; each
-  traced size primed once), against the warm run. A micro-batch whose program is not on disk (1 after 1 alone) is
-  traced: a cold run.
+- second call, another micro-batch: micro-batch 2, then 6, where the cache holds what the cold call at micro-batch
+  1 left (emptied and primed by that call before each run): its recording and those of sizes 2, 3 and 4 that
+  `simulate`'s first trace records beside it (models/traced `micro_batch_points`), from which scale.py derives
+  any other size: 2 against MemTracker, 6 against the warm run.
 - MemTracker: a new Python that imports torch and transformers, builds the model under FakeTensorMode
   (`no_init_weights`, bf16) and runs one forward, backward and AdamW step inside
   `torch.distributed._tools.mem_tracker.MemTracker`: bench/memtracker_step.py, the program bench/traced_speed.py
@@ -112,15 +111,16 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, runs: int, note:
             f"MemTracker {cold['b']:.1f} s", f"**{cold['b_over_a']:.1f}x**"),
         row("warm (another setting)", f"... {' '.join(WARM_FLAGS)}", warm, f"MemTracker {warm['b']:.1f} s",
             f"**{warm['b_over_a']:.1f}x**"),
-        row("second call, micro-batch 2 (1 cached)", "... --micro-batch 2", second, f"MemTracker {second['b']:.1f} s",
-            f"**{second['b_over_a']:.1f}x**"),
-        row("warm (micro-batch 6; 2, 4, 8 cached)", "... --micro-batch 6", derived,
+        row("second call, micro-batch 2 (after the cold call)", "... --micro-batch 2", second,
+            f"MemTracker {second['b']:.1f} s", f"**{second['b_over_a']:.1f}x**"),
+        row("second call, micro-batch 6 (after the cold call)", "... --micro-batch 6", derived,
             f"warm {derived['b']:.2f} s", f"{cold['b'] / derived['a']:.1f}x (cold's MemTracker runs)"),
         row("MemTracker, FakeTensorMode", "python bench/memtracker_step.py CONFIG 1 2048", cold, "cold", "1x",
             which="b"),
         "",
-        "A warm run imports neither torch nor transformers (tests/test_trace_cache.py checks it); a micro-batch whose "
-        "program is not in the cache is traced, as cold.", ""])
+        "A warm run and a second call at another micro-batch import neither torch nor transformers "
+        "(tests/test_trace_cache.py, tests/test_micro_batch_points.py check it); a micro-batch whose program is "
+        "neither in the cache nor derivable from it is traced, as cold.", ""])
 
 
 def main() -> int:
@@ -160,12 +160,9 @@ def main() -> int:
 
         second = pairs(run(*flags[:2], "--micro-batch", "2", *flags[4:]), mt, env, args.runs, before_a=primed_with_one)
         print(f"micro-batch 2 after 1 {second['a']:.2f}s, MemTracker {second['b']:.2f}s", flush=True)
-        timed(run(*flags), env)
-        for b in ("2", "4", "8"):
-            timed(run(*flags[:2], "--micro-batch", b, *flags[4:]), env)
         derived = pairs(run(*flags[:2], "--micro-batch", "6", *flags[4:]), run(*flags, *WARM_FLAGS), env,
-                        args.runs)
-        print(f"micro-batch 6 derived from the cache {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
+                        args.runs, before_a=primed_with_one)
+        print(f"micro-batch 6 after 1 {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     section = render(cold, warm, second, derived, args.runs, f"; {args.note}" if args.note else "")

@@ -49,6 +49,7 @@ from .inputs import (
 )
 from .models.config import ConfigError
 from .models.devices import DEVICES, device_profile
+from .models.traced import micro_batch_points
 from .models.training import StepPlan
 from .progress import progress
 from .simulator.gcpause import paused_gc
@@ -85,7 +86,8 @@ def cmd_simulate(args) -> int:
     if args.check and budget is None:
         budget = budget_of(args, scenario, "--check")
     with progress(f"describing and simulating {scenario.name}"), paused_gc():  # one block (simulator/gcpause.py)
-        graph = api.op_graph(scenario, budget)
+        with micro_batch_points(True):  # a deep traced model's first trace: sizes 2-4 too (models/traced)
+            graph = api.op_graph(scenario, budget)
         report = api.run(scenario, budget=budget, stop_on_oom=args.stop_at_oom, graph=graph)
     if args.plot:
         from .analysis.plot import plot_timeline, setup_text  # matplotlib, loaded for the picture only

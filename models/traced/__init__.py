@@ -29,13 +29,17 @@ Checkpointing, accumulation, steps, optimizer and parallelism do not change the 
 applied by `convert.to_tape` and the replay. Other micro-batch sizes: once three sizes of one model and
 setup are traced and prove to be one program with sizes affine in the micro-batch, every other size is
 derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a
-program of its own).
+program of its own). Under `micro_batch_points` (`peakledger simulate`) a deep model's first trace records sizes 2,
+3 and 4 beside its own, so that a second call at another size derives it (`_other_sizes`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from ..config import ConfigError, TrainingSetup
 from ..tape import Tape
@@ -93,7 +97,7 @@ def recording(model: TracedModel, setup: TrainingSetup, target: tuple | None = N
         if derived is not None:
             _DERIVED.add(key)
             return _remember(key, derived)
-    deep = _by_depth(model, setup, target)
+    deep = _by_depth(model, setup, target, _other_sizes(model, setup, key, disk))
     rec = deep if deep is not None else _trace(model, setup, target)
     if disk is not None:
         disk.save(rec)
@@ -128,11 +132,47 @@ def _trace(model: TracedModel, setup: TrainingSetup, target: tuple | None):
     return rec
 
 
-def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
+POINTS = (2, 3, 4)  # the micro-batch sizes a first trace of a deep model records beside its own (see `_other_sizes`)
+_POINTS: ContextVar[bool] = ContextVar("peakledger_micro_batch_points", default=False)
+
+
+@contextmanager
+def micro_batch_points(on: bool) -> Iterator[None]:
+    """Whether a first trace of a deep model records the other micro-batch sizes too (`_other_sizes`), for what runs
+    inside. Off by default (a trace for explain's candidates, for each card of `where` or a sweep's point is a
+    one-off); `peakledger simulate` turns it on for its scenario, the first of the calls a user makes about a model
+    (then another micro-batch, max-batch: each derived, nothing traced)."""
+    token = _POINTS.set(on)
+    try:
+        yield
+    finally:
+        _POINTS.reset(token)
+
+
+def _other_sizes(model: TracedModel, setup: TrainingSetup, key: tuple, disk) -> tuple[int, ...]:
+    """The micro-batch sizes of POINTS a first trace records beside its own, so that every other size is derived
+    from three of one program (scale.py) and a second call at another micro-batch traces nothing: none where
+    three sizes from 2 up are had already (this process's cache, the disk's), where the micro-batch is not a knob of
+    the model (a factory's fixed batch) or where `micro_batch_points(False)` is in force. A size of 1 is left out:
+    it is often a program of its own (a size-1 dimension lets a reshape skip its copy)."""
+    if not _POINTS.get() or "micro_batch" not in model.varies:
+        return ()
+    have = {k[3] for k in _CACHE if k[:3] == key[:3] and k[4:] == key[4:]} | set(disk.sizes() if disk else ())
+    have.add(setup.batch.micro_batch)
+    if sum(b >= 2 for b in have) >= len(POINTS):
+        return ()
+    return tuple(b for b in POINTS if b not in have)
+
+
+def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, others: tuple[int, ...] = ()):
     """The recording of a HF model of many layers derived from traces of few (depth.py), or None where it cannot be
     shown exact. Its layers must repeat with a period p, module for module (`depth.period`: 1 where all are
     alike, 2 where two kinds alternate), and it is traced with 3p and 4p layers, whose layers must be the n-layer
-    model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace."""
+    model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace. The same is
+    done at the micro-batch sizes `others` (the traces shared out with `setup`'s own), each kept in the caches as
+    its own first trace would be, derived from its trace of 3p layers (the layers' period is the model's, shown at
+    setup's size; scale.py checks the three it derives any other size from: one program, the same ops and
+    storages, every size affine)."""
     from . import depth
 
     if model.kind != "hf":
@@ -152,34 +192,54 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None):
                                    model.name) for k in depths]
     if any(depth.fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
         return None
-    shallow = _both(shallow_models, setup, target)
-    try:
-        if not depth.same(depth.derive(shallow[0], (depth.TRACED + 1) * p, p), shallow[1]):
-            return None
-        return depth.derive(shallow[0], n, p)
-    except depth.NotPeriodic:
-        return None
+    setups = [setup]
+    for b in others:
+        try:
+            setups.append(setup.replace(micro_batch=b))
+        except ConfigError:  # (a size this setup refuses: not recorded)
+            continue
+    # 3p and 4p layers at setup's size (the derivation checked), 3p layers only at the others
+    shallow = _shallow([(m, setup) for m in shallow_models] + [(shallow_models[0], s) for s in setups[1:]], target)
+    derived = []
+    for i, three in enumerate([shallow[0], *shallow[2:]]):
+        try:
+            if i == 0 and not depth.same(depth.derive(three, (depth.TRACED + 1) * p, p), shallow[1]):
+                return None
+            derived.append(depth.derive(three, n, p))
+        except depth.NotPeriodic:
+            if i == 0:
+                return None
+            derived.append(None)
+    for s, rec in zip(setups[1:], derived[1:]):
+        if rec is not None:
+            k = _key(model, s, target)
+            disk = store.entry(model, k, s.lora.r, s.lora.quantize)
+            if disk is not None:
+                disk.save(rec)
+            _remember(k, rec)
+    return derived[0]
 
 
-def _both(models: list[TracedModel], setup: TrainingSetup, target: tuple | None) -> list:
-    """The recordings of the two shallow models of a depth derivation; where neither is cached (here or on disk) the
-    deeper one is traced in a forked child beside this process's trace of the other (models/forked.py: a trace is one
-    Python thread; a child that fails or stalls gives None and it is traced here, the same recording either way)."""
-    from ..forked import forked
+def _shallow(jobs: list[tuple[TracedModel, TrainingSetup]], target: tuple | None) -> list:
+    """The recordings of the shallow models of depth derivations, (model, setup) each: those not cached (here or on
+    disk) traced two at a time, this process and a forked child each taking the next (models/forked.py
+    `shared_map`: a trace is one Python thread; what the child cannot do is traced here, the same recording either
+    way), each kept in the caches as `recording` keeps it."""
+    from ..forked import shared_map
 
-    deeper = models[-1]
-    if any(_cached(m, setup, target) for m in models):
-        return [recording(m, setup, target) for m in models]
-    pending = forked(lambda: recording(deeper, setup, target))  # (no fork where it cannot help: None, traced here)
-    first = recording(models[0], setup, target)
-    got = pending()
-    if got is None:
-        return [first, recording(deeper, setup, target)]
-    key = _key(deeper, setup, target)
-    disk = store.entry(deeper, key, setup.lora.r, setup.lora.quantize)
-    if disk is not None and not disk.path.exists():  # (the child saved it, unless its folder could not be written)
-        disk.save(got)
-    return [first, _remember(key, got)]
+    todo = [i for i, (m, s) in enumerate(jobs) if not _cached(m, s, target)]
+    got = dict(zip(todo, shared_map(lambda i: recording(*jobs[i], target), todo)))
+    out = []
+    for i, (m, s) in enumerate(jobs):
+        if i not in got:
+            out.append(recording(m, s, target))
+            continue
+        key = _key(m, s, target)
+        disk = store.entry(m, key, s.lora.r, s.lora.quantize)
+        if disk is not None and not disk.path.exists():  # (the child saved it, unless its folder could not be written)
+            disk.save(got[i])
+        out.append(_remember(key, got[i]))
+    return out
 
 
 def _cached(model: TracedModel, setup: TrainingSetup, target: tuple | None) -> bool:
@@ -308,4 +368,4 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
 
 
 __all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording",
-           "freeze"]
+           "freeze", "micro_batch_points", "POINTS"]

@@ -183,14 +183,17 @@ class Entry:
     def save(self, rec: Recording) -> None:
         _write(self.folder, self.path, self._key_text(self.batch), encode(rec))
 
-    def points(self) -> dict[int, Recording]:
-        """The recordings of this family at the other micro-batch sizes on disk, read back ({} if none)."""
+    def sizes(self) -> list[int]:
+        """The micro-batch sizes of this family on disk (names only, nothing read)."""
         try:
             names = [n for n in os.listdir(self.folder) if n.startswith(self.prefix) and n.endswith(SUFFIX)]
         except OSError:
-            return {}
-        sizes = sorted(int(b) for b in (n[len(self.prefix):-len(SUFFIX)] for n in names) if b.isdigit())
-        found = {b: _read(self._path(b), self._key_text(b)) for b in sizes if b != self.batch}
+            return []
+        return sorted(int(b) for b in (n[len(self.prefix):-len(SUFFIX)] for n in names) if b.isdigit())
+
+    def points(self) -> dict[int, Recording]:
+        """The recordings of this family at the other micro-batch sizes on disk, read back ({} if none)."""
+        found = {b: _read(self._path(b), self._key_text(b)) for b in self.sizes() if b != self.batch}
         return {b: rec for b, rec in found.items() if rec is not None}
 
 

@@ -1,0 +1,111 @@
+"""A first trace of a deep model under `micro_batch_points` (what `peakledger simulate` runs) records micro-batch
+sizes 2, 3 and 4 beside its own (models/traced `_other_sizes`), so that a second call at any other micro-batch derives
+its recording (scale.py) and traces nothing: checked against the trace of every layer at that size, and in a new
+process that imports neither torch nor transformers. Off by default (explain's candidates, `where`'s cards)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import peakledger.models.traced as trace
+from peakledger.models.config import TrainingSetup
+from peakledger.models.traced import depth, from_hf_dict, micro_batch_points, recording, store
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = json.loads((ROOT / "examples" / "hf-llama-tiny" / "config.json").read_text())
+DEEP = {**TINY, "num_hidden_layers": 8}
+BASE = TrainingSetup(micro_batch=1, seq_len=16, precision="bf16-mixed")
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    """A cache folder of its own, an empty per-process cache, every trace in this process (counted)."""
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "traces"))
+    monkeypatch.setenv("PEAKLEDGER_FORK", "0")
+    saved = (dict(trace._CACHE), set(trace._DERIVED))
+    trace._CACHE.clear()
+    trace._DERIVED.clear()
+    yield tmp_path / "traces"
+    trace._CACHE.clear()
+    trace._DERIVED.clear()
+    trace._CACHE.update(saved[0])
+    trace._DERIVED.update(saved[1])
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    made = []
+    real = trace._trace
+
+    def counted(model, setup, target):
+        made.append((model.hf_dict().get("num_hidden_layers"), setup.batch.micro_batch))
+        return real(model, setup, target)
+
+    monkeypatch.setattr(trace, "_trace", counted)
+    return made
+
+
+def _sizes(folder: Path, model, setup, target=None) -> list[int]:
+    return store.entry(model, trace._key(model, setup, target), 0, "none").sizes() if folder.exists() else []
+
+
+@pytest.mark.parametrize("target", [None, ((9, 0), "2.13")])
+def test_a_first_trace_records_sizes_2_to_4_and_every_other_size_is_derived_exactly(disk, traces, target):
+    model = from_hf_dict(DEEP, "deep")
+    with micro_batch_points(True):
+        recording(model, BASE, target)
+    # 3 and 4 layers at its own size (the depth derivation checked), 3 layers at 2, 3 and 4
+    assert traces == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
+    assert _sizes(disk, model, BASE, target) == [1, 2, 3, 4]
+    trace._CACHE.clear()  # a new process: what is on disk only
+    for b in (3, 5):  # (3: recorded beside the first, from 3 layers; 5: derived from 2, 3 and 4)
+        setup = BASE.replace(micro_batch=b)
+        got = recording(model, setup, target)
+        assert depth.same(got, trace._trace(model, setup, target)), b  # the trace of all 8 layers at that size
+    assert traces[5:] == [(8, 3), (8, 5)]  # (only the checks traced)
+
+
+def test_off_by_default_and_not_again_once_three_sizes_are_had(disk, traces):
+    model = from_hf_dict(DEEP, "deep")
+    recording(model, BASE)
+    assert traces == [(3, 1), (4, 1)] and _sizes(disk, model, BASE) == [1]
+    with micro_batch_points(True):
+        for b in (2, 3, 4):
+            recording(model, BASE.replace(micro_batch=b))
+    assert traces[2:] == [(3, 2), (4, 2), (3, 3), (3, 4)]  # 2 records 3 and 4 beside it; then three are had
+    with micro_batch_points(True):
+        recording(model, BASE.replace(seq_len=8))  # another program: its own sizes
+    assert traces[6:] == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
+
+
+WARM = """
+import json, sys
+from peakledger.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}),
+      file=sys.stderr)
+"""
+
+
+def test_simulate_then_another_micro_batch_imports_neither_torch_nor_transformers(tmp_path):
+    config = tmp_path / "deep.json"
+    config.write_text(json.dumps(DEEP))
+    env = {**os.environ, store.DIR_ENV: str(tmp_path / "traces"), "PYTHONWARNINGS": "ignore"}
+
+    def run(b: int, *extra: str):
+        argv = ["simulate", "--hf-config", str(config), "--micro-batch", str(b), "--seq-len", "16", "--json", *extra]
+        p = subprocess.run([sys.executable, "-c", WARM, *argv], env=env, capture_output=True, text=True, cwd=tmp_path)
+        return json.loads(p.stdout), json.loads(p.stderr.strip().splitlines()[-1])
+
+    _, cold = run(1)
+    assert cold == {"rc": 0, "torch": True, "transformers": True}
+    second, warm = run(6)
+    assert warm == {"rc": 0, "torch": False, "transformers": False}
+    traced, _ = run(6, "--no-cache")  # traced from scratch, nothing read
+    assert second == traced
