@@ -15,7 +15,7 @@ Cases (targets of issue 39, on a quiet 2-core machine):
 - explain-save: the README's save scenario (FSDP2 on 8 GPUs, a full-rank0 save) against 80 GiB;
 - default: `peakledger simulate`;
 - api (with --api; needs transformers): docs/models.md's Python example (a traced Gemma-2 2B, run, max-batch,
-  explain): < 20 s, its peak memory beside.
+  explain), each run with an empty trace cache of its own (a first run): < 20 s, its peak memory beside.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,12 +60,17 @@ CASES: dict[str, tuple[list[str], float | None]] = {  # name -> (peakledger argu
 }
 
 
-def once(argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB of the process) of one run, from its start to its exit."""
-    t0 = time.perf_counter()
-    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - t0
+def once(argv: list[str], cold: bool = False) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB of the process) of one run, from its start to its exit; `cold`: with an empty
+    trace cache of its own (models/traced/store.py), as a user's first run."""
+    env = None
+    with tempfile.TemporaryDirectory(prefix="peakledger-speed39-") as cache:
+        if cold:
+            env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache}
+        t0 = time.perf_counter()
+        child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - t0
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode not in (0, 1):
         raise RuntimeError(f"exit {child.returncode}: {' '.join(argv)}")
@@ -79,14 +85,15 @@ def argv_of(exe: str, case: str) -> list[str]:
 
 def measure(case: str, exe: str, baseline: str | None, runs: int) -> dict:
     a, b = argv_of(exe, case), argv_of(baseline, case) if baseline else None
-    once(a)  # warm-up (the file cache), not counted
+    cold = case == "api"  # the example traces: each run with an empty trace cache, as a first run
+    once(a, cold)  # warm-up (the file cache), not counted
     walls, peaks, ratios, base = [], [], [], []
     for _ in range(runs):
-        wall, peak = once(a)
+        wall, peak = once(a, cold)
         walls.append(wall)
         peaks.append(peak)
         if b is not None:
-            w, _ = once(b)
+            w, _ = once(b, cold)
             base.append(w)
             ratios.append(wall / w)
     return {"median": statistics.median(walls), "min": min(walls), "max": max(walls), "peak": max(peaks),
