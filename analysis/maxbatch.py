@@ -6,7 +6,9 @@ weights, gradients, optimizer states). The answer is the largest b with peak_of(
 non-decreasing in b. Python ints never overflow, so limits near 2^63 and beyond are fine.
 
 `max_fitting` is the one search: `peakledger max-batch` runs it on simulated peaks (peakledger/api.py
-`max_micro_batch`) and on the abstract memory model M(B) = fixed + per_sample x B (`batch_range`, `max-batch
+`max_micro_batch`, guided: the sizes probed after two points are where the line through them meets the budget, as
+activations grow about linearly; each probe is a simulation, and a trace for a new size of a traced model) and on
+the abstract memory model M(B) = fixed + per_sample x B (`batch_range`, `max-batch
 --fixed X --per-sample Y --budget Z`), where it is checked against the closed form floor((Z - X) / Y).
 """
 
@@ -19,35 +21,67 @@ from dataclasses import dataclass
 from ..models.config import ConfigError
 from .units import parse_bytes
 
+GUIDED = 3  # probes `max_fitting` places by `guess`, at most (then it only doubles and halves)
 
-def max_fitting(peak_of: Callable[[int], int], budget: int, limit: int = 2**64, start: int = 1) -> int:
+
+def max_fitting(peak_of: Callable[[int], int], budget: int, limit: int = 2**64, start: int = 1,
+                guided: bool = False) -> int:
     """The search (module docstring). `start`: a micro-batch to probe first (the scenario's own, whose peak the caller
     already has): where it fits, the doubling starts from it and the sizes below it are not probed (the peak being
-    non-decreasing, they fit); where it does not, the search stays below it. The answer is the same for any `start`."""
+    non-decreasing, they fit); where it does not, the search stays below it. `guided`: the next size probed is the
+    one `guess` puts the budget's crossing at, and the one above it, while inside the bracket (at most GUIDED such
+    probes): for peaks near linear in b (activations) two probes after two points instead of a doubling and a
+    halving to the end, each probe being a simulation (a trace for a new size). The answer is the same for any
+    `start` and either way (the largest b that fits, the peak being non-decreasing)."""
     start = min(max(start, 1), limit)
-    if start > 1 and peak_of(start) <= budget:
-        lo, hi = start, start * 2  # peak_of(lo) fits, and so do 0 .. lo - 1
+    seen: dict[int, int] = {}
+
+    def peak(b: int) -> int:
+        if b not in seen:
+            seen[b] = peak_of(b)
+        return seen[b]
+
+    hi: int | None = None  # peak(hi) does not fit (None: none found yet); peak(lo) fits, and so do 0 .. lo - 1
+    if start > 1 and peak(start) <= budget:
+        lo = start
     else:
-        if peak_of(0) > budget:
+        if peak(0) > budget:
             return -1
-        if peak_of(1) > budget:
+        if peak(1) > budget:
             return 0
-        lo, hi = 1, 2  # peak_of(lo) fits; find hi that does not (or reaches limit)
-        if start > 1:
-            hi = start  # known not to fit: the binary search below takes it from here
-    while hi <= limit and hi != start and peak_of(hi) <= budget:
-        lo, hi = hi, hi * 2
-    if hi > limit:
-        if peak_of(limit) <= budget:
-            return limit
-        hi = limit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak_of(mid) <= budget:
-            lo = mid
+        lo, hi = 1, (start if start > 1 else None)
+    placed = 0
+    while hi is None or hi - lo > 1:
+        top = limit + 1 if hi is None else hi
+        g = guess(seen, budget, lo, hi) if guided and placed < GUIDED else None
+        probe = next((c for c in ((g, g + 1) if g is not None else ()) if lo < c < top and c not in seen), None)
+        if probe is not None:
+            placed += 1
+        elif hi is None:
+            if lo == limit:
+                return limit
+            probe = min(lo * 2, limit)
         else:
-            hi = mid
+            probe = (lo + hi) // 2
+        if peak(probe) <= budget:
+            lo = probe
+        else:
+            hi = probe
     return lo
+
+
+def guess(seen: dict[int, int], budget: int, lo: int, hi: int | None) -> int | None:
+    """The largest b at which the line through two probed points stays within `budget`: through lo (fits) and hi
+    (does not) where hi is known, else through lo and the largest probed size below it; None where there is no
+    second point or the line does not rise."""
+    below = [b for b in seen if b < lo and b > 0]
+    other = hi if hi is not None else (max(below) if below else None)
+    if other is None or lo not in seen or seen[other] == seen[lo]:
+        return None
+    slope_num, slope_den = seen[other] - seen[lo], other - lo
+    if slope_num * slope_den <= 0:  # (a peak that falls with b: no crossing to aim at)
+        return None
+    return lo + (budget - seen[lo]) * slope_den // slope_num
 
 
 ABSTRACT_LIMIT = 2**256  # fixed, per-sample and budget above this are refused (far past any memory; the search

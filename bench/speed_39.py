@@ -68,7 +68,10 @@ def once(argv: list[str], cold: bool = False) -> tuple[float, float]:
         if cold:
             env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache}
         t0 = time.perf_counter()
-        child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        # (the example runs in the empty folder: from this checkout's root, `import peakledger` of another install
+        # would read this checkout's peakledger/ first, Python putting the working folder first on its path)
+        child = subprocess.Popen(argv, cwd=cache if cold else ROOT, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, env=env)
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - t0
     child.returncode = os.waitstatus_to_exitcode(status)

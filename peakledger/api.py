@@ -135,7 +135,9 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
     state fits, -1 if not even that; `limit` when the budget holds even that many (a lower bound). A module
     whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused. The scenario's own
     micro-batch is probed first (analysis/maxbatch.py `max_fitting`'s `start`: where it fits, no smaller one is
-    traced). `progress(i, None, what)` before each probe (peakledger/progress.py; silent by default)."""
+    traced), then the sizes where the line through two probed peaks meets the budget (`guided`: the same answer,
+    fewer sizes simulated and traced). `progress(i, None, what)` before each probe (peakledger/progress.py; silent
+    by default)."""
     say = reporter(progress)
     model = scenario.model
     if isinstance(model, TracedModel) and model.kind == "module" and "micro_batch" not in model.varies:
@@ -158,7 +160,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
         return cache[b]
 
-    return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch)
+    return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch, guided=True)
 
 
 def batch_range(*, fixed, per_sample, budget) -> BatchRange:

@@ -37,6 +37,30 @@ def test_max_batch_against_brute_force():
                     assert asked[0] == start and (f(start) > budget or min(asked) >= start)  # none below a fit
 
 
+def test_guided_search_gives_the_same_answer_on_any_non_decreasing_peak():
+    """`guided` places probes where the line through two points crosses the budget: the answer is the plain search's
+    for linear, stepped (allocator rounding), convex and flat-then-steep peaks, from any start, near the limit too."""
+    import random
+
+    rng = random.Random(39)
+    shapes = [linear(100, 30), linear(0, 1), lambda b: 1000 + 512 * -(-(37 * b) // 512),  # rounded to 512-byte blocks
+              lambda b: 50 + b * b, lambda b: 10 if b < 20 else 10 + 1000 * (b - 19),
+              lambda b: 5 + 3 * b + b ** 3 // 50]
+    for f in shapes:
+        for _ in range(300):
+            budget, start = rng.randrange(0, 20_000), rng.choice([1, 2, 3, 5, 8, 40])
+            limit = rng.choice([10**6, 64, 7])
+            plain = max_fitting(f, budget, limit=limit, start=start)
+            assert max_fitting(f, budget, limit=limit, start=start, guided=True) == plain, (budget, start, limit)
+
+
+def test_guided_search_on_a_linear_peak_probes_fewer_sizes():
+    asked, guided = [], []
+    max_fitting(lambda b: asked.append(b) or 1000 + 97 * b, 1000 + 97 * 37 + 50, start=2)
+    max_fitting(lambda b: guided.append(b) or 1000 + 97 * b, 1000 + 97 * 37 + 50, start=2, guided=True)
+    assert guided == [2, 4, 37, 38] and len(asked) > 2 * len(guided)
+
+
 def test_budget_strings():
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
