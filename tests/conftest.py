@@ -31,3 +31,39 @@ def _trace_cache_off():
     import os
 
     os.environ["PEAKLEDGER_CACHE_DIR"] = "off"
+
+
+@pytest.fixture
+def trace_disk(tmp_path, monkeypatch):
+    """The disk cache of traces on, in a folder of this test's (models/traced/store.py), an empty per-process cache
+    (a new process), and every trace in this process; the per-process cache as it was afterwards."""
+    import peakledger.models.traced as trace
+    from peakledger.models.traced import store
+
+    folder = tmp_path / "traces"
+    monkeypatch.setenv(store.DIR_ENV, str(folder))
+    monkeypatch.setenv("PEAKLEDGER_FORK", "0")
+    saved = (dict(trace._CACHE), set(trace._DERIVED))
+    trace._CACHE.clear()
+    trace._DERIVED.clear()
+    yield folder
+    trace._CACHE.clear()
+    trace._DERIVED.clear()
+    trace._CACHE.update(saved[0])
+    trace._DERIVED.update(saved[1])
+
+
+@pytest.fixture
+def traces_run(monkeypatch):
+    """The traces run (each call of models/traced `_trace`), as a list of (layers, micro-batch)."""
+    import peakledger.models.traced as trace
+
+    made = []
+    real = trace._trace
+
+    def counted(model, setup, target):
+        made.append((model.hf_dict().get("num_hidden_layers"), setup.batch.micro_batch))
+        return real(model, setup, target)
+
+    monkeypatch.setattr(trace, "_trace", counted)
+    return made

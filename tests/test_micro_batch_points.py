@@ -24,31 +24,13 @@ BASE = TrainingSetup(micro_batch=1, seq_len=16, precision="bf16-mixed")
 
 
 @pytest.fixture
-def disk(tmp_path, monkeypatch):
-    """A cache folder of its own, an empty per-process cache, every trace in this process (counted)."""
-    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "traces"))
-    monkeypatch.setenv("PEAKLEDGER_FORK", "0")
-    saved = (dict(trace._CACHE), set(trace._DERIVED))
-    trace._CACHE.clear()
-    trace._DERIVED.clear()
-    yield tmp_path / "traces"
-    trace._CACHE.clear()
-    trace._DERIVED.clear()
-    trace._CACHE.update(saved[0])
-    trace._DERIVED.update(saved[1])
+def disk(trace_disk):  # (tests/conftest.py)
+    return trace_disk
 
 
 @pytest.fixture
-def traces(monkeypatch):
-    made = []
-    real = trace._trace
-
-    def counted(model, setup, target):
-        made.append((model.hf_dict().get("num_hidden_layers"), setup.batch.micro_batch))
-        return real(model, setup, target)
-
-    monkeypatch.setattr(trace, "_trace", counted)
-    return made
+def traces(traces_run):  # (tests/conftest.py)
+    return traces_run
 
 
 def _sizes(folder: Path, model, setup, target=None) -> list[int]:

@@ -36,29 +36,13 @@ def _in_this_process(monkeypatch):
 
 
 @pytest.fixture
-def disk(tmp_path, monkeypatch):
-    folder = tmp_path / "traces"
-    monkeypatch.setenv(store.DIR_ENV, str(folder))
-    saved = (dict(trace._CACHE), set(trace._DERIVED))
-    _fresh_process()
-    yield folder
-    _fresh_process()
-    trace._CACHE.update(saved[0])
-    trace._DERIVED.update(saved[1])
+def disk(trace_disk):  # (tests/conftest.py)
+    return trace_disk
 
 
 @pytest.fixture
-def traces(monkeypatch):
-    """The traces run (each call of the tracer), as a list of (layers, micro-batch)."""
-    made = []
-    real = trace._trace
-
-    def counted(model, setup, target):
-        made.append((model.hf_dict().get("num_hidden_layers"), setup.batch.micro_batch))
-        return real(model, setup, target)
-
-    monkeypatch.setattr(trace, "_trace", counted)
-    return made
+def traces(traces_run):  # (tests/conftest.py)
+    return traces_run
 
 
 def _tiny(**changes):
