@@ -23,47 +23,37 @@ DEEP = {**TINY, "num_hidden_layers": 8}
 BASE = TrainingSetup(micro_batch=1, seq_len=16, precision="bf16-mixed")
 
 
-@pytest.fixture
-def disk(trace_disk):  # (tests/conftest.py)
-    return trace_disk
-
-
-@pytest.fixture
-def traces(traces_run):  # (tests/conftest.py)
-    return traces_run
-
-
 def _sizes(folder: Path, model, setup, target=None) -> list[int]:
     return store.entry(model, trace._key(model, setup, target), 0, "none").sizes() if folder.exists() else []
 
 
 @pytest.mark.parametrize("target", [None, ((9, 0), "2.13")])
-def test_a_first_trace_records_sizes_2_to_4_and_every_other_size_is_derived_exactly(disk, traces, target):
+def test_a_first_trace_records_sizes_2_to_4_and_every_other_size_is_derived_exactly(trace_disk, traces_run, target):
     model = from_hf_dict(DEEP, "deep")
     with micro_batch_points(True):
         recording(model, BASE, target)
     # 3 and 4 layers at its own size (the depth derivation checked), 3 layers at 2, 3 and 4
-    assert traces == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
-    assert _sizes(disk, model, BASE, target) == [1, 2, 3, 4]
+    assert traces_run == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
+    assert _sizes(trace_disk, model, BASE, target) == [1, 2, 3, 4]
     trace._CACHE.clear()  # a new process: what is on disk only
     for b in (3, 5):  # (3: recorded beside the first, from 3 layers; 5: derived from 2, 3 and 4)
         setup = BASE.replace(micro_batch=b)
         got = recording(model, setup, target)
         assert depth.same(got, trace._trace(model, setup, target)), b  # the trace of all 8 layers at that size
-    assert traces[5:] == [(8, 3), (8, 5)]  # (only the checks traced)
+    assert traces_run[5:] == [(8, 3), (8, 5)]  # (only the checks traced)
 
 
-def test_off_by_default_and_not_again_once_three_sizes_are_had(disk, traces):
+def test_off_by_default_and_not_again_once_three_sizes_are_had(trace_disk, traces_run):
     model = from_hf_dict(DEEP, "deep")
     recording(model, BASE)
-    assert traces == [(3, 1), (4, 1)] and _sizes(disk, model, BASE) == [1]
+    assert traces_run == [(3, 1), (4, 1)] and _sizes(trace_disk, model, BASE) == [1]
     with micro_batch_points(True):
         for b in (2, 3, 4):
             recording(model, BASE.replace(micro_batch=b))
-    assert traces[2:] == [(3, 2), (4, 2), (3, 3), (3, 4)]  # 2 records 3 and 4 beside it; then three are had
+    assert traces_run[2:] == [(3, 2), (4, 2), (3, 3), (3, 4)]  # 2 records 3 and 4 beside it; then three are had
     with micro_batch_points(True):
         recording(model, BASE.replace(seq_len=8))  # another program: its own sizes
-    assert traces[6:] == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
+    assert traces_run[6:] == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
 
 
 WARM = """
@@ -78,7 +68,7 @@ print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "transformers": "tr
 def test_simulate_then_another_micro_batch_imports_neither_torch_nor_transformers(tmp_path):
     config = tmp_path / "deep.json"
     config.write_text(json.dumps(DEEP))
-    env = {**os.environ, store.DIR_ENV: str(tmp_path / "traces"), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, store.DIR_ENV: str(tmp_path / "traces_run"), "PYTHONWARNINGS": "ignore"}
 
     def run(b: int, *extra: str):
         argv = ["simulate", "--hf-config", str(config), "--micro-batch", str(b), "--seq-len", "16", "--json", *extra]
