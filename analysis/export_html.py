@@ -4,7 +4,7 @@ peak of every phase and, where the caller gives them, the fixes. Inline CSS, inl
 (analysis/export_html_page.py), the run embedded as JSON: nothing is fetched, the file opens offline.
 
 Every size is written by analysis/units.py `format_bytes` (the page's script has a copy that writes the same
-text), and the tables are the text report's own cells (analysis/report.py `setup_lines`, `peak_lines`,
+text), and the tables are the text report's own cells (analysis/report_text.py `setup_lines`, `peak_lines`,
 `ledger_table`; analysis/phases.py `phase_table`; the fixes as the caller's `explain` prints them).
 
 The timeline is embedded compactly: one entry per tensor (the event indices it is live between, its bytes, its
@@ -28,7 +28,8 @@ from .export_html_page import SCRIPT, STYLE
 from .ledger import LedgerRow
 from .palette import BUDGET_COLOUR, CATEGORY_COLOURS, PHASE_COLOURS, PHASE_SHORT, STACK_ORDER
 from .phases import PHASE_WORDS, phase_table
-from .report import Report, assumptions, ledger_table, peak_lines, run_plan, setup_lines
+from .report import Report, assumptions, run_plan
+from .report_text import ledger_table, peak_lines, setup_lines
 from .units import SMALLER, UNITS, format_bytes
 
 TOP_TENSORS = 12  # the pointer's moment lists this many of its live tensors, the largest first

@@ -8,7 +8,7 @@ that is 1.5 GiB).
 
 from __future__ import annotations
 
-from .analysis.report import LOOP_WORDS
+from .analysis.report_text import LOOP_WORDS
 from .models.devices import device_profile
 from .models.families import family_of
 from .scenario import Scenario

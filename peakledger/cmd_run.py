@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from .analysis.export import write_chrome_trace, write_snapshot
 from .analysis.host import judge_host
-from .analysis.report import render_text, report_json
+from .analysis.report import report_json
+from .analysis.report_text import render_text
 from .analysis.units import Scale, format_bytes
 from .analysis.validate import render_validation, validation_json
 from .cli_common import (

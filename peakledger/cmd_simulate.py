@@ -24,7 +24,8 @@ from .analysis.export_html import html_report
 from .analysis.ledger import ROW_ORDER
 from .analysis.peers import PEER_NOTES, render_peers
 from .analysis.peers_parallel import PARALLEL_PEER_NOTES, render_parallel_peers
-from .analysis.report import render_text, report_json
+from .analysis.report import report_json
+from .analysis.report_text import render_text
 from .analysis.units import Scale, format_bytes, format_duration
 from .assumed import assumed, assumed_lines
 from .batch_budget import cmd_batch_budget

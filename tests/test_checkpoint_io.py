@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from peakledger.analysis.report import render_text, summarize
+from peakledger.analysis.report import summarize
+from peakledger.analysis.report_text import render_text
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.presets import preset
 from peakledger.models.training import describe

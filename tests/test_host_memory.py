@@ -14,7 +14,8 @@ import pytest
 
 from peakledger import api
 from peakledger.analysis.host import PROCESS_BASELINE, host_fit
-from peakledger.analysis.report import render_text, report_json
+from peakledger.analysis.report import report_json
+from peakledger.analysis.report_text import render_text
 from peakledger.cli import main
 from peakledger.models.training import RankRanges
 from peakledger.scenario import build_scenario

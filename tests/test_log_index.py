@@ -9,7 +9,8 @@ import pytest
 from peakledger import api
 from peakledger.analysis import report as report_module
 from peakledger.analysis.host import host_fit, host_uses, judge_host
-from peakledger.analysis.report import render_text, report_json, run_events, run_seconds, step_ends, summarize
+from peakledger.analysis.report import report_json, run_events, run_seconds, step_ends, summarize
+from peakledger.analysis.report_text import render_text
 from peakledger.scenario import build_scenario
 from peakledger.simulator.events import Action, Category, Event, EventLog, Phase, Pool, Stream, new_block
 from peakledger.simulator.log_index import log_index

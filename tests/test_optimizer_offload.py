@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from peakledger import api, diagnosis, validation
-from peakledger.analysis.report import render_text
+from peakledger.analysis.report_text import render_text
 from peakledger.models.config import ConfigError, TrainingSetup
 from peakledger.models.optimizers import offload_chunks
 from peakledger.scenario import build_scenario

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from peakledger.analysis.report import RankPeak, render_text, report_json, summarize
+from peakledger.analysis.report import RankPeak, report_json, summarize
+from peakledger.analysis.report_text import render_text
 from peakledger.models.checkpoint_io import StateTensor, dcp_writers, rank_signature
 from peakledger.models.config import ConfigError, MLPConfig, TrainingSetup
 from peakledger.models.devices import device_profile

@@ -12,7 +12,8 @@ import pytest
 
 from peakledger.analysis.checkpointing import run_time, step_flops, step_time
 from peakledger.analysis.export import chrome_trace
-from peakledger.analysis.report import render_text, report_json, summarize
+from peakledger.analysis.report import report_json, summarize
+from peakledger.analysis.report_text import render_text
 from peakledger.cli import main
 from peakledger.models import training
 from peakledger.models.checkpoint_io import saves_after
