@@ -191,6 +191,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
     layouts = () if fits_now else MORE_GPU_LAYOUTS
     steps = 1 + len(listed) + len(layouts)
     said = iter(range(1, steps))
+    own = _judged(scenario, budget, base, "", {}, False, "") if layouts else None  # (the searches' own size)
 
     def one(item):  # a candidate re-simulated, or a layout's fewest GPUs (each independent of the others)
         if isinstance(item, tuple):
@@ -198,7 +199,7 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
                 return _fix(scenario, budget, *item, host=limits, base=base)
             except ConfigError:
                 return None  # not applicable to this model / setup (a policy the model has no layers for, ...)
-        return more_gpus_fix(scenario, budget, item, base=base)
+        return more_gpus_fix(scenario, budget, item, own=own)
 
     def done(i, item):
         say(next(said), steps, f"re-simulated: {item[0]}" if isinstance(item, tuple)
@@ -314,18 +315,13 @@ def _judged(scenario: Scenario, budget: int, report: Report, name: str, changes:
 MORE_GPU_LAYOUTS = (FSDP2, ZERO3, TP)
 
 
-def more_gpus_fixes(scenario: Scenario, budget: int, limit: int = GPU_LIMIT) -> list[Fix]:
-    """Sharding over more GPUs (peakledger/gpus.py): for FSDP2, ZeRO-3 and tensor parallelism, the fewest GPUs at
-    which the run fits `budget`, each count re-simulated and the one below it too (named in the fix's note)."""
-    return [f for f in (more_gpus_fix(scenario, budget, lay, limit) for lay in MORE_GPU_LAYOUTS) if f is not None]
-
-
 def more_gpus_fix(scenario: Scenario, budget: int, layout: Layout, limit: int = GPU_LIMIT,
-                  base: Report | None = None) -> Fix | None:
-    """`layout`'s fewest GPUs at which the run fits `budget` as a fix, or None: none up to `limit`, or its own.
-    `base`: `scenario`'s own run, judged there instead of run again."""
+                  own: Fix | None = None) -> Fix | None:
+    """Sharding over more GPUs (peakledger/gpus.py): `layout`'s fewest GPUs at which the run fits `budget`, that
+    count re-simulated and the one below it too (named in the fix's note), as a fix; None: none up to `limit`, or
+    its own. `own`: `scenario`'s own run judged (`_judged`), not run again."""
     world = scenario.setup.mesh.world_size
-    known = {world: _judged(scenario, budget, base, "", {}, False, "")} if base is not None else None
+    known = {world: own} if own is not None else None
     count = min_gpus(scenario, layout, lambda sc: _fix(sc, budget, "", {}, False, ""), limit, known=known)
     if count.n is None or count.n == world:
         return None
