@@ -41,6 +41,12 @@ def worth_forking() -> bool:
         return (os.cpu_count() or 1) > 1
 
 
+def one_intra_op_thread() -> None:
+    """In a forked child: torch (where loaded) on one intra-op thread, entering no OpenMP region (module docstring)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` (Linux /proc), or None where unreadable."""
     try:
@@ -81,8 +87,7 @@ def forked(work: Callable[[], Any]) -> Callable[[], Any]:
 
     def child() -> None:
         try:
-            if "torch" in sys.modules:
-                sys.modules["torch"].set_num_threads(1)
+            one_intra_op_thread()
             writer.send(("ok", work()))
         except BaseException as e:  # noqa: BLE001 (reported to the parent, which does the work itself)
             writer.send(("error", repr(e)))
@@ -162,4 +167,4 @@ def shared_map(fn: Callable[[Any], Any], items: Sequence[Any],
     return [ours[i] if i in ours else child[i] for i in range(len(items))]
 
 
-__all__ = ["forked", "shared_map", "worth_forking", "answers", "cpu_seconds", "STALL_S", "ENV"]
+__all__ = ["forked", "shared_map", "one_intra_op_thread", "worth_forking", "answers", "cpu_seconds", "STALL_S", "ENV"]

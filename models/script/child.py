@@ -17,13 +17,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
 from ...simulator.safe_io import InputError
 from ..config import ConfigError
+from ..forked import one_intra_op_thread
 
 POLL_S = 0.5  # the parent wakes this often, so Ctrl-C and SIGTERM are handled while it waits
 STOP_S = 2.0  # a child's time to end after SIGTERM before SIGKILL
@@ -31,10 +31,8 @@ STOP_S = 2.0  # a child's time to end after SIGTERM before SIGKILL
 
 def _child(conn, fn: Callable, args: tuple) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the child
-    if "torch" in sys.modules:  # one intra-op thread: an OpenMP pool the parent made before the fork has no threads
-        sys.modules["torch"].set_num_threads(1)  # here, and a real op's parallel region would wait for them forever
-        # (libgomp; seen: a script's real sdpa in the child of a test process that had run real ops; as
-        # models/forked.py does)
+    one_intra_op_thread()  # (models/forked.py: a real op's OpenMP region would wait forever for the parent's pool;
+    # seen: a script's real sdpa in the child of a test process that had run real ops)
     try:
         result = ("ok", fn(*args))
     except InputError as e:
