@@ -1,4 +1,4 @@
-"""Tensor parallelism (models/parallel/tensor.py) against real DTensor runs (traces/tensor_run.py: gloo over
+"""Tensor parallelism (models/parallel/tensor/) against real DTensor runs (traces/tensor_run.py: gloo over
 127.0.0.1, one process per tensor-parallel rank, measured with the tracker): static rows exact, every rank's peak
 within 1%. The default run measures the tiny GPT at tp=2 without SP (a few seconds); the other cases (SP, the tiny
 Llama, tp=4) run with PEAKLEDGER_SLOW=1."""

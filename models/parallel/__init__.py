@@ -50,7 +50,7 @@ Modules: layout.py (the pure layout functions and constants), engine.py (`Engine
 behaviour), ddp.py (DDP, ZeroRedundancyOptimizer), gathering.py (what FSDP2 and ZeRO-3 share), fsdp.py (FSDP2),
 deepspeed.py (ZeRO 0-3); `make_engine` builds the one the setup names, where models/dp_engines.py (the
 registry: names, knobs, module) says it lives. Model parallelism composes on the device
-mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor.py rewrites the tape into a
+mesh (mesh.py: a rank's coordinates, its builder, the rank classes): tensor/ rewrites the tape into a
 tensor-parallel rank's shards and collectives and wraps the engine in `TensorParallelEngine`; context.py (with
 ring.py) into a context-parallel rank's; stages.py cuts it into a pipeline rank's stages (the layout, the schedules'
 actions) and pipeline.py wraps the engine in `PipelineEngine`, which replays them in the schedule's order; expert.py

@@ -1,7 +1,7 @@
 """What the model-parallel degrees are checked against, and what is not simulated yet: each refusal a ConfigError
 naming the field (checked when the model is described, so a scenario with these degrees can still be compared with
 the formulas of `compare --peers`). `check_model_parallel` is the entry: the degrees against the model, then each
-dimension's own check (tensor.py, context.py, pipeline.py simulate what passes). What a model supports is its
+dimension's own check (tensor/, context.py, pipeline.py simulate what passes). What a model supports is its
 family's (models/families/: `Family.parallel`, `transformer`, `experts`, `kind`), passed in by the caller."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def check_expert_parallel_supported(model, setup: TrainingSetup) -> None:
 
 
 def check_tensor_parallel_supported(family, model, setup: TrainingSetup) -> None:
-    """What tensor parallelism is simulated with (models/parallel/tensor.py, checked against real DTensor runs):
+    """What tensor parallelism is simulated with (models/parallel/tensor/, checked against real DTensor runs):
     the hand-written dense GPT-2 / Llama, alone on its ranks (world_size = tp), fp32, bf16 or bf16 autocast,
     without activation checkpointing, LoRA or dropout."""
     s = setup
