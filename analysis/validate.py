@@ -7,7 +7,7 @@ size on the other side, largest first, with their tensor names. That is where an
 describer (what an op saves, which temporaries it makes) disagrees with torch.
 
 Each side says what it is (`measured_by`, `predicted_by`, from the logs' source and metadata): a real torch
-run on the CPU (traces/tracker.py), a CUDA capture on a named GPU (traces/cuda_capture.py) or a CUDA memory
+run on the CPU (traces/tracker/), a CUDA capture on a named GPU (traces/cuda_capture.py) or a CUDA memory
 snapshot; the simulator on the cpu profile, or on a GPU profile with a torch version's allocator rules. A CUDA
 trace can also carry the caching allocator's reserved peak (`reserved`, set by the caller).
 """

@@ -128,7 +128,7 @@ def test_streams_real_cpu_run_against_the_simulation(preset, stash, min_bytes):
     torchtune_module()
     v, measured, simulated = validate(scenario(preset=preset, activation_offload_stash=stash,
                                                activation_offload_min_bytes=min_bytes))
-    # the tracker's 8 B: Python scalars torch wraps outside dispatch (traces/tracker.py)
+    # the tracker's 8 B: Python scalars torch wraps outside dispatch (traces/tracker/)
     assert 0 <= v.overall.measured - v.overall.predicted <= 8
     assert sorted(_host_copies(measured, True)) == sorted(_host_copies(simulated, False))
     if preset == "tiny":  # the pack hook's order (autograd's SavedVariables, models/replay/offload_streams.py); the

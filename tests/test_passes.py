@@ -1,5 +1,5 @@
 """passes "forward" (models/config.py PASSES): `out = model(batch)` with autograd on and nothing after it, against
-a real CPU forward under the project's allocation tracker (traces/tracker.py), for a traced module and for the
+a real CPU forward under the project's allocation tracker (traces/tracker/), for a traced module and for the
 hand-written describers' tape without its loss."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """A real torch.compile'd training run on this CPU, measured with torch.profiler's memory timeline, as an EventLog.
 
-The dispatch tracker (tracker.py) cannot measure a compiled step: inductor's wrapper allocates its buffers with
+The dispatch tracker (tracker/) cannot measure a compiled step: inductor's wrapper allocates its buffers with
 `empty_strided_cpu` (`torch._C._dynamo.guards._empty_strided_cpu`), a C++ call below the dispatcher, and dynamo runs
 eagerly under an active TorchDispatchMode. torch.profiler sees the CPU allocator itself (`profile_memory=True`), so
 its memory timeline (`prof._memory_profile().timeline`, as profiler.py reads it) is the measurement here.
 
-The run is the tracker's loop (tracker.py `training_loop`) on the traced model's real program (reference/traced.py
+The run is the tracker's loop (tracker/loop.py `training_loop`) on the traced model's real program (reference/traced.py
 `real_model`), its `forward` (the forward and the loss, `models/compile/step.py`) compiled by `torch.compile` in
 the setup's mode. The compile itself runs first, outside the profiler (profiling a compile holds every event of
 dynamo and inductor): one forward and backward, then `zero_grad(set_to_none=True)`, so the measured steps start

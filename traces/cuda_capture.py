@@ -128,7 +128,7 @@ class MasterWeights:
         return self.optimizer.param_groups
 
     @property
-    def host_buffers(self):  # an optimizer-state offload's host buffers (traces/tracker.py labels them)
+    def host_buffers(self):  # an optimizer-state offload's host buffers (traces/tracker/ labels them)
         return getattr(self.optimizer, "host_buffers", {})
 
     def step(self) -> None:
@@ -247,7 +247,7 @@ def _peakledger_zero_grad(optimizer, set_to_none: bool):
 
 
 def run_loop(model, optimizer, batches, setup, device: str, marks: LoopMarks) -> None:
-    """The loop of traces/tracker.py `training_loop`, steps numbered from 1: per micro-batch the batch copied in
+    """The loop of traces/tracker/loop.py `training_loop`, steps numbered from 1: per micro-batch the batch copied in
     (a clone of one already on `device`), forward and loss (bf16 autocast on `device` for bf16-autocast), backward,
     the batch and outputs dropped; then the optimizer step and zero_grad. Each phase starts with a mark."""
     import torch

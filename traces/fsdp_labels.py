@@ -1,4 +1,4 @@
-"""FSDP2's buffers on a tracked rank, labelled as FSDP2 allocates them: the tracker (tracker.py) enters `FSDPLabels`
+"""FSDP2's buffers on a tracked rank, labelled as FSDP2 allocates them: the tracker (tracker/) enters `FSDPLabels`
 when the model has `fully_shard` units, and it wraps each unit's all-gather and reduce-scatter comms with delegating
 ones that name what they allocate (torch/distributed/fsdp/_fully_shard/_fsdp_api.py `AllGather`, `ReduceScatter`)."""
 
@@ -38,7 +38,7 @@ class FSDPLabels:
     post-backward copies it into the reduce-scatter input, is GRADIENT `<param>.unsharded.grad`.
     """
 
-    def __init__(self, tracker, model: torch.nn.Module) -> None:  # tracker.py `AllocationTracker`, which enters it
+    def __init__(self, tracker, model: torch.nn.Module) -> None:  # tracker/ `AllocationTracker`, which enters it
         from torch.distributed.fsdp import FSDPModule
 
         self.tracker = tracker

@@ -258,7 +258,7 @@ SYNC_COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_in
 def collectives_released(count: ReleaseCount, tracker=None, timeout_s: float = 5.0):
     """Inside, every synchronous collective of `SYNC_COLLECTIVES` called through `torch.distributed` returns only once
     the process group has released its tensors (`released_call`), counted in `count`; with the entered `tracker`
-    (traces/tracker.py `AllocationTracker`), also once every storage the call itself allocated is freed: gloo's
+    (traces/tracker/ `AllocationTracker`), also once every storage the call itself allocated is freed: gloo's
     reduce-scatter clones its whole input and all-reduces the clone, which its worker thread and the caller's work
     object both hold (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp `reduce_scatter_tensor_coalesced`), so its
     last reference goes on whichever thread lets go last. A program measured as it is (traces/script_run.py, a user's

@@ -1,7 +1,7 @@
 """A real CPU run of a torchao low-bit optimizer (models/lowbit.py), measured with torch.profiler as an EventLog.
 
 torchao 0.18.0's `_AdamBase.step` runs `torch.compile(single_param_adam, fullgraph=True)` per parameter: under the
-dispatch tracker (tracker.py) dynamo refuses to trace ("non-infra torch dispatch mode present") and fullgraph turns
+dispatch tracker (tracker/) dynamo refuses to trace ("non-infra torch dispatch mode present") and fullgraph turns
 that into an error, and a tensor subclass's own ops (dequantise, quantise) run below the mode anyway. So the run is
 measured as a compiled model is (compiled_run.py `profiled_events`: its loop with phase ranges and the allocator's
 events): the optimizer's graphs are compiled first by a warm-up optimizer over copies of the parameters (same shapes,

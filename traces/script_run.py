@@ -1,7 +1,7 @@
 """Measure a user's training script: run it for real on the CPU under the allocation tracker.
 
 The same script, arguments and world as the prediction (models/script/run.py `script_context`: argv, a scratch
-folder, offline), with real tensors: every storage it allocates and frees is the tracker's (traces/tracker.py),
+folder, offline), with real tensors: every storage it allocates and frees is the tracker's (traces/tracker/),
 the position of each event comes from the same calls the prediction reads (models/script/phases.py
 `ScriptPhases`), and the labels from the models and optimizers the script used, scanned after each backward,
 optimizer step and zero_grad. It stops after the same number of optimizer steps. In a distributed script every

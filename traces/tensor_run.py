@@ -72,7 +72,6 @@ from ..models.config import TrainingSetup, TransformerConfig
 from ..models.families import family_of
 from ..models.traced.realpath import fake_mode_active
 from ..simulator.events import EventLog
-from . import tracker as _tracker
 from .distributed import transformer_blocks
 from .harness import (
     Job,
@@ -86,6 +85,7 @@ from .harness import (
     wait_released,
 )
 from .reference import TORCH_DTYPES, build_model, make_batch, optimizer_class, torch_optimizer
+from .tracker import allocation as _tracker  # (its `_Mode`, swapped while a DTensorTracker enters)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,7 @@
 the position (phase, step, micro-batch) the script is in, in the module it runs in.
 
 The script runs as it is under torch's `FakeTensorMode` (shapes and dtypes, no memory), with the tracker's
-technique (traces/tracker.py): a `TorchDispatchMode` sees every aten op below autograd, a new output storage is
+technique (traces/tracker/): a `TorchDispatchMode` sees every aten op below autograd, a new output storage is
 an allocation, `weakref.finalize` on the storage is its free; the tensors an op reads that were made outside
 dispatch (`torch.tensor(data)` before its lift, a constant made at import) are allocated when first read, as the
 tracker does. What the recording is not told it learns as the script goes (`ScriptPhases`): the models it calls,
@@ -125,7 +125,7 @@ class Recorder(TorchDispatchMode):
     def resized(self, st, nbytes: int) -> None:
         """Storage `st` was resized (`UntypedStorage.resize_`: FSDP2 frees an unsharded parameter with a resize to
         0 and gathers it again with a resize back): its allocation goes, and a new one of `nbytes` (if any) takes its
-        labels, as the tracker records it (traces/tracker.py `_StorageResizeWatch`)."""
+        labels, as the tracker records it (traces/tracker/allocation.py `_StorageResizeWatch`)."""
         hit = self.live.get(id(st))
         old = self.storages[hit[0]] if hit is not None and hit[1]() is st else None
         if old is not None:

@@ -11,7 +11,7 @@ How the pieces compose:
 - `build.py`    what a run takes from them: `PROGRAMS`, each family's program and batches keyed by the family
                 object (models/families/), `build_model` (the config's family's, for a setup), `make_optimizer` /
                 `torch_optimizer` (with `StateOffload`), `make_batch`.
-The tracker (traces/tracker.py) and the multi-process harnesses (traces/*_run.py) run them.
+The tracker (traces/tracker/) and the multi-process harnesses (traces/*_run.py) run them.
 """
 
 from .build import (

@@ -1,6 +1,6 @@
 """Plain-torch reference models, built from the same config objects the describers read.
 
-They exist to measure: run a real CPU training step on them (see `traces/tracker.py`) and compare the
+They exist to measure: run a real CPU training step on them (see `traces/tracker/`) and compare the
 bytes with what `models.training.describe` + `simulator.engine.simulate` predict. Weights are random
 (nothing is downloaded); only shapes, dtypes and the order of ops matter for memory.
 

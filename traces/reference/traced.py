@@ -1,5 +1,5 @@
 """A traced model's program for real: what models/traced describes (a HF config or a user's factory), built on
-the CPU with random weights and run by the project's training loop (traces/tracker.py `run_training_steps`),
+the CPU with random weights and run by the project's training loop (traces/tracker/loop.py `run_training_steps`),
 so the traced describer is held against the program it describes.
 
 `real_model` builds it as the trace did (frozen parameters, transformers' memoised tensors made anew, each

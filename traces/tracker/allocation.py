@@ -1,64 +1,8 @@
-"""An exact allocation tracker for real torch runs, writing our event schema (`EventLog`).
-
-How it measures
----------------
-- A `TorchDispatchMode` sees every aten op below autograd (forward, backward and optimizer kernels).
-  Each output tensor's untyped storage that is not already known, and is not the storage of one of
-  the op's inputs, is a new allocation of `storage.nbytes()` bytes. Views and in-place results share
-  a known storage and allocate nothing. Zero-byte storages are ignored.
-- `weakref.finalize` on that storage fires when its last reference (Python or C++) goes; that is the
-  free. Storage Python objects are preserved by torch while the C++ storage lives, so the finalizer
-  does not fire early.
-- A tensor an op reads whose storage was never seen (created outside dispatch, e.g. the tensor
-  `torch.tensor(0.0)` builds before its `lift_fresh`) is recorded as allocated when first seen.
-  Python scalars wrapped by the arg parser never reach dispatch: that is the tiny gap to the profiler.
-- Everything alive before the run is recorded at the start, in Phase.LOAD: parameters (PARAMETER),
-  module buffers (BUFFER), existing `.grad`s (GRADIENT) and optimizer state (OPTIMIZER_STATE).
-
-Labels
-------
-Each allocation is one internal, mutable record; Blocks and Events are built at the end, so labels
-known only later are fixed up before the log is returned:
-PARAMETER > BUFFER > INPUT (tensors passed to `mark_input`) > GRADIENT (a storage that was some
-parameter's `.grad`, checked after every backward, optimizer step and zero_grad; a temporary the
-AccumulateGrad node stole becomes the gradient) > OPTIMIZER_STATE (a storage found in
-`optimizer.state`, with its `OptimizerState`) > ACTIVATION (saved for backward, learnt through
-`torch.autograd.graph.saved_tensors_hooks`, or explicitly `mark`ed: `run_training_steps` marks the
-logits/outputs the caller holds until backward ends, as the simulator counts them) > TEMPORARY.
-The phase, step and micro-batch come from `with tracker.phase(...)`; names are the module path
-(forward pre/post hooks) plus the aten op in forward, the running autograd node in backward, and
-`param.grad` / `param.exp_avg` ... for gradients and optimizer state. Every block is device memory
-(Pool.DEVICE) except the host buffers an optimizer-state offload names (`optimizer.host_buffers`,
-traces/reference/build.py `StateOffload`): Pool.HOST, so a CPU run shows the device memory a GPU would hold.
-
-Distributed runs (traces/distributed.py: one tracker per rank, `rank=r` on every Block)
----------------------------------------------------------------------------------------
-- DTensors (FSDP2's sharded parameters, their grads and optimizer states) are followed to their local
-  shard's storage, and the Block carries the DTensor's shard factor.
-- `torch.UntypedStorage.resize_` is patched while tracking (dispatch never sees it): a resize to 0
-  frees the storage's allocation, a resize back allocates anew with the same labels. Any aten op that
-  reallocates an input's storage (resize_, out= arguments) is recorded the same way.
-- FSDP2 units get ALL_GATHER_BUFFER / REDUCE_SCATTER_BUCKET blocks, `<param>.unsharded` parameters and
-  `<param>.unsharded.grad` gradients (fsdp_labels.py `FSDPLabels`); DDP's gradient buckets become
-  REDUCE_SCATTER_BUCKET `ddp.bucket.<k>` (`ddp_buckets=True`). Between OPTIMIZER_STATE and ACTIVATION
-  in the order above come ALL_GATHER_BUFFER, then REDUCE_SCATTER_BUCKET.
-
-Exactness (measured on this machine, torch 2.13 CPU, `torch.set_num_threads(1)`, seed 0), the 3 x
-Linear(512) MLP ("tiny-mlp"), batch 64, AdamW, 2 steps, `run_training_steps` vs `profiler.profiler_peak` (the
-same loop under torch.profiler, memory-timeline peak event by event, host batch excluded):
-
-    foreach   tracker 15,759,384 B   profiler 15,759,396 B   gap 12 B
-    for-loop  tracker 14,706,712 B   profiler 14,706,724 B   gap 12 B
-    fused     tracker 13,262,876 B   profiler 13,262,876 B   gap 0
-
-The 12 B are tiny scalar allocations dispatch never sees, the same gap as in the shared notes. The
-notes' absolute figures (15,099,932 B for-loop, 16,152,604 B foreach) are both 393,220 B = 3 x
-131,072 + 4 higher, which is what one (64, 512) fp32 inputs + targets + output and the 4-byte loss
-still alive at the optimizer step would add (the notes do not give their loop, so this is an
-inference); this loop drops them when backward ends, as the simulator's loop does.
-Running the tracker with or without the saved-tensor hooks gives the same peak (the pack hook returns
-a detached alias of the same storage, so it creates no reference cycle through the saving node).
-"""
+"""`AllocationTracker`: every storage allocated and freed while it is active, recorded as `Event`s of our schema,
+each allocation one `_Record` labelled by precedence until the log is built. Its parts: `_Mode` (the
+TorchDispatchMode that sees every aten op below autograd), `_StorageResizeWatch` (`UntypedStorage.resize_` patched
+while tracking) and the tracker itself (recording, labels, context, the resulting `EventLog`). How it measures and
+labels: the package's docstring (traces/tracker/__init__.py)."""
 
 from __future__ import annotations
 
@@ -71,10 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..models.script.record import plain_tensors, state_name
-from ..simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
-from ..simulator.run_metadata import RunMetadata
-from .fsdp_labels import FSDPLabels
+from ...models.script.record import plain_tensors, state_name
+from ...simulator.events import Action, Block, Category, Event, EventLog, OptimizerState, Phase, Pool, Stream
+from ...simulator.run_metadata import RunMetadata
+from ..fsdp_labels import FSDPLabels
 
 SOURCE = "torch-dispatch-tracker"
 
@@ -156,7 +100,7 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         tr = self.tracker
         inputs: dict[int, tuple] = {}  # data_ptr before the op -> (storage, a tensor on it)
-        for t in _tensors_in((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             st = _storage(t)
             if st is None:
                 continue
@@ -172,15 +116,16 @@ class _Mode(TorchDispatchMode):
             if st.data_ptr() != key:  # the op reallocated an input's storage (aten.resize_, an out= argument)
                 tr._resized(st, key, str(func), t)
         if tr.ddp_buckets and func.namespace == "c10d" and "allreduce" in func.name():
-            tr._label_ddp_buckets(_tensors_in((args, kwargs)))
-        for t in _tensors_in(out):
+            tr._label_ddp_buckets(tensors_in((args, kwargs)))
+        for t in tensors_in(out):
             st = _storage(t)
             if st is not None and st.data_ptr() not in inputs:
                 tr._see(st, t, str(func))
         return out
 
 
-def _tensors_in(tree) -> list[torch.Tensor]:
+def tensors_in(tree) -> list[torch.Tensor]:
+    """The plain tensors of every tensor in `tree` (a pytree: an op's args, its output), a DTensor's local shard."""
     return [p for a in tree_flatten(tree)[0] if isinstance(a, torch.Tensor) for p in plain_tensors(a)]
 
 
@@ -489,88 +434,3 @@ class AllocationTracker:
         live = sorted(r.id for r in self.records.values() if not r.freed)
         meta = RunMetadata(live_at_end=live, device="cpu", torch=torch.__version__).updated(metadata)
         return EventLog(events=events, source=SOURCE, metadata=meta)
-
-
-def batch_for(batches, step: int, mb: int, grad_accum: int):
-    return batches[((step - 1) * grad_accum + mb) % len(batches)]
-
-
-def run_training_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, steps: int = 2,
-                       grad_accum: int = 1, set_to_none: bool = True, seed: int = 0,
-                       saved_tensor_hooks: bool = True, metadata: RunMetadata | None = None,
-                       autocast: torch.dtype | None = None) -> EventLog:
-    """Run a real CPU training loop under the tracker and return its `EventLog`.
-
-    The loop is models/training.py's: parameters already loaded (recorded at LOAD), then for each step
-    `grad_accum` x (copy the micro-batch in: INPUT; `out, loss = model(x, y)`; `loss.backward()`; drop
-    out, loss and the batch copy, still in BACKWARD), `optimizer.step()` (OPTIMIZER),
-    `optimizer.zero_grad(set_to_none)` (ZERO_GRAD). `batches` are (inputs, targets) pairs, used in turn.
-    `torch.set_num_threads(1)` and a fixed seed make the bytes reproducible. `autocast` (e.g.
-    torch.bfloat16) runs the forward and the loss under `torch.autocast("cpu", dtype=autocast)`;
-    backward runs outside it, as usual (the autocast weight-cast cache is cleared when the forward ends).
-    """
-    torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    known = tuple(t for b in batches for t in b)
-    tracker = AllocationTracker(model, optimizer, saved_tensor_hooks=saved_tensor_hooks, known=known)
-    with tracker:
-        training_loop(tracker, model, optimizer, batches, steps, grad_accum, set_to_none, autocast)
-    meta = RunMetadata(steps=steps, grad_accum=grad_accum, set_to_none=set_to_none,
-                       optimizer=type(optimizer).__name__, autocast=None if autocast is None else str(autocast))
-    return tracker.log(meta.updated(metadata))
-
-
-def training_loop(tracker: AllocationTracker, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches,
-                  steps: int = 2, grad_accum: int = 1, set_to_none: bool = True,
-                  autocast: torch.dtype | None = None, first_step: int = 1) -> None:
-    """`run_training_steps`'s loop, phase by phase, under an already entered `tracker` (which may label a
-    different module or optimizer than the ones called here: the module inside a DDP wrapper, the local
-    optimizer inside a ZeroRedundancyOptimizer). Steps are numbered from `first_step`, so a caller can
-    run them one at a time with its own phases in between (a checkpoint save after each)."""
-    for step in range(first_step, first_step + steps):
-        for mb in range(grad_accum):
-            with tracker.phase(Phase.FORWARD, step, mb):
-                batch = tuple(t.clone() for t in batch_for(batches, step, mb, grad_accum))  # (x, y), or a
-                tracker.mark_input(*batch)  # traced model's batch tensors (traces/reference/traced.py real_model)
-                with (torch.autocast("cpu", dtype=autocast) if autocast is not None
-                      else contextlib.nullcontext()):
-                    out, loss = model(*batch)
-                _mark_held(tracker, out)  # held by the caller until backward ends
-            with tracker.phase(Phase.BACKWARD, step, mb):
-                loss.backward()
-                del out, loss, batch
-                tracker.scan()
-        with tracker.phase(Phase.OPTIMIZER, step):
-            optimizer.step()
-            tracker.scan()
-        with tracker.phase(Phase.ZERO_GRAD, step):
-            optimizer.zero_grad(set_to_none=set_to_none)
-            tracker.scan()
-
-
-def _mark_held(tracker: AllocationTracker, out) -> None:
-    """Label the tensors of a model's output (a tensor, or a structure of them: a HF ModelOutput)."""
-    for t in _tensors_in(out):
-        tracker.mark(t, Category.ACTIVATION)
-
-
-def live_bytes(log: EventLog, upto: int | None = None) -> dict[Category, int]:
-    """Bytes live by category right after event index `upto` (the whole log by default)."""
-    out: dict[Category, int] = {}
-    for e in log.events[: None if upto is None else upto + 1]:
-        out[e.block.category] = out.get(e.block.category, 0) + e.delta
-    return {c: b for c, b in out.items() if b}
-
-
-def peak(log: EventLog) -> tuple[int, int]:
-    """(peak bytes, index of the event right after which it is first reached)."""
-    running, best, best_i = 0, -1, -1
-    for i, e in enumerate(log.events):
-        running += e.delta
-        if running > best:
-            best, best_i = running, i
-    return best, best_i
-
-
-__all__ = ["AllocationTracker", "run_training_steps", "training_loop", "shard_factor",
-           "live_bytes", "peak", "SOURCE"]
