@@ -433,3 +433,12 @@ def reduce_staging_bytes(num_outputs: int, inputs_per_output: int, arg_bytes: in
         return 0, 0
     size = arg_bytes * num_outputs * ctas * (1 if reduce_on_fastest else bw * ovs)
     return size, 4 * grid
+
+
+def reduce_staging_of(rule: tuple) -> tuple[int, int]:
+    """`reduce_staging_bytes` of a rule's arguments as a traced CUDA program records them on a reduction's two
+    storages (models/traced/cuda_program.py; Storage.rule): (num_outputs, inputs_per_output, arg_bytes,
+    reduce_on_fastest, fastest_stride_is_element, output_vec_size, num_sms)."""
+    num_outputs, inputs, arg_bytes, on_fastest, fastest_is_element, vec, sms = rule
+    return reduce_staging_bytes(num_outputs, inputs, arg_bytes, reduce_on_fastest=on_fastest,
+                                fastest_stride_is_element=fastest_is_element, output_vec_size=vec, num_sms=sms)

@@ -250,22 +250,31 @@ def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
     assert derive(points, 5) is not None
 
 
-def test_sizes_above_a_kink_are_derived_from_the_points_above_it():
+def test_a_reduction_staging_buffer_is_derived_by_its_rule_across_its_cap():
     """A CUDA reduction's staging buffer grows with the micro-batch up to the grid's cap (on this tiny Gemma2 at
-    sequence 128, between 2048 and 3072): 1024, 3072, 4096 and 6144 are not affine together, 3072, 4096 and 6144
-    are, so 5120 is derived from them and equals its trace; 2048, below them, is not derived."""
+    sequence 128, between 2048 and 3072), in steps: its bytes are not affine in the micro-batch, the rule's
+    arguments (the reduction's outputs and inputs per output, Storage.rule) are, and scale.py computes the bytes from
+    them (models/gpu.py `reduce_staging_bytes`). Sizes on either side of the cap, from points on either side of it,
+    equal their traces; three points below the cap give a size above it (a line through them would overshoot)."""
     from peakledger.models import traced as trace
     from peakledger.models.traced.depth import same
     from peakledger.models.traced.scale import affine, derive
 
     model = from_hf_dict(dict(HF["gemma2"], num_hidden_layers=3), "gemma2-kink")
-    sizes = (1024, 2048, 3072, 4096, 5120, 6144)
+    sizes = (1024, 1536, 2048, 3072, 4096, 5120, 6144)
     setup = {b: TrainingSetup(micro_batch=b, seq_len=128, precision="bf16") for b in sizes}
     target = ((9, 0), "2.13")
-    points = {b: trace._trace(model, setup[b], target) for b in (1024, 3072, 4096, 6144)}
-    assert not affine(points)
-    assert derive(points, 2048) is None
-    assert same(derive(points, 5120), trace._trace(model, setup[5120], target))
+    traced = {b: trace._trace(model, setup[b], target) for b in sizes}
+
+    def staging(rec):
+        return sorted({s.nbytes for s in rec.storages.values() if s.name.endswith(".reduce_staging")})
+
+    assert staging(traced[2048]) != staging(traced[3072]) == staging(traced[6144])  # the cap, between 2048 and 3072
+    points = {b: traced[b] for b in (1024, 3072, 4096, 6144)}
+    assert affine(points)
+    assert same(derive(points, 2048), traced[2048]) and same(derive(points, 5120), traced[5120])
+    below = {b: traced[b] for b in (1024, 1536, 2048)}
+    assert same(derive(below, 4096), traced[4096])
 
 
 def test_a_quadratic_size_is_traced_not_derived():

@@ -47,7 +47,7 @@ import weakref
 
 import torch
 
-from ..gpu import kernel_rules, reduce_staging_bytes, sdpa_backend, sdpa_cudnn
+from ..gpu import kernel_rules, reduce_staging_of, sdpa_backend, sdpa_cudnn
 from .realpath import tensors_in
 
 # autocast_mode.h (torch 2.13): the CUDA policy of every op AutocastCUDA registers ("aten::name.overload")
@@ -260,9 +260,10 @@ REDUCTIONS = {"sum.dim_IntList": 4, "sum.default": 4, "mean.dim": 4, "mean.defau
               "min.dim": 16}  # accumulator bytes of a floating input: float (at::acc_type), max/min a (value, index)
 
 
-def reduction_temporaries(func, args, kwargs, compute_capability) -> tuple[tuple[int, str], ...]:
-    """The staging buffer and semaphores of a CUDA reduction (module docstring), or () where it reduces within
-    blocks, is not one of REDUCTIONS, or its layout does not coalesce to one reduced and one kept dimension."""
+def reduction_temporaries(func, args, kwargs, compute_capability) -> tuple[tuple[int, str, tuple], ...]:
+    """The staging buffer and semaphores of a CUDA reduction (module docstring), (bytes, role, the rule's
+    arguments) each, or () where it reduces within blocks, is not one of REDUCTIONS, or its layout does not
+    coalesce to one reduced and one kept dimension."""
     name = f"{func._schema.name.split('::')[-1]}.{func._overloadname}"
     arg_bytes = REDUCTIONS.get(name)
     sms = SMS.get(tuple(compute_capability))
@@ -298,10 +299,10 @@ def reduction_temporaries(func, args, kwargs, compute_capability) -> tuple[tuple
     vec = 4  # get_output_vec_size: halved until it divides the output extent and the other strides
     while vec > 1 and (num_outputs % vec or any(m[0] % vec for m in merged if m[0] != 1)):
         vec //= 2
-    size, semaphores = reduce_staging_bytes(num_outputs, inputs, arg_bytes, reduce_on_fastest=on_fastest,
-                                            fastest_stride_is_element=merged[0][0] == 1, output_vec_size=vec,
-                                            num_sms=sms)
-    return ((size, "reduce_staging"), (semaphores, "reduce_semaphores")) if size else ()
+    rule = (num_outputs, inputs, arg_bytes, on_fastest, merged[0][0] == 1, vec, sms)
+    size, semaphores = reduce_staging_of(rule)
+    return ((size, "reduce_staging", rule), (semaphores, "reduce_semaphores", rule)) if size else ()
+
 
 
 class cuda_program:
@@ -322,7 +323,7 @@ class cuda_program:
     def backends(self) -> list[str]:
         return self.sdpa.backends
 
-    def temporaries(self, func, args, kwargs, out) -> tuple[tuple[int, str], ...]:
+    def temporaries(self, func, args, kwargs, out) -> tuple[tuple[int, str, tuple], ...]:
         """What the CUDA kernel of an aten call allocates and frees inside itself, after its outputs."""
         return reduction_temporaries(func, args, kwargs or {}, self.cc)
 

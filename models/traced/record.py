@@ -272,13 +272,14 @@ class Recorder(TorchDispatchMode):
 
     def _temporaries(self, temps, name: str, op: int) -> list[int]:
         """Storages a kernel allocates and frees inside itself after its outputs (`temporaries`, e.g. a CUDA
-        reduction's staging buffer), last made first freed: born and dead in this op (forward) or node."""
+        reduction's staging buffer: (bytes, role, the rule's arguments) each), last made first freed: born and dead in
+        this op (forward) or node."""
         sids = []
-        for nbytes, role in temps:
+        for nbytes, role, rule in temps:
             sid = len(self.storages) + 1
             born = "forward" if self.phase == "forward" else "backward"
             self.storages[sid] = Storage(sid, nbytes, "uint8", (nbytes,), f"{name}.{role}", born, op,
-                                         death=("forward", op) if born == "forward" else None)
+                                         death=("forward", op) if born == "forward" else None, rule=(role, *rule))
             if born == "backward" and self.current is not None:
                 self.current.events.append(("alloc", sid))
             sids.append(sid)

@@ -20,6 +20,9 @@ class Storage:
     op: int = -1  # the forward op that made it (born "forward")
     requires_grad: bool = False
     death: tuple[str, int] | None = None  # ("forward", op index) / ("backward", node index) / ("end", 0)
+    # a kernel's own temporary whose size a GPU rule gives (cuda_program.py): (role, the rule's arguments), from which
+    # scale.py computes it at another micro-batch; None for every other storage
+    rule: tuple | None = None
 
 
 @dataclass

@@ -6,32 +6,51 @@ the same program (the same ops on the same storages in the same order, the same 
 same events: `signature`) and whose every size (each storage's bytes and each dimension of its shape, each
 op's FLOPs) is affine in the micro-batch (a + b x B: `affine`) give the recording at any size B by that
 formula (`derive`). Whatever is not affine (a B x B tensor, a kernel chosen by size) shows in the three
-points, and then nothing is derived: the size is traced. A size that is affine only from some micro-batch on (a CUDA
-reduction's staging buffer grows with the batch up to the grid's cap, then stays) is derived from the points
-from there on, three or more that are affine, for sizes from their smallest up.
+points, and then nothing is derived: the size is traced. A size that is affine only from some micro-batch on is
+derived from the points from there on, three or more that are affine, for sizes from their smallest up.
+
+A kernel's own temporary whose size a GPU rule gives (a CUDA reduction's staging buffer and semaphores: its blocks
+per output grow with the inputs up to the grid's fill, in steps, Reduce.cuh setReduceConfig) is not affine in the
+batch, but the rule's arguments are (the reduction's outputs and inputs per output, Storage.rule): those are checked
+and derived as every other size, and the temporary's bytes computed from them by the rule (`RULES`); where the rule
+gives none at the size asked (the kernel reduces within blocks there: another program), nothing is derived.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
-from .recording import Recording
+from ..gpu import reduce_staging_of
+from .recording import Recording, Storage
+
+# a temporary's role -> its bytes from the rule's arguments (Storage.rule[1:]; models/traced/cuda_program.py)
+RULES: dict[str, Callable[[tuple], int]] = {
+    "reduce_staging": lambda args: reduce_staging_of(args)[0],
+    "reduce_semaphores": lambda args: reduce_staging_of(args)[1],
+}
+SIZED = 2  # the rule's arguments that follow the batch (a reduction's outputs and inputs per output); the rest fixed
 
 
 def signature(rec: Recording) -> tuple:
     """Everything in a recording but its sizes."""
     return (tuple((op.aten, op.module, op.reads, op.params, op.outputs) for op in rec.ops),
             tuple((n.name, n.op, tuple(n.events), tuple(n.saves)) for n in rec.nodes),
-            tuple((sid, s.born, s.op, s.death, s.dtype, s.requires_grad, len(s.shape), s.name)
+            tuple((sid, s.born, s.op, s.death, s.dtype, s.requires_grad, len(s.shape), s.name,
+                   None if s.rule is None else (s.rule[0], *s.rule[1 + SIZED:]))
                   for sid, s in rec.storages.items()),
             tuple(sorted(rec.param_grads.items())), tuple(rec.held), rec.layers, rec.autocast_cached,
             tuple((n, shape, dt, rg) for n, shape, dt, rg in rec.params))
 
 
 def _numbers(rec: Recording) -> list[int]:
-    """Every size of a recording, in a fixed order (storages: bytes and shape; ops and nodes: FLOPs)."""
+    """Every size of a recording, in a fixed order (storages: bytes and shape, or a rule's sized arguments; ops and
+    nodes: FLOPs)."""
     out: list[int] = []
     for s in rec.storages.values():
+        if s.rule is not None:
+            out.extend(s.rule[1:1 + SIZED])
+            continue
         out.append(s.nbytes)
         out.extend(s.shape)
     out.extend(op.flops for op in rec.ops)
@@ -85,9 +104,10 @@ def derive(points: dict[int, Recording], micro_batch: int) -> Recording | None:
         storages = {}
         for sid, s in r1.storages.items():
             t = r2.storages[sid]
-            value = dataclasses.replace(s, nbytes=at(s.nbytes, t.nbytes),
-                                        shape=tuple(at(a, c) for a, c in zip(s.shape, t.shape)))
-            if value.nbytes < 0 or min(value.shape, default=0) < 0:
+            value = _ruled(s, t, at) if s.rule is not None else \
+                dataclasses.replace(s, nbytes=at(s.nbytes, t.nbytes),
+                                    shape=tuple(at(a, c) for a, c in zip(s.shape, t.shape)))
+            if value is None or value.nbytes < 0 or min(value.shape, default=0) < 0:
                 return None
             storages[sid] = value
         ops = [dataclasses.replace(op, flops=at(op.flops, o2.flops)) for op, o2 in zip(r1.ops, r2.ops)]
@@ -97,3 +117,17 @@ def derive(points: dict[int, Recording], micro_batch: int) -> Recording | None:
     by_id = {s.id: s for s in storages.values()}
     return dataclasses.replace(r1, storages=storages, ops=ops, nodes=nodes,
                                buffers=[by_id[s.id] for s in r1.buffers], inputs=[by_id[s.id] for s in r1.inputs])
+
+
+def _ruled(s: Storage, t: Storage, at: Callable[[int, int], int]) -> Storage | None:
+    """A rule's temporary (`s` at one point, `t` at another) at the size asked: its sized arguments derived, its bytes
+    computed by its rule; None where the rule gives none there (another program: traced)."""
+    role, *args = s.rule
+    sized = [at(a, c) for a, c in zip(args[:SIZED], t.rule[1:1 + SIZED])]
+    if min(sized) <= 0:
+        return None
+    rule = (*sized, *args[SIZED:])
+    nbytes = RULES[role](rule)
+    if nbytes <= 0:
+        return None
+    return dataclasses.replace(s, nbytes=nbytes, shape=(nbytes,), rule=(role, *rule))

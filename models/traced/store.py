@@ -40,7 +40,7 @@ from pathlib import Path
 from ..config import ConfigError
 from .recording import BackwardNode, ForwardOp, Recording, Storage
 
-FORMAT = 1
+FORMAT = 2  # 2: a storage's GPU rule (Storage.rule)
 DIR_ENV = "PEAKLEDGER_CACHE_DIR"
 MAX_ENV = "PEAKLEDGER_CACHE_MAX_BYTES"
 DEFAULT_MAX_BYTES = 2 << 30
@@ -113,13 +113,14 @@ def salt(lora: bool = False, quantize: str = "none") -> str:
 
 def _storage(s: Storage) -> list:
     return [s.id, s.nbytes, s.dtype, list(s.shape), s.name, s.born, s.op, s.requires_grad,
-            None if s.death is None else list(s.death)]
+            None if s.death is None else list(s.death), None if s.rule is None else list(s.rule)]
 
 
 def _storage_of(v: list) -> Storage:
-    i, nbytes, dtype, shape, name, born, op, rg, death = v
+    i, nbytes, dtype, shape, name, born, op, rg, death, rule = v
     return Storage(id=i, nbytes=nbytes, dtype=dtype, shape=tuple(shape), name=name, born=born, op=op,
-                   requires_grad=rg, death=None if death is None else (death[0], death[1]))
+                   requires_grad=rg, death=None if death is None else (death[0], death[1]),
+                   rule=None if rule is None else tuple(rule))
 
 
 def encode(rec: Recording) -> dict:
