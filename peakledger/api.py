@@ -26,7 +26,7 @@ from .analysis.report import Report, summarize
 from .models.config import ConfigError
 from .models.devices import device_profile
 from .models.families import family_of
-from .models.traced import from_hf_dict
+from .models.traced import from_hf_dict, micro_batch_points
 from .models.traced.model import TracedModel
 from .models.training import build_tape, describe
 from .plan import plan as plan  # (the compute planner, peakledger/plan.py: one of the API's entry points)
@@ -136,8 +136,9 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
     whose factory takes no `micro_batch` keyword has one batch: nothing to search, refused. The scenario's own
     micro-batch is probed first (analysis/maxbatch.py `max_fitting`'s `start`: where it fits, no smaller one is
     traced), then the sizes where the line through two probed peaks meets the budget (`guided`: the same answer,
-    fewer sizes simulated and traced). `progress(i, None, what)` before each probe (peakledger/progress.py; silent
-    by default)."""
+    fewer sizes simulated and traced). The first size traced of a deep traced model records micro-batch 2, 3 and 4
+    beside it (models/traced `micro_batch_points`), from which scale.py derives the other sizes probed. `progress(i,
+    None, what)` before each probe (peakledger/progress.py; silent by default)."""
     say = reporter(progress)
     model = scenario.model
     if isinstance(model, TracedModel) and model.kind == "module" and "micro_batch" not in model.varies:
@@ -160,7 +161,8 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
         return cache[b]
 
-    return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch, guided=True)
+    with micro_batch_points(True):  # the first size traced records sizes 2-4 beside it: the others derived
+        return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch, guided=True)
 
 
 def batch_range(*, fixed, per_sample, budget) -> BatchRange:
