@@ -24,7 +24,7 @@ from .scenario import Scenario
 
 Candidate = tuple[str, dict, bool, str]
 
-# what each save mode keeps where (models/checkpoint_io.py)
+# what each save mode keeps where (models/checkpoint_io/)
 SAVE_NOTES = {
     "torch-save": "torch.save of the rank's own tensors: one host copy at a time, nothing gathered on the device",
     "full-rank0": "the full state dict gathered on rank 0's device until written (FullStateDictConfig rank0_only)",

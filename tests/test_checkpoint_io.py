@@ -1,4 +1,4 @@
-"""Checkpoint save and load (models/checkpoint_io.py): the spikes each mode predicts, computed here from the
+"""Checkpoint save and load (models/checkpoint_io/): the spikes each mode predicts, computed here from the
 model's parameter shapes; the save as the run's peak; default runs unchanged; field errors; and real CPU
 saves and loads under the exact allocation tracker against the simulation (bench/validate_checkpoint_io.py)."""
 

@@ -137,7 +137,7 @@ class Mesh(Section):
 
 @dataclass(frozen=True, eq=False)
 class CheckpointIO(Section):
-    """Model load and training checkpoints (models/checkpoint_io.py). `build`: how the parameters reach the device
+    """Model load and training checkpoints (models/checkpoint_io/). `build`: how the parameters reach the device
     before training (models/parallel/engine.py `Engine.load`): "direct" = each allocated once in its training dtype
     (from_pretrained(..., torch_dtype=...), or a model moved from the CPU); "device-fp32" = built on the device in
     fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype) where the parameters are 16-bit, then
