@@ -29,8 +29,8 @@ Checkpointing, accumulation, steps, optimizer and parallelism do not change the 
 applied by `convert.to_tape` and the replay. Other micro-batch sizes: once three sizes of one model and
 setup are traced and prove to be one program with sizes affine in the micro-batch, every other size is
 derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a
-program of its own). Under `micro_batch_points` (`peakledger simulate`) a deep model's first trace records sizes 2,
-3 and 4 beside its own, so that a second call at another size derives it (`_other_sizes`).
+program of its own). Under `micro_batch_points` (`peakledger simulate`, max-batch) a deep model's first trace
+records sizes 2, 3 and 4 beside its own, so that a second call at another size derives it (`_other_sizes`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def micro_batch_points(on: bool) -> Iterator[None]:
     """Whether a first trace of a deep model records the other micro-batch sizes too (`_other_sizes`), for what runs
     inside. Off by default (a trace for explain's candidates, for each card of `where` or a sweep's point is a
     one-off); `peakledger simulate` turns it on for its scenario, the first of the calls a user makes about a model
-    (then another micro-batch, max-batch: each derived, nothing traced)."""
+    (then another micro-batch, max-batch: each derived, nothing traced), and a max-batch search for its probes
+    (peakledger/api.py `max_micro_batch`: the first size it traces records the others it needs)."""
     token = _POINTS.set(on)
     try:
         yield
