@@ -7,7 +7,7 @@ Each `DpEngine` says what the rest of the project needs to know of an engine wit
   DeepSpeed's stages do, by direct reference; this module cannot import that package, which imports the config);
 - `knobs`: its knob class (`DeepSpeedKnobs`, ...), a field of the setup's `DataParallel` section, with when the
   engine reads each knob; a knob set by the user that the setup never reads is refused
-  (models/config/checks.py `check_given_knobs`);
+  (models/config/applies.py `check_given_knobs`);
 - `summary`: one line for help texts.
 
 Adding an engine is one module in models/parallel (its `Engine` subclass), its knob class and one `DpEngine(...)`
@@ -129,7 +129,7 @@ class DataParallel(Section):
 
 
 def knob_rules() -> dict[str, tuple[Callable, str]]:
-    """knob name -> (applies to a setup's knobs?, what it needs) for every engine knob, as models/config/checks.py
+    """knob name -> (applies to a setup's knobs?, what it needs) for every engine knob, as models/config/applies.py
     KNOB_APPLIES holds them: a knob several engines read applies under any of them."""
     owners: dict[str, list[tuple[str, tuple[Callable, str] | None]]] = {}
     for e in DP_ENGINES.values():

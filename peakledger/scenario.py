@@ -168,8 +168,8 @@ HEADROOM_LIMIT = 10.0  # capacity needed = peak x (1 + headroom): 10 = 1,000% is
 
 
 def _check_given_run(run: dict) -> None:
-    """Run settings the user gave that the setup would never read are refused, as models/config.py KNOB_APPLIES
-    does for training knobs; a headroom is a fraction of the peak, bounded."""
+    """Run settings the user gave that the setup would never read are refused, as models/config/applies.py
+    KNOB_APPLIES does for training knobs; a headroom is a fraction of the peak, bounded."""
     if run.get("device") == "cpu":
         ignored = [k for k in GPU_ONLY_RUN if run.get(k) not in (None, "", False)]
         if ignored:
@@ -185,7 +185,7 @@ def _check_given_run(run: dict) -> None:
 def build_scenario(model_table: dict | None = None, training: dict | None = None, run: dict | None = None,
                    name: str | None = None, defaults: dict | None = None) -> Scenario:
     """A scenario from its three tables. `training` holds what the user set (each such field must apply to
-    the setup: see models/config.py KNOB_APPLIES); `defaults` are training values of the caller's own,
+    the setup: see models/config/applies.py KNOB_APPLIES); `defaults` are training values of the caller's own,
     taken where the user set nothing and where the model has the field (an MLP has no sequence)."""
     model_table = dict(model_table or {})
     training = lists_as_tuples(training or {})

@@ -7,7 +7,10 @@ clear message (exit 2) instead of a traceback or a wrong number.
 How the modules compose, bottom up:
     base.py    ConfigError, config files read safely, dtype names, the small checks every config uses
     model.py   TransformerConfig, MLPConfig: what the model is
-    checks.py  what each knob may be (the choice tuples) and the checks of the setup's knobs, run in one order
+    choices.py what each knob may be (the choice tuples)
+    checks.py  the checks of the setup's knobs, run in one order (the offloads': offload_checks.py; the RL
+               section's: rl.py)
+    applies.py which knobs a setup reads: a knob the user set that it never reads is refused
     sections.py the setup's sections (batch, loop, optimizer, checkpointing, mesh, checkpoint I/O, offload, LoRA,
                MoE, compile), their knobs declared with models/knobs.py's `knob`; precision's is
                models/precision.py's, the data-parallel one models/dp_engines.py's
@@ -16,8 +19,10 @@ The CLI's flags, the scenario file's [training] keys and the setup's serialised 
 sections' declarations.
 """
 
+from ..dp_engines import REDUCE_DTYPES
 from ..knobs import FLAG_GROUPS, SetupKnob
 from ..precision import PRECISIONS
+from .applies import KNOB_APPLIES, check_given_knobs
 from .base import (
     COUNT_LIMITS,
     INT64_MAX,
@@ -26,11 +31,10 @@ from .base import (
     dtype_name,
     read_config_file,
 )
-from .checks import (
+from .choices import (
     BUILDS,
     CHECKPOINTING,
     DP_ENGINES,
-    KNOB_APPLIES,
     LOAD_MODES,
     OFFLOAD_FIRST_STEPS,
     OPTIMIZER_IMPLS,
@@ -39,9 +43,7 @@ from .checks import (
     PASSES,
     PP_SCHEDULES,
     QUANTIZE,
-    REDUCE_DTYPES,
     SAVE_MODES,
-    check_given_knobs,
 )
 from .model import ARCHITECTURES, ATTENTION, GPT2_ACTIVATIONS, IMPLEMENTATIONS, MLPConfig, TransformerConfig
 from .setup import KNOBS, SETUP_KNOBS, TrainingSetup

@@ -1,59 +1,34 @@
 """The checks of a `TrainingSetup`, one function per concern, run in one order by `check_setup` on the setup's
-knobs by name (`knobs.lora_r`: each error names the knob as the user gave it); what each knob may be (the CHOICES
-tuples); and which knobs a setup reads (`check_given_knobs`: a knob the user set that this setup never reads is
-refused, not ignored)."""
+knobs by name (`knobs.lora_r`: each error names the knob as the user gave it). What each knob may be (the CHOICES
+tuples) is models/config/choices.py; the offloads' checks are offload_checks.py's, the RL section's rl.py's; which
+knobs a setup reads (`check_given_knobs`: a knob the user set that this setup never reads is refused, not ignored)
+is applies.py."""
 
 from __future__ import annotations
 
 from ..dp_engines import DP_ENGINES as DP_ENGINE_REGISTRY
 from ..dp_engines import ENGINE_ALIASES, REDUCE_DTYPES
-from ..dp_engines import knob_rules as engine_knob_rules
 from ..optimizers import OPTIMIZERS as OPTIMIZER_REGISTRY
-from ..precision import PRECISION_ALIASES, PRECISION_TABLE, PRECISIONS
-from .base import INT64_MAX, ConfigError, at_most, choice_of, non_negative_int, positive_int
+from ..precision import PRECISION_ALIASES, PRECISIONS
+from .base import INT64_MAX, ConfigError, at_most, choice_of, positive_int
+from .choices import (
+    BUILDS,
+    CHECKPOINTING,
+    COMPILE_CHECKPOINTING,
+    COMPILE_MODES,
+    COMPILE_PRECISIONS,
+    FP8_RECIPES,
+    LOAD_MODES,
+    LOOPS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PASSES,
+    PP_SCHEDULES,
+    QUANTIZE,
+    SAVE_MODES,
+)
+from .offload_checks import activation_offload, fsdp_cpu_offload, optimizer_offload_fields, zero_offload
 from .rl import check_rl
-
-OPTIMIZERS = tuple(OPTIMIZER_REGISTRY)  # models/optimizers.py: one entry per optimizer
-OPTIMIZER_IMPLS = ("foreach", "for-loop", "fused")
-# "forward": each step is `out = model(batch)` with autograd on (no torch.no_grad) and no loss, backward or
-# optimizer step; every saved tensor and the output live until the step ends and the caller drops `out`
-PASSES = ("train", "forward")
-# the training loop around the model (models/training.py): "plain" `out = model(batch); loss = loss_fn(out);
-# loss.backward()`, the caller holding `out` (its logits) until backward ends; "hf-trainer" HF Trainer's
-# training_step: `loss = compute_loss(model, inputs)` (the outputs dropped before backward), the loss divided by
-# the accumulation steps, and `clip_grad_norm_` (max_grad_norm 1.0) before the optimizer step
-LOOPS = ("plain", "hf-trainer")
-CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "offload", "layers")  # models/tape.py
-# activation offload (models/replay/offload.py): save-on-cpu = torch.autograd.graph.save_on_cpu(pin_memory=True) per
-# layer (the same as checkpointing "offload"); streams = torchtune 0.6.1's OffloadActivations(use_streams=True)
-# around the model's forward, its output head under NoOpManager (models/replay/offload_streams.py)
-ACTIVATION_OFFLOADS = ("none", "save-on-cpu", "streams")
-DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
-SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
-LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
-# how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
-# allocated once in its training dtype (from_pretrained(..., torch_dtype=...), or a model moved from the CPU);
-# "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)
-# where the parameters are 16-bit, then under FSDP2 each unit's fully_shard copies
-BUILDS = ("direct", "device-fp32")
-# models/optimizers.py; "cpu": torchao's CPUOffloadOptimizer, models/offload_libraries.py
-OPTIMIZER_OFFLOADS = ("none", "states", "chunked", "cpu")
-OFFLOAD_FIRST_STEPS = ("whole", "chunked")
-# pipeline schedules (models/parallel/stages.py), as torch.distributed.pipelining names their classes:
-# ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
-QUANTIZE = ("none", "nf4")  # models/lora.py
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")  # torch.compile(mode=...)
-# checkpointing policies modelled under compile (models/compile): single layers under non-reentrant checkpoint, which
-# dynamo keeps in its graph as one higher-order op (the partitioner recomputes them in the backward graph); where
-# it cannot (Llama: a side effect in the checkpointed forward), the layers run eagerly between compiled graphs and
-# the compiled describer refuses the model (models/compile/capture.py `_eager_checkpoint`); op-policy's layers under
-# torch's selective checkpoint contexts, whose tags the partitioner follows. sqrt (regions of several layers),
-# selective (a part of each layer) and offload are not modelled under compile yet
-COMPILE_CHECKPOINTING = ("none", "full", "every-k", "layers", "op-policy")
-COMPILE_PRECISIONS = ("fp32", "bf16", "bf16-autocast")  # the CPU program's (inductor's CPU kernels)
-# torchao 0.18.0 torchao/float8/config.py Float8LinearRecipeName (models/float8.py); "none": plain nn.Linear
-FP8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def _checkpoint_layers(knobs) -> None:
@@ -78,115 +53,6 @@ def _checkpoint_io_fields(knobs) -> None:
     if knobs.save_mode.startswith("full-") and knobs.dp_engine == "zero-redundancy-optimizer":
         raise ConfigError("save_mode", f"{knobs.save_mode!r} with zero-redundancy-optimizer (consolidate_state_dict) "
                                        "is not modelled; allowed there: torch-save, sharded, async")
-
-
-def _optimizer_offload_fields(knobs) -> None:
-    """`optimizer_offload` and its knobs (models/optimizers.py): a mode this describer models, on an
-    optimizer with tensor states, under an engine that leaves the torch optimizer's states alone."""
-    choice_of(knobs, "optimizer_offload", OPTIMIZER_OFFLOADS)
-    choice_of(knobs, "offload_first_step", OFFLOAD_FIRST_STEPS)
-    positive_int(knobs, "offload_chunk_params")
-    non_negative_int(knobs, "offload_prefetch")
-    mode = knobs.optimizer_offload
-    if knobs.offload_first_step != "whole" and mode != "chunked":
-        raise ConfigError("offload_first_step", f"{knobs.offload_first_step!r} only applies to optimizer_offload "
-                                                f"\"chunked\", not {mode!r}")
-    if mode == "none":
-        return
-    if mode == "cpu":
-        _torchao_cpu_offload_fields(knobs)
-    if knobs.optimizer == "sgd":
-        raise ConfigError("optimizer_offload", "optimizer 'sgd' keeps no state to offload; allowed with: "
-                                               "sgd-momentum, adam, adamw, amsgrad")
-    if knobs.optimizer == "adam-8bit":
-        raise ConfigError("optimizer_offload", "bitsandbytes' 8-bit states (its paged optimizers) are not modelled "
-                                               "for offload; allowed with: sgd-momentum, adam, adamw, amsgrad")
-    if not OPTIMIZER_REGISTRY[knobs.optimizer].lazy:
-        raise ConfigError("optimizer_offload", f"{knobs.optimizer} makes its states in its constructor, not in the "
-                                               "first step: its offload is not modelled; allowed with: "
-                                               "sgd-momentum, adam, adamw, amsgrad, rmsprop")
-    if OPTIMIZER_REGISTRY[knobs.optimizer].by_shape:
-        raise ConfigError("optimizer_offload", f"{knobs.optimizer}'s states follow each parameter's shape: their "
-                                               "offload is not modelled; allowed with it: none")
-    if knobs.dp_engine == "deepspeed" and (knobs.world_size > 1 or knobs.zero_stage):
-        raise ConfigError("optimizer_offload", "DeepSpeed offloads through its own offload_optimizer (ZeRO-Offload: "
-                                               "zero_offload_optimizer cpu, stage 2); allowed here: none, or one "
-                                               "device, fsdp2, ddp or zero-redundancy-optimizer")
-    if knobs.load_mode != "none":
-        raise ConfigError("load_mode", f"{knobs.load_mode!r} with optimizer_offload {mode!r} (states loaded, then "
-                                       "moved to the host) is not modelled; allowed there: none")
-    if knobs.save_mode.startswith("full-") and knobs.world_size > 1:
-        raise ConfigError("save_mode", f"{knobs.save_mode!r} gathers sharded states on the device; with host-resident "
-                                       "offloaded states that is not modelled; allowed there: torch-save, sharded, "
-                                       "async")
-
-
-
-
-def _torchao_cpu_offload_fields(knobs) -> None:
-    """optimizer_offload "cpu" (torchao 0.18.0 torchao/optim/cpu_offload.py `CPUOffloadOptimizer`, models/
-    offload_libraries.py): "for single-GPU training"; its default optimizer, AdamW with fused=True, or Adam /
-    AMSGrad fused, over the parameters themselves (no master copy); offload_gradients "not compatible with
-    gradient accumulation"."""
-    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
-        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) is modelled with its default, a "
-                                               f"fused Adam step on the host, not {knobs.optimizer} "
-                                               f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
-                                               "optimizer_impl fused")
-    if knobs.world_size != 1 or knobs.dp_engine == "fsdp2" or knobs.zero_stage:
-        raise ConfigError("optimizer_offload", "'cpu' (torchao CPUOffloadOptimizer) is for single-GPU training "
-                                               "over plain parameters; allowed with: world_size 1, no fsdp2, "
-                                               "zero_stage 0")
-    if PRECISION_TABLE[knobs.precision].mixed:
-        allowed = ", ".join(p.name for p in PRECISION_TABLE.values() if not p.mixed)
-        raise ConfigError("optimizer_offload", f"'cpu' (torchao CPUOffloadOptimizer) steps the parameters' own "
-                                               f"host copies; precision {knobs.precision!r} keeps a master copy, "
-                                               f"not modelled; allowed with: {allowed}")
-    if knobs.offload_gradients and knobs.grad_accum > 1:
-        raise ConfigError("offload_gradients", "torchao: offload_gradients is not compatible with gradient "
-                                               "accumulation; allowed with: grad_accum 1")
-
-
-def _fsdp_cpu_offload(knobs) -> None:
-    """fsdp_cpu_offload (torch 2.13 fully_shard's CPUOffloadPolicy, models/parallel/fsdp.py): modelled with a fused
-    Adam step on the host, over plain data parallelism, without another offload, checkpoint I/O or LoRA."""
-    if not knobs.fsdp_cpu_offload or knobs.dp_engine != "fsdp2" or knobs.world_size < 2:
-        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
-    if knobs.optimizer not in ("adam", "adamw", "amsgrad") or knobs.optimizer_impl != "fused":
-        raise ConfigError("fsdp_cpu_offload", f"modelled with a fused Adam step on the CPU, not {knobs.optimizer} "
-                                              f"{knobs.optimizer_impl}; allowed with: adam, adamw, amsgrad with "
-                                              "optimizer_impl fused")
-    for name, ok, allowed in (("optimizer_offload", knobs.optimizer_offload == "none", "none"),
-                              ("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
-                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
-                              ("load_mode", knobs.load_mode == "none", "none"),
-                              ("build", knobs.build == "direct", "direct"), ("lora_r", knobs.lora_r == 0, "0"),
-                              ("loop", knobs.loop == "plain", "plain (clipping host gradients is not modelled)")):
-        if not ok:
-            raise ConfigError(name, f"{getattr(knobs, name)!r} with fsdp_cpu_offload is not modelled; allowed with "
-                                    f"it: {allowed}")
-
-
-def _zero_offload(knobs) -> None:
-    """zero_offload_optimizer cpu (DeepSpeed 0.19.8 runtime/zero/stage_1_and_2.py `cpu_offload`, models/parallel/
-    deepspeed.py): DeepSpeedCPUAdam (Adam / AdamW, one fused kernel: optimizer_impl fused), stage 2 over plain data
-    parallelism, without another offload, checkpoint I/O or LoRA."""
-    choice_of(knobs, "zero_offload_optimizer", ("none", "cpu"))
-    if knobs.zero_offload_optimizer == "none" or knobs.dp_engine != "deepspeed" or knobs.zero_stage != 2 \
-            or knobs.world_size < 2:
-        return  # elsewhere the knob is refused as never read (models/dp_engines.py)
-    if knobs.optimizer not in ("adam", "adamw") or knobs.optimizer_impl != "fused":
-        raise ConfigError("zero_offload_optimizer", f"ZeRO-Offload steps with DeepSpeedCPUAdam (one fused kernel), "
-                                                    f"not {knobs.optimizer} {knobs.optimizer_impl}; allowed with: "
-                                                    "adam, adamw with optimizer_impl fused")
-    for name, ok, allowed in (("pp", knobs.pp == 1, "1"), ("tp", knobs.tp == 1, "1"), ("cp", knobs.cp == 1, "1"),
-                              ("checkpoint_every", knobs.checkpoint_every == 0, "0"),
-                              ("load_mode", knobs.load_mode == "none", "none"), ("lora_r", knobs.lora_r == 0, "0"),
-                              ("grad_accum", knobs.grad_accum == 1, "1 (accumulating in host buffers is not "
-                                                                    "modelled)")):
-        if not ok:
-            raise ConfigError(name, f"{getattr(knobs, name)!r} with zero_offload_optimizer cpu is not modelled; "
-                                    f"allowed with it: {allowed}")
 
 
 def _lora_fields(knobs) -> None:
@@ -327,41 +193,6 @@ def _rounds_ok(pp: int) -> list[int]:
     return [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0][:6]
 
 
-# A knob set by the user that the rest of the setup never reads is refused, not ignored: field -> (applies?, to what);
-# a data-parallel engine's own knobs are declared with the engine (models/dp_engines.py).
-# Which engine reads which knob: models/dp_engines.py; offload: models/offload.py.
-KNOB_APPLIES = {
-    "checkpoint_every_k": (lambda s: s.checkpointing == "every-k", "checkpointing every-k"),
-    "checkpoint_every": (lambda s: s.checkpoint_every <= s.steps,
-                         "checkpoint_every <= steps (a save within the steps simulated; raise --steps)"),
-    "save_mode": (lambda s: s.checkpoint_every > 0, "checkpoint_every > 0 (a run that saves)"),
-    "offload_chunk_params": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
-    "offload_prefetch": (lambda s: s.optimizer_offload == "chunked", "optimizer_offload chunked"),
-    "offload_gradients": (lambda s: s.optimizer_offload == "cpu", "optimizer_offload cpu"),
-    "lora_alpha": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
-    "lora_dropout": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
-    "lora_targets": (lambda s: s.lora_r > 0, "lora_r > 0 (LoRA)"),
-    "frozen": (lambda s: s.lora_r == 0, "lora_r 0 (LoRA freezes the whole base model itself)"),
-    "pp_schedule": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
-    "virtual_stages": (lambda s: s.pp > 1, "pp > 1 (pipeline parallelism)"),
-    "compile_mode": (lambda s: s.compile, "compile (--compile)"),
-}
-
-
-def check_given_knobs(setup, given) -> None:
-    """Each knob in `given` (the ones the user set) must be read by `setup` (a TrainingSetup): ConfigError naming
-    the first that is not (a DeepSpeed bucket size under FSDP2, a chunk size without chunked offload, ...)."""
-    knobs = setup.knob_view()
-    rules = {**engine_knob_rules(), **KNOB_APPLIES}  # an engine's own knobs: models/dp_engines.py
-    for name in sorted(given):
-        rule = rules.get(name)
-        if rule is not None and not rule[0](knobs):
-            raise ConfigError(name, f"only applies with {rule[1]}; this setup never reads it (dp_engine "
-                                    f"{knobs.dp_engine}, zero_stage {knobs.zero_stage}, checkpointing "
-                                    f"{knobs.checkpointing}, optimizer_offload {knobs.optimizer_offload}, "
-                                    f"checkpoint_every {knobs.checkpoint_every}): drop it or change what it needs")
-
-
 def _batch(knobs) -> None:
     positive_int(knobs, "micro_batch", "seq_len", "grad_accum", "steps", "world_size")
     at_most(knobs, "grad_accum", "world_size")
@@ -381,34 +212,6 @@ def _activation_checkpointing(knobs) -> None:
     choice_of(knobs, "checkpointing", CHECKPOINTING)
     positive_int(knobs, "checkpoint_every_k")
     _checkpoint_layers(knobs)
-
-
-def _activation_offload(knobs) -> None:
-    """`activation_offload` and its two knobs (torchtune's OffloadActivations raises ValueError for a forward stash
-    under 1: torchtune/training/_activation_offloading.py, 0.6.1), and what it is modelled with."""
-    choice_of(knobs, "activation_offload", ACTIVATION_OFFLOADS)
-    positive_int(knobs, "activation_offload_stash")
-    non_negative_int(knobs, "activation_offload_min_bytes")
-    mode = knobs.activation_offload
-    if mode == "none":
-        for name, default in (("activation_offload_stash", 5), ("activation_offload_min_bytes", 1024)):
-            if getattr(knobs, name) != default:
-                raise ConfigError(name, "only applies to activation_offload streams")
-        return
-    if mode == "save-on-cpu" and knobs.checkpointing not in ("none", "offload"):
-        raise ConfigError("activation_offload", f"save-on-cpu is checkpointing \"offload\"; with checkpointing "
-                                                f"{knobs.checkpointing!r} it is not modelled; allowed with: none, "
-                                                "offload")
-    for name, ok, allowed in (
-            ("checkpointing", mode != "streams" or knobs.checkpointing == "none", "none"),
-            ("compile", not knobs.compile, "off"),
-            ("lora_r", knobs.lora_r == 0, "0"),
-            ("world_size", mode != "streams" or knobs.world_size == 1, "1"),
-            ("pp", knobs.pp == 1, "1"),
-            ("passes", mode != "streams" or knobs.passes == "train", "train")):
-        if not ok:
-            raise ConfigError(name, f"{getattr(knobs, name)!r} with activation_offload {mode} is not modelled yet; "
-                                    f"allowed with it: {allowed}")
 
 
 def _data_parallel(knobs) -> None:
@@ -573,11 +376,11 @@ def _lowbit_optimizer(knobs) -> None:
 
 
 # One order, so the first problem named is always the same: each section's own values, then what combines them.
-SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, _activation_offload, _data_parallel,
+SECTION_CHECKS = (_batch, _precision_optimizer, _activation_checkpointing, activation_offload, _data_parallel,
                   _fp32_grads,
-                  _checkpoint_io_fields, _optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
+                  _checkpoint_io_fields, optimizer_offload_fields, _moe, _lora_fields, _model_parallel_fields,
                   _optimizer_state_shapes, _build_field, _passes, _compile, _float8,
-                  _optimizer_in_backward, _chunked_loss, _fsdp_cpu_offload, _zero_offload,
+                  _optimizer_in_backward, _chunked_loss, fsdp_cpu_offload, zero_offload,
                   _lowbit_optimizer, check_rl)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..knobs import Section, knob
 from ..optimizers import OPTIMIZERS, OptimizerSpec
-from .checks import (
+from .choices import (
     ACTIVATION_OFFLOADS,
     BUILDS,
     CHECKPOINTING,
