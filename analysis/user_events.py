@@ -34,8 +34,8 @@ The events become `Event`s of one `EventLog` (simulator/events.py), one `Block` 
 object with no storage): an object's alloc allocates its storage's block when no other reference holds it, its free
 frees the block when it was the last. The schema's other fields: step 0 in the load phase, else 1 (one step); stream
 compute; op "alloc NAME" / "free NAME"; dtype "" (not given). So the timeline, the ledger and the peak are the
-simulator's own (simulator/timeline.py, analysis/ledger.py); `UserLog` remembers which input event each log event
-came from.
+simulator's own (simulator/timeline.py, analysis/ledger.py; a user log's ledgers, peaks and timelines:
+analysis/user_ledger.py); `UserLog` remembers which input event each log event came from.
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ from ..simulator.events import (
 from ..simulator.numbers import float_text, int_text
 from ..simulator.run_metadata import RunMetadata
 from ..simulator.safe_io import InputError, read_text
-from ..simulator.timeline import PeakPoint, Timeline, timeline
-from .ledger import LedgerRow, ledger_at
 from .units import UNITS, unit_scale
 
 EVENTS_FILE_LIMIT = 16 << 20  # bytes of an events file (a hand-made list; ~400,000 CSV rows)
@@ -145,6 +143,11 @@ class UserLog:
 def _show(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def time_text(t: float) -> str:
+    """A time as the messages and the timeline CSV write it: a whole number without ".0" (below 2^53), else its repr."""
+    return str(int(t)) if t.is_integer() and abs(t) < 2**53 else repr(t)
 
 
 class _At:
@@ -369,7 +372,7 @@ def _build(records, path: str, kind: str) -> UserLog:
                 raise at.error(name, "is empty; every event gives its time, object and action")
         t = _time(get("time"), at)
         if t < last_time:
-            raise at.error("time", f"{_show(get('time'))} is earlier than {_number(last_time)} ({last_where}): "
+            raise at.error("time", f"{_show(get('time'))} is earlier than {time_text(last_time)} ({last_where}): "
                                    "times never decrease (events at the same time apply in file order)")
         action = _known(_ACTION, get("action")) or Action(_choice(get("action"), at, "action", ACTIONS))
         obj = _text(get("object"), at, "object")
@@ -461,72 +464,5 @@ def _same_as_alloc(at: _At, obj: str, alloc_where: str, block: Block, held_in: s
                                 f"{show(theirs)}: leave it empty on the free, or give the same")
 
 
-# -- the ledger, the peak, the timeline --------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LiveBlock:
-    block: Block
-    storage: str | None
-    objects: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class PoolLedger:
-    """One (rank, pool) of a user log: its timeline, its peak (the first moment of the highest occupancy), the
-    ledger there and what is live there, largest first."""
-
-    timeline: Timeline
-    peak: PeakPoint
-    row: int  # the input event right after which the peak is reached (an index into UserLog.rows)
-    ledger: list[LedgerRow]
-    live: list[LiveBlock]
-
-
-def pool_ledgers(u: UserLog) -> list[PoolLedger]:
-    out = []
-    for rank, pool in u.log.pools():
-        tl = timeline(u.log, rank, pool)
-        peak = tl.peak()
-        row = u.event_rows[peak.event.seq]
-        objects = u.live_objects(row)
-        live = [LiveBlock(b, u.storages[b.id], tuple(objects[b.id])) for b in tl.live_blocks_at(peak.index)]
-        live.sort(key=lambda x: (-x.block.nbytes, x.block.id))
-        out.append(PoolLedger(tl, peak, row, ledger_at(tl, peak.index), live))
-    return out
-
-
-def timeline_rows(u: UserLog, pl: PoolLedger, start: int = 0, stop: int | None = None) -> list[dict]:
-    """One dict per event of the pool's timeline (events `start` to `stop`; all by default): the input event that
-    caused it and the bytes live after it, in all and by category."""
-    tl = pl.timeline
-    out = []
-    for i, e in enumerate(tl.events[start:stop], start):
-        row = u.event_rows[e.seq]
-        r = u.rows[row]
-        out.append({"time": e.time, "event": row + 1, "where": r.where, "action": e.action.value, "object": r.object,
-                    "storage": u.storages[e.block.id], "category": e.block.category.value, "delta": e.delta,
-                    "bytes": int(tl.total[i]),
-                    "by_category": {c.value: int(v[i]) for c, v in tl.by_category.items()}})
-    return out
-
-
-def _number(t: float) -> str:
-    return str(int(t)) if t.is_integer() and abs(t) < 2**53 else repr(t)
-
-
-def timeline_csv(u: UserLog, pl: PoolLedger) -> bytes:
-    """The pool's timeline as CSV: one line per event (columns time, event, where, action, object, storage,
-    category, delta_bytes, live_bytes, then the bytes live of each category the pool has, `<category>_bytes`)."""
-    cats = [c.value for c in pl.timeline.by_category]
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["time", "event", "where", "action", "object", "storage", "category", "delta_bytes", "live_bytes",
-                *(f"{c}_bytes" for c in cats)])
-    for r in timeline_rows(u, pl):
-        w.writerow([_number(r["time"]), r["event"], r["where"], r["action"], r["object"], r["storage"] or "",
-                    r["category"], r["delta"], r["bytes"], *(r["by_category"][c] for c in cats)])
-    return buf.getvalue().encode()
-
-
-__all__ = ["UserEventsError", "UserLog", "UserRow", "PoolLedger", "LiveBlock", "read_user_events", "pool_ledgers",
-           "timeline_rows", "timeline_csv", "EVENTS_FILE_LIMIT", "ORDER_RULE", "COLUMNS", "REQUIRED", "OPTIONAL"]
+__all__ = ["UserEventsError", "UserLog", "UserRow", "read_user_events", "EVENTS_FILE_LIMIT", "ORDER_RULE", "COLUMNS",
+           "REQUIRED", "OPTIONAL", "time_text"]

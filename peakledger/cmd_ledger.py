@@ -20,15 +20,8 @@ import warnings
 
 from .analysis.ledger import row_name
 from .analysis.units import Scale, auto_unit, format_bytes
-from .analysis.user_events import (
-    ORDER_RULE,
-    PoolLedger,
-    UserLog,
-    pool_ledgers,
-    read_user_events,
-    timeline_csv,
-    timeline_rows,
-)
+from .analysis.user_events import ORDER_RULE, UserLog, read_user_events
+from .analysis.user_ledger import PoolLedger, pool_ledgers, timeline_csv, timeline_rows
 from .cli_common import flag_int, write_json
 from .simulator.events import Pool
 from .simulator.safe_io import InputError, check_outputs, write_atomic

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from peakledger.analysis import user_events
-from peakledger.analysis.user_events import pool_ledgers, read_user_events
+from peakledger.analysis.user_events import read_user_events
+from peakledger.analysis.user_ledger import pool_ledgers
 from peakledger.cli import main
 from peakledger.simulator.events import EventLog
 from peakledger.simulator.timeline import timeline
