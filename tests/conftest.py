@@ -43,14 +43,13 @@ def trace_disk(tmp_path, monkeypatch):
     folder = tmp_path / "traces"
     monkeypatch.setenv(store.DIR_ENV, str(folder))
     monkeypatch.setenv("PEAKLEDGER_FORK", "0")
-    saved = (dict(trace._CACHE), set(trace._DERIVED))
-    trace._CACHE.clear()
-    trace._DERIVED.clear()
+    saved = (dict(trace._CACHE), set(trace._DERIVED), dict(trace._SHOWN))
+    trace.forget()
     yield folder
-    trace._CACHE.clear()
-    trace._DERIVED.clear()
+    trace.forget()
     trace._CACHE.update(saved[0])
     trace._DERIVED.update(saved[1])
+    trace._SHOWN.update(saved[2])
 
 
 @pytest.fixture

@@ -149,7 +149,7 @@ def test_the_deeper_trace_runs_in_a_fork_beside_this_one(monkeypatch, tmp_path):
     # models/forked.py: the 8-layer trace in a forked child while this process traces 6 layers; the same recording
     monkeypatch.setenv("PEAKLEDGER_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("peakledger.models.forked.worth_forking", lambda: True)
-    trace._CACHE.clear()  # (another test of this process may have traced the same shallow models)
+    trace.forget()  # (another test of this process may have traced the same shallow models)
     model = from_hf_dict(_config("hf-gemma2-tiny", num_hidden_layers=10), "gemma2-10-forked")
     setup = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16", checkpointing="full")
     traced = []
@@ -163,7 +163,7 @@ def test_the_deeper_trace_runs_in_a_fork_beside_this_one(monkeypatch, tmp_path):
     forked = recording(model, setup, H100)
     assert traced == [6]  # (the child's count is its own)
     assert len(list(tmp_path.glob("rec-*"))) == 3  # 6, 8 and 10 layers on disk, the child's entry included
-    trace._CACHE.clear()
+    trace.forget()
     monkeypatch.setattr("peakledger.models.forked.worth_forking", lambda: False)
     monkeypatch.setenv("PEAKLEDGER_CACHE_DIR", str(tmp_path / "here"))
     here = recording(model, setup, H100)

@@ -15,7 +15,7 @@ import pytest
 
 import peakledger.models.traced as trace
 from peakledger.models.config import TrainingSetup
-from peakledger.models.traced import depth, from_hf_dict, micro_batch_points, recording, store
+from peakledger.models.traced import depth, from_hf_dict, micro_batch_points, recording, scale, store
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = json.loads((ROOT / "examples" / "hf-llama-tiny" / "config.json").read_text())
@@ -35,7 +35,7 @@ def test_a_first_trace_records_sizes_2_to_4_and_every_other_size_is_derived_exac
     # 3 and 4 layers at its own size (the depth derivation checked), 3 layers at 2, 3 and 4
     assert traces_run == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
     assert _sizes(trace_disk, model, BASE, target) == [1, 2, 3, 4]
-    trace._CACHE.clear()  # a new process: what is on disk only
+    trace.forget()  # a new process: what is on disk only
     for b in (3, 5):  # (3: recorded beside the first, from 3 layers; 5: derived from 2, 3 and 4)
         setup = BASE.replace(micro_batch=b)
         got = recording(model, setup, target)
@@ -81,3 +81,24 @@ def test_simulate_then_another_micro_batch_imports_neither_torch_nor_transformer
     assert warm == {"rc": 0, "torch": False, "transformers": False}
     traced, _ = run(6, "--no-cache")  # traced from scratch, nothing read
     assert second == traced
+
+
+def test_the_depth_check_is_traced_once_per_program(trace_disk, traces_run):
+    """The trace of 4p layers that shows a depth derivation exact is made once per program: another micro-batch of
+    the same program (the same ops, storages and nodes: scale.py `signature`) is derived from its 3p layers alone, and
+    equals the trace of all its layers; a size of another program (1, where a size-1 dimension spares a copy) is
+    checked again."""
+    model = from_hf_dict(DEEP, "deep")
+    recording(model, BASE.replace(micro_batch=2))
+    assert traces_run == [(3, 2), (4, 2)]
+    five = recording(model, BASE.replace(micro_batch=5))
+    assert traces_run[2:] == [(3, 5)]  # (no fourth layer: the program shown at 2)
+    assert depth.same(five, trace._trace(model, BASE.replace(micro_batch=5), None))
+    del traces_run[3:]
+    recording(model, BASE)  # micro-batch 1
+    one = trace._trace(model, BASE, None)
+    assert scale.signature(one) != scale.signature(trace._trace(model, BASE.replace(micro_batch=2), None))
+    assert traces_run[3:5] == [(3, 1), (4, 1)]  # another program: its own check
+    trace.forget()  # a new process knows of no check (the 4p trace is made again)
+    recording(model, BASE.replace(micro_batch=6))
+    assert traces_run[-2:] == [(3, 6), (4, 6)]

@@ -25,8 +25,7 @@ BASE = TrainingSetup(micro_batch=2, seq_len=16, precision="bf16-mixed")
 
 def _fresh_process() -> None:
     """What a new process starts from: nothing in the per-process cache."""
-    trace._CACHE.clear()
-    trace._DERIVED.clear()
+    trace.forget()
 
 
 @pytest.fixture(autouse=True)

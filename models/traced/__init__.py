@@ -51,6 +51,17 @@ from .model import TracedModel, from_hf_dict, from_module_spec
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
 _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not traced
+# the programs (`scale.signature` of the 3p layers' recording) whose depth derivation a trace of 4p layers has shown
+# exact, per model and setup less the micro-batch (`_group`): the same program at another size is derived from its
+# 3p layers alone (its ops, storages and nodes are those of the one checked; only sizes differ)
+_SHOWN: OrderedDict = OrderedDict()
+
+
+def forget() -> None:
+    """This process's memory of traces dropped (what a new process starts from; the disk cache is kept)."""
+    _CACHE.clear()
+    _DERIVED.clear()
+    _SHOWN.clear()
 
 
 def model_key(model: TracedModel, setup: TrainingSetup) -> tuple:
@@ -64,6 +75,12 @@ def model_key(model: TracedModel, setup: TrainingSetup) -> tuple:
 def _key(model: TracedModel, setup: TrainingSetup, target: tuple | None = None) -> tuple:
     return (*model_key(model, setup), setup.precision.param, setup.precision.autocast, setup.optimizer.frozen,
             setup.checkpointing.policy != "none", setup.lora, setup.batch.passes, target)
+
+
+def same_recording(model: TracedModel, a: TrainingSetup, b: TrainingSetup) -> bool:
+    """`model` under setups `a` and `b` is one recording (on any device): what differs between them is applied by
+    convert.py and the replay (the optimizer, accumulation, parallelism, which layers are checkpointed, ...)."""
+    return _key(model, a) == _key(model, b)
 
 
 def check_setup(model: TracedModel, setup: TrainingSetup) -> None:
@@ -169,7 +186,8 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     """The recording of a HF model of many layers derived from traces of few (depth.py), or None where it cannot be
     shown exact. Its layers must repeat with a period p, module for module (`depth.period`: 1 where all are
     alike, 2 where two kinds alternate), and it is traced with 3p and 4p layers, whose layers must be the n-layer
-    model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace. The same is
+    model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace (not traced
+    again where this process has shown it for the same program at another micro-batch: `_SHOWN`). The same is
     done at the micro-batch sizes `others` (the traces shared out with `setup`'s own), each kept in the caches as
     its own first trace would be, derived from its trace of 3p layers (the layers' period is the model's, shown at
     setup's size; scale.py checks the three it derives any other size from: one program, the same ops and
@@ -193,32 +211,54 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
                                    model.name) for k in depths]
     if any(depth.fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
         return None
+    from .scale import signature
+
     setups = [setup]
     for b in others:
         try:
             setups.append(setup.replace(micro_batch=b))
         except ConfigError:  # (a size this setup refuses: not recorded)
             continue
-    # 3p and 4p layers at setup's size (the derivation checked), 3p layers only at the others
-    shallow = _shallow([(m, setup) for m in shallow_models] + [(shallow_models[0], s) for s in setups[1:]], target)
-    derived = []
-    for i, three in enumerate([shallow[0], *shallow[2:]]):
+    # 3p and 4p layers at setup's size (the derivation checked), 3p layers only at the others; 3p only at setup's
+    # size too where a 4p trace has shown the derivation of this program exact at another size (`_SHOWN`)
+    group = _group(_key(model, setup, target))
+    shown = _SHOWN.get(group, {})  # program -> the micro-batch it was shown at
+    # (traced beside the others unless a program shown at a size of 2 or more is likely this one: a size of 1 is
+    # often a program of its own; the deepest trace first, so that the two processes end together)
+    likely = setup.batch.micro_batch > 1 and any(b > 1 for b in shown.values())
+    check = [] if likely else [(shallow_models[1], setup)]
+    shallow = _shallow([(shallow_models[0], setup), *check] + [(shallow_models[0], s) for s in setups[1:]], target)
+    three, at_others = shallow[0], shallow[1 + len(check):]
+    program = signature(three)
+    try:
+        if program not in shown:
+            four = shallow[1] if check else _shallow([(shallow_models[1], setup)], target)[0]
+            if not depth.same(depth.derive(three, (depth.TRACED + 1) * p, p), four):
+                return None
+        rec = depth.derive(three, n, p)
+    except depth.NotPeriodic:
+        return None
+    _SHOWN.setdefault(group, {}).setdefault(program, setup.batch.micro_batch)
+    _SHOWN.move_to_end(group)
+    while len(_SHOWN) > CACHE_SIZE:
+        _SHOWN.popitem(last=False)
+    for s, other in zip(setups[1:], at_others):
         try:
-            if i == 0 and not depth.same(depth.derive(three, (depth.TRACED + 1) * p, p), shallow[1]):
-                return None
-            derived.append(depth.derive(three, n, p))
+            derived = depth.derive(other, n, p)
         except depth.NotPeriodic:
-            if i == 0:
-                return None
-            derived.append(None)
-    for s, rec in zip(setups[1:], derived[1:]):
-        if rec is not None:
-            k = _key(model, s, target)
-            disk = store.entry(model, k, s.lora.r, s.lora.quantize)
-            if disk is not None:
-                disk.save(rec)
-            _remember(k, rec)
-    return derived[0]
+            continue
+        k = _key(model, s, target)
+        disk = store.entry(model, k, s.lora.r, s.lora.quantize)
+        if disk is not None:
+            disk.save(derived)
+        _remember(k, derived)
+    return rec
+
+
+
+def _group(key: tuple) -> tuple:
+    """A recording's key (`_key`) less its micro-batch."""
+    return key[:3] + key[4:]
 
 
 def _shallow(jobs: list[tuple[TracedModel, TrainingSetup]], target: tuple | None) -> list:
@@ -368,5 +408,6 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     return cuda_tape(tape, *target)
 
 
-__all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording",
+__all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording", "forget",
+           "same_recording",
            "freeze", "micro_batch_points", "POINTS"]
