@@ -25,6 +25,8 @@ from .fixes import RL_KNOBS, candidate_fixes
 from .gpus import FSDP2, GPU_LIMIT, TP, ZERO3, Layout, min_gpus
 from .models.config import ConfigError, TrainingSetup
 from .models.forked import shared_map
+from .models.traced import same_recording
+from .models.traced.model import TracedModel
 from .progress import Progress, reporter
 from .scenario import Scenario
 from .simulator.allocator import round_size
@@ -205,8 +207,14 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
         say(next(said), steps, f"re-simulated: {item[0]}" if isinstance(item, tuple)
             else f"searched the fewest GPUs that fit ({item.name})")
 
-    # the searches of more GPUs first (each several runs), the candidates after: the two processes end together
-    results = shared_map(one, [*layouts, *listed], done)  # models/forked.py: on two cores, two at once
+    # the longest first, so that the two processes end together (models/forked.py: on two cores, two at once): the
+    # candidates that trace the model anew, the searches of more GPUs (each several runs), then the others
+    items = [*layouts, *listed]
+    order = sorted(range(len(items)), key=lambda i: _work(scenario, items[i]))
+    ran = shared_map(lambda i: one(items[i]), order, lambda _, i: done(i, items[i]))
+    results = [None] * len(items)
+    for i, r in zip(order, ran):
+        results[i] = r
     candidates = [c for c, f in zip(listed, results[len(layouts):]) if f is not None]
     fixes = [f for f in results[len(layouts):] if f is not None] + [f for f in results[:len(layouts)] if f is not None]
     if fixes and not any(f.fits for f in fixes):
@@ -313,6 +321,21 @@ def _judged(scenario: Scenario, budget: int, report: Report, name: str, changes:
 
 
 MORE_GPU_LAYOUTS = (FSDP2, ZERO3, TP)
+
+
+def _work(scenario: Scenario, item) -> int:
+    """How long explain's `item` takes, in rank: 0 a candidate that traces its (traced) model anew, 1 a search of
+    the fewest GPUs (several runs), 2 any other candidate (one run)."""
+    if not isinstance(item, tuple):
+        return 1
+    if not isinstance(scenario.model, TracedModel):
+        return 2
+    try:
+        changed = scenario.with_changes(**item[1])
+    except ConfigError:
+        return 2  # (not applicable: nothing run)
+    return 2 if changed.model == scenario.model and same_recording(scenario.model, scenario.setup, changed.setup) \
+        else 0
 
 
 def more_gpus_fix(scenario: Scenario, budget: int, layout: Layout, limit: int = GPU_LIMIT,
