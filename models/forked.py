@@ -17,7 +17,9 @@ child as each takes the next one not taken (a counter in shared memory), so that
 keep both cores busy (explain's re-simulated fixes: peakledger/diagnosis.py). What the child could not do (it
 failed, stalled, or `fn` raised there) this process does itself, so that the results, and any exception `fn`
 raises, are those of the plain loop; `done(i, item)` is called here once per item, in the order this process
-learns that it is done (the child's items when its answers arrive)."""
+learns that it is done (the child's items when its answers arrive). A shared_map inside one (a trace among explain's
+fixes) is a plain loop, in whichever process runs the outer item: both cores are busy already, and a third process
+would only add a fork of a large process and its copied pages."""
 
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ from typing import Any
 
 STALL_S = 60.0  # a child that has used no CPU for this long is stuck (a trace or a compile is busy Python throughout)
 ENV = "PEAKLEDGER_FORK"  # "0": never fork (every piece of work in this process)
+
+
+_SHARING = [False]  # a shared_map is sharing its items out now (this process, or the child it forked)
 
 
 def worth_forking() -> bool:
@@ -121,7 +126,7 @@ def shared_map(fn: Callable[[Any], Any], items: Sequence[Any],
     """`[fn(x) for x in items]`, the items shared with a forked child (see the module docstring)."""
     items = list(items)
     note = done or (lambda i, item: None)
-    if len(items) < 2 or not worth_forking():
+    if len(items) < 2 or not worth_forking() or _SHARING[0]:
         out = []
         for i, item in enumerate(items):
             out.append(fn(item))
@@ -146,17 +151,21 @@ def shared_map(fn: Callable[[Any], Any], items: Sequence[Any],
                 continue
         return got
 
-    pending = forked(theirs)
-    ours: dict[int, Any] = {}
+    _SHARING[0] = True  # (a shared_map inside: its items done in a plain loop, here and in the child)
     try:
-        while (i := take()) < len(items):
-            ours[i] = fn(items[i])
-            note(i, items[i])
-    except BaseException:
-        with counter.get_lock():
-            counter.value = len(items)  # the child takes no more
-        pending()
-        raise
+        pending = forked(theirs)
+        ours: dict[int, Any] = {}
+        try:
+            while (i := take()) < len(items):
+                ours[i] = fn(items[i])
+                note(i, items[i])
+        except BaseException:
+            with counter.get_lock():
+                counter.value = len(items)  # the child takes no more
+            pending()
+            raise
+    finally:
+        _SHARING[0] = False
     child = pending() or {}
     for i in sorted(child):
         note(i, items[i])

@@ -50,3 +50,15 @@ def test_one_core_or_fork_off_is_the_plain_loop(monkeypatch):
     monkeypatch.setenv(forked.ENV, "0")
     parent = os.getpid()
     assert shared_map(lambda x: (x, os.getpid()), range(5)) == [(x, parent) for x in range(5)]
+
+
+def test_a_shared_map_inside_one_is_a_plain_loop():
+    # (its items done where the outer item runs: no third process on two cores, no fork of a forked child)
+    def outer(x):
+        time.sleep(0.05)  # (the child starts later)
+        return os.getpid(), shared_map(lambda y: (x + y, os.getpid()), range(6))
+
+    out = shared_map(outer, range(20))
+    assert [[v for v, _ in inner] for _, inner in out] == [[x + y for y in range(6)] for x in range(20)]
+    assert all({pid for _, pid in inner} == {outer} for outer, inner in out)
+    assert len({outer for outer, _ in out}) == 2 and not forked._SHARING[0]  # (both processes took items)
