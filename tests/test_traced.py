@@ -233,8 +233,8 @@ def test_lora_targets_peft_refuses_are_named():
 
 
 def test_other_micro_batch_sizes_are_derived_from_three_traced_ones():
-    """A max-batch search traces 1, 2, 4 and 8 (1 is a program of its own: a size-1 dimension spares a copy);
-    then 5 is derived from 2, 4 and 8 (scale.py) and equals what tracing 5 gives."""
+    """1, 2, 4 and 8 traced (1 is a program of its own: a size-1 dimension spares a copy), 5 is derived from 2, 4 and
+    8 (scale.py) and equals what tracing 5 gives."""
     from peakledger.models.traced import _DERIVED, _key
     from peakledger.models.traced.scale import _numbers, derive, signature
 

@@ -28,9 +28,9 @@ a new digest, so an edit never reuses an old trace.
 Checkpointing, accumulation, steps, optimizer and parallelism do not change the recording: they are
 applied by `convert.to_tape` and the replay. Other micro-batch sizes: once three sizes of one model and
 setup are traced and prove to be one program with sizes affine in the micro-batch, every other size is
-derived from them (`scale.py`), not traced (a max-batch search traces 1, 2, 4 and 8, then derives; 1 is often a
-program of its own). Under `micro_batch_points` (`peakledger simulate`, max-batch) a deep model's first trace
-records sizes 2, 3 and 4 beside its own, so that a second call at another size derives it (`_other_sizes`).
+derived from them (`scale.py`), not traced (1 is often a program of its own). Under `micro_batch_points`
+(`peakledger simulate`, max-batch) a deep model's first trace records sizes 2, 3 and 4 beside its own, so that a
+second call at another size derives it (`_other_sizes`).
 """
 
 from __future__ import annotations
