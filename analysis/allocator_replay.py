@@ -27,7 +27,7 @@ from ..traces.cuda_snapshot import start_state as _start_state
 
 def start_state(snapshot: dict, entries: list[dict], device: int = 0):
     """The segments {addr: (size, stream, pool)} and allocated blocks {addr: (block size, requested)} at record start
-    (traces/cuda_snapshot.py `start_state`, shared with the snapshot reader)."""
+    (traces/cuda_snapshot/start.py `start_state`, shared with the snapshot reader)."""
     if any(s.get("is_expandable") for s in snapshot["segments"] if s.get("device", 0) == device):
         raise SnapshotError("the snapshot uses expandable segments, which the allocator model does not model yet")
     state = _start_state(snapshot, entries, device)

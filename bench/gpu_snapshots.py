@@ -6,7 +6,7 @@ snapshots) and bench/validate_gpu.py (snapshots this project records).
 after the trace's opening empty_cache() (a run of `segment_free` events before any other event releases a previous
 configuration's cache: its state is not this program's); a snapshot with no trace (segments only): what it holds.
 `read_snapshot(path)`: a snapshot pickle, plain or gzip'd (as traces/store.py reads traces), through the restricted
-loader of traces/cuda_snapshot.py (`read_raw_snapshot`: the loaded dict itself).
+loader of traces/cuda_snapshot/safe_load.py (`read_raw_snapshot`: the loaded dict itself).
 `allocator_replay(snapshot)`: the recorded allocation sequence replayed through peakledger's caching-allocator model,
 with the model's own segment addresses and with the ones cudaMalloc returned in the recording: separates what the
 allocator rules get wrong from what the predicted program does differently.

@@ -166,7 +166,7 @@ class AllocPoint:
 
 
 def measured_points(trace) -> tuple[list[AllocPoint], list[int]]:
-    """A snapshot trace (traces/cuda_snapshot.py SnapshotTrace) as (its allocations in order, with allocated and
+    """A snapshot trace (traces/cuda_snapshot/parse.py SnapshotTrace) as (its allocations in order, with allocated and
     reserved after each; the sizes of the segments the program held). Both views are walked together in the
     order of the trace (their `seq`). Segments: every segment_alloc of the trace and each segment live at record
     start that the trace's opening empty_cache() does not release (bench/gpu_snapshots.py)."""

@@ -12,7 +12,7 @@ forward, loss, backward, AdamW step: the author's AdamW makes the for-loop's tem
 autocast over the forward, fp32 parameters; else fp32. The compiled runs (torch.compile: Triton autotuning
 buffers no model describes) and the segments-only snapshot are listed, not predicted.
 
-Measured peaks (traces/cuda_snapshot.py, state at record start rebuilt): allocated = the highest sum of live
+Measured peaks (traces/cuda_snapshot/, state at record start rebuilt): allocated = the highest sum of live
 requested bytes, the state at record start included (the parameters were allocated before recording);
 reserved = the highest reserved bytes after the trace's opening empty_cache() (the `segment_free` run that
 releases the previous configuration's cache: its state is not this program's).

@@ -99,7 +99,7 @@ class RunMetadata:
     script_calls: dict | None = UNSET  # a script's real run: what it called (traces/script_run.py)
     mode: str | None = UNSET  # bench/validate_checkpoint_io.py: the checkpoint save or load mode measured
 
-    # -- a CUDA capture (traces/cuda_capture.py) and a CUDA snapshot (traces/cuda_snapshot.py) ---------------------
+    # -- a CUDA capture (traces/cuda_capture.py) and a CUDA snapshot (traces/cuda_snapshot/) -----------------------
     device_kind: str | None = UNSET  # "cuda"
     cuda_device: int | None = UNSET
     gpu: str | None = UNSET  # torch.cuda.get_device_name
