@@ -2,7 +2,7 @@
 
 Fake tensors have no values, and scripts read values: `loss.item()` to log, `if torch.isnan(loss)`, a metric
 into numpy, `labels.ne(-100).sum()` to count tokens. A read is answered, in this order:
-- by the value the tensor really has (models/traced/realpath.py `Shadows`): integer and boolean tensors made from
+- by the value the tensor really has (models/traced/shadows.py `Shadows`): integer and boolean tensors made from
   the script's data (token ids, labels, masks) and from its random integer draws, which run for real here
   (`torch.randint`, `torch.randperm`: a sampler's order, a seed drawn from torch's generator) on the same CPU
   generator the real run uses;
