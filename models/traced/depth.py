@@ -28,7 +28,8 @@ import re
 
 import torch
 
-from .record import BackwardNode, ForwardOp, Recording, Storage, find_layers
+from .record import find_layers
+from .recording import BackwardNode, ForwardOp, Recording, Storage
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # HF config keys that count a decoder's layers
 TRACED = 3  # layers traced for the derivation; TRACED + 1 traced to check it
