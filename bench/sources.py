@@ -1,5 +1,5 @@
 """How far the two measured sources agree on the same real CPU runs: torch.profiler's memory timeline
-(traces/profiler.py) vs our dispatch tracker (traces/tracker.py). Writes bench/SOURCES.md.
+(traces/profiler.py) vs our dispatch tracker (traces/tracker/allocation.py). Writes bench/SOURCES.md.
 
     python bench/sources.py
 """

@@ -4,8 +4,8 @@
     python bench/validate_activation_offload.py --print    # prints it only
 
 1. `torch.autograd.graph.save_on_cpu` (torch 2.13 torch/autograd/graph.py), on a CPU-only torch, measured by the
-   project's tracker (traces/tracker.py) on a Linear-ReLU-LayerNorm-Linear stack: pin_memory=True makes one new
-   tensor per saved tensor (`torch.empty(size, pin_memory=is_pinnable)` + `copy_`; is_pinnable is
+   project's tracker (traces/tracker/allocation.py) on a Linear-ReLU-LayerNorm-Linear stack: pin_memory=True makes one
+   new tensor per saved tensor (`torch.empty(size, pin_memory=is_pinnable)` + `copy_`; is_pinnable is
    `torch.cuda.is_available()`, False here, so nothing is pinned and nothing raises), Parameters included (a linear's
    weight is saved as its transpose, a norm's weight as itself: save_on_cpu packs both); pin_memory=False is
    `tensor.cpu()`, the tensor itself on a CPU: no copy at all. The unpack hook's `.to(device)` is the same tensor.
@@ -140,7 +140,7 @@ def section(facts, rows, seconds: float) -> str:
              f"Written by `python bench/validate_activation_offload.py` ({seconds:.0f} s on {platform.machine()}, "
              f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, torchtune {tt}). "
              "Two techniques, both measured with the exact allocation tracker "
-             "(traces/tracker.py) on a CPU, where the device and the host are one memory: a host copy is an "
+             "(traces/tracker/allocation.py) on a CPU, where the device and the host are one memory: a host copy is an "
              "allocation in the one pool, as the simulation's CPU profile keeps it.", "",
              "### save_on_cpu on a CPU-only torch (torch 2.13 torch/autograd/graph.py)", "",
              "A Linear(64)-ReLU-LayerNorm(64)-Linear(64) stack, batch 32, one forward and backward:", "",
@@ -166,7 +166,7 @@ def section(facts, rows, seconds: float) -> str:
               "allocations measured, the `*.offloaded` blocks simulated. Phases: the peak of every forward and "
               "backward of each step each side, the one furthest apart shown. At the peak: the blocks alive on "
               "each side paired by size, what is left on either side (the measured side's extra 8 B are Python scalars "
-              "torch wraps outside dispatch, traces/tracker.py).", "",
+              "torch wraps outside dispatch, traces/tracker/).", "",
               "| model | mode | S | M | precision | measured peak | predicted peak | error | host copies measured "
               "| simulated | worst phase (measured / predicted) | at the peak unpaired (measured / predicted) |",
               "|---|---|---:|---:|---|---:|---:|---:|---|---|---|---|"]

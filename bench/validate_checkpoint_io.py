@@ -1,5 +1,5 @@
 """Checkpoint save and load on the CPU: real torch runs under the exact allocation tracker, held against the
-simulation of the same run on the "cpu" device profile (models/checkpoint_io.py).
+simulation of the same run on the "cpu" device profile (models/checkpoint_io/).
 
     python bench/validate_checkpoint_io.py
 
@@ -19,7 +19,7 @@ torch.profiler's allocator events (they include storages created outside dispatc
 
 What the CPU cannot show: there is no device, so no device->host copy exists (`storage.cpu()` and
 `tensor.to("cpu")` return the CPU tensor itself) and nothing is pinned: the host staging of torch-save,
-sharded and the full modes on a GPU is modelled from torch's source (see models/checkpoint_io.py), not
+sharded and the full modes on a GPU is modelled from torch's source (see models/checkpoint_io/save_load.py), not
 measured. It does show what those copies' lifetimes follow: the DCP writer keeps every staged tensor
 until the file is written (measured through the clones its CPU loader makes of views), the async
 stager's copy is made once and reused, torch.load holds the whole checkpoint, load_state_dict copies
@@ -497,7 +497,7 @@ def render(saves, loads, dicts, bytesio, views, full, profiler, seconds: float) 
         SECTION, "",
         "Real CPU runs of the reference models (fp32, micro-batch 2, seq 32 for the transformers, nanoGPT "
         "tiny with sdpa) under the exact allocation tracker, against the simulation of the same run on "
-        "the \"cpu\" profile with that `save_mode` / `load_mode` (models/checkpoint_io.py). Saves: 2 steps, "
+        "the \"cpu\" profile with that `save_mode` / `load_mode` (models/checkpoint_io/). Saves: 2 steps, "
         "a save after each; loads: a checkpoint of a trained model loaded, then 2 steps. Spike = the "
         "highest live total inside the phase minus the live total just before it. "
         f"{len(spikes)} phase spikes, {len(saves) + len(loads)} single-process runs and {len(full)} distributed "

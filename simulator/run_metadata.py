@@ -85,7 +85,7 @@ class RunMetadata:
     script: dict | str | None = UNSET  # peakledger run: the script's run (peakledger/script.py `script_metadata`);
     # its real run, measured (traces/script_run.py): the script's file name
 
-    # -- a measured run: the tracker (traces/tracker.py) and what runs it ------------------------------------------
+    # -- a measured run: the tracker (traces/tracker/) and what runs it --------------------------------------------
     torch: str | None = UNSET  # torch.__version__ of the tracking process
     live_at_end: list[int] | None = UNSET  # ids of the blocks never freed
     grad_accum: int | None = UNSET

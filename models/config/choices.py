@@ -23,8 +23,9 @@ CHECKPOINTING = ("none", "full", "every-k", "selective", "sqrt", "op-policy", "o
 # around the model's forward, its output head under NoOpManager (models/replay/offload_streams.py)
 ACTIVATION_OFFLOADS = ("none", "save-on-cpu", "streams")
 DP_ENGINES = tuple(DP_ENGINE_REGISTRY)  # models/dp_engines.py
-SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")  # checkpoint_io.py
-LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")  # checkpoint_io.py
+# the checkpoint save and load modes (models/checkpoint_io/save_load.py)
+SAVE_MODES = ("torch-save", "full-rank0", "full-rank0-offload", "full-all", "sharded", "async")
+LOAD_MODES = ("none", "full-then-device", "map-to-device", "meta-assign")
 # how the parameters reach the device before training (models/parallel/engine.py `Engine.load`): "direct" = each
 # allocated once in its training dtype (from_pretrained(..., torch_dtype=...), or a model moved from the CPU);
 # "device-fp32" = built on the device in fp32 (`with torch.device("cuda"): cls(config)`), cast by model.to(dtype)

@@ -28,7 +28,7 @@ as traces/context_run.py runs it for real:
   the cp ranks in place (an all-reduce and a division: no new memory). With FSDP2, torchtitan shards over dp x cp
   (its "dp_shard_cp" mesh): the data-parallel engine's group is dp x cp ranks (models/parallel/mesh.py `folds_cp`),
   and its reduce-scatter averages the cp ranks' gradients with the data-parallel ones. Over tensor-parallel ranks
-  (cp x tp, models/parallel/mesh.py), this transform rewrites the tp rank's tape (tensor.py) on its local heads.
+  (cp x tp, models/parallel/mesh.py), this transform rewrites the tp rank's tape (tensor/) on its local heads.
 
 Checked against real runs (traces/context_run.py, torch 2.13 CPU, gloo) in bench/validate_parallel.py.
 """

@@ -7,7 +7,7 @@ one group are consecutive global ranks (one node's GPUs) and pp outermost:
     rank = ((pp_rank x dp + dp_rank) x cp + cp_rank) x tp + tp_rank
 
 A rank's work composes the dimensions one after the other, each a transform owned by its module:
-  1. tp (tensor.py): the whole model's tape rewritten into the rank's shards and collectives (`tp_rank`);
+  1. tp (tensor/): the whole model's tape rewritten into the rank's shards and collectives (`tp_rank`);
   2. pp (pipeline.py): that tape cut into the rank's stages (`pp_rank`), replayed in the schedule's order;
   3. dp (ddp.py, fsdp.py, deepspeed.py): the data-parallel engine over the dp ranks of the rank's group
      (`dp_rank` of `dp`), on the already tp-sharded and stage-cut parameters, as torchtitan applies FSDP
@@ -96,7 +96,7 @@ class MeshTapes:
         self._ranks: dict[tuple[int, int, int], object] = {}
 
     def tp_tape(self, tp: int, cp: int = 0):
-        """The tape of tensor-parallel rank `tp` and context-parallel rank `cp` (tensor.py, then context.py)."""
+        """The tape of tensor-parallel rank `tp` and context-parallel rank `cp` (tensor/, then context.py)."""
 
         if (tp, cp) not in self._tp:
             s = self.setup

@@ -2,7 +2,7 @@
 what autograd saves, and the backward the real autograd engine runs, node by node.
 
 The model, the batch and the loss run for real, under torch's `FakeTensorMode` (shapes and dtypes, no
-memory), with the project's tracker technique (traces/tracker.py): a `TorchDispatchMode` sees each
+memory), with the project's tracker technique (traces/tracker/allocation.py): a `TorchDispatchMode` sees each
 aten op below autograd, a new output storage is an allocation, `weakref.finalize` on the storage is
 its free. On top of that:
 - the module path an op runs in (global module forward hooks);

@@ -6,7 +6,7 @@ Llama, described by hand.
 - describer    models/transformer/nanogpt.py `transformer_tape` (on writer.py, attention.py, params.py)
 - checks       seq_len within max_seq_len; no moe_routing (no experts); LoRA's targets (the describer checks them)
 - LoRA         peft's target_modules on the block linears, its default by architecture (models/lora.py `targets`)
-- parallelism  tp, pp, cp (models/parallel/: tensor.py, pipeline.py, context.py) and the mesh of them
+- parallelism  tp, pp, cp (models/parallel/: tensor/, pipeline.py, context.py) and the mesh of them
 - batch        token ids (micro_batch, seq_len) and their next-token targets
 - reference    traces/reference/nanogpt.py `GPT`, registered against `FAMILY` in traces/reference/build.py
                `PROGRAMS` (a real torch program is the traces layer's: models/ cannot import it)
