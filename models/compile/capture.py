@@ -37,7 +37,7 @@ class Run:
     graph: int
     args: list
     outputs: list
-    flops: int = 0  # the graph's FLOPs (record.py `op_flops` on its aten ops, as traced tapes count them)
+    flops: int = 0  # the graph's FLOPs (traced/recorder.py `op_flops` on its aten ops, as traced tapes count them)
 
 
 @dataclass

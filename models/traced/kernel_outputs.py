@@ -8,7 +8,7 @@ and CUDA kernels can differ in two ways that change memory:
   `resize_` returns a scalar that keeps the full storage (a resize never gives memory back), alive as long as
   the loss is; the meta rule makes a 4-byte scalar.
 
-`real_outputs(func, args, kwargs, out)` is the one entry: the recorder (record.py) passes every op's outputs
+`real_outputs(func, args, kwargs, out)` is the one entry: the recorder (recorder.py) passes every op's outputs
 through it.
 """
 

@@ -5,7 +5,7 @@ mode runs (`dispatch_mode_enabled()`), so a fake recording takes the branches au
 out of place, a new tensor where the real run writes into one it holds. The CPU program is measured under the
 tracker's dispatch mode and takes those branches too; the GPU program runs none, so the recording of the CUDA
 program (cuda_program.py, `real_tensor_branches`) takes the real ones, decided here from what the recorder
-(record.py) knows of each storage:
+(recorder.py) knows of each storage:
 - `formula_branch`: backward formulas that make zeros and write the gradient into them (FunctionsManual.cpp
   index_backward: `index_put_` vs `index_put`; gather_backward: `scatter_add_` vs `scatter_add`;
   value_selecting_reduction_backward, max / min / topk / sort along a dim: `scatter_` vs `scatter`);
