@@ -4,7 +4,7 @@ any work, measured traces read whatever their format, and the cost of a real run
 Every problem found here is an `InputError` (a `ConfigError` for scenario fields, a `TraceFormatError`
 for traces) naming the flag, key or file, what was wrong and what is allowed; the CLI prints it as one
 line and exits 2. The checks of each value live with its schema (models/config.py, peakledger/scenario.py,
-traces/store.py, traces/cuda_snapshot.py); this module only decides which inputs a command has.
+traces/store.py, traces/cuda_snapshot/); this module only decides which inputs a command has.
 """
 
 from __future__ import annotations
