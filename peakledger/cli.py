@@ -38,6 +38,7 @@ from . import (
 )
 from .cli_common import ONCE_ACTIONS
 from .inputs import check_common
+from .kept import keeping
 from .models.names import did_you_mean
 from .models.traced.boundary import end_user_processes, time_limit
 from .models.traced.store import cache_enabled
@@ -166,6 +167,7 @@ def entry() -> None:
     printed. The exit functions still run (atexit: logging's flush, multiprocessing's children, weakref finalizers)
     and stdout and stderr are flushed, then the process exits with main()'s status (os._exit); where a thread
     other than daemons still runs (a user's script started it), the ordinary exit, which waits for it."""
+    keeping()  # what a command made is not freed one by one either (peakledger/kept.py)
     code = main()
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)

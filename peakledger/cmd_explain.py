@@ -35,6 +35,7 @@ from .cli_common import (
     write_json,
 )
 from .inputs import check_command_outputs, scenario_flags_given, scenario_from_args
+from .kept import keep
 from .models.config import ConfigError
 from .progress import progress
 from .simulator.events import Pool
@@ -57,6 +58,7 @@ def cmd_explain(args) -> int:
     budget = budget_of(args, scenario, "explain")
     with progress(f"explaining {scenario.name}") as bar:
         x = diagnosis.explain(scenario, budget, host_budget, host_limits(args), progress=bar)
+    keep(x)  # (peakledger/kept.py: not freed one by one before the exit)
     setup = scenario.setup
     host = host_verdict(args, scenario, x.report.log, x.report.index)  # the node's host verdict; None: not judged
     verdict = FitVerdict(x.fits and (host is None or host.fits), x.capacity_needed, budget, host=host,

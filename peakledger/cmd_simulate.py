@@ -48,6 +48,7 @@ from .inputs import (
     check_command_outputs,
     scenario_from_args,
 )
+from .kept import keep
 from .models.config import ConfigError
 from .models.devices import DEVICES, device_profile
 from .models.traced import micro_batch_points
@@ -145,6 +146,7 @@ def cmd_simulate(args) -> int:
             print("\n".join(host.lines(args.unit)[:1 if verdict is not None else 2]))  # --check: the verdict's
         if verdict is not None:
             print(verdict.line(args.unit))
+    keep(report, graph)  # (peakledger/kept.py: not freed one by one before the exit)
     return code
 
 

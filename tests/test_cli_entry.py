@@ -33,3 +33,26 @@ def test_status_output_and_exit_functions():
 def test_a_running_thread_is_waited_for():
     p = _run("thread", "simulate", "--json")
     assert p.returncode == 0 and "thread done" in p.stderr and "exit functions ran" in p.stderr
+
+
+KEPT = """
+import gc, sys, weakref
+import peakledger.cmd_simulate as cs
+from peakledger import cli, kept
+made = []
+real = cs.api.run
+cs.api.run = lambda *a, **k: (made.append(real(*a, **k)), made[-1])[1]
+if sys.argv.pop(1) == "entry":
+    kept.keeping()  # (as cli.entry does)
+cli.main(["simulate", "--json"])
+report = weakref.ref(made.pop())
+gc.collect()
+print("kept" if report() is not None else "freed", file=sys.stderr)
+"""
+
+
+def test_under_the_command_a_run_is_kept_until_the_exit_and_elsewhere_freed():
+    # (peakledger/kept.py: os._exit frees nothing, so freeing a big run object by object is work for nobody)
+    for how, expected in (("entry", "kept"), ("main", "freed")):
+        p = subprocess.run([sys.executable, "-c", KEPT, how], capture_output=True, text=True)
+        assert p.returncode == 0 and p.stderr.strip().splitlines()[-1] == expected, p.stderr[-2000:]
