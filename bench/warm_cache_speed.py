@@ -18,6 +18,8 @@ and each comparison runs its two commands in turn, A B A B ..., the ratio taken 
   1 left (emptied and primed by that call before each run): its recording and those of sizes 2, 3 and 4 that
   `simulate`'s first trace records beside it (models/traced `micro_batch_points`), from which scale.py derives
   any other size: 2 against MemTracker, 6 against the warm run.
+- the imports alone: a new Python that imports torch and transformers' LlamaForCausalLM, and nothing else (what a
+  cold call, which runs transformers' code, cannot go below), beside the cold call;
 - MemTracker: a new Python that imports torch and transformers, builds the model under FakeTensorMode
   (`no_init_weights`, bf16) and runs one forward, backward and AdamW step inside
   `torch.distributed._tools.mem_tracker.MemTracker`: bench/memtracker_step.py, the program bench/traced_speed.py
@@ -92,7 +94,10 @@ def pairs(a: list[str], b: list[str], env: dict, runs: int, before_a=None) -> di
             "b_out": tb[-1]["stdout"]}
 
 
-def render(cold: dict, warm: dict, second: dict, derived: dict, runs: int, note: str) -> str:
+IMPORTS = "import torch; from transformers import LlamaForCausalLM"  # what a cold call cannot go below
+
+
+def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, runs: int, note: str) -> str:
     def row(name, cmd, w, other, ratio, which="a"):
         lo, hi = w[f"{which}_range"]
         return (f"| {name} | `{cmd}` | **{w[which]:.2f} s** ({lo:.2f}-{hi:.2f}) | {w[f'{which}_cpu']:.2f} s | "
@@ -117,6 +122,8 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, runs: int, note:
             f"warm {derived['b']:.2f} s", f"{cold['b'] / derived['a']:.1f}x (cold's MemTracker runs)"),
         row("MemTracker, FakeTensorMode", "python bench/memtracker_step.py CONFIG 1 2048", cold, "cold", "1x",
             which="b"),
+        row("the imports alone (a cold call's floor)", f"python -c '{IMPORTS}'", floor,
+            f"cold {floor['a']:.2f} s", f"{cold['b'] / floor['b']:.1f}x (cold's MemTracker runs)", which="b"),
         "",
         "A warm run and a second call at another micro-batch import neither torch nor transformers "
         "(tests/test_trace_cache.py, tests/test_micro_batch_points.py check it); a micro-batch whose program is "
@@ -163,9 +170,11 @@ def main() -> int:
         derived = pairs(run(*flags[:2], "--micro-batch", "6", *flags[4:]), run(*flags, *WARM_FLAGS), env,
                         args.runs, before_a=primed_with_one)
         print(f"micro-batch 6 after 1 {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
+        floor = pairs(run(*flags), [sys.executable, "-c", IMPORTS], env, args.runs, before_a=empty)
+        print(f"cold {floor['a']:.2f}s, the imports alone {floor['b']:.2f}s", flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    section = render(cold, warm, second, derived, args.runs, f"; {args.note}" if args.note else "")
+    section = render(cold, warm, second, derived, floor, args.runs, f"; {args.note}" if args.note else "")
     print()
     print(section)
     if args.write:
