@@ -52,8 +52,10 @@ def test_off_by_default_and_not_again_once_three_sizes_are_had(trace_disk, trace
             recording(model, BASE.replace(micro_batch=b))
     assert traces_run[2:] == [(3, 2), (4, 2), (3, 3), (3, 4)]  # 2 records 3 and 4 beside it; then three are had
     with micro_batch_points(True):
-        recording(model, BASE.replace(seq_len=8))  # another program: its own sizes
-    assert traces_run[6:] == [(3, 1), (4, 1), (3, 2), (3, 3), (3, 4)]
+        eight = recording(model, BASE.replace(seq_len=8))  # another recording: its own sizes
+    # (no 4-layer check: the program of micro-batch 1 at sequence 16, whose derivation was shown, only smaller)
+    assert traces_run[6:] == [(3, 1), (3, 2), (3, 3), (3, 4)]
+    assert depth.same(eight, trace._trace(model, BASE.replace(seq_len=8), None))
 
 
 WARM = """
@@ -102,3 +104,11 @@ def test_the_depth_check_is_traced_once_per_program(trace_disk, traces_run):
     trace.forget()  # a new process knows of no check (the 4p trace is made again)
     recording(model, BASE.replace(micro_batch=6))
     assert traces_run[-2:] == [(3, 6), (4, 6)]
+
+
+def test_another_sequence_length_of_the_same_program_is_not_checked_again(trace_disk, traces_run):
+    model = from_hf_dict(DEEP, "deep")
+    recording(model, BASE.replace(micro_batch=2))
+    eight = recording(model, BASE.replace(micro_batch=2, seq_len=8))
+    assert traces_run == [(3, 2), (4, 2), (3, 2)]  # (the second: 3 layers at sequence 8 only)
+    assert depth.same(eight, trace._trace(model, BASE.replace(micro_batch=2, seq_len=8), None))

@@ -52,8 +52,9 @@ _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 16
 _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not traced
 # the programs (`scale.signature` of the 3p layers' recording) whose depth derivation a trace of 4p layers has shown
-# exact, per model and setup less the micro-batch (`_group`): the same program at another size is derived from its
-# 3p layers alone (its ops, storages and nodes are those of the one checked; only sizes differ)
+# exact, per model and setup less the micro-batch and sequence length (`_group`): the same program at other sizes is
+# derived from its 3p layers alone (its ops, storages and nodes are those of the one checked; only sizes differ, and
+# the layers, one module repeated, take the same sizes one after the other)
 _SHOWN: OrderedDict = OrderedDict()
 
 
@@ -187,7 +188,7 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     shown exact. Its layers must repeat with a period p, module for module (`depth.period`: 1 where all are
     alike, 2 where two kinds alternate), and it is traced with 3p and 4p layers, whose layers must be the n-layer
     model's first ones, module for module; the derivation of 4p layers from 3p must equal their trace (not traced
-    again where this process has shown it for the same program at another micro-batch: `_SHOWN`). The same is
+    again where this process has shown it for the same program at other sizes: `_SHOWN`). The same is
     done at the micro-batch sizes `others` (the traces shared out with `setup`'s own), each kept in the caches as
     its own first trace would be, derived from its trace of 3p layers (the layers' period is the model's, shown at
     setup's size; scale.py checks the three it derives any other size from: one program, the same ops and
@@ -223,9 +224,10 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     # size too where a 4p trace has shown the derivation of this program exact at another size (`_SHOWN`)
     group = _group(_key(model, setup, target))
     shown = _SHOWN.get(group, {})  # program -> the micro-batch it was shown at
-    # (traced beside the others unless a program shown at a size of 2 or more is likely this one: a size of 1 is
-    # often a program of its own; the deepest trace first, so that the two processes end together)
-    likely = setup.batch.micro_batch > 1 and any(b > 1 for b in shown.values())
+    # (traced beside the others unless a program shown is likely this one: one shown at a micro-batch of 1 where this
+    # is 1, else one shown at 2 or more, a size of 1 being often a program of its own; the deepest trace first, so that
+    # the two processes end together)
+    likely = any((b > 1) == (setup.batch.micro_batch > 1) for b in shown.values())
     check = [] if likely else [(shallow_models[1], setup)]
     shallow = _shallow([(shallow_models[0], setup), *check] + [(shallow_models[0], s) for s in setups[1:]], target)
     three, at_others = shallow[0], shallow[1 + len(check):]
@@ -257,8 +259,8 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
 
 
 def _group(key: tuple) -> tuple:
-    """A recording's key (`_key`) less its micro-batch."""
-    return key[:3] + key[4:]
+    """A recording's key (`_key`) less its micro-batch and sequence length."""
+    return key[:3] + key[5:]
 
 
 def _shallow(jobs: list[tuple[TracedModel, TrainingSetup]], target: tuple | None) -> list:
