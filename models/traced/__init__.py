@@ -257,7 +257,6 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     return rec
 
 
-
 def _group(key: tuple) -> tuple:
     """A recording's key (`_key`) less its micro-batch and sequence length."""
     return key[:3] + key[5:]

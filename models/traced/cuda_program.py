@@ -304,7 +304,6 @@ def reduction_temporaries(func, args, kwargs, compute_capability) -> tuple[tuple
     return ((size, "reduce_staging", rule), (semaphores, "reduce_semaphores", rule)) if size else ()
 
 
-
 class cuda_program:
     """While active (around a recording on fake CPU tensors), torch dispatches as it does for CUDA tensors on a
     GPU of `compute_capability` under the kernel rules of `torch_version` (module docstring). `backends` lists
