@@ -168,9 +168,10 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
     out: list[tuple[float, int, int]] = []
     ext_out: list[int] = []
     phase = None
+    device, alloc_action, malloc, free = Pool.DEVICE, Action.ALLOC, alloc.malloc, alloc.free  # (locals: per event)
     for i, e in enumerate(log.events) if events is None else events:
         b = e.block
-        if b.rank != rank or b.pool is not Pool.DEVICE:
+        if b.rank != rank or b.pool is not device:
             continue
         if e.phase is not phase:
             phase = e.phase
@@ -196,10 +197,10 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
                 out.append((e.time, live, alloc.reserved))
                 ext_out.append(ext)
             continue
-        if e.action is Action.ALLOC:
+        if e.action is alloc_action:
             if b.nbytes > 0:
                 try:
-                    addr[b.id] = alloc.malloc(b.nbytes, STREAM_IDS[e.stream])
+                    addr[b.id] = malloc(b.nbytes, STREAM_IDS[e.stream])
                 except OutOfMemory:
                     oom = DeviceOOM(i, point(i - 1, e, True), b.nbytes, allocation_size(round_size(b.nbytes)),
                                     capacity, rank)
@@ -211,16 +212,17 @@ def device_memory(log: EventLog, rank: int = 0, alloc_conf: str = "", capacity: 
         else:
             a = addr.pop(b.id, None)
             if a is not None:
-                alloc.free(a)
+                free(a)
             live -= b.nbytes
-        if alloc.reserved > best_reserved.reserved:
+        reserved = alloc.reserved
+        if reserved > best_reserved.reserved:
             best_reserved = point(i, e, True)
-        if fixed + alloc.reserved + ext > best_total.total:
+        if fixed + reserved + ext > best_total.total:
             best_total = best_reserved if best_reserved.index == i else point(i, e, True)
         if live > best_live.allocated:
             best_live = point(i, e, True)
         if series:
-            out.append((e.time, live, alloc.reserved))
+            out.append((e.time, live, reserved))
             ext_out.append(ext)
     kinds = [s.kind for s in alloc.events]
     alloc.close()

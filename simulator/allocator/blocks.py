@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class OutOfMemory(Exception):
@@ -14,7 +14,7 @@ class OutOfMemory(Exception):
                          f"of a capacity of {capacity} B")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     """torch's Block: a piece of a segment. Free (cached) when not allocated and no stream event is outstanding;
     `mapped` is False only for the unmapped address space of an expandable segment."""
@@ -28,7 +28,7 @@ class Block:
     next: "Block | None" = None
     mapped: bool = True
     event_count: int = 0  # outstanding events of other streams that used it (freed, not reusable yet)
-    stream_uses: set[int] = field(default_factory=set)  # recordStream: other streams using the allocated block
+    stream_uses: set[int] | None = None  # recordStream: other streams using the allocated block (None: none yet)
     gc_base: int = 0  # gc_count_base: the pool's get_free_block count when the block was cached
 
     @property
@@ -37,7 +37,7 @@ class Block:
         return not self.allocated and self.event_count == 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Segment:
     """A cudaMalloc'd segment, or an expandable segment's reserved address space (`page` > 0: the mapping unit)."""
 

@@ -16,7 +16,6 @@ from .config import (
     AllocatorConfig,
     AllocatorConfigError,
     allocation_size,
-    pool_of,
     round_size,
 )
 from .expandable import ExpandableSegments
@@ -34,6 +33,7 @@ class CachingAllocator(ExpandableSegments):
         # garbage_collect_cached_blocks runs only with set_fraction (allowed_memory_maximum); without one torch
         # ignores the threshold, so the model refuses it rather than silently do nothing
         self._gc = self.config.garbage_collection_threshold > 0
+        self._plain_rounding = not self.config.roundup_power2_divisions
         if self._gc and capacity is None:
             raise AllocatorConfigError(
                 "garbage_collection_threshold needs a capacity (the allowed bytes): torch applies it only under a "
@@ -64,17 +64,20 @@ class CachingAllocator(ExpandableSegments):
 
     # --- the free-block index (the BlockPool's set ordered by (stream, size, address)): insert_into_blocks
     def _index(self, b: Block) -> None:
-        b.gc_base = self._gc_calls[b.segment.pool]
-        insort(self._free[b.segment.pool], (b.segment.stream, b.size, b.addr))
-        if self._largest is not None and b.size > self._largest:
-            self._largest = b.size
+        seg, size = b.segment, b.size
+        b.gc_base = self._gc_calls[seg.pool]
+        insort(self._free[seg.pool], (seg.stream, size, b.addr))
+        if self._largest is not None and size > self._largest:
+            self._largest = size
 
     def _unindex(self, b: Block) -> None:
-        lst = self._free[b.segment.pool]
-        i = bisect_left(lst, (b.segment.stream, b.size, b.addr))
-        assert lst[i] == (b.segment.stream, b.size, b.addr)
+        seg, size = b.segment, b.size
+        lst = self._free[seg.pool]
+        key = (seg.stream, size, b.addr)
+        i = bisect_left(lst, key)
+        assert lst[i] == key
         del lst[i]
-        if self._largest is not None and b.size >= self._largest:  # (the largest may have left)
+        if self._largest is not None and size >= self._largest:  # (the largest may have left)
             self._largest = None
 
     def _try_merge(self, dst: Block, src: Block | None) -> None:
@@ -270,9 +273,13 @@ class CachingAllocator(ExpandableSegments):
 
     def malloc(self, size: int, stream: int = 0) -> int:
         """Allocate `size` bytes on `stream`; returns the block's address (raises OutOfMemory)."""
-        self.process_events()
-        rounded = round_size(size, self.config)
-        pool = pool_of(rounded)
+        if self._events:
+            self.process_events()
+        if self._plain_rounding:  # (round_size without roundup_power2_divisions, inlined: one call per request)
+            rounded = K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE) or K_MIN_BLOCK_SIZE
+        else:
+            rounded = round_size(size, self.config)
+        pool = SMALL if rounded <= K_SMALL_SIZE else LARGE  # pool_of
         block = self._get_free_block(pool, stream, rounded)
         if block is None:
             if self._gc:
@@ -317,6 +324,8 @@ class CachingAllocator(ExpandableSegments):
         if b is None or not b.allocated:
             raise KeyError(f"record_stream of {addr:#x}, which is not an allocated block")
         if stream != b.segment.stream:
+            if b.stream_uses is None:
+                b.stream_uses = set()
             b.stream_uses.add(stream)
 
     def free(self, addr: int) -> None:
