@@ -35,6 +35,8 @@ second call at another size derives it (`_other_sizes`).
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import fnmatch
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -56,13 +58,32 @@ _DERIVED: set = set()  # cache keys whose recording was derived (scale.py), not 
 # derived from its 3p layers alone (its ops, storages and nodes are those of the one checked; only sizes differ, and
 # the layers, one module repeated, take the same sizes one after the other)
 _SHOWN: OrderedDict = OrderedDict()
+# a recording's tapes (`traced_tape`: convert.py under the setup's checkpointing, gpu_paths.py's kernels), by the
+# recording and what else the tape reads of the setup: explain's fixes and a GPU-count search re-simulate one
+# recording under many optimizers and world sizes
+_TAPES: OrderedDict = OrderedDict()
+# a HF model's layer fingerprints (depth.py), by what its build reads of the setup (`_hf_build`): explain's
+# candidates of another micro-batch or sequence length build the same modules
+_PRINTS: OrderedDict = OrderedDict()
 
 
 def forget() -> None:
-    """This process's memory of traces dropped (what a new process starts from; the disk cache is kept)."""
-    _CACHE.clear()
-    _DERIVED.clear()
-    _SHOWN.clear()
+    """This process's memory of traces dropped (what a new process starts from; the disk cache is kept). Also at
+    the interpreter's exit (`atexit`): the recordings are then freed by reference counting, not walked and torn
+    down by its final garbage collections (0.3 s at the end of docs/models.md's example)."""
+    for cache in (_CACHE, _DERIVED, _SHOWN, _TAPES, _PRINTS):
+        cache.clear()
+
+
+atexit.register(forget)
+
+
+def _bounded(cache: OrderedDict, key, value):
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
 
 
 def model_key(model: TracedModel, setup: TrainingSetup) -> tuple:
@@ -202,7 +223,7 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     n = data.get(key) if key else None
     if not isinstance(n, int) or n <= depth.TRACED + 1:
         return None
-    prints = depth.fingerprints(model, setup)
+    prints = _fingerprints(model, setup)
     p = depth.period_of(prints)
     if p is None or n <= (depth.TRACED + 1) * p:
         return None
@@ -210,7 +231,7 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
     depths = (depth.TRACED * p, (depth.TRACED + 1) * p)
     shallow_models = [from_hf_dict({**data, key: k, **({"layer_types": kinds[:k]} if isinstance(kinds, list) else {})},
                                    model.name) for k in depths]
-    if any(depth.fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
+    if any(_fingerprints(m, setup) != prints[:k] for m, k in zip(shallow_models, depths)):
         return None
     from .scale import signature
 
@@ -255,6 +276,18 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
             disk.save(derived)
         _remember(k, derived)
     return rec
+
+
+def _fingerprints(model: TracedModel, setup: TrainingSetup):
+    """depth.fingerprints of a HF model (cached in `_PRINTS`): its build reads the config, whether layers are
+    checkpointed (`use_cache`), the parameter dtype and the LoRA knobs of the setup (model.py `_hf_build`)."""
+    from . import depth
+
+    key = (model.source, setup.checkpointing.policy != "none", setup.precision.param, setup.lora)
+    if key not in _PRINTS:
+        return _bounded(_PRINTS, key, depth.fingerprints(model, setup))
+    _PRINTS.move_to_end(key)
+    return _PRINTS[key]
 
 
 def _group(key: tuple) -> tuple:
@@ -403,10 +436,18 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     target = None if cpu else tuple(cuda or ((9, 0), "2.6"))
     rec = recording(model, setup, target)
     describer = f"traced ({model.kind}: {rec.model_class}; {traced_versions(model, setup)})"
-    tape = to_tape(rec, setup, rec.layers, describer=describer)
-    if cpu:
-        return tape
-    return cuda_tape(tape, *target)
+    # what convert.py reads of the setup besides the recording (the segments: checkpoint_segments)
+    key = (id(rec), setup.checkpointing, setup.loop.holds_outputs, setup.batch.passes, setup.precision.param,
+           describer, target)
+    hit = _TAPES.get(key)
+    if hit is None or hit[0] is not rec:
+        tape = to_tape(rec, setup, rec.layers, describer=describer)
+        hit = _bounded(_TAPES, key, (rec, tape if cpu else cuda_tape(tape, *target)))
+    else:
+        _TAPES.move_to_end(key)
+    tape = hit[1]  # (a copy of its lists: a caller may change the tape it is given)
+    return dataclasses.replace(tape, params=list(tape.params), ops=list(tape.ops), inputs=list(tape.inputs),
+                               buffers=list(tape.buffers), param_dtypes=dict(tape.param_dtypes))
 
 
 __all__ = ["TracedModel", "from_hf_dict", "from_module_spec", "traced_tape", "traced_layers", "recording", "forget",
