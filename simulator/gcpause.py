@@ -14,8 +14,12 @@ the young collections since the last full one pass a quarter of those it left: P
 CPython 3.11), so a process that runs many paused blocks (a sweep's worker, a max-batch search, explain's fixes)
 would never collect what reference cycles leave: 2,000 tiny sweep points in one process grew to 754 MB. Here,
 when an outermost block starts and an upper bound of the objects the collector tracks (the last count plus each
-block's net growth, O(1)) has passed GROWTH times what the last full collection left and FLOOR, they are counted
-(`_tracked`), and a full collection runs if the count has passed it too. What a run drops is freed by
+block's net growth, O(1)) has passed GROWTH times what the last full collection left (before any: what the process
+held at its first block, counted then: its imports and the caller's own objects, which no collection would free)
+and FLOOR, they are counted (`_tracked`), and a full collection runs if the count has passed it too. (With FLOOR
+alone, a process that had imported torch and transformers, 600,000 objects, passed it with its first few traced
+runs and paid a full collection of half a second that freed 5% of them: docs/models.md's example, in explain's
+two processes.) What a run drops is freed by
 reference counting (the describers' builders and the allocator model cut their own cycles when done: builder.py
 `close`, allocator/core.py `close`), so the count grows only by what is live or cyclic: a command's runs, however
 large (the 2,048-rank Llama-3-70B pipeline holds 4 million objects at once, an 8B explain makes 37 runs), never
@@ -28,9 +32,10 @@ import functools
 import gc
 from contextlib import contextmanager
 
-_COUNTS = {"long_lived": 0, "bound": 0}  # this process's: the objects its last full collection left; at most
-# how many are tracked now (the last count, plus each block's net growth since: gc.get_count()[0], allocations
-# less deallocations of tracked objects, read in O(1))
+# this process's: the objects its last full collection left (or its first block found); at most how many are tracked
+# now (the last count, plus each block's net growth since: gc.get_count()[0], allocations less deallocations of
+# tracked objects, read in O(1))
+_COUNTS = {"long_lived": 0, "bound": 0}
 GROWTH = 4.0  # a full collection once the objects tracked pass this multiple of those the last one left,
 FLOOR = 1_000_000  # and this many
 
@@ -47,6 +52,8 @@ def _tracked() -> int:
 @contextmanager
 def paused_gc():
     enabled = gc.isenabled()  # (off: a block inside another, or a caller's own pause)
+    if enabled and not _COUNTS["long_lived"] and gc.get_freeze_count() == 0:  # the process's first block
+        _COUNTS["long_lived"] = _COUNTS["bound"] = _tracked()
     mark = max(GROWTH * _COUNTS["long_lived"], FLOOR)
     if enabled and gc.get_freeze_count() == 0 and _COUNTS["bound"] > mark:
         _COUNTS["bound"] = _tracked()  # the bound passed the mark: count them
