@@ -54,7 +54,6 @@ class Report:
     name: str
     log: EventLog
     peaks: Peaks
-    ledger: list[LedgerRow]
     metadata: RunMetadata = field(default_factory=RunMetadata)  # the log's
     ranks: list[RankPeak] = field(default_factory=list)
     host: Peaks | None = None  # the same rank's host memory, when the run uses it
@@ -84,6 +83,13 @@ class Report:
         replay in `summarize` keeps the series (appending a point per event costs little beside the replay that
         a second pass would repeat)."""
         return self.gpu
+
+    @functools.cached_property
+    def ledger(self) -> list[LedgerRow]:
+        """What is live at the peak, by row (analysis/ledger.py `ledger_at`), made when something reads it (a
+        report shown; not the re-simulations of explain's fixes or a search, which judge the peak alone)."""
+        overall = self.peaks.overall
+        return ledger_at(self.timeline, overall.index) if overall.event is not None else []
 
     @functools.cached_property
     def phases(self) -> list[PhasePeak]:
@@ -169,12 +175,11 @@ def summarize(log: EventLog, name: str = "", headroom: float = 0.0, rank: int | 
     events = rank_events(log, rank, index)  # the rank's events, found once for its timelines and allocator replay
     tl = timeline(log, rank, pool, events, index)
     pk = peaks(tl, headroom=headroom)
-    rows = ledger_at(tl, pk.overall.index) if pk.overall.event is not None else []
-    host = None
-    if pool is Pool.DEVICE and any(e.block.pool is Pool.HOST for _, e in events):
+    host, host_pool = None, Pool.HOST
+    if pool is Pool.DEVICE and any(e.block.pool is host_pool for _, e in events):
         host = peaks(timeline(log, rank, Pool.HOST, events, index))
     gpu = gpu_memory(log, rank, series=True, events=events) if pool is Pool.DEVICE else None  # the run's one replay
-    return Report(name=name, log=log, peaks=pk, ledger=rows, metadata=log.metadata, ranks=per_rank, host=host,
+    return Report(name=name, log=log, peaks=pk, metadata=log.metadata, ranks=per_rank, host=host,
                   gpu=gpu, index=index, peak_timeline=tl)
 
 
