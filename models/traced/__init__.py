@@ -2,7 +2,7 @@
 
 How the pieces compose:
 - `model.py`   `TracedModel`: what the model is (a HF config.json, or `file.py:factory`) and how to build
-               it with its default batch and loss, on fake tensors or for real.
+               it with its default batch (`hf_batch.py` for a HF model) and loss, on fake tensors or for real.
 - `record.py`  runs one micro-batch (forward, loss, backward) on fake tensors under `FakeTensorMode` and
                records every aten op, storage birth and death, saved tensor and autograd node;
                `realpath.py` keeps that run on the real run's code path.

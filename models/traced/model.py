@@ -14,7 +14,7 @@ The two sources (`kind`):
             (Audio Spectrogram Transformer); CTC labels of seq-len / 4 token ids, else one label each.
   The loss is the model's own (`output.loss`). Weights are not initialised (transformers'
   `no_init_weights`): they do not change the program, and some initialisers (ViT's trunc_normal_)
-  read values fake tensors do not have.
+  read values fake tensors do not have. The batches are made by hf_batch.py.
 - "module": `path/to/file.py:factory`; `factory()` returns `(model, batch, loss_fn)`: an nn.Module in fp32
   on the CPU, a batch (dict -> `model(**batch)`, tuple -> `model(*batch)`, tensor -> `model(batch)`), and
   `loss_fn(output)` returning a scalar. If the factory takes `micro_batch` and/or `seq_len` keyword
@@ -29,12 +29,12 @@ import inspect
 import json
 import sys
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
 
 from ..config import COUNT_LIMITS, INT64_MAX, ConfigError, TrainingSetup
 from . import store
 from .boundary import REAL_BYTES, user_code
+from .hf_batch import AUDIO_TASKS, CONTRASTIVE, ctc_label_len, hf_batch, pixels_note, stride_product
 
 HF_TASKS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
             "AutoModelForImageClassification", "AutoModelForSpeechSeq2Seq", "AutoModelForCTC",
@@ -87,18 +87,18 @@ class TracedModel:
         B, T = setup.batch.micro_batch, setup.batch.seq_len
         if task == "AutoModelForImageClassification":
             vision = data if "image_size" in data else data.get("vision_config") or {}
-            return f"{_pixels_note(vision, B)} and {B} labels"
+            return f"{pixels_note(vision, B)} and {B} labels"
         if task == "AutoModelForSpeechSeq2Seq":
             frames = 2 * data.get("max_source_positions", 1500)
             return f"input_features {B}x{data.get('num_mel_bins', 80)}x{frames} (30 s of audio) and labels {B}x{T}"
         if task in AUDIO_TASKS:
-            labels = f"labels {B}x{_ctc_label_len(T)}" if task == "AutoModelForCTC" else f"{B} labels"
+            labels = f"labels {B}x{ctc_label_len(T)}" if task == "AutoModelForCTC" else f"{B} labels"
             if "conv_stride" in data:
-                samples = T * _stride(data["conv_stride"])
+                samples = T * stride_product(data["conv_stride"])
                 return f"input_values {B}x{samples} ({T} frames of raw audio) and {labels}"
             return f"input_values {B}x{data.get('max_length', 1024)}x{data.get('num_mel_bins', 128)} and {labels}"
         if task == CONTRASTIVE:
-            return f"input_ids {B}x{T} and {_pixels_note(data.get('vision_config') or {}, B)} (the contrastive loss " \
+            return f"input_ids {B}x{T} and {pixels_note(data.get('vision_config') or {}, B)} (the contrastive loss " \
                    "between them)"
         return f"input_ids and labels {B}x{T} (random token ids)"
 
@@ -214,7 +214,6 @@ def _task_of(cls, config_cls) -> str:
 
 # a model of a text and an image tower trained by its contrastive loss (modeling_clip.py CLIPModel.forward:
 # `return_loss=True` gives `clip_loss` of the logits between each text and image of the batch)
-CONTRASTIVE = "contrastive"
 
 
 def _classes(entry) -> tuple:
@@ -266,7 +265,7 @@ def _hf_build(data: dict, setup: TrainingSetup):
     model.train()
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():  # the batch has real values (token ids a trace's branches may read)
-        return model, _hf_batch(config, task, setup, dtype), _hf_loss
+        return model, hf_batch(config, task, setup, dtype), _hf_loss
 
 
 def _peft_lora(model, setup: TrainingSetup):
@@ -319,91 +318,6 @@ class fake_module_moves:
         import torch
         torch.nn.Module.to = self.original
         return False
-
-
-def _hf_batch(config, task: str, setup: TrainingSetup, dtype):
-    import torch
-
-    B, T = setup.batch.micro_batch, setup.batch.seq_len
-    g = torch.Generator().manual_seed(0)
-    if task == "AutoModelForImageClassification":
-        # a model of an image and a text tower (CLIP, SigLIP) holds the image's size in its vision config
-        vision = config if hasattr(config, "image_size") else getattr(config, "vision_config", config)
-        batch = {"pixel_values": _pixel_values(vision, B, g, dtype),
-                 "labels": torch.randint(0, max(config.num_labels, 1), (B,), generator=g)}
-    elif task == "AutoModelForSpeechSeq2Seq":
-        frames = 2 * getattr(config, "max_source_positions", 1500)
-        batch = {"input_features": torch.randn(B, config.num_mel_bins, frames, generator=g, dtype=dtype),
-                 "labels": torch.randint(0, config.vocab_size, (B, T), generator=g)}
-    elif task in AUDIO_TASKS:
-        batch = {"input_values": _audio_values(config, B, T, g, dtype)}
-        if task == "AutoModelForCTC":  # token ids, never the pad id (Wav2Vec2ForCTC's blank is pad_token_id)
-            vocab, pad = config.vocab_size, getattr(config, "pad_token_id", None)
-            if isinstance(pad, int) and 0 <= pad < vocab:
-                ids = torch.randint(0, vocab - 1, (B, _ctc_label_len(T)), generator=g)
-                ids += (ids >= pad).long()  # skip the pad id
-            else:
-                ids = torch.randint(0, vocab, (B, _ctc_label_len(T)), generator=g)
-            batch["labels"] = ids
-        else:
-            batch["labels"] = torch.randint(0, max(config.num_labels, 1), (B,), generator=g)
-    elif task == CONTRASTIVE:
-        # its two towers' configs (CLIPConfig: text_config, vision_config)
-        text, vision = getattr(config, "text_config", config), getattr(config, "vision_config", config)
-        batch = {"input_ids": torch.randint(0, text.vocab_size, (B, T), generator=g),
-                 "pixel_values": _pixel_values(vision, B, g, dtype), "return_loss": True}
-    else:
-        ids = torch.randint(0, config.vocab_size, (B, T), generator=g)
-        batch = {"input_ids": ids, "labels": ids.clone()}
-    return batch
-
-
-AUDIO_TASKS = ("AutoModelForCTC", "AutoModelForAudioClassification")
-
-
-def _audio_values(config, B: int, T: int, g, dtype):
-    """An audio model's `input_values`: raw 16 kHz samples for a model that convolves the waveform (Wav2Vec2,
-    HuBERT, WavLM, ...: `conv_stride`), T frames of it (T x the strides' product samples, 320 for Wav2Vec2: 20 ms
-    a frame); a spectrogram of the config's `max_length` frames x `num_mel_bins` for the Audio Spectrogram
-    Transformer (its feature extractor pads or cuts to max_length)."""
-    import torch
-
-    if hasattr(config, "conv_stride"):
-        return torch.randn(B, T * _stride(config.conv_stride), generator=g, dtype=dtype)
-    if hasattr(config, "max_length") and hasattr(config, "num_mel_bins"):
-        return torch.randn(B, config.max_length, config.num_mel_bins, generator=g, dtype=dtype)
-    raise ConfigError("model_type", f"{config.model_type!r}: peakledger has no audio batch for it (raw audio for "
-                                    "models with conv_stride, a spectrogram of max_length x num_mel_bins)")
-
-
-def _stride(strides) -> int:
-    return prod(int(s) for s in strides)
-
-
-def _ctc_label_len(T: int) -> int:
-    """CTC targets of one token per 4 frames (80 ms: LibriSpeech's ~15 characters a second), at least one."""
-    return max(1, T // 4)
-
-
-def _pixel_values(vision, B: int, g, dtype):
-    """A batch of B random images of a (vision) config's `image_size` and `num_channels`."""
-    import torch
-
-    (h, w), channels = _image_hw(getattr(vision, "image_size", 224)), getattr(vision, "num_channels", 3)
-    return torch.randn(B, channels, h, w, generator=g, dtype=dtype)
-
-
-def _pixels_note(vision: dict, B: int) -> str:
-    """`_pixel_values`' shape, in words, from the config's dict."""
-    h, w = _image_hw(vision.get("image_size", 224))
-    return f"pixel_values {B}x{vision.get('num_channels', 3)}x{h}x{w}"
-
-
-def _image_hw(size) -> tuple[int, int]:
-    """(height, width) of a config's `image_size`: one int (square), or a pair (Hiera, PVT-v2, TextNet)."""
-    if isinstance(size, (list, tuple)) and len(size) == 2:
-        return int(size[0]), int(size[1])
-    return int(size), int(size)
 
 
 def _hf_loss(output):
