@@ -19,11 +19,11 @@ held at its first block, counted then: its imports and the caller's own objects,
 and FLOOR, they are counted (`_tracked`), and a full collection runs if the count has passed it too. (With FLOOR
 alone, a process that had imported torch and transformers, 600,000 objects, passed it with its first few traced
 runs and paid a full collection of half a second that freed 5% of them: docs/models.md's example, in explain's
-two processes.) What a run drops is freed by
-reference counting (the describers' builders and the allocator model cut their own cycles when done: builder.py
-`close`, allocator/core.py `close`), so the count grows only by what is live or cyclic: a command's runs, however
-large (the 2,048-rank Llama-3-70B pipeline holds 4 million objects at once, an 8B explain makes 37 runs), never
-pay for one unless they leave garbage in cycles, and then once it passes the mark, at the next block's start.
+two processes.) What a run drops is freed by reference counting (the describers' builders and the allocator model
+cut their own cycles when done: builder.py `close`, allocator/core.py `close`), so the count grows only by what is
+live or cyclic: a command's runs, however large (the 2,048-rank Llama-3-70B pipeline holds 4 million objects at
+once, an 8B explain makes 37 runs), never pay for one unless they leave garbage in cycles, and then once it passes
+the mark, at the next block's start.
 """
 
 from __future__ import annotations
