@@ -5,6 +5,8 @@ held against the simulation are validation.py."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .analysis.card_fit import CardFit
 from .analysis.card_fit import card_fit as card_fit_of
@@ -64,13 +66,44 @@ def op_graph(scenario: Scenario, budget: int | None = None) -> OpGraph:
     return graph
 
 
+# the caller's last run of its own (`run` outside max-batch and explain): (scenario, report). Max-batch's probe of the
+# scenario's own micro-batch and explain's run of the scenario as it is take that report, not a run of it again
+# (docs/models.md's example: `run`, then `max_micro_batch` and `explain` of one scenario)
+_LAST: list[tuple[Scenario, Report]] = []
+_INSIDE = [0]  # > 0 while max-batch or explain runs (`reusing`)
+
+
+@contextmanager
+def reusing() -> Iterator[None]:
+    """Runs inside (max-batch's, explain's) take the caller's last report of the same scenario, and keep none."""
+    _INSIDE[0] += 1
+    try:
+        yield
+    finally:
+        _INSIDE[0] -= 1
+
+
 @gc_paused  # describe, simulate and summarize: one block, no full collection between them (simulator/gcpause.py)
 def run(scenario: Scenario, budget: int | None = None, stop_on_oom: bool = False,
         graph: OpGraph | None = None, progress: Progress | None = None) -> Report:
     """Describe, simulate and summarize one scenario (device pool; the report is of the rank with the
     highest peak, and lists every simulated rank's peak). `graph`: the scenario already described with this
     budget (`op_graph`), for a caller that also exports it. `progress(i, n, what)` before each of the three
-    stages (peakledger/progress.py; silent by default)."""
+    stages (peakledger/progress.py; silent by default). Inside max-batch and explain (`reusing`), the caller's last
+    report of an equal scenario is taken as it is (the same input: the same report)."""
+    plain = budget is None and not stop_on_oom and graph is None
+    if plain and _INSIDE[0] and _LAST and _LAST[0][0] == scenario:
+        return _LAST[0][1]
+    if not _INSIDE[0]:
+        _LAST.clear()  # (the last report is not kept alive beside the next run's)
+    report = _run(scenario, budget, stop_on_oom, graph, progress)
+    if plain and not _INSIDE[0]:
+        _LAST.append((scenario, report))
+    return report
+
+
+def _run(scenario: Scenario, budget: int | None, stop_on_oom: bool, graph: OpGraph | None,
+         progress: Progress | None) -> Report:
     say = reporter(progress)
     if graph is None:
         say(0, 3, f"describing {scenario.name}")
@@ -161,7 +194,7 @@ def max_micro_batch(scenario: Scenario, budget: int, limit: int = MAX_BATCH_LIMI
 
         return cache[b]
 
-    with micro_batch_points(True):  # the first size traced records sizes 2-4 beside it: the others derived
+    with micro_batch_points(True), reusing():  # the first size traced records sizes 2-4 beside it: the others derived
         return max_fitting(need, budget, limit, start=scenario.setup.batch.micro_batch, guided=True)
 
 

@@ -172,7 +172,14 @@ def explain(scenario: Scenario, budget: int, host_budget: int | None = None, lim
     """Why `scenario` does not fit `budget` (or how close it is), with every candidate fix re-simulated
     and ranked: fixes that fit first, those on the same GPUs before more GPUs, those that keep the training
     unchanged before those that change it, then by simulated step time; fixes that do not fit after, by peak.
-    `progress(i, n, what)` before each simulation (peakledger/progress.py; silent by default)."""
+    `progress(i, n, what)` before each simulation (peakledger/progress.py; silent by default). The run of the
+    scenario as it is takes the caller's last report of it (api.py `reusing`)."""
+    with api.reusing():
+        return _explain(scenario, budget, host_budget, limits, progress)
+
+
+def _explain(scenario: Scenario, budget: int, host_budget: int | None, limits: HostLimits | None,
+             progress: Progress | None) -> Explanation:
     say = reporter(progress)
     say(0, None, f"simulating {scenario.name} as it is")
     base = api.run(scenario)

@@ -20,6 +20,7 @@ import peakledger.models.traced as trace
 import peakledger.simulator.gcpause as gcpause
 from peakledger import api
 from peakledger.analysis.ledger import ledger_at
+from peakledger.diagnosis import explain
 from peakledger.models.config import TrainingSetup
 from peakledger.models.traced import depth, from_hf_dict, traced_tape
 from peakledger.models.traced.convert import to_tape
@@ -124,3 +125,24 @@ def test_a_reports_ledger_is_made_when_read_and_is_ledger_at_its_peak(device):
     rows = report.ledger
     assert rows and rows == ledger_at(report.timeline, report.peaks.overall.index)
     assert sum(r.bytes for r in rows) == report.peaks.overall.bytes
+
+
+def test_max_batch_and_explain_take_the_callers_last_report_of_their_scenario(monkeypatch):
+    scenario = build_scenario({"preset": "tiny"}, {"micro_batch": 2}, {"device": "cpu"})
+    ran = []
+    real = api._run
+    monkeypatch.setattr(api, "_run", lambda sc, *a: ran.append(sc.setup.batch.micro_batch) or real(sc, *a))
+    report = api.run(scenario)
+    assert api.run(scenario) is not report and ran == [2, 2]  # (outside them, every call runs)
+    budget = report.capacity_needed * 3
+    api._LAST.clear()  # (max-batch as it was: every probe run)
+    del ran[:]
+    anew = api.max_micro_batch(scenario, budget)
+    assert 2 in ran
+    report = api.run(scenario)
+    del ran[:]
+    assert api.max_micro_batch(scenario, budget) == anew and 2 not in ran  # (its own size: the caller's report)
+    x = explain(scenario, report.capacity_needed // 2)
+    assert x.report is report
+    other = api.run(scenario.with_changes(micro_batch=3))
+    assert api._LAST == [(scenario.with_changes(micro_batch=3), other)]  # (only the last kept)
