@@ -16,6 +16,7 @@ from .config import (
     AllocatorConfig,
     AllocatorConfigError,
     allocation_size,
+    pool_of,
     round_size,
 )
 from .expandable import ExpandableSegments
@@ -33,7 +34,7 @@ class CachingAllocator(ExpandableSegments):
         # garbage_collect_cached_blocks runs only with set_fraction (allowed_memory_maximum); without one torch
         # ignores the threshold, so the model refuses it rather than silently do nothing
         self._gc = self.config.garbage_collection_threshold > 0
-        self._plain_rounding = not self.config.roundup_power2_divisions
+        self._plain_rounding = not self.config.roundup_power2_divisions  # (round_size then reads no config)
         if self._gc and capacity is None:
             raise AllocatorConfigError(
                 "garbage_collection_threshold needs a capacity (the allowed bytes): torch applies it only under a "
@@ -275,11 +276,8 @@ class CachingAllocator(ExpandableSegments):
         """Allocate `size` bytes on `stream`; returns the block's address (raises OutOfMemory)."""
         if self._events:
             self.process_events()
-        if self._plain_rounding:  # (round_size without roundup_power2_divisions, inlined: one call per request)
-            rounded = K_MIN_BLOCK_SIZE * ((size + K_MIN_BLOCK_SIZE - 1) // K_MIN_BLOCK_SIZE) or K_MIN_BLOCK_SIZE
-        else:
-            rounded = round_size(size, self.config)
-        pool = SMALL if rounded <= K_SMALL_SIZE else LARGE  # pool_of
+        rounded = round_size(size, None if self._plain_rounding else self.config)  # (None: no divisions to read)
+        pool = pool_of(rounded)
         block = self._get_free_block(pool, stream, rounded)
         if block is None:
             if self._gc:
