@@ -261,10 +261,7 @@ def _by_depth(model: TracedModel, setup: TrainingSetup, target: tuple | None, ot
         rec = depth.derive(three, n, p)
     except depth.NotPeriodic:
         return None
-    _SHOWN.setdefault(group, {}).setdefault(program, setup.batch.micro_batch)
-    _SHOWN.move_to_end(group)
-    while len(_SHOWN) > CACHE_SIZE:
-        _SHOWN.popitem(last=False)
+    _bounded(_SHOWN, group, {program: setup.batch.micro_batch, **shown})
     for s, other in zip(setups[1:], at_others):
         try:
             derived = depth.derive(other, n, p)
@@ -440,7 +437,7 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     key = (id(rec), setup.checkpointing, setup.loop.holds_outputs, setup.batch.passes, setup.precision.param,
            describer, target)
     hit = _TAPES.get(key)
-    if hit is None or hit[0] is not rec:
+    if hit is None:  # (the entry holds the recording: its id names no other while the entry is there)
         tape = to_tape(rec, setup, rec.layers, describer=describer)
         hit = _bounded(_TAPES, key, (rec, tape if cpu else cuda_tape(tape, *target)))
     else:
