@@ -20,6 +20,10 @@ and each comparison runs its two commands in turn, A B A B ..., the ratio taken 
   any other size: 2 against MemTracker, 6 against the warm run.
 - the imports alone: a new Python that imports torch and transformers' LlamaForCausalLM, and nothing else (what a
   cold call, which runs transformers' code, cannot go below), beside the cold call;
+- with a server up (`peakledger serve`, peakledger/serve: torch, transformers and peakledger imported once, each
+  command run in a fork of it): cold, warm and the second call at micro-batch 2 again, each against MemTracker,
+  the client made to use it (PEAKLEDGER_SERVER=require); the server's own start (`serve --background`, until it
+  takes commands) timed once. The rows above run without one (PEAKLEDGER_SERVER=off);
 - MemTracker: a new Python that imports torch and transformers, builds the model under FakeTensorMode
   (`no_init_weights`, bf16) and runs one forward, backward and AdamW step inside
   `torch.distributed._tools.mem_tracker.MemTracker`: bench/memtracker_step.py, the program bench/traced_speed.py
@@ -97,7 +101,8 @@ def pairs(a: list[str], b: list[str], env: dict, runs: int, before_a=None) -> di
 IMPORTS = "import torch; from transformers import LlamaForCausalLM"  # what a cold call cannot go below
 
 
-def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, runs: int, note: str) -> str:
+def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, served: dict, runs: int,
+           note: str) -> str:
     def row(name, cmd, w, other, ratio, which="a"):
         lo, hi = w[f"{which}_range"]
         return (f"| {name} | `{cmd}` | **{w[which]:.2f} s** ({lo:.2f}-{hi:.2f}) | {w[f'{which}_cpu']:.2f} s | "
@@ -120,14 +125,49 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, run
             f"MemTracker {second['b']:.1f} s", f"**{second['b_over_a']:.1f}x**"),
         row("second call, micro-batch 6 (after the cold call)", "... --micro-batch 6", derived,
             f"warm {derived['b']:.2f} s", f"{cold['b'] / derived['a']:.1f}x (cold's MemTracker runs)"),
+        row("cold, a server up", "PEAKLEDGER_SERVER=require peakledger simulate ...", served["cold"],
+            f"MemTracker {served['cold']['b']:.1f} s", f"**{served['cold']['b_over_a']:.1f}x**"),
+        row("warm, a server up", f"... {' '.join(WARM_FLAGS)}", served["warm"],
+            f"MemTracker {served['warm']['b']:.1f} s", f"**{served['warm']['b_over_a']:.1f}x**"),
+        row("second call, micro-batch 2, a server up", "... --micro-batch 2", served["second"],
+            f"MemTracker {served['second']['b']:.1f} s", f"**{served['second']['b_over_a']:.1f}x**"),
+        f"| the server's start (once) | `peakledger serve --background` | {served['start']:.2f} s | | "
+        "until it takes commands | |",
         row("MemTracker, FakeTensorMode", "python bench/memtracker_step.py CONFIG 1 2048", cold, "cold", "1x",
             which="b"),
         row("the imports alone (a cold call's floor)", f"python -c '{IMPORTS}'", floor,
             f"cold {floor['a']:.2f} s", f"{cold['b'] / floor['b']:.1f}x (cold's MemTracker runs)", which="b"),
         "",
+        "With a server up each command printed what it printed in its own process (checked). "
         "A warm run and a second call at another micro-batch import neither torch nor transformers "
         "(tests/test_trace_cache.py, tests/test_micro_batch_points.py check it); a micro-batch whose program is "
         "neither in the cache nor derivable from it is traced, as cold.", ""])
+
+
+def with_server(run, flags: list[str], mt: list[str], env: dict, runs: int, empty) -> dict:
+    """Cold, warm and the second call at micro-batch 2 with a server up, each against MemTracker; its start."""
+    serve = [os.path.join(os.path.dirname(sys.executable), "peakledger"), "serve"]
+    start = timed([*serve, "--background"], {**env, "PEAKLEDGER_SERVER": "auto"})["wall"]
+    print(f"server started in {start:.2f}s", flush=True)
+    served = {**env, "PEAKLEDGER_SERVER": "require"}
+    try:
+        out = {"start": start, "cold": pairs(run(*flags), mt, served, runs, before_a=empty)}
+        print(f"served: cold {out['cold']['a']:.2f}s ({out['cold']['b_over_a']:.1f}x)", flush=True)
+        timed(run(*flags), served)
+        out["warm"] = pairs(run(*flags, *WARM_FLAGS), mt, served, runs)
+        print(f"served: warm {out['warm']['a']:.2f}s ({out['warm']['b_over_a']:.1f}x)", flush=True)
+
+        def primed_with_one():
+            empty()
+            timed(run(*flags), served)
+
+        out["second"] = pairs(run(*flags[:2], "--micro-batch", "2", *flags[4:]), mt, served, runs,
+                              before_a=primed_with_one)
+        print(f"served: micro-batch 2 after 1 {out['second']['a']:.2f}s ({out['second']['b_over_a']:.1f}x)",
+              flush=True)
+        return out
+    finally:
+        subprocess.run([*serve, "--stop"], env=env, stdout=subprocess.DEVNULL)
 
 
 def main() -> int:
@@ -149,7 +189,8 @@ def main() -> int:
     for folder in ("peakledger", "models", "simulator", "traces", "analysis"):
         compileall.compile_dir(os.path.join(ROOT, folder), quiet=1)
     cache = tempfile.mkdtemp(prefix="peakledger-bench-cache-")
-    env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache, "PYTHONWARNINGS": "ignore", "PEAKLEDGER_SERVER": "off"}
+    sockets = tempfile.mkdtemp(prefix="plb-")
 
     def empty():
         shutil.rmtree(cache, ignore_errors=True)
@@ -172,9 +213,13 @@ def main() -> int:
         print(f"micro-batch 6 after 1 {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
         floor = pairs(run(*flags), [sys.executable, "-c", IMPORTS], env, args.runs, before_a=empty)
         print(f"cold {floor['a']:.2f}s, the imports alone {floor['b']:.2f}s", flush=True)
+        served = with_server(run, flags, mt, {**env, "PEAKLEDGER_SERVER_DIR": sockets}, args.runs, empty)
+        if served["cold"]["a_out"] != cold["a_out"] or served["warm"]["a_out"] != warm["a_out"]:
+            raise SystemExit("a command on the server printed other than in its own process")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    section = render(cold, warm, second, derived, floor, args.runs, f"; {args.note}" if args.note else "")
+        shutil.rmtree(sockets, ignore_errors=True)
+    section = render(cold, warm, second, derived, floor, served, args.runs, f"; {args.note}" if args.note else "")
     print()
     print(section)
     if args.write:

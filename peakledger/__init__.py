@@ -12,9 +12,42 @@
     batch_range(fixed=100, per_sample=30, budget=200).feasible_range   # (1, 3)
 """
 
-from .api import batch_range, fixed_state_peak, max_micro_batch, plan, run, trace
-from .diagnosis import explain
-from .scenario import Scenario, build_scenario
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+# name -> the module that defines it, imported when the name is first read (PEP 562): the `peakledger` command
+# (peakledger/launch.py) imports this package before it knows whether a server runs the command
+_WHERE = {"batch_range": ".api", "fixed_state_peak": ".api", "max_micro_batch": ".api", "plan": ".api",
+          "run": ".api", "trace": ".api", "explain": ".diagnosis", "Scenario": ".scenario",
+          "build_scenario": ".scenario"}
 
 __all__ = ["Scenario", "build_scenario", "run", "trace", "explain", "max_micro_batch", "fixed_state_peak",
            "batch_range", "plan"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'peakledger' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """`peakledger.plan` is the API's function, as when this file imported it eagerly, also once the submodule
+    peakledger/plan.py is imported (the import system sets a package's attribute to each submodule it loads)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -32,6 +32,7 @@ from . import (
     cmd_models,
     cmd_plan,
     cmd_run,
+    cmd_serve,
     cmd_simulate,
     cmd_validate,
     cmd_where,
@@ -76,7 +77,7 @@ class Parser(argparse.ArgumentParser):
 
 # each: register(subparsers)
 COMMANDS = (cmd_simulate, cmd_run, cmd_where, cmd_validate, cmd_explain, cmd_ledger, cmd_calibrate, cmd_models,
-            cmd_plan)
+            cmd_plan, cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
-def entry() -> None:
+def entry(argv: list[str] | None = None) -> None:
     """The `peakledger` command: `main()`, then the exit without the interpreter's teardown. Freeing every object of
     torch and transformers one by one at exit took 0.5-1.8 s of a 5-7 s traced command, after its answer was
     printed. The exit functions still run (atexit: logging's flush, multiprocessing's children, weakref finalizers)
     and stdout and stderr are flushed, then the process exits with main()'s status (os._exit); where a thread
     other than daemons still runs (a user's script started it), the ordinary exit, which waits for it."""
     keeping()  # what a command made is not freed one by one either (peakledger/kept.py)
-    code = main()
+    code = main(argv)
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     atexit._run_exitfuncs()

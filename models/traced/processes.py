@@ -110,6 +110,15 @@ def _forked() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+
+
+def adopt() -> None:
+    """From now on this process tags its user code's processes, not the one it was forked from: a fork that runs a
+    command as a process of its own (peakledger serve's; its forks share its tag as any command's do)."""
+    global _TAGGER
+    _TAGGER = _tagger()
+
+
 if _TAGGER is not None:
     os.register_at_fork(after_in_child=_forked)
 _atexit_register, _atexit_unregister = atexit.register, atexit.unregister  # atexit's own (user_code replaces one)
@@ -246,4 +255,4 @@ if _TAGGER is not None:  # at exit too: where no command's end came (a worker st
     _atexit_register(end_user_processes)
 
 
-__all__ = ["GRACE_S", "TAG_BASE", "Tagger", "end_user_processes", "own_processes", "tagged", "user_processes"]
+__all__ = ["GRACE_S", "TAG_BASE", "Tagger", "adopt", "end_user_processes", "own_processes", "tagged", "user_processes"]
