@@ -16,6 +16,9 @@ Cases (targets of issue 39, on a quiet 2-core machine):
 - default: `peakledger simulate`;
 - api (with --api; needs transformers): docs/models.md's Python example (a traced Gemma-2 2B, run, max-batch,
   explain), each run with an empty trace cache of its own (a first run): < 20 s, its peak memory beside.
+Every command runs in its own process (PEAKLEDGER_SERVER=off); with --server, this checkout's on a server started
+for the measurement (`peakledger serve --background`, PEAKLEDGER_SERVER=require; the baseline as before; not the
+Python example, which is no command).
 """
 
 from __future__ import annotations
@@ -60,13 +63,14 @@ CASES: dict[str, tuple[list[str], float | None]] = {  # name -> (peakledger argu
 }
 
 
-def once(argv: list[str], cold: bool = False) -> tuple[float, float]:
+def once(argv: list[str], cold: bool = False, env: dict | None = None) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB of the process) of one run, from its start to its exit; `cold`: with an empty
-    trace cache of its own (models/traced/store.py), as a user's first run."""
-    env = None
+    trace cache of its own (models/traced/store.py), as a user's first run; `env`: its environment (default:
+    this one's, PEAKLEDGER_SERVER=off)."""
+    env = {**os.environ, "PEAKLEDGER_SERVER": "off"} if env is None else dict(env)
     with tempfile.TemporaryDirectory(prefix="peakledger-speed39-") as cache:
         if cold:
-            env = {**os.environ, "PEAKLEDGER_CACHE_DIR": cache}
+            env["PEAKLEDGER_CACHE_DIR"] = cache
         t0 = time.perf_counter()
         # (the example runs in the empty folder: from this checkout's root, `import peakledger` of another install
         # would read this checkout's peakledger/ first, Python putting the working folder first on its path)
@@ -86,13 +90,13 @@ def argv_of(exe: str, case: str) -> list[str]:
     return [exe, *CASES[case][0]]
 
 
-def measure(case: str, exe: str, baseline: str | None, runs: int) -> dict:
+def measure(case: str, exe: str, baseline: str | None, runs: int, env: dict | None = None) -> dict:
     a, b = argv_of(exe, case), argv_of(baseline, case) if baseline else None
     cold = case == "api"  # the example traces: each run with an empty trace cache, as a first run
-    once(a, cold)  # warm-up (the file cache), not counted
+    once(a, cold, env)  # warm-up (the file cache), not counted
     walls, peaks, ratios, base = [], [], [], []
     for _ in range(runs):
-        wall, peak = once(a, cold)
+        wall, peak = once(a, cold, env)
         walls.append(wall)
         peaks.append(peak)
         if b is not None:
@@ -111,12 +115,40 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", help="these cases only")
     ap.add_argument("--api", action="store_true", help="also docs/models.md's Python example (needs transformers)")
     ap.add_argument("--write", action="store_true", help="write the section into bench/RESULTS.md")
+    ap.add_argument("--server", action="store_true", help="this checkout's commands on a server (peakledger serve)")
     args = ap.parse_args()
     exe = str(Path(sys.executable).with_name("peakledger"))
-    names = [n for n in [*CASES, *(["api"] if args.api else [])] if not args.only or n in args.only]
+    names = [n for n in [*CASES, *(["api"] if args.api and not args.server else [])]
+             if not args.only or n in args.only]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pls-") as sockets:
+        env = None
+        if args.server:
+            env = {**os.environ, "PEAKLEDGER_SERVER_DIR": sockets}
+            subprocess.run([exe, "serve", "--background"], env={**env, "PEAKLEDGER_SERVER": "off"}, check=True,
+                           stdout=subprocess.DEVNULL)
+            env["PEAKLEDGER_SERVER"] = "require"
+        try:
+            rows = _rows(names, exe, args, env)
+        finally:
+            if args.server:
+                subprocess.run([exe, "serve", "--stop"], env=env, stdout=subprocess.DEVNULL)
+    head = ("| command | median wall (min .. max) | peak RSS | baseline median | ratio (median of pairs) | "
+            "target |\n|---|---|---|---|---|---|\n")
+    heading = "## Issue 39 on a server: speed" if args.server else HEADING
+    section = (f"{heading}\n\nbench/speed_39.py{' --server' if args.server else ''}, {args.runs} runs each after a "
+               f"warm-up, whole process, on {platform.node()} ({os.cpu_count()} cores), Python "
+               f"{platform.python_version()}" + (f"; baseline: {args.baseline}" if args.baseline else "") + ".\n\n"
+               + head + "\n".join(rows) + "\n")
+    if args.write:
+        replace_section(heading, section, str(RESULTS))
+    return 0
+
+
+def _rows(names: list[str], exe: str, args, env: dict | None) -> list[str]:
     rows = []
     for name in names:
-        m = measure(name, exe, args.baseline, args.runs)
+        m = measure(name, exe, args.baseline, args.runs, env)
         target = 20.0 if name == "api" else CASES[name][1]
         cmd = "python -c <docs/models.md example>" if name == "api" else "peakledger " + " ".join(CASES[name][0])
         line = (f"| `{cmd}` | {m['median']:.2f} s ({m['min']:.2f} .. {m['max']:.2f}) | {m['peak']:.0f} MiB | "
@@ -124,14 +156,7 @@ def main() -> int:
                 + (f"< {target:.0f} s: {'yes' if m['median'] < target else 'no'} |" if target else "- |"))
         print(line, flush=True)
         rows.append(line)
-    head = ("| command | median wall (min .. max) | peak RSS | baseline median | ratio (median of pairs) | "
-            "target |\n|---|---|---|---|---|---|\n")
-    section = (f"{HEADING}\n\nbench/speed_39.py, {args.runs} runs each after a warm-up, whole process, on "
-               f"{platform.node()} ({os.cpu_count()} cores), Python {platform.python_version()}"
-               + (f"; baseline: {args.baseline}" if args.baseline else "") + ".\n\n" + head + "\n".join(rows) + "\n")
-    if args.write:
-        replace_section(HEADING, section, str(RESULTS))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

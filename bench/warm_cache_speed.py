@@ -105,8 +105,8 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, ser
            note: str) -> str:
     def row(name, cmd, w, other, ratio, which="a"):
         lo, hi = w[f"{which}_range"]
-        return (f"| {name} | `{cmd}` | **{w[which]:.2f} s** ({lo:.2f}-{hi:.2f}) | {w[f'{which}_cpu']:.2f} s | "
-                f"{other} | {ratio} |")
+        cpu = f"{w[f'{which}_cpu']:.2f} s" + (" (the client's)" if "server" in name else "")
+        return f"| {name} | `{cmd}` | **{w[which]:.2f} s** ({lo:.2f}-{hi:.2f}) | {cpu} | {other} | {ratio} |"
 
     flags = " ".join(FLAGS)
     return "\n".join([
@@ -138,7 +138,8 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, ser
         row("the imports alone (a cold call's floor)", f"python -c '{IMPORTS}'", floor,
             f"cold {floor['a']:.2f} s", f"{cold['b'] / floor['b']:.1f}x (cold's MemTracker runs)", which="b"),
         "",
-        "With a server up each command printed what it printed in its own process (checked). "
+        "With a server up each command printed what it printed in its own process (checked); the CPU of a command "
+        "run there is the server's fork's, not counted in the client's. "
         "A warm run and a second call at another micro-batch import neither torch nor transformers "
         "(tests/test_trace_cache.py, tests/test_micro_batch_points.py check it); a micro-batch whose program is "
         "neither in the cache nor derivable from it is traced, as cold.", ""])

@@ -26,7 +26,11 @@ def entry() -> None:
     if argv[:1] == ["serve"]:
         from .serve.server import serve
 
-        outcome = serve(argv[1:])
+        try:
+            options = cli.build_parser().parse_args(argv)  # (its errors: one line, exit 2)
+        except SystemExit as e:
+            sys.exit(e.code)
+        outcome = serve(options, argv[1:])
         if isinstance(outcome, int):
             sys.exit(outcome)
         argv = outcome.argv  # in the server's fork for a command: run it

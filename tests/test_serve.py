@@ -129,6 +129,11 @@ def test_no_server_and_bad_settings(tmp_path, sockets):
     assert required.returncode == 2 and required.stderr.count("\n") == 1 and "no server" in required.stderr
     bad = _run(["simulate"], _env(folder, PEAKLEDGER_SERVER="yes"))
     assert bad.returncode == 2 and "'yes' is not one of auto, off, require" in bad.stderr
+    for flags, says in ((["--idle", "0"], "--idle: 0 is not a positive number"),
+                        (["--idle", "x"], "invalid float value"),
+                        (["--preload", "llama,notatype"], "transformers has no model type 'notatype'")):
+        refused = _run(["serve", *flags], _env(folder))
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
     shared = sockets.parent / "shared"
     shared.mkdir(mode=0o755)
     os.chmod(shared, 0o755)  # not this user's alone: never used

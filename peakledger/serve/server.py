@@ -24,7 +24,6 @@ life (`<installation>.lock`, which holds its pid).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import fcntl
@@ -45,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.traced import processes
-from .protocol import IMPORT_TIME_ENV, Request, ServerError, add_arguments, address, interpreter, recv_request, reply
+from .protocol import IMPORT_TIME_ENV, Request, ServerError, address, interpreter, recv_request, reply
 
 WATCHED_DISTRIBUTIONS = ("torch", "transformers", "peft", "bitsandbytes", "torchao")
 START_TIMEOUT_S = 300.0  # --background: how long to wait for the server to take commands
@@ -389,16 +388,13 @@ def background(argv: list[str], path: str) -> int:
     return 2
 
 
-def serve(argv: list[str]) -> int | Request:
-    """`peakledger serve ARGV`: an exit status, or, in a fork made for a command, that command's request."""
-    parser = argparse.ArgumentParser(prog="peakledger serve", allow_abbrev=False)
-    add_arguments(parser)
-    try:
-        options = parser.parse_args(argv)
-        if not options.idle > 0:
-            parser.error(f"argument --idle: {options.idle:g} is not a positive number of seconds")
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 2
+def serve(options, argv: list[str]) -> int | Request:
+    """`peakledger serve`, its flags parsed (`options`; `argv` as given, for --background): an exit status, or, in a
+    fork made for a command, that command's request."""
+    if not options.idle > 0:
+        print(f"peakledger: error: argument --idle: {options.idle:g} is not a positive number of seconds",
+              file=sys.stderr)
+        return 2
     try:
         path = address(os.environ, create=True)
         if options.status:
@@ -430,6 +426,14 @@ def _foreground(path: str, options) -> int | Request:
         os.write(lock, str(os.getpid()).encode())
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a socket left by a server that was killed: the lock says none is up
+        for fd in (0, 1, 2):  # open (on /dev/null where closed), so that no request's descriptor lands on them
+            try:
+                os.fstat(fd)
+            except OSError:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
         t0, before, sys_path = time.perf_counter(), dict(os.environ), list(sys.path)
         done = preload(options.preload)
         alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
