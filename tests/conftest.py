@@ -33,6 +33,15 @@ def _trace_cache_off():
     os.environ["PEAKLEDGER_CACHE_DIR"] = "off"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_server():
+    """The suite's `peakledger` commands run in their own processes, never on a server the user has up
+    (peakledger/serve); tests/test_serve.py starts its own."""
+    import os
+
+    os.environ["PEAKLEDGER_SERVER"] = "off"
+
+
 @pytest.fixture
 def trace_disk(tmp_path, monkeypatch):
     """The disk cache of traces on, in a folder of this test's (models/traced/store.py), an empty per-process cache
