@@ -138,7 +138,10 @@ def main() -> int:
     heading = "## Issue 39 on a server: speed" if args.server else HEADING
     section = (f"{heading}\n\nbench/speed_39.py{' --server' if args.server else ''}, {args.runs} runs each after a "
                f"warm-up, whole process, on {platform.node()} ({os.cpu_count()} cores), Python "
-               f"{platform.python_version()}" + (f"; baseline: {args.baseline}" if args.baseline else "") + ".\n\n"
+               f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}"
+               + (f"; baseline: {args.baseline}" if args.baseline else "")
+               + ("; the commands on a server started for the measurement, the baseline each in its own process"
+                  if args.server else "") + ".\n\n"
                + head + "\n".join(rows) + "\n")
     if args.write:
         replace_section(heading, section, str(RESULTS))
@@ -151,7 +154,8 @@ def _rows(names: list[str], exe: str, args, env: dict | None) -> list[str]:
         m = measure(name, exe, args.baseline, args.runs, env)
         target = 20.0 if name == "api" else CASES[name][1]
         cmd = "python -c <docs/models.md example>" if name == "api" else "peakledger " + " ".join(CASES[name][0])
-        line = (f"| `{cmd}` | {m['median']:.2f} s ({m['min']:.2f} .. {m['max']:.2f}) | {m['peak']:.0f} MiB | "
+        rss = "- (on the server)" if env is not None else f"{m['peak']:.0f} MiB"  # (the client's own is no measure)
+        line = (f"| `{cmd}` | {m['median']:.2f} s ({m['min']:.2f} .. {m['max']:.2f}) | {rss} | "
                 + (f"{m['baseline']:.2f} s | {m['ratio']:.2f} | " if m["ratio"] is not None else "- | - | ")
                 + (f"< {target:.0f} s: {'yes' if m['median'] < target else 'no'} |" if target else "- |"))
         print(line, flush=True)
