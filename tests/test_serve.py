@@ -127,6 +127,7 @@ def test_no_server_and_bad_settings(tmp_path, sockets):
     assert _run(["simulate"], _env(folder)).stdout == alone.stdout  # auto, and none up: run here
     required = _run(["simulate"], _env(folder, PEAKLEDGER_SERVER="require"))
     assert required.returncode == 2 and required.stderr.count("\n") == 1 and "no server" in required.stderr
+    assert _run(["serve", "--status"], _env(folder)).returncode == 1 and not folder.exists()  # (nor made)
     bad = _run(["simulate"], _env(folder, PEAKLEDGER_SERVER="yes"))
     assert bad.returncode == 2 and "'yes' is not one of auto, off, require" in bad.stderr
     for flags, says in ((["--idle", "0"], "--idle: 0 is not a positive number"),

@@ -41,6 +41,10 @@ class ServerError(Exception):
     """A server that cannot be used or started (its folder, its socket): the message names why."""
 
 
+class NoFolder(ServerError):
+    """The folder of the sockets is not there: no server has been started in it."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One command, as the client would have run it in its own process."""
@@ -100,7 +104,7 @@ def folder(env: dict[str, str] | os._Environ, create: bool = False) -> str:
     try:
         st = os.lstat(base)
     except FileNotFoundError:
-        raise ServerError(f"no server folder {base}") from None
+        raise NoFolder(f"no server folder {base}") from None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ServerError(f"the server's folder {base} is not this user's alone (owner {st.st_uid}, mode "
                           f"{stat.S_IMODE(st.st_mode):o}; it must be a folder of uid {os.getuid()}, mode 700)")
@@ -167,6 +171,6 @@ def add_arguments(parser) -> None:
                              "alone), or HF model types separated by commas (torch and transformers with them)")
 
 
-__all__ = ["Request", "ServerError", "PROTOCOL", "MODE_ENV", "DIR_ENV", "MODES", "IMPORT_TIME_ENV", "mode",
+__all__ = ["Request", "ServerError", "NoFolder", "PROTOCOL", "MODE_ENV", "DIR_ENV", "MODES", "IMPORT_TIME_ENV", "mode",
            "installation", "interpreter", "folder", "address", "send_request", "recv_request", "recv_exactly", "reply",
            "add_arguments"]

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..models.traced import processes
-from .protocol import IMPORT_TIME_ENV, Request, ServerError, address, interpreter, recv_request, reply
+from .protocol import IMPORT_TIME_ENV, NoFolder, Request, ServerError, address, interpreter, recv_request, reply
 
 WATCHED_DISTRIBUTIONS = ("torch", "transformers", "peft", "bitsandbytes", "torchao")
 START_TIMEOUT_S = 300.0  # --background: how long to wait for the server to take commands
@@ -396,11 +396,14 @@ def serve(options, argv: list[str]) -> int | Request:
               file=sys.stderr)
         return 2
     try:
+        if options.status or options.stop:  # (neither makes the folder)
+            try:
+                path = address(os.environ)
+            except NoFolder as e:
+                print(f"no server is up for this installation ({e})")
+                return 1 if options.status else 0
+            return status(path) if options.status else stop(path)
         path = address(os.environ, create=True)
-        if options.status:
-            return status(path)
-        if options.stop:
-            return stop(path)
         if options.background:
             return background(argv, path)
         return _foreground(path, options)
