@@ -6,6 +6,7 @@ user runs it; the servers import peakledger alone (`--preload none`) so each sta
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -64,7 +65,17 @@ def sockets():
 
 
 @pytest.fixture
-def server(tmp_path, sockets):
+def shared():
+    """A lock every test with a server holds shared: the stale test takes it alone while a peakledger source's
+    modification time is changed (every server up would be stale meanwhile)."""
+    fd = os.open(os.path.join(tempfile.gettempdir(), "peakledger-test-serve.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def server(tmp_path, sockets, shared):
     """A server in the foreground (its log in `log`), and the folder of its socket."""
     folder = sockets
     log = open(tmp_path / "server.log", "w+")
@@ -195,6 +206,27 @@ def test_the_users_processes_end_with_a_served_command(server, tmp_path):
         for pid, start in recorded(module):
             if running(pid, start):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stale_server_starts_again_on_what_is_installed(server, shared):
+    # a source file the server imported changes (its modification time here; put back after): the request is
+    # refused and runs in the client, the server starts again (exec: the same pid) and takes the next one
+    import peakledger.serve
+
+    source = peakledger.serve.__file__
+    st = os.stat(source)
+    env = _env(server)
+    pid = _run(["serve", "--status"], env).stdout
+    fcntl.flock(shared, fcntl.LOCK_EX)  # (the other tests' servers are not up meanwhile)
+    try:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        refused = _run(["simulate"], {**env, "PEAKLEDGER_SERVER": "require"})
+        assert refused.returncode == 2 and "stale" in refused.stderr and source in refused.stderr
+        assert _up(server, timeout=120)
+        assert _run(["serve", "--status"], env).stdout == pid
+        assert _run(["simulate"], {**env, "PEAKLEDGER_SERVER": "require"}).returncode == 0
+    finally:
+        os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def test_a_stale_server_says_what_changed(tmp_path):

@@ -14,8 +14,9 @@ of traces start empty in each fork; the disk cache, models/traced/store.py, is s
 When the server does not run a command (the client runs it itself, as without a server): the request comes from
 another interpreter or checkout (a socket per installation makes that rare), or its environment differs from the
 server's in what torch, transformers or Python read at import (protocol.IMPORT_TIME_ENV), or a source file of
-peakledger that the server imported, or the installed torch, transformers, peft or bitsandbytes, changed since it
-started: then it refuses, stops taking commands, and ends once the commands it runs have ended.
+peakledger that the server imported, or the installed torch, transformers, peft, bitsandbytes or torchao, changed
+since it started: then it refuses, stops taking commands, and once the commands it runs have ended starts again
+(exec: the same pid, arguments and environment) on what is installed now.
 
 The server ends after `--idle` seconds without a command, on SIGTERM / SIGINT (`--stop`; the commands it runs go on
 and their exit statuses are still sent), or when stale (above). One server per installation: a lock held for its
@@ -169,6 +170,7 @@ class Server:
         self.imports_set = {k: v for k, v in os.environ.items() if before.get(k) != v}
         self.imports_unset = [k for k in before if k not in os.environ]
         self.uid = os.getuid()
+        self.stale = False
 
     def refusal(self, request: Request) -> str | None:
         if request.executable != interpreter() or request.path[1:] != self.sys_path[1:]:
@@ -179,8 +181,9 @@ class Server:
             return f"the environment differs from the server's in what is read at import: {', '.join(differ)}"
         stale = self.snapshot.changed()
         if stale is not None:
+            self.stale = True
             self.stop(f"stale: {stale}")
-            return f"it is stale ({stale}) and ends"
+            return f"it is stale ({stale}) and starts again on what is installed now"
         return None
 
     def stop(self, why: str) -> None:
@@ -406,13 +409,13 @@ def serve(options, argv: list[str]) -> int | Request:
         path = address(os.environ, create=True)
         if options.background:
             return background(argv, path)
-        return _foreground(path, options)
+        return _foreground(path, options, [a for a in argv if a != "--background"])
     except ServerError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
 
 
-def _foreground(path: str, options) -> int | Request:
+def _foreground(path: str, options, argv: list[str]) -> int | Request:
     lock = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -444,10 +447,16 @@ def _foreground(path: str, options) -> int | Request:
             raise ServerError(f"the imports started threads ({', '.join(alive)}): a fork of this process would "
                               "not hold them")
         log(f"imported {len(done)} modules in {time.perf_counter() - t0:.1f} s")
-        request = Server(path, options.idle, Snapshot.take(), log, lock, before, sys_path).serve()
+        server = Server(path, options.idle, Snapshot.take(), log, lock, before, sys_path)
+        request = server.serve()
     finally:
         if request is None:  # the server (in a fork the lock is closed already)
             os.close(lock)
+    if request is None and server.stale:  # the same process again, on the code installed now, as it was started
+        log("starting again on what is installed now")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "peakledger.launch", "serve", *argv], before)
     return 0 if request is None else request
 
 
