@@ -110,8 +110,6 @@ def _forked() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-
-
 def adopt() -> None:
     """From now on this process tags its user code's processes, not the one it was forked from: a fork that runs a
     command as a process of its own (peakledger serve's; its forks share its tag as any command's do)."""
