@@ -145,28 +145,34 @@ def render(cold: dict, warm: dict, second: dict, derived: dict, floor: dict, ser
         "neither in the cache nor derivable from it is traced, as cold.", ""])
 
 
+def primer(run, flags: list[str], env: dict, empty):
+    """Before a second call: the cache emptied, then primed by the cold call at micro-batch 1."""
+    def primed_with_one():
+        empty()
+        timed(run(*flags), env)
+    return primed_with_one
+
+
+def calls(run, flags: list[str], mt: list[str], env: dict, runs: int, empty, label: str = "") -> dict:
+    """Cold, warm and the second call at micro-batch 2, each against MemTracker, under `env`."""
+    out = {"cold": pairs(run(*flags), mt, env, runs, before_a=empty)}
+    timed(run(*flags), env)  # primes the cache
+    out["warm"] = pairs(run(*flags, *WARM_FLAGS), mt, env, runs)
+    out["second"] = pairs(run(*flags[:2], "--micro-batch", "2", *flags[4:]), mt, env, runs,
+                          before_a=primer(run, flags, env, empty))
+    for name, w in out.items():
+        print(f"{label}{name}: {w['a']:.2f}s, MemTracker {w['b']:.2f}s: {w['b_over_a']:.1f}x", flush=True)
+    return out
+
+
 def with_server(run, flags: list[str], mt: list[str], env: dict, runs: int, empty) -> dict:
-    """Cold, warm and the second call at micro-batch 2 with a server up, each against MemTracker; its start."""
+    """`calls` with a server up (the client made to use it); the server's start."""
     serve = [os.path.join(os.path.dirname(sys.executable), "peakledger"), "serve"]
     start = timed([*serve, "--background"], {**env, "PEAKLEDGER_SERVER": "auto"})["wall"]
     print(f"server started in {start:.2f}s", flush=True)
-    served = {**env, "PEAKLEDGER_SERVER": "require"}
     try:
-        out = {"start": start, "cold": pairs(run(*flags), mt, served, runs, before_a=empty)}
-        print(f"served: cold {out['cold']['a']:.2f}s ({out['cold']['b_over_a']:.1f}x)", flush=True)
-        timed(run(*flags), served)
-        out["warm"] = pairs(run(*flags, *WARM_FLAGS), mt, served, runs)
-        print(f"served: warm {out['warm']['a']:.2f}s ({out['warm']['b_over_a']:.1f}x)", flush=True)
-
-        def primed_with_one():
-            empty()
-            timed(run(*flags), served)
-
-        out["second"] = pairs(run(*flags[:2], "--micro-batch", "2", *flags[4:]), mt, served, runs,
-                              before_a=primed_with_one)
-        print(f"served: micro-batch 2 after 1 {out['second']['a']:.2f}s ({out['second']['b_over_a']:.1f}x)",
-              flush=True)
-        return out
+        return {"start": start, **calls(run, flags, mt, {**env, "PEAKLEDGER_SERVER": "require"}, runs, empty,
+                                        "served: ")}
     finally:
         subprocess.run([*serve, "--stop"], env=env, stdout=subprocess.DEVNULL)
 
@@ -197,20 +203,10 @@ def main() -> int:
         shutil.rmtree(cache, ignore_errors=True)
 
     try:
-        cold = pairs(run(*flags), mt, env, args.runs, before_a=empty)
-        print(f"cold {cold['a']:.2f}s, MemTracker {cold['b']:.2f}s: {cold['b_over_a']:.1f}x", flush=True)
-        timed(run(*flags), env)  # primes the cache
-        warm = pairs(run(*flags, *WARM_FLAGS), mt, env, args.runs)
-        print(f"warm {warm['a']:.2f}s, MemTracker {warm['b']:.2f}s: {warm['b_over_a']:.1f}x", flush=True)
-
-        def primed_with_one():
-            empty()
-            timed(run(*flags), env)
-
-        second = pairs(run(*flags[:2], "--micro-batch", "2", *flags[4:]), mt, env, args.runs, before_a=primed_with_one)
-        print(f"micro-batch 2 after 1 {second['a']:.2f}s, MemTracker {second['b']:.2f}s", flush=True)
+        alone = calls(run, flags, mt, env, args.runs, empty)
+        cold, warm, second = alone["cold"], alone["warm"], alone["second"]
         derived = pairs(run(*flags[:2], "--micro-batch", "6", *flags[4:]), run(*flags, *WARM_FLAGS), env,
-                        args.runs, before_a=primed_with_one)
+                        args.runs, before_a=primer(run, flags, env, empty))
         print(f"micro-batch 6 after 1 {derived['a']:.2f}s, warm {derived['b']:.2f}s", flush=True)
         floor = pairs(run(*flags), [sys.executable, "-c", IMPORTS], env, args.runs, before_a=empty)
         print(f"cold {floor['a']:.2f}s, the imports alone {floor['b']:.2f}s", flush=True)
