@@ -332,10 +332,14 @@ def _log_to(stream):
     return log
 
 
+def _none_up(detail: str) -> None:
+    print(f"no server is up for this installation ({detail})")
+
+
 def status(path: str) -> int:
     pid = _holder(path)
     if pid is None:
-        print(f"no server is up for this installation (its socket would be {path})")
+        _none_up(f"its socket would be {path}")
         return 1
     print(f"a server is up: pid {pid}, socket {path}")
     return 0
@@ -344,7 +348,7 @@ def status(path: str) -> int:
 def stop(path: str) -> int:
     pid = _holder(path)
     if pid is None:
-        print(f"no server is up for this installation (its socket would be {path})")
+        _none_up(f"its socket would be {path}")
         return 0
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
@@ -360,14 +364,14 @@ def stop(path: str) -> int:
 
 
 def background(argv: list[str], path: str) -> int:
-    """Start `peakledger serve` detached (its own session, its log beside its socket); return once it answers."""
+    """Start `peakledger serve ARGV` detached (its own session, its log beside its socket); return once it
+    answers."""
     if (pid := _holder(path)) is not None:
         print(f"a server is already up: pid {pid}, socket {path}")
         return 0
     log = path.removesuffix(".sock") + ".log"
-    args = [a for a in argv if a != "--background"]
     with open(log, "ab") as out, open(os.devnull, "rb") as null:
-        child = subprocess.Popen([sys.executable, "-m", "peakledger.launch", "serve", *args], stdin=null,
+        child = subprocess.Popen([sys.executable, "-m", "peakledger.launch", "serve", *argv], stdin=null,
                                  stdout=out, stderr=out, start_new_session=True, close_fds=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -392,8 +396,9 @@ def background(argv: list[str], path: str) -> int:
 
 
 def serve(options, argv: list[str]) -> int | Request:
-    """`peakledger serve`, its flags parsed (`options`; `argv` as given, for --background): an exit status, or, in a
-    fork made for a command, that command's request."""
+    """`peakledger serve`, its flags parsed (`options`; `argv` as given: what the server is started with, less
+    --background, in the background or again when stale): an exit status, or, in a fork made for a command, that
+    command's request."""
     if not options.idle > 0:
         print(f"peakledger: error: argument --idle: {options.idle:g} is not a positive number of seconds",
               file=sys.stderr)
@@ -403,13 +408,12 @@ def serve(options, argv: list[str]) -> int | Request:
             try:
                 path = address(os.environ)
             except NoFolder as e:
-                print(f"no server is up for this installation ({e})")
+                _none_up(str(e))
                 return 1 if options.status else 0
             return status(path) if options.status else stop(path)
         path = address(os.environ, create=True)
-        if options.background:
-            return background(argv, path)
-        return _foreground(path, options, [a for a in argv if a != "--background"])
+        argv = [a for a in argv if a != "--background"]
+        return background(argv, path) if options.background else _foreground(path, options, argv)
     except ServerError as e:
         print(f"peakledger: error: {e}", file=sys.stderr)
         return 2
