@@ -20,12 +20,11 @@ import types
 
 # name -> the module that defines it, imported when the name is first read (PEP 562): the `peakledger` command
 # (peakledger/launch.py) imports this package before it knows whether a server runs the command
-_WHERE = {"batch_range": ".api", "fixed_state_peak": ".api", "max_micro_batch": ".api", "plan": ".api",
-          "run": ".api", "trace": ".api", "explain": ".diagnosis", "Scenario": ".scenario",
-          "build_scenario": ".scenario"}
+_WHERE = {"Scenario": ".scenario", "build_scenario": ".scenario", "run": ".api", "trace": ".api",
+          "explain": ".diagnosis", "max_micro_batch": ".api", "fixed_state_peak": ".api", "batch_range": ".api",
+          "plan": ".api"}
 
-__all__ = ["Scenario", "build_scenario", "run", "trace", "explain", "max_micro_batch", "fixed_state_peak",
-           "batch_range", "plan"]
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str):
