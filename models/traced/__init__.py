@@ -79,11 +79,20 @@ atexit.register(forget)
 
 
 def _bounded(cache: OrderedDict, key, value):
+    """`value` kept under `key` as the most recent entry, the least recent ones dropped past CACHE_SIZE."""
     cache[key] = value
     cache.move_to_end(key)
     while len(cache) > CACHE_SIZE:
         cache.popitem(last=False)
     return value
+
+
+def _kept(cache: OrderedDict, key, make):
+    """The entry under `key` (now the most recent), else `make()` kept there (`_bounded`)."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    return _bounded(cache, key, make())
 
 
 def model_key(model: TracedModel, setup: TrainingSetup) -> tuple:
@@ -281,10 +290,7 @@ def _fingerprints(model: TracedModel, setup: TrainingSetup):
     from . import depth
 
     key = (model.source, setup.checkpointing.policy != "none", setup.precision.param, setup.lora)
-    if key not in _PRINTS:
-        return _bounded(_PRINTS, key, depth.fingerprints(model, setup))
-    _PRINTS.move_to_end(key)
-    return _PRINTS[key]
+    return _kept(_PRINTS, key, lambda: depth.fingerprints(model, setup))
 
 
 def _group(key: tuple) -> tuple:
@@ -436,13 +442,11 @@ def traced_tape(model: TracedModel, setup: TrainingSetup, cpu: bool = False,
     # what convert.py reads of the setup besides the recording (the segments: checkpoint_segments)
     key = (id(rec), setup.checkpointing, setup.loop.holds_outputs, setup.batch.passes, setup.precision.param,
            describer, target)
-    hit = _TAPES.get(key)
-    if hit is None:  # (the entry holds the recording: its id names no other while the entry is there)
+    def make():  # (the entry holds the recording: its id names no other while the entry is there)
         tape = to_tape(rec, setup, rec.layers, describer=describer)
-        hit = _bounded(_TAPES, key, (rec, tape if cpu else cuda_tape(tape, *target)))
-    else:
-        _TAPES.move_to_end(key)
-    tape = hit[1]  # (a copy of its lists: a caller may change the tape it is given)
+        return rec, tape if cpu else cuda_tape(tape, *target)
+
+    tape = _kept(_TAPES, key, make)[1]  # (a copy of its lists: a caller may change the tape it is given)
     return dataclasses.replace(tape, params=list(tape.params), ops=list(tape.ops), inputs=list(tape.inputs),
                                buffers=list(tape.buffers), param_dtypes=dict(tape.param_dtypes))
 
